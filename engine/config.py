@@ -1,0 +1,136 @@
+"""EngineConfig and its parts: validated dataclasses, no file or network I/O.
+
+Each part raises ValueError with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.models.loader to the bundled GGUF
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly this many blocks (tests, benchmarks); otherwise sized from kv_cache_memory.
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; None = a share of free RAM (CPU)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _check(
+            isinstance(bs, int) and 8 <= bs <= 128 and bs & (bs - 1) == 0,
+            f"block_size must be a power of two between 8 and 128, got {bs}",
+        )
+        if self.num_blocks is not None:
+            _check(
+                self.num_blocks >= 2,
+                f"num_blocks must be at least 2 (block 0 is reserved), got {self.num_blocks}",
+            )
+        if self.kv_cache_memory is not None:
+            _check(
+                self.kv_cache_memory > 0,
+                f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}",
+            )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"  # or "priority"
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _check(
+            self.max_model_len >= 1, f"max_model_len must be at least 1, got {self.max_model_len}"
+        )
+        _check(
+            self.max_num_batched_tokens >= self.block_size,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must cover at least one block "
+            f"({self.block_size} tokens)",
+        )
+        if not self.enable_chunked_prefill:
+            _check(
+                self.max_num_batched_tokens >= self.max_model_len,
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({self.max_model_len})",
+            )
+        _check(
+            self.policy in ("fcfs", "priority"),
+            f"policy must be 'fcfs' or 'priority', got {self.policy!r}",
+        )
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
+        )
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's own context length
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+            f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",
+        )
+        _check(
+            self.load_format in ("auto", "safetensors", "gguf", "dummy"),
+            f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}",
+        )
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"device must be auto, cpu or cuda; got {self.device!r}",
+        )
+        if self.max_model_len is not None:
+            _check(
+                self.max_model_len >= 1,
+                f"max_model_len must be at least 1, got {self.max_model_len}",
+            )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Served name for the API; defaults to the model argument.
+    served_model_name: str | None = None
+    # Longest waiting queue before add_request refuses (None: unbounded).
+    max_num_queued_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.scheduler.block_size == self.cache.block_size,
+            "scheduler.block_size must equal cache.block_size",
+        )

@@ -1,0 +1,110 @@
+"""The boundary types: plain slots dataclasses that cross component boundaries.
+
+Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler
+LLMEngine --RequestOutput--> users (LLM.generate, AsyncEngine, the HTTP layer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: everything the model runner needs to run it."""
+
+    request_id: str
+    # Tokens whose K/V this step computes: a prefill chunk, or the one token of a decode step.
+    token_ids: list[int]
+    # Position of token_ids[0] (== request.num_computed_tokens before this step).
+    start_pos: int
+    # The request's whole block table (physical block ids, in order) after this step's allocation.
+    # Token at position p lives in slot block_ids[p // block_size] * block_size + p % block_size.
+    block_ids: list[int]
+    # True when this chunk ends at the last known token: the runner samples from its last position.
+    sample: bool
+    sampling_params: SamplingParams
+    # How many tokens to sample from the last position: n for a parent's first sample, else 1.
+    num_samples: int = 1
+    # Prompt and output token ids so far (references, not copies): for penalties and min_tokens.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Copy-on-write for forked samples: copy every layer's K/V of block src into block dst
+    # before this step's forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that finished, were aborted or preempted since the last step: the runner drops
+    # any per-request state it keeps (seeded generators, cached inputs).
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs at one generated position: the sampled token's, and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first, len == requested k
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # Sampled tokens per scheduled request id; an empty list for a prefill chunk that does not
+    # reach the end of the prompt; n tokens for a parent's first sample.
+    sampled_token_ids: dict[str, list[int]]
+    # Only for requests that asked for logprobs: one entry per sampled token.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request: Scheduler.update_from_output returns a list of these.
+
+    For n > 1 the user's request id is the parent's; forked samples carry their own
+    request_id, parent_id = the user's id and sample_index = 1..n-1.
+    """
+
+    request_id: str
+    parent_id: str | None
+    sample_index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # FinishReason value once finished, else None
+    stop_reason: int | str | None
+    num_cached_tokens: int

@@ -1,0 +1,105 @@
+"""SamplingParams: what a request asks of the sampler and of the stop checks.
+
+Validation raises ValueError with a message that names the parameter and the allowed range,
+so the HTTP layer can pass it straight to the client as a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_N = 16  # cap on n: each sample holds its own KV blocks
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        _check(
+            isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+            f"n must be between 1 and {MAX_N}, got {self.n}",
+        )
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        _check(
+            0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"
+        )
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+        )
+        if self.logprobs is not None:
+            _check(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
+            )
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                _check(
+                    -100.0 <= bias <= 100.0,
+                    f"logit_bias for token {tok} must be in [-100, 100], got {bias}",
+                )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop strings must be non-empty strings",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -7,29 +7,24 @@ admits waiting requests (after a prefix-cache lookup) while seats, budget and bl
 num_computed_tokens advances when a request is scheduled, so update_from_output only appends
 the sampled tokens and checks the stop conditions.
 
-n > 1: the parent runs alone until its prompt is computed (holding n seats of max_num_seqs);
-the runner then samples n tokens from it (ScheduledRequest.num_samples) and
-update_from_output forks samples 1..n-1 as requests "<id>#<i>" that share the prompt's full
-blocks. A partially filled last block is copied: the pair goes into the next
-SchedulerOutput.blocks_to_copy, which the runner applies before that step's forward.
+n > 1 (see forking.py): update_from_output forks the samples of a parent whose prompt is
+computed; each child shares the prompt's full blocks, and a partially filled last block is
+copied: the pair goes into the next SchedulerOutput.blocks_to_copy, which the runner applies
+before that step's forward.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.forking import child_id, fork_samples, seats
 from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
-from engine.outputs import (
-    ModelRunnerOutput,
-    RequestUpdate,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-)
+from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
+from engine.core.stop import check_stop
+from engine.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_N
 
@@ -44,55 +39,6 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int
     num_preemptions: int
-
-
-def _seats(request: Request) -> int:
-    """Running slots a request takes: an n > 1 parent reserves its children's until it forks."""
-    n = request.sampling_params.n
-    return n if n > 1 and request.parent_id is None and not request.output_token_ids else 1
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Set a finished status if the last token ends the request. EOS and stop token ids
-    win over length; neither counts before min_tokens."""
-    params = request.sampling_params
-    num_output = len(request.output_token_ids)
-    if num_output >= params.min_tokens:
-        last = request.output_token_ids[-1]
-        if last == request.eos_token_id and not params.ignore_eos:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if params.stop_token_ids and last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-    if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
-        request.all_token_ids
-    ) >= max_model_len:
-        request.status = RequestStatus.FINISHED_LENGTH
-        return True
-    return False
-
-
-def make_child(parent: Request, index: int) -> Request:
-    """Sample `index` (1..n-1) of an n > 1 parent: same prompt, n=1, seed + index."""
-    params = parent.sampling_params
-    child = Request(
-        request_id=f"{parent.request_id}#{index}",
-        prompt_token_ids=parent.prompt_token_ids,
-        sampling_params=dataclasses.replace(
-            params, n=1, seed=params.seed + index if params.seed is not None else None
-        ),
-        eos_token_id=parent.eos_token_id,
-        arrival_time=parent.arrival_time,
-        priority=parent.priority,
-        cache_salt=parent.cache_salt,
-        parent_id=parent.request_id,
-        sample_index=index,
-    )
-    child.num_cached_tokens = parent.num_cached_tokens
-    child.first_scheduled_time = parent.first_scheduled_time
-    return child
 
 
 class Scheduler:
@@ -117,10 +63,10 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: list[Request] = []  # next to admit first
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []  # oldest first
         self.num_preemptions = 0
-        self._num_seats = 0  # sum of _seats() over running
+        self._num_seats = 0  # sum of seats() over running
         self._finished_ids: list[str] = []  # for the next SchedulerOutput
         self._pending_copies: list[tuple[str, int, int]] = []  # (child id, src, dst)
 
@@ -159,7 +105,7 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         if not request.prompt_token_ids:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        if _seats(request) > self.config.max_num_seqs:
+        if seats(request) > self.config.max_num_seqs:
             raise ValueError(
                 f"request {rid!r}: n={request.sampling_params.n} samples exceed max_num_seqs "
                 f"({self.config.max_num_seqs})"
@@ -171,7 +117,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
-        self._enqueue(request, front=False)
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from any state, freeing their blocks now. Aborting a parent also
@@ -184,7 +130,7 @@ class Scheduler:
         for rid in request_ids:
             ids = [rid]
             if status == RequestStatus.FINISHED_ABORTED:
-                ids += [f"{rid}#{i}" for i in range(1, MAX_N)]
+                ids += [child_id(rid, i) for i in range(1, MAX_N)]
             for vid in ids:
                 req = self.requests.get(vid)
                 if req is not None and (vid == rid or req.parent_id == rid):
@@ -195,9 +141,9 @@ class Scheduler:
             if req.request_id not in self.requests:
                 continue  # listed twice
             if req.status == _RUNNING:
-                self._num_seats -= _seats(req)
+                self._num_seats -= seats(req)
             else:
-                self.waiting.remove(req)
+                self.waiting.remove_request(req)
             self._finish(req, status)
         self.running = [r for r in self.running if r.status == _RUNNING]
 
@@ -207,14 +153,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
-
-    def _enqueue(self, request: Request, front: bool) -> None:
-        if self.config.policy == "priority":
-            bisect.insort(self.waiting, request, key=lambda r: (r.priority, r.arrival_time))
-        elif front:
-            self.waiting.insert(0, request)
-        else:
-            self.waiting.append(request)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -276,9 +214,9 @@ class Scheduler:
         manager = self.kv_cache_manager
         waiting = self.waiting
         while waiting and budget > 0:
-            request = waiting[0]
-            seats = _seats(request)
-            if self._num_seats + seats > self.config.max_num_seqs:
+            request = waiting.peek_request()
+            num_seats = seats(request)
+            if self._num_seats + num_seats > self.config.max_num_seqs:
                 break
             hit_blocks, num_hit = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
@@ -287,7 +225,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if manager.allocate_slots(request, num_new, hit_blocks) is None:
                 break  # waiting requests never preempt running ones
-            waiting.pop(0)
+            waiting.pop_request()
             if request.num_cached_tokens < 0:  # first admission, not a recompute
                 request.num_cached_tokens = num_hit
                 manager.record_prefix_lookup(request.num_tokens, num_hit)
@@ -296,7 +234,7 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
-            self._num_seats += seats
+            self._num_seats += num_seats
             scheduled[request.request_id] = self._schedule_one(request, num_new)
             budget -= num_new
         return budget
@@ -315,7 +253,7 @@ class Scheduler:
             self.kv_cache_manager.req_to_block_ids[request.request_id],
             sample,
             params,
-            _seats(request) if sample and params.n > 1 else 1,
+            seats(request) if sample and params.n > 1 else 1,
             request.prompt_token_ids,
             request.output_token_ids,
             request.eos_token_id,
@@ -325,19 +263,17 @@ class Scheduler:
         running = self.running
         if self.config.policy != "priority":
             return len(running) - 1
-        return max(
-            range(len(running)), key=lambda j: (running[j].priority, running[j].arrival_time)
-        )
+        return max(range(len(running)), key=lambda j: priority_key(running[j]))
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, start over later from the waiting front."""
-        self._num_seats -= _seats(request)
+        self._num_seats -= seats(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, front=True)
+        self.waiting.prepend_request(request)
 
     # -- results ------------------------------------------------------------------------
 
@@ -366,7 +302,12 @@ class Scheduler:
             lps = logprobs.get(rid) if logprobs else None
             if sr.num_samples > 1:
                 self._num_seats -= sr.num_samples - 1  # the children take over the seats
-                updates += self._fork_children(request, tokens[1:], lps[1:] if lps else None)
+                children, child_updates = fork_samples(
+                    request, tokens[1:], lps[1:] if lps else None, max_model_len
+                )
+                for child in children:
+                    self._start_child(request, child)
+                updates += child_updates
                 tokens = tokens[:1]
                 lps = lps[:1] if lps else lps
             for k, token in enumerate(tokens):  # one, unless a runner samples more per step
@@ -396,39 +337,14 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
 
-    def _fork_children(
-        self, parent: Request, tokens: list[int], lps: list[TokenLogprobs] | None
-    ) -> list[RequestUpdate]:
-        """Samples 1..n-1 of an n > 1 parent whose prompt is computed: each shares the
-        parent's blocks (copy-on-write of a partial last block) and starts decoding."""
-        updates = []
-        for i, token in enumerate(tokens, start=1):
-            child = make_child(parent, i)
-            child.append_output_token(token)
-            # A child that finishes on its first token never holds blocks.
-            if not check_stop(child, self.max_model_len):
-                self.requests[child.request_id] = child
-                self._start_child(parent, child)
-            updates.append(
-                RequestUpdate(
-                    child.request_id,
-                    parent.request_id,
-                    i,
-                    [token],
-                    lps[i - 1 : i] if lps else None,
-                    child.finish_reason,
-                    child.stop_reason,
-                    child.num_cached_tokens,
-                )
-            )
-        return updates
-
     def _start_child(self, parent: Request, child: Request) -> None:
+        """Give a forked sample the parent's blocks (copy-on-write of a partial last one)."""
+        self.requests[child.request_id] = child
         try:
             copy = self.kv_cache_manager.fork(parent, child)
         except NoFreeBlocksError:
             child.status = RequestStatus.WAITING  # no block for the copy: recompute it later
-            self._enqueue(child, front=True)
+            self.waiting.prepend_request(child)
             return
         child.status = _RUNNING
         child.num_computed_tokens = parent.num_computed_tokens

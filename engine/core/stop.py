@@ -1,0 +1,27 @@
+"""Stop checks: whether the token a request just got ends it, and with which status."""
+
+from __future__ import annotations
+
+from engine.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set a finished status if the last token ends the request. EOS and stop token ids
+    win over length; neither counts before min_tokens."""
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if last == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+    if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
+        request.all_token_ids
+    ) >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False

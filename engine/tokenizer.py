@@ -1,0 +1,212 @@
+"""Tokenizer (HF fast tokenizer, the model's chat template) and incremental detokenization.
+
+IncrementalDetokenizer follows vLLM's prefix/read offset scheme: each step decodes only a
+small window of recent tokens, so a step costs O(1) whatever the output length, and text
+that ends in an incomplete UTF-8 character (U+FFFD) is held back until a later token
+completes it. Stop strings are matched on the detokenized text and never reach the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_WINDOW = 5  # prompt tokens decoded with the first output tokens (leading-space context)
+
+
+class Tokenizer:
+    """A thin wrapper over a HF fast tokenizer: the few calls the engine and the API make."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+        if not getattr(hf_tokenizer, "is_fast", False):
+            raise ValueError("only fast (Rust 'tokenizers') tokenizers are supported")
+        self.hf = hf_tokenizer
+        self._backend = hf_tokenizer.backend_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load from a local folder (tokenizer.json etc.); never downloads."""
+        if not Path(path).is_dir():
+            raise ValueError(f"tokenizer folder {str(path)!r} does not exist")
+        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # The backend directly: no clean_up_tokenization_spaces, so that the text equals what
+        # IncrementalDetokenizer streams.
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int] | str:
+        """Render messages with the model's own template; token ids, or the text.
+
+        A message's content may be a string or a list of {"type": "text", "text": ...} parts
+        (joined with newlines, as vLLM does). template_kwargs (tools=..., documents=..., or a
+        template's own switches) go to the template as variables.
+        """
+        if not self.has_chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template: use a completion (plain prompt) "
+                "instead, or a model whose tokenizer_config.json defines chat_template"
+            )
+        conversation = [_normalise_message(i, m) for i, m in enumerate(messages)]
+        if not conversation:
+            raise ValueError("messages must not be empty")
+        text = self.hf.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **template_kwargs,
+        )
+        # The template writes its own special tokens (BOS included): don't add them twice.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _normalise_message(i: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or "role" not in message:
+        raise ValueError(f"messages[{i}] must be an object with a 'role'")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(
+                    f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+    return {**message, "content": content}
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text deltas, with stop strings.
+
+    update(ids) -> the newly completed text; finish() -> whatever was held back, when the
+    request ends for another reason (length, stop token, abort).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # Window over the last prompt tokens + the outputs; only its tail is ever decoded.
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_WINDOW:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(0, self._read_offset)
+        self._stop = [s for s in stop if s]
+        self._include_stop = include_stop_str_in_output
+        self._max_stop = max((len(s) for s in self._stop), default=0)
+        self.text = ""  # all output text so far (truncated at a stop string)
+        self._emitted = 0  # how much of self.text the deltas have returned
+        self.stop_reason: str | None = None
+        self.finished = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        if self.finished or self.stopped:
+            return ""
+        start = len(self.text)
+        for token_id in new_token_ids:
+            self.text += self._step(token_id)
+        self._check_stop(start)
+        return self._take(hold_back=not self.stopped)
+
+    def finish(self) -> str:
+        """Flush the held-back text (an incomplete character, a possible stop-string start)."""
+        if self.finished or self.stopped:
+            self.finished = True
+            return self._take(hold_back=False)
+        self.finished = True
+        start = len(self.text)
+        full = self._decode(self._prefix_offset, len(self._ids))
+        self.text += full[len(self._prefix_text) :]
+        self._check_stop(start)
+        return self._take(hold_back=False)
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def _step(self, token_id: int) -> str:
+        """vLLM's detokenize_incrementally: decode the window from prefix_offset twice (with
+        and without the unread tokens) and return the difference once it is complete."""
+        self._ids.append(token_id)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""  # nothing new yet, or a character still incomplete: wait
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        # Keep the window small: nothing before prefix_offset is ever decoded again.
+        if self._prefix_offset > 64:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return delta
+
+    def _check_stop(self, start: int) -> None:
+        """Truncate self.text at the earliest stop string that ends after `start`."""
+        if not self._stop or len(self.text) == start:
+            return
+        search_from = max(0, start - self._max_stop + 1)
+        best: tuple[int, str] | None = None
+        for s in self._stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s)] if self._include_stop else self.text[:i]
+            self.stop_reason = s
+
+    def _take(self, hold_back: bool) -> str:
+        """The text not yet returned, less a tail that could still begin a stop string."""
+        end = len(self.text)
+        if hold_back and self._stop:
+            end -= self._stop_prefix_len()
+        delta = self.text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return delta
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of self.text that is a proper prefix of a stop string."""
+        tail = self.text[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
+        for n in range(len(tail), 0, -1):
+            if any(s.startswith(tail[-n:]) for s in self._stop):
+                return n
+        return 0

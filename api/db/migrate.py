@@ -1,0 +1,72 @@
+"""Alembic, driven programmatically, so migrations work from an installed package.
+
+The scripts live in the top-level `migrations/` folder (env.py, script.py.mako, versions/);
+`migrations/alembic.ini` is only for developers who run the `alembic` command directly.
+These helpers are synchronous: Database runs them in a worker thread (upgrade) or through
+AsyncConnection.run_sync (revision and drift checks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
+from sqlalchemy.engine.url import URL
+
+
+def migrations_dir() -> Path:
+    """The repository's migrations/ (source checkout, editable install) or the installed one."""
+    candidates = [Path(__file__).resolve().parents[2] / "migrations"]
+    spec = importlib.util.find_spec("migrations")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) for p in spec.submodule_search_locations]
+    for path in candidates:
+        if (path / "env.py").is_file() and (path / "versions").is_dir():
+            return path
+    raise RuntimeError("Tessera's migrations/ folder is missing from this installation")
+
+
+def alembic_config(url: URL | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    # Passed as an object, not through the ini parser (which would choke on '%').
+    cfg.attributes["url"] = url
+    return cfg
+
+
+def upgrade_to_head(url: URL) -> None:
+    command.upgrade(alembic_config(url), "head")
+
+
+def downgrade_to(url: URL, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revisions() -> tuple[str, ...]:
+    return tuple(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+def current_revisions(conn: Connection) -> tuple[str, ...]:
+    return tuple(MigrationContext.configure(conn).get_current_heads())
+
+
+def _only_ours(name: str | None, type_: str, parent_names: dict[str, Any]) -> bool:
+    # A shared Postgres may hold other applications' tables: compare only Tessera's.
+    from api.db.models import Base
+
+    return type_ != "table" or name in Base.metadata.tables
+
+
+def schema_drift(conn: Connection) -> list[Any]:
+    """Differences between the models and the live schema (empty = no drift)."""
+    from api.db.models import Base
+
+    ctx = MigrationContext.configure(conn, opts={"compare_type": True, "include_name": _only_ours})
+    return list(compare_metadata(ctx, Base.metadata))

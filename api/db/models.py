@@ -1,0 +1,126 @@
+"""SQLAlchemy 2.0 models: API keys, quota leases and the usage ledger.
+
+Tables
+    api_keys        one row per issued key. Only the SHA-256 hex digest of the secret and a
+                    short display prefix are stored, never the secret. `previous_digest`
+                    keeps the pre-rotation secret valid until `previous_valid_until`.
+                    `budget_used` / `budget_period_start` hold the running token reservation
+                    of the current budget period (updated by one conditional UPDATE).
+    quota_leases    one row per admitted request of a key with rpm/tpm/parallel limits: the
+                    sliding rate windows count rows by `created_at`; the parallel slot is
+                    held while `released_at IS NULL AND expires_at > now`, so a process that
+                    dies cannot leak it past the lease TTL. Times are epoch seconds (float)
+                    so window arithmetic is identical on SQLite and Postgres.
+    usage_records   the append-only ledger, one row per request.
+
+Any change here needs a migration in migrations/versions (the test suite fails on drift).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Double, ForeignKey, Index, Integer, MetaData, String
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import DateTime, TypeDecorator
+
+# Deterministic constraint names: SQLite batch migrations need named constraints.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only aliases the rowid for INTEGER PRIMARY KEY, not BIGINT.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend.
+
+    Postgres stores timestamptz; SQLite has no time zones, so values are stored as naive UTC
+    (lexicographic order == time order) and read back as aware UTC.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_digest: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(16))
+    previous_digest: Mapped[str | None] = mapped_column(String(64), index=True)
+    previous_valid_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON())
+    rpm_limit: Mapped[int | None] = mapped_column(Integer())
+    tpm_limit: Mapped[int | None] = mapped_column(BigInteger())
+    max_parallel: Mapped[int | None] = mapped_column(Integer())
+    token_budget: Mapped[int | None] = mapped_column(BigInteger())
+    budget_period: Mapped[str] = mapped_column(String(8), default="total")
+    budget_used: Mapped[int] = mapped_column(BigInteger(), default=0)
+    budget_period_start: Mapped[float | None] = mapped_column(Double())
+    priority: Mapped[int] = mapped_column(Integer(), default=0)
+    # `metadata` is reserved on declarative classes; the column keeps the public name.
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON())
+
+
+class QuotaLease(Base):
+    __tablename__ = "quota_leases"
+    __table_args__ = (Index("ix_quota_leases_key_id_created_at", "key_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    created_at: Mapped[float] = mapped_column(Double())
+    expires_at: Mapped[float] = mapped_column(Double())
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger())
+    used_tokens: Mapped[int | None] = mapped_column(BigInteger())
+    released_at: Mapped[float | None] = mapped_column(Double())
+
+
+class UsageRow(Base):
+    __tablename__ = "usage_records"
+    __table_args__ = (Index("ix_usage_records_key_id_created_at", "key_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128), index=True)
+    # No foreign key: the ledger outlives keys and also records static/none-mode traffic.
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))
+    prompt_tokens: Mapped[int] = mapped_column(Integer())
+    completion_tokens: Mapped[int] = mapped_column(Integer())
+    cached_tokens: Mapped[int] = mapped_column(Integer())
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    status_code: Mapped[int] = mapped_column(Integer())
+    queue_time: Mapped[float | None] = mapped_column(Double())
+    latency: Mapped[float | None] = mapped_column(Double())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,157 @@
+"""The admin REST wire format (/admin/v1), as msgspec Structs.
+
+Other tools are written against these shapes; change them only compatibly. Limits are
+positive integers or null (= unlimited). Times are RFC 3339 date-times in UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from api.services.keys import KeyRecord, UsageBucket
+
+Limit = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+BigLimit = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+Priority = Annotated[int, msgspec.Meta(ge=-1000, le=1000)]
+BudgetPeriod = Literal["day", "month", "total"]
+UNSET = msgspec.UNSET
+
+
+class KeyCreate(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    allowed_models: list[ModelName] | None = None
+    rpm_limit: Limit | None = None
+    tpm_limit: BigLimit | None = None
+    max_parallel: Limit | None = None
+    token_budget: BigLimit | None = None
+    budget_period: BudgetPeriod = "total"
+    priority: Priority = 0
+    expires_at: datetime | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    """PATCH body: only the fields present change; an explicit null means unlimited."""
+
+    name: Name | msgspec.UnsetType = UNSET
+    allowed_models: list[ModelName] | None | msgspec.UnsetType = UNSET
+    rpm_limit: Limit | None | msgspec.UnsetType = UNSET
+    tpm_limit: BigLimit | None | msgspec.UnsetType = UNSET
+    max_parallel: Limit | None | msgspec.UnsetType = UNSET
+    token_budget: BigLimit | None | msgspec.UnsetType = UNSET
+    budget_period: BudgetPeriod | msgspec.UnsetType = UNSET
+    priority: Priority | msgspec.UnsetType = UNSET
+    expires_at: datetime | None | msgspec.UnsetType = UNSET
+    metadata: dict[str, Any] | None | msgspec.UnsetType = UNSET
+
+    def changes(self) -> dict[str, Any]:
+        return {
+            f: getattr(self, f)
+            for f in self.__struct_fields__
+            if getattr(self, f) is not msgspec.UNSET
+        }
+
+
+class KeyRotate(msgspec.Struct, forbid_unknown_fields=True):
+    # How long the old secret keeps working, in seconds (0 = stop at once; max 30 days).
+    grace_seconds: Annotated[int, msgspec.Meta(ge=0, le=30 * 86400)] = 3600
+
+
+class KeyInfo(msgspec.Struct):
+    id: str
+    object: str
+    name: str
+    key_prefix: str
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    allowed_models: list[str] | None
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel: int | None
+    token_budget: int | None
+    budget_period: str
+    budget_used: int
+    priority: int
+    metadata: dict[str, Any]
+    previous_key_valid_until: datetime | None
+
+
+class KeyWithSecret(KeyInfo):
+    """Returned by create and rotate: the only responses that carry the key itself."""
+
+    key: str = ""
+
+
+class KeyList(msgspec.Struct):
+    data: list[KeyInfo]
+    object: str = "list"
+
+
+class UsageItem(msgspec.Struct):
+    key_id: str | None
+    key_name: str | None
+    period_start: datetime
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    total_tokens: int
+
+
+class UsageReport(msgspec.Struct):
+    group_by: str
+    since: datetime | None
+    until: datetime | None
+    data: list[UsageItem]
+    object: str = "list"
+
+
+def key_info(record: KeyRecord) -> KeyInfo:
+    return KeyInfo(**_key_fields(record))
+
+
+def key_with_secret(record: KeyRecord, key: str) -> KeyWithSecret:
+    return KeyWithSecret(**_key_fields(record), key=key)
+
+
+def _key_fields(r: KeyRecord) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "object": "api_key",
+        "name": r.name,
+        "key_prefix": r.key_prefix,
+        "created_at": r.created_at,
+        "expires_at": r.expires_at,
+        "revoked_at": r.revoked_at,
+        "allowed_models": list(r.allowed_models) if r.allowed_models is not None else None,
+        "rpm_limit": r.rpm_limit,
+        "tpm_limit": r.tpm_limit,
+        "max_parallel": r.max_parallel,
+        "token_budget": r.token_budget,
+        "budget_period": r.budget_period,
+        "budget_used": r.budget_used,
+        "priority": r.priority,
+        "metadata": r.metadata,
+        "previous_key_valid_until": r.previous_valid_until,
+    }
+
+
+def usage_item(b: UsageBucket) -> UsageItem:
+    return UsageItem(
+        key_id=b.key_id,
+        key_name=b.key_name,
+        period_start=b.period_start,
+        requests=b.requests,
+        errors=b.errors,
+        prompt_tokens=b.prompt_tokens,
+        completion_tokens=b.completion_tokens,
+        cached_tokens=b.cached_tokens,
+        total_tokens=b.total_tokens,
+    )

@@ -1,0 +1,131 @@
+"""API key settings: what a caller may set on a key, its validation and budget periods.
+
+validate_fields() is shared by the admin API, the CLI and KeyService: it raises ValueError
+with a message a user can act on, and returns the settings normalised.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+BUDGET_PERIODS = ("day", "month", "total")
+MAX_METADATA_BYTES = 16 * 1024
+MAX_PRIORITY = 1000
+_INT32 = 2**31 - 1
+_INT63 = 2**63 - 1
+
+# Fields a caller may set on create/update, with their defaults.
+KEY_FIELDS: dict[str, Any] = {
+    "allowed_models": None,
+    "rpm_limit": None,
+    "tpm_limit": None,
+    "max_parallel": None,
+    "token_budget": None,
+    "budget_period": "total",
+    "priority": 0,
+    "expires_at": None,
+    "metadata": None,
+}
+
+
+def _limit(field: str, value: Any, maximum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{field} must be a whole number from 1 to {maximum}, or null (unlimited)")
+    return value
+
+
+def validate_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip() or len(name.strip()) > 200:
+        raise ValueError("name must be a non-empty string of at most 200 characters")
+    return name.strip()
+
+
+def validate_fields(changes: dict[str, Any]) -> dict[str, Any]:
+    """Check key settings; returns them normalised. Unknown fields are an error."""
+    unknown = sorted(set(changes) - set(KEY_FIELDS) - {"name"})
+    if unknown:
+        raise ValueError(f"unknown key field(s): {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for field, value in changes.items():
+        if field == "name":
+            out[field] = validate_name(value)
+        elif field == "allowed_models":
+            out[field] = _models(value)
+        elif field in ("rpm_limit", "max_parallel"):
+            out[field] = _limit(field, value, _INT32)
+        elif field in ("tpm_limit", "token_budget"):
+            out[field] = _limit(field, value, _INT63)
+        elif field == "budget_period":
+            if value not in BUDGET_PERIODS:
+                raise ValueError(f"budget_period must be one of {', '.join(BUDGET_PERIODS)}")
+            out[field] = value
+        elif field == "priority":
+            if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
+                raise ValueError(
+                    f"priority must be a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY} "
+                    "(lower runs first)"
+                )
+            out[field] = value
+        elif field == "expires_at":
+            if value is not None and not isinstance(value, datetime):
+                raise ValueError("expires_at must be an ISO 8601 date-time or null")
+            out[field] = aware(value) if value is not None else None
+        elif field == "metadata":
+            out[field] = _metadata(value)
+    return out
+
+
+def aware(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _models(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) > 1000:
+        raise ValueError("allowed_models must be a list of model names (at most 1000) or null")
+    names: list[str] = []
+    for name in value:
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise ValueError("each allowed model must be a non-empty string (<= 200 chars)")
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _metadata(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("metadata must be a JSON object or null")
+    try:
+        encoded = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise ValueError("metadata must be JSON-serialisable (no NaN or infinity)") from None
+    if len(encoded.encode()) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata must be at most {MAX_METADATA_BYTES} bytes as JSON")
+    return value
+
+
+def period_start(period: str, now: datetime) -> float:
+    """Epoch seconds at which the budget period containing `now` (UTC) began."""
+    now = now.astimezone(UTC)
+    if period == "day":
+        return now.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+    if period == "month":
+        return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
+    return 0.0
+
+
+def next_period_start(period: str, now: datetime) -> float | None:
+    start = datetime.fromtimestamp(period_start(period, now), UTC)
+    if period == "day":
+        return (start + timedelta(days=1)).timestamp()
+    if period == "month":
+        year, month = (start.year + 1, 1) if start.month == 12 else (start.year, start.month + 1)
+        return start.replace(year=year, month=month).timestamp()
+    return None

@@ -1,0 +1,1 @@
+"""Alembic migrations for Tessera's database (see api/db/migrate.py)."""

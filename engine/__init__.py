@@ -9,9 +9,12 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = [
+    "LLM",
+    "AsyncEngine",
     "CacheConfig",
     "CompletionOutput",
     "EngineConfig",
+    "LLMEngine",
     "ModelConfig",
     "ParallelConfig",
     "RequestOutput",
@@ -19,3 +22,15 @@ __all__ = [
     "SchedulerConfig",
 ]
 __version__ = "0.1.0"
+
+# The engine classes pull in torch and transformers: import them on first use, so that
+# `tessera --help` and the config types stay quick to import.
+_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "AsyncEngine": "engine.async_engine"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -135,6 +135,11 @@ class IncrementalDetokenizer:
         self.finished = False
 
     @property
+    def emitted_text(self) -> str:
+        """The text the deltas have returned so far: `text` minus any held-back tail."""
+        return self.text[: self._emitted]
+
+    @property
     def stopped(self) -> bool:
         return self.stop_reason is not None
 

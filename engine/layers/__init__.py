@@ -1,0 +1,1 @@
+"""Model building blocks; tensor parallelism lives inside them (see engine.worker.distributed)."""

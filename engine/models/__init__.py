@@ -1,0 +1,1 @@
+"""Models: HF architecture registry, the Llama-family implementation, loading and conversion."""

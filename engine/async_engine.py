@@ -1,0 +1,271 @@
+"""AsyncEngine: the engine for asyncio servers.
+
+The step loop runs on its own thread so the event loop never waits on a forward pass.
+Callers talk to it through a thread-safe inbox (add, abort, snapshot); each step's outputs
+go back to the event loop in one call_soon_threadsafe, which feeds per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, QueueFullError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats, RequestInfo
+
+logger = logging.getLogger("tessera.engine")
+
+_IDLE_POLL_S = 0.2  # how often an idle loop checks for shutdown
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, stuck_after_s: float = 60.0) -> None:
+        self.engine = engine
+        self.config: EngineConfig = engine.config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_name = engine.config.served_model_name or engine.config.model.model
+        self.stuck_after_s = stuck_after_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched on the event loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._dead: BaseException | None = None
+        self._stats = EngineStats(
+            num_blocks=engine.num_blocks, block_size=engine.config.cache.block_size
+        )
+
+    @classmethod
+    async def create(cls, config: EngineConfig, **kwargs) -> AsyncEngine:
+        engine = await asyncio.to_thread(LLMEngine, config)
+        self = cls(engine, **kwargs)
+        self.start()
+        return self
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._thread.start()
+
+    # -- the public API (event loop thread) ---------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each step that changed it.
+
+        Stopping the iteration (cancellation, aclose) aborts the request at once."""
+        if self._dead is not None or self._thread is None:
+            raise EngineDeadError("The engine is not running.")
+        params = self.engine.validate_request(prompt_token_ids, params)
+        limit = self.config.max_num_queued_requests
+        if limit is not None and self._num_queued() >= limit:
+            raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
+        if request_id in self._streams:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt_token_ids, params, priority, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                # Outputs are cumulative: when several queued up, only the newest matters.
+                while not isinstance(item, BaseException) and not stream.empty():
+                    item = stream.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    def _num_queued(self) -> int:
+        """Requests waiting for a seat. The engine's count lags a step behind; the streams
+        beyond max_num_seqs are known at once (a burst arrives before the next step)."""
+        beyond_seats = len(self._streams) - self.config.scheduler.max_num_seqs
+        return max(self._stats.num_waiting, beyond_seats)
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def request_infos(self) -> list[RequestInfo]:
+        """The running and waiting requests, read on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("snapshot", future))
+        return await asyncio.wrap_future(future)
+
+    async def block_states(self) -> bytes:
+        """One byte per KV block: 0 free, 1 in use, 2 free but holding a cached prefix."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("blocks", future))
+        return await asyncio.wrap_future(future)
+
+    def is_healthy(self) -> bool:
+        if self._dead is not None or self._thread is None or not self._thread.is_alive():
+            return False
+        busy = self._stats.num_running or self._stats.num_waiting
+        return not busy or time.monotonic() - self._stats.last_step_time < self.stuck_after_s
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        self.engine.shutdown()
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        self._publish_stats()
+        try:
+            while not self._stopping.is_set():
+                busy = engine.has_unfinished_requests()
+                if self._drain_inbox(block=not busy):
+                    self._publish_stats()  # adds and aborts change the queues too
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    logger.exception("Engine step failed; failing the requests in flight")
+                    outputs = engine.fail_requests(list(engine.output_processor.states))
+                self._publish_stats()
+                if outputs:
+                    self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any death
+            logger.exception("Engine loop died")
+            self._dead = exc
+        finally:
+            self._publish_stats(alive=False)
+            dead = EngineDeadError("The engine stopped.")
+            self._call_in_loop(self._fail_all, dead)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Handle every queued command; True if there was any."""
+        try:
+            item = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, request_id, prompt_token_ids, params, priority, cache_salt = item
+            try:
+                self.engine.add_request(
+                    request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+                )
+            except Exception as exc:  # validated already; a race with the queue bound, say
+                self._call_in_loop(self._fail_one, request_id, exc)
+        elif kind == "abort":
+            out = self.engine.abort_request(item[1])
+            if out is not None:
+                self._deliver([out])
+        elif kind in ("snapshot", "blocks"):
+            future = item[1]
+            if not future.done():
+                manager = self.engine.scheduler.kv_cache_manager
+                future.set_result(
+                    self._request_infos() if kind == "snapshot" else bytes(manager.block_states())
+                )
+
+    def _request_infos(self) -> list[RequestInfo]:
+        scheduler = self.engine.scheduler
+        manager = scheduler.kv_cache_manager
+        infos = []
+        for status, requests in (("running", scheduler.running), ("waiting", scheduler.waiting)):
+            for r in list(requests):
+                infos.append(
+                    RequestInfo(
+                        request_id=r.request_id,
+                        status=status,
+                        num_prompt_tokens=r.num_prompt_tokens,
+                        num_output_tokens=r.num_output_tokens,
+                        num_blocks=len(manager.get_block_ids(r.request_id))
+                        if status == "running"
+                        else 0,
+                        arrival_time=r.arrival_time,
+                    )
+                )
+        return infos
+
+    def _publish_stats(self, alive: bool = True) -> None:
+        engine = self.engine
+        s = engine.scheduler.stats()
+        self._stats = EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_usage,
+            num_blocks=engine.num_blocks,
+            block_size=engine.config.cache.block_size,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=engine.prompt_tokens_total,
+            generation_tokens_total=engine.generation_tokens_total,
+            num_steps=engine.num_steps,
+            last_step_time=time.monotonic(),
+            loop_alive=alive,
+        )
+
+    # -- back on the event loop -----------------------------------------------------------------
+
+    def _call_in_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._call_in_loop(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)

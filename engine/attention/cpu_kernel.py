@@ -1,0 +1,252 @@
+"""An optional compiled CPU kernel for decode attention, read straight from the paged cache.
+
+The torch path (torch_paged.py) gathers each decode sequence's blocks into a padded buffer and
+runs SDPA: it moves the K/V three times (read, write, read again). This kernel reads each
+token's K and V once, which is what bounds decode at large batches on CPU. It is plain C
+(no torch headers: compiles in about a second with the system C compiler), built once per
+machine into the cache dir and called through ctypes (which drops the GIL). Its OpenMP loop
+runs on torch's own thread pool: the library links libgomp.so.1, which resolves to the copy
+torch already loaded. Without a compiler, or with TESSERA_CPU_KERNELS=0, the torch path runs.
+The torch path stays the reference: tests check this kernel against it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tessera.engine")
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
+static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
+  union { uint32_t u; float f; } v; v.f = f;
+  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+#define PREFETCH_BLOCK(p, bytes) do { const char* _c = (const char*)(p); \
+  for (int64_t _o = 0; _o < (bytes); _o += 64) __builtin_prefetch(_c + _o, 0, 1); } while (0)
+/* One sequence: q [H][D] -> out [H][D] over its L cached tokens, block by block.
+   Pass 1: scores s[r][l] = q_r . k_l (all Hkv heads of a token are one contiguous row);
+   softmax per row; pass 2: each row's accumulator stays in registers over a float V tile.
+   The next block is prefetched: blocks are scattered, so the hardware prefetcher cannot.
+   Scratch: H*D (q) + H*D (acc) + bs*Hkv*D (tile) + H*L (scores) floats. */
+#define DEFINE_ONE(NAME, T, LOAD, STORE)                                                       \
+static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const int64_t* table,   \
+    int64_t L, int H, int Hkv, const int D, int bs, float scale, float* scratch) {             \
+  const int G = H / Hkv;                                                                     \
+  float* qf = scratch; float* acc = qf + H * D; float* tile = acc + H * D;                   \
+  float* s = tile + (int64_t)bs * Hkv * D;                                                   \
+  float row[1024];                                                                           \
+  for (int i = 0; i < H * D; ++i) qf[i] = LOAD(q[i]) * scale;                                \
+  const int64_t tok = (int64_t)Hkv * D;                                                      \
+  const int64_t nblk = (L + bs - 1) / bs;                                                    \
+  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+    const int64_t l0 = bi * bs;                                                              \
+    const T* kb = kc + table[bi] * bs * tok;                                                 \
+    if (bi + 1 < nblk) PREFETCH_BLOCK(kc + table[bi + 1] * bs * tok, bs * tok * (int64_t)sizeof(T)); \
+    const int64_t n = L - l0 < bs ? L - l0 : bs;                                             \
+    for (int64_t j = 0; j < n; ++j) {                                                        \
+      const T* k = kb + j * tok;                                                             \
+      _Pragma("omp simd")                                                                    \
+      for (int i = 0; i < Hkv * D; ++i) row[i] = LOAD(k[i]);                                 \
+      for (int h = 0; h < Hkv; ++h)                                                          \
+        for (int g = 0; g < G; ++g) {                                                        \
+          const int r = h * G + g; const float* qq = qf + r * D; const float* kk = row + h * D; \
+          float dot = 0.f;                                                                   \
+          _Pragma("omp simd reduction(+:dot)")                                               \
+          for (int d = 0; d < D; ++d) dot += qq[d] * kk[d];                                  \
+          s[r * L + l0 + j] = dot;                                                           \
+        }                                                                                    \
+    }                                                                                        \
+  }                                                                                          \
+  for (int r = 0; r < H; ++r) {                                                              \
+    float* sr = s + r * L; float m = -INFINITY, sum = 0.f;                                   \
+    for (int64_t l = 0; l < L; ++l) m = sr[l] > m ? sr[l] : m;                               \
+    for (int64_t l = 0; l < L; ++l) { float e = expf(sr[l] - m); sr[l] = e; sum += e; }      \
+    const float inv = 1.f / sum;                                                             \
+    for (int64_t l = 0; l < L; ++l) sr[l] *= inv;                                            \
+  }                                                                                          \
+  memset(acc, 0, sizeof(float) * H * D);                                                     \
+  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+    const int64_t l0 = bi * bs;                                                              \
+    const T* vb = vc + table[bi] * bs * tok;                                                 \
+    if (bi + 1 < nblk) PREFETCH_BLOCK(vc + table[bi + 1] * bs * tok, bs * tok * (int64_t)sizeof(T)); \
+    const int64_t n = L - l0 < bs ? L - l0 : bs;                                             \
+    _Pragma("omp simd")                                                                      \
+    for (int64_t i = 0; i < n * tok; ++i) tile[i] = LOAD(vb[i]);                             \
+    for (int r = 0; r < H; ++r) {                                                            \
+      float a[D];                                                                            \
+      _Pragma("omp simd")                                                                    \
+      for (int d = 0; d < D; ++d) a[d] = acc[r * D + d];                                     \
+      const float* vt = tile + (r / G) * D; const float* sr = s + r * L + l0;                \
+      for (int64_t j = 0; j < n; ++j) {                                                      \
+        const float p = sr[j]; const float* vv = vt + j * tok;                               \
+        _Pragma("omp simd")                                                                  \
+        for (int d = 0; d < D; ++d) a[d] += p * vv[d];                                       \
+      }                                                                                      \
+      _Pragma("omp simd")                                                                    \
+      for (int d = 0; d < D; ++d) acc[r * D + d] = a[d];                                     \
+    }                                                                                        \
+  }                                                                                          \
+  for (int i = 0; i < H * D; ++i) out[i] = STORE(acc[i]);                                    \
+}
+
+#define ID(x) (x)
+DEFINE_ONE(one_f32, float, ID, ID)
+DEFINE_ONE(one_bf16, uint16_t, bf2f, f2bf)
+
+/* A decode batch of n rows on OpenMP threads: this links torch's own libgomp (same soname,
+   already loaded), so it shares torch's thread pool instead of competing with it. Longest
+   rows (they come sorted by context) are handed out first. scratch: one slice per thread. */
+#define DEFINE_BATCH(NAME, ONE, T)                                                            \
+void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc, const T* vc, \
+    const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D,  \
+    int bs, float scale, float* scratch, int64_t scratch_size, int nthreads) {               \
+  _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                    \
+  for (int64_t i = 0; i < n; ++i) {                                                          \
+    const int64_t b = n - 1 - i;                                                             \
+    float* sc = scratch + omp_get_thread_num() * scratch_size;                               \
+    T* o = out + b * out_stride; const T* qq = q + b * q_stride; const int64_t* t = bt + b * max_nb; \
+    switch (D) {                                                                             \
+      case 16: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 16, bs, scale, sc); break;              \
+      case 32: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 32, bs, scale, sc); break;              \
+      case 64: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 64, bs, scale, sc); break;              \
+      case 128: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 128, bs, scale, sc); break;            \
+      default: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, D, bs, scale, sc);                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+DEFINE_BATCH(paged_decode_f32, one_f32, float)
+DEFINE_BATCH(paged_decode_bf16, one_bf16, uint16_t)
+"""
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_MAX_ROW = 1024  # floats in the kernel's per-token row buffer: num_kv_heads * head_dim
+_SUPPORTED = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cache_dir: Path) -> Path | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        logger.info("No C compiler found: decode attention uses the torch path")
+        return None
+    # -march=native: the key covers the CPU so a shared cache never runs foreign code.
+    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, _cpu_flags()]).encode()).hexdigest()
+    so = cache_dir / "kernels" / f"paged_decode-{key[:16]}.so"
+    if so.is_file():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Compiling the CPU attention kernel once; cached at %s", so)
+    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+        src = Path(tmp) / "paged_decode.c"
+        src.write_text(_SOURCE)
+        out = Path(tmp) / so.name
+        proc = subprocess.run(
+            [cc, *_FLAGS, str(src), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            logger.warning(
+                "Building the CPU attention kernel failed; using the torch path:\n%s",
+                proc.stderr[-2000:],
+            )
+            return None
+        os.replace(out, so)
+    return so
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (no compiler, build failure, or disabled)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("TESSERA_CPU_KERNELS", "1") == "0":
+            return None
+        from engine.models.loader import default_cache_dir
+
+        try:
+            path = _build(default_cache_dir())
+            if path is not None:
+                lib = ctypes.CDLL(str(path))
+                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                for name in _SUPPORTED.values():
+                    fn = getattr(lib, name)
+                    # out, out_stride, q, q_stride, k_cache, v_cache, block_tables, max_blocks,
+                    # context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size,
+                    # threads
+                    fn.argtypes = [p, i64, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
+                    fn.argtypes += [ctypes.c_float, p, i64, i32]
+                    fn.restype = None
+                _lib = lib
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.warning("Loading the CPU attention kernel failed (%s); using the torch path", e)
+        return _lib
+
+
+def kernel_supports(
+    dtype: torch.dtype, device: torch.device, num_kv_heads: int, head_dim: int
+) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in _SUPPORTED
+        and num_kv_heads * head_dim <= _MAX_ROW
+        and load_kernel() is not None
+    )
+
+
+def paged_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scratch: torch.Tensor,
+    scale: float,
+) -> None:
+    """out/q [n, H, D] (rows may be strided, heads contiguous), caches [blocks, bs, Hkv, D]
+    contiguous, block_tables [n, max_blocks] int64, context_lens [n] int64, scratch float32
+    [threads, size] (one row per thread; see the C source for the size)."""
+    lib = load_kernel()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is unavailable (see kernel_supports)")
+    n, h, d = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+    assert scratch.is_contiguous() and scratch.dtype == torch.float32
+    getattr(lib, _SUPPORTED[q.dtype])(
+        out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        context_lens.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1], scale,
+        scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
+    )  # fmt: skip

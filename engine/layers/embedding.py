@@ -1,0 +1,56 @@
+"""Token embedding and LM head, split over the vocabulary across tensor-parallel ranks.
+
+Each rank holds ceil(vocab / tp) rows (the last shard zero-padded); the embedding masks ids
+outside its shard and all-reduces, the LM head all-gathers its logits and drops the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
+            raise ValueError(
+                f"embedding shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                f"model ({self.num_embeddings}, {param.shape[1]})"
+            )
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start) * mask, self.weight)
+        y.mul_(mask.unsqueeze(-1).to(y.dtype))
+        return tp_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden [S, H] -> logits [S, vocab] in float32. Tie by sharing the embedding's weight."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
+        return logits.float()

@@ -1,0 +1,130 @@
+"""Linear layers with tensor parallelism inside (nano-vllm style).
+
+Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies this
+rank's slice of a full checkpoint tensor. ColumnParallel splits output features (no
+communication), RowParallel splits input features and all-reduces its output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and param.dim() > self.tp_dim:
+            size = param.size(self.tp_dim)
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_size()
+        super().__init__(input_size, _divide(output_size, tp, "output size"), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one matmul (gate_up): shard i loads its slice."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        loaded = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.narrow(0, offset, size), loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; each rank holds its heads of each."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+    ):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+    ) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id
+        ]
+        loaded = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.narrow(0, offset, size), loaded)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with all_reduce.
+
+    The bias is added once, after the reduction, so it is not counted tp_size times.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_size()
+        super().__init__(_divide(input_size, tp, "input size"), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"weight shape mismatch: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}"
+        )
+    dst.data.copy_(src)

@@ -1,0 +1,28 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        residual = residual.add_(x)  # the residual stream is ours to update in place
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Like HF: normalise in float32, cast back, then scale by the weight in the model dtype.
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)

@@ -1,0 +1,159 @@
+"""LLM: the offline Python API.
+
+from engine import LLM, SamplingParams
+llm = LLM()
+outs = llm.generate(["Hello", "Paris is"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, object]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        device: str = "auto",
+        load_format: str = "auto",
+        tokenizer: str | None = None,
+        policy: str = "fcfs",
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model or DEFAULT_MODEL,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                load_format=load_format,
+                seed=seed,
+                device=device,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                # Replaced by the resolved model length once the model's config is read.
+                max_model_len=max(max_model_len or max_num_batched_tokens, 1),
+                enable_chunked_prefill=enable_chunked_prefill,
+                block_size=block_size,
+                policy=policy,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: pass one, "
+                    "or one per prompt."
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        order: dict[str, int] = {}
+        # Validate everything first so a bad prompt leaves nothing half-queued.
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(next(self._ids))
+                engine.add_request(request_id, prompt, params)
+                order[request_id] = len(order)
+        except Exception:
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm or len(prompts) < 8)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,182 @@
+"""LLMEngine: the synchronous engine. step() is schedule -> execute -> update.
+
+It validates requests, owns the scheduler, the executor (model runners) and the output
+processor, and is used directly by LLM (offline) and from a thread by AsyncEngine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from engine.config import EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.errors import QueueFullError
+from engine.models.hf_config import load_hf_config, max_model_len_for
+from engine.models.loader import resolve_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from engine.worker.executor import Executor
+
+logger = logging.getLogger("tessera.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.monotonic()
+        model_dir = resolve_model(config.model.model)
+        hf_config = load_hf_config(model_dir)
+        max_model_len = max_model_len_for(hf_config, config.model.max_model_len)
+        config.model.max_model_len = max_model_len
+        config.scheduler = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        self.config = config
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.vocab_size = hf_config.vocab_size
+        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or model_dir)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        # Models with several end tokens (Llama 3) stop on all of them.
+        self.extra_eos_ids = [t for t in hf_config.eos_token_ids if t != self.eos_token_id]
+
+        self.executor = Executor(config, model_dir)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.init_kv_cache(self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # Cumulative counters for metrics (read by AsyncEngine's stats snapshot).
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("Engine ready in %.1f s (model %s)", time.monotonic() - started, model_dir)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> SamplingParams:
+        """Raise ValueError with a user-facing message; return params with max_tokens resolved.
+
+        Pure: touches no engine state, so AsyncEngine calls it on the caller's thread."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"Token id {bad} in the prompt is out of range: the vocabulary has "
+                f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})."
+            )
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name} names token id {bad}, outside the vocabulary (0..{self.vocab_size - 1})."
+                )
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if n_prompt >= limit:
+                raise ValueError(
+                    f"This model's maximum context length is {limit} tokens; your prompt has "
+                    f"{n_prompt} tokens, which leaves no room for a completion. Shorten the prompt."
+                )
+            return dataclasses.replace(params, max_tokens=limit - n_prompt)
+        if n_prompt + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens; your prompt has "
+                f"{n_prompt} tokens and max_tokens asks for {params.max_tokens} more "
+                f"({n_prompt + params.max_tokens} in total). Shorten the prompt or lower max_tokens."
+            )
+        return params
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.output_processor.states:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if isinstance(prompt, str):
+            prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, prompt_token_ids = None, list(prompt)
+        params = self.validate_request(prompt_token_ids, params)
+        limit = self.config.max_num_queued_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_ids]
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request and all its samples; returns its final output (None if unknown)."""
+        ids = self.output_processor.sample_ids(request_id)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id)
+
+    def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Finish requests with finish_reason "error" (the step that held them failed)."""
+        outputs = []
+        for request_id in request_ids:
+            ids = self.output_processor.sample_ids(request_id)
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            out = self.output_processor.abort(request_id, FinishReason.ERROR)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        self._count_tokens(scheduler_output, runner_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def _count_tokens(self, scheduler_output, runner_output) -> None:
+        self.num_steps += 1
+        prompt = 0
+        for sr in scheduler_output.scheduled:
+            n_prompt = len(sr.prompt_token_ids)
+            if sr.start_pos < n_prompt:
+                prompt += min(len(sr.token_ids), n_prompt - sr.start_pos)
+        self.prompt_tokens_total += prompt
+        self.generation_tokens_total += sum(map(len, runner_output.sampled_token_ids.values()))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+

@@ -1,0 +1,156 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face folder, once.
+
+The output (config.json, model.safetensors in float32, tokenizer files with the chat template,
+generation_config.json) is written to a temporary folder next to the destination and renamed
+into place, so a crash never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("tessera.engine")
+
+# Bump when the output format changes: old caches are then converted again.
+CONVERTER_VERSION = 1
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp interleaves the rotary halves of q/k rows; HF keeps them as two halves.
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _read_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "attention_bias": False,
+        "mlp_bias": False,
+        # The original checkpoint's dtype, so dtype="auto" serves in bfloat16; the weights
+        # themselves are stored dequantized in float32.
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _read_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(s) for s in reversed(t.shape)))
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, config["num_key_value_heads"])
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the mmap is read-only
+    return out
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not tok.chat_template:
+        logger.warning("%s carries no chat template; chat requests will fail", gguf_path.name)
+    tok.save_pretrained(str(out_dir))
+
+
+def convert_gguf(gguf_path: str | Path, dest: str | Path) -> Path:
+    """Write the HF folder for gguf_path at dest (atomically); return dest."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    gguf_path, dest = Path(gguf_path), Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Converting %s once; cached at %s", gguf_path, dest)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
+    try:
+        reader = GGUFReader(str(gguf_path))
+        config = _read_config(reader)
+        tensors = _read_tensors(reader, config)
+        del reader
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        _save_tokenizer(gguf_path, tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.perf_counter() - t0)
+    return dest

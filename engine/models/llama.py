@@ -1,0 +1,147 @@
+"""One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
+(qkv bias), SmolLM.
+
+forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
+compute_logits(hidden [S, H]) -> [S, V] float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_paged import PagedAttention
+from engine.layers.activation import SiluAndMul
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.hf_config import HFModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: HFModelConfig):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            bias=cfg.attention_bias,
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's share
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
+        )
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden).view(t, h + 2 * hkv, d)
+        # q and k are adjacent in qkv: rotate both with one set of ops.
+        qk = RotaryEmbedding.apply(qkv[:, : h + hkv], *rope)
+        o = self.attn(qk[:, :h], qk[:, h:], qkv[:, h + hkv :], meta)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: HFModelConfig):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: HFModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: HFModelConfig, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for every layer
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint name fragment -> (our merged parameter fragment, shard id).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: HFModelConfig, max_position: int | None = None):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+        self.config = cfg
+        self.model = LlamaModel(cfg, max(cfg.max_position_embeddings, max_position or 0))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The attention modules, in order: the runner binds one KV-cache tensor to each."""
+        return [layer.self_attn.attn for layer in self.model.layers]

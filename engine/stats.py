@@ -1,0 +1,37 @@
+"""EngineStats: a snapshot of the engine's state, cheap to take after every step.
+
+Read from any thread (the HTTP layer, /metrics, the console): it is replaced whole,
+never mutated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class RequestInfo:
+    request_id: str
+    status: str  # "running" | "waiting"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_blocks: int
+    arrival_time: float  # time.monotonic() of arrival
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1, blocks held by requests
+    num_blocks: int = 0
+    block_size: int = 16
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # tokens found, cumulative
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+    last_step_time: float = 0.0  # time.monotonic() at the end of the last step
+    loop_alive: bool = False
+    requests: tuple[RequestInfo, ...] = field(default_factory=tuple)

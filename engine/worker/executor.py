@@ -1,0 +1,49 @@
+"""Executor: runs the model runner(s) for the engine.
+
+tensor_parallel_size == 1: the runner lives in this process.
+tensor_parallel_size > 1: rank 0 in this process, ranks 1..N-1 in worker processes
+(see engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self.config = config
+        self.workers = None
+        if config.parallel.tensor_parallel_size > 1:
+            from engine.worker.multiproc import WorkerGroup
+
+            self.workers = WorkerGroup(config, model_dir)
+            self.runner = self.workers.driver
+        else:
+            self.runner = ModelRunner(config, model_dir=model_dir)
+            self.runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        if self.workers is not None:
+            return self.workers.determine_num_blocks()
+        return self.runner.determine_num_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        if self.workers is not None:
+            self.workers.init_kv_cache(num_blocks)
+        else:
+            self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.workers is not None:
+            return self.workers.execute_model(scheduler_output)
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None

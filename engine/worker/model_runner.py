@@ -1,0 +1,258 @@
+"""ModelRunner: owns the model and its paged KV cache on one rank, and runs a step.
+
+execute_model: copy blocks (copy-on-write for forked samples) -> flatten the scheduled chunks
+(decodes first, sorted by context length) -> one forward over the flattened batch -> logits
+of each sampling request's last token -> Sampler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from engine.attention.cpu_kernel import kernel_supports
+from engine.attention.metadata import AttentionMetadataBuilder
+from engine.config import EngineConfig
+from engine.layers.sampler import Sampler
+from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.worker.distributed import get_tp_size
+
+logger = logging.getLogger("tessera.engine")
+
+_CPU_KV_SHARE = 0.2  # of MemAvailable, when neither num_blocks nor kv_cache_memory is given
+_CPU_KV_CAP = 8 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def tune_malloc() -> None:
+    """Keep large freed blocks in glibc's heap instead of returning them to the OS.
+
+    By default every allocation over 32 MiB (the logits of a big batch, the float32 copy the
+    sampler reads) is a fresh mmap, and touching it costs ~12k page faults: ~18 ms a step at
+    256 sequences. Process-wide; TESSERA_TUNE_MALLOC=0 leaves the allocator alone.
+    """
+    if os.environ.get("TESSERA_TUNE_MALLOC", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+def mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path | None = None, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.model_dir = Path(model_dir) if model_dir else resolve_model(config.model.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.device = resolve_device(config.model.device)
+        self.block_size = config.cache.block_size
+        # Raises if the requested length exceeds what the model (or its sliding window) allows.
+        self.max_model_len = max_model_len_for(
+            self.hf_config, config.model.max_model_len or config.scheduler.max_model_len
+        )
+        tp = config.parallel.tensor_parallel_size
+        if get_tp_size() != tp:
+            raise ValueError(
+                f"tensor_parallel_size is {tp} but this process is in a group of {get_tp_size()}: "
+                "call engine.worker.distributed.init_distributed() before building the runner"
+            )
+        self.num_kv_heads = self.hf_config.num_key_value_heads // tp
+        self.model: torch.nn.Module | None = None
+        self.dtype: torch.dtype | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.sampler = Sampler(seed=config.model.seed)
+        self._builder: AttentionMetadataBuilder | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        m = self.config.model
+        if self.device.type == "cpu":
+            tune_malloc()
+        self.model = load_model(
+            self.model_dir,
+            dtype=m.dtype,
+            load_format=m.load_format,
+            device=self.device,
+            max_position=self.max_model_len,
+            seed=m.seed,
+        )
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        head_dim = self.hf_config.head_dim
+        use_kernel = kernel_supports(self.dtype, self.device, self.num_kv_heads, head_dim)
+        self._builder = AttentionMetadataBuilder(
+            self.block_size,
+            self.num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            num_heads=self.hf_config.num_attention_heads // get_tp_size(),
+            use_cpu_kernel=use_kernel,
+        )
+        if self.rank == 0:
+            logger.info(
+                "Model %s loaded: %s on %s; decode attention: %s",
+                self.model_dir.name,
+                str(self.dtype).removeprefix("torch."),
+                self.device,
+                "compiled CPU kernel" if use_kernel else "torch",
+            )
+
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes across all layers (K and V) on this rank."""
+        assert self.dtype is not None, "load_model() first"
+        c = self.hf_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            num = cache.num_blocks
+        else:
+            if cache.kv_cache_memory is not None:
+                budget = cache.kv_cache_memory
+            elif self.device.type == "cuda":
+                budget = self._profile_cuda_budget()
+            else:
+                budget = min(int(mem_available_bytes() * _CPU_KV_SHARE), _CPU_KV_CAP)
+            num = budget // self.kv_block_bytes()
+        self._check_fits(num)
+        return num
+
+    def _profile_cuda_budget(self) -> int:
+        """GPU bytes left for the KV cache after a forward of the largest batch."""
+        assert self.model is not None and self._builder is not None
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        meta = self._builder.build([(0, n, [0] * (-(-n // self.block_size)))])
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, pos, meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        return max(0, int(total * self.config.cache.gpu_memory_utilization) - peak)
+
+    def _check_fits(self, num_blocks: int) -> None:
+        usable = (num_blocks - 1) * self.block_size  # block 0 is reserved
+        if usable < self.max_model_len:
+            need = (-(-self.max_model_len // self.block_size) + 1) * self.kv_block_bytes()
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {self.block_size} tokens, {max(usable, 0)} "
+                f"usable tokens) cannot hold one request of max_model_len {self.max_model_len} "
+                f"tokens: lower --max-model-len to at most {max(usable, 0)}, or raise "
+                f"--kv-cache-memory to at least {need} bytes ({need / 2**20:.1f} MiB)"
+            )
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        assert self.model is not None, "load_model() first"
+        self._check_fits(num_blocks)
+        c = self.hf_config
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(c.num_hidden_layers)
+        ]
+        for attn, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            attn.kv_cache = cache
+        self.num_blocks = num_blocks
+        tokens = (num_blocks - 1) * self.block_size
+        if self.rank == 0:
+            logger.info(
+                "KV cache: %d blocks (%d tokens); max concurrency at %d tokens/request: %.2f",
+                num_blocks,
+                tokens,
+                self.max_model_len,
+                tokens / self.max_model_len,
+            )
+
+    # -- a step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V of block src into dst; all copies read the pre-copy state."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model is not None and self._builder is not None and self.kv_caches
+        so = scheduler_output
+        if so.finished_request_ids or so.preempted_request_ids:
+            self.sampler.drop([*so.finished_request_ids, *so.preempted_request_ids])
+        if so.blocks_to_copy:
+            self.copy_blocks(so.blocks_to_copy)
+        if not so.scheduled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        hidden, last_row = self._forward(so.scheduled)
+        sampled = {r.request_id: [] for r in so.scheduled}
+        to_sample = [r for r in so.scheduled if r.sample]
+        if not to_sample:
+            return ModelRunnerOutput(sampled_token_ids=sampled)
+        rows = torch.tensor([last_row[r.request_id] for r in to_sample], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if self.rank != 0:  # only the driver samples; the others ran the collectives above
+            return ModelRunnerOutput(sampled_token_ids=sampled)
+        tokens, logprobs = self.sampler(logits, to_sample)
+        out = ModelRunnerOutput(sampled_token_ids=sampled)
+        for r, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
+            sampled[r.request_id] = toks
+            if lps is not None:
+                out.logprobs[r.request_id] = lps
+        return out
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, int]]:
+        """Run the flattened batch; return hidden [T, H] and each request's last row."""
+        decodes = sorted((r for r in scheduled if len(r.token_ids) == 1), key=_start_pos)
+        prefills = [r for r in scheduled if len(r.token_ids) != 1]
+        ids: list[int] = [r.token_ids[0] for r in decodes]
+        positions: list[int] = [r.start_pos for r in decodes]
+        last_row = {r.request_id: i for i, r in enumerate(decodes)}
+        for r in prefills:
+            ids.extend(r.token_ids)
+            positions.extend(range(r.start_pos, r.start_pos + len(r.token_ids)))
+            last_row[r.request_id] = len(ids) - 1
+        seqs = [(r.start_pos, len(r.token_ids), r.block_ids) for r in decodes]
+        seqs += [(r.start_pos, len(r.token_ids), r.block_ids) for r in prefills]
+        meta = self._builder.build(seqs)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model(input_ids, pos, meta), last_row
+
+
+def _start_pos(r: ScheduledRequest) -> int:
+    return r.start_pos

@@ -1,0 +1,157 @@
+"""Shared fixtures: tiny random-weight HF models saved to temporary folders.
+
+Every folder holds config.json, model.safetensors (float32) and a byte-level BPE fast tokenizer
+(trained offline on a few sentences) with ChatML special tokens and chat template; the model's
+vocab_size equals the tokenizer's. Nothing is downloaded.
+
+    tiny_llama_dir     Llama, GQA (4 heads / 2 KV heads), hidden 64, 3 layers
+    tiny_qwen2_dir     Qwen2ForCausalLM: qkv bias, tied embeddings
+    tiny_llama3_dir    Llama with llama3 rope scaling
+    make_tiny_model    factory: make_tiny_model("name", arch="llama", **config_overrides) -> Path
+    default_model_dir  the default GGUF model converted once per session (slow: ~15 s)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# pytest puts this folder first on sys.path, where tests/engine (no __init__.py) would shadow
+# the real `engine` package when the repo root is not on the path (e.g. `.venv/bin/pytest`).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+_CORPUS = [
+    "The capital of France is Paris. Paris is a city on the Seine.",
+    "Hello world! This is a tiny tokenizer for tests of a serving engine.",
+    "The quick brown fox jumps over the lazy dog, again and again.",
+    "Tessera serves language models with a paged key value cache.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Café, naïve, 東京, emoji 🙂.",
+    "What is the capital of France? The answer is Paris, of course.",
+    "user assistant system: you are a helpful assistant. Be brief.",
+]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 384):
+    """Train a byte-level BPE on _CORPUS and save it as a HF fast tokenizer in out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of arch ("llama" or "qwen2") with its tokenizer in out_dir.
+
+    Weights are drawn wider than HF's default init (and norms/biases are randomised too) so
+    logits are peaked: greedy decoding then has clear margins, and every weight matters.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir)
+    kwargs = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    kwargs.update(overrides)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    made: dict[str, Path] = {}
+
+    def make(name: str, arch: str = "llama", **overrides) -> Path:
+        if name not in made:
+            made[name] = build_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-qwen2", arch="qwen2", tie_word_embeddings=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(make_tiny_model) -> Path:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return make_tiny_model("tiny-llama3", rope_theta=500000.0, rope_scaling=scaling, seed=2)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory) -> Path:
+    """The default GGUF model converted into a session-private cache (not ~/.cache)."""
+    from engine.config import DEFAULT_MODEL
+    from engine.models.loader import resolve_model
+
+    return resolve_model(DEFAULT_MODEL, cache_dir=tmp_path_factory.mktemp("tessera-cache"))

@@ -1,0 +1,79 @@
+"""The compiled CPU decode kernel against the torch paged path (the reference)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import cpu_kernel
+from engine.attention.metadata import AttentionMetadataBuilder
+from engine.attention.torch_paged import PagedAttention
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,atol",
+    [
+        (torch.float32, 9, 3, 64, 1e-5),
+        (torch.bfloat16, 9, 3, 64, 1.6e-2),
+        (torch.bfloat16, 8, 2, 128, 1.6e-2),
+        (torch.float32, 4, 4, 32, 1e-5),
+    ],
+)
+def test_kernel_matches_torch_path(dtype, heads, kv_heads, head_dim, atol):
+    if not cpu_kernel.kernel_supports(dtype, torch.device("cpu"), kv_heads, head_dim):
+        pytest.skip("no C compiler for the CPU kernel")
+    torch.manual_seed(0)
+    bs, num_blocks = 16, 200
+    rng = random.Random(0)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    # Decodes sorted by context, then a prefill chunk with a cached prefix (mixed step).
+    ctx = sorted(rng.randint(1, 150) for _ in range(13))
+    seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in ctx]
+    seqs.append((20, 5, [free.pop() for _ in range(2)]))
+    t = len(ctx) + 5
+    cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim).to(dtype)
+    q = torch.randn(t, heads, head_dim).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim).to(dtype)
+    outs = []
+    for use_kernel in (False, True):
+        attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+        attn.kv_cache = cache.clone()
+        builder = AttentionMetadataBuilder(
+            bs, kv_heads, head_dim, dtype, num_heads=heads, use_cpu_kernel=use_kernel
+        )
+        meta = builder.build(seqs)
+        assert (meta.kernel_decode is not None) == use_kernel
+        with torch.inference_mode():
+            outs.append(attn(q, k, v, meta).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+
+
+def test_kernel_uses_every_torch_thread():
+    """Rows run on OpenMP threads (torch's pool): 2 threads give the 1-thread result."""
+    if not cpu_kernel.kernel_supports(torch.float32, torch.device("cpu"), 2, 16):
+        pytest.skip("no C compiler for the CPU kernel")
+    torch.manual_seed(1)
+    cache = torch.randn(2, 40, 16, 2, 16)
+    seqs = [(c, 1, list(range(1 + i * 3, 4 + i * 3))) for i, c in enumerate((5, 17, 30, 44))]
+    q, k = torch.randn(4, 4, 16), torch.randn(4, 2, 16)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            builder = AttentionMetadataBuilder(
+                16, 2, 16, torch.float32, num_heads=4, use_cpu_kernel=True
+            )
+            meta = builder.build(seqs)
+            assert meta.kernel_decode.scratch.shape[0] == n
+            attn = PagedAttention(4, 2, 16, 0.25)
+            attn.kv_cache = cache.clone()
+            with torch.inference_mode():
+                outs.append(attn(q, k, k, meta))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])

@@ -1,0 +1,85 @@
+"""The default model: GGUF -> HF folder conversion (once, cached), tokenizer and logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadataBuilder
+from engine.config import DEFAULT_MODEL
+from engine.models.gguf_convert import _unpermute
+from engine.models.loader import load_model, resolve_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    # llama.cpp's convert_hf_to_gguf permute(), applied to known rows, then undone.
+    n_head, rows, cols = 3, 3 * 8, 5
+    w = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols).numpy()
+    permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    assert (_unpermute(permuted, n_head) == w).all()
+
+
+def test_converted_folder_and_cache(default_model_dir):
+    cfg = json.loads((default_model_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert cfg["vocab_size"] == 49152 and cfg["rope_theta"] == 100000.0
+    assert cfg["tie_word_embeddings"] is True
+    # A second resolve finds the cached folder and converts nothing.
+    mtime = os.stat(default_model_dir / "model.safetensors").st_mtime_ns
+    assert (
+        resolve_model(DEFAULT_MODEL, cache_dir=default_model_dir.parent.parent) == default_model_dir
+    )
+    assert os.stat(default_model_dir / "model.safetensors").st_mtime_ns == mtime
+    assert not [p for p in default_model_dir.parent.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_tokenizer_has_chat_template_and_eos(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_logits_match_hf_and_answer_paris(default_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    model = load_model(default_model_dir, dtype="float32")
+    cfg = model.config
+    bs, nb = 16, 16
+    caches = [torch.zeros(2, nb, bs, 3, 64) for _ in range(cfg.num_hidden_layers)]
+    for attn, c in zip(model.attention_layers(), caches, strict=True):
+        attn.kv_cache = c
+    builder = AttentionMetadataBuilder(bs, 3, 64, torch.float32)
+    blocks = list(range(nb - 1, 0, -1))  # descending block ids
+    with torch.inference_mode():
+        meta = builder.build([(0, len(prompt), blocks)])
+        logits = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), meta))
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+        toks = list(prompt)
+        out = [int(logits[-1].argmax())]
+        while len(out) < 12 and out[-1] != tok.eos_token_id:
+            toks.append(out[-1])
+            meta = builder.build([(len(toks) - 1, 1, blocks)])
+            h = model(torch.tensor([out[-1]]), torch.tensor([len(toks) - 1]), meta)
+            out.append(int(model.compute_logits(h)[-1].argmax()))
+    assert "Paris" in tok.decode(out)

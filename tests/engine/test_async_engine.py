@@ -1,0 +1,108 @@
+"""AsyncEngine: the step loop on its own thread, per-request streams, abort on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.async_engine import AsyncEngine
+from engine.errors import QueueFullError
+
+
+def make_config(model_dir, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256),
+        cache=CacheConfig(num_blocks=kw.pop("num_blocks", 64)),
+        scheduler=SchedulerConfig(max_num_seqs=kw.pop("max_num_seqs", 32), max_model_len=256),
+        **kw,
+    )
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def collect(engine, request_id, ids, params):
+    last = None
+    async for out in engine.generate(request_id, ids, params):
+        last = out
+    return last
+
+
+async def test_streams_cumulative_outputs(tiny_llama_dir):
+    engine = await AsyncEngine.create(make_config(tiny_llama_dir))
+    try:
+        ids = engine.tokenizer.encode("Hello world")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        seen = []
+        async for out in engine.generate("r1", ids, params):
+            seen.append(list(out.outputs[0].token_ids))
+        assert len(seen[-1]) == 6 and out.finished and out.outputs[0].finish_reason == "length"
+        for a, b in zip(seen, seen[1:], strict=False):
+            assert b[: len(a)] == a  # each output extends the previous one
+        # Concurrent requests each get their own, complete stream.
+        results = await asyncio.gather(*(collect(engine, f"c{i}", ids, params) for i in range(8)))
+        assert all(r.outputs[0].token_ids == seen[-1] for r in results)
+        stats = engine.stats()
+        assert stats.generation_tokens_total == 6 * 9 and stats.kv_cache_usage == 0.0
+        assert engine.is_healthy()
+    finally:
+        await engine.shutdown()
+
+
+async def test_cancel_aborts_and_frees_blocks(tiny_llama_dir):
+    engine = await AsyncEngine.create(make_config(tiny_llama_dir))
+    try:
+        ids = engine.tokenizer.encode("The quick brown fox")
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        started = asyncio.Event()
+
+        async def consume(i):
+            async for _ in engine.generate(f"x{i}", ids, params):
+                started.set()
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(10)]
+        await started.wait()
+        await wait_until(lambda: engine.stats().kv_cache_usage > 0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_until(
+            lambda: engine.stats().kv_cache_usage == 0.0 and engine.stats().num_running == 0
+        )
+        out = await collect(engine, "after", ids, SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        await engine.shutdown()
+
+
+async def test_bad_input_and_queue_bound(tiny_llama_dir):
+    engine = await AsyncEngine.create(
+        make_config(tiny_llama_dir, max_num_seqs=1, max_num_queued_requests=1)
+    )
+    try:
+        with pytest.raises(ValueError, match="maximum context length"):
+            await collect(engine, "long", [5] * 300, SamplingParams(max_tokens=1))
+        ids = engine.tokenizer.encode("Hello")
+        slow = SamplingParams(max_tokens=150, ignore_eos=True)
+        running = asyncio.create_task(collect(engine, "a", ids, slow))
+        await wait_until(lambda: engine.stats().num_running == 1)
+        queued = asyncio.create_task(collect(engine, "b", ids, slow))
+        await wait_until(lambda: engine.stats().num_waiting == 1)
+        with pytest.raises(QueueFullError):
+            await collect(engine, "c", ids, slow)
+        queued.cancel()
+        running.cancel()
+        await asyncio.gather(running, queued, return_exceptions=True)
+        await wait_until(
+            lambda: engine.stats().num_waiting == 0 and engine.stats().num_running == 0
+        )
+    finally:
+        await engine.shutdown()
+    assert not engine.is_healthy()

@@ -1,0 +1,69 @@
+"""Tensor parallelism inside the layers: 2 gloo ranks give the same logits as one process."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.attention.metadata import AttentionMetadataBuilder
+from engine.models.loader import load_model
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 8
+# A prefill of 11 tokens into blocks [5, 2], then a decode of a 12th token.
+PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
+
+
+def _logits(model_dir) -> torch.Tensor:
+    model = load_model(model_dir, dtype="float32")
+    cfg = model.config
+    from engine.worker.distributed import get_tp_size
+
+    hkv = cfg.num_key_value_heads // get_tp_size()
+    for attn in model.attention_layers():
+        attn.kv_cache = torch.zeros(2, 8, BLOCK, hkv, cfg.head_dim)
+    builder = AttentionMetadataBuilder(BLOCK, hkv, cfg.head_dim, torch.float32)
+    with torch.inference_mode():
+        meta = builder.build([(0, len(PROMPT), [5, 2])])
+        a = model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), meta))
+        meta = builder.build([(len(PROMPT), 1, [5, 2])])
+        b = model.compute_logits(model(torch.tensor([42]), torch.tensor([len(PROMPT)]), meta))
+    return torch.cat([a, b])
+
+
+def _worker(rank: int, port: int, model_dirs: list, out_file: str) -> None:
+    from engine.worker.distributed import destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
+    try:
+        results = [_logits(d) for d in model_dirs]
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        destroy_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_matches_tp1(tiny_llama_dir, tiny_qwen2_dir, make_tiny_model, tmp_path):
+    torch.set_num_threads(1)
+    # Odd vocab (a padded last shard) and biases on every projection (row-parallel bias).
+    odd = make_tiny_model(
+        "tiny-llama-odd-vocab", vocab_size=387, attention_bias=True, mlp_bias=True, seed=3
+    )
+    dirs = [tiny_llama_dir, tiny_qwen2_dir, odd]
+    expected = [_logits(d) for d in dirs]
+    out = tmp_path / "tp2.pt"
+    mp.spawn(_worker, args=(_free_port(), dirs, str(out)), nprocs=2, join=True)
+    for got, want in zip(torch.load(out), expected, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

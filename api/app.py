@@ -1,0 +1,131 @@
+"""create_app: the Litestar application — routes, auth hook, error envelope, engine lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from litestar import Litestar, Request, Response
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.types import ControllerRouterHandler
+
+import engine as engine_pkg
+from api.errors import APIError, unavailable
+from api.lifespan import ServerState, make_lifespan
+from api.metrics import Metrics, MetricsPlugin
+from api.routes.openai import OpenAIController
+from api.routes.system import SystemController
+from api.settings import Settings
+from api.streaming import ClientDisconnected
+from engine.errors import EngineDeadError, QueueFullError
+
+logger = logging.getLogger("tessera.api")
+
+_STATUS_CODES = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    403: ("permission_denied", "permission_denied"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    429: ("rate_limit_exceeded", "rate_limit_exceeded"),
+}
+
+
+def create_app(
+    settings: Settings,
+    engine: Any | None = None,
+    *,
+    extra_route_handlers: Sequence[ControllerRouterHandler] = (),
+) -> Litestar:
+    """The app. Without `engine`, the lifespan loads one from `settings` and stops it on exit;
+    a given engine is used as is and left running (its owner shuts it down).
+
+    `extra_route_handlers` mounts other parts (admin routes, the console)."""
+    state = ServerState(settings, engine)
+    metrics = Metrics(settings.model_name, max_model_len=settings.max_model_len or 1_000_000)
+    return Litestar(
+        route_handlers=[OpenAIController, SystemController, *extra_route_handlers],
+        lifespan=[make_lifespan(state)],
+        state=State({"server": state}),
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_exception,
+            QueueFullError: _engine_unavailable,
+            EngineDeadError: _engine_unavailable,
+            ClientDisconnected: _client_gone,
+            Exception: _internal_error,
+        },
+        plugins=[MetricsPlugin(metrics)],  # GET /metrics, HTTP counters, app.state.metrics
+        request_max_body_size=settings.max_body_size,
+        openapi_config=OpenAPIConfig(
+            title="Tessera",
+            version=engine_pkg.__version__,
+            description="OpenAI-compatible LLM serving.",
+            path="/docs",
+            render_plugins=[SwaggerRenderPlugin(path="/")],
+        ),
+        debug=False,
+    )
+
+
+def _api_error(_request: Request, exc: APIError) -> Response:
+    return Response(exc.to_body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own errors (bad JSON, validation, 404 route, 405, 413) in the envelope."""
+    status = exc.status_code
+    type_, code = _STATUS_CODES.get(status, ("server_error", None))
+    message, param = exc.detail, None
+    if isinstance(exc, ValidationException):
+        message, param = _validation_message(exc)
+    elif status == 413:
+        limit = request.app.state.server.settings.max_body_size
+        message = (
+            f"The request body is larger than this server accepts ({limit} bytes); "
+            "send a smaller body or raise --max-body-size."
+        )
+    elif status == 404:
+        message = f"No route for {request.method} {request.url.path}."
+    err = APIError(status, message, type_, code=code, param=param)
+    return Response(err.to_body(), status_code=status, headers=dict(exc.headers or {}))
+
+
+def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    problems, param = [], None
+    for item in extra:
+        if not isinstance(item, dict):
+            continue
+        key = item.get("key")
+        msg = item.get("message", "invalid value")
+        if key and key != "body":
+            param = param or key.removeprefix("$.")
+            problems.append(f"`{key.removeprefix('$.')}`: {msg}")
+        else:
+            problems.append(str(msg))
+    if not problems:
+        return f"Invalid request: {exc.detail}", None
+    return "Invalid request body: " + "; ".join(problems) + ".", param
+
+
+def _engine_unavailable(_request: Request, exc: Exception) -> Response:
+    err = unavailable(str(exc) or "The engine cannot take requests now; retry shortly.", 1)
+    return _api_error(_request, err)
+
+
+def _client_gone(_request: Request, _exc: Exception) -> Response:
+    # The client left while its request waited for the engine; nobody reads this.
+    return Response(b"", status_code=499)
+
+
+def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("Unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    err = APIError(500, "Internal server error.", "server_error", code="internal_error")
+    return _api_error(request, err)

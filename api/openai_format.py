@@ -1,0 +1,319 @@
+"""Engine outputs -> OpenAI bodies: whole responses and SSE chunks, for chat and completions.
+
+The engine's RequestOutputs are cumulative; a formatter remembers how much of each choice it
+has sent and turns the rest into deltas. Streams follow OpenAI's order: (chat) a role delta
+per choice, content deltas, a finish chunk per choice, the usage chunk if asked, [DONE]. An
+error after the first byte is an SSE `data: {"error": ...}` event, then [DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from msgspec import UNSET
+
+from api.errors import APIError, invalid_request, unavailable
+from api.schemas.openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from api.streaming import SSE_DONE, Generation, sse_event
+from engine.errors import EngineDeadError, QueueFullError
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("tessera.api")
+
+
+def usage_of(outputs: list[RequestOutput | None], prompts: list[list[int]]) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs if o is not None)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _check_finish(c: CompletionOutput) -> None:
+    """finish_reason abort/error are not OpenAI's: they end the request with an error."""
+    if c.finish_reason == "abort":
+        raise unavailable("The request was aborted (the server is shutting down); retry it.", 5)
+    if c.finish_reason == "error":
+        raise APIError(500, "The engine failed while running this request.", "server_error")
+
+
+def _check_complete(outputs: list[RequestOutput | None]) -> None:
+    for o in outputs:
+        if o is None or not o.finished:
+            raise unavailable("The request was aborted before it finished; retry it.", 5)
+        if o.error:
+            raise APIError(500, f"The engine failed: {o.error}", "server_error")
+        for c in o.outputs:
+            _check_finish(c)
+
+
+class _Formatter:
+    def __init__(self, rid: str, model: str, tokenizer: Any, params: SamplingParams) -> None:
+        self.id = rid
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n = params.n
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+        self._sent_text: dict[int, int] = {}  # choice index -> characters sent
+        self._sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
+        self._done: set[int] = set()
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _new(self, index: int, c: CompletionOutput) -> tuple[str, list[TokenLogprobs] | None]:
+        """The text and logprobs of choice `index` not sent yet; marks them sent."""
+        sent = self._sent_text.get(index, 0)
+        delta = c.text[sent:] if len(c.text) > sent else ""
+        self._sent_text[index] = max(sent, len(c.text))
+        lps = None
+        if c.logprobs is not None:
+            k = self._sent_tokens.get(index, 0)
+            lps = c.logprobs[k:]
+            self._sent_tokens[index] = len(c.logprobs)
+        return delta, lps
+
+
+class ChatFormatter(_Formatter):
+    def __init__(
+        self, rid: str, model: str, tokenizer: Any, params: SamplingParams, logprobs: bool
+    ) -> None:
+        super().__init__(rid, model, tokenizer, params)
+        self.want_logprobs = logprobs
+
+    def _logprobs(self, lps: list[TokenLogprobs] | None) -> ChatLogprobs | None:
+        if not self.want_logprobs or lps is None:
+            return None
+        content = []
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            top = [
+                TopLogprob(token=(t := self.token_text(tid)), logprob=v, bytes=list(t.encode()))
+                for tid, v in lp.top
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def response(
+        self, outputs: list[RequestOutput | None], prompts: list[list[int]]
+    ) -> ChatCompletionResponse:
+        _check_complete(outputs)
+        out = outputs[0]
+        assert out is not None
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage_of(outputs, prompts),
+        )
+
+    def _chunk(self, choice: ChatChunkChoice, usage: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
+
+    def start_events(self, usage: Any) -> list[Any]:
+        return [
+            self._chunk(ChatChunkChoice(i, DeltaMessage(role="assistant", content="")), usage)
+            for i in range(self.n)
+        ]
+
+    def update_events(self, _prompt: int, out: RequestOutput, usage: Any) -> list[Any]:
+        events = []
+        for c in out.outputs:
+            if c.index in self._done:
+                continue
+            _check_finish(c)
+            delta, lps = self._new(c.index, c)
+            if delta or lps:
+                events.append(
+                    self._chunk(
+                        ChatChunkChoice(
+                            c.index, DeltaMessage(content=delta), logprobs=self._logprobs(lps)
+                        ),
+                        usage,
+                    )
+                )
+            if c.finish_reason is not None:
+                self._done.add(c.index)
+                events.append(
+                    self._chunk(
+                        ChatChunkChoice(c.index, DeltaMessage(), finish_reason=c.finish_reason),
+                        usage,
+                    )
+                )
+        return events
+
+    def usage_event(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+
+class CompletionFormatter(_Formatter):
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        tokenizer: Any,
+        params: SamplingParams,
+        echo: list[str] | None,
+    ) -> None:
+        super().__init__(rid, model, tokenizer, params)
+        self.want_logprobs = params.logprobs is not None
+        self.echo = echo
+        self._offset: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def _logprobs(self, index: int, lps: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
+        if not self.want_logprobs or lps is None:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        offset = self._offset.get(index, 0)
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            values.append(lp.logprob)
+            tops.append({self.token_text(tid): v for tid, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        self._offset[index] = offset
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+        )
+
+    def response(
+        self, outputs: list[RequestOutput | None], prompts: list[list[int]]
+    ) -> CompletionResponse:
+        _check_complete(outputs)
+        choices = []
+        for i, out in enumerate(outputs):
+            assert out is not None
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                prefix = self.echo[i] if self.echo else ""
+                choices.append(
+                    CompletionChoice(
+                        index=i * self.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=self._logprobs(i * self.n + c.index, c.logprobs),
+                        finish_reason=c.finish_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage_of(outputs, prompts),
+        )
+
+    def _chunk(self, choice: CompletionChoice, usage: Any) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
+
+    def start_events(self, usage: Any) -> list[Any]:
+        if not self.echo:
+            return []
+        return [
+            self._chunk(CompletionChoice(i * self.n + k, text, None, None), usage)
+            for i, text in enumerate(self.echo)
+            for k in range(self.n)
+        ]
+
+    def update_events(self, prompt: int, out: RequestOutput, usage: Any) -> list[Any]:
+        events = []
+        for c in out.outputs:
+            index = prompt * self.n + c.index
+            if index in self._done:
+                continue
+            _check_finish(c)
+            delta, lps = self._new(index, c)
+            if delta or lps or c.finish_reason is not None:
+                if c.finish_reason is not None:
+                    self._done.add(index)
+                events.append(
+                    self._chunk(
+                        CompletionChoice(index, delta, self._logprobs(index, lps), c.finish_reason),
+                        usage,
+                    )
+                )
+        return events
+
+    def usage_event(self, usage: Usage) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+
+def error_body(exc: BaseException) -> dict:
+    if isinstance(exc, APIError):
+        return exc.to_body()
+    if isinstance(exc, QueueFullError | EngineDeadError):
+        return unavailable(f"The engine stopped serving this request: {exc}").to_body()
+    if isinstance(exc, ValueError):
+        return invalid_request(str(exc)).to_body()
+    logger.exception("Stream failed", exc_info=exc)
+    return APIError(500, "Internal error while streaming.", "server_error").to_body()
+
+
+async def sse_stream(gen: Generation, fmt: Any, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body of a streaming request. `gen` was admitted already (`start` succeeded)."""
+    usage = None if include_usage else UNSET
+    try:
+        events = fmt.start_events(usage)
+        if events:
+            yield b"".join(sse_event(e) for e in events)
+        async for i, out in gen.updates():
+            events = fmt.update_events(i, out, usage)
+            if events:
+                yield b"".join(sse_event(e) for e in events)
+        if not gen.finished:
+            raise unavailable("The request was aborted before it finished; retry it.", 5)
+        if include_usage:
+            yield sse_event(fmt.usage_event(usage_of(gen.latest, gen.prompts)))
+    except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel in-band
+        yield sse_event(error_body(exc))
+    yield SSE_DONE

@@ -1,0 +1,180 @@
+"""OpenAI request bodies -> engine inputs: token ids and SamplingParams.
+
+Every refusal is a 400 whose message says what to change and whose `param` names the field,
+e.g. "This model's maximum context length is 2048 tokens; your prompt has 2100 tokens and
+max_tokens asks for 256 more (2356 in total). Shorten the prompt or lower max_tokens."
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import fields as dc_fields
+from typing import Any
+
+from api.errors import invalid_request, model_not_found
+from api.schemas.openai import ChatMessage
+from engine.sampling_params import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Prompts longer than this (characters) are tokenized off the event loop.
+TOKENIZE_IN_THREAD_CHARS = 16_384
+_PARAM_NAMES = {f.name for f in dc_fields(SamplingParams)}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def check_model(requested: str, engine: Any) -> None:
+    if requested != engine.model_name:
+        raise model_not_found(requested)
+
+
+def check_stream_options(data: Any) -> None:
+    if data.stream_options is not None and not data.stream:
+        raise invalid_request("stream_options is only allowed with stream: true.", "stream_options")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages -> [{"role", "content": str}] for the chat template."""
+    if not messages:
+        raise invalid_request("messages must contain at least one message.", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = _CHAT_ROLES.get(m.role)
+        if role is None:
+            raise invalid_request(
+                f"messages[{i}].role must be system, developer, user or assistant; got {m.role!r}.",
+                f"messages[{i}].role",
+            )
+        content = m.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            parts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid_request(
+                        f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts "
+                        "are supported.",
+                        f"messages[{i}].content",
+                    )
+                parts.append(part.text)
+            text = "\n".join(parts)
+        out.append({"role": role, "content": text})
+    return out
+
+
+async def completion_prompts(
+    prompt: Any, tokenizer: Any, max_prompts: int
+) -> tuple[list[list[int]], list[str | None]]:
+    """The prompt field -> (token ids per prompt, text per prompt or None for token prompts)."""
+    if isinstance(prompt, str):
+        texts: list[str] | None = [prompt]
+        token_prompts = None
+    elif not prompt:
+        raise invalid_request("prompt must not be empty.", "prompt")
+    elif all(isinstance(p, str) for p in prompt):
+        texts, token_prompts = list(prompt), None
+    elif all(isinstance(p, int) for p in prompt):
+        texts, token_prompts = None, [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        texts, token_prompts = None, [list(p) for p in prompt]
+    else:
+        raise invalid_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists (not a mix).",
+            "prompt",
+        )
+    count = len(texts if texts is not None else token_prompts)
+    if count > max_prompts:
+        raise invalid_request(
+            f"prompt holds {count} prompts; at most {max_prompts} are allowed per request.",
+            "prompt",
+        )
+    if token_prompts is not None:
+        vocab = tokenizer.vocab_size
+        for p in token_prompts:
+            bad = next((t for t in p if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid_request(
+                    f"Token id {bad} in the prompt is out of range: the vocabulary has {vocab} "
+                    f"tokens (ids 0..{vocab - 1}).",
+                    "prompt",
+                )
+        return token_prompts, [None] * len(token_prompts)
+    assert texts is not None
+    ids = [
+        await off_loop_if_long(len(t), tokenizer.encode, t, add_special_tokens=True) for t in texts
+    ]
+    return ids, list(texts)
+
+
+def fit_context(n_prompt: int, max_tokens: int | None, limit: int, param: str) -> int:
+    """max_tokens to ask of the engine: the request's, or what the context leaves."""
+    what = "messages" if param == "messages" else "prompt"
+    if n_prompt == 0:
+        raise invalid_request(f"The {what} is empty: it must contain at least one token.", param)
+    if max_tokens is None:
+        if n_prompt >= limit:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens; your {what} has "
+                f"{n_prompt} tokens, which leaves no room for a completion. Shorten the {what}.",
+                param,
+            )
+        return limit - n_prompt
+    if max_tokens >= 1 and n_prompt + max_tokens > limit:
+        raise invalid_request(
+            f"This model's maximum context length is {limit} tokens; your {what} has {n_prompt} "
+            f"tokens and max_tokens asks for {max_tokens} more ({n_prompt + max_tokens} in "
+            f"total). Shorten the {what} or lower max_tokens.",
+            param,
+        )
+    return max_tokens
+
+
+def sampling_params(data: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
+    bias = None
+    if data.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in data.logit_bias.items()}
+        except ValueError:
+            raise invalid_request(
+                "logit_bias keys must be token ids (integers as strings).", "logit_bias"
+            ) from None
+    try:
+        return SamplingParams(
+            n=1 if data.n is None else data.n,
+            max_tokens=max_tokens,
+            min_tokens=data.min_tokens or 0,
+            temperature=1.0 if data.temperature is None else data.temperature,
+            top_p=1.0 if data.top_p is None else data.top_p,
+            top_k=data.top_k or 0,
+            min_p=data.min_p or 0.0,
+            presence_penalty=data.presence_penalty or 0.0,
+            frequency_penalty=data.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if data.repetition_penalty is None else data.repetition_penalty,
+            logit_bias=bias,
+            seed=data.seed,
+            stop=stop,
+            stop_token_ids=list(data.stop_token_ids or []),
+            include_stop_str_in_output=data.include_stop_str_in_output,
+            ignore_eos=data.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=data.skip_special_tokens,
+        )
+    except ValueError as e:
+        message = str(e)
+        m = re.match(r"(\w+)", message)
+        param = m.group(1) if m and m.group(1) in _PARAM_NAMES else None
+        if param == "logprobs" and hasattr(data, "top_logprobs"):
+            param, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
+        raise invalid_request(message, param) from None
+
+
+async def off_loop_if_long(size: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Tokenizing a long prompt takes milliseconds: do it off the event loop then."""
+    if size > TOKENIZE_IN_THREAD_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models,
+/tokenize and /detokenize.
+
+Each generation handler: validate the body into token ids and SamplingParams (400s name the
+parameter to change), admit a Generation (503 when the queue is full, 499 if the client
+leaves while it waits), then answer as one JSON body or as SSE chunks (api/openai_format.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from litestar import Controller, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency, Provide
+from litestar.params import JSONBody
+from litestar.response import Stream
+
+from api.deps import check_model_access, provide_principal, provide_server, require_principal
+from api.errors import APIError, invalid_request, unavailable
+from api.lifespan import ServerState
+from api.openai_format import ChatFormatter, CompletionFormatter, sse_stream
+from api.openai_inputs import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    chat_messages,
+    check_model,
+    check_stream_options,
+    completion_prompts,
+    fit_context,
+    off_loop_if_long,
+    sampling_params,
+)
+from api.schemas.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from api.streaming import SSE_HEADERS, ClientDisconnected, Generation, until_disconnect
+from engine.errors import EngineDeadError, QueueFullError
+from engine.sampling_params import SamplingParams
+
+
+class OpenAIController(Controller):
+    guards = [require_principal]
+    dependencies = {
+        "principal": Provide(provide_principal, sync_to_thread=False),
+        "server": Provide(provide_server, sync_to_thread=False),
+    }
+    tags = ["OpenAI"]
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(
+        self,
+        data: JSONBody[ChatCompletionRequest],
+        request: Request,
+        server: NamedDependency[ServerState],
+        principal: NamedDependency[Any],
+    ) -> ChatCompletionResponse:
+        """Chat completion; with `stream: true` an SSE stream of chat.completion.chunk events."""
+        engine = _require_engine(server, request)
+        check_model(data.model, engine)
+        check_model_access(request, principal, data.model)
+        check_stream_options(data)
+        messages = chat_messages(data.messages)
+        try:
+            prompt = await off_loop_if_long(
+                sum(len(m["content"]) for m in messages),
+                engine.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=True,
+            )
+        except ValueError as e:  # no chat template
+            raise invalid_request(f"{e} Use /v1/completions with a plain prompt.") from None
+        max_tokens = data.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = data.max_tokens
+        max_tokens = fit_context(len(prompt), max_tokens, engine.max_model_len, "messages")
+        top = data.top_logprobs
+        if top is not None and not data.logprobs:
+            raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
+        params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
+
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
+        gen = await _admit(server, engine, request, principal, [rid], [prompt], params)
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            return _sse_response(gen, fmt, include_usage)  # type: ignore[return-value]
+        return await _run_to_end(gen, request, fmt)
+
+    @post("/v1/completions", status_code=200)
+    async def completions(
+        self,
+        data: JSONBody[CompletionRequest],
+        request: Request,
+        server: NamedDependency[ServerState],
+        principal: NamedDependency[Any],
+    ) -> CompletionResponse:
+        """Text completion; with `stream: true` an SSE stream of text_completion events."""
+        engine = _require_engine(server, request)
+        check_model(data.model, engine)
+        check_model_access(request, principal, data.model)
+        check_stream_options(data)
+        if data.suffix:
+            raise invalid_request("suffix is not supported.", "suffix")
+        if data.best_of is not None and data.best_of != (data.n or 1):
+            raise invalid_request("best_of is not supported; use n.", "best_of")
+        if data.echo and data.logprobs is not None:
+            raise invalid_request(
+                "echo together with logprobs is not supported (prompt logprobs are not "
+                "computed); drop one of them.",
+                "echo",
+            )
+        prompts, texts = await completion_prompts(
+            data.prompt, engine.tokenizer, server.settings.max_prompts_per_request
+        )
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
+        for p in prompts:
+            fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
+        params = sampling_params(data, max_tokens, data.logprobs)
+
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
+        echo = None
+        if data.echo:
+            echo = [
+                t if t is not None else engine.tokenizer.decode(p, skip_special_tokens=False)
+                for p, t in zip(prompts, texts, strict=True)
+            ]
+        fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
+        gen = await _admit(server, engine, request, principal, rids, prompts, params)
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            return _sse_response(gen, fmt, include_usage)  # type: ignore[return-value]
+        return await _run_to_end(gen, request, fmt)
+
+    @get("/v1/models")
+    async def models(
+        self, server: NamedDependency[ServerState], principal: NamedDependency[Any]
+    ) -> ModelList:
+        engine = server.require_engine()
+        card = ModelCard(
+            id=engine.model_name,
+            created=int(server.started_at),
+            root=server.settings.model,
+            max_model_len=engine.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(
+        self,
+        data: JSONBody[TokenizeRequest],
+        server: NamedDependency[ServerState],
+        principal: NamedDependency[Any],
+    ) -> TokenizeResponse:
+        """Token ids of a prompt, or of chat messages rendered with the chat template."""
+        engine = server.require_engine()
+        if data.model is not None:
+            check_model(data.model, engine)
+        tok = engine.tokenizer
+        if (data.prompt is None) == (data.messages is None):
+            raise invalid_request("Give exactly one of prompt and messages.", "prompt")
+        if data.prompt is not None:
+            ids = await off_loop_if_long(
+                len(data.prompt),
+                tok.encode,
+                data.prompt,
+                add_special_tokens=data.add_special_tokens,
+            )
+        else:
+            messages = chat_messages(data.messages or [])
+            try:
+                ids = tok.apply_chat_template(
+                    messages, add_generation_prompt=data.add_generation_prompt
+                )
+            except ValueError as e:
+                raise invalid_request(str(e), "messages") from None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(
+        self,
+        data: JSONBody[DetokenizeRequest],
+        server: NamedDependency[ServerState],
+        principal: NamedDependency[Any],
+    ) -> DetokenizeResponse:
+        engine = server.require_engine()
+        if data.model is not None:
+            check_model(data.model, engine)
+        vocab = engine.tokenizer.vocab_size
+        bad = next((t for t in data.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid_request(
+                f"Token id {bad} is out of range: the vocabulary has {vocab} tokens "
+                f"(ids 0..{vocab - 1}).",
+                "tokens",
+            )
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(data.tokens))
+
+
+# --- admission and answering ---------------------------------------------------------------
+
+
+async def _admit(
+    server: ServerState,
+    engine: Any,
+    request: Request,
+    principal: Any,
+    request_ids: list[str],
+    prompts: list[list[int]],
+    params: SamplingParams,
+) -> Generation:
+    """Start the engine requests; map the engine's refusals to HTTP errors."""
+    metrics = request.app.state.get("metrics")  # api/metrics.py's Metrics, when mounted
+    gen = Generation(
+        engine,
+        request_ids,
+        prompts,
+        params,
+        priority=getattr(principal, "priority", 0),
+        cache_salt=getattr(principal, "cache_salt", None),
+        on_close=server.untrack,
+        observer=metrics,
+        key_name=getattr(principal, "key_name", None),
+    )
+    server.track(gen)
+    try:
+        await until_disconnect(gen.start(), request.receive)
+    except BaseException as exc:
+        await gen.close()
+        if metrics is not None and isinstance(exc, QueueFullError | EngineDeadError):
+            metrics.rejected("admission", _REJECTIONS[type(exc)])
+        raise _engine_error(exc) from None
+    return gen
+
+
+_REJECTIONS = {QueueFullError: "queue_full", EngineDeadError: "engine_dead"}
+_PHASE_REJECTIONS = {"loading": "loading", "failed": "engine_dead"}
+
+
+def _require_engine(server: ServerState, request: Request) -> Any:
+    """server.require_engine(), counting a refusal (loading, draining) in the metrics."""
+    try:
+        return server.require_engine()
+    except APIError:
+        metrics = request.app.state.get("metrics")
+        if metrics is not None:
+            metrics.rejected("admission", _PHASE_REJECTIONS.get(server.phase.value, "draining"))
+        raise
+
+
+def _engine_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, QueueFullError):
+        return unavailable(str(exc) or "The server is overloaded; retry shortly.", retry_after=1)
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"The engine is not running: {exc}", retry_after=5)
+    if isinstance(exc, ValueError):  # the engine's input checks: messages made for users
+        return invalid_request(str(exc))
+    return exc
+
+
+async def _run_to_end(gen: Generation, request: Request, fmt: Any) -> Any:
+    try:
+        outputs = await until_disconnect(gen.collect(), request.receive)
+    except ClientDisconnected:
+        return Response(content=b"", status_code=499)  # nobody is listening
+    except (QueueFullError, EngineDeadError, ValueError) as exc:
+        raise _engine_error(exc) from None
+    finally:
+        await gen.close()
+    return fmt.response(outputs, gen.prompts)
+
+
+def _sse_response(gen: Generation, fmt: Any, include_usage: bool) -> Stream:
+    # The background task runs after the body is sent or the client left (Litestar cancels
+    # the body on disconnect): either way it aborts what still runs in the engine.
+    return Stream(
+        sse_stream(gen, fmt, include_usage),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+        background=BackgroundTask(gen.close),
+    )

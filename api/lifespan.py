@@ -22,6 +22,7 @@ from api.settings import Settings, to_engine_config
 if TYPE_CHECKING:
     from litestar import Litestar
 
+    from api.access import Access
     from api.streaming import Generation
 
 logger = logging.getLogger("tessera.api")
@@ -164,6 +165,22 @@ class ServerState:
         self.phase = Phase.STOPPED
         if self.engine is not None and self.owns_engine:
             await self.engine.shutdown()
+
+
+def make_access_lifespan(
+    access: Access,
+) -> Callable[[Litestar], contextlib.AbstractAsyncContextManager]:
+    """Database, keys, quotas and ledger: up before the engine lifespan, down after it drained."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Litestar) -> AsyncIterator[None]:
+        await access.start()
+        try:
+            yield
+        finally:
+            await access.stop()
+
+    return lifespan
 
 
 def make_lifespan(

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.config import (
@@ -153,6 +154,11 @@ class Settings:
     max_num_queued_requests: int | None = _flag(
         "Longest waiting queue; beyond it requests get 503 with Retry-After.", 1024, _opt_int
     )
+    scheduling_policy: str = _flag(
+        "fcfs: first come, first served; priority: lower API-key priority runs first.",
+        "fcfs",
+        choices=("fcfs", "priority"),
+    )
     block_size: int = _flag("KV cache block size in tokens.", 16, int)
     num_kv_blocks: int | None = _flag(
         "Exact number of KV cache blocks (overrides --kv-cache-memory).", None, _opt_int
@@ -168,10 +174,11 @@ class Settings:
     )
     tensor_parallel_size: int = _flag("Tensor-parallel ranks (worker processes).", 1, int)
     # --- auth, storage (used by api/auth.py and the services) ---
-    auth: str = _flag(
-        "keys: /v1 requests need a valid key (database keys or --api-key); static: only "
-        "--api-key keys; none: an open server.",
-        "keys",
+    auth: str | None = _flag(
+        "keys: API keys from the database (plus any --api-key); static: only the --api-key "
+        "keys, no database (vLLM-compatible); none: an open server, for local development. "
+        "Default: static when --api-key is given, else keys.",
+        None,
         choices=("keys", "static", "none"),
     )
     api_key: list[str] = _flag(
@@ -180,14 +187,31 @@ class Settings:
         kind="list",
         factory=list,
     )
-    database_url: str | None = _flag("Database URL for keys, quotas and usage.")
-    admin_token: str | None = _flag("Bearer token for the admin API and console.")
-    data_dir: str | None = _flag("Folder for the SQLite database and other state.")
+    database_url: str | None = _flag(
+        "Database for keys, quotas and usage: sqlite+aiosqlite:///PATH or "
+        "postgresql+asyncpg://USER:PASS@HOST/DB (replicas). Default: SQLite in the data dir."
+    )
+    admin_token: str | None = _flag(
+        "Bearer token for the admin API and console (default: generated on first start and "
+        "kept in <data dir>/admin_token)."
+    )
+    data_dir: str | None = _flag(
+        "Folder for the SQLite database and the admin token file "
+        "(default: $XDG_DATA_HOME/tessera, i.e. ~/.local/share/tessera)."
+    )
     metrics_require_admin: bool = _flag(
         "Serve /metrics only with the admin token.", False, parse_bool, kind="bool"
     )
 
+    def __post_init__(self) -> None:
+        if self.auth is None:  # `--api-key K` alone means vLLM's static-key server
+            self.auth = "static" if self.api_key else "keys"
+
     def validate(self) -> None:
+        if self.auth not in ("keys", "static", "none"):
+            raise ValueError(f"auth must be one of keys, static, none; got {self.auth!r}")
+        if self.auth == "static" and not self.api_key:
+            raise ValueError("--auth static needs at least one --api-key KEY (or TESSERA_API_KEY)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:
@@ -209,6 +233,22 @@ class Settings:
     def model_name(self) -> str:
         """The name clients put in the `model` field."""
         return self.served_model_name or self.model
+
+    @property
+    def uses_database(self) -> bool:
+        """Keys mode needs the database; the other modes use one only when given a URL."""
+        return self.auth == "keys" or self.database_url is not None
+
+    def resolved_data_dir(self) -> Path:
+        """--data-dir, else the folder `tessera keys` / `tessera db` use too."""
+        from api.cli_db import default_data_dir
+
+        return Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
+
+    def resolved_database_url(self) -> str:
+        from api.db.session import default_database_url
+
+        return self.database_url or default_database_url(self.resolved_data_dir())
 
     @classmethod
     def from_args(
@@ -320,6 +360,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
             enable_prefix_caching=s.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
+            policy=s.scheduling_policy,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             block_size=s.block_size,

@@ -25,6 +25,7 @@ T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 
 
 def sse_event(obj: Any) -> bytes:
@@ -99,7 +100,7 @@ class Generation:
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
         self._on_close = on_close
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None
         self._observer = observer
         self._key_name = key_name
         self._observed = False  # the observer saw request_started (admitted requests only)
@@ -181,11 +182,19 @@ class Generation:
             pass
         return self.latest
 
+    def close_soon(self) -> asyncio.Future[None]:
+        """Start closing (idempotent) without waiting: for a `finally` of a cancelled task,
+        where nothing can be awaited. The close runs as its own task."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        return self._closing
+
     async def close(self) -> None:
-        """Abort what still runs (idempotent). Safe to call from a response's background task."""
-        if self._closed:
-            return
-        self._closed = True
+        """Abort what still runs and run `on_close` (idempotent). Every caller waits for the
+        same close, and a caller's cancellation does not interrupt it."""
+        await asyncio.shield(self.close_soon())
+
+    async def _close(self) -> None:
         try:
             for i, it in enumerate(self._iters):
                 out = self.latest[i]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,7 @@ class Database:
         )
         self._write_sessions = async_sessionmaker(self._write_engine, expire_on_commit=False)
         self._write_lock: asyncio.Lock | None = None
+        self._on_dispose: list[Callable[[], None]] = []
 
     @classmethod
     def from_url(cls, url: str, **engine_kwargs: Any) -> Database:
@@ -189,6 +190,11 @@ class Database:
         async with self._sqlite_write_lock(write), engine.begin() as conn:
             yield conn
 
+    def sqlite_write_lock(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The in-process lock every SQLite write transaction holds; writers that bypass
+        SQLAlchemy (the quota hot path) take it too. A no-op on Postgres."""
+        return self._sqlite_write_lock(True)
+
     @contextlib.asynccontextmanager
     async def _sqlite_write_lock(self, write: bool) -> AsyncIterator[None]:
         if not (write and self.is_sqlite):
@@ -221,5 +227,11 @@ class Database:
             f"run `tessera db upgrade --database-url {redact(self.url)}` first"
         )
 
+    def on_dispose(self, close: Callable[[], None]) -> None:
+        """Call `close` when the pool is disposed: for connections opened outside it."""
+        self._on_dispose.append(close)
+
     async def dispose(self) -> None:
+        for close in self._on_dispose:
+            close()
         await self.engine.dispose()

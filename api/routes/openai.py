@@ -2,13 +2,21 @@
 /tokenize and /detokenize.
 
 Each generation handler: validate the body into token ids and SamplingParams (400s name the
-parameter to change), admit a Generation (503 when the queue is full, 499 if the client
-leaves while it waits), then answer as one JSON body or as SSE chunks (api/openai_format.py).
+parameter to change), check the caller's key may use the model (403), reserve the request's
+worst case (prompt + max_tokens * n) against the key's quotas (429, or 503 when the database
+is down), admit a Generation (503 when the queue is full, 499 if the client leaves while it
+waits), then answer as one JSON body or as SSE chunks (api/openai_format.py) that carry the
+key's x-ratelimit-* headers. However the request ends (done, error, client gone), closing the
+Generation settles its Ticket (api/accounting.py): one usage row, and the reservation
+reconciled to the tokens actually used before the response's last byte.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
@@ -17,6 +25,8 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import JSONBody
 from litestar.response import Stream
 
+from api.accounting import CLIENT_CLOSED, Accountant, Ticket
+from api.auth import Principal
 from api.deps import check_model_access, provide_principal, provide_server, require_principal
 from api.errors import APIError, invalid_request, unavailable
 from api.lifespan import ServerState
@@ -43,7 +53,14 @@ from api.schemas.openai import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from api.streaming import SSE_HEADERS, ClientDisconnected, Generation, until_disconnect
+from api.streaming import (
+    SSE_CONTENT_TYPE,
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    Generation,
+    until_disconnect,
+)
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -62,12 +79,13 @@ class OpenAIController(Controller):
         data: JSONBody[ChatCompletionRequest],
         request: Request,
         server: NamedDependency[ServerState],
-        principal: NamedDependency[Any],
+        principal: NamedDependency[Principal],
     ) -> ChatCompletionResponse:
         """Chat completion; with `stream: true` an SSE stream of chat.completion.chunk events."""
+        arrived = time.monotonic()
         engine = _require_engine(server, request)
+        check_model_access(request, data.model)
         check_model(data.model, engine)
-        check_model_access(request, principal, data.model)
         check_stream_options(data)
         messages = chat_messages(data.messages)
         try:
@@ -90,11 +108,13 @@ class OpenAIController(Controller):
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
-        gen = await _admit(server, engine, request, principal, [rid], [prompt], params)
+        reserved = len(prompt) + max_tokens * params.n
+        ticket = await _accountant(request).admit(principal, rid, data.model, reserved, arrived)
+        gen = await _admit(server, engine, request, principal, ticket, [rid], [prompt], params)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            return _sse_response(gen, fmt, include_usage)  # type: ignore[return-value]
-        return await _run_to_end(gen, request, fmt)
+            return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
+        return await _run_to_end(gen, request, ticket, fmt)
 
     @post("/v1/completions", status_code=200)
     async def completions(
@@ -102,12 +122,13 @@ class OpenAIController(Controller):
         data: JSONBody[CompletionRequest],
         request: Request,
         server: NamedDependency[ServerState],
-        principal: NamedDependency[Any],
+        principal: NamedDependency[Principal],
     ) -> CompletionResponse:
         """Text completion; with `stream: true` an SSE stream of text_completion events."""
+        arrived = time.monotonic()
         engine = _require_engine(server, request)
+        check_model_access(request, data.model)
         check_model(data.model, engine)
-        check_model_access(request, principal, data.model)
         check_stream_options(data)
         if data.suffix:
             raise invalid_request("suffix is not supported.", "suffix")
@@ -136,17 +157,23 @@ class OpenAIController(Controller):
                 for p, t in zip(prompts, texts, strict=True)
             ]
         fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
-        gen = await _admit(server, engine, request, principal, rids, prompts, params)
+        reserved = sum(len(p) + max_tokens * params.n for p in prompts)
+        ticket = await _accountant(request).admit(principal, cid, data.model, reserved, arrived)
+        gen = await _admit(server, engine, request, principal, ticket, rids, prompts, params)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            return _sse_response(gen, fmt, include_usage)  # type: ignore[return-value]
-        return await _run_to_end(gen, request, fmt)
+            return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
+        return await _run_to_end(gen, request, ticket, fmt)
 
     @get("/v1/models")
     async def models(
-        self, server: NamedDependency[ServerState], principal: NamedDependency[Any]
+        self, server: NamedDependency[ServerState], principal: NamedDependency[Principal]
     ) -> ModelList:
+        """The served model, unless the caller's key may not use it."""
         engine = server.require_engine()
+        allowed = principal.allowed_models
+        if allowed is not None and engine.model_name not in allowed:
+            return ModelList(data=[])
         card = ModelCard(
             id=engine.model_name,
             created=int(server.started_at),
@@ -159,12 +186,14 @@ class OpenAIController(Controller):
     async def tokenize(
         self,
         data: JSONBody[TokenizeRequest],
+        request: Request,
         server: NamedDependency[ServerState],
-        principal: NamedDependency[Any],
+        principal: NamedDependency[Principal],
     ) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered with the chat template."""
         engine = server.require_engine()
         if data.model is not None:
+            check_model_access(request, data.model)
             check_model(data.model, engine)
         tok = engine.tokenizer
         if (data.prompt is None) == (data.messages is None):
@@ -190,11 +219,13 @@ class OpenAIController(Controller):
     async def detokenize(
         self,
         data: JSONBody[DetokenizeRequest],
+        request: Request,
         server: NamedDependency[ServerState],
-        principal: NamedDependency[Any],
+        principal: NamedDependency[Principal],
     ) -> DetokenizeResponse:
         engine = server.require_engine()
         if data.model is not None:
+            check_model_access(request, data.model)
             check_model(data.model, engine)
         vocab = engine.tokenizer.vocab_size
         bad = next((t for t in data.tokens if not 0 <= t < vocab), None)
@@ -210,36 +241,57 @@ class OpenAIController(Controller):
 # --- admission and answering ---------------------------------------------------------------
 
 
+def _accountant(request: Request) -> Accountant:
+    return request.app.state.accountant
+
+
 async def _admit(
     server: ServerState,
     engine: Any,
     request: Request,
-    principal: Any,
+    principal: Principal,
+    ticket: Ticket,
     request_ids: list[str],
     prompts: list[list[int]],
     params: SamplingParams,
 ) -> Generation:
-    """Start the engine requests; map the engine's refusals to HTTP errors."""
+    """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
+    closing the Generation settles the ticket, whatever happens."""
+    accountant = _accountant(request)
     metrics = request.app.state.get("metrics")  # api/metrics.py's Metrics, when mounted
-    gen = Generation(
-        engine,
-        request_ids,
-        prompts,
-        params,
-        priority=getattr(principal, "priority", 0),
-        cache_salt=getattr(principal, "cache_salt", None),
-        on_close=server.untrack,
-        observer=metrics,
-        key_name=getattr(principal, "key_name", None),
-    )
+
+    def on_close(gen: Generation) -> None:
+        accountant.settle(ticket, gen.latest, gen.prompts)
+        server.untrack(gen)
+
+    try:
+        gen = Generation(
+            engine,
+            request_ids,
+            prompts,
+            params,
+            priority=principal.priority,
+            on_close=on_close,
+            observer=metrics,
+            key_name=principal.key_name,
+        )
+    except BaseException:
+        ticket.status_code = 500
+        accountant.settle(ticket, None, prompts)
+        raise
     server.track(gen)
+    ticket.submitted = time.monotonic()
     try:
         await until_disconnect(gen.start(), request.receive)
     except BaseException as exc:
+        err = _engine_error(exc)
+        ticket.status_code = _status_code(err)
         await gen.close()
+        await accountant.released(ticket)
         if metrics is not None and isinstance(exc, QueueFullError | EngineDeadError):
             metrics.rejected("admission", _REJECTIONS[type(exc)])
-        raise _engine_error(exc) from None
+        raise err from None
+    ticket.first_output = time.monotonic()
     return gen
 
 
@@ -263,29 +315,63 @@ def _engine_error(exc: BaseException) -> BaseException:
         return unavailable(str(exc) or "The server is overloaded; retry shortly.", retry_after=1)
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine is not running: {exc}", retry_after=5)
-    if isinstance(exc, ValueError):  # the engine's input checks: messages made for users
-        return invalid_request(str(exc))
+    if isinstance(exc, ValueError) and not isinstance(exc, APIError):
+        return invalid_request(str(exc))  # the engine's input checks: messages made for users
     return exc
 
 
-async def _run_to_end(gen: Generation, request: Request, fmt: Any) -> Any:
+def _status_code(exc: BaseException) -> int:
+    if isinstance(exc, APIError):
+        return exc.status_code
+    if isinstance(exc, ClientDisconnected | asyncio.CancelledError):
+        return CLIENT_CLOSED
+    return 500
+
+
+async def _run_to_end(gen: Generation, request: Request, ticket: Ticket, fmt: Any) -> Any:
     try:
         outputs = await until_disconnect(gen.collect(), request.receive)
-    except ClientDisconnected:
-        return Response(content=b"", status_code=499)  # nobody is listening
-    except (QueueFullError, EngineDeadError, ValueError) as exc:
-        raise _engine_error(exc) from None
+    except BaseException as exc:
+        err = _engine_error(exc)
+        ticket.status_code = _status_code(err)
+        if isinstance(err, ClientDisconnected):
+            return Response(content=b"", status_code=CLIENT_CLOSED)  # nobody is listening
+        raise err from None
     finally:
-        await gen.close()
-    return fmt.response(outputs, gen.prompts)
+        await gen.close()  # settles the ticket
+        await _accountant(request).released(ticket)
+    # Raises the envelope (503 / 500) for a request the engine aborted or failed.
+    body = fmt.response(outputs, gen.prompts)
+    return Response(content=body, headers=ticket.headers)
 
 
-def _sse_response(gen: Generation, fmt: Any, include_usage: bool) -> Stream:
-    # The background task runs after the body is sent or the client left (Litestar cancels
-    # the body on disconnect): either way it aborts what still runs in the engine.
+def _sse_response(
+    request: Request, gen: Generation, ticket: Ticket, fmt: Any, include_usage: bool
+) -> Stream:
+    # The background task is a fallback for a body that never ran (it may not run at all if
+    # sending failed): the body's own `finally` closes the Generation in every other case.
+    # The content type is a header: Litestar would let the handler's JSON media type win.
     return Stream(
-        sse_stream(gen, fmt, include_usage),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
+        _sse_body(gen, ticket, _accountant(request), fmt, include_usage),
+        headers={"content-type": SSE_CONTENT_TYPE, **SSE_HEADERS, **ticket.headers},
         background=BackgroundTask(gen.close),
     )
+
+
+async def _sse_body(
+    gen: Generation, ticket: Ticket, accountant: Accountant, fmt: Any, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """sse_stream, with the request settled before its final `[DONE]`; a client that leaves
+    (Litestar cancels the body) is settled as 499 without anything awaited."""
+    completed = False
+    try:
+        async for chunk in sse_stream(gen, fmt, include_usage):
+            if chunk is SSE_DONE:
+                completed = True
+                await gen.close()  # the status comes from the outputs (200, or 503 / 500)
+                await accountant.released(ticket)
+            yield chunk
+    finally:
+        if not completed:
+            ticket.status_code = ticket.status_code or CLIENT_CLOSED
+            gen.close_soon()

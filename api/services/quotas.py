@@ -19,17 +19,23 @@ raises (failures are logged) and finishes even if its caller is cancelled.
 Principals without a key id (static / none auth, the admin token) and keys without any
 limit get a no-op Lease without touching the database.
 
-How one acquire() is atomic. A single transaction:
+The SQL (api/services/quota_sql.py) runs on the database driver itself, not through the
+SQLAlchemy session layer (api/services/raw_store.py says why and how): a limited
+request's acquire and release cost well under a millisecond of CPU.
+
+How one acquire() is atomic. A single transaction (SQLite), or a single statement calling
+a session-local PL/pgSQL function (Postgres: one round trip, quota_sql.ACQUIRE_FUNCTION):
   1. one conditional UPDATE ... RETURNING on the key's row reserves the tokens against the
      budget of the current period (day / month UTC, or total) only if they fit, and returns
      the key's current limits. The UPDATE row-locks the key on Postgres until commit; on
-     SQLite the transaction is BEGIN IMMEDIATE (see api.db.session), so everything after it
-     is serialised per key as well;
+     SQLite the transaction is BEGIN IMMEDIATE under the Database's writer lock, so
+     everything after it is serialised per key as well;
   2. if the key has rpm / tpm / parallel limits, one aggregate SELECT over quota_leases
-     counts the requests and tokens of the sliding 60 s window and the active leases;
-  3. a new lease row is inserted (expires_at = now + lease_ttl, so a process that dies
-     cannot hold the slot longer than that).
-Any refusal rolls the transaction back, the budget reservation with it.
+     (a fresh snapshot, taken after the lock) counts the requests and tokens of the
+     sliding 60 s window and the active leases;
+  3. if they leave room, a new lease row is inserted (expires_at = now + lease_ttl, so a
+     process that dies cannot hold the slot longer than that).
+Any refusal undoes the budget reservation in the same transaction / statement.
 
 Windows. rpm counts requests admitted in the last 60 s; tpm counts their tokens, each
 request weighing its reservation until it is released and its used tokens after.
@@ -46,30 +52,36 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import NoReturn
+from functools import partial
+from typing import Any, NoReturn
 
-from sqlalchemy import and_, case, delete, func, insert, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection
-
-from api.auth import DB_ERRORS, Principal
-from api.db.models import ApiKey, QuotaLease
+from api.auth import Principal
 from api.db.session import Database
 from api.errors import APIError, insufficient_quota, invalid_api_key, rate_limited, unavailable
+from api.services import quota_sql as sql
 from api.services.key_fields import period_start
+from api.services.raw_store import STORE_ERRORS, PostgresStore, Tx, raw_store
 
 log = logging.getLogger(__name__)
 
-# Core tables, not ORM entities: the hot path skips the Session's bookkeeping.
-KEYS = ApiKey.__table__.c
-LEASES = QuotaLease.__table__.c
-_keys_table = ApiKey.__table__
-_leases_table = QuotaLease.__table__
-
 WINDOW = 60.0
 TX_TIMEOUT = 10.0
+
+
+@dataclass(slots=True)
+class QuotaRefused(APIError):
+    """A 429 from acquire(); `reason` (rpm, tpm, parallel, budget) labels the metrics."""
+
+    reason: str = ""
+
+
+def _refused_because(err: APIError, reason: str) -> QuotaRefused:
+    return QuotaRefused(
+        err.status_code, err.message, err.type, err.code, err.param, err.headers, reason
+    )
 
 
 @dataclass(slots=True)
@@ -98,8 +110,6 @@ class _Limits:
     rpm: int | None
     tpm: int | None
     parallel: int | None
-    budget: int | None
-    budget_used: int
     period_start: float
 
 
@@ -115,6 +125,7 @@ class QuotaService:
         if lease_ttl <= 0:
             raise ValueError("lease_ttl must be positive seconds")
         self.db = db
+        self.store = raw_store(db)
         self.lease_ttl = lease_ttl
         self._clock = clock
         self._cleanup_interval = cleanup_interval
@@ -134,115 +145,113 @@ class QuotaService:
                 return await self._acquire(principal.key_id, reserved_tokens)
         except APIError:
             raise
-        except DB_ERRORS as exc:
+        except STORE_ERRORS as exc:
             log.warning("quota check failed: database unavailable (%s)", type(exc).__name__)
             raise unavailable("The quota database is unavailable; try again shortly.") from None
 
     async def _acquire(self, key_id: str, n: int) -> Lease:
         now = self._clock()
-        async with self.db.transaction(write=True, durable=False) as conn:
-            limits = await self._reserve(conn, key_id, n, now)
+        if isinstance(self.store, PostgresStore):
+            return await self._acquire_in_one_statement(self.store, key_id, n, now)
+        async with self.store.transaction() as tx:
+            limits = await self._reserve(tx, key_id, n, now)
             headers: dict[str, str] = {}
             lease_id = None
             if limits.rpm or limits.tpm or limits.parallel:
-                headers = await self._check_windows(conn, key_id, n, now, limits)
                 lease_id = uuid.uuid4().hex
-                await conn.execute(
-                    insert(_leases_table).values(
-                        id=lease_id,
-                        key_id=key_id,
-                        created_at=now,
-                        expires_at=now + self.lease_ttl,
-                        reserved_tokens=n,
-                    )
-                )
-                await self._maybe_cleanup(conn, key_id, now)
+                stats = await self._insert_lease(tx, key_id, lease_id, n, now)
+                window = partial(tx.fetch, sql.WINDOW_REQUESTS, key_id, now - WINDOW)
+                headers = await self._check_windows(window, n, now, limits, stats)
+                await self._maybe_cleanup(tx, key_id, now)
         return Lease(key_id, n, lease_id, limits.period_start, headers)
 
-    async def _reserve(self, conn: AsyncConnection, key_id: str, n: int, now: float) -> _Limits:
+    async def _acquire_in_one_statement(
+        self, store: PostgresStore, key_id: str, n: int, now: float
+    ) -> Lease:
+        """Postgres: steps 1-3 as one server-side function call, one round trip (see
+        quota_sql.ACQUIRE_FUNCTION); only a refusal's explanation costs more."""
+        now_dt = datetime.fromtimestamp(now, UTC)
+        day, month = period_start("day", now_dt), period_start("month", now_dt)
+        lease_id = uuid.uuid4().hex
+        args = (key_id, n, day, month, now_dt, now, lease_id, now + self.lease_ttl)
+        row = await store.call(sql.ACQUIRE_FUNCTION, sql.ACQUIRE, *args)
+        assert row is not None  # the function always returns one row
+        admitted, rpm, tpm, parallel, start, *stats = row
+        if start is None:
+            async with store.transaction() as tx:
+                await self._refusal(tx, key_id, n, now_dt)
+        limits = _Limits(rpm, tpm, parallel, start)
+        if not (rpm or tpm or parallel):
+            return Lease(key_id, n, None, start)
+
+        async def window() -> list[Sequence[Any]]:  # only a refusal's Retry-After reads it
+            async with store.transaction() as tx:
+                return await tx.fetch(sql.WINDOW_REQUESTS, key_id, now - WINDOW)
+
+        headers = await self._check_windows(window, n, now, limits, stats)
+        if not admitted:  # the function and _check_windows disagree: never admit then
+            log.error("quota function refused key %s but the window check passed", key_id)
+            raise unavailable("The quota check failed; try again shortly.")
+        if now - self._last_cleanup.get(key_id, 0.0) >= self._cleanup_interval:
+            self._last_cleanup[key_id] = now
+            await store.execute(sql.DELETE_OLD_LEASES, key_id, now - WINDOW, now)
+        return Lease(key_id, n, lease_id, start, headers)
+
+    async def _reserve(self, tx: Tx, key_id: str, n: int, now: float) -> _Limits:
         """Step 1: the conditional UPDATE ... RETURNING (reservation + row lock)."""
         now_dt = datetime.fromtimestamp(now, UTC)
-        current_start = case(
-            (KEYS.budget_period == "day", period_start("day", now_dt)),
-            (KEYS.budget_period == "month", period_start("month", now_dt)),
-            else_=period_start("total", now_dt),
-        )
-        used_now = case((KEYS.budget_period_start == current_start, KEYS.budget_used), else_=0)
-        stmt = (
-            update(_keys_table)
-            .where(
-                KEYS.id == key_id,
-                KEYS.revoked_at.is_(None),
-                or_(KEYS.expires_at.is_(None), KEYS.expires_at > now_dt),
-                or_(KEYS.token_budget.is_(None), used_now + n <= KEYS.token_budget),
-            )
-            .values(budget_used=used_now + n, budget_period_start=current_start)
-            .returning(
-                KEYS.rpm_limit,
-                KEYS.tpm_limit,
-                KEYS.max_parallel,
-                KEYS.token_budget,
-                KEYS.budget_used,
-                KEYS.budget_period_start,
-            )
-        )
-        row = (await conn.execute(stmt)).first()
+        day, month = period_start("day", now_dt), period_start("month", now_dt)
+        stamp = self.store.timestamp(now_dt)
+        row = await tx.fetchrow(sql.RESERVE, key_id, n, day, month, stamp)
         if row is None:
-            await self._refusal(conn, key_id, n, now_dt)
-        rpm, tpm, parallel, budget, used, start = row
-        return _Limits(rpm, tpm, parallel, budget, used, start)
+            await self._refusal(tx, key_id, n, now_dt)
+        rpm, tpm, parallel, start = row
+        return _Limits(rpm, tpm, parallel, start)
 
-    async def _refusal(self, conn: AsyncConnection, key_id: str, n: int, now: datetime) -> NoReturn:
+    async def _refusal(self, tx: Tx, key_id: str, n: int, now: datetime) -> NoReturn:
         """Why the reservation UPDATE matched no row: a dead key or a spent budget."""
-        key = (
-            await conn.execute(
-                select(
-                    KEYS.revoked_at,
-                    KEYS.expires_at,
-                    KEYS.token_budget,
-                    KEYS.budget_used,
-                    KEYS.budget_period,
-                    KEYS.budget_period_start,
-                ).where(KEYS.id == key_id)
-            )
-        ).first()
-        if key is None or key.revoked_at is not None:
+        key = await tx.fetchrow(sql.KEY_STATE, key_id)
+        if key is None or key[0] is not None:
             raise invalid_api_key("This API key has been revoked.")
-        if key.expires_at is not None and key.expires_at <= now:
+        _, expires_at, token_budget, budget_used, period, start = key
+        expires_at = self.store.datetime(expires_at)
+        if expires_at is not None and expires_at <= now:
             raise invalid_api_key("This API key has expired.")
-        budget = key.token_budget or 0
-        current = key.budget_period_start == period_start(key.budget_period, now)
-        used = key.budget_used if current else 0
-        scope = {"day": "today", "month": "this month", "total": "in total"}[key.budget_period]
+        budget = token_budget or 0
+        used = budget_used if start == period_start(period, now) else 0
+        scope = {"day": "today", "month": "this month", "total": "in total"}[period]
         if n > budget:
-            raise insufficient_quota(
+            message = (
                 f"This request needs up to {n} tokens, more than this API key's whole "
                 f"token budget of {budget}. Lower max_tokens or ask for a larger budget."
             )
-        raise insufficient_quota(
-            f"You exceeded this API key's token budget: {used} of {budget} tokens are used "
-            f"or reserved {scope}, and this request needs up to {n} more."
-        )
+        else:
+            message = (
+                f"You exceeded this API key's token budget: {used} of {budget} tokens are "
+                f"used or reserved {scope}, and this request needs up to {n} more."
+            )
+        raise _refused_because(insufficient_quota(message), "budget")
+
+    async def _insert_lease(
+        self, tx: Tx, key_id: str, lease_id: str, n: int, now: float
+    ) -> Sequence[Any]:
+        """Steps 2-3: the window's stats before this request, and this request's lease row
+        (rolled back with the transaction if the stats refuse it)."""
+        stats = await tx.fetchrow(sql.WINDOW_STATS, key_id, now - WINDOW, now)
+        await tx.execute(sql.INSERT_LEASE, lease_id, key_id, now, now + self.lease_ttl, n)
+        assert stats is not None  # an aggregate always returns a row
+        return stats
 
     async def _check_windows(
-        self, conn: AsyncConnection, key_id: str, n: int, now: float, limits: _Limits
+        self,
+        window: Callable[[], Awaitable[list[Sequence[Any]]]],
+        n: int,
+        now: float,
+        limits: _Limits,
+        stats: Sequence[Any],
     ) -> dict[str, str]:
-        """Step 2: sliding-window rpm / tpm and the parallel-lease count."""
-        in_window = LEASES.created_at > now - WINDOW
-        active = and_(LEASES.released_at.is_(None), LEASES.expires_at > now)
-        weight = func.coalesce(LEASES.used_tokens, LEASES.reserved_tokens)
-        stats = (
-            await conn.execute(
-                select(
-                    func.sum(case((in_window, 1), else_=0)),
-                    func.sum(case((in_window, weight), else_=0)),
-                    func.min(case((in_window, LEASES.created_at))),
-                    func.sum(case((active, 1), else_=0)),
-                ).where(LEASES.key_id == key_id, or_(in_window, active))
-            )
-        ).one()
-        requests, tokens, oldest, running = (int(stats[0] or 0), int(stats[1] or 0), *stats[2:])
-        running = int(running or 0)
+        """Step 3: sliding-window rpm / tpm and the parallel-lease count."""
+        requests, tokens, oldest, running = int(stats[0]), int(stats[1]), stats[2], int(stats[3])
         reset = format_duration((oldest if oldest is not None else now) + WINDOW - now)
         headers: dict[str, str] = {}
         if limits.rpm:
@@ -255,69 +264,67 @@ class QuotaService:
             headers["x-ratelimit-reset-tokens"] = reset
 
         if limits.rpm and requests + 1 > limits.rpm:
-            wait = await self._wait_for(conn, key_id, now, requests + 1 - limits.rpm, None)
-            raise rate_limited(
-                f"Rate limit reached: {limits.rpm} requests per minute for this API key.",
-                wait,
-                _refused(headers, "requests"),
+            wait = await self._wait_for(window, now, requests + 1 - limits.rpm, None)
+            raise _refused_because(
+                rate_limited(
+                    f"Rate limit reached: {limits.rpm} requests per minute for this API key.",
+                    wait,
+                    _refused(headers, "requests"),
+                ),
+                "rpm",
             )
         if limits.tpm and tokens + n > limits.tpm:
             if n > limits.tpm:
-                raise rate_limited(
+                too_large = rate_limited(
                     f"Request too large: it needs up to {n} tokens but this API key allows "
                     f"{limits.tpm} tokens per minute. Lower max_tokens.",
                     WINDOW,
                     _refused(headers, "tokens"),
                 )
-            wait = await self._wait_for(conn, key_id, now, None, tokens + n - limits.tpm)
-            raise rate_limited(
-                f"Rate limit reached: {limits.tpm} tokens per minute for this API key.",
-                wait,
-                _refused(headers, "tokens"),
+                raise _refused_because(too_large, "tpm")
+            wait = await self._wait_for(window, now, None, tokens + n - limits.tpm)
+            raise _refused_because(
+                rate_limited(
+                    f"Rate limit reached: {limits.tpm} tokens per minute for this API key.",
+                    wait,
+                    _refused(headers, "tokens"),
+                ),
+                "tpm",
             )
         if limits.parallel and running + 1 > limits.parallel:
-            raise rate_limited(
-                f"Too many parallel requests: this API key allows {limits.parallel} at a time.",
-                1.0,
-                headers,
+            raise _refused_because(
+                rate_limited(
+                    f"Too many parallel requests: this API key allows {limits.parallel} at a time.",
+                    1.0,
+                    headers,
+                ),
+                "parallel",
             )
         return headers
 
     async def _wait_for(
         self,
-        conn: AsyncConnection,
-        key_id: str,
+        window: Callable[[], Awaitable[list[Sequence[Any]]]],
         now: float,
         requests: int | None,
         tokens: int | None,
     ) -> float:
         """Seconds until `requests` requests or `tokens` tokens leave the window."""
-        weight = func.coalesce(LEASES.used_tokens, LEASES.reserved_tokens)
-        rows = await conn.execute(
-            select(LEASES.created_at, weight)
-            .where(LEASES.key_id == key_id, LEASES.created_at > now - WINDOW)
-            .order_by(LEASES.created_at)
-        )
+        rows = await window()
         freed_tokens = 0
-        for freed_requests, (created_at, weight_value) in enumerate(rows, start=1):
-            freed_tokens += int(weight_value)
+        for freed_requests, (created_at, weight) in enumerate(rows, start=1):
+            freed_tokens += int(weight)
             if (requests is not None and freed_requests >= requests) or (
                 tokens is not None and freed_tokens >= tokens
             ):
                 return max(0.001, created_at + WINDOW - now)
         return WINDOW
 
-    async def _maybe_cleanup(self, conn: AsyncConnection, key_id: str, now: float) -> None:
+    async def _maybe_cleanup(self, tx: Tx, key_id: str, now: float) -> None:
         if now - self._last_cleanup.get(key_id, 0.0) < self._cleanup_interval:
             return
         self._last_cleanup[key_id] = now
-        await conn.execute(
-            delete(_leases_table).where(
-                LEASES.key_id == key_id,
-                LEASES.created_at <= now - WINDOW,
-                or_(LEASES.released_at.is_not(None), LEASES.expires_at <= now),
-            )
-        )
+        await tx.execute(sql.DELETE_OLD_LEASES, key_id, now - WINDOW, now)
 
     # -- completion ---------------------------------------------------------------------
     async def release(self, lease: Lease, *, used_tokens: int) -> None:
@@ -335,30 +342,23 @@ class QuotaService:
     async def _release(self, lease: Lease, used_tokens: int) -> None:
         try:
             used = max(0, int(used_tokens))
-            if lease.lease_id is None and used == lease.reserved_tokens:
+            delta = used - lease.reserved_tokens
+            if lease.lease_id is None and not delta:
                 return  # nothing to free, nothing to reconcile
             now = self._clock()
-            async with (
-                asyncio.timeout(TX_TIMEOUT),
-                self.db.transaction(write=True, durable=False) as conn,
-            ):
-                if lease.lease_id is not None:
-                    await conn.execute(
-                        update(_leases_table)
-                        .where(LEASES.id == lease.lease_id, LEASES.released_at.is_(None))
-                        .values(released_at=now, used_tokens=used)
+            key, start = lease.key_id, lease.budget_period_start
+            async with asyncio.timeout(TX_TIMEOUT):
+                if lease.lease_id is None:
+                    await self.store.execute(sql.RECONCILE, key, delta, start)
+                elif isinstance(self.store, PostgresStore):
+                    await self.store.execute(
+                        sql.RELEASE_AND_RECONCILE, lease.lease_id, now, used, key, delta, start
                     )
-                delta = used - lease.reserved_tokens
-                if delta:
-                    balance = KEYS.budget_used + delta
-                    await conn.execute(
-                        update(_keys_table)
-                        .where(
-                            KEYS.id == lease.key_id,
-                            KEYS.budget_period_start == lease.budget_period_start,
-                        )
-                        .values(budget_used=case((balance < 0, 0), else_=balance))
-                    )
+                else:
+                    async with self.store.transaction() as tx:
+                        await tx.execute(sql.RELEASE_LEASE, lease.lease_id, now, used)
+                        if delta:
+                            await tx.execute(sql.RECONCILE, key, delta, start)
         except Exception:
             log.exception(
                 "could not release quota lease %s of key %s", lease.lease_id, lease.key_id
@@ -374,4 +374,4 @@ def _refused(headers: dict[str, str], kind: str) -> dict[str, str]:
     return {**headers, f"x-ratelimit-remaining-{kind}": "0"}
 
 
-__all__ = ["Lease", "QuotaService", "format_duration"]
+__all__ = ["Lease", "QuotaRefused", "QuotaService", "format_duration"]

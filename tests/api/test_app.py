@@ -60,8 +60,8 @@ def test_litestar_errors_use_the_openai_envelope(failed_client):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_auth_keys_without_any_key_refuses_with_a_hint():
-    app = create_app(Settings(model="unused", auth="keys"))
+def test_auth_keys_refuses_missing_and_unknown_keys(tmp_path):
+    app = create_app(Settings(model="unused", auth="keys", data_dir=str(tmp_path)))
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -71,9 +71,11 @@ def test_auth_keys_without_any_key_refuses_with_a_hint():
             json={"model": "m", "prompt": "x"},
             headers={"Authorization": "Bearer x"},
         )
-        assert r.status_code == 401 and "--api-key" in r.json()["error"]["message"]
+        assert r.status_code == 401
+        assert r.json()["error"]["message"] == "Incorrect API key provided."
         # /health and /version need no key.
         assert client.get("/version").status_code == 200
+    assert (tmp_path / "tessera.db").is_file() and (tmp_path / "admin_token").is_file()
 
 
 def test_static_keys_checked_before_the_body():

@@ -46,8 +46,10 @@ async def env(tiny_llama_dir, tmp_path_factory) -> AsyncIterator[Env]:
         served_model_name=MODEL,
     )
     engine = await AsyncEngine.create(config)
-    # No database_url: the test owns the key database and attaches it below.
-    settings = Settings(model=str(tiny_llama_dir), served_model_name=MODEL, admin_token=ADMIN)
+    # The app opens the same SQLite file; the test attaches its own services below.
+    settings = Settings(
+        model=str(tiny_llama_dir), served_model_name=MODEL, admin_token=ADMIN, database_url=url
+    )
     app = create_app(settings, engine)
     if not any(route.path == "/console/login" for route in app.routes):
         app = create_app(settings, engine, extra_route_handlers=[create_console_router()])

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tessera.api")
 
-BENCHMARKS = ("serve", "throughput", "scheduler", "auth")
+BENCHMARKS = ("serve", "throughput", "scheduler", "auth", "decode", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

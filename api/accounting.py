@@ -109,8 +109,9 @@ class Accountant:
         status = ticket.status_code or _status_of(outputs)
         if self.recorder is not None:
             now = time.monotonic()
-            queue = None
-            if ticket.submitted is not None and ticket.first_output is not None:
+            # The engine's own figure (arrival to first scheduled) when it gave one.
+            queue = max((o.queue_time for o in done if o.queue_time is not None), default=None)
+            if queue is None and ticket.submitted is not None and ticket.first_output is not None:
                 queue = ticket.first_output - ticket.submitted
             self.recorder.record(
                 UsageRecord(

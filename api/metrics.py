@@ -292,7 +292,9 @@ class Metrics:
         if output.finished:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
             reason = "error" if output.error else _overall_reason(reasons)
-            self.request_finished(request_id, reason, live.prompt_tokens, generated)
+            self.request_finished(
+                request_id, reason, live.prompt_tokens, generated, queue_time=output.queue_time
+            )
 
     def request_aborted(self, request_id: str) -> None:
         """The request ended before the engine said so (client gone, shutdown): abort."""

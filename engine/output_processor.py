@@ -44,6 +44,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     num_cached_tokens: int = 0
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,6 +58,7 @@ class _RequestState:
             outputs=[s.to_output(i) for i, s in enumerate(self.samples)],
             finished=self.finished,
             num_cached_tokens=max(self.num_cached_tokens, 0),
+            queue_time=self.queue_time,
         )
 
 
@@ -112,6 +114,8 @@ class OutputProcessor:
                 continue
             if update.num_cached_tokens > state.num_cached_tokens:
                 state.num_cached_tokens = update.num_cached_tokens
+            if state.queue_time is None:
+                state.queue_time = update.queue_time
             sample.token_ids.extend(update.new_token_ids)
             if update.new_logprobs and sample.logprobs is not None:
                 sample.logprobs.extend(update.new_logprobs)

@@ -89,6 +89,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_time: float | None = None  # seconds from arrival until first scheduled
     error: str | None = None
 
 
@@ -108,3 +109,4 @@ class RequestUpdate:
     finish_reason: str | None  # FinishReason value once finished, else None
     stop_reason: int | str | None
     num_cached_tokens: int
+    queue_time: float | None = None  # seconds from arrival to first scheduled, once known

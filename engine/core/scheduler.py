@@ -331,6 +331,7 @@ class Scheduler:
                     finish_reason,
                     request.stop_reason,
                     request.num_cached_tokens,
+                    _queue_time(request),
                 )
             )
         if num_finished:
@@ -352,3 +353,9 @@ class Scheduler:
         self._num_seats += 1
         if copy is not None:
             self._pending_copies.append((child.request_id, *copy))
+
+
+def _queue_time(request: Request) -> float | None:
+    if request.first_scheduled_time is None:
+        return None
+    return request.first_scheduled_time - request.arrival_time

@@ -81,6 +81,7 @@ async def test_known_traffic_gives_exact_counts(engine):
     assert value(text, "vllm:time_to_first_token_seconds_count") == 5
     assert value(text, "vllm:inter_token_latency_seconds_count") == 5 * 6
     assert value(text, "vllm:e2e_request_latency_seconds_count") == 5
+    assert value(text, "vllm:request_queue_time_seconds_count") == 5
     assert value(text, "vllm:request_generation_tokens_count") == 5
     assert value(text, "vllm:request_generation_tokens_sum") == 35
     assert value(text, "vllm:request_prompt_tokens_sum") == 5 * len(ids)
@@ -95,8 +96,6 @@ async def test_known_traffic_gives_exact_counts(engine):
     assert value(text, "vllm:num_requests_waiting") == 0
     assert value(text, "vllm:kv_cache_usage_perc") == 0
     assert metrics.num_live == 0
-    # No queue time was given (the engine does not report it yet): no made-up observation.
-    assert not has(text, "vllm:request_queue_time_seconds_count")
 
 
 async def test_aborted_stream_and_live_gauges(engine):

@@ -106,3 +106,18 @@ async def test_bad_input_and_queue_bound(tiny_llama_dir):
     finally:
         await engine.shutdown()
     assert not engine.is_healthy()
+
+
+async def test_queue_time_is_reported(tiny_llama_dir):
+    engine = await AsyncEngine.create(make_config(tiny_llama_dir, max_num_seqs=1))
+    try:
+        ids = engine.tokenizer.encode("Hello")
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        first, second = await asyncio.gather(
+            collect(engine, "q1", ids, params), collect(engine, "q2", ids, params)
+        )
+        # One seat: the second request waited while the first generated its 20 tokens.
+        assert first.queue_time is not None and second.queue_time is not None
+        assert second.queue_time > first.queue_time >= 0.0
+    finally:
+        await engine.shutdown()

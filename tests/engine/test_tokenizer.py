@@ -6,11 +6,9 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.conftest import CHATML_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
 SENTENCES = [
     "Hello world, this is a test.",
@@ -19,37 +17,18 @@ SENTENCES = [
     "Emoji 😀🚀 and more 🎉! Ünïcödé façade naïve.",
     "The quick brown fox jumps over the lazy dog.",
 ]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def _build(path, chat_template: str | None) -> Tokenizer:
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    build_tokenizer(
+        path, 400, corpus=SENTENCES, chat_template=chat_template, bos_token="<|endoftext|>"
     )
-    raw.train_from_iterator(SENTENCES * 3, trainer)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token="<|im_end|>",
-        bos_token="<|endoftext|>",
-        chat_template=chat_template,
-    )
-    hf.save_pretrained(str(path))
     return Tokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    return _build(tmp_path_factory.mktemp("tok"), CHATML)
+    return _build(tmp_path_factory.mktemp("tok"), CHATML_TEMPLATE)
 
 
 def _stream(detok: IncrementalDetokenizer, ids: Sequence[int], chunk: int = 1) -> list[str]:
@@ -89,7 +68,7 @@ def test_valid_text_streams_exactly_and_never_splits_a_character(tok: Tokenizer)
 
 def test_random_ids_concatenate_to_full_decode(tok: Tokenizer) -> None:
     rng = random.Random(0)
-    special = set(tok.all_special_ids) | {tok.hf.convert_tokens_to_ids(s) for s in SPECIALS}
+    special = set(tok.all_special_ids) | {tok.hf.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
     ordinary = [i for i in range(tok.vocab_size) if i not in special]
     prompts = [[], tok.encode("Bonjour, café"), tok.encode("<|im_start|>user\n日本<|im_end|>")]
     for trial in range(300):

@@ -10,48 +10,21 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from api.db.session import Database
-
-PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/test"
-PG_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-
-
-async def _pg_admin(sql: str) -> None:
-    conn = await asyncpg.connect(PG_ADMIN_DSN, timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-def _pg_run(sql: str) -> None:
-    asyncio.run(_pg_admin(sql))
+from tests.api.keys_http import fresh_database, pg_admin
 
 
 @pytest.fixture(
     params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
 )
 def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'tessera.db'}"
-        return
-    name = f"tessera_t_{uuid.uuid4().hex[:16]}"
-    try:
-        # Identifiers cannot be bound parameters; `name` is generated here, never input.
-        _pg_run(f'CREATE DATABASE "{name}"')
-    except (OSError, asyncpg.PostgresError) as exc:
-        pytest.skip(f"Postgres on 127.0.0.1:5432 not available: {exc}")
-    try:
-        yield PG_URL.format(name=name)
-    finally:
-        _pg_run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_database(request.param, tmp_path) as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +61,7 @@ def break_database():
                 Path(f"{path}{suffix}").unlink(missing_ok=True)
             path.mkdir()
         else:
-            await _pg_admin(f'DROP DATABASE "{db.url.database}" WITH (FORCE)')
+            await pg_admin(f'DROP DATABASE "{db.url.database}" WITH (FORCE)')
 
     return breaker
 

@@ -17,14 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from engine.config import DEFAULT_MODEL, EngineConfig
 
 ENV_PREFIX = "TESSERA_"
 
@@ -339,34 +332,23 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def to_engine_config(s: Settings) -> EngineConfig:
     """Settings -> EngineConfig. Raises ValueError (from the config parts) on bad values."""
-    scheduler_kwargs: dict[str, Any] = {}
-    if s.max_model_len is not None:
-        scheduler_kwargs["max_model_len"] = s.max_model_len
-    return EngineConfig(
-        model=ModelConfig(
-            model=s.model,
-            tokenizer=s.tokenizer,
-            dtype=s.dtype,
-            max_model_len=s.max_model_len,
-            load_format=s.load_format,
-            seed=s.seed,
-            device=s.device,
-        ),
-        cache=CacheConfig(
-            block_size=s.block_size,
-            num_blocks=s.num_kv_blocks,
-            kv_cache_memory=s.kv_cache_memory,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            enable_prefix_caching=s.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            policy=s.scheduling_policy,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            block_size=s.block_size,
-            **scheduler_kwargs,
-        ),
-        parallel=ParallelConfig(tensor_parallel_size=s.tensor_parallel_size),
+    return EngineConfig.from_options(
+        s.model,
+        tokenizer=s.tokenizer,
+        dtype=s.dtype,
+        max_model_len=s.max_model_len,
+        load_format=s.load_format,
+        seed=s.seed,
+        device=s.device,
+        block_size=s.block_size,
+        num_blocks=s.num_kv_blocks,
+        kv_cache_memory=s.kv_cache_memory,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        enable_prefix_caching=s.enable_prefix_caching,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        policy=s.scheduling_policy,
+        tensor_parallel_size=s.tensor_parallel_size,
         served_model_name=s.served_model_name,
         max_num_queued_requests=s.max_num_queued_requests,
     )

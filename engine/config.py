@@ -134,3 +134,60 @@ class EngineConfig:
             self.scheduler.block_size == self.cache.block_size,
             "scheduler.block_size must equal cache.block_size",
         )
+
+    @classmethod
+    def from_options(
+        cls,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        policy: str = "fcfs",
+        tensor_parallel_size: int = 1,
+        served_model_name: str | None = None,
+        max_num_queued_requests: int | None = None,
+    ) -> EngineConfig:
+        """The config from the flat options users know (vLLM's names): LLM(...) and
+        `tessera serve` both build theirs here."""
+        return cls(
+            model=ModelConfig(
+                model=model or DEFAULT_MODEL,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                load_format=load_format,
+                seed=seed,
+                device=device,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                # Replaced by the resolved model length once the model's config is read.
+                max_model_len=max(max_model_len or max_num_batched_tokens, 1),
+                enable_chunked_prefill=enable_chunked_prefill,
+                block_size=block_size,
+                policy=policy,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            served_model_name=served_model_name,
+            max_num_queued_requests=max_num_queued_requests,
+        )

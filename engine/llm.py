@@ -12,14 +12,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -49,32 +42,23 @@ class LLM:
         tokenizer: str | None = None,
         policy: str = "fcfs",
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model or DEFAULT_MODEL,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                load_format=load_format,
-                seed=seed,
-                device=device,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                # Replaced by the resolved model length once the model's config is read.
-                max_model_len=max(max_model_len or max_num_batched_tokens, 1),
-                enable_chunked_prefill=enable_chunked_prefill,
-                block_size=block_size,
-                policy=policy,
-            ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        config = EngineConfig.from_options(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            seed=seed,
+            device=device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=policy,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stream_in_thread(
+    server, body: dict, events: list[str], started: threading.Event, headers: dict | None = None
+) -> threading.Thread:
+    """POST a streaming /v1/completions on a thread, appending each SSE data payload to
+    `events` and setting `started` at the first one (for tests that act mid-stream)."""
+
+    def run() -> None:
+        url = server.base_url + "/v1/completions"
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
 
 
 class ServerProcess:

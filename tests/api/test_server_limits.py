@@ -17,6 +17,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.api.conftest import stream_in_thread
+
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
@@ -117,25 +119,16 @@ def test_disconnect_while_queued_frees_the_queue_place(server):
 
 
 def _stream_into(server, events: list[str], started: threading.Event, max_tokens: int):
-    def run() -> None:
-        body = {
-            "model": MODEL,
-            "prompt": "Hello",
-            "max_tokens": max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream_options": {"include_usage": True},
-        }
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-                    started.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+    body = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    return stream_in_thread(server, body, events, started)
 
 
 def test_sigterm_drains_then_exits_cleanly(server):

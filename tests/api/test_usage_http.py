@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from api.db.models import UsageRow
 from api.db.session import Database
+from tests.api.conftest import stream_in_thread
 from tests.api.keys_http import BACKENDS, MODEL, Admin, bearer, fresh_database, start_keys_server
 
 pytestmark = pytest.mark.slow
@@ -34,18 +35,7 @@ def ledger(url: str) -> dict[str, UsageRow]:
 
 
 def _stream_in_thread(server, key: str, body: dict, events: list, started: threading.Event):
-    def run() -> None:
-        with httpx.stream(
-            "POST", server.base_url + "/v1/completions", json=body, headers=bearer(key), timeout=120
-        ) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-                    started.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+    return stream_in_thread(server, body, events, started, headers=bearer(key))
 
 
 async def _leave_after_two_chunks(server, key: str) -> str:

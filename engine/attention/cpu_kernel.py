@@ -2,29 +2,19 @@
 
 The torch path (torch_paged.py) gathers each decode sequence's blocks into a padded buffer and
 runs SDPA: it moves the K/V three times (read, write, read again). This kernel reads each
-token's K and V once, which is what bounds decode at large batches on CPU. It is plain C
-(no torch headers: compiles in about a second with the system C compiler), built once per
-machine into the cache dir and called through ctypes (which drops the GIL). Its OpenMP loop
-runs on torch's own thread pool: the library links libgomp.so.1, which resolves to the copy
-torch already loaded. Without a compiler, or with TESSERA_CPU_KERNELS=0, the torch path runs.
+token's K and V once, which is what bounds decode at large batches on CPU. It is plain C,
+built once per machine (engine.cpu_build). Without a compiler, or with TESSERA_CPU_KERNELS=0,
+the torch path runs.
 The torch path stays the reference: tests check this kernel against it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("tessera.engine")
+from engine.cpu_build import load_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -134,83 +124,24 @@ void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc,
 DEFINE_BATCH(paged_decode_f32, one_f32, float)
 DEFINE_BATCH(paged_decode_bf16, one_bf16, uint16_t)
 """
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _MAX_ROW = 1024  # floats in the kernel's per-token row buffer: num_kv_heads * head_dim
 _SUPPORTED = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(cache_dir: Path) -> Path | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        logger.info("No C compiler found: decode attention uses the torch path")
-        return None
-    # -march=native: the key covers the CPU so a shared cache never runs foreign code.
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, _cpu_flags()]).encode()).hexdigest()
-    so = cache_dir / "kernels" / f"paged_decode-{key[:16]}.so"
-    if so.is_file():
-        return so
-    so.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("Compiling the CPU attention kernel once; cached at %s", so)
-    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-        src = Path(tmp) / "paged_decode.c"
-        src.write_text(_SOURCE)
-        out = Path(tmp) / so.name
-        proc = subprocess.run(
-            [cc, *_FLAGS, str(src), "-o", str(out), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if proc.returncode != 0:
-            logger.warning(
-                "Building the CPU attention kernel failed; using the torch path:\n%s",
-                proc.stderr[-2000:],
-            )
-            return None
-        os.replace(out, so)
-    return so
 
 
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, build failure, or disabled)."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("TESSERA_CPU_KERNELS", "1") == "0":
-            return None
-        from engine.models.loader import default_cache_dir
-
-        try:
-            path = _build(default_cache_dir())
-            if path is not None:
-                lib = ctypes.CDLL(str(path))
-                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                for name in _SUPPORTED.values():
-                    fn = getattr(lib, name)
-                    # out, out_stride, q, q_stride, k_cache, v_cache, block_tables, max_blocks,
-                    # context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size,
-                    # threads
-                    fn.argtypes = [p, i64, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
-                    fn.argtypes += [ctypes.c_float, p, i64, i32]
-                    fn.restype = None
-                _lib = lib
-        except (OSError, subprocess.SubprocessError) as e:
-            logger.warning("Loading the CPU attention kernel failed (%s); using the torch path", e)
-        return _lib
+    lib = load_library("paged_decode", _SOURCE, "decode attention")
+    if lib is not None and not hasattr(lib, "_tessera_ready"):
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        for name in _SUPPORTED.values():
+            fn = getattr(lib, name)
+            # out, out_stride, q, q_stride, k_cache, v_cache, block_tables, max_blocks,
+            # context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size, threads
+            fn.argtypes = [p, i64, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
+            fn.argtypes += [ctypes.c_float, p, i64, i32]
+            fn.restype = None
+        lib._tessera_ready = True
+    return lib
 
 
 def kernel_supports(

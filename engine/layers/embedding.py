@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import cpu_gemm
 from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -46,11 +47,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [S, H] -> logits [S, vocab] in float32. Tie by sharing the embedding's weight."""
 
+    use_cpu_gemm: bool | None = None  # decided at the first forward, on the loaded weight
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        if self.use_cpu_gemm is None:
+            self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
+        if self.use_cpu_gemm:
+            logits = cpu_gemm.linear(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import cpu_gemm
 from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 
 
@@ -30,6 +31,7 @@ class LinearBase(nn.Module):
         self.tp_size = get_tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.use_cpu_gemm: bool | None = None  # decided at the first forward
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -42,8 +44,17 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         _copy(param, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): the compiled CPU GEMM where it is faster than torch's (decided
+        once, on the loaded weight: engine.layers.cpu_gemm), else F.linear."""
+        if self.use_cpu_gemm is None:
+            self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
+        if self.use_cpu_gemm:
+            return cpu_gemm.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -117,8 +128,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = tp_all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,97 @@
+"""Build a small C library once per machine and load it with ctypes.
+
+The CPU kernels (decode attention, the linear-layer GEMM) are plain C: no torch headers, so
+they compile in about a second with the system compiler. Each is built with -march=native
+into the cache dir under a key that covers the source, the compiler, the flags and the CPU,
+so a shared cache never runs code built for another machine. ctypes drops the GIL around
+each call. OpenMP loops run on torch's own thread pool: the library links libgomp.so.1,
+which resolves to the copy torch already loaded.
+
+TESSERA_CPU_KERNELS=0 disables every kernel (the torch paths run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger("tessera.engine")
+
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cpu_flags() -> str:
+    """The "flags" line of /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("TESSERA_CPU_KERNELS", "1") != "0"
+
+
+def _build(name: str, source: str, cache_dir: Path, what: str) -> Path | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        logger.info("No C compiler found: %s uses the torch path", what)
+        return None
+    key = hashlib.sha256("\0".join([source, cc, *FLAGS, cpu_flags()]).encode()).hexdigest()
+    so = cache_dir / "kernels" / f"{name}-{key[:16]}.so"
+    if so.is_file():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Compiling the CPU kernel for %s once; cached at %s", what, so)
+    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+        src = Path(tmp) / f"{name}.c"
+        src.write_text(source)
+        out = Path(tmp) / so.name
+        proc = subprocess.run(
+            [cc, *FLAGS, str(src), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            logger.warning(
+                "Building the CPU kernel for %s failed; using the torch path:\n%s",
+                what,
+                proc.stderr[-2000:],
+            )
+            return None
+        os.replace(out, so)  # atomic: concurrent builders never load a half-written file
+    return so
+
+
+def load_library(name: str, source: str, what: str) -> ctypes.CDLL | None:
+    """The compiled library (built on first use), or None: disabled, no compiler, failure.
+
+    The answer is remembered for the process, so a failure is logged once.
+    """
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        if kernels_enabled():
+            from engine.models.loader import default_cache_dir
+
+            try:
+                path = _build(name, source, default_cache_dir(), what)
+                if path is not None:
+                    lib = ctypes.CDLL(str(path))
+            except (OSError, subprocess.SubprocessError) as e:
+                logger.warning("Loading the CPU kernel for %s failed (%s); torch path", what, e)
+        _loaded[name] = lib
+        return lib

@@ -1,0 +1,303 @@
+"""y = x W^T (+ b) on CPU in plain C: bf16 weights read as bf16, multiplied in float32.
+
+Why: on CPUs without native bf16 math (AVX2 machines, AMD EPYC before Zen 4), torch's bf16
+matmul falls back to a slow path (measured here: ~8 GFLOP/s on two cores at any batch),
+while reading bf16 weights halves the memory traffic of float32 ones, which is what bounds
+decode at small batches. This kernel widens each bf16 weight to float32 in registers (a
+shift) and accumulates in float32 with FMA, so it runs at float32 speed with bf16 bytes.
+
+Blocking: the weight rows are split into blocks of NB rows over the threads; within a block,
+tiles of 4 input rows x 3 weight rows keep 12 float32 accumulators in registers, the 4 input
+rows stay in L1 across the block and the block's weights in L2 across the input rows.
+The input is widened to float32 once per call into a per-thread buffer.
+
+torch's F.linear stays the reference: tests check this kernel against it. The kernel is
+built with the other CPU kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from engine.cpu_build import cpu_flags, load_library
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#define MR 4   /* input rows per tile */
+#define NR 3   /* weight rows per tile: 12 accumulators + 3 weights + 1 input = 16 ymm */
+#define NB 48  /* weight rows per block handed to a thread (a multiple of NR) */
+
+static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
+static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
+  union { uint32_t u; float f; } v; v.f = f;
+  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline __m256 load8_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store8_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8_bf16(uint16_t* p, __m256 v) {  /* round to nearest even, as f2bf */
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+static inline float f2f(float x) { return x; }
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* One mr x nr tile (mr <= MR, nr <= NR, constants after inlining): out[i][j] = x_i . w_j. */
+#define DEFINE_TILE(NAME, TW, LOADW8, LOADW)                                                  \
+static inline __attribute__((always_inline)) void NAME(const float* x, int64_t ldx,          \
+    const TW* w, int64_t ldw, int64_t K, const int mr, const int nr, float out[MR][NR]) {    \
+  __m256 acc[MR][NR];                                                                        \
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_setzero_ps(); \
+  int64_t k = 0;                                                                             \
+  for (; k + 8 <= K; k += 8) {                                                               \
+    __m256 wv[NR];                                                                           \
+    for (int j = 0; j < nr; ++j) wv[j] = LOADW8(w + j * ldw + k);                            \
+    for (int i = 0; i < mr; ++i) {                                                           \
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);                                    \
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);        \
+    }                                                                                        \
+  }                                                                                          \
+  for (int i = 0; i < mr; ++i)                                                               \
+    for (int j = 0; j < nr; ++j) {                                                           \
+      float s = hsum8(acc[i][j]);                                                            \
+      for (int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * LOADW(w[j * ldw + kk]);      \
+      out[i][j] = s;                                                                         \
+    }                                                                                        \
+}
+DEFINE_TILE(tile_bf16, uint16_t, load8_bf16, bf2f)
+DEFINE_TILE(tile_f32, float, load8_f32, f2f)
+
+/* Larger batches: the block's weights are widened once into float32 panels of 16 rows laid
+   out k-major ([K][16]), then a 6 x 16 outer-product tile (12 accumulators) broadcasts one
+   input element per row against two panel vectors: 8 loads per 12 FMAs, so it runs near
+   the FMA units' peak instead of re-widening the weights for every 4 input rows. */
+#define PM 6
+#define PN 16
+#define PACKED_MIN_M 48  /* below this, packing costs more than it saves (measured) */
+static inline __attribute__((always_inline)) void tile_packed(const float* x, int64_t ldx,
+    const float* panel, int64_t K, const int mr, float out[PM][PN]) {
+  __m256 acc[PM][2];
+  for (int i = 0; i < mr; ++i) { acc[i][0] = _mm256_setzero_ps(); acc[i][1] = _mm256_setzero_ps(); }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_load_ps(panel + k * PN), b1 = _mm256_load_ps(panel + k * PN + 8);
+    for (int i = 0; i < mr; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) { _mm256_storeu_ps(out[i], acc[i][0]); _mm256_storeu_ps(out[i] + 8, acc[i][1]); }
+}
+static __thread float* pbuf = 0;
+static __thread int64_t pcap = 0;
+static float* panel_buffer(int64_t n) {
+  if (n > pcap) {
+    free(pbuf);
+    pbuf = (float*)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
+    pcap = pbuf ? n : 0;
+  }
+  return pbuf;
+}
+
+/* Widened inputs live in a per-thread buffer that only grows (bounded by the largest
+   batch x hidden size this thread has seen): no allocation per call. */
+static __thread float* xbuf = 0;
+static __thread int64_t xcap = 0;
+static float* widen_buffer(int64_t n) {
+  if (n > xcap) {
+    free(xbuf);
+    xbuf = (float*)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
+    xcap = xbuf ? n : 0;
+  }
+  return xbuf;
+}
+
+/* y[M][N] (row stride ldy) = x[M][K] (row stride ldx) . w[N][K]^T (+ bias[N]).
+   TX: activation type (input, bias, output); TW: weight type. Returns 0, or -1 when the
+   widening buffer cannot be allocated (the caller falls back to torch). */
+#define DEFINE_LINEAR(NAME, TX, TW, TILE, LOADW, LOADX, STOREX, LOADX8, STOREX8, WIDEN)                              \
+int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, int64_t N,           \
+    const TX* bias, TX* y, int64_t ldy, int nthreads) {                                      \
+  const float* xf = (const float*)x; int64_t ldxf = ldx;                                     \
+  if (WIDEN) {                                                                               \
+    float* buf = widen_buffer(M * K);                                                        \
+    if (!buf) return -1;                                                                     \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                       \
+    for (int64_t m = 0; m < M; ++m)                                                          \
+      for (int64_t k = 0; k < K; ++k) buf[m * K + k] = LOADX(x[m * ldx + k]);                \
+    xf = buf; ldxf = K;                                                                      \
+  }                                                                                          \
+  const int64_t nblocks = (N + NB - 1) / NB;                                                 \
+  if (M >= PACKED_MIN_M) {                                                                   \
+    int failed = 0;                                                                          \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")   \
+    for (int64_t b = 0; b < nblocks; ++b) {                                                  \
+      float* panels = panel_buffer(NB * K);                                                  \
+      if (!panels) { failed = 1; continue; }                                                 \
+      const int64_t n_base = b * NB, n_cnt = (b + 1) * NB < N ? NB : N - b * NB;             \
+      for (int64_t r = 0; r < NB; ++r) {  /* widen + transpose; missing rows are zeros */    \
+        float* dst = panels + (r / PN) * K * PN + (r % PN);                                  \
+        const TW* src = w + (n_base + r) * K;                                                \
+        if (r < n_cnt) for (int64_t k = 0; k < K; ++k) dst[k * PN] = LOADW(src[k]);          \
+        else for (int64_t k = 0; k < K; ++k) dst[k * PN] = 0.f;                              \
+      }                                                                                      \
+      for (int64_t m0 = 0; m0 < M; m0 += PM) {                                               \
+        const int mr = M - m0 < PM ? (int)(M - m0) : PM;                                     \
+        for (int64_t p0 = 0; p0 < n_cnt; p0 += PN) {                                         \
+          float out[PM][PN];                                                                 \
+          const float* panel = panels + (p0 / PN) * K * PN;                                  \
+          if (mr == PM) tile_packed(xf + m0 * ldxf, ldxf, panel, K, PM, out);                \
+          else tile_packed(xf + m0 * ldxf, ldxf, panel, K, mr, out);                         \
+          const int nr = n_cnt - p0 < PN ? (int)(n_cnt - p0) : PN;                           \
+          const int64_t n0 = n_base + p0;                                                    \
+          for (int i = 0; i < mr; ++i) {                                                     \
+            TX* yr = y + (m0 + i) * ldy + n0;                                                \
+            if (nr == PN) {  /* vector epilogue: a scalar one costs as much as the tile */   \
+              for (int h = 0; h < PN; h += 8) {                                              \
+                __m256 v = _mm256_loadu_ps(out[i] + h);                                      \
+                if (bias) v = _mm256_add_ps(v, LOADX8(bias + n0 + h));                       \
+                STOREX8(yr + h, v);                                                          \
+              }                                                                              \
+            } else {                                                                         \
+              for (int j = 0; j < nr; ++j)                                                   \
+                yr[j] = STOREX(out[i][j] + (bias ? LOADX(bias[n0 + j]) : 0.f));              \
+            }                                                                                \
+          }                                                                                  \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+    return failed ? -1 : 0;                                                                  \
+  }                                                                                          \
+  _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                         \
+  for (int64_t b = 0; b < nblocks; ++b) {                                                    \
+    const int64_t n_end = (b + 1) * NB < N ? (b + 1) * NB : N;                               \
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {                                                 \
+      const int mr = M - m0 < MR ? (int)(M - m0) : MR;                                       \
+      const float* xt = xf + m0 * ldxf;                                                      \
+      for (int64_t n0 = b * NB; n0 < n_end; n0 += NR) {                                      \
+        const int nr = n_end - n0 < NR ? (int)(n_end - n0) : NR;                             \
+        const TW* wt = w + n0 * K;                                                           \
+        float out[MR][NR];                                                                   \
+        switch (mr * 4 + nr) {  /* constant shapes, so each case keeps its tile in registers */ \
+          case 4 * 4 + 3: TILE(xt, ldxf, wt, K, K, 4, 3, out); break;                        \
+          case 1 * 4 + 3: TILE(xt, ldxf, wt, K, K, 1, 3, out); break;                        \
+          case 2 * 4 + 3: TILE(xt, ldxf, wt, K, K, 2, 3, out); break;                        \
+          case 3 * 4 + 3: TILE(xt, ldxf, wt, K, K, 3, 3, out); break;                        \
+          case 4 * 4 + 2: TILE(xt, ldxf, wt, K, K, 4, 2, out); break;                        \
+          case 4 * 4 + 1: TILE(xt, ldxf, wt, K, K, 4, 1, out); break;                        \
+          default: TILE(xt, ldxf, wt, K, K, mr, nr, out);                                    \
+        }                                                                                    \
+        for (int i = 0; i < mr; ++i)                                                         \
+          for (int j = 0; j < nr; ++j) {                                                     \
+            float v = out[i][j];                                                             \
+            if (bias) v += LOADX(bias[n0 + j]);                                              \
+            y[(m0 + i) * ldy + n0 + j] = STOREX(v);                                          \
+          }                                                                                  \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  return 0;                                                                                  \
+}
+DEFINE_LINEAR(linear_bf16, uint16_t, uint16_t, tile_bf16, bf2f, bf2f, f2bf, load8_bf16, store8_bf16, 1)
+DEFINE_LINEAR(linear_f32, float, float, tile_f32, f2f, f2f, f2f, load8_f32, store8_f32, 0)
+"""
+
+_FUNCS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
+_lib: ctypes.CDLL | None = None
+_loaded = False
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _loaded
+    if not _loaded:
+        lib = load_library("linear_gemm", _SOURCE, "linear layers")
+        if lib is not None:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            for name in _FUNCS.values():
+                fn = getattr(lib, name)
+                # x, ldx, M, K, w, N, bias, y, ldy, threads
+                fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
+                fn.restype = ctypes.c_int
+        _lib, _loaded = lib, True
+    return _lib
+
+
+def _native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AMX or AVX512-BF16): oneDNN wins there."""
+    flags = cpu_flags().split()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _dtypes_for_policy(policy: str) -> frozenset[torch.dtype]:
+    if policy == "0":
+        return frozenset()
+    if policy == "1":
+        return frozenset(_FUNCS)
+    if policy != "auto":
+        raise ValueError(f"TESSERA_CPU_GEMM must be auto, 0 or 1; got {policy!r}")
+    # auto: bf16 unless the CPU has native bf16 math; float32 stays with torch (MKL/oneDNN),
+    # which this kernel does not beat on every CPU.
+    return frozenset() if _native_bf16() else frozenset({torch.bfloat16})
+
+
+def enabled_for(weight: torch.Tensor) -> bool:
+    """Whether linear layers with this weight should use the kernel. TESSERA_CPU_GEMM: auto
+    (default: bf16 on CPUs without native bf16 math), 1 (every supported dtype), 0 (never).
+    Layers ask once, at their first forward."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in _dtypes_for_policy(os.environ.get("TESSERA_CPU_GEMM", "auto"))
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and _load() is not None
+    )
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether the kernel is built and handles this dtype (whatever the policy says)."""
+    return dtype in _FUNCS and _load() is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for CPU tensors of one dtype (bfloat16 or float32), weight
+    [N, K] contiguous. Falls back to F.linear where the kernel cannot take the call."""
+    lib = _load()
+    n, k = weight.shape
+    x2 = x.reshape(-1, k) if x.dim() != 2 else x
+    if (
+        lib is None
+        or x.dtype != weight.dtype
+        or x.dtype not in _FUNCS
+        or x2.stride(-1) != 1
+        or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
+    ):
+        return torch.nn.functional.linear(x, weight, bias)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    if m:
+        rc = getattr(lib, _FUNCS[x.dtype])(
+            x2.data_ptr(), x2.stride(0), m, k, weight.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            return torch.nn.functional.linear(x, weight, bias)
+    return y.view(*x.shape[:-1], n)

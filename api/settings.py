@@ -118,6 +118,12 @@ class Settings:
     num_threads: int | None = _flag(
         "torch intra-op threads (default: torch's choice, usually one per core).", None, _opt_int
     )
+    frontend_threads: int = _flag(
+        "CPU threads that small engine steps (<= 16 tokens) leave to the HTTP front end, "
+        "so streams are not stalled by a descheduled compute thread (0: use every thread).",
+        1,
+        int,
+    )
     # --- model ---
     model: str = _flag(
         "Model: a local Hugging Face folder, a .gguf file, or the bundled default.", DEFAULT_MODEL
@@ -215,6 +221,8 @@ class Settings:
             raise ValueError(
                 f"max_prompts_per_request must be at least 1, got {self.max_prompts_per_request}"
             )
+        if self.frontend_threads < 0:
+            raise ValueError(f"frontend_threads must be at least 0, got {self.frontend_threads}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 0:
@@ -349,6 +357,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         max_num_batched_tokens=s.max_num_batched_tokens,
         policy=s.scheduling_policy,
         tensor_parallel_size=s.tensor_parallel_size,
+        frontend_threads=s.frontend_threads,
         served_model_name=s.served_model_name,
         max_num_queued_requests=s.max_num_queued_requests,
     )

@@ -80,11 +80,17 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # CPU threads that small steps leave to a serving front end (engine.worker.step_threads).
+    frontend_threads: int = 0
 
     def __post_init__(self) -> None:
         _check(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
+        )
+        _check(
+            self.frontend_threads >= 0,
+            f"frontend_threads must be at least 0, got {self.frontend_threads}",
         )
 
 
@@ -156,6 +162,7 @@ class EngineConfig:
         max_num_batched_tokens: int = 2048,
         policy: str = "fcfs",
         tensor_parallel_size: int = 1,
+        frontend_threads: int = 0,
         served_model_name: str | None = None,
         max_num_queued_requests: int | None = None,
     ) -> EngineConfig:
@@ -187,7 +194,9 @@ class EngineConfig:
                 block_size=block_size,
                 policy=policy,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, frontend_threads=frontend_threads
+            ),
             served_model_name=served_model_name,
             max_num_queued_requests=max_num_queued_requests,
         )

@@ -22,6 +22,7 @@ from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.worker.distributed import get_tp_size
+from engine.worker.step_threads import StepThreads
 
 logger = logging.getLogger("tessera.engine")
 
@@ -91,6 +92,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = Sampler(seed=config.model.seed)
         self._builder: AttentionMetadataBuilder | None = None
+        self._threads: StepThreads | None = None  # CPU only: set when the model loads
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class ModelRunner:
         m = self.config.model
         if self.device.type == "cpu":
             tune_malloc()
+            self._threads = StepThreads(self.config.parallel.frontend_threads)
         self.model = load_model(
             self.model_dir,
             dtype=m.dtype,
@@ -218,6 +221,8 @@ class ModelRunner:
             self.copy_blocks(so.blocks_to_copy)
         if not so.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
+        if self._threads is not None:
+            self._threads.apply(so.num_batched_tokens)
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
         to_sample = [r for r in so.scheduled if r.sample]

@@ -101,6 +101,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own context length
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    quantization: str | None = None  # None | int8 (weight-only, CPU)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
 
@@ -112,6 +113,10 @@ class ModelConfig:
         _check(
             self.load_format in ("auto", "safetensors", "gguf", "dummy"),
             f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}",
+        )
+        _check(
+            self.quantization in (None, "int8"),
+            f"quantization must be int8 or unset; got {self.quantization!r}",
         )
         _check(
             self.device in ("auto", "cpu", "cuda"),
@@ -150,6 +155,7 @@ class EngineConfig:
         dtype: str = "auto",
         max_model_len: int | None = None,
         load_format: str = "auto",
+        quantization: str | None = None,
         seed: int = 0,
         device: str = "auto",
         block_size: int = 16,
@@ -175,6 +181,7 @@ class EngineConfig:
                 dtype=dtype,
                 max_model_len=max_model_len,
                 load_format=load_format,
+                quantization=quantization,
                 seed=seed,
                 device=device,
             ),

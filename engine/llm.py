@@ -39,6 +39,7 @@ class LLM:
         seed: int = 0,
         device: str = "auto",
         load_format: str = "auto",
+        quantization: str | None = None,
         tokenizer: str | None = None,
         policy: str = "fcfs",
     ) -> None:
@@ -48,6 +49,7 @@ class LLM:
             dtype=dtype,
             max_model_len=max_model_len,
             load_format=load_format,
+            quantization=quantization,
             seed=seed,
             device=device,
             block_size=block_size,

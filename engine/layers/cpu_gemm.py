@@ -44,6 +44,10 @@ static inline __m256 load8_bf16(const uint16_t* p) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline float i2f(int8_t x) { return (float)x; }
 static inline void store8_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void store8_bf16(uint16_t* p, __m256 v) {  /* round to nearest even, as f2bf */
   __m256i u = _mm256_castps_si256(v);
@@ -84,6 +88,7 @@ static inline __attribute__((always_inline)) void NAME(const float* x, int64_t l
 }
 DEFINE_TILE(tile_bf16, uint16_t, load8_bf16, bf2f)
 DEFINE_TILE(tile_f32, float, load8_f32, f2f)
+DEFINE_TILE(tile_i8, int8_t, load8_i8, i2f)
 
 /* Larger batches: the block's weights are widened once into float32 panels of 16 rows laid
    out k-major ([K][16]), then a 6 x 16 outer-product tile (12 accumulators) broadcasts one
@@ -134,8 +139,8 @@ static float* widen_buffer(int64_t n) {
    TX: activation type (input, bias, output); TW: weight type. Returns 0, or -1 when the
    widening buffer cannot be allocated (the caller falls back to torch). */
 #define DEFINE_LINEAR(NAME, TX, TW, TILE, LOADW, LOADX, STOREX, LOADX8, STOREX8, WIDEN)                              \
-int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, int64_t N,           \
-    const TX* bias, TX* y, int64_t ldy, int nthreads) {                                      \
+int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, const float* wscale,  \
+    int64_t N, const TX* bias, TX* y, int64_t ldy, int nthreads) {                           \
   const float* xf = (const float*)x; int64_t ldxf = ldx;                                     \
   if (WIDEN) {                                                                               \
     float* buf = widen_buffer(M * K);                                                        \
@@ -173,12 +178,14 @@ int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, int64_t N,
             if (nr == PN) {  /* vector epilogue: a scalar one costs as much as the tile */   \
               for (int h = 0; h < PN; h += 8) {                                              \
                 __m256 v = _mm256_loadu_ps(out[i] + h);                                      \
+                if (wscale) v = _mm256_mul_ps(v, _mm256_loadu_ps(wscale + n0 + h));          \
                 if (bias) v = _mm256_add_ps(v, LOADX8(bias + n0 + h));                       \
                 STOREX8(yr + h, v);                                                          \
               }                                                                              \
             } else {                                                                         \
               for (int j = 0; j < nr; ++j)                                                   \
-                yr[j] = STOREX(out[i][j] + (bias ? LOADX(bias[n0 + j]) : 0.f));              \
+                yr[j] = STOREX(out[i][j] * (wscale ? wscale[n0 + j] : 1.f)                   \
+                               + (bias ? LOADX(bias[n0 + j]) : 0.f));                        \
             }                                                                                \
           }                                                                                  \
         }                                                                                    \
@@ -208,6 +215,7 @@ int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, int64_t N,
         for (int i = 0; i < mr; ++i)                                                         \
           for (int j = 0; j < nr; ++j) {                                                     \
             float v = out[i][j];                                                             \
+            if (wscale) v *= wscale[n0 + j];                                                 \
             if (bias) v += LOADX(bias[n0 + j]);                                              \
             y[(m0 + i) * ldy + n0 + j] = STOREX(v);                                          \
           }                                                                                  \
@@ -218,9 +226,18 @@ int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, int64_t N,
 }
 DEFINE_LINEAR(linear_bf16, uint16_t, uint16_t, tile_bf16, bf2f, bf2f, f2bf, load8_bf16, store8_bf16, 1)
 DEFINE_LINEAR(linear_f32, float, float, tile_f32, f2f, f2f, f2f, load8_f32, store8_f32, 0)
+/* int8 weights with a float32 scale per output row (engine.layers.quantization). */
+DEFINE_LINEAR(linear_i8_bf16, uint16_t, int8_t, tile_i8, i2f, bf2f, f2bf, load8_bf16, store8_bf16, 1)
+DEFINE_LINEAR(linear_i8_f32, float, int8_t, tile_i8, i2f, f2f, f2f, load8_f32, store8_f32, 0)
 """
 
-_FUNCS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32"}
+# (activation dtype, weight dtype) -> C function.
+_FUNCS = {
+    (torch.bfloat16, torch.bfloat16): "linear_bf16",
+    (torch.float32, torch.float32): "linear_f32",
+    (torch.bfloat16, torch.int8): "linear_i8_bf16",
+    (torch.float32, torch.int8): "linear_i8_f32",
+}
 _lib: ctypes.CDLL | None = None
 _loaded = False
 
@@ -233,8 +250,8 @@ def _load() -> ctypes.CDLL | None:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             for name in _FUNCS.values():
                 fn = getattr(lib, name)
-                # x, ldx, M, K, w, N, bias, y, ldy, threads
-                fn.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
+                # x, ldx, M, K, w, w_scale, N, bias, y, ldy, threads
+                fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, ctypes.c_int]
                 fn.restype = ctypes.c_int
         _lib, _loaded = lib, True
     return _lib
@@ -250,7 +267,7 @@ def _dtypes_for_policy(policy: str) -> frozenset[torch.dtype]:
     if policy == "0":
         return frozenset()
     if policy == "1":
-        return frozenset(_FUNCS)
+        return frozenset({torch.bfloat16, torch.float32})
     if policy != "auto":
         raise ValueError(f"TESSERA_CPU_GEMM must be auto, 0 or 1; got {policy!r}")
     # auto: bf16 unless the CPU has native bf16 math; float32 stays with torch (MKL/oneDNN),
@@ -271,33 +288,55 @@ def enabled_for(weight: torch.Tensor) -> bool:
     )
 
 
-def available(dtype: torch.dtype) -> bool:
-    """Whether the kernel is built and handles this dtype (whatever the policy says)."""
-    return dtype in _FUNCS and _load() is not None
+def available(dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel is built and handles these dtypes (whatever the policy says)."""
+    return (dtype, weight_dtype or dtype) in _FUNCS and _load() is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for CPU tensors of one dtype (bfloat16 or float32), weight
-    [N, K] contiguous. Falls back to F.linear where the kernel cannot take the call."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) on CPU, x bfloat16 or float32, weight [N, K] contiguous of
+    x's dtype, or int8 with weight_scale (float32 [N]: row n is weight[n] * weight_scale[n]).
+    Falls back to torch where the kernel cannot take the call."""
     lib = _load()
     n, k = weight.shape
     x2 = x.reshape(-1, k) if x.dim() != 2 else x
+    fn = _FUNCS.get((x.dtype, weight.dtype))
     if (
         lib is None
-        or x.dtype != weight.dtype
-        or x.dtype not in _FUNCS
+        or fn is None
         or x2.stride(-1) != 1
         or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
+        or (weight.dtype == torch.int8) != (weight_scale is not None)
     ):
-        return torch.nn.functional.linear(x, weight, bias)
+        return _torch_linear(x, weight, bias, weight_scale)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     if m:
-        rc = getattr(lib, _FUNCS[x.dtype])(
-            x2.data_ptr(), x2.stride(0), m, k, weight.data_ptr(), n,
+        scale_ptr = None
+        if weight_scale is not None:
+            assert weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+            scale_ptr = weight_scale.data_ptr()
+        rc = getattr(lib, fn)(
+            x2.data_ptr(), x2.stride(0), m, k, weight.data_ptr(), scale_ptr, n,
             None if bias is None else bias.data_ptr(), y.data_ptr(), n,
             torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
-            return torch.nn.functional.linear(x, weight, bias)
+            return _torch_linear(x, weight, bias, weight_scale)
     return y.view(*x.shape[:-1], n)
+
+
+def _torch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    if weight_scale is not None:  # slow, but right: dequantize, then multiply
+        weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -48,17 +48,32 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden [S, H] -> logits [S, vocab] in float32. Tie by sharing the embedding's weight."""
 
     use_cpu_gemm: bool | None = None  # decided at the first forward, on the loaded weight
+    tied = False
+    qweight: torch.Tensor | None = None  # int8 rows and their scales, once quantized
+    weight_scale: torch.Tensor | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def quantize_int8(self) -> None:
+        from engine.layers.quantization import quantize_rows_int8
+
+        self.qweight, self.weight_scale = quantize_rows_int8(self.weight.data)
+        if not self.tied:  # nothing else reads the full-precision rows
+            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.use_cpu_gemm is None:
-            self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
-        if self.use_cpu_gemm:
-            logits = cpu_gemm.linear(hidden, self.weight)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = self._matmul(hidden)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()
+
+    def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return cpu_gemm.linear(hidden, self.qweight, None, self.weight_scale)
+        if self.use_cpu_gemm is None:
+            self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
+        if self.use_cpu_gemm:
+            return cpu_gemm.linear(hidden, self.weight)
+        return F.linear(hidden, self.weight)

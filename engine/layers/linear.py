@@ -32,6 +32,7 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.use_cpu_gemm: bool | None = None  # decided at the first forward
+        self.weight_scale: torch.Tensor | None = None  # int8 weights: one scale per row
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -47,11 +48,20 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias): the compiled CPU GEMM where it is faster than torch's (decided
         once, on the loaded weight: engine.layers.cpu_gemm), else F.linear."""
+        if self.weight_scale is not None:
+            return cpu_gemm.linear(x, self.weight, bias, self.weight_scale)
         if self.use_cpu_gemm is None:
             self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
         if self.use_cpu_gemm:
             return cpu_gemm.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
+
+    def quantize_int8(self) -> None:
+        """Replace the weight by int8 rows and their scales (engine.layers.quantization)."""
+        from engine.layers.quantization import quantize_rows_int8
+
+        q, self.weight_scale = quantize_rows_int8(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

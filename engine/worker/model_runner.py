@@ -18,6 +18,7 @@ import torch
 from engine.attention.cpu_kernel import kernel_supports
 from engine.attention.metadata import AttentionMetadataBuilder
 from engine.config import EngineConfig
+from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -110,6 +111,7 @@ class ModelRunner:
             seed=m.seed,
         )
         self.dtype = self.model.model.embed_tokens.weight.dtype
+        quantize_model(self.model, m.quantization)
         head_dim = self.hf_config.head_dim
         use_kernel = kernel_supports(self.dtype, self.device, self.num_kv_heads, head_dim)
         self._builder = AttentionMetadataBuilder(
@@ -123,9 +125,10 @@ class ModelRunner:
         )
         if self.rank == 0:
             logger.info(
-                "Model %s loaded: %s on %s; decode attention: %s",
+                "Model %s loaded: %s%s on %s; decode attention: %s",
                 self.model_dir.name,
                 str(self.dtype).removeprefix("torch."),
+                f" with {m.quantization} weights" if m.quantization else "",
                 self.device,
                 "compiled CPU kernel" if use_kernel else "torch",
             )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.layers import cpu_gemm
+from engine.layers.quantization import quantize_rows_int8
 from tests.engine.test_llm_exactness import engine_greedy, hf_greedy, make_prompts
 
 
@@ -92,3 +93,89 @@ def test_engine_through_the_kernel_matches_hf(tiny_llama_dir, monkeypatch):
     got, _ = engine_greedy(tiny_llama_dir, prompts)
     assert [g[0] for g in got] == expected
     assert len(calls) > 100, "the layers did not run on the kernel"
+
+
+# --- int8 weights (engine.layers.quantization) ---
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 50, generator=g) * torch.rand(37, 1, generator=g) * 4
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    q, scale = quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (37,)
+    assert q.abs().max() == 127 and q[5].abs().max() == 0
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matches_dequantized_f_linear(m, n, k, dtype):
+    _require(dtype)
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q, scale = quantize_rows_int8(torch.randn(n, k, generator=g))
+    b = torch.randn(n, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x.double(), q.double() * scale.double()[:, None], b.double())
+    got = cpu_gemm.linear(x, q, b, scale)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = want.abs() * (2.0**-7 if dtype == torch.bfloat16 else 1e-5) + 1e-3
+    assert ((got.double() - want).abs() <= tol).all()
+
+
+def _dequantized_copy(src, dst):
+    """The checkpoint with every matrix replaced by its int8 round trip: the weights the
+    quantized engine computes with, for HF to run in float32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if t.dim() == 2:
+                q, scale = quantize_rows_int8(t)
+                tensors[name] = (q.float() * scale[:, None]).to(t.dtype).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_int8_engine_matches_hf_on_the_dequantized_weights(tiny_llama_dir, tmp_path):
+    """Quantizing the round-tripped weights gives back the same int8 rows, so the quantized
+    engine and HF (float32, dequantized weights) compute the same model: greedy tokens must
+    agree token for token."""
+    _require(torch.float32)
+    from engine.models.loader import load_hf_config
+
+    model_dir = _dequantized_copy(tiny_llama_dir, tmp_path / "deq")
+    prompts = make_prompts(load_hf_config(model_dir).vocab_size)
+    expected = hf_greedy(model_dir, prompts, 12)
+    got, _ = engine_greedy(model_dir, prompts, quantization="int8")
+    assert [g[0] for g in got] == expected
+
+
+def test_int8_layers_hold_int8_weights(tiny_qwen2_dir):
+    """Qwen2 (qkv bias, tied LM head): every projection is int8, the tied embedding keeps
+    its float rows for the lookup, and generation runs."""
+    _require(torch.float32)
+    from engine import LLM, SamplingParams
+    from engine.layers.linear import LinearBase
+
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="int8", num_blocks=64)
+    model = llm.engine.executor.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.int8 for m in linears)
+    assert model.lm_head.qweight.dtype == torch.int8
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.shutdown()
+
+
+def test_int8_is_validated():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig.from_options(quantization="int4")

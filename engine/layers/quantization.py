@@ -1,0 +1,57 @@
+"""Weight-only int8 quantization for the CPU (`--quantization int8`).
+
+Decode at small batches reads every weight once per step, so its speed is memory bandwidth
+over weight bytes: int8 halves bf16's bytes. Each output row n of a linear layer keeps
+int8 values q[n] and one float32 scale s[n] = max|w[n]| / 127, so w[n] ~ q[n] * s[n]
+(symmetric, per row: the error per weight is at most s[n] / 2). The CPU GEMM kernel widens
+q to float32 in registers, accumulates in float32 and applies s[n] once per output; the
+activations stay in the model dtype. The LM head is quantized too (its own copy when it is
+tied: the embedding lookup keeps the original rows).
+
+This is not lossless like the default path: outputs can differ from the unquantized model's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers import cpu_gemm
+
+METHODS = ("int8",)
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scale [N]) with weight ~ q * scale[:, None]."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_model(model: nn.Module, method: str | None) -> int:
+    """Quantize every linear layer and the LM head in place; returns how many were."""
+    if method is None:
+        return 0
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {method!r}")
+    from engine.layers.embedding import ParallelLMHead
+    from engine.layers.linear import LinearBase
+
+    weights = [m.weight for m in model.modules() if isinstance(m, LinearBase)]
+    if any(w.device.type != "cpu" for w in weights):
+        raise ValueError(
+            "--quantization int8 runs on the CPU GEMM kernel; use it with --device cpu"
+        )
+    dtype = weights[0].dtype if weights else torch.float32
+    if not cpu_gemm.available(dtype, torch.int8):
+        raise ValueError(
+            "--quantization int8 needs the compiled CPU kernels (a C compiler on the machine, "
+            f"TESSERA_CPU_KERNELS not 0) and a bfloat16 or float32 model; got {dtype}"
+        )
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            module.quantize_int8()
+            count += 1
+    return count

@@ -39,8 +39,8 @@ import torch
 
 PATHS = ("kernel", "torch", "hf")
 _PATH_TITLES = {
-    "kernel": "Tessera, compiled CPU kernel",
-    "torch": "Tessera, torch attention",
+    "kernel": "Tessera, compiled CPU kernels",
+    "torch": "Tessera, torch only (TESSERA_CPU_KERNELS=0)",
     "hf": "HF transformers",
 }
 _RESULT_MARK = "@@bench_decode_result "
@@ -131,6 +131,7 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
             dtype=args.dtype,
             max_model_len=max_model_len,
             load_format=args.load_format,
+            quantization=args.quantization,
             seed=args.seed,
             device="cpu",
         ),
@@ -336,7 +337,8 @@ def add_agreement(paths: dict[str, dict]) -> None:
 def print_table(result: dict) -> None:
     m = result["machine"]
     print(
-        f"\n## decode step: {result['model']} ({result['dtype']}), context "
+        f"\n## decode step: {result['model']} ({result['dtype']}"
+        f"{', Tessera ' + result['quantization'] if result.get('quantization') else ''}), context "
         f"{result['context'][0]}-{result['context'][1]}, {m['date']}"
     )
     print(
@@ -382,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder, .gguf or the default")
     p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default="auto")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument(
+        "--quantization", choices=("int8",), default=None, help="Tessera's weights (not HF's)"
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument(
         "--context", type=int, nargs=2, default=[64, 320], metavar=("LO", "HI"),
@@ -424,6 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "load_format": args.load_format,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "batch_sizes": args.batch_sizes,
         "context": args.context,
         "steps": args.steps,

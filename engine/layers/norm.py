@@ -5,17 +5,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers import cpu_fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.use_cpu_kernel: bool | None = None  # the fused C kernel? Decided at first use
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if self.use_cpu_kernel is None:
+            self.use_cpu_kernel = cpu_fused.supports(x) and self.weight.dtype == x.dtype
+        if (
+            self.use_cpu_kernel
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and (residual is None or residual.stride(-1) == 1)
+        ):
+            out = cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = residual.add_(x)  # the residual stream is ours to update in place

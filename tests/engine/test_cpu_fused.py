@@ -1,0 +1,55 @@
+"""The fused CPU RMSNorm kernel (engine.layers.cpu_fused) against the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import cpu_fused
+from engine.layers.norm import RMSNorm
+
+
+def _require(x: torch.Tensor) -> None:
+    if not cpu_fused.supports(x):
+        pytest.skip("no C compiler for the CPU kernels")
+
+
+def _torch_norm(norm: RMSNorm, x, residual=None):
+    """The reference: RMSNorm's torch path (the kernel switched off for this module)."""
+    norm.use_cpu_kernel = False
+    try:
+        return norm(x, residual)
+    finally:
+        norm.use_cpu_kernel = None
+
+
+# bf16: the torch path and the kernel round at the same steps; only the order of the sum of
+# squares differs, which can move a result by one bf16 step.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: over the rows split across threads
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    h = 72
+    x = (torch.randn(rows, h, generator=g) * 3).to(dtype)
+    _require(x)
+    norm = RMSNorm(h, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    res = torch.randn(rows, h, generator=g).to(dtype)
+
+    torch.testing.assert_close(norm(x), _torch_norm(norm, x), **TOL[dtype])
+    got, got_res = norm(x, res.clone())
+    want, want_res = _torch_norm(norm, x, res.clone())
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # the add rounds the same
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_rms_norm_on_a_strided_view():
+    """Rows that are slices of a wider tensor (unit last stride, larger row stride)."""
+    wide = torch.randn(6, 100)
+    x = wide[:, 10:74]
+    _require(x)
+    norm = RMSNorm(64)
+    torch.testing.assert_close(norm(x), _torch_norm(norm, x.contiguous()))

@@ -331,6 +331,28 @@ def linear(
     return y.view(*x.shape[:-1], n)
 
 
+class UsesCpuGemm:
+    """For modules whose forward is a matmul (linear layers, the LM head): routes it to the
+    kernel where it is faster than torch's, decided once, on the loaded weight."""
+
+    use_cpu_gemm: bool | None = None
+
+    def project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if weight_scale is not None:  # int8 rows exist only for this kernel
+            return linear(x, weight, bias, weight_scale)
+        if self.use_cpu_gemm is None:
+            self.use_cpu_gemm = enabled_for(weight)
+        if self.use_cpu_gemm:
+            return linear(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
+
 def _torch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -44,10 +44,9 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.UsesCpuGemm):
     """hidden [S, H] -> logits [S, vocab] in float32. Tie by sharing the embedding's weight."""
 
-    use_cpu_gemm: bool | None = None  # decided at the first forward, on the loaded weight
     tied = False
     qweight: torch.Tensor | None = None  # int8 rows and their scales, once quantized
     weight_scale: torch.Tensor | None = None
@@ -64,16 +63,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self._matmul(hidden)
+        if self.qweight is not None:
+            logits = self.project(hidden, self.qweight, None, self.weight_scale)
+        else:
+            logits = self.project(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()
-
-    def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
-            return cpu_gemm.linear(hidden, self.qweight, None, self.weight_scale)
-        if self.use_cpu_gemm is None:
-            self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
-        if self.use_cpu_gemm:
-            return cpu_gemm.linear(hidden, self.weight)
-        return F.linear(hidden, self.weight)

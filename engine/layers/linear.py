@@ -8,7 +8,6 @@ communication), RowParallel splits input features and all-reduces its output.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import cpu_gemm
@@ -21,7 +20,7 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class LinearBase(nn.Module):
+class LinearBase(nn.Module, cpu_gemm.UsesCpuGemm):
     """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
@@ -31,7 +30,6 @@ class LinearBase(nn.Module):
         self.tp_size = get_tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.use_cpu_gemm: bool | None = None  # decided at the first forward
         self.weight_scale: torch.Tensor | None = None  # int8 weights: one scale per row
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -46,15 +44,8 @@ class LinearBase(nn.Module):
         _copy(param, loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias): the compiled CPU GEMM where it is faster than torch's (decided
-        once, on the loaded weight: engine.layers.cpu_gemm), else F.linear."""
-        if self.weight_scale is not None:
-            return cpu_gemm.linear(x, self.weight, bias, self.weight_scale)
-        if self.use_cpu_gemm is None:
-            self.use_cpu_gemm = cpu_gemm.enabled_for(self.weight)
-        if self.use_cpu_gemm:
-            return cpu_gemm.linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        """x W^T (+ bias), on the CPU GEMM kernel where it is the faster path."""
+        return self.project(x, self.weight, bias, self.weight_scale)
 
     def quantize_int8(self) -> None:
         """Replace the weight by int8 rows and their scales (engine.layers.quantization)."""

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("tessera.engine")
 
@@ -75,11 +76,15 @@ def _build(name: str, source: str, cache_dir: Path, what: str) -> Path | None:
     return so
 
 
-def load_library(name: str, source: str, what: str) -> ctypes.CDLL | None:
-    """The compiled library (built on first use), or None: disabled, no compiler, failure.
+Signatures = dict[str, tuple[list[Any], Any]]  # C function -> (argtypes, restype)
 
-    The answer is remembered for the process, so a failure is logged once.
-    """
+
+def load_library(name: str, source: str, what: str, signatures: Signatures) -> ctypes.CDLL | None:
+    """The compiled library with its functions' signatures set (built on first use), or None:
+    disabled, no compiler, failure. The answer is remembered for the process (so a failure is
+    logged once, and later calls on the hot path cost one dict lookup)."""
+    if name in _loaded:
+        return _loaded[name]
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -91,7 +96,11 @@ def load_library(name: str, source: str, what: str) -> ctypes.CDLL | None:
                 path = _build(name, source, default_cache_dir(), what)
                 if path is not None:
                     lib = ctypes.CDLL(str(path))
-            except (OSError, subprocess.SubprocessError) as e:
+                    for fn_name, (argtypes, restype) in signatures.items():
+                        fn = getattr(lib, fn_name)
+                        fn.argtypes, fn.restype = argtypes, restype
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
                 logger.warning("Loading the CPU kernel for %s failed (%s); torch path", what, e)
+                lib = None
         _loaded[name] = lib
         return lib

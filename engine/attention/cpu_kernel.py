@@ -128,20 +128,17 @@ _MAX_ROW = 1024  # floats in the kernel's per-token row buffer: num_kv_heads * h
 _SUPPORTED = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# out, out_stride, q, q_stride, k_cache, v_cache, block_tables, max_blocks, context_lens, n,
+# H, Hkv, D, block_size, scale, scratch, scratch_size, threads
+_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]
+_ARGS += [ctypes.c_float, _P, _I64, _I32]
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, build failure, or disabled)."""
-    lib = load_library("paged_decode", _SOURCE, "decode attention")
-    if lib is not None and not hasattr(lib, "_tessera_ready"):
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for name in _SUPPORTED.values():
-            fn = getattr(lib, name)
-            # out, out_stride, q, q_stride, k_cache, v_cache, block_tables, max_blocks,
-            # context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size, threads
-            fn.argtypes = [p, i64, p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]
-            fn.argtypes += [ctypes.c_float, p, i64, i32]
-            fn.restype = None
-        lib._tessera_ready = True
-    return lib
+    signatures = {name: (_ARGS, None) for name in _SUPPORTED.values()}
+    return load_library("paged_decode", _SOURCE, "decode attention", signatures)
 
 
 def kernel_supports(

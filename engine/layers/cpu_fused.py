@@ -61,23 +61,14 @@ DEFINE_RMSNORM(rmsnorm_bf16, uint16_t, bf2f, f2bf)
 """
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_lib: ctypes.CDLL | None = None
-_loaded = False
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# x, ldx, residual, ldr, w, out, ldo, rows, H, eps, threads
+_ARGS = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if not _loaded:
-        lib = load_library("fused_ops", _SOURCE, "norms and activations")
-        if lib is not None:
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            for sfx in _SUFFIX.values():
-                rms = getattr(lib, f"rmsnorm_{sfx}")
-                # x, ldx, residual, ldr, w, out, ldo, rows, H, eps, threads
-                rms.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, ctypes.c_float, i32]
-                rms.restype = None
-        _lib, _loaded = lib, True
-    return _lib
+    signatures = {f"rmsnorm_{sfx}": (_ARGS, None) for sfx in _SUFFIX.values()}
+    return load_library("fused_ops", _SOURCE, "RMSNorm", signatures)
 
 
 def supports(x: torch.Tensor) -> bool:

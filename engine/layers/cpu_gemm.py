@@ -111,29 +111,19 @@ static inline __attribute__((always_inline)) void tile_packed(const float* x, in
   }
   for (int i = 0; i < mr; ++i) { _mm256_storeu_ps(out[i], acc[i][0]); _mm256_storeu_ps(out[i] + 8, acc[i][1]); }
 }
-static __thread float* pbuf = 0;
-static __thread int64_t pcap = 0;
-static float* panel_buffer(int64_t n) {
-  if (n > pcap) {
-    free(pbuf);
-    pbuf = (float*)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
-    pcap = pbuf ? n : 0;
-  }
-  return pbuf;
-}
 
-/* Widened inputs live in a per-thread buffer that only grows (bounded by the largest
-   batch x hidden size this thread has seen): no allocation per call. */
-static __thread float* xbuf = 0;
-static __thread int64_t xcap = 0;
-static float* widen_buffer(int64_t n) {
-  if (n > xcap) {
-    free(xbuf);
-    xbuf = (float*)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
-    xcap = xbuf ? n : 0;
+/* Scratch (widened inputs, weight panels) lives in per-thread buffers that only grow
+   (bounded by the largest batch x hidden size this thread has seen): no allocation per call. */
+typedef struct { float* p; int64_t cap; } scratch_t;
+static float* grow(scratch_t* b, int64_t n) {
+  if (n > b->cap) {
+    free(b->p);
+    b->p = (float*)aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
+    b->cap = b->p ? n : 0;
   }
-  return xbuf;
+  return b->p;
 }
+static __thread scratch_t xbuf, pbuf;
 
 /* y[M][N] (row stride ldy) = x[M][K] (row stride ldx) . w[N][K]^T (+ bias[N]).
    TX: activation type (input, bias, output); TW: weight type. Returns 0, or -1 when the
@@ -143,7 +133,7 @@ int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, const floa
     int64_t N, const TX* bias, TX* y, int64_t ldy, int nthreads) {                           \
   const float* xf = (const float*)x; int64_t ldxf = ldx;                                     \
   if (WIDEN) {                                                                               \
-    float* buf = widen_buffer(M * K);                                                        \
+    float* buf = grow(&xbuf, M * K);                                                        \
     if (!buf) return -1;                                                                     \
     _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                       \
     for (int64_t m = 0; m < M; ++m)                                                          \
@@ -155,7 +145,7 @@ int NAME(const TX* x, int64_t ldx, int64_t M, int64_t K, const TW* w, const floa
     int failed = 0;                                                                          \
     _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")   \
     for (int64_t b = 0; b < nblocks; ++b) {                                                  \
-      float* panels = panel_buffer(NB * K);                                                  \
+      float* panels = grow(&pbuf, NB * K);                                                  \
       if (!panels) { failed = 1; continue; }                                                 \
       const int64_t n_base = b * NB, n_cnt = (b + 1) * NB < N ? NB : N - b * NB;             \
       for (int64_t r = 0; r < NB; ++r) {  /* widen + transpose; missing rows are zeros */    \
@@ -238,23 +228,14 @@ _FUNCS = {
     (torch.bfloat16, torch.int8): "linear_i8_bf16",
     (torch.float32, torch.int8): "linear_i8_f32",
 }
-_lib: ctypes.CDLL | None = None
-_loaded = False
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# x, ldx, M, K, w, w_scale, N, bias, y, ldy, threads
+_ARGS = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, ctypes.c_int]
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _loaded
-    if not _loaded:
-        lib = load_library("linear_gemm", _SOURCE, "linear layers")
-        if lib is not None:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            for name in _FUNCS.values():
-                fn = getattr(lib, name)
-                # x, ldx, M, K, w, w_scale, N, bias, y, ldy, threads
-                fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, ctypes.c_int]
-                fn.restype = ctypes.c_int
-        _lib, _loaded = lib, True
-    return _lib
+    signatures = {name: (_ARGS, ctypes.c_int) for name in _FUNCS.values()}
+    return load_library("linear_gemm", _SOURCE, "linear layers", signatures)
 
 
 def _native_bf16() -> bool:

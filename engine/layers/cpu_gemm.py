@@ -1,15 +1,18 @@
-"""y = x W^T (+ b) on CPU in plain C: bf16 weights read as bf16, multiplied in float32.
+"""y = x W^T (+ b) on CPU in plain C: bf16 or int8 weights, float32 arithmetic.
 
 Why: on CPUs without native bf16 math (AVX2 machines, AMD EPYC before Zen 4), torch's bf16
-matmul falls back to a slow path (measured here: ~8 GFLOP/s on two cores at any batch),
+matmul falls back to a slow path (measured here: 8-19 GFLOP/s on two cores at any batch),
 while reading bf16 weights halves the memory traffic of float32 ones, which is what bounds
 decode at small batches. This kernel widens each bf16 weight to float32 in registers (a
 shift) and accumulates in float32 with FMA, so it runs at float32 speed with bf16 bytes.
+int8 weights (engine.layers.quantization) are widened the same way and scaled per row.
 
-Blocking: the weight rows are split into blocks of NB rows over the threads; within a block,
-tiles of 4 input rows x 3 weight rows keep 12 float32 accumulators in registers, the 4 input
-rows stay in L1 across the block and the block's weights in L2 across the input rows.
-The input is widened to float32 once per call into a per-thread buffer.
+Blocking: the weight rows are split into blocks of NB rows over the threads. Small batches
+(decode): tiles of 4 input rows x 3 weight rows keep 12 float32 accumulators in registers,
+the input rows stay in L1 across the block and the block's weights in L2. From 48 input rows
+(prefill, large decode batches): each block is widened once into float32 panels and 6 x 16
+outer-product tiles run near the FMA units' peak. bf16 inputs are widened to float32 once
+per call into a per-thread buffer.
 
 torch's F.linear stays the reference: tests check this kernel against it. The kernel is
 built with the other CPU kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables it.

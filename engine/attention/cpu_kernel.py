@@ -2,7 +2,9 @@
 
 The torch path (torch_paged.py) gathers each decode sequence's blocks into a padded buffer and
 runs SDPA: it moves the K/V three times (read, write, read again). This kernel reads each
-token's K and V once, which is what bounds decode at large batches on CPU. It is plain C,
+token's K and V once, which is what bounds decode at large batches on CPU. On CPUs with
+AVX512-BF16 a vectorised bf16 variant runs (2x the generic loops in a cached micro-benchmark,
+1.3x with the cache in DRAM, where scattered 6 KB blocks bound it). It is plain C,
 built once per machine (engine.cpu_build). Without a compiler, or with TESSERA_CPU_KERNELS=0,
 the torch path runs.
 The torch path stays the reference: tests check this kernel against it.
@@ -98,7 +100,165 @@ static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const int6
 
 #define ID(x) (x)
 DEFINE_ONE(one_f32, float, ID, ID)
-DEFINE_ONE(one_bf16, uint16_t, bf2f, f2bf)
+DEFINE_ONE(one_bf16_generic, uint16_t, bf2f, f2bf)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+/* bf16 on CPUs with AVX512-BF16 (Zen 4+, Sapphire Rapids+): the generic loops above spend
+   most of their time in horizontal sums (one per token and head) and scalar expf. Here
+   q . k runs on bf16 pairs (vdpbf16ps: exact products, float32 sums), 16 tokens' dot
+   products are summed across lanes together (reduce16), softmax uses a vector exp, and the
+   V pass keeps up to 4 heads' accumulators in registers per 16 dims. */
+
+/* lane j of the result = sum of v[j]'s lanes (a transpose-and-add tree, then one permute). */
+static inline __m512 reduce16(const __m512 v[16]) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
+                         _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
+  const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
+  /* w holds v[k], v[8+k], v[4+k], v[12+k] in its 128-bit lane k (element 4k..4k+3): put v[j]'s sum at lane j. */
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(f), |rel err| < 2e-7. */
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#ifndef AHEAD
+#define AHEAD 2  /* blocks prefetched ahead in the K pass */
+#endif
+
+static inline __m512 load16_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* acc[g][0..16) += sum_j s[g * L + j] * v_j[0..16), j < n, for GN (1..4) heads. */
+#define V_TILE(GN) do {                                                                      \
+    __m512 a[4];                                                                             \
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_loadu_ps(accr + g * D);                       \
+    for (int64_t j = 0; j < n; ++j) {                                                        \
+      const __m512 vv = load16_bf16(vr + j * tok);                                           \
+      for (int g = 0; g < GN; ++g)                                                           \
+        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sr[g * L + j]), vv, a[g]);                     \
+    }                                                                                        \
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(accr + g * D, a[g]);                       \
+  } while (0)
+
+static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint16_t* kc,
+    const uint16_t* vc, const int64_t* table, int64_t L, int H, int Hkv, const int D, int bs,
+    float scale, float* scratch) {
+  const int G = H / Hkv;
+  float* acc = scratch; float* s = acc + H * D;
+  const int64_t tok = (int64_t)Hkv * D;
+  const int64_t nblk = (L + bs - 1) / bs;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const int64_t l0 = bi * bs;
+    const uint16_t* kb = kc + table[bi] * bs * tok;
+    if (bi == 0)
+      for (int64_t a = 0; a < AHEAD && a < nblk; ++a) {
+        PREFETCH_BLOCK(kc + table[a] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
+        PREFETCH_BLOCK(vc + table[a] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
+      }
+    if (bi + AHEAD < nblk) {  /* K and V: the V pass then reads them from L2 */
+      PREFETCH_BLOCK(kc + table[bi + AHEAD] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
+      PREFETCH_BLOCK(vc + table[bi + AHEAD] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
+    }
+    const int64_t nb = L - l0 < bs ? L - l0 : bs;
+    for (int64_t j0 = 0; j0 < nb; j0 += 16) {
+      const int m = nb - j0 < 16 ? (int)(nb - j0) : 16;
+      for (int r = 0; r < H; ++r) {
+        const uint16_t* qr = q + r * D; const uint16_t* kr = kb + j0 * tok + (r / G) * D;
+        __m512 d[16];
+        for (int j = 0; j < 16; ++j) d[j] = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 32) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + c);
+          for (int j = 0; j < m; ++j)
+            d[j] = _mm512_dpbf16_ps(d[j], qv, (__m512bh)_mm512_loadu_si512(kr + j * tok + c));
+        }
+        _mm512_mask_storeu_ps(s + r * L + l0 + j0, (__mmask16)((1u << m) - 1),
+                              _mm512_mul_ps(reduce16(d), vscale));
+      }
+    }
+  }
+  for (int r = 0; r < H; ++r) {  /* softmax per row, 16 scores at a time */
+    float* sr = s + r * L;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; l < L; ++l) m = sr[l] > m ? sr[l] : m;
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (l = 0; l < L; l += 16) {
+      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + l), vm));
+      sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+      _mm512_mask_storeu_ps(sr + l, k, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    for (l = 0; l < L; l += 16) {
+      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+      _mm512_mask_storeu_ps(sr + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + l), inv));
+    }
+  }
+  memset(acc, 0, sizeof(float) * H * D);
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const int64_t l0 = bi * bs;
+    const uint16_t* vb = vc + table[bi] * bs * tok;
+    const int64_t n = L - l0 < bs ? L - l0 : bs;
+    for (int h = 0; h < Hkv; ++h)
+      for (int c = 0; c < D; c += 16)
+        for (int g0 = 0; g0 < G; g0 += 4) {
+          const int r0 = h * G + g0;
+          float* accr = acc + r0 * D + c; const float* sr = s + r0 * L + l0;
+          const uint16_t* vr = vb + h * D + c;
+          switch (G - g0 < 4 ? G - g0 : 4) {
+            case 1: V_TILE(1); break;
+            case 2: V_TILE(2); break;
+            case 3: V_TILE(3); break;
+            default: V_TILE(4);
+          }
+        }
+  }
+  for (int i = 0; i < H * D; i += 16) {  /* round to bf16 like f2bf (nearest even) */
+    __m512i u = _mm512_castps_si512(_mm512_loadu_ps(acc + i));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(u));
+  }
+}
+
+static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc,
+    const uint16_t* vc, const int64_t* table, int64_t L, int H, int Hkv, const int D, int bs,
+    float scale, float* scratch) {
+  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, table, L, H, Hkv, D, bs, scale, scratch);
+  else one_bf16_generic(out, q, kc, vc, table, L, H, Hkv, D, bs, scale, scratch);
+}
+#else
+#define one_bf16 one_bf16_generic
+#endif
 
 /* A decode batch of n rows on OpenMP threads: this links torch's own libgomp (same soname,
    already loaded), so it shares torch's thread pool instead of competing with it. Longest

@@ -25,6 +25,31 @@ from typing import Any
 
 logger = logging.getLogger("tessera.engine")
 
+# C shared by the kernels' sources (prepended to them): AVX-512 helpers, compiled only where
+# the CPU has AVX-512.
+C_AVX512_HELPERS = r"""
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* lane j of the result = sum of v[j]'s lanes (a transpose-and-add tree, then one permute). */
+static inline __m512 reduce16(const __m512 v[16]) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
+                         _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
+  const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
+  /* w holds v[k], v[8+k], v[4+k], v[12+k] in its 128-bit lane k (element 4k..4k+3): put v[j]'s sum at lane j. */
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+#endif
+"""
+
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()

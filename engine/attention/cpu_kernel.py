@@ -16,9 +16,11 @@ import ctypes
 
 import torch
 
-from engine.cpu_build import load_library
+from engine.cpu_build import C_AVX512_HELPERS, load_library
 
-_SOURCE = r"""
+_SOURCE = (
+    C_AVX512_HELPERS
+    + r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -109,24 +111,6 @@ DEFINE_ONE(one_bf16_generic, uint16_t, bf2f, f2bf)
    q . k runs on bf16 pairs (vdpbf16ps: exact products, float32 sums), 16 tokens' dot
    products are summed across lanes together (reduce16), softmax uses a vector exp, and the
    V pass keeps up to 4 heads' accumulators in registers per 16 dims. */
-
-/* lane j of the result = sum of v[j]'s lanes (a transpose-and-add tree, then one permute). */
-static inline __m512 reduce16(const __m512 v[16]) {
-  __m512 x[8], y[4], z[2];
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
-                         _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
-  const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
-  /* w holds v[k], v[8+k], v[4+k], v[12+k] in its 128-bit lane k (element 4k..4k+3): put v[j]'s sum at lane j. */
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, w);
-}
 
 /* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(f), |rel err| < 2e-7. */
 static inline __m512 exp512(__m512 x) {
@@ -284,6 +268,7 @@ void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc,
 DEFINE_BATCH(paged_decode_f32, one_f32, float)
 DEFINE_BATCH(paged_decode_bf16, one_bf16, uint16_t)
 """
+)
 _MAX_ROW = 1024  # floats in the kernel's per-token row buffer: num_kv_heads * head_dim
 _SUPPORTED = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 

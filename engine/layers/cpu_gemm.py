@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import torch
 
-from engine.cpu_build import cpu_flags, load_library
+from engine.cpu_build import C_AVX512_HELPERS, cpu_flags, load_library
 
-_SOURCE = r"""
+_SOURCE = (
+    C_AVX512_HELPERS
+    + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <immintrin.h>
@@ -222,7 +225,79 @@ DEFINE_LINEAR(linear_f32, float, float, tile_f32, f2f, f2f, f2f, load8_f32, stor
 /* int8 weights with a float32 scale per output row (engine.layers.quantization). */
 DEFINE_LINEAR(linear_i8_bf16, uint16_t, int8_t, tile_i8, i2f, bf2f, f2bf, load8_bf16, store8_bf16, 1)
 DEFINE_LINEAR(linear_i8_f32, float, int8_t, tile_i8, i2f, f2f, f2f, load8_f32, store8_f32, 0)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bf16 on CPUs with AVX512-BF16, small batches: vdpbf16ps multiplies 32 bf16 pairs of x and
+   w straight from memory (exact products, float32 sums), so nothing is widened at all. A
+   4 x 6 tile keeps 24 accumulators in registers; K tails use masked loads. Where oneDNN's
+   own bf16 GEMM is fast (large batches) the caller keeps torch. */
+#define DMR 4
+#define DNR 6
+static inline __attribute__((always_inline)) void tile_dp(const uint16_t* x, int64_t ldx,
+    const uint16_t* w, int64_t K, const int mr, const int nr, float out[DMR][DNR]) {
+  __m512 acc[DMR][DNR];
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[DNR];
+    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mk = (__mmask32)((1ull << (K - k)) - 1);
+    __m512bh wv[DNR];
+    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mk, w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + i * ldx + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  /* Sum each accumulator's lanes 16 at a time (reduce16: ~2 instructions a sum, not 8). */
+  __m512 v[32]; float sums[32];
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) v[i * nr + j] = acc[i][j];
+  const int cnt = mr * nr;
+  for (int c = cnt; c < ((cnt + 15) & ~15); ++c) v[c] = _mm512_setzero_ps();
+  for (int c = 0; c < cnt; c += 16) _mm512_storeu_ps(sums + c, reduce16(v + c));
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) out[i][j] = sums[i * nr + j];
+}
+
+#define DNB 48  /* weight rows per block handed to a thread (a multiple of DNR) */
+int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+    const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
+    int nthreads) {
+  (void)wscale;
+  const int64_t nblocks = (N + DNB - 1) / DNB;
+  _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;
+    for (int64_t m0 = 0; m0 < M; m0 += DMR) {
+      const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;
+      const uint16_t* xt = x + m0 * ldx;
+      for (int64_t n0 = b * DNB; n0 < n_end; n0 += DNR) {
+        const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;
+        const uint16_t* wt = w + n0 * K;
+        float out[DMR][DNR];
+        switch (mr * 8 + nr) {  /* constant shapes keep the tile in registers */
+          case 4 * 8 + 6: tile_dp(xt, ldx, wt, K, 4, 6, out); break;
+          case 1 * 8 + 6: tile_dp(xt, ldx, wt, K, 1, 6, out); break;
+          case 2 * 8 + 6: tile_dp(xt, ldx, wt, K, 2, 6, out); break;
+          case 3 * 8 + 6: tile_dp(xt, ldx, wt, K, 3, 6, out); break;
+          default: tile_dp(xt, ldx, wt, K, mr, nr, out);
+        }
+        for (int i = 0; i < mr; ++i)
+          for (int j = 0; j < nr; ++j)
+            y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.f));
+      }
+    }
+  }
+  return 0;
+}
+#endif
 """
+)
 
 # (activation dtype, weight dtype) -> C function.
 _FUNCS = {
@@ -236,40 +311,64 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, ctypes.c_int]
 
 
+_DP_FN = "linear_bf16_dp"  # built only where the CPU has AVX512-BF16
+_dp_fn_cache: list = []
+
+
 def _load() -> ctypes.CDLL | None:
     signatures = {name: (_ARGS, ctypes.c_int) for name in _FUNCS.values()}
     return load_library("linear_gemm", _SOURCE, "linear layers", signatures)
 
 
+def _dp_fn():
+    """The AVX512-BF16 dot-product kernel for bf16, or None where the CPU lacks it."""
+    if not _dp_fn_cache:
+        lib = _load()
+        fn = getattr(lib, _DP_FN, None) if lib is not None else None
+        if fn is not None:
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        _dp_fn_cache.append(fn)
+    return _dp_fn_cache[0]
+
+
 def _native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 natively (AMX or AVX512-BF16): oneDNN wins there."""
+    """Whether the CPU multiplies bf16 natively (AMX or AVX512-BF16): oneDNN is fast there."""
     flags = cpu_flags().split()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def _dtypes_for_policy(policy: str) -> frozenset[torch.dtype]:
+# With native bf16, the AVX512-BF16 kernel beats oneDNN up to this many rows (measured on a
+# Zen 5: 1.1-3x at 1-32 rows, 0.85-0.95x from 64), so larger batches stay with torch.
+DP_MAX_ROWS = 32
+_ALWAYS = sys.maxsize
+
+
+def _max_rows_for_policy(policy: str, dtype: torch.dtype) -> int:
     if policy == "0":
-        return frozenset()
+        return 0
     if policy == "1":
-        return frozenset({torch.bfloat16, torch.float32})
+        return _ALWAYS if dtype in (torch.bfloat16, torch.float32) else 0
     if policy != "auto":
         raise ValueError(f"TESSERA_CPU_GEMM must be auto, 0 or 1; got {policy!r}")
-    # auto: bf16 unless the CPU has native bf16 math; float32 stays with torch (MKL/oneDNN),
-    # which this kernel does not beat on every CPU.
-    return frozenset() if _native_bf16() else frozenset({torch.bfloat16})
+    # auto: float32 stays with torch (MKL/oneDNN), which this kernel does not beat on every
+    # CPU; bf16 takes the kernel at every batch where torch has no native bf16 path, and at
+    # small batches where the AVX512-BF16 kernel exists.
+    if dtype != torch.bfloat16:
+        return 0
+    if not _native_bf16():
+        return _ALWAYS
+    return DP_MAX_ROWS if _dp_fn() is not None else 0
 
 
-def enabled_for(weight: torch.Tensor) -> bool:
-    """Whether linear layers with this weight should use the kernel. TESSERA_CPU_GEMM: auto
-    (default: bf16 on CPUs without native bf16 math), 1 (every supported dtype), 0 (never).
-    Layers ask once, at their first forward."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in _dtypes_for_policy(os.environ.get("TESSERA_CPU_GEMM", "auto"))
-        and weight.dim() == 2
-        and weight.is_contiguous()
-        and _load() is not None
-    )
+def max_rows_for(weight: torch.Tensor) -> int:
+    """The largest batch (rows of x) for which a layer with this weight uses the kernel; 0:
+    never. TESSERA_CPU_GEMM: auto (the default; see _max_rows_for_policy), 1 (every batch,
+    every supported dtype), 0 (never). Layers ask once, at their first forward."""
+    if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()):
+        return 0
+    if _load() is None:
+        return 0
+    return _max_rows_for_policy(os.environ.get("TESSERA_CPU_GEMM", "auto"), weight.dtype)
 
 
 def available(dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> bool:
@@ -282,10 +381,14 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    *,
+    allow_dp: bool = True,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) on CPU, x bfloat16 or float32, weight [N, K] contiguous of
     x's dtype, or int8 with weight_scale (float32 [N]: row n is weight[n] * weight_scale[n]).
-    Falls back to torch where the kernel cannot take the call."""
+    bf16 x bf16 runs on the AVX512-BF16 kernel where the CPU has it (allow_dp=False: the
+    widening kernel, which tests use to cover both). Falls back to torch where the kernel
+    cannot take the call."""
     lib = _load()
     n, k = weight.shape
     x2 = x.reshape(-1, k) if x.dim() != 2 else x
@@ -305,7 +408,10 @@ def linear(
         if weight_scale is not None:
             assert weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
             scale_ptr = weight_scale.data_ptr()
-        rc = getattr(lib, fn)(
+        call = getattr(lib, fn)
+        if allow_dp and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+            call = _dp_fn() or call
+        rc = call(
             x2.data_ptr(), x2.stride(0), m, k, weight.data_ptr(), scale_ptr, n,
             None if bias is None else bias.data_ptr(), y.data_ptr(), n,
             torch.get_num_threads(),
@@ -319,7 +425,7 @@ class UsesCpuGemm:
     """For modules whose forward is a matmul (linear layers, the LM head): routes it to the
     kernel where it is faster than torch's, decided once, on the loaded weight."""
 
-    use_cpu_gemm: bool | None = None
+    cpu_gemm_max_rows: int | None = None
 
     def project(
         self,
@@ -330,9 +436,9 @@ class UsesCpuGemm:
     ) -> torch.Tensor:
         if weight_scale is not None:  # int8 rows exist only for this kernel
             return linear(x, weight, bias, weight_scale)
-        if self.use_cpu_gemm is None:
-            self.use_cpu_gemm = enabled_for(weight)
-        if self.use_cpu_gemm:
+        if self.cpu_gemm_max_rows is None:
+            self.cpu_gemm_max_rows = max_rows_for(weight)
+        if x.numel() <= self.cpu_gemm_max_rows * x.shape[-1]:
             return linear(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 

@@ -3,6 +3,8 @@ engine through it against HF transformers, token for token."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -34,49 +36,82 @@ def test_float32_matches_f_linear(m, n, k, bias):
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_bfloat16_within_one_rounding_of_float32_math(m, n, k):
+@pytest.mark.parametrize("allow_dp", [True, False])
+def test_bfloat16_within_one_rounding_of_float32_math(m, n, k, allow_dp):
     """bf16 in, bf16 out, float32 in between: the result is the float32 product rounded once,
-    so it is within one bf16 ulp of the exact product of the bf16 inputs."""
+    so it is within one bf16 ulp of the exact product of the bf16 inputs. Both kernels: the
+    AVX512-BF16 one (where the CPU has it; tiles of 4 x 6, K in 32s with a masked tail) and
+    the widening one."""
     _require(torch.bfloat16)
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
-    got = cpu_gemm.linear(x, w, b)
+    got = cpu_gemm.linear(x, w, b, allow_dp=allow_dp)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     ulp = exact.abs().clamp_min(1e-3) * 2.0**-7  # bf16 keeps 8 significant bits
     assert ((got.double() - exact).abs() <= ulp + 1e-4).all()
 
 
-def test_batched_and_strided_inputs():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_and_strided_inputs(dtype):
     """[batch, seq, K] inputs, and rows that are a strided view (a slice of a wider tensor)."""
-    _require(torch.float32)
+    _require(dtype)
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(40, 24, generator=g)
-    x3 = torch.randn(2, 5, 24, generator=g)
-    torch.testing.assert_close(cpu_gemm.linear(x3, w), torch.nn.functional.linear(x3, w))
-    wide = torch.randn(9, 64, generator=g)
+    w = torch.randn(40, 24, generator=g).to(dtype)
+    x3 = torch.randn(2, 5, 24, generator=g).to(dtype)
+    tol = {} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-2}
+    torch.testing.assert_close(cpu_gemm.linear(x3, w), torch.nn.functional.linear(x3, w), **tol)
+    wide = torch.randn(9, 64, generator=g).to(dtype)
     view = wide[:, 8:32]  # row stride 64, unit column stride
-    torch.testing.assert_close(cpu_gemm.linear(view, w), torch.nn.functional.linear(view, w))
-    empty = torch.empty(0, 24)
+    torch.testing.assert_close(cpu_gemm.linear(view, w), torch.nn.functional.linear(view, w), **tol)
+    empty = torch.empty(0, 24, dtype=dtype)
     assert cpu_gemm.linear(empty, w).shape == (0, 40)
 
 
 def test_policy(monkeypatch):
     _require(torch.float32)
     w32, w16 = torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)
+    always = sys.maxsize
     monkeypatch.setenv("TESSERA_CPU_GEMM", "1")
-    assert cpu_gemm.enabled_for(w32) and cpu_gemm.enabled_for(w16)
-    assert not cpu_gemm.enabled_for(torch.zeros(8, 4).t())  # not contiguous
+    assert cpu_gemm.max_rows_for(w32) == always and cpu_gemm.max_rows_for(w16) == always
+    assert cpu_gemm.max_rows_for(torch.zeros(8, 4).t()) == 0  # not contiguous
     monkeypatch.setenv("TESSERA_CPU_GEMM", "0")
-    assert not cpu_gemm.enabled_for(w32) and not cpu_gemm.enabled_for(w16)
+    assert cpu_gemm.max_rows_for(w32) == 0 and cpu_gemm.max_rows_for(w16) == 0
     monkeypatch.setenv("TESSERA_CPU_GEMM", "auto")
-    assert not cpu_gemm.enabled_for(w32)  # float32 stays with MKL / oneDNN
-    assert cpu_gemm.enabled_for(w16) == (not cpu_gemm._native_bf16())
+    assert cpu_gemm.max_rows_for(w32) == 0  # float32 stays with MKL / oneDNN
+    # bf16: every batch without native bf16; small batches where the AVX512-BF16 kernel is.
+    if not cpu_gemm._native_bf16():
+        expected = always
+    else:
+        expected = cpu_gemm.DP_MAX_ROWS if cpu_gemm._dp_fn() is not None else 0
+    assert cpu_gemm.max_rows_for(w16) == expected
     monkeypatch.setenv("TESSERA_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="TESSERA_CPU_GEMM"):
-        cpu_gemm.enabled_for(w32)
+        cpu_gemm.max_rows_for(w32)
+
+
+def test_layer_routes_by_batch_size(monkeypatch):
+    """A layer whose kernel covers batches up to N rows sends larger ones to torch."""
+    _require(torch.bfloat16)
+    from engine.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(24, 40)
+    layer.weight.data = torch.randn(40, 24).bfloat16()
+    layer.cpu_gemm_max_rows = 4
+    calls, real = [], cpu_gemm.linear
+
+    def spy(x, *args, **kwargs):  # records the batch, then runs the real kernel
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_gemm, "linear", spy)
+    for rows in (4, 5):
+        x = torch.randn(rows, 24).bfloat16()
+        ref = torch.nn.functional.linear(x, layer.weight)
+        torch.testing.assert_close(layer(x), ref, rtol=2**-7, atol=1e-2)
+    assert calls == [4]
 
 
 def test_engine_through_the_kernel_matches_hf(tiny_llama_dir, monkeypatch):

@@ -233,68 +233,91 @@ DEFINE_LINEAR(linear_i8_f32, float, int8_t, tile_i8, i2f, f2f, f2f, load8_f32, s
    own bf16 GEMM is fast (large batches) the caller keeps torch. */
 #define DMR 4
 #define DNR 6
-static inline __attribute__((always_inline)) void tile_dp(const uint16_t* x, int64_t ldx,
-    const uint16_t* w, int64_t K, const int mr, const int nr, float out[DMR][DNR]) {
-  __m512 acc[DMR][DNR];
-  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[DNR];
-    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
-    for (int i = 0; i < mr; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
-      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  if (k < K) {
-    const __mmask32 mk = (__mmask32)((1ull << (K - k)) - 1);
-    __m512bh wv[DNR];
-    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mk, w + j * K + k);
-    for (int i = 0; i < mr; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + i * ldx + k);
-      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  /* Sum each accumulator's lanes 16 at a time (reduce16: ~2 instructions a sum, not 8). */
-  __m512 v[32]; float sums[32];
-  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) v[i * nr + j] = acc[i][j];
-  const int cnt = mr * nr;
-  for (int c = cnt; c < ((cnt + 15) & ~15); ++c) v[c] = _mm512_setzero_ps();
-  for (int c = 0; c < cnt; c += 16) _mm512_storeu_ps(sums + c, reduce16(v + c));
-  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) out[i][j] = sums[i * nr + j];
+static inline __m512bh w32_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline __m512bh w32_bf16_tail(const uint16_t* p, __mmask32 m) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+/* int8 weights: 32 values widened to bf16 exactly (|v| <= 127 needs 7 bits). */
+static inline __m512bh i8x32_to_bf16(__m256i b) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+static inline __m512bh w32_i8(const int8_t* p) {
+  return i8x32_to_bf16(_mm256_loadu_si256((const __m256i*)p));
+}
+static inline __m512bh w32_i8_tail(const int8_t* p, __mmask32 m) {
+  return i8x32_to_bf16(_mm256_maskz_loadu_epi8(m, p));
 }
 
-#define DNB 48  /* weight rows per block handed to a thread (a multiple of DNR) */
-int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
-    const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
-    int nthreads) {
-  (void)wscale;
-  const int64_t nblocks = (N + DNB - 1) / DNB;
-  _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;
-    for (int64_t m0 = 0; m0 < M; m0 += DMR) {
-      const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;
-      const uint16_t* xt = x + m0 * ldx;
-      for (int64_t n0 = b * DNB; n0 < n_end; n0 += DNR) {
-        const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;
-        const uint16_t* wt = w + n0 * K;
-        float out[DMR][DNR];
-        switch (mr * 8 + nr) {  /* constant shapes keep the tile in registers */
-          case 4 * 8 + 6: tile_dp(xt, ldx, wt, K, 4, 6, out); break;
-          case 1 * 8 + 6: tile_dp(xt, ldx, wt, K, 1, 6, out); break;
-          case 2 * 8 + 6: tile_dp(xt, ldx, wt, K, 2, 6, out); break;
-          case 3 * 8 + 6: tile_dp(xt, ldx, wt, K, 3, 6, out); break;
-          default: tile_dp(xt, ldx, wt, K, mr, nr, out);
-        }
-        for (int i = 0; i < mr; ++i)
-          for (int j = 0; j < nr; ++j)
-            y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] + (bias ? bf2f(bias[n0 + j]) : 0.f));
-      }
-    }
-  }
-  return 0;
+#define DEFINE_TILE_DP(NAME, TW, LOADW, LOADW_TAIL)                                           \
+static inline __attribute__((always_inline)) void NAME(const uint16_t* x, int64_t ldx,       \
+    const TW* w, int64_t K, const int mr, const int nr, float out[DMR][DNR]) {               \
+  __m512 acc[DMR][DNR];                                                                      \
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps(); \
+  int64_t k = 0;                                                                             \
+  for (; k + 32 <= K; k += 32) {                                                             \
+    __m512bh wv[DNR];                                                                        \
+    for (int j = 0; j < nr; ++j) wv[j] = LOADW(w + j * K + k);                               \
+    for (int i = 0; i < mr; ++i) {                                                           \
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);                     \
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);       \
+    }                                                                                        \
+  }                                                                                          \
+  if (k < K) {                                                                               \
+    const __mmask32 mk = (__mmask32)((1ull << (K - k)) - 1);                                 \
+    __m512bh wv[DNR];                                                                        \
+    for (int j = 0; j < nr; ++j) wv[j] = LOADW_TAIL(w + j * K + k, mk);                      \
+    for (int i = 0; i < mr; ++i) {                                                           \
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + i * ldx + k);           \
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);       \
+    }                                                                                        \
+  }                                                                                          \
+  /* Sum each accumulator's lanes 16 at a time (reduce16: ~2 instructions a sum, not 8). */  \
+  __m512 v[32]; float sums[32];                                                              \
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) v[i * nr + j] = acc[i][j];      \
+  const int cnt = mr * nr;                                                                   \
+  for (int c = cnt; c < ((cnt + 15) & ~15); ++c) v[c] = _mm512_setzero_ps();                \
+  for (int c = 0; c < cnt; c += 16) _mm512_storeu_ps(sums + c, reduce16(v + c));             \
+  for (int i = 0; i < mr; ++i) for (int j = 0; j < nr; ++j) out[i][j] = sums[i * nr + j];    \
 }
+DEFINE_TILE_DP(tile_dp_bf16, uint16_t, w32_bf16, w32_bf16_tail)
+DEFINE_TILE_DP(tile_dp_i8, int8_t, w32_i8, w32_i8_tail)
+
+#define DNB 48  /* weight rows per block handed to a thread (a multiple of DNR) */
+#define DEFINE_LINEAR_DP(NAME, TW, TILE)                                                      \
+int NAME(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const TW* w,                  \
+    const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,          \
+    int nthreads) {                                                                          \
+  const int64_t nblocks = (N + DNB - 1) / DNB;                                               \
+  _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                         \
+  for (int64_t b = 0; b < nblocks; ++b) {                                                    \
+    const int64_t n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;                             \
+    for (int64_t m0 = 0; m0 < M; m0 += DMR) {                                                \
+      const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;                                     \
+      const uint16_t* xt = x + m0 * ldx;                                                     \
+      for (int64_t n0 = b * DNB; n0 < n_end; n0 += DNR) {                                    \
+        const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;                           \
+        const TW* wt = w + n0 * K;                                                           \
+        float out[DMR][DNR];                                                                 \
+        switch (mr * 8 + nr) {  /* constant shapes keep the tile in registers */             \
+          case 4 * 8 + 6: TILE(xt, ldx, wt, K, 4, 6, out); break;                            \
+          case 1 * 8 + 6: TILE(xt, ldx, wt, K, 1, 6, out); break;                            \
+          case 2 * 8 + 6: TILE(xt, ldx, wt, K, 2, 6, out); break;                            \
+          case 3 * 8 + 6: TILE(xt, ldx, wt, K, 3, 6, out); break;                            \
+          default: TILE(xt, ldx, wt, K, mr, nr, out);                                        \
+        }                                                                                    \
+        for (int i = 0; i < mr; ++i)                                                         \
+          for (int j = 0; j < nr; ++j)                                                       \
+            y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] * (wscale ? wscale[n0 + j] : 1.f)   \
+                                              + (bias ? bf2f(bias[n0 + j]) : 0.f));          \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  return 0;                                                                                  \
+}
+DEFINE_LINEAR_DP(linear_bf16_dp, uint16_t, tile_dp_bf16)
+DEFINE_LINEAR_DP(linear_i8_bf16_dp, int8_t, tile_dp_i8)
 #endif
 """
 )
@@ -311,8 +334,9 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, ctypes.c_int]
 
 
-_DP_FN = "linear_bf16_dp"  # built only where the CPU has AVX512-BF16
-_dp_fn_cache: list = []
+# bf16 activations on the AVX512-BF16 kernels, built only where the CPU has them.
+_DP_FUNCS = {torch.bfloat16: "linear_bf16_dp", torch.int8: "linear_i8_bf16_dp"}
+_dp_fn_cache: dict[torch.dtype, object] = {}
 
 
 def _load() -> ctypes.CDLL | None:
@@ -320,15 +344,17 @@ def _load() -> ctypes.CDLL | None:
     return load_library("linear_gemm", _SOURCE, "linear layers", signatures)
 
 
-def _dp_fn():
-    """The AVX512-BF16 dot-product kernel for bf16, or None where the CPU lacks it."""
-    if not _dp_fn_cache:
+def _dp_fn(weight_dtype: torch.dtype = torch.bfloat16):
+    """The AVX512-BF16 kernel for bf16 activations and these weights, or None where the CPU
+    lacks it."""
+    if weight_dtype not in _dp_fn_cache:
         lib = _load()
-        fn = getattr(lib, _DP_FN, None) if lib is not None else None
+        name = _DP_FUNCS.get(weight_dtype)
+        fn = getattr(lib, name, None) if lib is not None and name else None
         if fn is not None:
             fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-        _dp_fn_cache.append(fn)
-    return _dp_fn_cache[0]
+        _dp_fn_cache[weight_dtype] = fn
+    return _dp_fn_cache[weight_dtype]
 
 
 def _native_bf16() -> bool:
@@ -386,8 +412,8 @@ def linear(
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) on CPU, x bfloat16 or float32, weight [N, K] contiguous of
     x's dtype, or int8 with weight_scale (float32 [N]: row n is weight[n] * weight_scale[n]).
-    bf16 x bf16 runs on the AVX512-BF16 kernel where the CPU has it (allow_dp=False: the
-    widening kernel, which tests use to cover both). Falls back to torch where the kernel
+    bf16 activations run on the AVX512-BF16 kernels where the CPU has them (allow_dp=False:
+    the widening kernels, which tests use to cover both). Falls back to torch where the kernel
     cannot take the call."""
     lib = _load()
     n, k = weight.shape
@@ -409,8 +435,8 @@ def linear(
             assert weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
             scale_ptr = weight_scale.data_ptr()
         call = getattr(lib, fn)
-        if allow_dp and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-            call = _dp_fn() or call
+        if allow_dp and x.dtype == torch.bfloat16:
+            call = _dp_fn(weight.dtype) or call
         rc = call(
             x2.data_ptr(), x2.stride(0), m, k, weight.data_ptr(), scale_ptr, n,
             None if bias is None else bias.data_ptr(), y.data_ptr(), n,

@@ -145,15 +145,18 @@ def test_int8_rows_round_trip_within_half_a_step():
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_matches_dequantized_f_linear(m, n, k, dtype):
+@pytest.mark.parametrize(
+    "dtype, allow_dp",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+)
+def test_int8_matches_dequantized_f_linear(m, n, k, dtype, allow_dp):
     _require(dtype)
     g = torch.Generator().manual_seed(m * 7 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     q, scale = quantize_rows_int8(torch.randn(n, k, generator=g))
     b = torch.randn(n, generator=g).to(dtype)
     want = torch.nn.functional.linear(x.double(), q.double() * scale.double()[:, None], b.double())
-    got = cpu_gemm.linear(x, q, b, scale)
+    got = cpu_gemm.linear(x, q, b, scale, allow_dp=allow_dp)
     assert got.dtype == dtype and got.shape == (m, n)
     tol = want.abs() * (2.0**-7 if dtype == torch.bfloat16 else 1e-5) + 1e-3
     assert ((got.double() - want).abs() <= tol).all()

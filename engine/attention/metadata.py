@@ -5,7 +5,8 @@ The flattened batch holds decode tokens first (one query token per sequence, sor
 length), then prefill chunks (several query tokens each). For the torch path, decodes are
 split into a few groups of similar length so that padding to the longest context stays small;
 each group is one gather + one attention call per layer, whatever its size. For the compiled
-CPU kernel (engine.attention.cpu_kernel), all decodes share one padded block table.
+CPU kernel (engine.attention.cpu_kernel), all decodes and the tokens of prefill chunks of
+modest context share one padded block table: a prefill token is a query at its position.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# Prefill chunks whose context (cached prefix + chunk) is at most this run on the CPU kernel.
+KERNEL_PREFILL_MAX_CONTEXT = 2048
 
 
 @dataclass(slots=True)
@@ -28,11 +32,14 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class KernelDecode:
-    """All decodes at once for the compiled CPU kernel (engine.attention.cpu_kernel)."""
+    """Rows [0, num_rows) of the batch at once on the compiled CPU kernel
+    (engine.attention.cpu_kernel): every decode, then the tokens of the leading prefill chunks,
+    each as a query at its own position against the cache (its chunk's K/V is written first)."""
 
-    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
-    context_lens: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [num_rows] int64
     scratch: torch.Tensor  # float32 [threads, size]: one row per kernel thread
+    num_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -113,15 +120,25 @@ class AttentionMetadataBuilder:
                 slots.extend((blocks[pos // bs - start // bs] * bs + pos % bs).tolist())
         need = 0
         kernel = None
-        if self.use_cpu_kernel and num_decodes:
-            kernel, groups = self._kernel_decode(seqs[:num_decodes]), []
+        # Prefill chunks the kernel takes too: the leading ones of modest context (one kernel
+        # row per token; it beats torch's SDPA there, measured up to 2k tokens).
+        num_kernel_chunks = 0
+        if self.use_cpu_kernel:
+            for start, n, _ in seqs[num_decodes:]:
+                if start + n > KERNEL_PREFILL_MAX_CONTEXT:
+                    break
+                num_kernel_chunks += 1
+        row = num_decodes
+        if self.use_cpu_kernel and num_decodes + num_kernel_chunks:
+            kernel_seqs = seqs[: num_decodes + num_kernel_chunks]
+            kernel, groups = self._kernel_rows(kernel_seqs), []
+            row = kernel.num_rows
         else:
             groups = self._decode_groups(seqs[:num_decodes])
         for g in groups:
             need = max(need, g.block_table.numel())
         prefills: list[PrefillChunk] = []
-        row = num_decodes
-        for start, n, block_ids in seqs[num_decodes:]:
+        for start, n, block_ids in seqs[num_decodes + num_kernel_chunks :]:
             ctx = start + n
             if start == 0:
                 prefills.append(PrefillChunk(row, row + n, ctx, None, None))
@@ -175,14 +192,21 @@ class AttentionMetadataBuilder:
             )
         return groups
 
-    def _kernel_decode(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> KernelDecode:
-        b, bs = len(seqs), self.block_size
-        ctx = np.fromiter((s[0] + 1 for s in seqs), dtype=np.int64, count=b)
+    def _kernel_rows(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> KernelDecode:
+        """One kernel row per query token: decodes, then each prefill token at its position."""
+        bs = self.block_size
+        counts = np.fromiter((s[1] for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=len(seqs))
+        rows = int(counts.sum())
+        seq_of_row = np.repeat(np.arange(len(seqs)), counts)
+        offset = np.arange(rows) - np.repeat(np.cumsum(counts) - counts, counts)
+        ctx = starts[seq_of_row] + offset + 1  # keys each row attends: its position + 1
         nb = -(-int(ctx.max()) // bs)
-        table = np.zeros((b, nb), dtype=np.int64)
-        for r, (_, _, ids) in enumerate(seqs):
-            k = min(len(ids), nb)
-            table[r, :k] = ids[:k]
+        per_seq = np.zeros((len(seqs), nb), dtype=np.int64)  # block 0 is reserved: safe padding
+        for r, (start, n, ids) in enumerate(seqs):
+            k = min(len(ids), -(-(start + n) // bs), nb)
+            per_seq[r, :k] = ids[:k]
+        table = per_seq[seq_of_row] if rows != len(seqs) else per_seq
         threads = torch.get_num_threads()
         # The kernel's layout: q and acc [H, D], a float V tile [bs, Hkv, D], scores [H, L].
         assert self.num_heads is not None
@@ -197,9 +221,10 @@ class AttentionMetadataBuilder:
             old = 0 if self._scratch is None else self._scratch.shape[1]
             self._scratch = torch.empty((threads, max(size, int(old * 1.5))), dtype=torch.float32)
         return KernelDecode(
-            block_tables=torch.from_numpy(table),
+            block_tables=torch.from_numpy(np.ascontiguousarray(table)),
             context_lens=torch.from_numpy(ctx),
             scratch=self._scratch[:threads],
+            num_rows=rows,
         )
 
     def _get_workspace(self, num_blocks: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ class PagedAttention(nn.Module):
         kd = meta.kernel_decode
         if kd is not None:
             assert cache is not None
-            n = meta.num_decode_tokens
+            n = kd.num_rows
             cpu_kernel.paged_decode(
                 out[:n], q[:n], cache[0], cache[1], kd.block_tables, kd.context_lens,
                 kd.scratch, self.scale,

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import cpu_kernel
+from engine.attention import cpu_kernel, metadata
 from engine.attention.metadata import AttentionMetadataBuilder
 from engine.attention.torch_paged import PagedAttention
 
@@ -26,19 +26,28 @@ from engine.attention.torch_paged import PagedAttention
         (torch.bfloat16, 4, 4, 48, 16, 1.6e-2),  # head_dim not a multiple of 32: generic C
     ],
 )
-def test_kernel_matches_torch_path(dtype, heads, kv_heads, head_dim, bs, atol):
+@pytest.mark.parametrize("prefill_limit", [2048, 20])
+def test_kernel_matches_torch_path(
+    dtype, heads, kv_heads, head_dim, bs, atol, prefill_limit, monkeypatch
+):
+    """A mixed step: decodes, a chunk with a cached prefix, a fresh prompt. The kernel takes
+    the prefill tokens too, as queries at their positions; with a low limit (20) the chunks
+    past it stay with SDPA."""
     if not cpu_kernel.kernel_supports(dtype, torch.device("cpu"), kv_heads, head_dim):
         pytest.skip("no C compiler for the CPU kernel")
+    monkeypatch.setattr(metadata, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
     rng = random.Random(0)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    # Decodes sorted by context, then a prefill chunk with a cached prefix (mixed step).
+    # Decodes sorted by context, then prefill chunks: positions 10-16 of a prompt whose first
+    # 10 tokens are cached, and a fresh 23-token prompt.
     ctx = sorted(rng.randint(1, 150) for _ in range(13))
     seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in ctx]
-    seqs.append((20, 5, [free.pop() for _ in range(-(-25 // bs))]))
-    t = len(ctx) + 5
+    seqs.append((10, 7, [free.pop() for _ in range(-(-17 // bs))]))
+    seqs.append((0, 23, [free.pop() for _ in range(-(-23 // bs))]))
+    t = len(ctx) + 7 + 23
     cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim).to(dtype)
     q = torch.randn(t, heads, head_dim).to(dtype)
     k = torch.randn(t, kv_heads, head_dim).to(dtype)
@@ -52,6 +61,10 @@ def test_kernel_matches_torch_path(dtype, heads, kv_heads, head_dim, bs, atol):
         )
         meta = builder.build(seqs)
         assert (meta.kernel_decode is not None) == use_kernel
+        if use_kernel:  # the kernel's rows: decodes, then the chunks within the limit
+            kernel_rows = len(ctx) + 7 + (23 if prefill_limit >= 23 else 0)
+            assert meta.kernel_decode.num_rows == kernel_rows
+            assert len(meta.prefills) == (0 if prefill_limit >= 23 else 1)
         with torch.inference_mode():
             outs.append(attn(q, k, v, meta).float())
     torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)

@@ -6,10 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import cpu_fused
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_fused.supports(x):  # one C call, on the calling thread for decode batches
+            return cpu_fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)

@@ -1,4 +1,4 @@
-"""The fused CPU RMSNorm kernel (engine.layers.cpu_fused) against the torch path."""
+"""The fused CPU kernels (engine.layers.cpu_fused: RMSNorm, SiLU-and-mul) against the torch path."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: over the rows split across threads
+@pytest.mark.parametrize("rows", [1, 5, 80])  # 80: over the rows split across threads
 def test_rms_norm_with_and_without_residual(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     h = 72
@@ -53,3 +53,28 @@ def test_rms_norm_on_a_strided_view():
     _require(x)
     norm = RMSNorm(64)
     torch.testing.assert_close(norm(x), _torch_norm(norm, x.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 80])  # 80: over the rows split across threads
+def test_silu_and_mul_matches_torch(dtype, rows):
+    """Same rounding steps as F.silu(gate).mul_(up); exp's last bits may differ from torch's,
+    which can move a bf16 silu by one step before the product (so: two steps at most, and
+    almost every value exact)."""
+    from engine.layers.activation import SiluAndMul
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 100, generator=g) * 4).to(dtype)
+    _require(x)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = cpu_fused.silu_and_mul(x)
+    assert got.shape == (rows, 100) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-2)
+        assert (got == want).float().mean() > 0.99
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(SiluAndMul()(x), got, rtol=0, atol=0)  # the layer uses it
+    strided = torch.cat([x, x[:, :8]], dim=1)[:, : 2 * 100]  # rows of a wider tensor
+    torch.testing.assert_close(cpu_fused.silu_and_mul(strided), got, rtol=0, atol=0)

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from engine.layers import cpu_fused
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     # Same formula as transformers' _compute_llama3_parameters.
@@ -65,5 +67,13 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, D] (any heads: q and k can be rotated together)."""
+        out = cpu_fused.rope(x, cos, sin)  # one C call on CPU; None: the torch ops below
+        if out is not None:
+            return out
+        return RotaryEmbedding.apply_torch(x, cos, sin)
+
+    @staticmethod
+    def apply_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The reference for the C kernel."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

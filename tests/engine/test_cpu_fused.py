@@ -78,3 +78,26 @@ def test_silu_and_mul_matches_torch(dtype, rows):
     torch.testing.assert_close(SiluAndMul()(x), got, rtol=0, atol=0)  # the layer uses it
     strided = torch.cat([x, x[:, :8]], dim=1)[:, : 2 * 100]  # rows of a wider tensor
     torch.testing.assert_close(cpu_fused.silu_and_mul(strided), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 300])  # 300: over the rows split across threads
+def test_rope_matches_torch_exactly(dtype, rows):
+    """q and k heads of a qkv projection (a strided view), rotated in one call: bf16 rounds
+    where the torch ops do, so the values are the same; float32 may fuse a multiply-add."""
+    from engine.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, d = 6, 2, 32
+    qkv = torch.randn(rows, heads + 2 * kv_heads, d, generator=g).to(dtype)
+    _require(qkv.view(rows, -1))
+    rotary = RotaryEmbedding(d, max_position=4096, base=10000.0)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    cos, sin = rotary.lookup(positions, dtype)
+    qk = qkv[:, : heads + kv_heads]  # not contiguous: rows are (heads + 2 kv_heads) * d apart
+    got = cpu_fused.rope(qk, cos, sin)
+    assert got is not None and got.is_contiguous()
+    exact = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got, RotaryEmbedding.apply_torch(qk, cos, sin), **exact)
+    torch.testing.assert_close(RotaryEmbedding.apply(qk, cos, sin), got, rtol=0, atol=0)
+    assert cpu_fused.rope(qk.transpose(0, 1), cos, sin) is None  # heads not D apart: torch

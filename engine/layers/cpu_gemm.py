@@ -285,14 +285,34 @@ DEFINE_TILE_DP(tile_dp_bf16, uint16_t, w32_bf16, w32_bf16_tail)
 DEFINE_TILE_DP(tile_dp_i8, int8_t, w32_i8, w32_i8_tail)
 
 #define DNB 48  /* weight rows per block handed to a thread (a multiple of DNR) */
-#define DEFINE_LINEAR_DP(NAME, TW, TILE)                                                      \
+#define WIDEN_MIN_M 16  /* int8 from this many rows: widen each block to bf16 once, not per tile */
+static __thread struct { uint16_t* p; int64_t cap; } wbuf;
+/* The block's int8 rows as bf16 (exact), in a per-thread buffer that only grows. */
+static const uint16_t* widen_block(const int8_t* w, int64_t rows, int64_t K) {
+  if (rows * K > wbuf.cap) {
+    free(wbuf.p);
+    wbuf.p = (uint16_t*)aligned_alloc(64, ((rows * K * 2 + 63) / 64) * 64);
+    wbuf.cap = wbuf.p ? rows * K : 0;
+    if (!wbuf.p) return NULL;
+  }
+  for (int64_t i = 0; i < rows * K; ++i) wbuf.p[i] = f2bf((float)w[i]);
+  return wbuf.p;
+}
+#define DEFINE_LINEAR_DP(NAME, TW, TILE, WIDEN)                                               \
 int NAME(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const TW* w,                  \
     const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,          \
     int nthreads) {                                                                          \
   const int64_t nblocks = (N + DNB - 1) / DNB;                                               \
-  _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                         \
+  int failed = 0;                                                                            \
+  _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")     \
   for (int64_t b = 0; b < nblocks; ++b) {                                                    \
     const int64_t n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;                             \
+    if (WIDEN && M >= WIDEN_MIN_M) {                                                         \
+      const uint16_t* wb = widen_block((const int8_t*)w + b * DNB * K, n_end - b * DNB, K);  \
+      if (!wb) { failed = 1; continue; }                                                     \
+      dp_block(x, ldx, M, K, wb - b * DNB * K, wscale, bias, y, ldy, b * DNB, n_end);       \
+      continue;                                                                              \
+    }                                                                                        \
     for (int64_t m0 = 0; m0 < M; m0 += DMR) {                                                \
       const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;                                     \
       const uint16_t* xt = x + m0 * ldx;                                                     \
@@ -314,10 +334,33 @@ int NAME(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const TW* w,     
       }                                                                                      \
     }                                                                                        \
   }                                                                                          \
-  return 0;                                                                                  \
+  return failed ? -1 : 0;                                                                    \
 }
-DEFINE_LINEAR_DP(linear_bf16_dp, uint16_t, tile_dp_bf16)
-DEFINE_LINEAR_DP(linear_i8_bf16_dp, int8_t, tile_dp_i8)
+/* Weight rows [n_begin, n_end) of a bf16 matrix w (row n at w + n * K) against all M rows. */
+static void dp_block(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+    const float* wscale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_begin,
+    int64_t n_end);
+DEFINE_LINEAR_DP(linear_bf16_dp, uint16_t, tile_dp_bf16, 0)
+DEFINE_LINEAR_DP(linear_i8_bf16_dp, int8_t, tile_dp_i8, 1)
+static void dp_block(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+    const float* wscale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_begin,
+    int64_t n_end) {
+  for (int64_t m0 = 0; m0 < M; m0 += DMR) {
+    const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;
+    const uint16_t* xt = x + m0 * ldx;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += DNR) {
+      const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;
+      const uint16_t* wt = w + n0 * K;
+      float out[DMR][DNR];
+      if (mr == DMR && nr == DNR) tile_dp_bf16(xt, ldx, wt, K, DMR, DNR, out);
+      else tile_dp_bf16(xt, ldx, wt, K, mr, nr, out);
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j)
+          y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] * (wscale ? wscale[n0 + j] : 1.f)
+                                            + (bias ? bf2f(bias[n0 + j]) : 0.f));
+    }
+  }
+}
 #endif
 """
 )

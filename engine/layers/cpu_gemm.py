@@ -298,68 +298,63 @@ static const uint16_t* widen_block(const int8_t* w, int64_t rows, int64_t K) {
   for (int64_t i = 0; i < rows * K; ++i) wbuf.p[i] = f2bf((float)w[i]);
   return wbuf.p;
 }
-#define DEFINE_LINEAR_DP(NAME, TW, TILE, WIDEN)                                               \
-int NAME(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const TW* w,                  \
-    const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,          \
-    int nthreads) {                                                                          \
-  const int64_t nblocks = (N + DNB - 1) / DNB;                                               \
-  int failed = 0;                                                                            \
-  _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")     \
-  for (int64_t b = 0; b < nblocks; ++b) {                                                    \
-    const int64_t n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;                             \
-    if (WIDEN && M >= WIDEN_MIN_M) {                                                         \
-      const uint16_t* wb = widen_block((const int8_t*)w + b * DNB * K, n_end - b * DNB, K);  \
-      if (!wb) { failed = 1; continue; }                                                     \
-      dp_block(x, ldx, M, K, wb - b * DNB * K, wscale, bias, y, ldy, b * DNB, n_end);       \
-      continue;                                                                              \
-    }                                                                                        \
-    for (int64_t m0 = 0; m0 < M; m0 += DMR) {                                                \
-      const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;                                     \
-      const uint16_t* xt = x + m0 * ldx;                                                     \
-      for (int64_t n0 = b * DNB; n0 < n_end; n0 += DNR) {                                    \
-        const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;                           \
-        const TW* wt = w + n0 * K;                                                           \
-        float out[DMR][DNR];                                                                 \
-        switch (mr * 8 + nr) {  /* constant shapes keep the tile in registers */             \
-          case 4 * 8 + 6: TILE(xt, ldx, wt, K, 4, 6, out); break;                            \
-          case 1 * 8 + 6: TILE(xt, ldx, wt, K, 1, 6, out); break;                            \
-          case 2 * 8 + 6: TILE(xt, ldx, wt, K, 2, 6, out); break;                            \
-          case 3 * 8 + 6: TILE(xt, ldx, wt, K, 3, 6, out); break;                            \
-          default: TILE(xt, ldx, wt, K, mr, nr, out);                                        \
-        }                                                                                    \
-        for (int i = 0; i < mr; ++i)                                                         \
-          for (int j = 0; j < nr; ++j)                                                       \
-            y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] * (wscale ? wscale[n0 + j] : 1.f)   \
-                                              + (bias ? bf2f(bias[n0 + j]) : 0.f));          \
+/* Weight rows [n_begin, n_end) (row n at w + n * K) against all M rows of x. */
+#define DEFINE_DP_BLOCK(NAME, TW, TILE)                                                       \
+static void NAME(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const TW* w,          \
+    const float* wscale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_begin,    \
+    int64_t n_end) {                                                                         \
+  for (int64_t m0 = 0; m0 < M; m0 += DMR) {                                                  \
+    const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;                                       \
+    const uint16_t* xt = x + m0 * ldx;                                                       \
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += DNR) {                                      \
+      const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;                             \
+      const TW* wt = w + n0 * K;                                                             \
+      float out[DMR][DNR];                                                                   \
+      switch (mr * 8 + nr) {  /* constant shapes keep the tile in registers */               \
+        case 4 * 8 + 6: TILE(xt, ldx, wt, K, 4, 6, out); break;                              \
+        case 1 * 8 + 6: TILE(xt, ldx, wt, K, 1, 6, out); break;                              \
+        case 2 * 8 + 6: TILE(xt, ldx, wt, K, 2, 6, out); break;                              \
+        case 3 * 8 + 6: TILE(xt, ldx, wt, K, 3, 6, out); break;                              \
+        default: TILE(xt, ldx, wt, K, mr, nr, out);                                          \
       }                                                                                      \
+      for (int i = 0; i < mr; ++i)                                                           \
+        for (int j = 0; j < nr; ++j)                                                         \
+          y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] * (wscale ? wscale[n0 + j] : 1.f)     \
+                                            + (bias ? bf2f(bias[n0 + j]) : 0.f));            \
     }                                                                                        \
   }                                                                                          \
-  return failed ? -1 : 0;                                                                    \
 }
-/* Weight rows [n_begin, n_end) of a bf16 matrix w (row n at w + n * K) against all M rows. */
-static void dp_block(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
-    const float* wscale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_begin,
-    int64_t n_end);
-DEFINE_LINEAR_DP(linear_bf16_dp, uint16_t, tile_dp_bf16, 0)
-DEFINE_LINEAR_DP(linear_i8_bf16_dp, int8_t, tile_dp_i8, 1)
-static void dp_block(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
-    const float* wscale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_begin,
-    int64_t n_end) {
-  for (int64_t m0 = 0; m0 < M; m0 += DMR) {
-    const int mr = M - m0 < DMR ? (int)(M - m0) : DMR;
-    const uint16_t* xt = x + m0 * ldx;
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += DNR) {
-      const int nr = n_end - n0 < DNR ? (int)(n_end - n0) : DNR;
-      const uint16_t* wt = w + n0 * K;
-      float out[DMR][DNR];
-      if (mr == DMR && nr == DNR) tile_dp_bf16(xt, ldx, wt, K, DMR, DNR, out);
-      else tile_dp_bf16(xt, ldx, wt, K, mr, nr, out);
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nr; ++j)
-          y[(m0 + i) * ldy + n0 + j] = f2bf(out[i][j] * (wscale ? wscale[n0 + j] : 1.f)
-                                            + (bias ? bf2f(bias[n0 + j]) : 0.f));
+DEFINE_DP_BLOCK(dp_block_bf16, uint16_t, tile_dp_bf16)
+DEFINE_DP_BLOCK(dp_block_i8, int8_t, tile_dp_i8)
+
+/* Blocks of DNB weight rows over the threads. Returns 0, or -1 when a widening buffer cannot
+   be allocated (the caller falls back to torch). */
+int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+    const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
+    int nthreads) {
+  const int64_t nblocks = (N + DNB - 1) / DNB;
+  _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
+  for (int64_t b = 0; b < nblocks; ++b)
+    dp_block_bf16(x, ldx, M, K, w, wscale, bias, y, ldy, b * DNB, (b + 1) * DNB < N ? (b + 1) * DNB : N);
+  return 0;
+}
+int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w,
+    const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
+    int nthreads) {
+  const int64_t nblocks = (N + DNB - 1) / DNB;
+  int failed = 0;
+  _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n0 = b * DNB, n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;
+    if (M < WIDEN_MIN_M) {
+      dp_block_i8(x, ldx, M, K, w, wscale, bias, y, ldy, n0, n_end);
+      continue;
     }
+    const uint16_t* wb = widen_block(w + n0 * K, n_end - n0, K);
+    if (!wb) { failed = 1; continue; }
+    dp_block_bf16(x, ldx, M, K, wb - n0 * K, wscale, bias, y, ldy, n0, n_end);
   }
+  return failed ? -1 : 0;
 }
 #endif
 """

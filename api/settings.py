@@ -155,7 +155,9 @@ class Settings:
     )
     # --- scheduler and KV cache ---
     max_num_seqs: int = _flag("Most sequences in one batch.", 256, int)
-    max_num_batched_tokens: int = _flag("Token budget of one engine step.", 2048, int)
+    max_num_batched_tokens: int | None = _flag(
+        "Token budget of one engine step (default: 1024 on CPU, 2048 on GPU).", None, _opt_int
+    )
     max_num_queued_requests: int | None = _flag(
         "Longest waiting queue; beyond it requests get 503 with Retry-After.", 1024, _opt_int
     )
@@ -344,8 +346,26 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+# Measured on 2 Zen 5 cores (tessera bench compare, 128-token prompts and outputs): 1024
+# gave 635 / 878 tok/s at 32 / 128 streams against 591 / 846 with 2048, and a shorter TTFT
+# (smaller prefill chunks interleave with the decodes instead of stalling them).
+CPU_MAX_NUM_BATCHED_TOKENS = 1024
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+
+
 def to_engine_config(s: Settings) -> EngineConfig:
     """Settings -> EngineConfig. Raises ValueError (from the config parts) on bad values."""
+    max_num_batched_tokens = s.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_max_num_batched_tokens(s.device)
     return EngineConfig.from_options(
         s.model,
         tokenizer=s.tokenizer,
@@ -361,7 +381,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         gpu_memory_utilization=s.gpu_memory_utilization,
         enable_prefix_caching=s.enable_prefix_caching,
         max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         policy=s.scheduling_policy,
         tensor_parallel_size=s.tensor_parallel_size,
         frontend_threads=s.frontend_threads,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.cli import build_parser, main
-from api.settings import Settings, parse_bytes, to_engine_config
+from api.settings import Settings, default_max_num_batched_tokens, parse_bytes, to_engine_config
 from engine.config import DEFAULT_MODEL
 
 
@@ -173,3 +173,17 @@ def test_cli_bench_unknown_name(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "nope"])
     assert "choose one of" in capsys.readouterr().err
+
+
+def test_step_token_budget_defaults_by_device():
+    """--max-num-batched-tokens: 1024 on CPU (measured best on 2 cores), 2048 on a GPU; a
+    given value wins."""
+    cpu = to_engine_config(settings(["m", "--device", "cpu"]))
+    assert cpu.scheduler.max_num_batched_tokens == 1024
+    gpu_settings = settings(["m", "--device", "cuda"])
+    assert gpu_settings.max_num_batched_tokens is None
+    assert default_max_num_batched_tokens("cuda") == 2048
+    given = to_engine_config(settings(["m", "--device", "cpu", "--max-num-batched-tokens", "64"]))
+    assert given.scheduler.max_num_batched_tokens == 64
+    env = settings(["m"], {"TESSERA_MAX_NUM_BATCHED_TOKENS": "4096"})
+    assert env.max_num_batched_tokens == 4096

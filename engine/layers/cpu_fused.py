@@ -6,10 +6,11 @@ a residual is nine of them (add, float, pow, mean, add, rsqrt, mul, cast, mul); 
 one call: 46 -> 12 us for one 576-wide bf16 row, 77 -> 30 us for 32 rows (measured on two
 AVX2 cores; two norms per layer). SiLU-and-mul and rotary in C are no faster than torch's
 alone; they are here to keep decode-sized calls on the calling thread (see PAR_ROWS in the
-source), which raised 32-stream serving throughput 535 -> 585-600 tokens/s on a 2-core Zen 5. The
-arithmetic follows the torch path step for step, rounding to the model dtype where it does:
-the torch path stays the reference and tests check these kernels against it. Built with the
-other CPU kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them."""
+source), which raised 32-stream serving throughput from 535 to ~600 tokens/s on a 2-core
+Zen 5. The arithmetic follows the torch path step for step, rounding to the model dtype
+where it does: the torch path stays the reference and tests check these kernels against it.
+Built with the other CPU kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them.
+"""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ _SOURCE = (
 
 #define MR 4   /* input rows per tile */
 #define NR 3   /* weight rows per tile: 12 accumulators + 3 weights + 1 input = 16 ymm */
-#define NB 48  /* weight rows per block handed to a thread (a multiple of NR) */
+#define NB 48  /* weight rows per block handed to a thread (a multiple of NR and of DNR) */
 
 static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
 static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
@@ -284,19 +284,14 @@ static inline __attribute__((always_inline)) void NAME(const uint16_t* x, int64_
 DEFINE_TILE_DP(tile_dp_bf16, uint16_t, w32_bf16, w32_bf16_tail)
 DEFINE_TILE_DP(tile_dp_i8, int8_t, w32_i8, w32_i8_tail)
 
-#define DNB 48  /* weight rows per block handed to a thread (a multiple of DNR) */
 #define WIDEN_MIN_M 16  /* int8 from this many rows: widen each block to bf16 once, not per tile */
-static __thread struct { uint16_t* p; int64_t cap; } wbuf;
+static __thread scratch_t wbuf;
 /* The block's int8 rows as bf16 (exact), in a per-thread buffer that only grows. */
 static const uint16_t* widen_block(const int8_t* w, int64_t rows, int64_t K) {
-  if (rows * K > wbuf.cap) {
-    free(wbuf.p);
-    wbuf.p = (uint16_t*)aligned_alloc(64, ((rows * K * 2 + 63) / 64) * 64);
-    wbuf.cap = wbuf.p ? rows * K : 0;
-    if (!wbuf.p) return NULL;
-  }
-  for (int64_t i = 0; i < rows * K; ++i) wbuf.p[i] = f2bf((float)w[i]);
-  return wbuf.p;
+  uint16_t* out = (uint16_t*)grow(&wbuf, (rows * K + 1) / 2);  /* two bf16 per float slot */
+  if (!out) return NULL;
+  for (int64_t i = 0; i < rows * K; ++i) out[i] = f2bf((float)w[i]);
+  return out;
 }
 /* Weight rows [n_begin, n_end) (row n at w + n * K) against all M rows of x. */
 #define DEFINE_DP_BLOCK(NAME, TW, TILE)                                                       \
@@ -327,25 +322,25 @@ static void NAME(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const TW*
 DEFINE_DP_BLOCK(dp_block_bf16, uint16_t, tile_dp_bf16)
 DEFINE_DP_BLOCK(dp_block_i8, int8_t, tile_dp_i8)
 
-/* Blocks of DNB weight rows over the threads. Returns 0, or -1 when a widening buffer cannot
+/* Blocks of NB weight rows over the threads. Returns 0, or -1 when a widening buffer cannot
    be allocated (the caller falls back to torch). */
 int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
     const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
     int nthreads) {
-  const int64_t nblocks = (N + DNB - 1) / DNB;
+  const int64_t nblocks = (N + NB - 1) / NB;
   _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
   for (int64_t b = 0; b < nblocks; ++b)
-    dp_block_bf16(x, ldx, M, K, w, wscale, bias, y, ldy, b * DNB, (b + 1) * DNB < N ? (b + 1) * DNB : N);
+    dp_block_bf16(x, ldx, M, K, w, wscale, bias, y, ldy, b * NB, (b + 1) * NB < N ? (b + 1) * NB : N);
   return 0;
 }
 int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w,
     const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
     int nthreads) {
-  const int64_t nblocks = (N + DNB - 1) / DNB;
+  const int64_t nblocks = (N + NB - 1) / NB;
   int failed = 0;
   _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")
   for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t n0 = b * DNB, n_end = (b + 1) * DNB < N ? (b + 1) * DNB : N;
+    const int64_t n0 = b * NB, n_end = (b + 1) * NB < N ? (b + 1) * NB : N;
     if (M < WIDEN_MIN_M) {
       dp_block_i8(x, ldx, M, K, w, wscale, bias, y, ldy, n0, n_end);
       continue;

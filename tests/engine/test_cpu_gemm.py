@@ -18,9 +18,20 @@ def _require(dtype: torch.dtype) -> None:
         pytest.skip("no C compiler for the CPU kernels")
 
 
-# Shapes: remainders of every tile dimension (4 input rows, 3 weight rows, 48-row blocks,
-# 8-wide K vectors), a decode GEMV, and a prefill-sized GEMM.
-SHAPES = [(1, 7, 5), (5, 13, 19), (3, 96, 64), (4, 49, 24), (1, 2000, 576), (67, 300, 136)]
+# Shapes: remainders of every tile dimension (4 input rows, 3 or 6 weight rows, 16-row
+# groups and 48-row blocks, 8- and 32-wide K vectors), both sides of the row-streaming limit
+# (8 rows) and of the widening one (16), a decode GEMV, and a prefill-sized GEMM.
+SHAPES = [
+    (1, 7, 5),
+    (5, 13, 19),
+    (3, 96, 64),
+    (4, 49, 24),
+    (8, 50, 100),
+    (9, 37, 70),
+    (19, 61, 47),
+    (1, 2000, 576),
+    (67, 300, 136),
+]
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)

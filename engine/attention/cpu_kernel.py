@@ -280,10 +280,12 @@ _ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]
 _ARGS += [ctypes.c_float, _P, _I64, _I32]
 
 
+_SIGNATURES = {name: (_ARGS, None) for name in _SUPPORTED.values()}
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, build failure, or disabled)."""
-    signatures = {name: (_ARGS, None) for name in _SUPPORTED.values()}
-    return load_library("paged_decode", _SOURCE, "decode attention", signatures)
+    return load_library("paged_decode", _SOURCE, "decode attention", _SIGNATURES)
 
 
 def kernel_supports(

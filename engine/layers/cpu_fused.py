@@ -119,11 +119,13 @@ _SILU_ARGS = [_P, _I64, _P, _I64, _I64, _I64, ctypes.c_int]
 _ROPE_ARGS = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
 
 
+_SIGNATURES = {f"rmsnorm_{sfx}": (_ARGS, None) for sfx in _SUFFIX.values()}
+_SIGNATURES |= {f"silu_mul_{sfx}": (_SILU_ARGS, None) for sfx in _SUFFIX.values()}
+_SIGNATURES |= {f"rope_{sfx}": (_ROPE_ARGS, None) for sfx in _SUFFIX.values()}
+
+
 def _load() -> ctypes.CDLL | None:
-    signatures = {f"rmsnorm_{sfx}": (_ARGS, None) for sfx in _SUFFIX.values()}
-    signatures |= {f"silu_mul_{sfx}": (_SILU_ARGS, None) for sfx in _SUFFIX.values()}
-    signatures |= {f"rope_{sfx}": (_ROPE_ARGS, None) for sfx in _SUFFIX.values()}
-    return load_library("fused_ops", _SOURCE, "RMSNorm, SiLU-mul and rotary", signatures)
+    return load_library("fused_ops", _SOURCE, "RMSNorm, SiLU-mul and rotary", _SIGNATURES)
 
 
 def supports(x: torch.Tensor) -> bool:

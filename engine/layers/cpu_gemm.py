@@ -433,9 +433,11 @@ _DP_FUNCS = {torch.bfloat16: "linear_bf16_dp", torch.int8: "linear_i8_bf16_dp"}
 _dp_fn_cache: dict[torch.dtype, object] = {}
 
 
+_SIGNATURES = {name: (_ARGS, ctypes.c_int) for name in _FUNCS.values()}
+
+
 def _load() -> ctypes.CDLL | None:
-    signatures = {name: (_ARGS, ctypes.c_int) for name in _FUNCS.values()}
-    return load_library("linear_gemm", _SOURCE, "linear layers", signatures)
+    return load_library("linear_gemm", _SOURCE, "linear layers", _SIGNATURES)
 
 
 def _dp_fn(weight_dtype: torch.dtype = torch.bfloat16):

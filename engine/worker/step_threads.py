@@ -5,7 +5,11 @@ cores. A small step (a few decodes) is a string of short parallel regions; when 
 process or thread needs a core, one of the step's threads is descheduled and every region
 waits for it at its barrier. Measured on 2 cores, one stream: 72 ms per token with 2
 threads, 43 ms with 1. Large steps are long compute the front end barely disturbs and want
-every core (32 streams: 120 vs 96 tokens/s). So steps of at most ``small_step_tokens``
+every core (32 streams: 120 vs 96 tokens/s). On a 2-core Zen 4 (2026-12-01, bf16, 1 reserved
+vs none): 1 thread wins at 2 and 4 streams (78 vs 66, 110 vs 102 tokens/s), both threads at
+8 (182 vs 133: an 8-row step's GEMMs take half the time on two cores, a 1-row step's only a
+fifth less, since one core already streams the weights near the memory's speed). So steps
+of at most ``small_step_tokens``
 tokens leave ``reserved`` threads to the front end (like vLLM's reserved CPU for its
 front end on CPU), larger steps use them all. Offline use reserves none.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-SMALL_STEP_TOKENS = 16
+SMALL_STEP_TOKENS = 4
 
 
 class StepThreads:

@@ -385,7 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default="auto")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument(
-        "--quantization", choices=("int8",), default=None, help="Tessera's weights (not HF's)"
+        "--quantization",
+        choices=("int8", "w8a8"),
+        default=None,
+        help="Tessera's weights (not HF's)",
     )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument(

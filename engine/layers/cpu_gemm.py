@@ -459,6 +459,8 @@ def _native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+# Batches up to this many rows stream the weights row by row (ROWS_MAX_M in the C source).
+ROWS_MAX_M = 8
 # With native bf16, the AVX512-BF16 kernel beats oneDNN up to this many rows (measured on a
 # Zen 5: 1.1-3x at 1-32 rows, 0.85-0.95x from 64), so larger batches stay with torch.
 DP_MAX_ROWS = 32
@@ -548,6 +550,7 @@ class UsesCpuGemm:
     kernel where it is faster than torch's, decided once, on the loaded weight."""
 
     cpu_gemm_max_rows: int | None = None
+    quantize_activations = False  # int8 weights: int8 activations too above ROWS_MAX_M rows
 
     def project(
         self,
@@ -557,6 +560,10 @@ class UsesCpuGemm:
         weight_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if weight_scale is not None:  # int8 rows exist only for this kernel
+            if self.quantize_activations and x.numel() > ROWS_MAX_M * x.shape[-1]:
+                from engine.layers.cpu_w8a8 import linear_w8a8
+
+                return linear_w8a8(x, weight, bias, weight_scale)
             return linear(x, weight, bias, weight_scale)
         if self.cpu_gemm_max_rows is None:
             self.cpu_gemm_max_rows = max_rows_for(weight)

@@ -83,3 +83,54 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
             h = model(torch.tensor([out[-1]]), torch.tensor([len(toks) - 1]), meta)
             out.append(int(model.compute_logits(h)[-1].argmax()))
     assert "Paris" in tok.decode(out)
+
+
+def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
+    """The real model's next-token distributions over a chat prompt and a paragraph: int8
+    weights alone stay very close to float32, int8 activations too (w8a8) cost more but stay
+    within the loss of a 4-bit GGUF (a mean KL of ~0.05 measured over 1,024 tokens); both
+    still answer the question."""
+    from transformers import AutoTokenizer
+
+    from engine.layers.quantization import quantize_model
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    text = (
+        "The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists "
+        "disliked it, but it soon became the most visited paid monument in the world."
+    )
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": text + " What is the capital of France?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+
+    def logits_and_answer(quantization):
+        model = load_model(default_model_dir, dtype="bfloat16")
+        quantize_model(model, quantization)
+        bs, nb = 16, 16
+        caches = [torch.zeros(2, nb, bs, 3, 64, dtype=torch.bfloat16) for _ in range(30)]
+        for attn, c in zip(model.attention_layers(), caches, strict=True):
+            attn.kv_cache = c
+        builder = AttentionMetadataBuilder(bs, 3, 64, torch.bfloat16)
+        blocks = list(range(1, nb))
+        with torch.inference_mode():
+            meta = builder.build([(0, len(prompt), blocks)])
+            pos = torch.arange(len(prompt))
+            logits = model.compute_logits(model(torch.tensor(prompt), pos, meta))
+            out = [int(logits[-1].argmax())]
+            while len(out) < 10 and out[-1] != tok.eos_token_id:
+                meta = builder.build([(len(prompt) + len(out) - 1, 1, blocks)])
+                pos = torch.tensor([len(prompt) + len(out) - 1])
+                h = model(torch.tensor([out[-1]]), pos, meta)
+                out.append(int(model.compute_logits(h)[-1].argmax()))
+        return logits.log_softmax(-1), tok.decode(out)
+
+    ref, _ = logits_and_answer(None)
+    kl = {}
+    for q in ("int8", "w8a8"):
+        lp, answer = logits_and_answer(q)
+        kl[q] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+        assert "Paris" in answer, (q, answer)
+    assert 0 < kl["int8"] < kl["w8a8"] < 0.15, kl

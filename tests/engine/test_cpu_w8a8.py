@@ -1,0 +1,100 @@
+"""int8 activations (engine.layers.cpu_w8a8): the C row quantizer against its torch
+reference, the whole projection against exact integer arithmetic, and the layers' routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import cpu_gemm, cpu_w8a8
+from engine.layers.quantization import quantize_rows_int8
+
+
+@pytest.fixture(autouse=True)
+def _require_kernels():
+    if cpu_w8a8._load() is None or not cpu_gemm.available(torch.float32, torch.int8):
+        pytest.skip("no C compiler for the CPU kernels")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_matches_the_torch_reference(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(70, 333) * torch.logspace(-3, 2, 70)[:, None]).to(dtype)
+    x[5] = 0  # an all-zero row: scale 0, q 0, no division by zero
+    x[6, 7] = -1000  # one outlier sets its row's scale
+    q, s = cpu_w8a8.quantize_rows(x)
+    q_ref, s_ref = cpu_w8a8.quantize_rows_reference(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert s[5] == 0 and not q[5].any()
+    assert q[6, 7] == -127
+    # x * (127 / amax) may round differently from torch exactly at a .5 tie: at most by one.
+    diff = (q.int() - q_ref.int()).abs()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("m, n, k", [(9, 13, 19), (40, 96, 64), (67, 300, 136)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_w8a8_is_exact_integer_math_then_the_scales(m, n, k, dtype, bias):
+    torch.manual_seed(1)
+    x = torch.randn(m, k).to(dtype)
+    w, ws = quantize_rows_int8(torch.randn(n, k) * 0.05)
+    b = torch.randn(n).to(dtype) if bias else None
+    y = cpu_w8a8.linear_w8a8(x, w, b, ws)
+    assert y.dtype == dtype and y.shape == (m, n)
+    q, s = cpu_w8a8.quantize_rows(x)
+    ref = (q.double() @ w.double().T) * s.double()[:, None] * ws.double()
+    if b is not None:
+        ref = ref + b.double()
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5  # one rounding to the output type
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # and it is a fair approximation of the float product
+    exact = x.double() @ (w.double() * ws.double()[:, None]).T
+    assert (y.double() - (exact if b is None else exact + b.double())).abs().max() < 0.05 * (
+        exact.abs().max()
+    )
+
+
+def test_layers_quantize_activations_only_above_the_streaming_batch(tiny_llama_dir):
+    """w8a8 layers: up to ROWS_MAX_M rows the weight-only kernel (activations untouched),
+    above it int8 activations; int8 layers never quantize activations."""
+    from engine.layers.linear import ReplicatedLinear
+
+    torch.manual_seed(2)
+    layer = ReplicatedLinear(64, 48, bias=True)
+    layer.weight.data.normal_(0, 0.05)
+    layer.bias.data.normal_()
+    layer.quantize_int8()
+    w, ws = layer.weight, layer.weight_scale
+    for rows, quantized in ((1, False), (cpu_gemm.ROWS_MAX_M, False), (9, True), (64, True)):
+        x = torch.randn(rows, 64)
+        layer.quantize_activations = False
+        assert torch.equal(layer(x), cpu_gemm.linear(x, w, layer.bias, ws))
+        layer.quantize_activations = True
+        expected = (
+            cpu_w8a8.linear_w8a8(x, w, layer.bias, ws)
+            if quantized
+            else cpu_gemm.linear(x, w, layer.bias, ws)
+        )
+        assert torch.equal(layer(x), expected), rows
+
+
+def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+    from engine.layers.linear import LinearBase
+
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="w8a8", num_blocks=64)
+    model = llm.engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.quantize_activations and m.weight.dtype == torch.int8 for m in layers)
+    assert model.lm_head.quantize_activations
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 33)]  # prefills above and below 8 rows
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in first] == [6, 6, 6]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    llm.shutdown()
+    with pytest.raises(ValueError, match="w8a8"):
+        EngineConfig.from_options(quantization="w4a4")

@@ -14,6 +14,11 @@ the input rows stay in L1 across the block and the block's weights in L2. From 4
 outer-product tiles run near the FMA units' peak. bf16 inputs are widened to float32 once
 per call into a per-thread buffer.
 
+On CPUs with AVX512-BF16, bf16 activations take the `_dp` kernels instead: bf16 pairs
+multiplied with vdpbf16ps, no widening; batches of up to ROWS_MAX_M rows read the weight rows
+one after another (one sequential stream: decode is bound by reading the weights), larger ones
+run 4 x 6 register tiles.
+
 torch's F.linear stays the reference: tests check this kernel against it. The kernel is
 built with the other CPU kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables it.
 """
@@ -27,6 +32,7 @@ import sys
 import torch
 
 from engine.cpu_build import C_AVX512_HELPERS, cpu_flags, load_library
+from engine.layers import cpu_w8a8
 
 _SOURCE = (
     C_AVX512_HELPERS
@@ -561,9 +567,7 @@ class UsesCpuGemm:
     ) -> torch.Tensor:
         if weight_scale is not None:  # int8 rows exist only for this kernel
             if self.quantize_activations and x.numel() > ROWS_MAX_M * x.shape[-1]:
-                from engine.layers.cpu_w8a8 import linear_w8a8
-
-                return linear_w8a8(x, weight, bias, weight_scale)
+                return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale)
             return linear(x, weight, bias, weight_scale)
         if self.cpu_gemm_max_rows is None:
             self.cpu_gemm_max_rows = max_rows_for(weight)

@@ -39,6 +39,7 @@ _SOURCE = (
     + r"""
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -400,10 +401,100 @@ int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
     dp_block_bf16(x, ldx, M, K, w, wscale, bias, y, ldy, b * NB, (b + 1) * NB < N ? (b + 1) * NB : N);
   return 0;
 }
+#if defined(__AVX512VNNI__)
+/* int8 weights at decode batches: widening 32 int8 to bf16 takes ~8 instructions, which one
+   core cannot issue as fast as memory delivers the weights. Instead each row of x is
+   quantized to int16 once per call (s[m] = max|x[m]| / 32767: finer than bf16's own 8-bit
+   significand for all but the smallest values), the int8 weights are sign-extended to int16
+   (one instruction) and vpdpwssd sums int16 pairs exactly in int32. An int32 lane gains at
+   most 2 * 32767 * 127 per instruction, so every I16_CHUNK elements the sums move to float32
+   before they could overflow. Measured on one Zen 4 core, the model's int8 GEMMs: 9.7 -> 8.6
+   ms at 1 row, 11.1 -> 10.5 at 2, but 12.5 -> 14.2 at 4, where the bf16 widening is shared
+   by four rows: so 1-2 rows only (two cores are at memory speed either way). */
+#define I16_CHUNK 8192
+#define I16_MAX_M 2
+static __thread int16_t* xq_buf; static __thread int64_t xq_cap;
+static inline __m512i w32_i8_i16(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+}
+static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* w,
+    const float* wscale, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_begin,
+    int64_t n_end) {
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += RN) {
+    const int nr = n_end - n0 < RN ? (int)(n_end - n0) : RN;
+    __m512 acc[I16_MAX_M][RN];
+    for (int j = 0; j < nr; ++j) {
+      const int8_t* wr = w + (n0 + j) * K;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mc = M - m0 < 4 ? (int)(M - m0) : 4;
+        const int16_t* xm = xq + m0 * K;
+        __m512 f[4];
+        for (int i = 0; i < mc; ++i) f[i] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < K; c0 += I16_CHUNK) {
+          const int64_t c1 = K - c0 < I16_CHUNK ? K : c0 + I16_CHUNK;
+          __m512i a[4];
+          for (int i = 0; i < mc; ++i) a[i] = _mm512_setzero_si512();
+          int64_t k = c0;
+          for (; k + 32 <= c1; k += 32) {
+            if (mc > 2) _mm_prefetch((const char*)(wr + PF_AHEAD * K + k), _MM_HINT_T0);
+            const __m512i wv = w32_i8_i16(wr + k);
+            for (int i = 0; i < mc; ++i)
+              a[i] = _mm512_dpwssd_epi32(a[i], _mm512_loadu_si512(xm + i * K + k), wv);
+          }
+          if (k < c1) {
+            const __mmask32 mk = (__mmask32)((1ull << (c1 - k)) - 1);
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, wr + k));
+            for (int i = 0; i < mc; ++i)
+              a[i] = _mm512_dpwssd_epi32(a[i], _mm512_maskz_loadu_epi16(mk, xm + i * K + k), wv);
+          }
+          for (int i = 0; i < mc; ++i) f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(a[i]));
+        }
+        for (int i = 0; i < mc; ++i) acc[m0 + i][j] = f[i];
+      }
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      float out[RN];
+      for (int j = nr; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
+      _mm512_storeu_ps(out, reduce16(acc[i]));
+      for (int j = 0; j < nr; ++j)
+        y[i * ldy + n0 + j] = f2bf(out[j] * xs[i] * wscale[n0 + j] + (bias ? bf2f(bias[n0 + j]) : 0.f));
+    }
+  }
+}
+/* x rows -> int16 with one scale each (round to nearest); 0 for an all-zero row. */
+static void quantize_i16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int16_t* xq, float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xr = x + m * ldx;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) { const float v = fabsf(bf2f(xr[k])); amax = v > amax ? v : amax; }
+    xs[m] = amax / 32767.f;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = (int16_t)nearbyintf(bf2f(xr[k]) * inv);
+  }
+}
+#endif
+
 int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w,
     const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy,
     int nthreads) {
   const int64_t nblocks = (N + NB - 1) / NB;
+#if defined(__AVX512VNNI__)
+  if (M <= I16_MAX_M) {
+    if (M * K > xq_cap) {
+      free(xq_buf);
+      xq_buf = (int16_t*)aligned_alloc(64, ((M * K * sizeof(int16_t) + 63) / 64) * 64);
+      xq_cap = xq_buf ? M * K : 0;
+      if (!xq_buf) return -1;
+    }
+    float xs[I16_MAX_M];
+    quantize_i16(x, ldx, M, K, xq_buf, xs);
+    const int16_t* xq = xq_buf;
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
+    for (int64_t b = 0; b < nblocks; ++b)
+      rows_i16(xq, xs, M, K, w, wscale, bias, y, ldy, b * NB, (b + 1) * NB < N ? (b + 1) * NB : N);
+    return 0;
+  }
+#endif
   int failed = 0;
   _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(|:failed)")
   for (int64_t b = 0; b < nblocks; ++b) {

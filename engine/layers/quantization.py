@@ -5,8 +5,10 @@ over weight bytes: int8 halves bf16's bytes. Each output row n of a linear layer
 int8 values q[n] and one float32 scale s[n] = max|w[n]| / 127, so w[n] ~ q[n] * s[n]
 (symmetric, per row: the error per weight is at most s[n] / 2). The CPU GEMM kernel widens
 q to float32 in registers, accumulates in float32 and applies s[n] once per output; the
-activations stay in the model dtype. The LM head is quantized too (its own copy when it is
-tied: the embedding lookup keeps the original rows).
+activations stay in the model dtype (on CPUs with AVX512-VNNI, a call of one or two rows
+multiplies them as int16 with one scale per row instead: see cpu_gemm's `rows_i16`). The LM
+head is quantized too (its own copy when it is tied: the embedding lookup keeps the original
+rows).
 
 This is not lossless like the default path: outputs can differ from the unquantized model's.
 

@@ -20,7 +20,8 @@ def _require(dtype: torch.dtype) -> None:
 
 # Shapes: remainders of every tile dimension (4 input rows, 3 or 6 weight rows, 16-row
 # groups and 48-row blocks, 8- and 32-wide K vectors), both sides of the row-streaming limit
-# (8 rows) and of the widening one (16), a decode GEMV, and a prefill-sized GEMM.
+# (8 rows) and of the widening one (16), a K past the int16 path's 8192-element chunk, a
+# decode GEMV, and a prefill-sized GEMM.
 SHAPES = [
     (1, 7, 5),
     (5, 13, 19),
@@ -29,6 +30,8 @@ SHAPES = [
     (8, 50, 100),
     (9, 37, 70),
     (19, 61, 47),
+    (2, 40, 9000),
+    (1, 5, 8300),
     (1, 2000, 576),
     (67, 300, 136),
 ]

@@ -25,8 +25,18 @@ from typing import Any
 
 logger = logging.getLogger("tessera.engine")
 
-# C shared by the kernels' sources (prepended to them): AVX-512 helpers, compiled only where
-# the CPU has AVX-512.
+# C shared by the kernels' sources (prepended to them): bf16 <-> float32 conversions that
+# round like torch (to nearest even), f2f for the float32 variants of the same macros, and
+# AVX-512 helpers, compiled only where the CPU has AVX-512.
+C_BF16_HELPERS = r"""
+#include <stdint.h>
+static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
+static inline uint16_t f2bf(float f) {
+  union { uint32_t u; float f; } v; v.f = f;
+  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float f2f(float x) { return x; }
+"""
 C_AVX512_HELPERS = r"""
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -16,21 +16,17 @@ import ctypes
 
 import torch
 
-from engine.cpu_build import C_AVX512_HELPERS, load_library
+from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, load_library
 
 _SOURCE = (
-    C_AVX512_HELPERS
+    C_BF16_HELPERS
+    + C_AVX512_HELPERS
     + r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
 #include <omp.h>
 
-static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
-static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
-  union { uint32_t u; float f; } v; v.f = f;
-  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 #define PREFETCH_BLOCK(p, bytes) do { const char* _c = (const char*)(p); \
   for (int64_t _o = 0; _o < (bytes); _o += 64) __builtin_prefetch(_c + _o, 0, 1); } while (0)

@@ -18,19 +18,15 @@ import ctypes
 
 import torch
 
-from engine.cpu_build import load_library
+from engine.cpu_build import C_BF16_HELPERS, load_library
 
-_SOURCE = r"""
+_SOURCE = (
+    C_BF16_HELPERS
+    + r"""
 #include <stdint.h>
 #include <math.h>
 #include <omp.h>
 
-static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
-static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
-  union { uint32_t u; float f; } v; v.f = f;
-  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-static inline float f2f(float x) { return x; }
 /* Rows from which a loop is split over threads. Small (decode) calls stay on the calling
    thread: in a server a fork-join per tiny op waits on whichever pool thread the front end
    has just displaced (measured: norms and SiLU took a quarter of the engine's time at 32
@@ -106,6 +102,7 @@ DEFINE_ROPE(rope_f32, float, f2f, f2f)
 DEFINE_ROPE(rope_bf16, uint16_t, bf2f, f2bf)
 
 """
+)
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

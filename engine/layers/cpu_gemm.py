@@ -31,11 +31,12 @@ import sys
 
 import torch
 
-from engine.cpu_build import C_AVX512_HELPERS, cpu_flags, load_library
+from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, cpu_flags, load_library
 from engine.layers import cpu_w8a8
 
 _SOURCE = (
-    C_AVX512_HELPERS
+    C_BF16_HELPERS
+    + C_AVX512_HELPERS
     + r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,11 +48,6 @@ _SOURCE = (
 #define NR 3   /* weight rows per tile: 12 accumulators + 3 weights + 1 input = 16 ymm */
 #define NB 48  /* weight rows per block handed to a thread (a multiple of NR and of DNR) */
 
-static inline float bf2f(uint16_t x) { union { uint32_t u; float f; } v; v.u = (uint32_t)x << 16; return v.f; }
-static inline uint16_t f2bf(float f) {  /* round to nearest even, like torch */
-  union { uint32_t u; float f; } v; v.f = f;
-  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
 static inline __m256 load8_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -69,7 +65,6 @@ static inline void store8_bf16(uint16_t* p, __m256 v) {  /* round to nearest eve
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
 }
-static inline float f2f(float x) { return x; }
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

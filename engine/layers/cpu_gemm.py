@@ -34,9 +34,13 @@ import torch
 from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, cpu_flags, load_library
 from engine.layers import cpu_w8a8
 
+# Batches of up to this many rows stream the weights row by row (DEFINE_ROWS_DP).
+ROWS_MAX_M = 8
+
 _SOURCE = (
     C_BF16_HELPERS
     + C_AVX512_HELPERS
+    + f"#define ROWS_MAX_M {ROWS_MAX_M}\n"
     + r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -292,7 +296,6 @@ DEFINE_TILE_DP(tile_dp_i8, int8_t, w32_i8, w32_i8_tail)
    another (a single stream the hardware prefetcher follows), each against every row of x,
    and the lane sums of 16 rows are done together (reduce16). */
 #define RN 16          /* weight rows summed together */
-#define ROWS_MAX_M 8   /* batches up to this many rows take the row-streaming path */
 #define PF_AHEAD 2     /* from 3 rows of x, prefetch the weight row this far ahead */
 #define DEFINE_ROWS_DP(NAME, TW, LOADW, LOADW_TAIL)                                           \
 static inline __attribute__((always_inline)) void NAME(const uint16_t* x, int64_t ldx,       \
@@ -551,8 +554,6 @@ def _native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-# Batches up to this many rows stream the weights row by row (ROWS_MAX_M in the C source).
-ROWS_MAX_M = 8
 # With native bf16, the AVX512-BF16 kernel beats oneDNN up to this many rows (measured on a
 # Zen 5: 1.1-3x at 1-32 rows, 0.85-0.95x from 64), so larger batches stay with torch.
 DP_MAX_ROWS = 32

@@ -411,7 +411,7 @@ int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
    by four rows: so 1-2 rows only (two cores are at memory speed either way). */
 #define I16_CHUNK 8192
 #define I16_MAX_M 2
-static __thread int16_t* xq_buf; static __thread int64_t xq_cap;
+static __thread scratch_t xqbuf;
 static inline __m512i w32_i8_i16(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
 }
@@ -423,32 +423,27 @@ static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, c
     __m512 acc[I16_MAX_M][RN];
     for (int j = 0; j < nr; ++j) {
       const int8_t* wr = w + (n0 + j) * K;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mc = M - m0 < 4 ? (int)(M - m0) : 4;
-        const int16_t* xm = xq + m0 * K;
-        __m512 f[4];
-        for (int i = 0; i < mc; ++i) f[i] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < K; c0 += I16_CHUNK) {
-          const int64_t c1 = K - c0 < I16_CHUNK ? K : c0 + I16_CHUNK;
-          __m512i a[4];
-          for (int i = 0; i < mc; ++i) a[i] = _mm512_setzero_si512();
-          int64_t k = c0;
-          for (; k + 32 <= c1; k += 32) {
-            if (mc > 2) _mm_prefetch((const char*)(wr + PF_AHEAD * K + k), _MM_HINT_T0);
-            const __m512i wv = w32_i8_i16(wr + k);
-            for (int i = 0; i < mc; ++i)
-              a[i] = _mm512_dpwssd_epi32(a[i], _mm512_loadu_si512(xm + i * K + k), wv);
-          }
-          if (k < c1) {
-            const __mmask32 mk = (__mmask32)((1ull << (c1 - k)) - 1);
-            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, wr + k));
-            for (int i = 0; i < mc; ++i)
-              a[i] = _mm512_dpwssd_epi32(a[i], _mm512_maskz_loadu_epi16(mk, xm + i * K + k), wv);
-          }
-          for (int i = 0; i < mc; ++i) f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(a[i]));
+      __m512 f[I16_MAX_M];
+      for (int i = 0; i < M; ++i) f[i] = _mm512_setzero_ps();
+      for (int64_t c0 = 0; c0 < K; c0 += I16_CHUNK) {
+        const int64_t c1 = K - c0 < I16_CHUNK ? K : c0 + I16_CHUNK;
+        __m512i a[I16_MAX_M];
+        for (int i = 0; i < M; ++i) a[i] = _mm512_setzero_si512();
+        int64_t k = c0;
+        for (; k + 32 <= c1; k += 32) {
+          const __m512i wv = w32_i8_i16(wr + k);
+          for (int i = 0; i < M; ++i)
+            a[i] = _mm512_dpwssd_epi32(a[i], _mm512_loadu_si512(xq + i * K + k), wv);
         }
-        for (int i = 0; i < mc; ++i) acc[m0 + i][j] = f[i];
+        if (k < c1) {
+          const __mmask32 mk = (__mmask32)((1ull << (c1 - k)) - 1);
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, wr + k));
+          for (int i = 0; i < M; ++i)
+            a[i] = _mm512_dpwssd_epi32(a[i], _mm512_maskz_loadu_epi16(mk, xq + i * K + k), wv);
+        }
+        for (int i = 0; i < M; ++i) f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(a[i]));
       }
+      for (int i = 0; i < M; ++i) acc[i][j] = f[i];
     }
     for (int64_t i = 0; i < M; ++i) {
       float out[RN];
@@ -478,15 +473,10 @@ int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, cons
   const int64_t nblocks = (N + NB - 1) / NB;
 #if defined(__AVX512VNNI__)
   if (M <= I16_MAX_M) {
-    if (M * K > xq_cap) {
-      free(xq_buf);
-      xq_buf = (int16_t*)aligned_alloc(64, ((M * K * sizeof(int16_t) + 63) / 64) * 64);
-      xq_cap = xq_buf ? M * K : 0;
-      if (!xq_buf) return -1;
-    }
+    int16_t* xq = (int16_t*)grow(&xqbuf, (M * K + 1) / 2);  /* two int16 per float slot */
+    if (!xq) return -1;
     float xs[I16_MAX_M];
-    quantize_i16(x, ldx, M, K, xq_buf, xs);
-    const int16_t* xq = xq_buf;
+    quantize_i16(x, ldx, M, K, xq, xs);
     _Pragma("omp parallel for num_threads(nthreads) schedule(static)")
     for (int64_t b = 0; b < nblocks; ++b)
       rows_i16(xq, xs, M, K, w, wscale, bias, y, ldy, b * NB, (b + 1) * NB < N ? (b + 1) * NB : N);

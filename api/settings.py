@@ -119,7 +119,7 @@ class Settings:
         "torch intra-op threads (default: torch's choice, usually one per core).", None, _opt_int
     )
     frontend_threads: int = _flag(
-        "CPU threads that small engine steps (<= 16 tokens) leave to the HTTP front end, "
+        "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, "
         "so streams are not stalled by a descheduled compute thread (0: use every thread).",
         1,
         int,
@@ -174,6 +174,13 @@ class Settings:
     )
     kv_cache_memory: int | None = _flag(
         "Memory for the KV cache, e.g. 4GiB (default: a share of free memory).", None, parse_bytes
+    )
+    kv_cache_dtype: str = _flag(
+        "KV cache storage: auto = the model's dtype; int8 = int8 with a scale per token and "
+        "head (half the memory and half the bytes read per decode step, so more throughput "
+        "at large batches; next-token KL ~0.003 from bf16 on the default model).",
+        "auto",
+        choices=("auto", "int8"),
     )
     gpu_memory_utilization: float = _flag(
         "Share of GPU memory the engine may use (CUDA only).", 0.9, float
@@ -383,6 +390,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         kv_cache_memory=s.kv_cache_memory,
         gpu_memory_utilization=s.gpu_memory_utilization,
         enable_prefix_caching=s.enable_prefix_caching,
+        kv_cache_dtype=s.kv_cache_dtype,
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         policy=s.scheduling_policy,

@@ -135,7 +135,12 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
             seed=args.seed,
             device="cpu",
         ),
-        cache=CacheConfig(block_size=bs, num_blocks=num_blocks, enable_prefix_caching=False),
+        cache=CacheConfig(
+            block_size=bs,
+            num_blocks=num_blocks,
+            enable_prefix_caching=False,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_b,
             max_model_len=max_model_len,
@@ -338,7 +343,8 @@ def print_table(result: dict) -> None:
     m = result["machine"]
     print(
         f"\n## decode step: {result['model']} ({result['dtype']}"
-        f"{', Tessera ' + result['quantization'] if result.get('quantization') else ''}), context "
+        f"{', Tessera ' + result['quantization'] if result.get('quantization') else ''}"
+        f"{', int8 KV cache' if result.get('kv_cache_dtype') == 'int8' else ''}), context "
         f"{result['context'][0]}-{result['context'][1]}, {m['date']}"
     )
     print(
@@ -390,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Tessera's weights (not HF's)",
     )
+    p.add_argument(
+        "--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="Tessera's KV cache"
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument(
         "--context", type=int, nargs=2, default=[64, 320], metavar=("LO", "HI"),
@@ -433,6 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load_format": args.load_format,
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "batch_sizes": args.batch_sizes,
         "context": args.context,
         "steps": args.steps,

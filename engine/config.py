@@ -23,6 +23,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None = a share of free RAM (CPU)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # auto: the model's dtype; int8: int8 values with a float32 scale per token and head
+    # (engine.attention.kv_int8): half the bytes, so twice the tokens and less to read.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -40,6 +43,10 @@ class CacheConfig:
                 self.kv_cache_memory > 0,
                 f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}",
             )
+        _check(
+            self.kv_cache_dtype in ("auto", "int8"),
+            f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
+        )
         _check(
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
@@ -163,6 +170,7 @@ class EngineConfig:
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         enable_chunked_prefill: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -191,6 +199,7 @@ class EngineConfig:
                 kv_cache_memory=kv_cache_memory,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -36,8 +36,9 @@ _SOURCE = (
    The next block is prefetched: blocks are scattered, so the hardware prefetcher cannot.
    Scratch: H*D (q) + H*D (acc) + bs*Hkv*D (tile) + H*L (scores) floats. */
 #define DEFINE_ONE(NAME, T, LOAD, STORE)                                                       \
-static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const int64_t* table,   \
-    int64_t L, int H, int Hkv, const int D, int bs, float scale, float* scratch) {             \
+static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const float* ksc,       \
+    const float* vsc, const int64_t* table, int64_t L, int H, int Hkv, const int D, int bs,   \
+    float scale, float* scratch) {                                                           \
   const int G = H / Hkv;                                                                     \
   float* qf = scratch; float* acc = qf + H * D; float* tile = acc + H * D;                   \
   float* s = tile + (int64_t)bs * Hkv * D;                                                   \
@@ -100,14 +101,8 @@ static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const int6
 DEFINE_ONE(one_f32, float, ID, ID)
 DEFINE_ONE(one_bf16_generic, uint16_t, bf2f, f2bf)
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-/* bf16 on CPUs with AVX512-BF16 (Zen 4+, Sapphire Rapids+): the generic loops above spend
-   most of their time in horizontal sums (one per token and head) and scalar expf. Here
-   q . k runs on bf16 pairs (vdpbf16ps: exact products, float32 sums), 16 tokens' dot
-   products are summed across lanes together (reduce16), softmax uses a vector exp, and the
-   V pass keeps up to 4 heads' accumulators in registers per 16 dims. */
-
 /* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(f), |rel err| < 2e-7. */
 static inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -128,6 +123,49 @@ static inline __m512 exp512(__m512 x) {
 #define AHEAD 2  /* blocks prefetched ahead in the K pass */
 #endif
 
+/* Each row r of s [H][L] becomes softmax(row), 16 scores at a time. */
+static inline void softmax512(float* s, int H, int64_t L) {
+  for (int r = 0; r < H; ++r) {
+    float* sr = s + r * L;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; l < L; ++l) m = sr[l] > m ? sr[l] : m;
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (l = 0; l < L; l += 16) {
+      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + l), vm));
+      sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+      _mm512_mask_storeu_ps(sr + l, k, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    for (l = 0; l < L; l += 16) {
+      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+      _mm512_mask_storeu_ps(sr + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + l), inv));
+    }
+  }
+}
+
+/* out[i] = bf16(acc[i]), rounded like f2bf (nearest even); n a multiple of 16. */
+static inline void store512_bf16(uint16_t* out, const float* acc, int n) {
+  for (int i = 0; i < n; i += 16) {
+    __m512i u = _mm512_castps_si512(_mm512_loadu_ps(acc + i));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(u));
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16 on CPUs with AVX512-BF16 (Zen 4+, Sapphire Rapids+): the generic loops above spend
+   most of their time in horizontal sums (one per token and head) and scalar expf. Here
+   q . k runs on bf16 pairs (vdpbf16ps: exact products, float32 sums), 16 tokens' dot
+   products are summed across lanes together (reduce16), softmax uses a vector exp, and the
+   V pass keeps up to 4 heads' accumulators in registers per 16 dims. */
+
 static inline __m512 load16_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -146,7 +184,8 @@ static inline __m512 load16_bf16(const uint16_t* p) {
   } while (0)
 
 static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint16_t* kc,
-    const uint16_t* vc, const int64_t* table, int64_t L, int H, int Hkv, const int D, int bs,
+    const uint16_t* vc, const float* ksc, const float* vsc, const int64_t* table, int64_t L,
+    int H, int Hkv, const int D, int bs,
     float scale, float* scratch) {
   const int G = H / Hkv;
   float* acc = scratch; float* s = acc + H * D;
@@ -182,27 +221,7 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
       }
     }
   }
-  for (int r = 0; r < H; ++r) {  /* softmax per row, 16 scores at a time */
-    float* sr = s + r * L;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    int64_t l = 0;
-    for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; l < L; ++l) m = sr[l] > m ? sr[l] : m;
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 sv = _mm512_setzero_ps();
-    for (l = 0; l < L; l += 16) {
-      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + l), vm));
-      sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
-      _mm512_mask_storeu_ps(sr + l, k, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
-    for (l = 0; l < L; l += 16) {
-      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
-      _mm512_mask_storeu_ps(sr + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + l), inv));
-    }
-  }
+  softmax512(s, H, L);
   memset(acc, 0, sizeof(float) * H * D);
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const int64_t l0 = bi * bs;
@@ -222,61 +241,269 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
           }
         }
   }
-  for (int i = 0; i < H * D; i += 16) {  /* round to bf16 like f2bf (nearest even) */
-    __m512i u = _mm512_castps_si512(_mm512_loadu_ps(acc + i));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(u));
-  }
+  store512_bf16(out, acc, H * D);
 }
 
 static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc,
-    const uint16_t* vc, const int64_t* table, int64_t L, int H, int Hkv, const int D, int bs,
+    const uint16_t* vc, const float* ksc, const float* vsc, const int64_t* table, int64_t L,
+    int H, int Hkv, const int D, int bs,
     float scale, float* scratch) {
-  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, table, L, H, Hkv, D, bs, scale, scratch);
-  else one_bf16_generic(out, q, kc, vc, table, L, H, Hkv, D, bs, scale, scratch);
+  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch);
+  else one_bf16_generic(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch);
 }
 #else
 #define one_bf16 one_bf16_generic
 #endif
 
+/* ---- int8 KV cache (--kv-cache-dtype int8) ----
+   K and V are int8 [blocks][bs][Hkv][D] with one float scale per token and KV head in
+   ks / vs [blocks][Hkv][bs] (a head's 16 token scales side by side). Each token's row of a
+   head is quantized on its own: scale = max|x| / 127, x ~ scale * round(x / scale). The
+   decode step reads half the bytes of a bf16 cache. */
+
+/* The quantizer's two divisions, IEEE-exact (no -ffast-math reciprocal rewrites), as in
+   engine.attention.kv_int8.quantize: with them C and torch store the same bytes (the rest,
+   max, multiply and round-to-even, is exact under any flags). */
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+__attribute__((noinline)) static float kv8_inv(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+__attribute__((noinline)) static float kv8_scale(float amax) { return amax / 127.f; }
+#pragma GCC pop_options
+
+/* Writes n tokens' K and V rows (k, v: [n][Hkv][D], rows k_stride / v_stride apart) at their
+   slots, quantized. */
+#define DEFINE_KV8_WRITE(NAME, T, LOAD)                                                       \
+void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n,     \
+    const T* k, int64_t k_stride, const T* v, int64_t v_stride, int Hkv, int D, int bs) {    \
+  for (int64_t t = 0; t < n; ++t) {                                                          \
+    const int64_t slot = slots[t], blk = slot / bs, off = slot % bs;                         \
+    for (int w = 0; w < 2; ++w) {                                                            \
+      const T* src = w ? v + t * v_stride : k + t * k_stride;                                \
+      int8_t* dst = (w ? vc : kc) + slot * Hkv * D;                                          \
+      float* sc = (w ? vs : ks) + blk * Hkv * bs + off;                                      \
+      for (int h = 0; h < Hkv; ++h) {                                                        \
+        const T* x = src + h * D; int8_t* y = dst + h * D;                                   \
+        float amax = 0.f;                                                                    \
+        for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(x[d])));                   \
+        const float inv = kv8_inv(amax);                                                     \
+        for (int d = 0; d < D; ++d) {  /* |x * inv| <= 127 already; the clamp guards NaN */  \
+          const float r = nearbyintf(LOAD(x[d]) * inv);                                      \
+          y[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                      \
+        }                                                                                    \
+        sc[h * bs] = kv8_scale(amax);                                                        \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+DEFINE_KV8_WRITE(kv8_write_f32, float, f2f)
+DEFINE_KV8_WRITE(kv8_write_bf16, uint16_t, bf2f)
+
+/* Decode attention over the int8 cache, plain loops: DEFINE_ONE with dequantized K and V.
+   Scratch: H*D (q) + H*D (acc) + H*L (scores) floats. */
+#define DEFINE_ONE_KV8(NAME, T, LOAD, STORE)                                                  \
+static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
+    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
+    const int D, int bs, float scale, float* scratch) {                                      \
+  const int G = H / Hkv;                                                                     \
+  float* qf = scratch; float* acc = qf + H * D; float* s = acc + H * D;                      \
+  for (int i = 0; i < H * D; ++i) qf[i] = LOAD(q[i]) * scale;                                \
+  const int64_t tok = (int64_t)Hkv * D;                                                      \
+  const int64_t nblk = (L + bs - 1) / bs;                                                    \
+  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+    const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs;                               \
+    const int8_t* kb = kc + table[bi] * bs * tok; const float* ksb = ksc + table[bi] * Hkv * bs; \
+    for (int64_t j = 0; j < n; ++j)                                                          \
+      for (int r = 0; r < H; ++r) {                                                          \
+        const int h = r / G; const float* qq = qf + r * D; const int8_t* kk = kb + j * tok + h * D; \
+        float dot = 0.f;                                                                     \
+        _Pragma("omp simd reduction(+:dot)")                                                 \
+        for (int d = 0; d < D; ++d) dot += qq[d] * (float)kk[d];                             \
+        s[r * L + l0 + j] = dot * ksb[h * bs + j];                                           \
+      }                                                                                      \
+  }                                                                                          \
+  for (int r = 0; r < H; ++r) {                                                              \
+    float* sr = s + r * L; float m = -INFINITY, sum = 0.f;                                   \
+    for (int64_t l = 0; l < L; ++l) m = sr[l] > m ? sr[l] : m;                               \
+    for (int64_t l = 0; l < L; ++l) { float e = expf(sr[l] - m); sr[l] = e; sum += e; }      \
+    const float inv = 1.f / sum;                                                             \
+    for (int64_t l = 0; l < L; ++l) sr[l] *= inv;                                            \
+  }                                                                                          \
+  memset(acc, 0, sizeof(float) * H * D);                                                     \
+  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+    const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs;                               \
+    const int8_t* vb = vc + table[bi] * bs * tok; const float* vsb = vsc + table[bi] * Hkv * bs; \
+    for (int r = 0; r < H; ++r) {                                                            \
+      const int h = r / G; float* a = acc + r * D; const float* sr = s + r * L + l0;         \
+      for (int64_t j = 0; j < n; ++j) {                                                      \
+        const float p = sr[j] * vsb[h * bs + j]; const int8_t* vv = vb + j * tok + h * D;    \
+        _Pragma("omp simd")                                                                  \
+        for (int d = 0; d < D; ++d) a[d] += p * (float)vv[d];                                \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  for (int i = 0; i < H * D; ++i) out[i] = STORE(acc[i]);                                    \
+}
+DEFINE_ONE_KV8(one_kv8_f32_generic, float, f2f, f2f)
+DEFINE_ONE_KV8(one_kv8_bf16_generic, uint16_t, bf2f, f2bf)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* With AVX512-VNNI: q is quantized to int16 per row (error ~1e-5 of its largest value: as
+   accurate as the torch path), k widened to int16 (one instruction per 32 values), and
+   q . k runs on int16 pairs (vpdpwssd: exact products and int32 sums). 16 tokens' sums are
+   added across lanes together (reduce16); the V pass widens 16 int8 values at a time to
+   float. Needs D % 32 == 0 and D <= 256 (int32 sums cannot overflow).
+   Scratch: H*D (acc) + H*L (scores) floats, H*D int16 (q) + H floats. */
+#define V8_TILE(GN) do {                                                                     \
+    __m512 a[4];                                                                             \
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_loadu_ps(accr + g * D);                       \
+    for (int64_t j = 0; j < n; ++j) {                                                        \
+      const __m512 vv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(               \
+          _mm_loadu_si128((const __m128i*)(vr + j * tok)))), _mm512_set1_ps(vsh[j]));        \
+      for (int g = 0; g < GN; ++g)                                                           \
+        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sr[g * L + j]), vv, a[g]);                     \
+    }                                                                                        \
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(accr + g * D, a[g]);                       \
+  } while (0)
+
+#define DEFINE_ONE_KV8_AVX512(NAME, T, LOAD, STORE_ROW)                                       \
+static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
+    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
+    const int D, int bs, float scale, float* scratch) {                                      \
+  const int G = H / Hkv;                                                                     \
+  float* acc = scratch; float* s = acc + H * D;                                              \
+  int16_t* q16 = (int16_t*)(s + H * L); float* qmul = (float*)(q16 + H * D);                \
+  for (int r = 0; r < H; ++r) {  /* q row -> int16; its scale absorbs the softmax scale */   \
+    float amax = 0.f;                                                                        \
+    for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(q[r * D + d])));               \
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;                                     \
+    for (int d = 0; d < D; ++d) q16[r * D + d] = (int16_t)nearbyintf(LOAD(q[r * D + d]) * inv); \
+    qmul[r] = amax / 32767.f * scale;                                                        \
+  }                                                                                          \
+  const int64_t tok = (int64_t)Hkv * D;                                                      \
+  const int64_t nblk = (L + bs - 1) / bs;                                                    \
+  const int64_t blk_bytes = bs * tok, sc_bytes = (int64_t)Hkv * bs * sizeof(float);          \
+  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+    const int64_t l0 = bi * bs;                                                              \
+    const int8_t* kb = kc + table[bi] * blk_bytes; const float* ksb = ksc + table[bi] * Hkv * bs; \
+    for (int64_t a = bi == 0 ? 0 : AHEAD; a <= AHEAD && bi + a < nblk; ++a) {                \
+      const int64_t b = table[bi + a];                                                       \
+      PREFETCH_BLOCK(kc + b * blk_bytes, blk_bytes); PREFETCH_BLOCK(vc + b * blk_bytes, blk_bytes); \
+      PREFETCH_BLOCK(ksc + b * Hkv * bs, sc_bytes); PREFETCH_BLOCK(vsc + b * Hkv * bs, sc_bytes); \
+    }                                                                                        \
+    const int64_t nb = L - l0 < bs ? L - l0 : bs;                                            \
+    for (int64_t j0 = 0; j0 < nb; j0 += 16) {                                                \
+      const int m = nb - j0 < 16 ? (int)(nb - j0) : 16;                                      \
+      const __mmask16 mask = (__mmask16)((1u << m) - 1);                                     \
+      for (int r = 0; r < H; ++r) {                                                          \
+        const int h = r / G;                                                                 \
+        const int16_t* qr = q16 + r * D; const int8_t* kr = kb + j0 * tok + h * D;           \
+        __m512i d[16];                                                                       \
+        for (int j = 0; j < 16; ++j) d[j] = _mm512_setzero_si512();                          \
+        for (int c = 0; c < D; c += 32) {                                                    \
+          const __m512i qv = _mm512_loadu_si512(qr + c);                                     \
+          for (int j = 0; j < m; ++j)                                                        \
+            d[j] = _mm512_dpwssd_epi32(d[j], _mm512_cvtepi8_epi16(                           \
+                _mm256_loadu_si256((const __m256i*)(kr + j * tok + c))), qv);                \
+        }                                                                                    \
+        __m512 f[16];                                                                        \
+        for (int j = 0; j < 16; ++j) f[j] = _mm512_cvtepi32_ps(d[j]);                        \
+        const __m512 dots = reduce16(f);                                                     \
+        const __m512 ksv = _mm512_maskz_loadu_ps(mask, ksb + h * bs + j0);                   \
+        _mm512_mask_storeu_ps(s + r * L + l0 + j0, mask,                                     \
+            _mm512_mul_ps(_mm512_mul_ps(dots, ksv), _mm512_set1_ps(qmul[r])));               \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  softmax512(s, H, L);                                                                       \
+  memset(acc, 0, sizeof(float) * H * D);                                                     \
+  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+    const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs;                               \
+    const int8_t* vb = vc + table[bi] * blk_bytes; const float* vsb = vsc + table[bi] * Hkv * bs; \
+    for (int h = 0; h < Hkv; ++h) {                                                          \
+      const float* vsh = vsb + h * bs;                                                       \
+      for (int c = 0; c < D; c += 16)                                                        \
+        for (int g0 = 0; g0 < G; g0 += 4) {                                                  \
+          const int r0 = h * G + g0;                                                         \
+          float* accr = acc + r0 * D + c; const float* sr = s + r0 * L + l0;                 \
+          const int8_t* vr = vb + h * D + c;                                                 \
+          switch (G - g0 < 4 ? G - g0 : 4) {                                                 \
+            case 1: V8_TILE(1); break;                                                       \
+            case 2: V8_TILE(2); break;                                                       \
+            case 3: V8_TILE(3); break;                                                       \
+            default: V8_TILE(4);                                                             \
+          }                                                                                  \
+        }                                                                                    \
+    }                                                                                        \
+  }                                                                                          \
+  STORE_ROW(out, acc, H * D);                                                                \
+}
+static inline void store512_f32(float* out, const float* acc, int n) { memcpy(out, acc, sizeof(float) * n); }
+DEFINE_ONE_KV8_AVX512(one_kv8_f32_avx512, float, f2f, store512_f32)
+DEFINE_ONE_KV8_AVX512(one_kv8_bf16_avx512, uint16_t, bf2f, store512_bf16)
+#define KV8_VNNI(D) ((D) % 32 == 0 && (D) <= 256)
+#else
+#define KV8_VNNI(D) 0
+#define one_kv8_f32_avx512 one_kv8_f32_generic
+#define one_kv8_bf16_avx512 one_kv8_bf16_generic
+#endif
+
+#define DEFINE_ONE_KV8_DISPATCH(NAME, T, SUFFIX)                                              \
+static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
+    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
+    const int D, int bs, float scale, float* scratch) {                                      \
+  if (KV8_VNNI(D)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
+  else one_kv8_##SUFFIX##_generic(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
+}
+DEFINE_ONE_KV8_DISPATCH(one_kv8_f32, float, f32)
+DEFINE_ONE_KV8_DISPATCH(one_kv8_bf16, uint16_t, bf16)
+
 /* A decode batch of n rows on OpenMP threads: this links torch's own libgomp (same soname,
    already loaded), so it shares torch's thread pool instead of competing with it. Longest
-   rows (they come sorted by context) are handed out first. scratch: one slice per thread. */
-#define DEFINE_BATCH(NAME, ONE, T)                                                            \
-void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const T* kc, const T* vc, \
-    const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D,  \
-    int bs, float scale, float* scratch, int64_t scratch_size, int nthreads) {               \
+   rows (they come sorted by context) are handed out first. scratch: one slice per thread.
+   ks / vs: the int8 cache's scales (unused, may be NULL, for a cache in the model's dtype). */
+#define DEFINE_BATCH(NAME, ONE, T, CT)                                                        \
+void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const CT* kc, const CT* vc, \
+    const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx,  \
+    int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch,                   \
+    int64_t scratch_size, int nthreads) {                                                    \
   _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                    \
   for (int64_t i = 0; i < n; ++i) {                                                          \
     const int64_t b = n - 1 - i;                                                             \
     float* sc = scratch + omp_get_thread_num() * scratch_size;                               \
     T* o = out + b * out_stride; const T* qq = q + b * q_stride; const int64_t* t = bt + b * max_nb; \
     switch (D) {                                                                             \
-      case 16: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 16, bs, scale, sc); break;              \
-      case 32: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 32, bs, scale, sc); break;              \
-      case 64: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 64, bs, scale, sc); break;              \
-      case 128: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, 128, bs, scale, sc); break;            \
-      default: ONE(o, qq, kc, vc, t, ctx[b], H, Hkv, D, bs, scale, sc);                      \
+      case 16: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 16, bs, scale, sc); break;      \
+      case 32: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 32, bs, scale, sc); break;      \
+      case 64: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 64, bs, scale, sc); break;      \
+      case 128: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 128, bs, scale, sc); break;    \
+      default: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, D, bs, scale, sc);              \
     }                                                                                        \
   }                                                                                          \
 }
-DEFINE_BATCH(paged_decode_f32, one_f32, float)
-DEFINE_BATCH(paged_decode_bf16, one_bf16, uint16_t)
+DEFINE_BATCH(paged_decode_f32, one_f32, float, float)
+DEFINE_BATCH(paged_decode_bf16, one_bf16, uint16_t, uint16_t)
+DEFINE_BATCH(paged_decode_kv8_f32, one_kv8_f32, float, int8_t)
+DEFINE_BATCH(paged_decode_kv8_bf16, one_kv8_bf16, uint16_t, int8_t)
 """
 )
 _MAX_ROW = 1024  # floats in the kernel's per-token row buffer: num_kv_heads * head_dim
-_SUPPORTED = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_SUPPORTED = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the C functions' suffixes
 
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# out, out_stride, q, q_stride, k_cache, v_cache, block_tables, max_blocks, context_lens, n,
-# H, Hkv, D, block_size, scale, scratch, scratch_size, threads
-_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]
+# out, out_stride, q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables,
+# max_blocks, context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size, threads
+_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32]
 _ARGS += [ctypes.c_float, _P, _I64, _I32]
+# k_cache, v_cache, k_scales, v_scales, slots, n, k, k_stride, v, v_stride, Hkv, D, block_size
+_WRITE_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _I32, _I32, _I32]
 
 
-_SIGNATURES = {name: (_ARGS, None) for name in _SUPPORTED.values()}
+_SIGNATURES = {
+    **{f"paged_decode_{s}": (_ARGS, None) for s in _SUPPORTED.values()},
+    **{f"paged_decode_kv8_{s}": (_ARGS, None) for s in _SUPPORTED.values()},
+    **{f"kv8_write_{s}": (_WRITE_ARGS, None) for s in _SUPPORTED.values()},
+}
 
 
 def load_kernel() -> ctypes.CDLL | None:
@@ -304,10 +531,13 @@ def paged_decode(
     context_lens: torch.Tensor,
     scratch: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """out/q [n, H, D] (rows may be strided, heads contiguous), caches [blocks, bs, Hkv, D]
     contiguous, block_tables [n, max_blocks] int64, context_lens [n] int64, scratch float32
-    [threads, size] (one row per thread; see the C source for the size)."""
+    [threads, size] (one row per thread; see the C source for the size). An int8 cache comes
+    with its scales, float32 [blocks, Hkv, bs] each (engine.attention.kv_int8)."""
     lib = load_kernel()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is unavailable (see kernel_supports)")
@@ -315,9 +545,43 @@ def paged_decode(
     assert q.stride(2) == 1 and q.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
     assert scratch.is_contiguous() and scratch.dtype == torch.float32
-    getattr(lib, _SUPPORTED[q.dtype])(
+    fn = f"paged_decode_{_SUPPORTED[q.dtype]}"
+    ks = vs = 0
+    if k_cache.dtype == torch.int8:
+        assert k_scales is not None and v_scales is not None
+        assert k_scales.is_contiguous() and v_scales.is_contiguous()
+        fn, ks, vs = (
+            f"paged_decode_kv8_{_SUPPORTED[q.dtype]}",
+            k_scales.data_ptr(),
+            v_scales.data_ptr(),
+        )
+    getattr(lib, fn)(
         out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        context_lens.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1], scale,
-        scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
+        k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, block_tables.data_ptr(),
+        block_tables.shape[1], context_lens.data_ptr(), n, h, k_cache.shape[2], d,
+        k_cache.shape[1], scale, scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
+    )  # fmt: skip
+
+
+def write_kv_int8(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Quantize k/v [T, Hkv, D] (rows may be strided, heads contiguous) into the int8 cache at
+    their slots: the C version of engine.attention.kv_int8.write_torch."""
+    lib = load_kernel()
+    assert lib is not None, "the CPU attention kernel is unavailable (see kernel_supports)"
+    t, hkv, d = k.shape
+    for x in (k, v):
+        assert x.stride(2) == 1 and x.stride(1) == d and x.dtype in _SUPPORTED
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    getattr(lib, f"kv8_write_{_SUPPORTED[k.dtype]}")(
+        k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr(),
+        slot_mapping.data_ptr(), t, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        hkv, d, k_cache.shape[1],
     )  # fmt: skip

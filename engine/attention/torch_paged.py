@@ -1,7 +1,8 @@
 """Paged attention over a flattened batch: the torch path, reference for every faster kernel.
 
 Per layer the KV cache is one tensor [2, num_blocks, block_size, kv_heads, head_dim]
-(k = cache[0], v = cache[1]); token t's K/V live at flat slot slot_mapping[t]. Decodes run as
+(k = cache[0], v = cache[1]); token t's K/V live at flat slot slot_mapping[t]. An int8 cache
+comes with its scales (engine.attention.kv_int8). Decodes run as
 a few padded groups through SDPA, or all at once through the compiled CPU kernel when the
 metadata says so (engine.attention.cpu_kernel); prefill chunks run one SDPA call each.
 """
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import cpu_kernel
+from engine.attention import cpu_kernel, kv_int8
 from engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
@@ -29,13 +30,16 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.kv_scales: torch.Tensor | None = None  # float32, with an int8 cache
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (may be strided views) -> [T, H * D]."""
-        cache = self.kv_cache
-        if cache is not None:
+        cache, scales = self.kv_cache, self.kv_scales
+        if scales is not None:
+            kv_int8.write(cache, scales, meta.slot_mapping, k, v)
+        elif cache is not None:
             flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
             flat[0].index_copy_(0, meta.slot_mapping, k)
             flat[1].index_copy_(0, meta.slot_mapping, v)
@@ -48,9 +52,10 @@ class PagedAttention(nn.Module):
         if kd is not None:
             assert cache is not None
             n = kd.num_rows
+            ks, vs = (None, None) if scales is None else (scales[0], scales[1])
             cpu_kernel.paged_decode(
                 out[:n], q[:n], cache[0], cache[1], kd.block_tables, kd.context_lens,
-                kd.scratch, self.scale,
+                kd.scratch, self.scale, ks, vs,
             )  # fmt: skip
         for g in groups:
             out[g.start : g.end] = self._decode(q[g.start : g.end], g, meta)
@@ -73,6 +78,8 @@ class PagedAttention(nn.Module):
     def _gather(self, block_table: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """K and V of the given blocks, in order: [2, n_blocks, block_size, Hkv, D]."""
         kv = meta.gather_buffer(block_table.numel())
+        if self.kv_scales is not None:
+            return kv_int8.gather_dequantized(self.kv_cache, self.kv_scales, block_table, kv)
         # Two dim-0 selects copy whole blocks; one select over dim 1 goes element-wise.
         torch.index_select(self.kv_cache[0], 0, block_table, out=kv[0])
         torch.index_select(self.kv_cache[1], 0, block_table, out=kv[1])

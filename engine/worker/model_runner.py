@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention import kv_int8
 from engine.attention.cpu_kernel import kernel_supports
 from engine.attention.metadata import AttentionMetadataBuilder
 from engine.config import EngineConfig
@@ -90,6 +91,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.dtype: torch.dtype | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: list[torch.Tensor] = []  # with an int8 cache: one per layer
         self.num_blocks = 0
         self.sampler = Sampler(seed=config.model.seed)
         self._builder: AttentionMetadataBuilder | None = None
@@ -137,8 +139,12 @@ class ModelRunner:
         """Bytes one block takes across all layers (K and V) on this rank."""
         assert self.dtype is not None, "load_model() first"
         c = self.hf_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * elem
+        per_token = self.num_kv_heads * c.head_dim  # values of K (and of V) per token
+        if self.config.cache.kv_cache_dtype == "int8":
+            per_token_bytes = per_token + 4 * self.num_kv_heads  # int8 + a float32 scale per head
+        else:
+            per_token_bytes = per_token * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * per_token_bytes
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -187,19 +193,26 @@ class ModelRunner:
         self._check_fits(num_blocks)
         c = self.hf_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
+        int8 = self.config.cache.kv_cache_dtype == "int8"
+        dtype = torch.int8 if int8 else self.dtype
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(c.num_hidden_layers)
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)
         ]
-        for attn, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
-            attn.kv_cache = cache
+        self.kv_scales = [
+            kv_int8.allocate_scales(num_blocks, self.block_size, self.num_kv_heads, self.device)
+            for _ in range(c.num_hidden_layers if int8 else 0)
+        ]
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.kv_cache = self.kv_caches[i]
+            attn.kv_scales = self.kv_scales[i] if int8 else None
         self.num_blocks = num_blocks
         tokens = (num_blocks - 1) * self.block_size
         if self.rank == 0:
             logger.info(
-                "KV cache: %d blocks (%d tokens); max concurrency at %d tokens/request: %.2f",
+                "KV cache: %d blocks (%d tokens, %s); max concurrency at %d tokens/request: %.2f",
                 num_blocks,
                 tokens,
+                str(dtype).removeprefix("torch."),
                 self.max_model_len,
                 tokens / self.max_model_len,
             )
@@ -211,8 +224,8 @@ class ModelRunner:
         """Copy every layer's K/V of block src into dst; all copies read the pre-copy state."""
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            cache.index_copy_(1, dst, cache.index_select(1, src))
+        for t in (*self.kv_caches, *self.kv_scales):
+            t.index_copy_(1, dst, t.index_select(1, src))
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

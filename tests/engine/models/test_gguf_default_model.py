@@ -88,10 +88,12 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
 def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
     """The real model's next-token distributions over a chat prompt and a paragraph: int8
     weights alone stay very close to float32, int8 activations too (w8a8) cost more but stay
-    within the loss of a 4-bit GGUF (a mean KL of ~0.05 measured over 1,024 tokens); both
-    still answer the question."""
+    within the loss of a 4-bit GGUF (a mean KL of ~0.05 measured over 1,024 tokens); an int8
+    KV cache costs less than int8 weights (~0.003 over 1,024 tokens); all still answer."""
     from transformers import AutoTokenizer
 
+    from engine.attention.cpu_kernel import kernel_supports
+    from engine.attention.kv_int8 import allocate_scales as kv_scales
     from engine.layers.quantization import quantize_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
@@ -106,14 +108,24 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
     )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
 
-    def logits_and_answer(quantization):
+    def logits_and_answer(quantization, kv_int8=False):
         model = load_model(default_model_dir, dtype="bfloat16")
         quantize_model(model, quantization)
         bs, nb = 16, 16
-        caches = [torch.zeros(2, nb, bs, 3, 64, dtype=torch.bfloat16) for _ in range(30)]
-        for attn, c in zip(model.attention_layers(), caches, strict=True):
-            attn.kv_cache = c
-        builder = AttentionMetadataBuilder(bs, 3, 64, torch.bfloat16)
+        for attn in model.attention_layers():
+            attn.kv_cache = torch.zeros(
+                2, nb, bs, 3, 64, dtype=torch.int8 if kv_int8 else torch.bfloat16
+            )
+            attn.kv_scales = kv_scales(nb, bs, 3, "cpu") if kv_int8 else None
+        # the prompt's attention through the kernel reads the cache, as in the server
+        builder = AttentionMetadataBuilder(
+            bs,
+            3,
+            64,
+            torch.bfloat16,
+            num_heads=9,
+            use_cpu_kernel=kernel_supports(torch.bfloat16, torch.device("cpu"), 3, 64),
+        )
         blocks = list(range(1, nb))
         with torch.inference_mode():
             meta = builder.build([(0, len(prompt), blocks)])
@@ -133,4 +145,8 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
         lp, answer = logits_and_answer(q)
         kl[q] = float((ref.exp() * (ref - lp)).sum(-1).mean())
         assert "Paris" in answer, (q, answer)
+    lp, answer = logits_and_answer(None, kv_int8=True)
+    kl["kv_int8"] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+    assert "Paris" in answer, answer
     assert 0 < kl["int8"] < kl["w8a8"] < 0.15, kl
+    assert 0 < kl["kv_int8"] < 0.02, kl

@@ -163,7 +163,7 @@ def test_kv_sizing_from_memory_and_log_line(tiny_llama_dir, caplog):
         r.init_kv_cache(n)
     tokens = (n - 1) * BLOCK
     assert (
-        f"KV cache: {n} blocks ({tokens} tokens); max concurrency at 128 tokens/request: "
+        f"KV cache: {n} blocks ({tokens} tokens, float32); max concurrency at 128 tokens/request: "
         f"{tokens / 128:.2f}" in caplog.text
     )
 

@@ -35,7 +35,7 @@ _SOURCE = (
 #include <math.h>
 #include <omp.h>
 
-#define PAR_ROWS 64  /* below this the loops stay on the calling thread */
+#define PAR_ROWS 256  /* below this the loops stay on the calling thread */
 
 /* q[m] = round(x[m] / s[m]) with s[m] = max|x[m]| / 127 (0 for an all-zero row). */
 #define DEFINE_QUANTIZE(NAME, T, LOAD)                                                        \

@@ -15,7 +15,9 @@ cpu_gemm's ROWS_MAX_M rows) keep the weight-only kernel: they are bound by readi
 weights, which are the same int8 rows.
 
 Two small C loops around torch._int_mm: quantizing the rows and the scaled epilogue (each
-one pass, where the torch ops would be several). Built with the other CPU kernels
+one pass, where the torch ops would be several). The MLP (mlp_w8a8) goes further: between
+its two GEMMs one pass takes gate_up's int32 sums to the int8 rows down_proj needs (scales,
+SiLU, product, quantization), 10% less MLP time at 32-128 rows than layer by layer. Built with the other CPU kernels
 (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to
 the same arithmetic, only slower).
 """
@@ -77,6 +79,43 @@ void NAME(const int32_t* acc, int64_t M, int64_t N, const float* s, const float*
 }
 DEFINE_DEQUANT(dequant_f32, float, f2f, f2f)
 DEFINE_DEQUANT(dequant_bf16, uint16_t, bf2f, f2bf)
+
+/* The MLP's middle in one pass: gate_up's int32 sums acc [M][2I] scaled (+ bias) into
+   gate | up, h = silu(gate) * up in float, each row of h quantized to int8 for down_proj
+   (q [M][I], scale qs[m]). h never exists in the model's dtype. tmp: I floats per thread. */
+#define SILU_PRODUCT(BG, BU) do {                                                            \
+    const float g = (float)a[i] * sm * wscale[i] + (BG);                                     \
+    const float v = g / (1.f + expf(-g)) * ((float)a[I + i] * sm * wscale[I + i] + (BU));    \
+    h[i] = v; amax = fmaxf(amax, fabsf(v));                                                  \
+  } while (0)
+#define DEFINE_SILU_QUANT(NAME, T, LOAD)                                                      \
+void NAME(const int32_t* acc, int64_t M, int64_t I, const float* s, const float* wscale,     \
+    const T* bias, int8_t* q, float* qs, float* tmp, int nthreads) {                         \
+  _Pragma("omp parallel for num_threads(nthreads) if(M >= PAR_ROWS) schedule(static)")      \
+  for (int64_t m = 0; m < M; ++m) {                                                          \
+    const int32_t* a = acc + m * 2 * I; const float sm = s[m];                               \
+    float* h = tmp + (int64_t)omp_get_thread_num() * I;                                      \
+    float amax = 0.f;                                                                        \
+    if (bias) {  /* two loops: with the bias test inside, GCC runs the scalar version */     \
+      _Pragma("omp simd reduction(max:amax)")                                                \
+      for (int64_t i = 0; i < I; ++i)                                                        \
+        SILU_PRODUCT(LOAD(bias[i]), LOAD(bias[I + i]));                                      \
+    } else {                                                                                 \
+      _Pragma("omp simd reduction(max:amax)")                                                \
+      for (int64_t i = 0; i < I; ++i) SILU_PRODUCT(0.f, 0.f);                                \
+    }                                                                                        \
+    qs[m] = amax / 127.f;                                                                    \
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;                                       \
+    int8_t* qr = q + m * I;                                                                  \
+    _Pragma("omp simd")                                                                      \
+    for (int64_t i = 0; i < I; ++i) {                                                        \
+      const float v = nearbyintf(h[i] * inv);                                                \
+      qr[i] = (int8_t)(v > 127.f ? 127.f : (v < -127.f ? -127.f : v));                       \
+    }                                                                                        \
+  }                                                                                          \
+}
+DEFINE_SILU_QUANT(silu_quant_f32, float, f2f)
+DEFINE_SILU_QUANT(silu_quant_bf16, uint16_t, bf2f)
 """
 )
 
@@ -86,8 +125,11 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _QUANT_ARGS = [_P, _I64, _I64, _I64, _P, _P, ctypes.c_int]
 # acc, M, N, s, w_scale, bias, y, threads
 _DEQUANT_ARGS = [_P, _I64, _I64, _P, _P, _P, _P, ctypes.c_int]
+# acc, M, I, s, w_scale, bias, q, q_scale, tmp, threads
+_SILU_QUANT_ARGS = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 _SIGNATURES = {f"quantize_rows_{sfx}": (_QUANT_ARGS, None) for sfx in _SUFFIX.values()}
 _SIGNATURES |= {f"dequant_{sfx}": (_DEQUANT_ARGS, None) for sfx in _SUFFIX.values()}
+_SIGNATURES |= {f"silu_quant_{sfx}": (_SILU_QUANT_ARGS, None) for sfx in _SUFFIX.values()}
 
 
 def _load() -> ctypes.CDLL | None:
@@ -128,17 +170,60 @@ def linear_w8a8(
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     q, s = quantize_rows(x2)
-    acc = torch._int_mm(q, weight.t())  # [M, N] int32, exact
+    return _scaled(torch._int_mm(q, weight.t()), s, weight_scale, bias, x.dtype).view(
+        *x.shape[:-1], n
+    )
+
+
+def _scaled(
+    acc: torch.Tensor,
+    s: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """acc [M, N] int32 -> acc * s[:, None] * weight_scale (+ bias), in dtype."""
     lib = _load()
-    m = x2.shape[0]
-    if lib is None or x.dtype not in _SUFFIX or (bias is not None and bias.dtype != x.dtype):
+    m, n = acc.shape
+    if lib is None or dtype not in _SUFFIX or (bias is not None and bias.dtype != dtype):
         y = acc.float() * s[:, None] * weight_scale
-        y = (y if bias is None else y + bias.float()).to(x.dtype)
+        return (y if bias is None else y + bias.float()).to(dtype)
+    y = torch.empty(m, n, dtype=dtype)
+    b = None if bias is None else bias.contiguous()  # kept alive across the call
+    getattr(lib, f"dequant_{_SUFFIX[dtype]}")(
+        acc.data_ptr(), m, n, s.data_ptr(), weight_scale.data_ptr(),
+        None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def mlp_w8a8(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """down(silu(gate) * up) with [gate | up] = gate_up(x), both layers w8a8 (int8 weight,
+    weight_scale, optional bias; down unsharded): two int8 GEMMs with one C pass between
+    them (scales, SiLU, product, and the int8 rows down_proj needs), where the layer by layer
+    path takes four passes over the activations and rounds them to x's dtype twice."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    q, s = quantize_rows(x2)
+    acc = torch._int_mm(q, gate_up.weight.t())  # [M, 2I]
+    m, i = acc.shape[0], acc.shape[1] // 2
+    lib = _load()
+    bias = gate_up.bias
+    if lib is None or x.dtype not in _SUFFIX or (bias is not None and bias.dtype != x.dtype):
+        gu = acc.float() * s[:, None] * gate_up.weight_scale
+        if bias is not None:
+            gu = gu + bias.float()
+        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        hq, hs = quantize_rows_reference(h)
     else:
-        y = torch.empty(m, n, dtype=x.dtype)
-        b = None if bias is None else bias.contiguous()  # kept alive across the call
-        getattr(lib, f"dequant_{_SUFFIX[x.dtype]}")(
-            acc.data_ptr(), m, n, s.data_ptr(), weight_scale.data_ptr(),
-            None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        hq = torch.empty(m, i, dtype=torch.int8)
+        hs = torch.empty(m, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        tmp = torch.empty(threads, i, dtype=torch.float32)
+        getattr(lib, f"silu_quant_{_SUFFIX[x.dtype]}")(
+            acc.data_ptr(), m, i, s.data_ptr(), gate_up.weight_scale.data_ptr(),
+            None if bias is None else bias.data_ptr(), hq.data_ptr(), hs.data_ptr(),
+            tmp.data_ptr(), threads,
         )  # fmt: skip
-    return y.view(*x.shape[:-1], n)
+    y = _scaled(torch._int_mm(hq, down.weight.t()), hs, down.weight_scale, down.bias, x.dtype)
+    return y.view(*x.shape[:-1], -1)

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_paged import PagedAttention
+from engine.layers import cpu_gemm, cpu_w8a8
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -64,7 +65,15 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (  # w8a8 above the weight-streaming batch: both GEMMs int8, one C pass between
+            down.quantize_activations
+            and gate_up.quantize_activations
+            and x.numel() > cpu_gemm.ROWS_MAX_M * x.shape[-1]
+            and down.tp_size == 1
+        ):
+            return cpu_w8a8.mlp_w8a8(x, gate_up, down)
+        return down(self.act(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

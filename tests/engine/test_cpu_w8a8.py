@@ -3,6 +3,8 @@ reference, the whole projection against exact integer arithmetic, and the layers
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -98,3 +100,55 @@ def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
     llm.shutdown()
     with pytest.raises(ValueError, match="w8a8"):
         EngineConfig.from_options(quantization="w4a4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, monkeypatch):
+    """mlp_w8a8 (two int8 GEMMs, one C pass for scales + SiLU + product + int8 rows) against
+    the same arithmetic in torch (the fallback without the C library), and against the
+    unquantized float MLP; a LlamaMLP of w8a8 layers takes it above ROWS_MAX_M rows only."""
+    from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from engine.models.llama import LlamaMLP
+
+    torch.manual_seed(3)
+    hidden, inter, m = 64, 96, 40
+    gate_up = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
+    down = RowParallelLinear(inter, hidden, bias=bias)
+    for layer in (gate_up, down):
+        layer.weight.data.normal_(0, 0.1)
+        if bias:
+            layer.bias.data.normal_(0, 0.5)
+    x = torch.randn(m, hidden).to(dtype)
+    gu = torch.nn.functional.linear(x.double(), gate_up.weight.double(), _double(gate_up.bias))
+    exact = torch.nn.functional.linear(
+        torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:],
+        down.weight.double(),
+        _double(down.bias),
+    )
+    for layer in (gate_up, down):
+        layer.bias = None if not bias else torch.nn.Parameter(layer.bias.to(dtype), False)
+        layer.quantize_int8()
+        layer.quantize_activations = True
+    y = cpu_w8a8.mlp_w8a8(x, gate_up, down)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_w8a8, "_load", lambda: None)
+        ref = cpu_w8a8.mlp_w8a8(x, gate_up, down)
+    assert y.dtype == ref.dtype == dtype and y.shape == (m, hidden)
+    scale = exact.abs().max().item()
+    # the same math up to float rounding (an int8 value may flip at a .5 tie)
+    torch.testing.assert_close(y.double(), ref.double(), rtol=0, atol=0.01 * scale)
+    assert (y.double() - exact).abs().max() < 0.05 * scale  # int8 weights and activations
+
+    # the fields LlamaMLP reads
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inter, mlp_bias=bias))
+    mlp.gate_up_proj, mlp.down_proj = gate_up, down
+    calls = []
+    monkeypatch.setattr(cpu_w8a8, "mlp_w8a8", lambda *a: calls.append(a) or y)
+    mlp(x[: cpu_gemm.ROWS_MAX_M])
+    assert not calls
+    assert mlp(x) is y and len(calls) == 1
+
+
+def _double(t):
+    return None if t is None else t.double()

@@ -37,6 +37,17 @@ static inline uint16_t f2bf(float f) {
 }
 static inline float f2f(float x) { return x; }
 """
+# The two divisions of a symmetric int8 quantizer (x -> round(x * (127 / amax)), scale
+# amax / 127), IEEE-exact whatever -ffast-math would rewrite (a reciprocal then a multiply):
+# with them C quantizers store the bytes their torch references do (which must divide the
+# same way: torch's `127.0 / tensor` is itself reciprocal-then-multiply).
+C_INT8_QUANT_HELPERS = r"""
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+__attribute__((noinline)) static float q8_inv(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+__attribute__((noinline)) static float q8_scale(float amax) { return amax / 127.f; }
+#pragma GCC pop_options
+"""
 C_AVX512_HELPERS = r"""
 #if defined(__AVX512F__)
 #include <immintrin.h>

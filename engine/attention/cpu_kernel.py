@@ -16,10 +16,11 @@ import ctypes
 
 import torch
 
-from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, load_library
+from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, C_INT8_QUANT_HELPERS, load_library
 
 _SOURCE = (
     C_BF16_HELPERS
+    + C_INT8_QUANT_HELPERS
     + C_AVX512_HELPERS
     + r"""
 #include <stdint.h>
@@ -261,17 +262,8 @@ static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc
    head is quantized on its own: scale = max|x| / 127, x ~ scale * round(x / scale). The
    decode step reads half the bytes of a bf16 cache. */
 
-/* The quantizer's two divisions, IEEE-exact (no -ffast-math reciprocal rewrites), as in
-   engine.attention.kv_int8.quantize: with them C and torch store the same bytes (the rest,
-   max, multiply and round-to-even, is exact under any flags). */
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
-__attribute__((noinline)) static float kv8_inv(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
-__attribute__((noinline)) static float kv8_scale(float amax) { return amax / 127.f; }
-#pragma GCC pop_options
-
 /* Writes n tokens' K and V rows (k, v: [n][Hkv][D], rows k_stride / v_stride apart) at their
-   slots, quantized. */
+   slots, quantized: the same bytes as engine.attention.kv_int8.quantize (q8_inv, q8_scale). */
 #define DEFINE_KV8_WRITE(NAME, T, LOAD)                                                       \
 void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n,     \
     const T* k, int64_t k_stride, const T* v, int64_t v_stride, int Hkv, int D, int bs) {    \
@@ -285,12 +277,12 @@ void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, in
         const T* x = src + h * D; int8_t* y = dst + h * D;                                   \
         float amax = 0.f;                                                                    \
         for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(x[d])));                   \
-        const float inv = kv8_inv(amax);                                                     \
+        const float inv = q8_inv(amax);                                                     \
         for (int d = 0; d < D; ++d) {  /* |x * inv| <= 127 already; the clamp guards NaN */  \
           const float r = nearbyintf(LOAD(x[d]) * inv);                                      \
           y[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                      \
         }                                                                                    \
-        sc[h * bs] = kv8_scale(amax);                                                        \
+        sc[h * bs] = q8_scale(amax);                                                        \
       }                                                                                      \
     }                                                                                        \
   }                                                                                          \

@@ -28,10 +28,11 @@ import ctypes
 
 import torch
 
-from engine.cpu_build import C_BF16_HELPERS, load_library
+from engine.cpu_build import C_BF16_HELPERS, C_INT8_QUANT_HELPERS, load_library
 
 _SOURCE = (
     C_BF16_HELPERS
+    + C_INT8_QUANT_HELPERS
     + r"""
 #include <stdint.h>
 #include <math.h>
@@ -48,9 +49,8 @@ void NAME(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, in
     float amax = 0.f;                                                                        \
     _Pragma("omp simd reduction(max:amax)")                                                  \
     for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(LOAD(xr[k])));                  \
-    const float scale = amax / 127.f;                                                        \
-    s[m] = scale;                                                                            \
-    const float inv = scale > 0.f ? 127.f / amax : 0.f;                                      \
+    s[m] = q8_scale(amax);                                                                   \
+    const float inv = q8_inv(amax);                                                          \
     _Pragma("omp simd")                                                                      \
     for (int64_t k = 0; k < K; ++k) {                                                        \
       const float v = nearbyintf(LOAD(xr[k]) * inv);                                         \
@@ -104,8 +104,8 @@ void NAME(const int32_t* acc, int64_t M, int64_t I, const float* s, const float*
       _Pragma("omp simd reduction(max:amax)")                                                \
       for (int64_t i = 0; i < I; ++i) SILU_PRODUCT(0.f, 0.f);                                \
     }                                                                                        \
-    qs[m] = amax / 127.f;                                                                    \
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;                                       \
+    qs[m] = q8_scale(amax);                                                                  \
+    const float inv = q8_inv(amax);                                                          \
     int8_t* qr = q + m * I;                                                                  \
     _Pragma("omp simd")                                                                      \
     for (int64_t i = 0; i < I; ++i) {                                                        \
@@ -154,7 +154,8 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """The torch version of quantize_rows (the tests' reference and the fallback)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division, as the C quantizer's q8_inv (python's 127.0 / tensor would not be)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, amax / 127.0
 

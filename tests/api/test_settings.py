@@ -141,12 +141,20 @@ def test_to_engine_config():
             "dummy",
             "--seed",
             "3",
+            "--kv-cache-dtype",
+            "int8",
         ]
     )
     c = to_engine_config(s)
     assert c.model.model == "m" and c.model.dtype == "float32" and c.model.seed == 3
     assert c.model.load_format == "dummy" and c.model.max_model_len == 1024
     assert c.cache.block_size == 32 and c.cache.num_blocks == 100
+    assert c.cache.kv_cache_dtype == "int8"
+    assert to_engine_config(settings(["m"])).cache.kv_cache_dtype == "auto"
+    assert (
+        to_engine_config(settings([], {"TESSERA_KV_CACHE_DTYPE": "int8"})).cache.kv_cache_dtype
+        == "int8"
+    )
     assert c.scheduler.block_size == 32 and c.scheduler.max_model_len == 1024
     assert c.scheduler.max_num_seqs == 8 and c.scheduler.max_num_batched_tokens == 256
     assert c.parallel.tensor_parallel_size == 2

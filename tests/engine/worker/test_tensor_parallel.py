@@ -18,14 +18,17 @@ BLOCK = 8
 PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
 
 
-def _logits(model_dir) -> torch.Tensor:
+def _logits(model_dir, kv_int8: bool = False) -> torch.Tensor:
     model = load_model(model_dir, dtype="float32")
     cfg = model.config
+    from engine.attention.kv_int8 import allocate_scales
     from engine.worker.distributed import get_tp_size
 
     hkv = cfg.num_key_value_heads // get_tp_size()
     for attn in model.attention_layers():
-        attn.kv_cache = torch.zeros(2, 8, BLOCK, hkv, cfg.head_dim)
+        dtype = torch.int8 if kv_int8 else torch.float32
+        attn.kv_cache = torch.zeros(2, 8, BLOCK, hkv, cfg.head_dim, dtype=dtype)
+        attn.kv_scales = allocate_scales(8, BLOCK, hkv, "cpu") if kv_int8 else None
     builder = AttentionMetadataBuilder(BLOCK, hkv, cfg.head_dim, torch.float32)
     with torch.inference_mode():
         meta = builder.build([(0, len(PROMPT), [5, 2])])
@@ -41,7 +44,7 @@ def _worker(rank: int, port: int, model_dirs: list, out_file: str) -> None:
     torch.set_num_threads(1)
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
     try:
-        results = [_logits(d) for d in model_dirs]
+        results = [_logits(d) for d in model_dirs] + [_logits(model_dirs[0], kv_int8=True)]
         if rank == 0:
             torch.save(results, out_file)
     finally:
@@ -61,7 +64,8 @@ def test_tp2_matches_tp1(tiny_llama_dir, tiny_qwen2_dir, make_tiny_model, tmp_pa
         "tiny-llama-odd-vocab", vocab_size=387, attention_bias=True, mlp_bias=True, seed=3
     )
     dirs = [tiny_llama_dir, tiny_qwen2_dir, odd]
-    expected = [_logits(d) for d in dirs]
+    # and an int8 KV cache: each rank quantizes its own heads, each head on its own
+    expected = [_logits(d) for d in dirs] + [_logits(tiny_llama_dir, kv_int8=True)]
     out = tmp_path / "tp2.pt"
     mp.spawn(_worker, args=(_free_port(), dirs, str(out)), nprocs=2, join=True)
     for got, want in zip(torch.load(out), expected, strict=True):

@@ -294,7 +294,9 @@ DEFINE_TILE_DP(tile_dp_i8, int8_t, w32_i8, w32_i8_tail)
    speed: the 4 x 6 tile's six interleaved row streams held one core to ~11 GB/s on a Zen 4,
    against ~25 GB/s for one sequential stream. Here the weight rows are read one after
    another (a single stream the hardware prefetcher follows), each against every row of x,
-   and the lane sums of 16 rows are done together (reduce16). */
+   and the lane sums of 16 rows are done together (reduce16). MC rows of x share each loaded
+   weight vector: 4 for bf16 weights, 8 for int8 ones, whose widening to bf16 costs more than
+   the dot products (the model's int8 GEMMs at 8 rows on one Zen 5 core: 13.0 -> 10.4 ms). */
 #define RN 16          /* weight rows summed together */
 /* The weight stream is also prefetched 16 KB ahead in software: the hardware prefetcher
    ramps up anew for every matrix (a layer's are 0.3-1.8 MB), and the prefetch runs on past
@@ -302,16 +304,16 @@ DEFINE_TILE_DP(tile_dp_i8, int8_t, w32_i8, w32_i8_tail)
    GEMMs at 1 row on one Zen 5 core: int8 5.2 -> 4.5 ms (25 -> 30 GB/s), bf16 at 8 rows
    14.4 -> 11.5 ms; 4-16 KB ahead into L2 (T1) gained less, 1-2 KB lost. */
 #define PF_BYTES 16384
-#define DEFINE_ROWS_DP(NAME, TW, LOADW, LOADW_TAIL)                                           \
+#define DEFINE_ROWS_DP(NAME, TW, LOADW, LOADW_TAIL, MC)                                       \
 static inline __attribute__((always_inline)) void NAME(const uint16_t* x, int64_t ldx,       \
     const TW* w, int64_t K, const int mr, const int nr, float out[ROWS_MAX_M][RN]) {         \
   __m512 acc[ROWS_MAX_M][RN];                                                                \
   for (int j = 0; j < nr; ++j) {                                                             \
     const TW* wr = w + j * K;                                                                \
-    for (int m0 = 0; m0 < mr; m0 += 4) {  /* 4 rows of x at a time; the row stays in L1 */   \
-      const int mc = mr - m0 < 4 ? mr - m0 : 4;                                              \
+    for (int m0 = 0; m0 < mr; m0 += MC) {  /* MC rows of x at a time; the row stays in L1 */ \
+      const int mc = mr - m0 < MC ? mr - m0 : MC;                                            \
       const uint16_t* xm = x + m0 * ldx;                                                     \
-      __m512 a[4];                                                                           \
+      __m512 a[MC];                                                                          \
       for (int i = 0; i < mc; ++i) a[i] = _mm512_setzero_ps();                               \
       int64_t k = 0;                                                                         \
       for (; k + 32 <= K; k += 32) {                                                         \
@@ -334,8 +336,8 @@ static inline __attribute__((always_inline)) void NAME(const uint16_t* x, int64_
     _mm512_storeu_ps(out[i], reduce16(acc[i]));                                              \
   }                                                                                          \
 }
-DEFINE_ROWS_DP(rows_dp_bf16, uint16_t, w32_bf16, w32_bf16_tail)
-DEFINE_ROWS_DP(rows_dp_i8, int8_t, w32_i8, w32_i8_tail)
+DEFINE_ROWS_DP(rows_dp_bf16, uint16_t, w32_bf16, w32_bf16_tail, 4)
+DEFINE_ROWS_DP(rows_dp_i8, int8_t, w32_i8, w32_i8_tail, 8)
 
 #define WIDEN_MIN_M 16  /* int8 from this many rows: widen each block to bf16 once, not per tile */
 static __thread scratch_t wbuf;

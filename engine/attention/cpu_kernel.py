@@ -31,6 +31,18 @@ _SOURCE = (
 
 #define PREFETCH_BLOCK(p, bytes) do { const char* _c = (const char*)(p); \
   for (int64_t _o = 0; _o < (bytes); _o += 64) __builtin_prefetch(_c + _o, 0, 1); } while (0)
+/* Each row r of s [H][L] becomes softmax(row) (plain loops; softmax512 below is the
+   AVX-512 one). */
+static inline void softmax_rows(float* s, int H, int64_t L) {
+  for (int r = 0; r < H; ++r) {
+    float* sr = s + r * L; float m = -INFINITY, sum = 0.f;
+    for (int64_t l = 0; l < L; ++l) m = sr[l] > m ? sr[l] : m;
+    for (int64_t l = 0; l < L; ++l) { float e = expf(sr[l] - m); sr[l] = e; sum += e; }
+    const float inv = 1.f / sum;
+    for (int64_t l = 0; l < L; ++l) sr[l] *= inv;
+  }
+}
+
 /* One sequence: q [H][D] -> out [H][D] over its L cached tokens, block by block.
    Pass 1: scores s[r][l] = q_r . k_l (all Hkv heads of a token are one contiguous row);
    softmax per row; pass 2: each row's accumulator stays in registers over a float V tile.
@@ -66,13 +78,7 @@ static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const floa
         }                                                                                    \
     }                                                                                        \
   }                                                                                          \
-  for (int r = 0; r < H; ++r) {                                                              \
-    float* sr = s + r * L; float m = -INFINITY, sum = 0.f;                                   \
-    for (int64_t l = 0; l < L; ++l) m = sr[l] > m ? sr[l] : m;                               \
-    for (int64_t l = 0; l < L; ++l) { float e = expf(sr[l] - m); sr[l] = e; sum += e; }      \
-    const float inv = 1.f / sum;                                                             \
-    for (int64_t l = 0; l < L; ++l) sr[l] *= inv;                                            \
-  }                                                                                          \
+  softmax_rows(s, H, L);                                                                     \
   memset(acc, 0, sizeof(float) * H * D);                                                     \
   for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
     const int64_t l0 = bi * bs;                                                              \
@@ -313,13 +319,7 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
         s[r * L + l0 + j] = dot * ksb[h * bs + j];                                           \
       }                                                                                      \
   }                                                                                          \
-  for (int r = 0; r < H; ++r) {                                                              \
-    float* sr = s + r * L; float m = -INFINITY, sum = 0.f;                                   \
-    for (int64_t l = 0; l < L; ++l) m = sr[l] > m ? sr[l] : m;                               \
-    for (int64_t l = 0; l < L; ++l) { float e = expf(sr[l] - m); sr[l] = e; sum += e; }      \
-    const float inv = 1.f / sum;                                                             \
-    for (int64_t l = 0; l < L; ++l) sr[l] *= inv;                                            \
-  }                                                                                          \
+  softmax_rows(s, H, L);                                                                     \
   memset(acc, 0, sizeof(float) * H * D);                                                     \
   for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
     const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs;                               \
@@ -565,7 +565,7 @@ def write_kv_int8(
     v: torch.Tensor,
 ) -> None:
     """Quantize k/v [T, Hkv, D] (rows may be strided, heads contiguous) into the int8 cache at
-    their slots: the C version of engine.attention.kv_int8.write_torch."""
+    their slots: the C version of engine.attention.kv_int8.write."""
     lib = load_kernel()
     assert lib is not None, "the CPU attention kernel is unavailable (see kernel_supports)"
     t, hkv, d = k.shape

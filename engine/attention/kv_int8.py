@@ -42,24 +42,18 @@ def write(
     slot_mapping: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    use_kernel: bool | None = None,
 ) -> None:
-    """Store k/v [T, Hkv, D] at their flat slots, quantized (in C where the kernel runs)."""
+    """Store k/v [T, Hkv, D] at their flat slots, quantized. use_kernel: None = the C writer
+    where the kernel runs (it stores the same bytes); False = torch (the tests' reference)."""
     _, hkv, d = k.shape
-    rows = all(x.stride(2) == 1 and x.stride(1) == d for x in (k, v))  # heads contiguous
-    if rows and cpu_kernel.kernel_supports(k.dtype, k.device, hkv, d):
+    if use_kernel is None:
+        rows = all(x.stride(2) == 1 and x.stride(1) == d for x in (k, v))  # heads contiguous
+        use_kernel = rows and cpu_kernel.kernel_supports(k.dtype, k.device, hkv, d)
+    if use_kernel:
         cpu_kernel.write_kv_int8(cache[0], cache[1], scales[0], scales[1], slot_mapping, k, v)
-    else:
-        write_torch(cache, scales, slot_mapping, k, v)
-
-
-def write_torch(
-    cache: torch.Tensor,
-    scales: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    _, _, bs, hkv, d = cache.shape
+        return
+    bs = cache.shape[2]
     flat = cache.view(2, -1, hkv, d)
     block, offset = slot_mapping // bs, slot_mapping % bs
     for i, x in enumerate((k, v)):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from attention_testing import mixed_step
 
 from engine.attention import cpu_kernel, metadata
 from engine.attention.metadata import AttentionMetadataBuilder
@@ -38,16 +39,8 @@ def test_kernel_matches_torch_path(
     monkeypatch.setattr(metadata, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
-    rng = random.Random(0)
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    # Decodes sorted by context, then prefill chunks: positions 10-16 of a prompt whose first
-    # 10 tokens are cached, and a fresh 23-token prompt.
-    ctx = sorted(rng.randint(1, 150) for _ in range(13))
-    seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in ctx]
-    seqs.append((10, 7, [free.pop() for _ in range(-(-17 // bs))]))
-    seqs.append((0, 23, [free.pop() for _ in range(-(-23 // bs))]))
-    t = len(ctx) + 7 + 23
+    seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)
+    t = shared_rows + 23
     cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim).to(dtype)
     q = torch.randn(t, heads, head_dim).to(dtype)
     k = torch.randn(t, kv_heads, head_dim).to(dtype)
@@ -62,7 +55,7 @@ def test_kernel_matches_torch_path(
         meta = builder.build(seqs)
         assert (meta.kernel_decode is not None) == use_kernel
         if use_kernel:  # the kernel's rows: decodes, then the chunks within the limit
-            kernel_rows = len(ctx) + 7 + (23 if prefill_limit >= 23 else 0)
+            kernel_rows = shared_rows + (23 if prefill_limit >= 23 else 0)
             assert meta.kernel_decode.num_rows == kernel_rows
             assert len(meta.prefills) == (0 if prefill_limit >= 23 else 1)
         with torch.inference_mode():

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from attention_testing import mixed_step
 
 from engine.attention import cpu_kernel, kv_int8, metadata
 from engine.attention.metadata import AttentionMetadataBuilder
@@ -50,7 +51,7 @@ def test_c_writer_stores_the_torch_bytes(dtype, head_dim):
     ref_cache = torch.zeros(2, nb, bs, hkv, d, dtype=torch.int8)
     ref_scales = kv_int8.allocate_scales(nb, bs, hkv, "cpu")
     cache, scales = ref_cache.clone(), ref_scales.clone()
-    kv_int8.write_torch(ref_cache, ref_scales, slots, k, v)
+    kv_int8.write(ref_cache, ref_scales, slots, k, v, use_kernel=False)
     kv_int8.write(cache, scales, slots, k, v)  # the C writer on this machine
     assert torch.equal(cache, ref_cache)
     assert torch.equal(scales, ref_scales)
@@ -60,17 +61,6 @@ def test_c_writer_stores_the_torch_bytes(dtype, head_dim):
     ).view(2, -1, hkv, d)
     assert torch.allclose(deq[0][slots], k.float(), atol=k.float().abs().max() / 254 * 1.01)
     assert torch.allclose(deq[1][slots], v.float(), atol=v.float().abs().max() / 254 * 1.01)
-
-
-def _mixed_step(rng, bs, num_blocks):
-    """Decodes sorted by context, a chunk with a 10-token cached prefix, a fresh prompt."""
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    ctx = sorted(rng.randint(1, 150) for _ in range(13))
-    seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in ctx]
-    seqs.append((10, 7, [free.pop() for _ in range(-(-17 // bs))]))
-    seqs.append((0, 23, [free.pop() for _ in range(-(-23 // bs))]))
-    return seqs, len(ctx) + 7  # rows before the fresh prompt
 
 
 def _attend(cache, scales, q, k, v, seqs, heads, use_kernel):
@@ -110,7 +100,7 @@ def test_kernel_matches_torch_path_on_the_int8_cache(
     monkeypatch.setattr(metadata, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
-    seqs, shared_rows = _mixed_step(random.Random(0), bs, num_blocks)
+    seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)
     t = shared_rows + 23
     cache, scales = kv_int8.quantize(torch.randn(2, num_blocks, bs, kv_heads, head_dim))
     scales = scales.transpose(2, 3).contiguous()  # [2, blocks, kv_heads, bs]
@@ -134,7 +124,7 @@ def test_int8_cache_costs_little_accuracy_and_the_kernel_adds_none():
     _kernel_or_skip(dtype, kv_heads, d)
     torch.manual_seed(0)
     num_blocks = 200
-    seqs, rows = _mixed_step(random.Random(0), bs, num_blocks)
+    seqs, rows = mixed_step(random.Random(0), bs, num_blocks)
     seqs = seqs[:-1]  # decodes and the cached-prefix chunk: every row reads the cache
     exact_cache = torch.randn(2, num_blocks, bs, kv_heads, d)
     exact_cache[0] *= 3

@@ -1,0 +1,21 @@
+"""Shared by the attention kernel tests: the mixed step they all run."""
+
+from __future__ import annotations
+
+import random
+
+
+def mixed_step(
+    rng: random.Random, block_size: int, num_blocks: int
+) -> tuple[list[tuple[int, int, list[int]]], int]:
+    """(seqs for AttentionMetadataBuilder.build, rows before the fresh prompt): 13 decodes
+    sorted by context (1-150 tokens), then prefill chunks: positions 10-16 of a prompt whose
+    first 10 tokens are cached, and a fresh 23-token prompt; blocks scattered over the cache."""
+    bs = block_size
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    ctx = sorted(rng.randint(1, 150) for _ in range(13))
+    seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in ctx]
+    seqs.append((10, 7, [free.pop() for _ in range(-(-17 // bs))]))
+    seqs.append((0, 23, [free.pop() for _ in range(-(-23 // bs))]))
+    return seqs, len(ctx) + 7

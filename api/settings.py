@@ -145,7 +145,7 @@ class Settings:
     quantization: str | None = _flag(
         "Weight quantization: int8 = weight-only int8 with a scale per row (CPU; half the "
         "bytes of bf16 per decode step, at some accuracy cost); w8a8 = the same weights and "
-        "int8 activations above 8 rows (the CPU's int8 dot products: more throughput under "
+        "int8 activations from 13 rows (the CPU's int8 dot products: more throughput under "
         "load, at about the accuracy of a 4-bit GGUF). Default: none.",
         None,
         choices=("int8", "w8a8"),

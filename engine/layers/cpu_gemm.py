@@ -36,6 +36,11 @@ from engine.layers import cpu_w8a8
 
 # Batches of up to this many rows stream the weights row by row (DEFINE_ROWS_DP).
 ROWS_MAX_M = 8
+# w8a8 layers quantize their activations from this many rows. Below it int8 weights alone
+# are faster: oneDNN's _int_mm is slow at small M (the model's GEMMs on one Zen 5 core at
+# 9 / 12 / 13 / 16 rows: 18.0 / 19.0 / 19.5 / 20.1 ms, the weight-only kernel 14.5 / 15.8 /
+# 20.8 / 27.6) and the weight-only path is the more accurate one.
+W8A8_MIN_ROWS = 13
 
 _SOURCE = (
     C_BF16_HELPERS
@@ -641,7 +646,7 @@ class UsesCpuGemm:
     kernel where it is faster than torch's, decided once, on the loaded weight."""
 
     cpu_gemm_max_rows: int | None = None
-    quantize_activations = False  # int8 weights: int8 activations too above ROWS_MAX_M rows
+    quantize_activations = False  # int8 weights: int8 activations too from W8A8_MIN_ROWS rows
 
     def project(
         self,
@@ -651,7 +656,7 @@ class UsesCpuGemm:
         weight_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if weight_scale is not None:  # int8 rows exist only for this kernel
-            if self.quantize_activations and x.numel() > ROWS_MAX_M * x.shape[-1]:
+            if self.quantize_activations and x.numel() >= W8A8_MIN_ROWS * x.shape[-1]:
                 return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale)
             return linear(x, weight, bias, weight_scale)
         if self.cpu_gemm_max_rows is None:

@@ -10,9 +10,9 @@ q[m] = round(x[m] / s[m]); then y[m][n] = s[m] * w_scale[n] * (q[m] . w_q[n]) (+
 dot products exact in int32. This costs accuracy that weight-only int8 does not: on
 SmolLM2-135M-Instruct over 1,024 tokens of English, the mean KL divergence from the bf16
 model's next-token distribution is 0.049 (weight-only int8: 0.007), about the loss of the
-Q4_1 file llama.cpp serves (0.051, simulated the same way). Small batches (at most
-cpu_gemm's ROWS_MAX_M rows) keep the weight-only kernel: they are bound by reading the
-weights, which are the same int8 rows.
+Q4_1 file llama.cpp serves (0.051, simulated the same way). Small batches (fewer than
+cpu_gemm.W8A8_MIN_ROWS rows) keep the weight-only kernel: they are bound by reading the
+weights, which are the same int8 rows, and _int_mm is slower there.
 
 Two small C loops around torch._int_mm: quantizing the rows and the scaled epilogue (each
 one pass, where the torch ops would be several). The MLP (mlp_w8a8) goes further: between

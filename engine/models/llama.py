@@ -66,10 +66,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        if (  # w8a8 above the weight-streaming batch: both GEMMs int8, one C pass between
+        if (  # w8a8 from W8A8_MIN_ROWS rows: both GEMMs int8, one C pass between
             down.quantize_activations
             and gate_up.quantize_activations
-            and x.numel() > cpu_gemm.ROWS_MAX_M * x.shape[-1]
+            and x.numel() >= cpu_gemm.W8A8_MIN_ROWS * x.shape[-1]
             and down.tp_size == 1
         ):
             return cpu_w8a8.mlp_w8a8(x, gate_up, down)

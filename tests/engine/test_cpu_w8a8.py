@@ -55,9 +55,9 @@ def test_linear_w8a8_is_exact_integer_math_then_the_scales(m, n, k, dtype, bias)
     )
 
 
-def test_layers_quantize_activations_only_above_the_streaming_batch(tiny_llama_dir):
-    """w8a8 layers: up to ROWS_MAX_M rows the weight-only kernel (activations untouched),
-    above it int8 activations; int8 layers never quantize activations."""
+def test_layers_quantize_activations_only_from_w8a8_min_rows(tiny_llama_dir):
+    """w8a8 layers: below W8A8_MIN_ROWS rows the weight-only kernel (activations
+    untouched), from it int8 activations; int8 layers never quantize activations."""
     from engine.layers.linear import ReplicatedLinear
 
     torch.manual_seed(2)
@@ -66,7 +66,8 @@ def test_layers_quantize_activations_only_above_the_streaming_batch(tiny_llama_d
     layer.bias.data.normal_()
     layer.quantize_int8()
     w, ws = layer.weight, layer.weight_scale
-    for rows, quantized in ((1, False), (cpu_gemm.ROWS_MAX_M, False), (9, True), (64, True)):
+    first = cpu_gemm.W8A8_MIN_ROWS
+    for rows, quantized in ((1, False), (first - 1, False), (first, True), (64, True)):
         x = torch.randn(rows, 64)
         layer.quantize_activations = False
         assert torch.equal(layer(x), cpu_gemm.linear(x, w, layer.bias, ws))
@@ -90,7 +91,7 @@ def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
     assert layers and all(m.quantize_activations and m.weight.dtype == torch.int8 for m in layers)
     assert model.lm_head.quantize_activations
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
-    prompts = [list(range(5, 5 + n)) for n in (3, 20, 33)]  # prefills above and below 8 rows
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 33)]  # prefills below and above W8A8_MIN_ROWS rows
     first = llm.generate(prompts, params, use_tqdm=False)
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in first] == [6, 6, 6]
@@ -105,7 +106,7 @@ def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
 def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, monkeypatch):
     """mlp_w8a8 (two int8 GEMMs, one C pass for scales + SiLU + product + int8 rows) against
     the same arithmetic in torch (the fallback without the C library), and against the
-    unquantized float MLP; a LlamaMLP of w8a8 layers takes it above ROWS_MAX_M rows only."""
+    unquantized float MLP; a LlamaMLP of w8a8 layers takes it from W8A8_MIN_ROWS rows only."""
     from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
     from engine.models.llama import LlamaMLP
 
@@ -143,7 +144,7 @@ def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, mo
     mlp.gate_up_proj, mlp.down_proj = gate_up, down
     calls = []
     monkeypatch.setattr(cpu_w8a8, "mlp_w8a8", lambda *a: calls.append(a) or y)
-    mlp(x[: cpu_gemm.ROWS_MAX_M])
+    mlp(x[: cpu_gemm.W8A8_MIN_ROWS - 1])
     assert not calls
     assert mlp(x) is y and len(calls) == 1
 

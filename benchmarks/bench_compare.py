@@ -8,6 +8,8 @@ requests in flight), the same prompts for both servers. Tessera: one `tessera se
 none` on loopback for all levels, with --num-threads THREADS. llama.cpp (xllamacpp): one
 server per level with C parallel slots and THREADS threads (slots = concurrency). Prints a
 markdown table: output tokens/s of both and their ratio, TTFT, TPOT and ITL medians.
+--tessera-args may be given several times: each is one Tessera configuration (its own
+server, one after another), all measured against the same llama.cpp run, one table each.
 Both servers run on 127.0.0.1 only and are always stopped, also on errors and Ctrl-C.
 Run it on a quiet machine: both servers and the client share the CPUs with everything else.
 """
@@ -36,7 +38,6 @@ from benchmarks.llamacpp_server import LlamaCppServer, default_gguf, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("tessera", "llamacpp")
-_TITLES = {"tessera": "Tessera", "llamacpp": "llama.cpp"}
 
 
 def default_num_prompts(concurrency: int) -> int:
@@ -210,24 +211,28 @@ def _banner(text: str) -> None:
     print(f"\n### {text}", flush=True)
 
 
-def run_tessera(args: argparse.Namespace, model: str, results: dict) -> None:
+def run_tessera(
+    args: argparse.Namespace, model: str, extra_args: str, levels: dict, errors: dict
+) -> None:
+    """One Tessera configuration (`tessera serve` + extra_args) at every level into levels."""
     server = TesseraServer(
         model,
         threads=args.threads,
         max_num_seqs=max(args.concurrency),
-        extra_args=shlex.split(args.tessera_args),
+        extra_args=shlex.split(extra_args),
         startup_timeout=args.startup_timeout,
     )
+    label = f"Tessera {extra_args}".strip()
     try:
         url = server.start()
     except RuntimeError as e:
-        results["server_errors"]["tessera"] = f"{e}\n{server.log_tail()}"
+        errors[label] = f"{e}\n{server.log_tail()}"
         print(f"bench compare: {e}\n{server.log_tail()}", file=sys.stderr)
         return
     try:
         for i, c in enumerate(args.concurrency):
-            _banner(f"Tessera, concurrency {c}")
-            results["tessera"][c] = run_level(url, args, c, args.seed + i)
+            _banner(f"{label}, concurrency {c}")
+            levels[c] = run_level(url, args, c, args.seed + i)
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"bench compare: Tessera exited:\n{server.log_tail()}", file=sys.stderr)
                 break
@@ -266,10 +271,13 @@ def _num(s: dict | None, key: str, fmt: str = "{:.1f}") -> str:
     return "nan" if value != value else fmt.format(value)
 
 
-def table_rows(results: dict, concurrency: list[int]) -> list[dict]:
+def table_rows(results: dict, concurrency: list[int], tessera: dict | None = None) -> list[dict]:
+    """One row per level: Tessera (results["tessera"], or the given levels of another
+    configuration) against llama.cpp."""
+    tessera = results["tessera"] if tessera is None else tessera
     rows = []
     for c in concurrency:
-        t, ll = results["tessera"].get(c), results["llamacpp"].get(c)
+        t, ll = tessera.get(c), results["llamacpp"].get(c)
         row = {"concurrency": c, "tessera": t, "llamacpp": ll, "ratio": None}
         ok = all(s and "error" not in s and s.get("output_throughput") for s in (t, ll))
         if ok:
@@ -298,6 +306,19 @@ def format_table(rows: list[dict]) -> str:
             f"| {pair([_num(t, 'failed', '{}'), _num(ll, 'failed', '{}')])} |"
         )
     return "\n".join(lines)
+
+
+def table_json(rows: list[dict]) -> list[dict]:
+    """The table's figures, flat, for the JSON report."""
+    keys = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms", "failed")
+    return [
+        {
+            "concurrency": r["concurrency"],
+            "ratio": r["ratio"],
+            **{f"{name}_{key}": (r[name] or {}).get(key) for name in SERVERS for key in keys},
+        }
+        for r in rows
+    ]
 
 
 def machine_info(threads: int) -> dict:
@@ -336,7 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="threads of each server")
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument(
-        "--tessera-args", default="", help='extra `tessera serve` flags, e.g. "--dtype float32"'
+        "--tessera-args",
+        action="append",
+        default=None,
+        help='extra `tessera serve` flags, e.g. "--dtype float32"; give it several times to '
+        "compare several configurations against one llama.cpp run",
     )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -377,10 +402,15 @@ def main(argv: list[str] | None = None) -> dict:
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "machine": machine,
-        "tessera": {},  # concurrency -> bench_serve's summary (or {"error": ...})
+        # One entry per --tessera-args: its levels, concurrency -> bench_serve's summary (or
+        # {"error": ...}); "tessera" and "table" are the first configuration's.
+        "tessera_configs": [
+            {"tessera_args": extra, "levels": {}} for extra in (args.tessera_args or [""])
+        ],
         "llamacpp": {},
         "server_errors": {},
     }
+    results["tessera"] = results["tessera_configs"][0]["levels"]
     print("bench compare: run it on a quiet machine; other load skews both servers.")
     load, cpus = machine["load_avg_1m"], machine["usable_cpus"]
     if load and cpus and load > 0.25 * cpus:
@@ -391,32 +421,23 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         with sigterm_as_interrupt():
             if "tessera" in args.servers:
-                run_tessera(args, tessera_model, results)
+                for config in results["tessera_configs"]:
+                    run_tessera(
+                        args,
+                        tessera_model,
+                        config["tessera_args"],
+                        config["levels"],
+                        results["server_errors"],
+                    )
             if "llamacpp" in args.servers:
                 run_llamacpp(args, gguf, results)
     except KeyboardInterrupt:
         print("\nbench compare: interrupted; the servers are stopped", file=sys.stderr)
         raise SystemExit(130) from None
 
-    rows = table_rows(results, args.concurrency)
-    results["table"] = [
-        {
-            "concurrency": r["concurrency"],
-            "ratio": r["ratio"],
-            **{
-                f"{name}_{key}": (r[name] or {}).get(key)
-                for name in SERVERS
-                for key in (
-                    "output_throughput",
-                    "median_ttft_ms",
-                    "median_tpot_ms",
-                    "median_itl_ms",
-                    "failed",
-                )
-            },
-        }
-        for r in rows
-    ]
+    for config in results["tessera_configs"]:
+        config["table"] = table_json(table_rows(results, args.concurrency, config["levels"]))
+    results["table"] = results["tessera_configs"][0]["table"]
     m = machine
     print(
         f"\n## Tessera vs llama.cpp: {Path(gguf).name}, {args.random_input_len} words in, "
@@ -426,11 +447,18 @@ def main(argv: list[str] | None = None) -> dict:
         f"{m['date']}, {m['platform']}, {m['usable_cpus']}/{m['cpu_count']} CPUs, "
         f"load {m['load_avg_1m']} at start; llama.cpp slots = concurrency\n"
     )
-    print(format_table(rows))
+    several = len(results["tessera_configs"]) > 1
+    for config in results["tessera_configs"]:
+        if several:
+            print(f"\n### Tessera {config['tessera_args'] or '(its defaults)'}\n")
+        print(format_table(table_rows(results, args.concurrency, config["levels"])))
+    runs = [
+        (f"Tessera {c['tessera_args']}".strip(), c["levels"]) for c in results["tessera_configs"]
+    ]
     inexact = [
-        f"{_TITLES[name]} at {c}"
-        for name in SERVERS
-        for c, s in results[name].items()
+        f"{name} at {c}"
+        for name, levels in (*runs, ("llama.cpp", results["llamacpp"]))
+        for c, s in levels.items()
         if s.get("exact_output_len") is False
     ]
     if inexact:

@@ -1,5 +1,6 @@
 """`tessera bench compare`: the report, argument checks, and a tiny side-by-side run of both
-servers on the default model (both stopped afterwards, no child process left)."""
+servers on the default model, two Tessera configurations against one llama.cpp run (every
+server stopped afterwards, no child process left)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ def test_table_ratio_and_errors():
     assert lines[2].endswith("| 0 / 1 |")
     assert "| 900.0 | error | - |" in lines[3]
     assert lines[4].startswith("| 32 | - | - | - | - |")
+    # another Tessera configuration against the same llama.cpp results
+    other = table_rows(results, [1], {1: _summary(450.0, 25.0)})
+    assert (
+        other[0]["ratio"] == pytest.approx(3.0) and other[0]["llamacpp"] is results["llamacpp"][1]
+    )
 
 
 def test_model_must_be_a_gguf_file(tmp_path, capsys):
@@ -58,16 +64,22 @@ def test_tiny_side_by_side_run(tmp_path):
     out = tmp_path / "compare.json"
     result = bench_compare.main(
         ["--concurrency", "1", "2", "--num-prompts", "4", "--random-input-len", "16",
-         "--random-output-len", "16", "--json", str(out)]
+         "--random-output-len", "16", "--json", str(out),
+         "--tessera-args", "", "--tessera-args", "--kv-cache-dtype int8"]
     )  # fmt: skip
     assert out.is_file()
-    for name in ("tessera", "llamacpp"):
+    configs = result["tessera_configs"]
+    assert [c["tessera_args"] for c in configs] == ["", "--kv-cache-dtype int8"]
+    assert result["tessera"] is configs[0]["levels"] and result["table"] is configs[0]["table"]
+    for levels in (configs[0]["levels"], configs[1]["levels"], result["llamacpp"]):
         for c in (1, 2):
-            s = result[name][c]
+            s = levels[c]
             assert "error" not in s, s
             assert s["completed"] == 4 and s["failed"] == 0
             assert s["total_output_tokens"] == 4 * 16 and s["exact_output_len"]
             assert s["max_concurrency"] == c
-    assert [row["concurrency"] for row in result["table"]] == [1, 2]
-    assert all(row["ratio"] > 0 for row in result["table"])
+    for config in configs:
+        assert [row["concurrency"] for row in config["table"]] == [1, 2]
+        assert all(row["ratio"] > 0 for row in config["table"])
+    assert not result["server_errors"]
     assert psutil.Process().children(recursive=True) == []  # both servers were stopped

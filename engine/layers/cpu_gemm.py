@@ -32,7 +32,7 @@ import sys
 import torch
 
 from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, cpu_flags, load_library
-from engine.layers import cpu_w8a8
+from engine.layers import cpu_w4, cpu_w8a8
 
 # Batches of up to this many rows stream the weights row by row (DEFINE_ROWS_DP).
 ROWS_MAX_M = 8
@@ -647,6 +647,7 @@ class UsesCpuGemm:
 
     cpu_gemm_max_rows: int | None = None
     quantize_activations = False  # int8 weights: int8 activations too from W8A8_MIN_ROWS rows
+    w4: torch.Tensor | None = None  # a 4-bit copy of the weight for 1-2 rows (cpu_w4)
 
     def project(
         self,
@@ -655,6 +656,10 @@ class UsesCpuGemm:
         bias: torch.Tensor | None = None,
         weight_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.w4 is not None and x.numel() <= cpu_w4.MAX_ROWS * x.shape[-1]:
+            y = cpu_w4.linear(x, self.w4, bias)
+            if y is not None:
+                return y
         if weight_scale is not None:  # int8 rows exist only for this kernel
             if self.quantize_activations and x.numel() >= W8A8_MIN_ROWS * x.shape[-1]:
                 return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale)

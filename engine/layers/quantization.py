@@ -15,6 +15,10 @@ This is not lossless like the default path: outputs can differ from the unquanti
 `w8a8` keeps these weights and also quantizes the activations of batches above a few rows to
 int8, one scale per row, for the CPU's int8 dot products: twice the GEMM throughput where
 compute bounds a step, at a further cost in accuracy (engine.layers.cpu_w8a8 has both).
+
+`w4a8` is w8a8 plus a second, 4-bit copy of each linear layer's weight (groups of 32 with a
+scale and a minimum, engine.layers.cpu_w4) that steps of one or two rows read instead: 0.625
+bytes a weight where one stream's decode is bound by reading them. The LM head stays int8.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_gemm
+from engine.layers import cpu_gemm, cpu_w4
 
-METHODS = ("int8", "w8a8")
+METHODS = ("int8", "w8a8", "w4a8")
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,10 +59,18 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
             f"--quantization {method} needs the compiled CPU kernels (a C compiler on the machine, "
             f"TESSERA_CPU_KERNELS not 0) and a bfloat16 or float32 model; got {dtype}"
         )
+    if method == "w4a8" and not (dtype == torch.bfloat16 and cpu_w4.available()):
+        raise ValueError(
+            "--quantization w4a8 needs a bfloat16 model and a CPU with AVX512-VNNI (its 4-bit "
+            "kernel); use w8a8 here"
+        )
     count = 0
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
+            four_bit = method == "w4a8" and isinstance(module, LinearBase)
+            if four_bit and module.weight.shape[1] % 64 == 0:  # the 4-bit kernel's K
+                module.w4 = cpu_w4.quantize_groups(module.weight.data)
             module.quantize_int8()
-            module.quantize_activations = method == "w8a8"
+            module.quantize_activations = method in ("w8a8", "w4a8")
             count += 1
     return count

@@ -91,7 +91,9 @@ def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
     assert layers and all(m.quantize_activations and m.weight.dtype == torch.int8 for m in layers)
     assert model.lm_head.quantize_activations
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
-    prompts = [list(range(5, 5 + n)) for n in (3, 20, 33)]  # prefills below and above W8A8_MIN_ROWS rows
+    prompts = [
+        list(range(5, 5 + n)) for n in (3, 20, 33)
+    ]  # prefills below and above W8A8_MIN_ROWS rows
     first = llm.generate(prompts, params, use_tqdm=False)
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in first] == [6, 6, 6]

@@ -1,0 +1,101 @@
+"""4-bit weight groups (engine.layers.cpu_w4): the format, the kernel against F.linear on the
+dequantized weight, the layers' routing by batch size, and the engine with w4a8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import cpu_gemm, cpu_w4
+
+
+def _require_kernel():
+    if not cpu_w4.available():
+        pytest.skip("the 4-bit kernel needs a C compiler and AVX512-VNNI")
+
+
+def test_groups_round_trip():
+    torch.manual_seed(0)
+    w = torch.randn(20, 128) * torch.logspace(-3, 0, 20)[:, None]
+    w[3, :32] = 0.25  # a constant group: scale 0, every code 0, exact
+    w[4, 40] = 5.0  # an outlier widens its own group only
+    q4 = cpu_w4.quantize_groups(w)
+    assert q4.dtype == torch.uint8 and q4.shape == (20, 128 // 2 + 128 // 8)
+    assert cpu_w4.in_features(q4) == 128
+    back = cpu_w4.dequantize(q4)
+    g = w.view(20, 4, 32)
+    step = (g.amax(-1) - g.amin(-1)) / 15  # per group
+    err = (back - w).view(20, 4, 32).abs().amax(-1)
+    assert (err <= step / 2 + 2e-3 * g.abs().amax(-1)).all()  # half a step (+ float16 scales)
+    assert torch.equal(back[3, :32], w[3, :32])
+    assert err[4, 0] < 1e-3 and err[4, 1] > 1e-3  # the outlier's group pays, its neighbour not
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_w4.quantize_groups(torch.randn(4, 96))
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 70, 576), (2, 130, 1536), (1, 3, 64), (2, 65, 1088)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
+    """Up to the bf16 output's rounding and x's int16 quantization (one scale per row)."""
+    _require_kernel()
+    torch.manual_seed(m * 1000 + n + k)
+    q4 = cpu_w4.quantize_groups(torch.randn(n, k) * 0.05)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    y = cpu_w4.linear(x, q4, b)
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = torch.nn.functional.linear(
+        x.double(), cpu_w4.dequantize(q4).double(), None if b is None else b.double()
+    )
+    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    # 3-D input, and the calls the kernel does not take
+    assert torch.equal(cpu_w4.linear(x.view(m, 1, k), q4, b).view(m, n), y)
+    assert cpu_w4.linear(torch.randn(3, k).to(torch.bfloat16), q4) is None  # 3 rows
+    assert cpu_w4.linear(x.float(), q4) is None  # float32
+    assert cpu_w4.linear(x[:, :64], q4) is None or k == 64  # another K
+
+
+def test_layers_read_4_bits_at_one_or_two_rows_only():
+    _require_kernel()
+    from engine.layers.linear import ReplicatedLinear
+
+    torch.manual_seed(2)
+    layer = ReplicatedLinear(128, 48, bias=True)
+    layer.weight.data.normal_(0, 0.05)
+    layer.bias.data.normal_()
+    layer.to(torch.bfloat16)
+    layer.w4 = cpu_w4.quantize_groups(layer.weight.data)
+    layer.quantize_int8()
+    layer.quantize_activations = True
+    for rows in (1, 2, 3, cpu_gemm.W8A8_MIN_ROWS):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        if rows <= cpu_w4.MAX_ROWS:
+            expected = cpu_w4.linear(x, layer.w4, layer.bias)
+        else:
+            layer.w4, saved = None, layer.w4  # what the layer does without its 4-bit copy
+            expected = layer(x)
+            layer.w4 = saved
+        assert torch.equal(layer(x), expected), rows
+
+
+def test_w4a8_engine_generates_and_is_validated(make_tiny_model):
+    """A bf16 model with K = 64 and 128: every linear layer gets its 4-bit copy, greedy
+    output repeats exactly, and a float32 model is refused with a clear message."""
+    _require_kernel()
+    from engine import LLM, SamplingParams
+    from engine.layers.linear import LinearBase
+
+    path = make_tiny_model("tiny-llama-w4", intermediate_size=128)
+    llm = LLM(str(path), dtype="bfloat16", quantization="w4a8", num_blocks=64)
+    model = llm.engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.w4 is not None and m.weight.dtype == torch.int8 for m in layers)
+    assert model.lm_head.w4 is None  # the LM head stays int8
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    prompts = [list(range(5, 5 + n)) for n in (3, 20)]  # decodes of 1-2 rows read 4 bits
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert first == again and all(len(t) == 8 for t in first)
+    llm.shutdown()
+    with pytest.raises(ValueError, match="w4a8 needs a bfloat16 model"):
+        LLM(str(path), dtype="float32", quantization="w4a8", num_blocks=64)

@@ -148,17 +148,22 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, ctypes.c_int]
 
 
-def _load() -> ctypes.CDLL | None:
-    lib = load_library("w4", _SOURCE, "4-bit weights", {})
-    if lib is None or not hasattr(lib, "linear_q4_bf16"):
-        return None  # not built for this CPU (no AVX512-VNNI)
-    fn = lib.linear_q4_bf16
-    fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-    return lib
+_fn: list = []  # the kernel's function, or None where it is not built; resolved once
+
+
+def _kernel():
+    """linear_q4_bf16 with its signature set, or None (no compiler, no AVX512-VNNI)."""
+    if not _fn:
+        lib = load_library("w4", _SOURCE, "4-bit weights", {})
+        fn = getattr(lib, "linear_q4_bf16", None) if lib is not None else None
+        if fn is not None:
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        _fn.append(fn)
+    return _fn[0]
 
 
 def available() -> bool:
-    return _load() is not None
+    return _kernel() is not None
 
 
 def quantize_groups(weight: torch.Tensor) -> torch.Tensor:
@@ -205,12 +210,12 @@ def linear(
 ) -> torch.Tensor | None:
     """x [..., K] bf16 (at most MAX_ROWS rows) against the 4-bit weight; None where the kernel
     cannot take the call (the caller uses its int8 weights)."""
-    lib = _load()
+    fn = _kernel()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], q4.shape[0]
     if (
-        lib is None
+        fn is None
         or x.dtype != torch.bfloat16
         or not 1 <= m <= MAX_ROWS
         or x2.stride(-1) != 1
@@ -219,7 +224,7 @@ def linear(
     ):
         return None
     y = torch.empty(m, n, dtype=x.dtype)
-    rc = lib.linear_q4_bf16(
+    rc = fn(
         x2.data_ptr(), x2.stride(0), m, k, q4.data_ptr(), n,
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip

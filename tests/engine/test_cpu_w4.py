@@ -52,7 +52,8 @@ def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
     assert torch.equal(cpu_w4.linear(x.view(m, 1, k), q4, b).view(m, n), y)
     assert cpu_w4.linear(torch.randn(3, k).to(torch.bfloat16), q4) is None  # 3 rows
     assert cpu_w4.linear(x.float(), q4) is None  # float32
-    assert cpu_w4.linear(x[:, :64], q4) is None or k == 64  # another K
+    if k != 64:
+        assert cpu_w4.linear(x[:, :64], q4) is None  # another K
 
 
 def test_layers_read_4_bits_at_one_or_two_rows_only():

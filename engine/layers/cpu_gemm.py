@@ -649,6 +649,10 @@ class UsesCpuGemm:
     quantize_activations = False  # int8 weights: int8 activations too from W8A8_MIN_ROWS rows
     w4: torch.Tensor | None = None  # a 4-bit copy of the weight for 1-2 rows (cpu_w4)
 
+    def int8_activations(self, x: torch.Tensor) -> bool:
+        """Whether this call quantizes x to int8 (w8a8 layers, from W8A8_MIN_ROWS rows)."""
+        return self.quantize_activations and x.numel() >= W8A8_MIN_ROWS * x.shape[-1]
+
     def project(
         self,
         x: torch.Tensor,
@@ -661,7 +665,7 @@ class UsesCpuGemm:
             if y is not None:
                 return y
         if weight_scale is not None:  # int8 rows exist only for this kernel
-            if self.quantize_activations and x.numel() >= W8A8_MIN_ROWS * x.shape[-1]:
+            if self.int8_activations(x):
                 return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale)
             return linear(x, weight, bias, weight_scale)
         if self.cpu_gemm_max_rows is None:

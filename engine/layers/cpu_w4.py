@@ -25,6 +25,7 @@ from engine.cpu_build import C_BF16_HELPERS, load_library
 
 GROUP = 32
 MAX_ROWS = 2  # rows of x the kernel takes; larger batches use the int8 weights
+K_MULTIPLE = 64  # in features must be a multiple of this (two groups per 32 bytes)
 
 _SOURCE = (
     C_BF16_HELPERS
@@ -171,8 +172,8 @@ def quantize_groups(weight: torch.Tensor) -> torch.Tensor:
     (two groups per 32 bytes), then its K / 32 float16 scales, then its float16 minimums;
     dequantize() inverts it."""
     n, k = weight.shape
-    if k % 64:
-        raise ValueError(f"4-bit groups need K a multiple of 64, got {k}")
+    if k % K_MULTIPLE:
+        raise ValueError(f"4-bit groups need K a multiple of {K_MULTIPLE}, got {k}")
     g = weight.float().view(n, k // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
     scales, mins = ((hi - lo) / 15).half(), lo.half()

@@ -68,7 +68,7 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
             four_bit = method == "w4a8" and isinstance(module, LinearBase)
-            if four_bit and module.weight.shape[1] % 64 == 0:  # the 4-bit kernel's K
+            if four_bit and module.weight.shape[1] % cpu_w4.K_MULTIPLE == 0:
                 module.w4 = cpu_w4.quantize_groups(module.weight.data)
             module.quantize_int8()
             module.quantize_activations = method in ("w8a8", "w4a8")

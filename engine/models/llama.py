@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_paged import PagedAttention
-from engine.layers import cpu_gemm, cpu_w8a8
+from engine.layers import cpu_w8a8
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -66,12 +66,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        if (  # w8a8 from W8A8_MIN_ROWS rows: both GEMMs int8, one C pass between
-            down.quantize_activations
-            and gate_up.quantize_activations
-            and x.numel() >= cpu_gemm.W8A8_MIN_ROWS * x.shape[-1]
-            and down.tp_size == 1
-        ):
+        # w8a8 at this many rows: both GEMMs int8, one C pass between them
+        if gate_up.int8_activations(x) and down.quantize_activations and down.tp_size == 1:
             return cpu_w8a8.mlp_w8a8(x, gate_up, down)
         return down(self.act(gate_up(x)))
 

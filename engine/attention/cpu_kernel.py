@@ -130,10 +130,10 @@ static inline __m512 exp512(__m512 x) {
 #define AHEAD 2  /* blocks prefetched ahead in the K pass */
 #endif
 
-/* Each row r of s [H][L] becomes softmax(row), 16 scores at a time. */
-static inline void softmax512(float* s, int H, int64_t L) {
+/* Each row r of s [H][L] (rows `stride` apart) becomes softmax(row), 16 scores at a time. */
+static inline void softmax512(float* s, int H, int64_t L, int64_t stride) {
   for (int r = 0; r < H; ++r) {
-    float* sr = s + r * L;
+    float* sr = s + r * stride;
     __m512 mv = _mm512_set1_ps(-INFINITY);
     int64_t l = 0;
     for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
@@ -228,7 +228,7 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
       }
     }
   }
-  softmax512(s, H, L);
+  softmax512(s, H, L, L);
   memset(acc, 0, sizeof(float) * H * D);
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const int64_t l0 = bi * bs;
@@ -263,13 +263,19 @@ static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc
 #endif
 
 /* ---- int8 KV cache (--kv-cache-dtype int8) ----
-   K and V are int8 [blocks][bs][Hkv][D] with one float scale per token and KV head in
-   ks / vs [blocks][Hkv][bs] (a head's 16 token scales side by side). Each token's row of a
-   head is quantized on its own: scale = max|x| / 127, x ~ scale * round(x / scale). The
-   decode step reads half the bytes of a bf16 cache. */
+   K and V are int8 with one float scale per token and KV head in ks / vs [blocks][Hkv][bs]
+   (a head's token scales side by side). Each token's row of a head is quantized on its own:
+   scale = max|x| / 127, x ~ scale * round(x / scale). The decode step reads half the bytes of
+   a bf16 cache. Inside a block each head's tokens are tiled (engine.attention.kv_int8):
+     K: [Hkv][D/2][bs][2]: K8(t, h, d) = h*bs*D + (d/2)*bs*2 + t*2 + d%2
+     V: [Hkv][bs/2][D][2]: V8(t, h, d) = h*bs*D + (t/2)*D*2 + d*2 + t%2
+   so 32 bytes hold a dimension pair of 16 tokens (K) or a token pair of 16 dimensions (V):
+   exactly the int16 pairs vpdpwssd multiplies. */
+#define K8(t, h, d) ((int64_t)(h) * bs * D + (int64_t)((d) >> 1) * bs * 2 + (t) * 2 + ((d) & 1))
+#define V8(t, h, d) ((int64_t)(h) * bs * D + (int64_t)((t) >> 1) * D * 2 + (d) * 2 + ((t) & 1))
 
 /* Writes n tokens' K and V rows (k, v: [n][Hkv][D], rows k_stride / v_stride apart) at their
-   slots, quantized: the same bytes as engine.attention.kv_int8.quantize (q8_inv, q8_scale). */
+   slots, quantized: the same bytes as engine.attention.kv_int8.write (q8_inv, q8_scale). */
 #define DEFINE_KV8_WRITE(NAME, T, LOAD)                                                       \
 void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n,     \
     const T* k, int64_t k_stride, const T* v, int64_t v_stride, int Hkv, int D, int bs) {    \
@@ -277,16 +283,17 @@ void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, in
     const int64_t slot = slots[t], blk = slot / bs, off = slot % bs;                         \
     for (int w = 0; w < 2; ++w) {                                                            \
       const T* src = w ? v + t * v_stride : k + t * k_stride;                                \
-      int8_t* dst = (w ? vc : kc) + slot * Hkv * D;                                          \
+      int8_t* dst = (w ? vc : kc) + blk * bs * Hkv * D;                                      \
       float* sc = (w ? vs : ks) + blk * Hkv * bs + off;                                      \
       for (int h = 0; h < Hkv; ++h) {                                                        \
-        const T* x = src + h * D; int8_t* y = dst + h * D;                                   \
+        const T* x = src + h * D;                                                            \
         float amax = 0.f;                                                                    \
         for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(x[d])));                   \
         const float inv = q8_inv(amax);                                                     \
         for (int d = 0; d < D; ++d) {  /* |x * inv| <= 127 already; the clamp guards NaN */  \
           const float r = nearbyintf(LOAD(x[d]) * inv);                                      \
-          y[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                      \
+          dst[w ? V8(off, h, d) : K8(off, h, d)] =                                           \
+              (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                         \
         }                                                                                    \
         sc[h * bs] = q8_scale(amax);                                                        \
       }                                                                                      \
@@ -312,10 +319,9 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
     const int8_t* kb = kc + table[bi] * bs * tok; const float* ksb = ksc + table[bi] * Hkv * bs; \
     for (int64_t j = 0; j < n; ++j)                                                          \
       for (int r = 0; r < H; ++r) {                                                          \
-        const int h = r / G; const float* qq = qf + r * D; const int8_t* kk = kb + j * tok + h * D; \
+        const int h = r / G; const float* qq = qf + r * D;                                   \
         float dot = 0.f;                                                                     \
-        _Pragma("omp simd reduction(+:dot)")                                                 \
-        for (int d = 0; d < D; ++d) dot += qq[d] * (float)kk[d];                             \
+        for (int d = 0; d < D; ++d) dot += qq[d] * (float)kb[K8(j, h, d)];                   \
         s[r * L + l0 + j] = dot * ksb[h * bs + j];                                           \
       }                                                                                      \
   }                                                                                          \
@@ -327,9 +333,8 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
     for (int r = 0; r < H; ++r) {                                                            \
       const int h = r / G; float* a = acc + r * D; const float* sr = s + r * L + l0;         \
       for (int64_t j = 0; j < n; ++j) {                                                      \
-        const float p = sr[j] * vsb[h * bs + j]; const int8_t* vv = vb + j * tok + h * D;    \
-        _Pragma("omp simd")                                                                  \
-        for (int d = 0; d < D; ++d) a[d] += p * (float)vv[d];                                \
+        const float p = sr[j] * vsb[h * bs + j];                                             \
+        for (int d = 0; d < D; ++d) a[d] += p * (float)vb[V8(j, h, d)];                      \
       }                                                                                      \
     }                                                                                        \
   }                                                                                          \
@@ -339,31 +344,70 @@ DEFINE_ONE_KV8(one_kv8_f32_generic, float, f2f, f2f)
 DEFINE_ONE_KV8(one_kv8_bf16_generic, uint16_t, bf2f, f2bf)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* With AVX512-VNNI: q is quantized to int16 per row (error ~1e-5 of its largest value: as
-   accurate as the torch path), k widened to int16 (one instruction per 32 values), and
-   q . k runs on int16 pairs (vpdpwssd: exact products and int32 sums). 16 tokens' sums are
-   added across lanes together (reduce16); the V pass widens 16 int8 values at a time to
-   float. Needs D % 32 == 0 and D <= 256 (int32 sums cannot overflow).
-   Scratch: H*D (acc) + H*L (scores) floats, H*D int16 (q) + H floats. */
-#define V8_TILE(GN) do {                                                                     \
-    __m512 a[4];                                                                             \
-    for (int g = 0; g < GN; ++g) a[g] = _mm512_loadu_ps(accr + g * D);                       \
-    for (int64_t j = 0; j < n; ++j) {                                                        \
-      const __m512 vv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(               \
-          _mm_loadu_si128((const __m128i*)(vr + j * tok)))), _mm512_set1_ps(vsh[j]));        \
-      for (int g = 0; g < GN; ++g)                                                           \
-        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sr[g * L + j]), vv, a[g]);                     \
-    }                                                                                        \
-    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(accr + g * D, a[g]);                       \
-  } while (0)
+/* With AVX512-VNNI, on the tiled cache: q is quantized to int16 per row (error ~1e-5 of its
+   largest value: as accurate as the torch path), and both passes run vpdpwssd on int16 pairs
+   (exact products, int32 sums), one 32-byte load widened per instruction group and shared by
+   the query heads of a KV head:
+   - scores: a K load holds one dimension pair of 16 tokens; each lane sums one token's
+     q . k over the dimension pairs (q's pair broadcast), so no horizontal sums are needed;
+   - output: softmax weights times V's token scales are quantized to int16 per row (w16);
+     a V load holds a token pair of 16 dimensions, multiplied by the pair's two weights.
+   The int32 output sums are moved to floats every FLUSH tokens (|sum| < 2^31). Needs D % 32
+   == 0, D <= 256 (int32 scores cannot overflow) and bs % 16 == 0.
+   Scratch (floats): H*D acc, H*Lp scores, H*D/2 q16, H qmul, H*Lp/2 w16, H*D acc32, H wmul;
+   Lp = L rounded up to 16. */
+#define FLUSH 256
+static inline __attribute__((always_inline)) void k_tile(const int GN, float* s,
+    const int8_t* kh, const int16_t* q16, const float* qmul, const float* ksh, int r0,
+    int64_t j, int m, int bs, int D, int64_t Lp) {
+  __m512i a[4];
+  for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_si512();
+  for (int c = 0; c < D / 2; ++c) {
+    const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(kh + c * bs * 2)));
+    for (int g = 0; g < GN; ++g)
+      a[g] = _mm512_dpwssd_epi32(a[g], kv, _mm512_set1_epi32(((const int32_t*)(q16 + (r0 + g) * D))[c]));
+  }
+  const __mmask16 mask = (__mmask16)((1u << m) - 1);
+  const __m512 ksv = _mm512_maskz_loadu_ps(mask, ksh);
+  for (int g = 0; g < GN; ++g)
+    _mm512_mask_storeu_ps(s + (r0 + g) * Lp + j, mask, _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(a[g]), ksv), _mm512_set1_ps(qmul[r0 + g])));
+}
+
+/* acc32 rows r0..r0+GN, dims c0..c0+16*CN += sum over the block's np token pairs of
+   w16 pair . V pair. */
+static inline __attribute__((always_inline)) void v_tile(const int GN, const int CN,
+    int32_t* acc32, const int8_t* vh, const int16_t* w16, int r0, int c0, int64_t l0,
+    int64_t np, int D, int64_t Lp) {
+  __m512i a[4][4];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < CN; ++c) a[g][c] = _mm512_loadu_si512(acc32 + (r0 + g) * D + c0 + 16 * c);
+  for (int64_t p = 0; p < np; ++p) {
+    __m512i w[4];
+    for (int g = 0; g < GN; ++g) w[g] = _mm512_set1_epi32(((const int32_t*)(w16 + (r0 + g) * Lp + l0))[p]);
+    for (int c = 0; c < CN; ++c) {
+      const __m512i vv = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256((const __m256i*)(vh + p * 2 * D + (c0 + 16 * c) * 2)));
+      for (int g = 0; g < GN; ++g) a[g][c] = _mm512_dpwssd_epi32(a[g][c], vv, w[g]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < CN; ++c) _mm512_storeu_si512(acc32 + (r0 + g) * D + c0 + 16 * c, a[g][c]);
+}
+
+#define V_TILE_CN(GN) do { if (cn == 4) v_tile(GN, 4, acc32, vh, w16, r0, c0, l0, np, D, Lp); \
+    else v_tile(GN, 2, acc32, vh, w16, r0, c0, l0, np, D, Lp); } while (0)
 
 #define DEFINE_ONE_KV8_AVX512(NAME, T, LOAD, STORE_ROW)                                       \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
     const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
     const int D, int bs, float scale, float* scratch) {                                      \
   const int G = H / Hkv;                                                                     \
+  const int64_t Lp = (L + 15) & ~(int64_t)15;                                                \
   float* acc = scratch; float* s = acc + H * D;                                              \
-  int16_t* q16 = (int16_t*)(s + H * L); float* qmul = (float*)(q16 + H * D);                \
+  int16_t* q16 = (int16_t*)(s + H * Lp); float* qmul = (float*)(q16 + H * D);               \
+  int16_t* w16 = (int16_t*)(qmul + H); int32_t* acc32 = (int32_t*)(w16 + H * Lp);           \
+  float* wmul = (float*)(acc32 + H * D);                                                     \
   for (int r = 0; r < H; ++r) {  /* q row -> int16; its scale absorbs the softmax scale */   \
     float amax = 0.f;                                                                        \
     for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(q[r * D + d])));               \
@@ -371,70 +415,88 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
     for (int d = 0; d < D; ++d) q16[r * D + d] = (int16_t)nearbyintf(LOAD(q[r * D + d]) * inv); \
     qmul[r] = amax / 32767.f * scale;                                                        \
   }                                                                                          \
-  const int64_t tok = (int64_t)Hkv * D;                                                      \
-  const int64_t nblk = (L + bs - 1) / bs;                                                    \
-  const int64_t blk_bytes = bs * tok, sc_bytes = (int64_t)Hkv * bs * sizeof(float);          \
-  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
+  const int64_t blk = (int64_t)bs * Hkv * D, nblk = (L + bs - 1) / bs;                       \
+  const int64_t sc_bytes = (int64_t)Hkv * bs * sizeof(float);                                \
+  for (int64_t bi = 0; bi < nblk; ++bi) {  /* scores */                                      \
     const int64_t l0 = bi * bs;                                                              \
-    const int8_t* kb = kc + table[bi] * blk_bytes; const float* ksb = ksc + table[bi] * Hkv * bs; \
+    const int8_t* kb = kc + table[bi] * blk; const float* ksb = ksc + table[bi] * Hkv * bs;  \
     for (int64_t a = bi == 0 ? 0 : AHEAD; a <= AHEAD && bi + a < nblk; ++a) {                \
       const int64_t b = table[bi + a];                                                       \
-      PREFETCH_BLOCK(kc + b * blk_bytes, blk_bytes); PREFETCH_BLOCK(vc + b * blk_bytes, blk_bytes); \
+      PREFETCH_BLOCK(kc + b * blk, blk); PREFETCH_BLOCK(vc + b * blk, blk);                  \
       PREFETCH_BLOCK(ksc + b * Hkv * bs, sc_bytes); PREFETCH_BLOCK(vsc + b * Hkv * bs, sc_bytes); \
     }                                                                                        \
-    const int64_t nb = L - l0 < bs ? L - l0 : bs;                                            \
-    for (int64_t j0 = 0; j0 < nb; j0 += 16) {                                                \
-      const int m = nb - j0 < 16 ? (int)(nb - j0) : 16;                                      \
-      const __mmask16 mask = (__mmask16)((1u << m) - 1);                                     \
-      for (int r = 0; r < H; ++r) {                                                          \
-        const int h = r / G;                                                                 \
-        const int16_t* qr = q16 + r * D; const int8_t* kr = kb + j0 * tok + h * D;           \
-        __m512i d[16];                                                                       \
-        for (int j = 0; j < 16; ++j) d[j] = _mm512_setzero_si512();                          \
-        for (int c = 0; c < D; c += 32) {                                                    \
-          const __m512i qv = _mm512_loadu_si512(qr + c);                                     \
-          for (int j = 0; j < m; ++j)                                                        \
-            d[j] = _mm512_dpwssd_epi32(d[j], _mm512_cvtepi8_epi16(                           \
-                _mm256_loadu_si256((const __m256i*)(kr + j * tok + c))), qv);                \
-        }                                                                                    \
-        __m512 f[16];                                                                        \
-        for (int j = 0; j < 16; ++j) f[j] = _mm512_cvtepi32_ps(d[j]);                        \
-        const __m512 dots = reduce16(f);                                                     \
-        const __m512 ksv = _mm512_maskz_loadu_ps(mask, ksb + h * bs + j0);                   \
-        _mm512_mask_storeu_ps(s + r * L + l0 + j0, mask,                                     \
-            _mm512_mul_ps(_mm512_mul_ps(dots, ksv), _mm512_set1_ps(qmul[r])));               \
-      }                                                                                      \
-    }                                                                                        \
-  }                                                                                          \
-  softmax512(s, H, L);                                                                       \
-  memset(acc, 0, sizeof(float) * H * D);                                                     \
-  for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
-    const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs;                               \
-    const int8_t* vb = vc + table[bi] * blk_bytes; const float* vsb = vsc + table[bi] * Hkv * bs; \
-    for (int h = 0; h < Hkv; ++h) {                                                          \
-      const float* vsh = vsb + h * bs;                                                       \
-      for (int c = 0; c < D; c += 16)                                                        \
+    for (int h = 0; h < Hkv; ++h)                                                            \
+      for (int j0 = 0; j0 < bs && l0 + j0 < L; j0 += 16) {                                   \
+        const int m = L - l0 - j0 < 16 ? (int)(L - l0 - j0) : 16;                            \
+        const int8_t* kh = kb + (int64_t)h * bs * D + j0 * 2;                                \
+        const float* ksh = ksb + h * bs + j0;                                                \
         for (int g0 = 0; g0 < G; g0 += 4) {                                                  \
           const int r0 = h * G + g0;                                                         \
-          float* accr = acc + r0 * D + c; const float* sr = s + r0 * L + l0;                 \
-          const int8_t* vr = vb + h * D + c;                                                 \
           switch (G - g0 < 4 ? G - g0 : 4) {                                                 \
-            case 1: V8_TILE(1); break;                                                       \
-            case 2: V8_TILE(2); break;                                                       \
-            case 3: V8_TILE(3); break;                                                       \
-            default: V8_TILE(4);                                                             \
+            case 1: k_tile(1, s, kh, q16, qmul, ksh, r0, l0 + j0, m, bs, D, Lp); break;      \
+            case 2: k_tile(2, s, kh, q16, qmul, ksh, r0, l0 + j0, m, bs, D, Lp); break;      \
+            case 3: k_tile(3, s, kh, q16, qmul, ksh, r0, l0 + j0, m, bs, D, Lp); break;      \
+            default: k_tile(4, s, kh, q16, qmul, ksh, r0, l0 + j0, m, bs, D, Lp);            \
           }                                                                                  \
         }                                                                                    \
+      }                                                                                      \
+  }                                                                                          \
+  softmax512(s, H, L, Lp);                                                                   \
+  for (int r = 0; r < H; ++r) {  /* w = p * V's token scale -> int16, zero past L */          \
+    const int h = r / G; float* sr = s + r * Lp;                                             \
+    __m512 mx = _mm512_setzero_ps();                                                         \
+    for (int64_t l = 0; l < Lp; l += 16) {                                                   \
+      const int64_t bi = l / bs, j = l % bs;                                                 \
+      const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1); \
+      const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + l),                       \
+          _mm512_maskz_loadu_ps(k, vsc + table[bi] * Hkv * bs + h * bs + j));                \
+      _mm512_storeu_ps(sr + l, w); mx = _mm512_max_ps(mx, w);                                \
     }                                                                                        \
+    const float wmax = _mm512_reduce_max_ps(mx);                                             \
+    const __m512 inv = _mm512_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);                    \
+    for (int64_t l = 0; l < Lp; l += 16)                                                     \
+      _mm256_storeu_si256((__m256i*)(w16 + r * Lp + l), _mm512_cvtepi32_epi16(               \
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sr + l), inv))));                 \
+    wmul[r] = wmax / 32767.f;                                                                \
+  }                                                                                          \
+  memset(acc, 0, sizeof(float) * H * D); memset(acc32, 0, sizeof(int32_t) * H * D);          \
+  for (int64_t bi = 0; bi < nblk; ++bi) {  /* output */                                      \
+    const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs, np = (n + 1) / 2;             \
+    const int8_t* vb = vc + table[bi] * blk;                                                 \
+    for (int h = 0; h < Hkv; ++h) {                                                          \
+      const int8_t* vh = vb + (int64_t)h * bs * D;                                           \
+      for (int c0 = 0; c0 < D; c0 += 64) {                                                   \
+        const int cn = D - c0 >= 64 ? 4 : 2;                                                 \
+        for (int g0 = 0; g0 < G; g0 += 4) {                                                  \
+          const int r0 = h * G + g0;                                                         \
+          switch (G - g0 < 4 ? G - g0 : 4) {                                                 \
+            case 1: V_TILE_CN(1); break;                                                     \
+            case 2: V_TILE_CN(2); break;                                                     \
+            case 3: V_TILE_CN(3); break;                                                     \
+            default: V_TILE_CN(4);                                                           \
+          }                                                                                  \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+    if ((l0 + bs) % FLUSH == 0 || bi == nblk - 1)  /* int32 sums -> floats */                \
+      for (int r = 0; r < H; ++r) {                                                          \
+        const __m512 wm = _mm512_set1_ps(wmul[r]);                                           \
+        for (int d = 0; d < D; d += 16) {                                                    \
+          float* ar = acc + r * D + d; int32_t* ir = acc32 + r * D + d;                      \
+          _mm512_storeu_ps(ar, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(ir)), wm, \
+                                               _mm512_loadu_ps(ar)));                        \
+          _mm512_storeu_si512(ir, _mm512_setzero_si512());                                   \
+        }                                                                                    \
+      }                                                                                      \
   }                                                                                          \
   STORE_ROW(out, acc, H * D);                                                                \
 }
 static inline void store512_f32(float* out, const float* acc, int n) { memcpy(out, acc, sizeof(float) * n); }
 DEFINE_ONE_KV8_AVX512(one_kv8_f32_avx512, float, f2f, store512_f32)
 DEFINE_ONE_KV8_AVX512(one_kv8_bf16_avx512, uint16_t, bf2f, store512_bf16)
-#define KV8_VNNI(D) ((D) % 32 == 0 && (D) <= 256)
+#define KV8_VNNI(D, bs) ((D) % 32 == 0 && (D) <= 256 && (bs) % 16 == 0)
 #else
-#define KV8_VNNI(D) 0
+#define KV8_VNNI(D, bs) 0
 #define one_kv8_f32_avx512 one_kv8_f32_generic
 #define one_kv8_bf16_avx512 one_kv8_bf16_generic
 #endif
@@ -443,7 +505,7 @@ DEFINE_ONE_KV8_AVX512(one_kv8_bf16_avx512, uint16_t, bf2f, store512_bf16)
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
     const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
     const int D, int bs, float scale, float* scratch) {                                      \
-  if (KV8_VNNI(D)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
+  if (KV8_VNNI(D, bs)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
   else one_kv8_##SUFFIX##_generic(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
 }
 DEFINE_ONE_KV8_DISPATCH(one_kv8_f32, float, f32)
@@ -527,7 +589,8 @@ def paged_decode(
     v_scales: torch.Tensor | None = None,
 ) -> None:
     """out/q [n, H, D] (rows may be strided, heads contiguous), caches [blocks, bs, Hkv, D]
-    contiguous, block_tables [n, max_blocks] int64, context_lens [n] int64, scratch float32
+    contiguous (an int8 cache tiled inside blocks, engine.attention.kv_int8), block_tables
+    [n, max_blocks] int64, context_lens [n] int64, scratch float32
     [threads, size] (one row per thread; see the C source for the size). An int8 cache comes
     with its scales, float32 [blocks, Hkv, bs] each (engine.attention.kv_int8)."""
     lib = load_kernel()

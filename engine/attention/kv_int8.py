@@ -5,11 +5,15 @@ a half of a batch-128 step), so storing them in int8 halves that traffic and dou
 tokens a given cache memory holds. Each token's K (and V) row of each KV head is quantized on
 its own, symmetrically: int8 values and one float32 scale, max|x| / 127.
 
-Layout per layer: the cache [2, blocks, block_size, kv_heads, head_dim] in int8, and scales
-[2, blocks, kv_heads, block_size] in float32 (a head's scales for a block side by side, as
-the kernel reads them 16 tokens at a time). The compiled CPU kernel reads this cache directly
-(engine.attention.cpu_kernel); this module is the torch reference: quantize, write, and
-dequantize gathered blocks for the torch/SDPA path.
+Layout per layer: the cache is an int8 tensor shaped [2, blocks, block_size, kv_heads,
+head_dim] like a float cache, but inside each block every KV head's tokens are tiled for
+the kernel's integer dot products (engine.attention.cpu_kernel), which then need no
+horizontal sums and no shuffles:
+  K block: [kv_heads][head_dim / 2][block_size][2]  (a dimension pair of 16 tokens in 32 bytes)
+  V block: [kv_heads][block_size / 2][head_dim][2]  (a token pair of 16 dimensions in 32 bytes)
+Scales are float32 [2, blocks, kv_heads, block_size] (a head's scales for a block side by
+side). Whole blocks move as before (copies for forks, TP shards are per head). This module
+is the torch reference: quantize, write, and dequantize gathered blocks for the SDPA path.
 """
 
 from __future__ import annotations
@@ -30,6 +34,33 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     q = torch.round(xf * inv).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, (amax / QMAX).squeeze(-1)
+
+
+def _k_tiles(half: torch.Tensor) -> torch.Tensor:
+    """K half of a cache [blocks, bs, Hkv, D] -> its tiled view [blocks, Hkv, D/2, bs, 2]."""
+    n, bs, h, d = half.shape
+    return half.view(n, h, d // 2, bs, 2)
+
+
+def _v_tiles(half: torch.Tensor) -> torch.Tensor:
+    """V half of a cache [blocks, bs, Hkv, D] -> its tiled view [blocks, Hkv, bs/2, D, 2]."""
+    n, bs, h, d = half.shape
+    return half.view(n, h, bs // 2, d, 2)
+
+
+def tile(natural: torch.Tensor) -> torch.Tensor:
+    """int8 K/V in token order [2, blocks, bs, Hkv, D] -> the same values in the cache layout."""
+    out = torch.empty_like(natural)
+    _, n, bs, h, d = natural.shape
+    _k_tiles(out[0]).copy_(natural[0].view(n, bs, h, d // 2, 2).permute(0, 2, 3, 1, 4))
+    _v_tiles(out[1]).copy_(natural[1].view(n, bs // 2, 2, h, d).permute(0, 3, 1, 4, 2))
+    return out
+
+
+def quantize_cache(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float K/V [2, blocks, bs, Hkv, D] -> (the int8 cache, its scales [2, blocks, Hkv, bs])."""
+    q, s = quantize(x)
+    return tile(q), s.transpose(2, 3).contiguous()
 
 
 def allocate_scales(num_blocks: int, block_size: int, num_kv_heads: int, device) -> torch.Tensor:
@@ -54,20 +85,24 @@ def write(
         cpu_kernel.write_kv_int8(cache[0], cache[1], scales[0], scales[1], slot_mapping, k, v)
         return
     bs = cache.shape[2]
-    flat = cache.view(2, -1, hkv, d)
     block, offset = slot_mapping // bs, slot_mapping % bs
-    for i, x in enumerate((k, v)):
-        q, s = quantize(x)
-        flat[i].index_copy_(0, slot_mapping, q)
-        scales[i][block, :, offset] = s
+    (kq, ks), (vq, vs) = quantize(k), quantize(v)
+    _k_tiles(cache[0])[block, :, :, offset] = kq.view(-1, hkv, d // 2, 2)
+    _v_tiles(cache[1])[block, :, offset // 2, :, offset % 2] = vq
+    scales[0][block, :, offset] = ks
+    scales[1][block, :, offset] = vs
 
 
 def gather_dequantized(
     cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """K and V of the given blocks, in order, dequantized into out [2, n, bs, Hkv, D]."""
-    for i in range(2):
-        q = cache[i].index_select(0, block_table)  # [n, bs, Hkv, D]
-        s = scales[i].index_select(0, block_table).transpose(1, 2)  # [n, bs, Hkv]
-        torch.mul(q, s.unsqueeze(-1), out=out[i])
+    """K and V of the given blocks, in order, dequantized into out [2, n, bs, Hkv, D] (token
+    order)."""
+    _, n, bs, h, d = out.shape
+    k = _k_tiles(cache[0].index_select(0, block_table)).permute(0, 3, 1, 2, 4)
+    v = _v_tiles(cache[1].index_select(0, block_table)).permute(0, 2, 4, 1, 3)
+    ks = scales[0].index_select(0, block_table).transpose(1, 2)  # [n, bs, Hkv]
+    vs = scales[1].index_select(0, block_table).transpose(1, 2)
+    torch.mul(k, ks[..., None, None], out=out[0].view(n, bs, h, d // 2, 2))
+    torch.mul(v, vs.reshape(n, bs // 2, 2, h, 1), out=out[1].view(n, bs // 2, 2, h, d))
     return out

@@ -209,9 +209,11 @@ class AttentionMetadataBuilder:
             per_seq[r, :k] = ids[:k]
         table = per_seq[seq_of_row] if rows != len(seqs) else per_seq
         threads = torch.get_num_threads()
-        # The kernel's layout: q and acc [H, D], a float V tile [bs, Hkv, D], scores [H, L].
+        # The kernels' scratch (see cpu_kernel's C source), the larger of: bf16 cache: q and
+        # acc [H, D], a float V tile [bs, Hkv, D], scores [H, L]; int8 cache: acc and int32
+        # acc [H, D], int16 q [H, D], scores and int16 weights [H, L + 16], a few per row.
         assert self.num_heads is not None
-        size = self.num_heads * (2 * self.head_dim + int(ctx.max()))
+        size = self.num_heads * (3 * self.head_dim + 2 * (int(ctx.max()) + 16) + 2)
         size += bs * self.num_kv_heads * self.head_dim
         if (
             self._scratch is None

@@ -34,6 +34,21 @@ def test_quantize_round_trip():
     assert (err <= s[..., None] / 2 * (1 + 1e-6)).all()  # within half a step, row by row
 
 
+@pytest.mark.parametrize("bs", [16, 8])
+def test_cache_layout_keeps_every_value(bs):
+    """The tiled block layout is a permutation: dequantizing gathered blocks gives back each
+    token's quantized K and V in token order, and whole blocks can be gathered in any order."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, bs, 3, 64) * torch.logspace(-2, 1, bs)[None, None, :, None, None]
+    cache, scales = kv_int8.quantize_cache(x)
+    assert cache.shape == x.shape and cache.dtype == torch.int8 and scales.shape == (2, 5, 3, bs)
+    assert not torch.equal(cache, kv_int8.quantize(x)[0])  # tiled, not token order
+    q, s = kv_int8.quantize(x)
+    order = torch.tensor([3, 0, 4])
+    out = kv_int8.gather_dequantized(cache, scales, order, torch.empty(2, 3, bs, 3, 64))
+    assert torch.equal(out, (q.float() * s[..., None])[:, order])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_c_writer_stores_the_torch_bytes(dtype, head_dim):
@@ -84,7 +99,8 @@ def _attend(cache, scales, q, k, v, seqs, heads, use_kernel):
         (torch.bfloat16, 8, 2, 128, 16, 1.6e-2),
         (torch.float32, 4, 4, 32, 16, 2e-3),
         (torch.bfloat16, 9, 3, 64, 32, 1.6e-2),  # two 16-token score tiles a block
-        (torch.bfloat16, 12, 2, 64, 8, 1.6e-2),  # a partial tile; 6 query heads per KV head
+        (torch.bfloat16, 12, 2, 64, 16, 1.6e-2),  # 6 query heads per KV head: 4 + 2
+        (torch.bfloat16, 12, 2, 64, 8, 1.6e-2),  # blocks under 16 tokens: plain C loops
         (torch.float32, 4, 4, 48, 16, 1e-5),  # head_dim not a multiple of 32: plain C loops
     ],
 )
@@ -102,8 +118,7 @@ def test_kernel_matches_torch_path_on_the_int8_cache(
     num_blocks = 200 * 16 // bs
     seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)
     t = shared_rows + 23
-    cache, scales = kv_int8.quantize(torch.randn(2, num_blocks, bs, kv_heads, head_dim))
-    scales = scales.transpose(2, 3).contiguous()  # [2, blocks, kv_heads, bs]
+    cache, scales = kv_int8.quantize_cache(torch.randn(2, num_blocks, bs, kv_heads, head_dim))
     q = torch.randn(t, heads, head_dim).to(dtype)
     k = torch.randn(t, kv_heads, head_dim).to(dtype)
     v = torch.randn(t, kv_heads, head_dim).to(dtype)
@@ -145,8 +160,7 @@ def test_int8_cache_costs_little_accuracy_and_the_kernel_adds_none():
             scores = torch.einsum("hgd,lhd->hgl", qg, keys[:length]) * d**-0.5
             exact.append(torch.einsum("hgl,lhd->hgd", scores.softmax(-1), values[:length]))
     exact = torch.stack(exact).reshape(rows, -1)
-    cache, scales = kv_int8.quantize(exact_cache)
-    scales = scales.transpose(2, 3).contiguous()
+    cache, scales = kv_int8.quantize_cache(exact_cache)
     torch_err = (_attend(cache, scales, q, k, v, seqs, heads, False)[0] - exact).abs().mean()
     kernel_err = (_attend(cache, scales, q, k, v, seqs, heads, True)[0] - exact).abs().mean()
     assert kernel_err <= 1.05 * torch_err, (kernel_err, torch_err)

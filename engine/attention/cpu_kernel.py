@@ -110,6 +110,14 @@ DEFINE_ONE(one_bf16_generic, uint16_t, bf2f, f2bf)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+/* 16 values as floats, by element type (LOAD16_##T) */
+static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16_(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#define LOAD16_float load16_f32
+#define LOAD16_uint16_t load16_bf16_
 /* e^x for x <= 0 (softmax after subtracting the max): 2^n * p(f), |rel err| < 2e-7. */
 static inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -274,9 +282,58 @@ static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc
 #define K8(t, h, d) ((int64_t)(h) * bs * D + (int64_t)((d) >> 1) * bs * 2 + (t) * 2 + ((d) & 1))
 #define V8(t, h, d) ((int64_t)(h) * bs * D + (int64_t)((t) >> 1) * D * 2 + (d) * 2 + ((t) & 1))
 
+/* One head's row x [D] -> int8 at its tiled K (is_v 0) or V positions; returns max|x|. */
+#define DEFINE_KV8_ROW(NAME, T, LOAD)                                                         \
+static inline float NAME(int8_t* dst, const T* x, int D, int bs, int64_t off, int is_v) {    \
+  float amax = 0.f;                                                                          \
+  _Pragma("omp simd reduction(max:amax)")                                                    \
+  for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(x[d])));                         \
+  const float inv = q8_inv(amax);                                                           \
+  KV8_ROW_VECTOR(T)                                                                          \
+  for (int d = 0; d < D; ++d) {  /* |x * inv| <= 127 already; the clamp guards NaN */        \
+    const float r = nearbyintf(LOAD(x[d]) * inv);                                            \
+    const int8_t b = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                  \
+    dst[is_v ? (off >> 1) * D * 2 + d * 2 + (off & 1) : (d >> 1) * bs * 2 + off * 2 + (d & 1)] = b; \
+  }                                                                                          \
+  return amax;                                                                               \
+}
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 values at a time in registers (a round trip through a byte buffer stalls store
+   forwarding): round half to even like nearbyintf, clamp, then V's bytes blended into every
+   other byte of the token pair's row, K's dimension pairs stored 2 bytes each. */
+#define KV8_ROW_VECTOR(T)                                                                    \
+  if (D % 16 == 0) {                                                                         \
+    const __m512 vinv = _mm512_set1_ps(inv);                                                 \
+    const __mmask32 keep = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;                            \
+    for (int d = 0; d < D; d += 16) {                                                        \
+      __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(LOAD16_##T(x + d), vinv),                \
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);        \
+      r = _mm512_max_ps(_mm512_min_ps(r, _mm512_set1_ps(127.f)), _mm512_set1_ps(-127.f));   \
+      const __m512i i32 = _mm512_cvtps_epi32(r);                                             \
+      if (is_v) {                                                                            \
+        __m256i w = _mm512_cvtepi32_epi16(i32);                                              \
+        if (off & 1) w = _mm256_slli_epi16(w, 8);                                            \
+        int8_t* p = dst + (off >> 1) * D * 2 + d * 2;                                        \
+        _mm256_storeu_si256((__m256i*)p, _mm256_mask_blend_epi8(keep,                        \
+            _mm256_loadu_si256((const __m256i*)p), w));                                      \
+      } else {                                                                               \
+        int16_t pairs[8];                                                                    \
+        _mm_storeu_si128((__m128i*)pairs, _mm512_cvtepi32_epi8(i32));                        \
+        for (int c = 0; c < 8; ++c)                                                          \
+          memcpy(dst + (int64_t)(d / 2 + c) * bs * 2 + off * 2, pairs + c, 2);               \
+      }                                                                                      \
+    }                                                                                        \
+    return amax;                                                                             \
+  }
+#else
+#define KV8_ROW_VECTOR(T)
+#endif
+DEFINE_KV8_ROW(kv8_row_f32, float, f2f)
+DEFINE_KV8_ROW(kv8_row_bf16, uint16_t, bf2f)
+
 /* Writes n tokens' K and V rows (k, v: [n][Hkv][D], rows k_stride / v_stride apart) at their
    slots, quantized: the same bytes as engine.attention.kv_int8.write (q8_inv, q8_scale). */
-#define DEFINE_KV8_WRITE(NAME, T, LOAD)                                                       \
+#define DEFINE_KV8_WRITE(NAME, T, ROW)                                                        \
 void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n,     \
     const T* k, int64_t k_stride, const T* v, int64_t v_stride, int Hkv, int D, int bs) {    \
   for (int64_t t = 0; t < n; ++t) {                                                          \
@@ -285,23 +342,13 @@ void NAME(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, in
       const T* src = w ? v + t * v_stride : k + t * k_stride;                                \
       int8_t* dst = (w ? vc : kc) + blk * bs * Hkv * D;                                      \
       float* sc = (w ? vs : ks) + blk * Hkv * bs + off;                                      \
-      for (int h = 0; h < Hkv; ++h) {                                                        \
-        const T* x = src + h * D;                                                            \
-        float amax = 0.f;                                                                    \
-        for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(x[d])));                   \
-        const float inv = q8_inv(amax);                                                     \
-        for (int d = 0; d < D; ++d) {  /* |x * inv| <= 127 already; the clamp guards NaN */  \
-          const float r = nearbyintf(LOAD(x[d]) * inv);                                      \
-          dst[w ? V8(off, h, d) : K8(off, h, d)] =                                           \
-              (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                         \
-        }                                                                                    \
-        sc[h * bs] = q8_scale(amax);                                                        \
-      }                                                                                      \
+      for (int h = 0; h < Hkv; ++h)                                                          \
+        sc[h * bs] = q8_scale(ROW(dst + (int64_t)h * bs * D, src + h * D, D, bs, off, w));   \
     }                                                                                        \
   }                                                                                          \
 }
-DEFINE_KV8_WRITE(kv8_write_f32, float, f2f)
-DEFINE_KV8_WRITE(kv8_write_bf16, uint16_t, bf2f)
+DEFINE_KV8_WRITE(kv8_write_f32, float, kv8_row_f32)
+DEFINE_KV8_WRITE(kv8_write_bf16, uint16_t, kv8_row_bf16)
 
 /* Decode attention over the int8 cache, plain loops: DEFINE_ONE with dequantized K and V.
    Scratch: H*D (q) + H*D (acc) + H*L (scores) floats. */
@@ -409,10 +456,13 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
   int16_t* w16 = (int16_t*)(qmul + H); int32_t* acc32 = (int32_t*)(w16 + H * Lp);           \
   float* wmul = (float*)(acc32 + H * D);                                                     \
   for (int r = 0; r < H; ++r) {  /* q row -> int16; its scale absorbs the softmax scale */   \
-    float amax = 0.f;                                                                        \
-    for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(LOAD(q[r * D + d])));               \
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;                                     \
-    for (int d = 0; d < D; ++d) q16[r * D + d] = (int16_t)nearbyintf(LOAD(q[r * D + d]) * inv); \
+    __m512 mx = _mm512_setzero_ps();                                                         \
+    for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(LOAD16_##T(q + r * D + d))); \
+    const float amax = _mm512_reduce_max_ps(mx);                                             \
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);                    \
+    for (int d = 0; d < D; d += 16)                                                          \
+      _mm256_storeu_si256((__m256i*)(q16 + r * D + d), _mm512_cvtepi32_epi16(                \
+          _mm512_cvtps_epi32(_mm512_mul_ps(LOAD16_##T(q + r * D + d), inv))));               \
     qmul[r] = amax / 32767.f * scale;                                                        \
   }                                                                                          \
   const int64_t blk = (int64_t)bs * Hkv * D, nblk = (L + bs - 1) / bs;                       \

@@ -659,14 +659,17 @@ class UsesCpuGemm:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         weight_scale: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """x @ weight.T (+ bias), in x's dtype; out_dtype: the dtype the int8-activation path
+        rounds to instead (its epilogue writes any float type in the same pass)."""
         if self.w4 is not None and x.numel() <= cpu_w4.MAX_ROWS * x.shape[-1]:
             y = cpu_w4.linear(x, self.w4, bias)
             if y is not None:
                 return y
         if weight_scale is not None:  # int8 rows exist only for this kernel
             if self.int8_activations(x):
-                return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale)
+                return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale, out_dtype)
             return linear(x, weight, bias, weight_scale)
         if self.cpu_gemm_max_rows is None:
             self.cpu_gemm_max_rows = max_rows_for(weight)

@@ -165,15 +165,16 @@ def linear_w8a8(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [..., K] (float32/bfloat16) against int8 weight [N, K] with float32 weight_scale [N]:
-    x quantized per row, an exact int32 GEMM, then the two scales (and bias) in one pass."""
+    x quantized per row, an exact int32 GEMM, then the two scales (and bias) in one pass,
+    rounded to out_dtype (default x's: the LM head asks for float32 logits directly)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     q, s = quantize_rows(x2)
-    return _scaled(torch._int_mm(q, weight.t()), s, weight_scale, bias, x.dtype).view(
-        *x.shape[:-1], n
-    )
+    y = _scaled(torch._int_mm(q, weight.t()), s, weight_scale, bias, out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], n)
 
 
 def _scaled(

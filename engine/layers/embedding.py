@@ -64,7 +64,8 @@ class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.UsesCpuGemm):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.qweight is not None:
-            logits = self.project(hidden, self.qweight, None, self.weight_scale)
+            # float32 straight from the int32 sums (w8a8): no bf16 rounding, no extra pass
+            logits = self.project(hidden, self.qweight, None, self.weight_scale, torch.float32)
         else:
             logits = self.project(hidden, self.weight)
         if self.tp_size > 1:

@@ -55,6 +55,26 @@ def test_linear_w8a8_is_exact_integer_math_then_the_scales(m, n, k, dtype, bias)
     )
 
 
+def test_w8a8_lm_head_writes_float32_logits_in_its_epilogue():
+    """The LM head's int32 sums go to float32 logits in the one epilogue pass: the same
+    values as the bf16 epilogue before its rounding, with no bf16 step in between."""
+    from engine.layers.embedding import ParallelLMHead
+
+    torch.manual_seed(3)
+    head = ParallelLMHead(500, 64)
+    head.weight.data.normal_(0, 0.05)
+    head.quantize_int8()
+    head.quantize_activations = True
+    h = torch.randn(cpu_gemm.W8A8_MIN_ROWS + 3, 64).bfloat16()
+    logits = head(h)
+    assert logits.dtype == torch.float32
+    q, s = cpu_w8a8.quantize_rows(h)
+    ref = (q.double() @ head.qweight.double().T) * s.double()[:, None] * head.weight_scale.double()
+    torch.testing.assert_close(logits.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    bf16 = cpu_w8a8.linear_w8a8(h, head.qweight, None, head.weight_scale)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(logits.bfloat16(), bf16)
+
+
 def test_layers_quantize_activations_only_from_w8a8_min_rows(tiny_llama_dir):
     """w8a8 layers: below W8A8_MIN_ROWS rows the weight-only kernel (activations
     untouched), from it int8 activations; int8 layers never quantize activations."""

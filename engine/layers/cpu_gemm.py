@@ -648,6 +648,7 @@ class UsesCpuGemm:
     cpu_gemm_max_rows: int | None = None
     quantize_activations = False  # int8 weights: int8 activations too from W8A8_MIN_ROWS rows
     w4: torch.Tensor | None = None  # a 4-bit copy of the weight for 1-2 rows (cpu_w4)
+    packed_int8: torch.Tensor | None = None  # w8a8: the int8 weight packed for cpu_w8a8.int_mm
 
     def int8_activations(self, x: torch.Tensor) -> bool:
         """Whether this call quantizes x to int8 (w8a8 layers, from W8A8_MIN_ROWS rows)."""
@@ -669,7 +670,9 @@ class UsesCpuGemm:
                 return y
         if weight_scale is not None:  # int8 rows exist only for this kernel
             if self.int8_activations(x):
-                return cpu_w8a8.linear_w8a8(x, weight, bias, weight_scale, out_dtype)
+                return cpu_w8a8.linear_w8a8(
+                    x, weight, bias, weight_scale, out_dtype, self.packed_int8
+                )
             return linear(x, weight, bias, weight_scale)
         if self.cpu_gemm_max_rows is None:
             self.cpu_gemm_max_rows = max_rows_for(weight)

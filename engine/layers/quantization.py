@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_gemm, cpu_w4
+from engine.layers import cpu_gemm, cpu_w4, cpu_w8a8
 
 METHODS = ("int8", "w8a8", "w4a8")
 
@@ -72,5 +72,8 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
                 module.w4 = cpu_w4.quantize_groups(module.weight.data)
             module.quantize_int8()
             module.quantize_activations = method in ("w8a8", "w4a8")
+            if module.quantize_activations:  # a second int8 copy, laid out for the GEMM
+                int8 = module.qweight if isinstance(module, ParallelLMHead) else module.weight
+                module.packed_int8 = cpu_w8a8.pack_weight(int8.data)
             count += 1
     return count

@@ -55,6 +55,47 @@ def test_linear_w8a8_is_exact_integer_math_then_the_scales(m, n, k, dtype, bias)
     )
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 16, 4), (13, 48, 64), (37, 80, 36), (300, 96, 576)])
+def test_packed_int8_gemm_is_exact(m, n, k):
+    """The GEMM on packed weights gives torch._int_mm's int32 sums exactly, the int8 range's
+    ends included, over partial row tiles and column blocks; shapes it cannot pack are
+    refused (None), and then int_mm is torch._int_mm."""
+    if cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is None:
+        pytest.skip("no AVX512-VNNI (or no compiler) for the packed int8 GEMM")
+    torch.manual_seed(4)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    w[0, :], x[0, :] = -128, -128  # the +128 shift's worst case
+    packed = cpu_w8a8.pack_weight(w)
+    assert packed is not None and packed.numel() == n * k
+    y = cpu_w8a8.int_mm(x, w, packed)
+    assert y.dtype == torch.int32 and torch.equal(y, (x.long() @ w.long().T).int())
+    assert cpu_w8a8.pack_weight(torch.zeros(20, 8, dtype=torch.int8)) is None  # N % 16
+    assert cpu_w8a8.pack_weight(torch.zeros(16, 6, dtype=torch.int8)) is None  # K % 4
+
+
+def test_w8a8_layers_carry_the_packed_weight(tiny_llama_dir):
+    """quantization="w8a8": every linear layer and the LM head hold the packed copy, and a
+    step's output is the one the repacking torch._int_mm gives."""
+    from engine import LLM, SamplingParams
+    from engine.layers.embedding import ParallelLMHead
+    from engine.layers.linear import LinearBase
+
+    llm = LLM(str(tiny_llama_dir), quantization="w8a8", num_blocks=64, enable_prefix_caching=False)
+    model = llm.engine.executor.runner.model
+    mods = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+    if cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is not None:
+        assert all(m.packed_int8 is not None for m in mods)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    prompts = [list(range(3, 3 + n)) for n in (20, 15)]  # prefill rows take int8 activations
+    packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for m in mods:
+        m.packed_int8 = None  # torch._int_mm, repacking each call
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    assert packed == plain
+
+
 def test_w8a8_lm_head_writes_float32_logits_in_its_epilogue():
     """The LM head's int32 sums go to float32 logits in the one epilogue pass: the same
     values as the bf16 epilogue before its rounding, with no bf16 step in between."""

@@ -293,7 +293,7 @@ static inline float NAME(int8_t* dst, const T* x, int D, int bs, int64_t off, in
   for (int d = 0; d < D; ++d) {  /* |x * inv| <= 127 already; the clamp guards NaN */        \
     const float r = nearbyintf(LOAD(x[d]) * inv);                                            \
     const int8_t b = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);                  \
-    dst[is_v ? (off >> 1) * D * 2 + d * 2 + (off & 1) : (d >> 1) * bs * 2 + off * 2 + (d & 1)] = b; \
+    dst[is_v ? V8(off, 0, d) : K8(off, 0, d)] = b;                                          \
   }                                                                                          \
   return amax;                                                                               \
 }
@@ -313,14 +313,14 @@ static inline float NAME(int8_t* dst, const T* x, int D, int bs, int64_t off, in
       if (is_v) {                                                                            \
         __m256i w = _mm512_cvtepi32_epi16(i32);                                              \
         if (off & 1) w = _mm256_slli_epi16(w, 8);                                            \
-        int8_t* p = dst + (off >> 1) * D * 2 + d * 2;                                        \
+        int8_t* p = dst + V8(off & ~1, 0, d);                                                \
         _mm256_storeu_si256((__m256i*)p, _mm256_mask_blend_epi8(keep,                        \
             _mm256_loadu_si256((const __m256i*)p), w));                                      \
       } else {                                                                               \
         int16_t pairs[8];                                                                    \
         _mm_storeu_si128((__m128i*)pairs, _mm512_cvtepi32_epi8(i32));                        \
         for (int c = 0; c < 8; ++c)                                                          \
-          memcpy(dst + (int64_t)(d / 2 + c) * bs * 2 + off * 2, pairs + c, 2);               \
+          memcpy(dst + K8(off, 0, d + 2 * c), pairs + c, 2);                                 \
       }                                                                                      \
     }                                                                                        \
     return amax;                                                                             \

@@ -17,9 +17,10 @@ weights, which are the same int8 rows, and _int_mm is slower there.
 Small C loops around the int8 GEMM: quantizing the rows and the scaled epilogue (each one
 pass, where the torch ops would be several). The GEMM itself runs on a packed copy of the
 weights (int_mm, on AVX512-VNNI) up to PACKED_MAX_ROWS rows, torch._int_mm beyond: oneDNN
-repacks the weight on every call, which at 13-256 rows costs as much as the multiply. The MLP (mlp_w8a8) goes further: between
-its two GEMMs one pass takes gate_up's int32 sums to the int8 rows down_proj needs (scales,
-SiLU, product, quantization), 10% less MLP time at 32-128 rows than layer by layer. Built with the other CPU kernels
+repacks the weight on every call, which at 13-256 rows costs as much as the multiply. The
+MLP (mlp_w8a8) goes further: between its two GEMMs one pass takes gate_up's int32 sums to
+the int8 rows down_proj needs (scales, SiLU, product, quantization), 10% less MLP time at
+32-128 rows than layer by layer. Built with the other CPU kernels
 (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to
 the same arithmetic, only slower).
 """

@@ -18,6 +18,7 @@ keeps too (w8a8). Built once per machine like the other CPU kernels (engine.cpu_
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +26,9 @@ from engine.cpu_build import C_BF16_HELPERS, load_library
 
 GROUP = 32
 MAX_ROWS = 2  # rows of x the kernel takes; larger batches use the int8 weights
-K_MULTIPLE = 64  # in features must be a multiple of this (two groups per 32 bytes)
+K_MULTIPLE = 64  # in features must be a multiple of this (the x quantizer's step)
+TILE = 16  # output rows per tile, one per float lane of the kernel
+GROUP_BYTES = TILE * GROUP // 2 + 2 * TILE * 2  # a tile's group: codes, scales, minimums
 
 _SOURCE = (
     C_BF16_HELPERS
@@ -37,92 +40,108 @@ _SOURCE = (
 #include <immintrin.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define PF_BYTES 16384  /* the weight stream is prefetched this far ahead (see cpu_gemm) */
-#define NB 64           /* weight rows per parallel task */
+#define PF_BYTES 4096   /* the weight stream is prefetched this far ahead */
+#define TILE 16         /* output rows a tile holds: one per float lane */
+#define GROUP_BYTES 320 /* a tile's group: 16 x 32 codes, 16 float16 scales, 16 minimums */
+#define TASK_TILES 4    /* tiles per parallel task */
 
-/* x [M][K] bf16 -> xq int16 with one scale per row (xs), each 64 values reordered as the
-   kernel pairs them with two groups' codes: x[0..15], x[32..47], x[16..31], x[48..63];
-   xg: each group's sum of xq. */
+/* x [M][K] bf16 -> xq int16 with one scale per row (xs) and each group's sum of xq (xg). */
 static void prep_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int16_t* xq,
     float* xs, float* xg) {
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* xr = x + m * ldx;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(bf2f(xr[k])));
-    xs[m] = amax / 32767.f;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xr + k)));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16))));
+    }
+    const float a = _mm512_reduce_max_ps(amax);
+    xs[m] = a / 32767.f;
+    const __m512 inv = _mm512_set1_ps(a > 0.f ? 32767.f / a : 0.f);
     int16_t* q = xq + m * K;
-    for (int64_t p = 0; p < K; p += 64)
-      for (int i = 0; i < 16; ++i) {
-        q[p + i] = (int16_t)nearbyintf(bf2f(xr[p + i]) * inv);
-        q[p + 16 + i] = (int16_t)nearbyintf(bf2f(xr[p + 32 + i]) * inv);
-        q[p + 32 + i] = (int16_t)nearbyintf(bf2f(xr[p + 16 + i]) * inv);
-        q[p + 48 + i] = (int16_t)nearbyintf(bf2f(xr[p + 48 + i]) * inv);
+    for (int64_t k = 0; k < K; k += 32) {  /* one group */
+      __m512i sum = _mm512_setzero_si512();
+      for (int h = 0; h < 32; h += 16) {
+        const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xr + k + h)));
+        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), inv);
+        const __m512i r = _mm512_cvtps_epi32(v);  /* to nearest even, like nearbyintf */
+        _mm256_storeu_si256((__m256i*)(q + k + h), _mm512_cvtsepi32_epi16(r));
+        sum = _mm512_add_epi32(sum, r);
       }
-    for (int64_t g = 0; g < K / 32; ++g) {
-      const int64_t p = (g / 2) * 64, h = (g % 2) * 16;  /* group g's halves in the order */
-      int32_t sum = 0;
-      for (int i = 0; i < 16; ++i) sum += q[p + h + i] + q[p + 32 + h + i];
-      xg[m * (K / 32) + g] = (float)sum;
+      xg[m * (K / 32) + k / 32] = (float)_mm512_reduce_add_epi32(sum);
     }
   }
 }
 
-/* Weight rows [n0, n1), each K / 2 bytes of codes, then G float16 scales, then G float16
-   minimums (one stream: separate arrays were two more streams, each row's first touch of
-   them a cache miss). 32 bytes of codes hold two groups (byte j of a group: code j in the
-   low nibble, code j + 16 in the high one). The scales are widened 16 at a time and spread
-   to their groups' lanes with one permute; the minimums' term is one vector product per 16
-   groups, added before the row's single horizontal sum. */
-static inline __attribute__((always_inline)) void rows_q4(const int16_t* xq, const float* xs,
-    const float* xg, const int M, int64_t K,
-    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t G = K / 32, row_bytes = K / 2 + 4 * G;
+/* vpdpwssd with a dword of x (two int16) broadcast from memory inside the instruction. */
+static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int16_t* p) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
+}
+
+/* Tiles [t0, t1) of 16 output rows. A tile stores, group after group, 8 chunks of 32 bytes
+   (chunk c: byte 2r + j holds row r's code for k = 4c + j in its low nibble, k = 4c + 2 + j
+   in its high one), then the 16 rows' float16 scales, then their minimums. Widened to int16,
+   a chunk's low (high) nibbles are 16 rows x 2 k: the operand layout of vpdpwssd against
+   x[k], x[k + 1] broadcast, so each float lane accumulates one output row and no horizontal
+   sum is needed (a row-wise layout spent a third of its instructions on them). */
+static inline __attribute__((always_inline)) void tiles_q4(const int16_t* xq, const float* xs,
+    const float* xg, const int M, int64_t K, const uint8_t* w, const uint16_t* bias,
+    uint16_t* y, int64_t ldy, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = K / 32;
   const __m512i low4 = _mm512_set1_epi16(0x0F);
-  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    const uint16_t* sr = (const uint16_t*)(wr + K / 2); const uint16_t* mr = sr + G;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * G * GROUP_BYTES;
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t g0 = 0; g0 < G; g0 += 16) {  /* 16 groups: 512 weights, 16 scales */
-      const int64_t gn = G - g0 < 16 ? G - g0 : 16;
-      const __mmask16 k16 = (__mmask16)((1u << gn) - 1);
-      const __m512 s16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, sr + g0));
-      __m512i idx = first;
-      for (int64_t g = 0; g < gn; g += 2) {
-        const int64_t p = (g0 + g) * 32;
-        _mm_prefetch((const char*)(wr + p / 2) + PF_BYTES, _MM_HINT_T0);
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wr + p / 2)));
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = wt + g * GROUP_BYTES;
+      for (int l = 0; l < GROUP_BYTES; l += 64) _mm_prefetch((const char*)wg + PF_BYTES + l, _MM_HINT_T0);
+      __m512i a[2][4];
+      for (int m = 0; m < M; ++m)
+        for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
-        const __m512 s = _mm512_permutexvar_ps(idx, s16);
-        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
+        const int i = (c & 1) * 2;
         for (int m = 0; m < M; ++m) {
-          const int16_t* xm = xq + m * K + p;
-          __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xm));
-          a = _mm512_dpwssd_epi32(a, hi, _mm512_loadu_si512(xm + 32));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, acc[m]);
+          const int16_t* xk = xq + m * K + g * 32 + 4 * c;
+          a[m][i] = dpwssd_bcast(a[m][i], lo, xk);
+          a[m][i + 1] = dpwssd_bcast(a[m][i + 1], hi, xk + 2);
         }
       }
-      for (int m = 0; m < M; ++m)  /* the minimums' term of these 16 groups */
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, mr + g0)),
-                                 _mm512_maskz_loadu_ps(k16, xg + m * G + g0), acc[m]);
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 256)));
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 288)));
+      for (int m = 0; m < M; ++m) {
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[m][0], a[m][1]),
+                                             _mm512_add_epi32(a[m][2], a[m][3]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[m]);
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xg[m * G + g]), acc[m]);
+      }
     }
+    const int64_t n0 = t * TILE;
+    const __mmask16 keep = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
     for (int m = 0; m < M; ++m) {
-      const float v = _mm512_reduce_add_ps(acc[m]) * xs[m];
-      y[m * ldy + n] = f2bf(v + (bias ? bf2f(bias[n]) : 0.f));
+      const __m512i u = _mm512_castps_si512(_mm512_fmadd_ps(acc[m], _mm512_set1_ps(xs[m]), b));
+      /* float -> bf16, to nearest even (as f2bf) */
+      const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+      _mm256_mask_storeu_epi16(y + m * ldy + n0, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
   }
 }
 
-/* M is a constant in each copy, so the accumulators stay in registers (a runtime M put them
-   on the stack: 10 GB/s instead of ~30). */
-static void rows_q4_m1(const int16_t* xq, const float* xs, const float* xg, int64_t K,
-    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
-  rows_q4(xq, xs, xg, 1, K, w, bias, y, ldy, n0, n1);
+/* M is a constant in each copy, so the accumulators stay in registers. */
+static void tiles_q4_m1(const int16_t* xq, const float* xs, const float* xg, int64_t K,
+    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t t0, int64_t t1) {
+  tiles_q4(xq, xs, xg, 1, K, w, bias, y, ldy, N, t0, t1);
 }
-static void rows_q4_m2(const int16_t* xq, const float* xs, const float* xg, int64_t K,
-    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
-  rows_q4(xq, xs, xg, 2, K, w, bias, y, ldy, n0, n1);
+static void tiles_q4_m2(const int16_t* xq, const float* xs, const float* xg, int64_t K,
+    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t t0, int64_t t1) {
+  tiles_q4(xq, xs, xg, 2, K, w, bias, y, ldy, N, t0, t1);
 }
 
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
@@ -130,14 +149,15 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
   if (M < 1 || M > 2 || K % 64) return -1;
   int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (K / 32 + 1));
   if (!xq) return -1;
-  float* xs = (float*)(xq + M * K + (M * K) % 2);  /* float-aligned after the int16 values */
+  float* xs = (float*)(xq + M * K);  /* K % 64 == 0: float-aligned after the int16 values */
   float* xg = xs + M;
   prep_x(x, ldx, M, K, xq, xs, xg);
-  const int64_t nblocks = (N + NB - 1) / NB;
+  const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
-  for (int64_t b = 0; b < nblocks; ++b)
-    (M == 1 ? rows_q4_m1 : rows_q4_m2)(xq, xs, xg, K, w, bias, y, ldy, b * NB,
-                                       (b + 1) * NB < N ? (b + 1) * NB : N);
+  for (int64_t b = 0; b < tasks; ++b) {
+    const int64_t t0 = b * TASK_TILES, t1 = t0 + TASK_TILES < tiles ? t0 + TASK_TILES : tiles;
+    (M == 1 ? tiles_q4_m1 : tiles_q4_m2)(xq, xs, xg, K, w, bias, y, ldy, N, t0, t1);
+  }
   free(xq);
   return 0;
 }
@@ -167,10 +187,19 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def quantize_groups(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (K a multiple of 64) -> uint8 [N, K / 2 + K / 8]: each row's 4-bit codes
-    (two groups per 32 bytes), then its K / 32 float16 scales, then its float16 minimums;
-    dequantize() inverts it."""
+@dataclass(frozen=True)
+class Q4Weight:
+    """A linear layer's weight [out_features, in_features] as 4-bit groups in tiles of 16
+    rows (the kernel's layout, see its source); `data` is uint8 [tiles, G * 320]."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def quantize_groups(weight: torch.Tensor) -> Q4Weight:
+    """weight [N, K] (K a multiple of 64) -> its 4-bit groups of 32 (codes 0..15, a float16
+    scale and minimum per group), rows padded to tiles of 16; dequantize() inverts it."""
     n, k = weight.shape
     if k % K_MULTIPLE:
         raise ValueError(f"4-bit groups need K a multiple of {K_MULTIPLE}, got {k}")
@@ -179,54 +208,57 @@ def quantize_groups(weight: torch.Tensor) -> torch.Tensor:
     scales, mins = ((hi - lo) / 15).half(), lo.half()
     s, m = scales.float()[..., None], mins.float()[..., None]  # the stored values
     codes = torch.where(s > 0, torch.round((g - m) / s.clamp_min(1e-30)), 0).clamp_(0, 15)
-    codes = codes.to(torch.uint8)
-    packed = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2)
-    tail = torch.cat([scales, mins], dim=1).view(torch.uint8)  # [N, 4 * K / 32]
-    return torch.cat([packed, tail], dim=1).contiguous()
+    pad = -n % TILE  # padded rows: codes, scales and minimums 0
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, 0, 0, pad))
+    scales, mins = (torch.nn.functional.pad(v, (0, 0, 0, pad)) for v in (scales, mins))
+    t, groups = (n + pad) // TILE, k // GROUP
+    # [tile, row, group, chunk, 4 k] -> bytes [tile, group, chunk, row, 2]: k = 4c + j low,
+    # 4c + 2 + j high
+    c = codes.view(t, TILE, groups, 8, 4)
+    chunks = (c[..., :2] | (c[..., 2:] << 4)).permute(0, 2, 3, 1, 4).reshape(t, groups, 256)
+
+    def per_group(v: torch.Tensor) -> torch.Tensor:  # [N, G] float16 -> [tile, group, 32 bytes]
+        return v.view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    data = torch.cat([chunks, per_group(scales), per_group(mins)], dim=2)
+    return Q4Weight(data.reshape(t, groups * GROUP_BYTES).contiguous(), n, k)
 
 
-def _split(q4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, row = q4.shape
-    k = row * 8 // 5  # row = K / 2 + K / 8
-    g = k // GROUP
-    tail = q4[:, k // 2 :].contiguous().view(torch.float16)
-    return q4[:, : k // 2], tail[:, :g], tail[:, g:]
-
-
-def in_features(q4: torch.Tensor) -> int:
-    return q4.shape[1] * 8 // 5
-
-
-def dequantize(q4: torch.Tensor) -> torch.Tensor:
+def dequantize(q4: Q4Weight) -> torch.Tensor:
     """The float32 weight [N, K] the codes stand for (the tests' reference)."""
-    packed, scales, mins = _split(q4)
-    n = packed.shape[0]
-    b = packed.reshape(n, -1, 16)
-    codes = torch.cat([b & 15, b >> 4], dim=-1).float()  # [N, G, 32]
-    return (codes * scales.float()[..., None] + mins.float()[..., None]).reshape(n, -1)
+    t, groups = q4.data.shape[0], q4.in_features // GROUP
+    d = q4.data.view(t, groups, GROUP_BYTES)
+    b = d[..., :256].reshape(t, groups, 8, TILE, 2)
+    codes = torch.cat([b & 15, b >> 4], dim=-1).permute(0, 3, 1, 2, 4)  # [t, row, g, c, 4]
+    codes = codes.reshape(t * TILE, groups, GROUP).float()
+
+    def per_row(v: torch.Tensor) -> torch.Tensor:  # [tile, group, 32 bytes] -> [N, G] float
+        return v.contiguous().view(torch.float16).transpose(1, 2).reshape(-1, groups).float()
+
+    scales, mins = per_row(d[..., 256:288]), per_row(d[..., 288:])
+    w = codes * scales[..., None] + mins[..., None]
+    return w.reshape(t * TILE, -1)[: q4.out_features]
 
 
-def linear(
-    x: torch.Tensor, q4: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor | None:
+def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 (at most MAX_ROWS rows) against the 4-bit weight; None where the kernel
     cannot take the call (the caller uses its int8 weights)."""
     fn = _kernel()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], q4.shape[0]
+    m, n = x2.shape[0], q4.out_features
     if (
         fn is None
         or x.dtype != torch.bfloat16
         or not 1 <= m <= MAX_ROWS
         or x2.stride(-1) != 1
-        or in_features(q4) != k
+        or q4.in_features != k
         or (bias is not None and bias.dtype != x.dtype)
     ):
         return None
     y = torch.empty(m, n, dtype=x.dtype)
     rc = fn(
-        x2.data_ptr(), x2.stride(0), m, k, q4.data_ptr(), n,
+        x2.data_ptr(), x2.stride(0), m, k, q4.data.data_ptr(), n,
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
     return None if rc != 0 else y.view(*x.shape[:-1], n)

@@ -20,9 +20,12 @@ def test_groups_round_trip():
     w[3, :32] = 0.25  # a constant group: scale 0, every code 0, exact
     w[4, 40] = 5.0  # an outlier widens its own group only
     q4 = cpu_w4.quantize_groups(w)
-    assert q4.dtype == torch.uint8 and q4.shape == (20, 128 // 2 + 128 // 8)
-    assert cpu_w4.in_features(q4) == 128
+    # two tiles of 16 rows (the second padded), 4 groups of 32: 256 bytes of codes, 16 scales,
+    # 16 minimums
+    assert q4.data.dtype == torch.uint8 and q4.data.shape == (2, 4 * 320)
+    assert (q4.out_features, q4.in_features) == (20, 128)
     back = cpu_w4.dequantize(q4)
+    assert back.shape == w.shape
     g = w.view(20, 4, 32)
     step = (g.amax(-1) - g.amin(-1)) / 15  # per group
     err = (back - w).view(20, 4, 32).abs().amax(-1)

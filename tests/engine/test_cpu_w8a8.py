@@ -74,6 +74,34 @@ def test_packed_int8_gemm_is_exact(m, n, k):
     assert cpu_w8a8.pack_weight(torch.zeros(16, 6, dtype=torch.int8)) is None  # K % 4
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 16, 4), (13, 96, 64), (37, 80, 36), (300, 48, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gemm_scales_its_sums_as_it_stores_them(m, n, k, dtype, bias):
+    """linear_w8a8 on a packed weight: the GEMM's epilogue writes sums * s * w_scale (+ bias)
+    straight to the output dtype: the exact products scaled, rounded once (bf16: once more),
+    and within an ulp of the separate int32-then-dequant passes."""
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    packed = cpu_w8a8.pack_weight(w)
+    if packed is None:
+        pytest.skip("no AVX512-VNNI (or no compiler) for the packed int8 GEMM")
+    torch.manual_seed(5)
+    x = torch.randn(m, k).to(dtype)
+    ws = torch.rand(n) * 0.01
+    b = torch.randn(n).to(dtype) if bias else None
+    y = cpu_w8a8.linear_w8a8(x, w, b, ws, None, packed)
+    assert y.dtype == dtype and y.shape == (m, n)
+    q, s = cpu_w8a8.quantize_rows(x)
+    ref = (q.double() @ w.double().T) * s.double()[:, None] * ws.double()
+    if b is not None:
+        ref = ref + b.double()
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    separate = cpu_w8a8.linear_w8a8(x, w, b, ws)  # no packed copy: int32 sums, then dequant
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    torch.testing.assert_close(y, separate, rtol=ulp, atol=ulp * separate.abs().max().item())
+
+
 def test_w8a8_layers_carry_the_packed_weight(tiny_llama_dir):
     """quantization="w8a8": every linear layer and the LM head hold the packed copy, and a
     step's output is the one the repacking torch._int_mm gives."""

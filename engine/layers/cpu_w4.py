@@ -29,7 +29,7 @@ import torch
 from engine.cpu_build import C_BF16_HELPERS, load_library
 
 GROUP = 32
-MAX_ROWS = 2  # rows of x the kernel takes; larger batches use the int8 weights
+MAX_ROWS = 8  # rows of x the kernel takes (W4_MAX_ROWS); larger batches use the int8 weights
 K_MULTIPLE = 64  # in features must be a multiple of this (the x quantizer's step)
 TILE = 16  # output rows per tile, one per float lane of the kernel
 GROUP_BYTES = TILE * GROUP // 2 + 2 * TILE * 2  # a tile's group: codes, scales, minimums
@@ -48,6 +48,7 @@ _SOURCE = (
 #define TILE 16         /* output rows a tile holds: one per float lane */
 #define GROUP_BYTES 320 /* a tile's group: 16 x 32 codes, 16 float16 scales, 16 minimums */
 #define TASK_TILES 4    /* tiles per parallel task */
+#define W4_MAX_ROWS 8   /* MAX_ROWS */
 
 /* x [M][K] bf16 -> xq int16 with one scale per row (xs) and each group's sum of xq (xg). */
 static void prep_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int16_t* xq,
@@ -96,28 +97,33 @@ static inline __attribute__((always_inline)) void tiles_q4(const int16_t* xq, co
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * G * GROUP_BYTES;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    /* one or two rows: four sum chains per row to hide vpdpwssd's latency; more rows are
+       independent chains enough (and their registers are needed) */
+    const int NACC = M <= 2 ? 4 : 1;
+    __m512 acc[W4_MAX_ROWS];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = wt + g * GROUP_BYTES;
       for (int l = 0; l < GROUP_BYTES; l += 64) _mm_prefetch((const char*)wg + PF_BYTES + l, _MM_HINT_T0);
-      __m512i a[2][4];
+      __m512i a[W4_MAX_ROWS][4];
       for (int m = 0; m < M; ++m)
-        for (int i = 0; i < 4; ++i) a[m][i] = _mm512_setzero_si512();
+        for (int i = 0; i < NACC; ++i) a[m][i] = _mm512_setzero_si512();
       for (int c = 0; c < 8; ++c) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
-        const int i = (c & 1) * 2;
+        const int i = NACC == 4 ? (c & 1) * 2 : 0, j = NACC == 4 ? i + 1 : 0;
         for (int m = 0; m < M; ++m) {
           const int16_t* xk = xq + m * K + g * 32 + 4 * c;
           a[m][i] = dpwssd_bcast(a[m][i], lo, xk);
-          a[m][i + 1] = dpwssd_bcast(a[m][i + 1], hi, xk + 2);
+          a[m][j] = dpwssd_bcast(a[m][j], hi, xk + 2);
         }
       }
       const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 256)));
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 288)));
       for (int m = 0; m < M; ++m) {
-        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[m][0], a[m][1]),
-                                             _mm512_add_epi32(a[m][2], a[m][3]));
+        const __m512i sum = NACC == 4 ? _mm512_add_epi32(_mm512_add_epi32(a[m][0], a[m][1]),
+                                                         _mm512_add_epi32(a[m][2], a[m][3]))
+                                      : a[m][0];
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, acc[m]);
         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xg[m * G + g]), acc[m]);
       }
@@ -139,18 +145,19 @@ static inline __attribute__((always_inline)) void tiles_q4(const int16_t* xq, co
 }
 
 /* M is a constant in each copy, so the accumulators stay in registers. */
-static void tiles_q4_m1(const int16_t* xq, const float* xs, const float* xg, int64_t K,
-    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t t0, int64_t t1) {
-  tiles_q4(xq, xs, xg, 1, K, w, bias, y, ldy, N, t0, t1);
-}
-static void tiles_q4_m2(const int16_t* xq, const float* xs, const float* xg, int64_t K,
-    const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t N, int64_t t0, int64_t t1) {
-  tiles_q4(xq, xs, xg, 2, K, w, bias, y, ldy, N, t0, t1);
-}
+#define DEFINE_TILES(M) static void tiles_q4_m##M(const int16_t* xq, const float* xs,            \
+    const float* xg, int64_t K, const uint8_t* w, const uint16_t* bias, uint16_t* y, int64_t ldy, \
+    int64_t N, int64_t t0, int64_t t1) { tiles_q4(xq, xs, xg, M, K, w, bias, y, ldy, N, t0, t1); }
+DEFINE_TILES(1) DEFINE_TILES(2) DEFINE_TILES(3) DEFINE_TILES(4)
+DEFINE_TILES(5) DEFINE_TILES(6) DEFINE_TILES(7) DEFINE_TILES(8)
+typedef void (*tiles_fn)(const int16_t*, const float*, const float*, int64_t, const uint8_t*,
+    const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t);
+static const tiles_fn TILES[W4_MAX_ROWS] = {tiles_q4_m1, tiles_q4_m2, tiles_q4_m3, tiles_q4_m4,
+    tiles_q4_m5, tiles_q4_m6, tiles_q4_m7, tiles_q4_m8};
 
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
     int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
-  if (M < 1 || M > 2 || K % 64) return -1;
+  if (M < 1 || M > W4_MAX_ROWS || K % 64) return -1;
   int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (K / 32 + 1));
   if (!xq) return -1;
   float* xs = (float*)(xq + M * K);  /* K % 64 == 0: float-aligned after the int16 values */
@@ -160,7 +167,7 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t b = 0; b < tasks; ++b) {
     const int64_t t0 = b * TASK_TILES, t1 = t0 + TASK_TILES < tiles ? t0 + TASK_TILES : tiles;
-    (M == 1 ? tiles_q4_m1 : tiles_q4_m2)(xq, xs, xg, K, w, bias, y, ldy, N, t0, t1);
+    TILES[M - 1](xq, xs, xg, K, w, bias, y, ldy, N, t0, t1);
   }
   free(xq);
   return 0;

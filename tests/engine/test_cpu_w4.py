@@ -36,7 +36,9 @@ def test_groups_round_trip():
         cpu_w4.quantize_groups(torch.randn(4, 96))
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 70, 576), (2, 130, 1536), (1, 3, 64), (2, 65, 1088)])
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 70, 576), (2, 130, 1536), (1, 3, 64), (2, 65, 1088), (5, 48, 128), (8, 33, 576)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
     """Up to the bf16 output's rounding and x's int16 quantization (one scale per row)."""
@@ -53,13 +55,14 @@ def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
     torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
     # 3-D input, and the calls the kernel does not take
     assert torch.equal(cpu_w4.linear(x.view(m, 1, k), q4, b).view(m, n), y)
-    assert cpu_w4.linear(torch.randn(3, k).to(torch.bfloat16), q4) is None  # 3 rows
+    too_many = torch.randn(cpu_w4.MAX_ROWS + 1, k).to(torch.bfloat16)
+    assert cpu_w4.linear(too_many, q4) is None
     assert cpu_w4.linear(x.float(), q4) is None  # float32
     if k != 64:
         assert cpu_w4.linear(x[:, :64], q4) is None  # another K
 
 
-def test_layers_read_4_bits_at_one_or_two_rows_only():
+def test_layers_read_4_bits_up_to_max_rows_only():
     _require_kernel()
     from engine.layers.linear import ReplicatedLinear
 
@@ -71,7 +74,7 @@ def test_layers_read_4_bits_at_one_or_two_rows_only():
     layer.w4 = cpu_w4.quantize_groups(layer.weight.data)
     layer.quantize_int8()
     layer.quantize_activations = True
-    for rows in (1, 2, 3, cpu_gemm.W8A8_MIN_ROWS):
+    for rows in (1, 2, cpu_w4.MAX_ROWS, cpu_w4.MAX_ROWS + 1, cpu_gemm.W8A8_MIN_ROWS):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         if rows <= cpu_w4.MAX_ROWS:
             expected = cpu_w4.linear(x, layer.w4, layer.bias)

@@ -1,5 +1,5 @@
 """The one-call decode step (engine.models.llama_decode_plan): the same bytes as the modules,
-for one and two rows, both KV cache dtypes, with and without biases; the steps it leaves to
+for one to five rows, both KV cache dtypes, with and without biases; the steps it leaves to
 the modules; and the switch that turns it off."""
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ def _generate(path, kv_cache_dtype: str, plan: bool, monkeypatch):
         num_blocks=64, enable_prefix_caching=False,
     )  # fmt: skip
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=3)
-    # two prompts: steps of two decode rows, then one (the shorter finishes first), and a
-    # prompt alone; prefills always run on the modules
-    prompts = [list(range(5, 25)), list(range(30, 37))]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    outs += llm.generate(
-        [list(range(40, 73))],
-        SamplingParams(max_tokens=20, ignore_eos=True, temperature=0, logprobs=3),
-        use_tqdm=False,
-    )
+    # one prompt, two, then five at once (steps of 1, 2 and 5 decode rows); prefills always
+    # run on the modules
+    outs = llm.generate([list(range(50, 83))], params, use_tqdm=False)
+    outs += llm.generate([list(range(5, 25)), list(range(30, 37))], params, use_tqdm=False)
+    five = [list(range(40 + 9 * i, 49 + 9 * i + i)) for i in range(5)]
+    outs += llm.generate(five, params, use_tqdm=False)
     plan = llm.engine.executor.runner.model.model._decode_plan
     runs = None if plan is None else dict(plan.runs)
     llm.shutdown()
@@ -45,5 +42,5 @@ def test_plan_writes_what_the_modules_write(make_tiny_model, monkeypatch, kv_cac
     with_plan, runs = _generate(path, kv_cache_dtype, True, monkeypatch)
     without, no_runs = _generate(path, kv_cache_dtype, False, monkeypatch)
     assert no_runs is None  # switched off: never built
-    assert runs is not None and runs.get(1, 0) > 0 and runs.get(2, 0) > 0, runs
+    assert runs is not None and all(runs.get(rows, 0) > 0 for rows in (1, 2, 5)), runs
     assert with_plan == without

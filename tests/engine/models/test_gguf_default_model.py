@@ -134,7 +134,7 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
             pos = torch.arange(len(prompt))
             logits = model.compute_logits(model(torch.tensor(prompt), pos, meta))
             out = [int(logits[-1].argmax())]
-            while len(out) < 10 and out[-1] != tok.eos_token_id:
+            while len(out) < 16 and out[-1] != tok.eos_token_id:
                 meta = builder.build([(len(prompt) + len(out) - 1, 1, blocks)])
                 pos = torch.tensor([len(prompt) + len(out) - 1])
                 h = model(torch.tensor([out[-1]]), pos, meta)

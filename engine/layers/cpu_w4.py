@@ -1,4 +1,4 @@
-"""4-bit weights for decode steps of one or two rows (`--quantization w4a8`).
+"""4-bit weights for decode steps of up to 8 rows (`--quantization w4a8`).
 
 A one-stream decode step reads every weight once, so its time is weight bytes over memory
 bandwidth. Here each group of 32 consecutive weights of a row keeps 4-bit codes q in 0..15,
@@ -7,7 +7,7 @@ scales that is 0.625 bytes a weight against int8's 1.0. Groups of 32 follow outl
 better than one int8 scale per row: on SmolLM2-135M, 4-bit groups on every linear layer
 cost a mean next-token KL of 0.002 from bf16 (int8 rows on them and the LM head: 0.006).
 
-The kernel takes one or two rows of x, quantized to int16 with one scale per row (as
+The kernel takes 1-8 rows of x, quantized to int16 with one scale per row (as
 cpu_gemm's `rows_i16`). Rows are stored in tiles of 16 so that each float lane of the kernel
 accumulates one output row: 32 bytes hold 16 rows x 4 codes, widened to int16 they are the
 operands of two vpdpwssd against pairs of x broadcast from memory, and no horizontal sums

@@ -147,7 +147,7 @@ class Settings:
         "bytes of bf16 per decode step, at some accuracy cost); w8a8 = the same weights and "
         "int8 activations from 13 rows (the CPU's int8 dot products: more throughput under "
         "load, at about the accuracy of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups "
-        "for steps of 1-8 rows (CPUs with AVX512-VNNI, bfloat16: the fastest single stream). "
+        "for steps of 1-12 rows (CPUs with AVX512-VNNI, bfloat16: the fastest single stream). "
         "Default: none.",
         None,
         choices=("int8", "w8a8", "w4a8"),

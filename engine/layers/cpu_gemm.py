@@ -647,7 +647,7 @@ class UsesCpuGemm:
 
     cpu_gemm_max_rows: int | None = None
     quantize_activations = False  # int8 weights: int8 activations too from W8A8_MIN_ROWS rows
-    w4: cpu_w4.Q4Weight | None = None  # a 4-bit copy of the weight for 1-8 rows
+    w4: cpu_w4.Q4Weight | None = None  # a 4-bit copy of the weight for 1-12 rows
     packed_int8: torch.Tensor | None = None  # w8a8: the int8 weight packed for cpu_w8a8.int_mm
 
     def int8_activations(self, x: torch.Tensor) -> bool:

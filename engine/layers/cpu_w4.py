@@ -1,4 +1,4 @@
-"""4-bit weights for decode steps of up to 8 rows (`--quantization w4a8`).
+"""4-bit weights for decode steps of up to 12 rows (`--quantization w4a8`).
 
 A one-stream decode step reads every weight once, so its time is weight bytes over memory
 bandwidth. Here each group of 32 consecutive weights of a row keeps 4-bit codes q in 0..15,
@@ -7,7 +7,7 @@ scales that is 0.625 bytes a weight against int8's 1.0. Groups of 32 follow outl
 better than one int8 scale per row: on SmolLM2-135M, 4-bit groups on every linear layer
 cost a mean next-token KL of 0.002 from bf16 (int8 rows on them and the LM head: 0.006).
 
-The kernel takes 1-8 rows of x, quantized to int16 with one scale per row (as
+The kernel takes 1-12 rows of x, quantized to int16 with one scale per row (as
 cpu_gemm's `rows_i16`). Rows are stored in tiles of 16 so that each float lane of the kernel
 accumulates one output row: 32 bytes hold 16 rows x 4 codes, widened to int16 they are the
 operands of two vpdpwssd against pairs of x broadcast from memory, and no horizontal sums
@@ -29,7 +29,7 @@ import torch
 from engine.cpu_build import C_BF16_HELPERS, load_library
 
 GROUP = 32
-MAX_ROWS = 8  # rows of x the kernel takes (W4_MAX_ROWS); larger batches use the int8 weights
+MAX_ROWS = 12  # rows of x the kernel takes (W4_MAX_ROWS); larger batches use the int8 weights
 K_MULTIPLE = 64  # in features must be a multiple of this (the x quantizer's step)
 TILE = 16  # output rows per tile, one per float lane of the kernel
 GROUP_BYTES = TILE * GROUP // 2 + 2 * TILE * 2  # a tile's group: codes, scales, minimums
@@ -48,7 +48,7 @@ _SOURCE = (
 #define TILE 16         /* output rows a tile holds: one per float lane */
 #define GROUP_BYTES 320 /* a tile's group: 16 x 32 codes, 16 float16 scales, 16 minimums */
 #define TASK_TILES 4    /* tiles per parallel task */
-#define W4_MAX_ROWS 8   /* MAX_ROWS */
+#define W4_MAX_ROWS 12  /* MAX_ROWS */
 
 /* x [M][K] bf16 -> xq int16 with one scale per row (xs) and each group's sum of xq (xg). */
 static void prep_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int16_t* xq,
@@ -150,10 +150,12 @@ static inline __attribute__((always_inline)) void tiles_q4(const int16_t* xq, co
     int64_t N, int64_t t0, int64_t t1) { tiles_q4(xq, xs, xg, M, K, w, bias, y, ldy, N, t0, t1); }
 DEFINE_TILES(1) DEFINE_TILES(2) DEFINE_TILES(3) DEFINE_TILES(4)
 DEFINE_TILES(5) DEFINE_TILES(6) DEFINE_TILES(7) DEFINE_TILES(8)
+DEFINE_TILES(9) DEFINE_TILES(10) DEFINE_TILES(11) DEFINE_TILES(12)
 typedef void (*tiles_fn)(const int16_t*, const float*, const float*, int64_t, const uint8_t*,
     const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t);
 static const tiles_fn TILES[W4_MAX_ROWS] = {tiles_q4_m1, tiles_q4_m2, tiles_q4_m3, tiles_q4_m4,
-    tiles_q4_m5, tiles_q4_m6, tiles_q4_m7, tiles_q4_m8};
+    tiles_q4_m5, tiles_q4_m6, tiles_q4_m7, tiles_q4_m8, tiles_q4_m9, tiles_q4_m10, tiles_q4_m11,
+    tiles_q4_m12};
 
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
     int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {

@@ -17,7 +17,7 @@ int8, one scale per row, for the CPU's int8 dot products: twice the GEMM through
 compute bounds a step, at a further cost in accuracy (engine.layers.cpu_w8a8 has both).
 
 `w4a8` is w8a8 plus a second, 4-bit copy of each linear layer's weight (groups of 32 with a
-scale and a minimum, engine.layers.cpu_w4) that steps of up to 8 rows read instead: 0.625
+scale and a minimum, engine.layers.cpu_w4) that steps of up to 12 rows read instead: 0.625
 bytes a weight where one stream's decode is bound by reading them. The LM head stays int8.
 """
 

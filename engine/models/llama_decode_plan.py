@@ -1,4 +1,4 @@
-"""A Llama decode step of up to 8 rows as one C call (the CPU's answer to CUDA graphs).
+"""A Llama decode step of up to 12 rows as one C call (the CPU's answer to CUDA graphs).
 
 At one stream a decode step is ~330 small calls (per layer: two norms, four 4-bit GEMMs,
 rotary, the KV write, attention, SiLU), each a few microseconds of Python, torch and ctypes

@@ -37,7 +37,16 @@ def test_groups_round_trip():
 
 
 @pytest.mark.parametrize(
-    "m, n, k", [(1, 70, 576), (2, 130, 1536), (1, 3, 64), (2, 65, 1088), (5, 48, 128), (8, 33, 576)]
+    "m, n, k",
+    [
+        (1, 70, 576),
+        (2, 130, 1536),
+        (1, 3, 64),
+        (2, 65, 1088),
+        (5, 48, 128),
+        (8, 33, 576),
+        (12, 40, 576),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):

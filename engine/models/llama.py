@@ -128,7 +128,8 @@ class LlamaModel(nn.Module):
 
     def _plan(self) -> DecodePlan | None:
         """The one-call decode step, built at the first step (after quantization and the KV
-        cache), and again if the cache is re-bound."""
+        cache), and again if the cache is re-bound; it holds the weights it was built on (a
+        model changed in place afterwards would need `_decode_plan_cache = -1`)."""
         cache = self.layers[0].self_attn.attn.kv_cache if len(self.layers) else None
         key = None if cache is None else cache.data_ptr()
         if key != self._decode_plan_cache:

@@ -198,10 +198,16 @@ class DecodePlan:
         )  # fmt: skip
         self._final_norm = model.norm
         self._layers = (_Layer * len(layers))()
+        self._tensors: list[torch.Tensor] = []  # what _layers points into, kept alive with it
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             cache, scales = attn.attn.kv_cache, attn.attn.kv_scales
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            self._tensors += [m.w4.data for m in linears] + [
+                m.bias for m in linears if m.bias is not None
+            ]
+            self._tensors += [cache] + ([] if scales is None else [scales])
             self._layers[i] = _Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),

@@ -54,6 +54,13 @@ __attribute__((noinline)) static float q8_scale(float amax) { return amax / 127.
 C_AVX512_HELPERS = r"""
 #if defined(__AVX512F__)
 #include <immintrin.h>
+/* 16 floats -> 16 bf16, rounded like f2bf (to nearest even). */
+static inline __m256i f2bf512(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
 /* lane j of the result = sum of v[j]'s lanes (a transpose-and-add tree, then one permute). */
 static inline __m512 reduce16(const __m512 v[16]) {
   __m512 x[8], y[4], z[2];

@@ -165,12 +165,8 @@ static inline void softmax512(float* s, int H, int64_t L, int64_t stride) {
 
 /* out[i] = bf16(acc[i]), rounded like f2bf (nearest even); n a multiple of 16. */
 static inline void store512_bf16(uint16_t* out, const float* acc, int n) {
-  for (int i = 0; i < n; i += 16) {
-    __m512i u = _mm512_castps_si512(_mm512_loadu_ps(acc + i));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(u));
-  }
+  for (int i = 0; i < n; i += 16)
+    _mm256_storeu_si256((__m256i*)(out + i), f2bf512(_mm512_loadu_ps(acc + i)));
 }
 #endif
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_build import C_BF16_HELPERS, load_library
+from engine.cpu_build import C_AVX512_HELPERS, C_BF16_HELPERS, load_library
 
 GROUP = 32
 MAX_ROWS = 12  # rows of x the kernel takes (W4_MAX_ROWS); larger batches use the int8 weights
@@ -36,6 +36,7 @@ GROUP_BYTES = TILE * GROUP // 2 + 2 * TILE * 2  # a tile's group: codes, scales,
 
 _SOURCE = (
     C_BF16_HELPERS
+    + C_AVX512_HELPERS
     + r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -135,11 +136,8 @@ static inline __attribute__((always_inline)) void tiles_q4(const int16_t* xq, co
       b = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
     for (int m = 0; m < M; ++m) {
-      const __m512i u = _mm512_castps_si512(_mm512_fmadd_ps(acc[m], _mm512_set1_ps(xs[m]), b));
-      /* float -> bf16, to nearest even (as f2bf) */
-      const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-      _mm256_mask_storeu_epi16(y + m * ldy + n0, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+      _mm256_mask_storeu_epi16(y + m * ldy + n0, keep,
+                               f2bf512(_mm512_fmadd_ps(acc[m], _mm512_set1_ps(xs[m]), b)));
     }
   }
 }

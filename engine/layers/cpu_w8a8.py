@@ -31,11 +31,17 @@ import ctypes
 
 import torch
 
-from engine.cpu_build import C_BF16_HELPERS, C_INT8_QUANT_HELPERS, load_library
+from engine.cpu_build import (
+    C_AVX512_HELPERS,
+    C_BF16_HELPERS,
+    C_INT8_QUANT_HELPERS,
+    load_library,
+)
 
 _SOURCE = (
     C_BF16_HELPERS
     + C_INT8_QUANT_HELPERS
+    + C_AVX512_HELPERS
     + r"""
 #include <stdint.h>
 #include <math.h>
@@ -189,10 +195,7 @@ __attribute__((noinline)) static void epilogue_tile(const int32_t* t, int mr, in
         const __m512 f = ep->bias ? _mm512_fmadd_ps(as, wn, _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)ep->bias + n))), 16)))
                                   : _mm512_mul_ps(as, wn);
-        const __m512i u = _mm512_castps_si512(f);  /* to nearest even, as f2bf */
-        const __m512i rnd = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-        _mm256_storeu_si256((__m256i*)((uint16_t*)ep->y + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rnd, 16)));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)ep->y + at), f2bf512(f));
       } else {
         _mm512_storeu_ps((float*)ep->y + at, ep->bias
             ? _mm512_fmadd_ps(as, wn, _mm512_loadu_ps((const float*)ep->bias + n)) : _mm512_mul_ps(as, wn));

@@ -116,8 +116,9 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for every layer
         plan = self._plan()
-        if plan is not None and plan.takes(hidden.shape[0], meta):
-            out = plan.run(hidden, *rope, meta)
+        kind = None if plan is None else plan.takes(hidden.shape[0], meta)
+        if kind is not None:
+            out = plan.run(kind, hidden, *rope, meta)
             if out is not None:
                 return out
         residual = None

@@ -1,18 +1,20 @@
-"""A Llama decode step of up to 12 rows as one C call (the CPU's answer to CUDA graphs).
+"""A Llama decode step as one C call (the CPU's answer to CUDA graphs).
 
-At one stream a decode step is ~330 small calls (per layer: two norms, four 4-bit GEMMs,
-rotary, the KV write, attention, SiLU), each a few microseconds of Python, torch and ctypes
-around a few microseconds of work: on a Zen 4 core ~2.5 ms of a ~10 ms step. The plan runs
-the same kernels in the same order from C, through their function pointers, on buffers it
-keeps per row count: every byte they write is what the module path writes (tested). In the
-server it saves more than the Python: after each of those calls the engine thread had to win
-the GIL back from the HTTP thread's per-token work; now it does once a step (one stream on
-Zen 4: TPOT 14-14.5 -> 7-8.3 ms).
+At one stream a decode step is ~330 small calls (per layer: two norms, four GEMMs, rotary,
+the KV write, attention, SiLU), each a few microseconds of Python, torch and ctypes around a
+few microseconds of work: on a Zen 4 core ~2.5 ms of a ~10 ms step. The plan runs the same
+kernels in the same order from C, through their function pointers, on buffers it keeps:
+every byte they write is what the module path writes (tested). In the server it saves more
+than the Python: after each of those calls the engine thread had to win the GIL back from
+the HTTP thread's per-token work; now it does once a step (Zen 4, w4a8 + int8 KV: one
+stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
-It takes the steps the w4a8 small-batch path runs (`--quantization w4a8`, one tensor-parallel
-rank, every linear layer with its 4-bit copy, the compiled norm/rotary/attention kernels,
-bf16) where every row is a decode on the attention kernel; any other step, or a model it does
-not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
+Two kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the 4-bit
+copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-512 rows on int8 activations
+and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8). It needs one
+tensor-parallel rank, bf16, the compiled norm/rotary/attention kernels and every row of the
+step on the attention kernel (decodes, and short prompts' prefill rows); any other step, or a
+model it does not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.cpu_build import load_library
-from engine.layers import cpu_fused, cpu_w4
+from engine.layers import cpu_fused, cpu_gemm, cpu_w4, cpu_w8a8
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -43,16 +45,29 @@ typedef void (*kv8_write_fn)(int8_t*, int8_t*, float*, float*, const int64_t*, i
 typedef void (*decode_fn)(bf16*, int64_t, const bf16*, int64_t, const void*, const void*,
     const float*, const float*, const int64_t*, int64_t, const int64_t*, int64_t, int, int,
     int, int, float, float*, int64_t, int);
+typedef void (*quant_fn)(const bf16*, int64_t, int64_t, int64_t, int8_t*, float*, int);
+typedef int (*gemm_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+    int32_t*, int64_t, int);
+typedef int (*gemm_scaled_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+    const float*, const float*, const void*, void*, int, int);
+typedef void (*silu_quant_fn)(const int32_t*, int64_t, int64_t, const float*, const float*,
+    const bf16*, int8_t*, float*, float*, int);
 
-typedef struct { void *norm, *q4, *rope, *silu, *kv8_write, *decode; } Kernels;
+typedef struct {
+  void *norm, *q4, *rope, *silu, *kv8_write, *decode;
+  void *quant, *gemm, *gemm_scaled, *silu_quant;  /* w8a8 (NULL where the plan has none) */
+} Kernels;
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, inter, block_size, kv_int8;
   float eps, scale;
 } Shape;
+enum { QKV, O, GATE_UP, DOWN };
 typedef struct {
   const bf16 *in_norm, *post_norm;
-  const uint8_t *qkv, *o, *gate_up, *down;
-  const bf16 *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+  const uint8_t* w4[4];      /* 4-bit tiles (cpu_w4), or NULL */
+  const bf16* bias[4];
+  const uint8_t* packed[4];  /* w8a8: int8 weights packed for the GEMM, and their row scales */
+  const float* wscale[4];
   void *k_cache, *v_cache;
   float *k_scales, *v_scales;
 } Layer;
@@ -63,14 +78,45 @@ typedef struct {
   const int64_t *slots, *block_tables, *context_lens;
   float* scratch;
   int threads, decode_threads;  /* torch's intra-op threads; the attention scratch's rows */
+  int w8a8;                     /* the GEMMs: 4-bit (0) or int8 activations (1) */
+  int8_t* xq; float* xs;        /* w8a8: a row-quantized input, its scales */
+  int32_t* acc; int8_t* hq; float* hs; float* tmp;  /* w8a8 MLP: gate_up sums, down's input */
 } Step;
+
+/* y [M][N] (bf16, N apart) = x [M][K] (ldx apart) . W^T + bias, as the layer's module would. */
+static int linear(const Kernels* kn, const Layer* L, int which, const Step* st, const bf16* x,
+    int64_t ldx, int64_t K, bf16* y, int64_t N) {
+  const int64_t M = st->rows; const int T = st->threads;
+  if (!st->w8a8)
+    return ((q4_fn)kn->q4)(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
+  ((quant_fn)kn->quant)(x, ldx, M, K, st->xq, st->xs, T);
+  return ((gemm_scaled_fn)kn->gemm_scaled)(st->xq, K, M, K, L->packed[which], N, st->xs,
+      L->wscale[which], L->bias[which], y, 1, T);
+}
+
+/* down(silu(gate) * up), [gate | up] = gate_up(x): w8a8 as cpu_w8a8.mlp_w8a8 (two int8 GEMMs,
+   one pass between them), 4-bit as the modules (SiLU-mul in the model dtype). */
+static int mlp(const Kernels* kn, const Layer* L, const Shape* s, const Step* st) {
+  const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
+  if (!st->w8a8) {
+    if (linear(kn, L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;
+    ((silu_fn)kn->silu)(st->gate_up, 2 * I, st->act, I, M, I, T);
+    return linear(kn, L, DOWN, st, st->act, I, I, st->hidden, Hd);
+  }
+  ((quant_fn)kn->quant)(st->normed, Hd, M, Hd, st->xq, st->xs, T);
+  if (((gemm_fn)kn->gemm)(st->xq, Hd, M, Hd, L->packed[GATE_UP], 2 * I, st->acc, 2 * I, T))
+    return -1;
+  ((silu_quant_fn)kn->silu_quant)(st->acc, M, I, st->xs, L->wscale[GATE_UP], L->bias[GATE_UP],
+      st->hq, st->hs, st->tmp, T);
+  return ((gemm_scaled_fn)kn->gemm_scaled)(st->hq, I, M, I, L->packed[DOWN], Hd, st->hs,
+      L->wscale[DOWN], L->bias[DOWN], st->hidden, 1, T);
+}
 
 /* hidden: the step's embeddings in, the last layer's output out (residual: its stream, for
    the final norm). 0, or -1 when a GEMM could not allocate. */
 int run_decode(const Kernels* kn, const Shape* s, const Layer* layers, int64_t n_layers,
     const Step* st) {
-  const norm_fn norm = (norm_fn)kn->norm; const q4_fn q4 = (q4_fn)kn->q4;
-  const rope_fn rope = (rope_fn)kn->rope; const silu_fn silu = (silu_fn)kn->silu;
+  const norm_fn norm = (norm_fn)kn->norm; const rope_fn rope = (rope_fn)kn->rope;
   const int64_t M = st->rows, Hd = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
   const int64_t qkv_n = (H + 2 * Hkv) * D, qk_n = (H + Hkv) * D, T = st->threads;
   for (int64_t l = 0; l < n_layers; ++l) {
@@ -81,7 +127,7 @@ int run_decode(const Kernels* kn, const Shape* s, const Layer* layers, int64_t n
     } else {
       norm(st->hidden, Hd, st->residual, Hd, L->in_norm, st->normed, Hd, M, Hd, s->eps, T);
     }
-    if (q4(st->normed, Hd, M, Hd, L->qkv, qkv_n, L->qkv_bias, st->qkv, qkv_n, T)) return -1;
+    if (linear(kn, L, QKV, st, st->normed, Hd, Hd, st->qkv, qkv_n)) return -1;
     rope(st->qkv, qkv_n, st->cos, st->sin, st->qk, M, H + Hkv, D, T);
     const bf16* k = st->qk + H * D; const bf16* v = st->qkv + qk_n;
     if (s->kv_int8) {
@@ -96,13 +142,9 @@ int run_decode(const Kernels* kn, const Shape* s, const Layer* layers, int64_t n
     ((decode_fn)kn->decode)(st->attn, H * D, st->qk, qk_n, L->k_cache, L->v_cache, L->k_scales,
         L->v_scales, st->block_tables, st->max_blocks, st->context_lens, M, (int)H, (int)Hkv,
         (int)D, (int)s->block_size, s->scale, st->scratch, st->scratch_size, st->decode_threads);
-    if (q4(st->attn, H * D, M, H * D, L->o, Hd, L->o_bias, st->hidden, Hd, T)) return -1;
+    if (linear(kn, L, O, st, st->attn, H * D, H * D, st->hidden, Hd)) return -1;
     norm(st->hidden, Hd, st->residual, Hd, L->post_norm, st->normed, Hd, M, Hd, s->eps, T);
-    const int64_t I = s->inter;
-    if (q4(st->normed, Hd, M, Hd, L->gate_up, 2 * I, L->gate_up_bias, st->gate_up, 2 * I, T))
-      return -1;
-    silu(st->gate_up, 2 * I, st->act, I, M, I, T);
-    if (q4(st->act, I, M, I, L->down, Hd, L->down_bias, st->hidden, Hd, T)) return -1;
+    if (mlp(kn, L, s, st)) return -1;
   }
   return 0;
 }
@@ -111,8 +153,12 @@ int run_decode(const Kernels* kn, const Shape* s, const Layer* layers, int64_t n
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+_KERNELS = ("norm", "q4", "rope", "silu", "kv8_write", "decode")
+_W8A8_KERNELS = ("quant", "gemm", "gemm_scaled", "silu_quant")
+
+
 class _Kernels(ctypes.Structure):
-    _fields_ = [(n, _P) for n in ("norm", "q4", "rope", "silu", "kv8_write", "decode")]
+    _fields_ = [(n, _P) for n in _KERNELS + _W8A8_KERNELS]
 
 
 class _Shape(ctypes.Structure):
@@ -124,27 +170,14 @@ class _Shape(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        (n, _P)
-        for n in (
-            "in_norm",
-            "post_norm",
-            "qkv",
-            "o",
-            "gate_up",
-            "down",
-            "qkv_bias",
-            "o_bias",
-            "gate_up_bias",
-            "down_bias",
-            "k_cache",
-            "v_cache",
-            "k_scales",
-            "v_scales",
-        )  # fmt: skip
-    ]
+        ("in_norm", _P), ("post_norm", _P), ("w4", _P * 4), ("bias", _P * 4),
+        ("packed", _P * 4), ("wscale", _P * 4), ("k_cache", _P), ("v_cache", _P),
+        ("k_scales", _P), ("v_scales", _P),
+    ]  # fmt: skip
 
 
 _BUFFERS = ("hidden", "residual", "normed", "qkv", "qk", "attn", "gate_up", "act")
+_W8A8_BUFFERS = ("xq", "xs", "acc", "hq", "hs", "tmp")
 
 
 class _Step(ctypes.Structure):
@@ -152,7 +185,8 @@ class _Step(ctypes.Structure):
         [(n, _I64) for n in ("rows", "max_blocks", "scratch_size")]
         + [(n, _P) for n in _BUFFERS]
         + [(n, _P) for n in ("cos", "sin", "slots", "block_tables", "context_lens", "scratch")]
-        + [("threads", ctypes.c_int), ("decode_threads", ctypes.c_int)]
+        + [("threads", ctypes.c_int), ("decode_threads", ctypes.c_int), ("w8a8", ctypes.c_int)]
+        + [(n, _P) for n in _W8A8_BUFFERS]
     )
 
 
@@ -183,41 +217,59 @@ def enabled() -> bool:
     return os.environ.get("TESSERA_DECODE_PLAN", "1") != "0"
 
 
+W4, W8A8 = 0, 1  # the plan's two kinds of step
+
+
+def _linears(layer: torch.nn.Module) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def _has_w8a8(m) -> bool:
+    return m.packed_int8 is not None and m.weight_scale is not None and m.quantize_activations
+
+
 class DecodePlan:
     """The layers' weights and caches as C structs, built once; run() takes a step."""
 
-    def __init__(self, model: torch.nn.Module, run_fn, kernels: _Kernels):
+    def __init__(self, model: torch.nn.Module, run_fn, kernels: _Kernels, w4: bool, w8a8: bool):
         layers = model.layers
         a0 = layers[0].self_attn
         self._run_fn, self._kernels = run_fn, kernels
+        self.w4, self.w8a8 = w4, w8a8  # which kinds of step the layers can run
         self._shape = _Shape(
             hidden=model.norm.weight.shape[0], heads=a0.num_heads, kv_heads=a0.num_kv_heads,
-            head_dim=a0.head_dim, inter=layers[0].mlp.down_proj.w4.in_features,
+            head_dim=a0.head_dim, inter=layers[0].mlp.down_proj.weight.shape[1],
             block_size=a0.attn.kv_cache.shape[2], kv_int8=int(a0.attn.kv_scales is not None),
             eps=layers[0].input_layernorm.eps, scale=a0.attn.scale,
         )  # fmt: skip
         self._final_norm = model.norm
         self._layers = (_Layer * len(layers))()
         self._tensors: list[torch.Tensor] = []  # what _layers points into, kept alive with it
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            self._tensors.append(t)
+            return t.data_ptr()
+
         for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            cache, scales = attn.attn.kv_cache, attn.attn.kv_scales
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            self._tensors += [m.w4.data for m in linears] + [
-                m.bias for m in linears if m.bias is not None
-            ]
-            self._tensors += [cache] + ([] if scales is None else [scales])
+            attn = layer.self_attn.attn
+            cache, scales = attn.kv_cache, attn.kv_scales
+            linears = _linears(layer)
             self._layers[i] = _Layer(
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                *(m.w4.data.data_ptr() for m in linears),
-                *(None if m.bias is None else m.bias.data_ptr() for m in linears),
-                cache[0].data_ptr(), cache[1].data_ptr(),
-                None if scales is None else scales[0].data_ptr(),
-                None if scales is None else scales[1].data_ptr(),
+                ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                (_P * 4)(*(ptr(m.w4.data) if w4 else None for m in linears)),
+                (_P * 4)(*(ptr(m.bias) for m in linears)),
+                (_P * 4)(*(ptr(m.packed_int8) if w8a8 else None for m in linears)),
+                (_P * 4)(*(ptr(m.weight_scale) if w8a8 else None for m in linears)),
+                ptr(cache[0]), ptr(cache[1]),
+                None if scales is None else ptr(scales[0]),
+                None if scales is None else ptr(scales[1]),
             )  # fmt: skip
-        self._buffers: dict[int, tuple[dict[str, torch.Tensor], _Step]] = {}
+        self._capacity = 0  # rows the step buffers hold
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._step = _Step()
         self.runs: dict[int, int] = {}  # steps run, by row count
 
     @classmethod
@@ -225,13 +277,18 @@ class DecodePlan:
         """The plan for a LlamaModel, or None where it does not fit (see the module doc)."""
         if not enabled() or not len(model.layers):
             return None
+        linears = [m for layer in model.layers for m in _linears(layer)]
+        w4 = all(m.w4 is not None for m in linears)
+        w8a8 = all(_has_w8a8(m) for m in linears)
+        if not (w4 or w8a8):
+            return None
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            cache = attn.attn.kv_cache
+            cache = layer.self_attn.attn.kv_cache
             if (
-                any(m.w4 is None or m.tp_size != 1 for m in linears)
-                or any(m.bias is not None and m.bias.dtype != torch.bfloat16 for m in linears)
+                any(m.tp_size != 1 for m in _linears(layer))
+                or any(
+                    m.bias is not None and m.bias.dtype != torch.bfloat16 for m in _linears(layer)
+                )
                 or cache is None
                 or cache.device.type != "cpu"
                 or not cache.is_contiguous()
@@ -245,10 +302,10 @@ class DecodePlan:
             torch.bfloat16, torch.device("cpu"), a0.num_kv_heads, a0.head_dim
         ):
             return None
-        fused, attention = cpu_fused._load(), cpu_kernel.load_kernel()
+        fused, attention, int8 = cpu_fused._load(), cpu_kernel.load_kernel(), cpu_w8a8._load()
         addresses = {
             "norm": _address(fused, "rmsnorm_bf16"),
-            "q4": _fn_address(cpu_w4._kernel()),
+            "q4": _fn_address(cpu_w4._kernel()) if w4 else 0,
             "rope": _address(fused, "rope_bf16"),
             "silu": _address(fused, "silu_mul_bf16"),
             "kv8_write": _address(attention, "kv8_write_bf16"),
@@ -257,37 +314,64 @@ class DecodePlan:
                 "paged_decode_kv8_bf16" if a0.attn.kv_scales is not None else "paged_decode_bf16",
             ),
         }
+        if w8a8:
+            addresses |= {
+                "quant": _address(int8, "quantize_rows_bf16"),
+                "gemm": _address(int8, "gemm_i8"),
+                "gemm_scaled": _address(int8, "gemm_i8_scaled"),
+                "silu_quant": _address(int8, "silu_quant_bf16"),
+            }
         run_fn = _run_fn()
         if run_fn is None or None in addresses.values():
             return None
-        return cls(model, run_fn, _Kernels(**addresses))
+        return cls(model, run_fn, _Kernels(**addresses), w4, w8a8)
 
-    def takes(self, rows: int, meta: AttentionMetadata) -> bool:
+    def takes(self, rows: int, meta: AttentionMetadata) -> int | None:
+        """The kind of step (W4, W8A8) the plan runs for this one, or None: the modules run it.
+        Each kind covers exactly the row counts where the layers take that path."""
         kd = meta.kernel_decode
-        return (
-            1 <= rows <= cpu_w4.MAX_ROWS
-            and kd is not None
-            and kd.num_rows == rows
-            and not meta.decode_groups
-            and not meta.prefills
-        )
+        if kd is None or kd.num_rows != rows or meta.decode_groups or meta.prefills:
+            return None
+        if self.w4 and 1 <= rows <= cpu_w4.MAX_ROWS:
+            return W4
+        if self.w8a8 and cpu_gemm.W8A8_MIN_ROWS <= rows <= cpu_w8a8.PACKED_MAX_ROWS:
+            return W8A8
+        return None
 
-    def _step_buffers(self, rows: int) -> tuple[dict[str, torch.Tensor], _Step]:
-        if rows not in self._buffers:
-            s = self._shape
+    def _step_buffers(self, rows: int, threads: int) -> _Step:
+        """The step struct over buffers of at least `rows` rows (grown by doubling, so their
+        addresses settle after a few steps)."""
+        s = self._shape
+        if rows > self._capacity or self._bufs["tmp"].shape[0] < threads:
+            cap = max(rows, 2 * self._capacity)
             h, qkv = s.heads * s.head_dim, (s.heads + 2 * s.kv_heads) * s.head_dim
-            widths = {
+            bf16 = {
                 "hidden": s.hidden, "residual": s.hidden, "normed": s.hidden, "qkv": qkv,
                 "qk": qkv - s.kv_heads * s.head_dim, "attn": h, "gate_up": 2 * s.inter,
                 "act": s.inter,
             }  # fmt: skip
-            bufs = {n: torch.empty(rows, w, dtype=torch.bfloat16) for n, w in widths.items()}
-            step = _Step(rows=rows, **{n: t.data_ptr() for n, t in bufs.items()})
-            self._buffers[rows] = (bufs, step)
-        return self._buffers[rows]
+            bufs = {n: torch.empty(cap, w, dtype=torch.bfloat16) for n, w in bf16.items()}
+            bufs |= {
+                "xq": torch.empty(cap, max(s.hidden, h, s.inter), dtype=torch.int8),
+                "xs": torch.empty(cap, dtype=torch.float32),
+                "acc": torch.empty(cap, 2 * s.inter, dtype=torch.int32),
+                "hq": torch.empty(cap, s.inter, dtype=torch.int8),
+                "hs": torch.empty(cap, dtype=torch.float32),
+                "tmp": torch.empty(threads, s.inter, dtype=torch.float32),
+            }
+            self._bufs, self._capacity = bufs, cap
+            for n, t in bufs.items():
+                setattr(self._step, n, t.data_ptr())
+        self._step.rows = rows
+        return self._step
 
     def run(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        kind: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """The final norm's output [rows, hidden] for the embeddings hidden; None if the C call
         failed (the caller reruns the step on the modules, whose KV writes land on the same
@@ -295,16 +379,18 @@ class DecodePlan:
         rows = hidden.shape[0]
         kd = meta.kernel_decode
         assert kd is not None
-        bufs, step = self._step_buffers(rows)
-        bufs["hidden"].copy_(hidden)
+        threads = torch.get_num_threads()
+        step = self._step_buffers(rows, threads)
+        self._bufs["hidden"][:rows].copy_(hidden)
         for x in (cos, sin, meta.slot_mapping, kd.block_tables, kd.context_lens, kd.scratch):
             assert x.is_contiguous()
+        step.w8a8 = int(kind == W8A8)
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slots = meta.slot_mapping.data_ptr()
         step.block_tables, step.max_blocks = kd.block_tables.data_ptr(), kd.block_tables.shape[1]
         step.context_lens = kd.context_lens.data_ptr()
         step.scratch, step.scratch_size = kd.scratch.data_ptr(), kd.scratch.shape[1]
-        step.threads, step.decode_threads = torch.get_num_threads(), kd.scratch.shape[0]
+        step.threads, step.decode_threads = threads, kd.scratch.shape[0]
         rc = self._run_fn(
             ctypes.byref(self._kernels), ctypes.byref(self._shape), ctypes.addressof(self._layers),
             len(self._layers), ctypes.byref(step),
@@ -312,5 +398,5 @@ class DecodePlan:
         if rc != 0:
             return None
         self.runs[rows] = self.runs.get(rows, 0) + 1
-        norm = self._final_norm
-        return cpu_fused.rms_norm(bufs["hidden"], norm.weight, norm.eps, bufs["residual"])
+        norm, b = self._final_norm, self._bufs
+        return cpu_fused.rms_norm(b["hidden"][:rows], norm.weight, norm.eps, b["residual"][:rows])

@@ -1,29 +1,31 @@
 """The one-call decode step (engine.models.llama_decode_plan): the same bytes as the modules,
-for one to five rows, both KV cache dtypes, with and without biases; the steps it leaves to
-the modules; and the switch that turns it off."""
+on 4-bit weights (1-12 rows) and on int8 activations (from 13 rows), both KV cache dtypes,
+with and without biases; the steps it leaves to the modules; and the switch that turns it
+off."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.layers import cpu_w4
+from engine.layers import cpu_w4, cpu_w8a8
 
 
-def _generate(path, kv_cache_dtype: str, plan: bool, monkeypatch):
+def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypatch):
     from engine import LLM, SamplingParams
 
     monkeypatch.setenv("TESSERA_DECODE_PLAN", "1" if plan else "0")
     llm = LLM(
-        str(path), dtype="bfloat16", quantization="w4a8", kv_cache_dtype=kv_cache_dtype,
-        num_blocks=64, enable_prefix_caching=False,
+        str(path), dtype="bfloat16", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+        num_blocks=128, enable_prefix_caching=False, max_num_seqs=16,
     )  # fmt: skip
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=3)
-    # one prompt, two, then five at once (steps of 1, 2 and 5 decode rows); prefills always
-    # run on the modules
+    # one prompt, two, five, then fourteen at once (steps of 1, 2, 5 and 14 decode rows; short
+    # prompts' prefills run on the attention kernel too, and so in the plan)
     outs = llm.generate([list(range(50, 83))], params, use_tqdm=False)
     outs += llm.generate([list(range(5, 25)), list(range(30, 37))], params, use_tqdm=False)
-    five = [list(range(40 + 9 * i, 49 + 9 * i + i)) for i in range(5)]
-    outs += llm.generate(five, params, use_tqdm=False)
+    for n in (5, 14):
+        prompts = [list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)]
+        outs += llm.generate(prompts, params, use_tqdm=False)
     plan = llm.engine.executor.runner.model.model._decode_plan
     runs = None if plan is None else dict(plan.runs)
     llm.shutdown()
@@ -32,15 +34,22 @@ def _generate(path, kv_cache_dtype: str, plan: bool, monkeypatch):
     ], runs
 
 
+@pytest.mark.parametrize("quantization", ["w4a8", "w8a8"])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_plan_writes_what_the_modules_write(make_tiny_model, monkeypatch, kv_cache_dtype, arch):
-    """Greedy tokens and every logprob equal with and without the plan (qwen2: q/k/v biases)."""
-    if not cpu_w4.available():
-        pytest.skip("the plan runs the 4-bit kernel: it needs AVX512-VNNI and a C compiler")
+def test_plan_writes_what_the_modules_write(
+    make_tiny_model, monkeypatch, quantization, kv_cache_dtype, arch
+):
+    """Greedy tokens and every logprob equal with and without the plan (qwen2: q/k/v biases);
+    w8a8 has no 4-bit weights, so its steps of up to 12 rows stay with the modules."""
+    if not cpu_w4.available() or cpu_w8a8.pack_weight(cpu_w8a8.torch.zeros(16, 4).char()) is None:
+        pytest.skip("the plan runs the 4-bit and packed int8 kernels: AVX512-VNNI, a C compiler")
     path = make_tiny_model(f"tiny-{arch}-plan", arch=arch, seed=3)
-    with_plan, runs = _generate(path, kv_cache_dtype, True, monkeypatch)
-    without, no_runs = _generate(path, kv_cache_dtype, False, monkeypatch)
+    with_plan, runs = _generate(path, quantization, kv_cache_dtype, True, monkeypatch)
+    without, no_runs = _generate(path, quantization, kv_cache_dtype, False, monkeypatch)
     assert no_runs is None  # switched off: never built
-    assert runs is not None and all(runs.get(rows, 0) > 0 for rows in (1, 2, 5)), runs
+    taken = (1, 2, 5, 14) if quantization == "w4a8" else (14,)
+    assert runs is not None and all(runs.get(rows, 0) > 0 for rows in taken), runs
+    if quantization == "w8a8":
+        assert min(runs) >= 13, runs  # fewer rows: int8 weights alone, the modules' path
     assert with_plan == without

@@ -6,6 +6,7 @@ off."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.layers import cpu_w4, cpu_w8a8
 
@@ -42,7 +43,7 @@ def test_plan_writes_what_the_modules_write(
 ):
     """Greedy tokens and every logprob equal with and without the plan (qwen2: q/k/v biases);
     w8a8 has no 4-bit weights, so its steps of up to 12 rows stay with the modules."""
-    if not cpu_w4.available() or cpu_w8a8.pack_weight(cpu_w8a8.torch.zeros(16, 4).char()) is None:
+    if not cpu_w4.available() or cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is None:
         pytest.skip("the plan runs the 4-bit and packed int8 kernels: AVX512-VNNI, a C compiler")
     path = make_tiny_model(f"tiny-{arch}-plan", arch=arch, seed=3)
     with_plan, runs = _generate(path, quantization, kv_cache_dtype, True, monkeypatch)

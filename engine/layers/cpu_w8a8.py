@@ -20,8 +20,9 @@ weights (int_mm, on AVX512-VNNI) up to PACKED_MAX_ROWS rows, torch._int_mm beyon
 repacks the weight on every call, which at 13-256 rows costs as much as the multiply. The
 MLP (mlp_w8a8) goes further: between its two GEMMs one pass takes gate_up's int32 sums to
 the int8 rows down_proj needs (scales, SiLU, product, quantization), 10% less MLP time at
-32-128 rows than layer by layer. Built with the other CPU kernels
-(engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to
+32-128 rows than layer by layer; on the packed weight that pass runs in the GEMM's own tiles
+(gemm_i8_silu_quant), so gate_up's int32 sums never reach memory. Built with the other CPU
+kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to
 the same arithmetic, only slower).
 """
 
@@ -242,6 +243,106 @@ int gemm_i8_scaled(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uin
   const gemm_epilogue ep = {xs, ws, bias, y, bf16};
   return gemm_i8_run(x, ldx, M, K, wp, N, NULL, N, nthreads, &ep);
 }
+
+/* The MLP's first half with no int32 [M][2I] in memory: x . [gate | up]^T on the packed
+   weight, a thread taking a gate column block with its up block (I columns on); each 8-row
+   tile pair goes through L1 to h = silu(gate) * up in float (silu_quant's arithmetic, term
+   for term) with the tile's |h| max; after a barrier, each row of h quantized to int8 for
+   down_proj. The sums were 2x the bytes of h and a second pass over them. I % 16 == 0. */
+typedef struct { const float* xs; const float* ws; const void* bias; int bias_bf16;
+                 float* h; float* hmax; int64_t I, nblk; } silu_epilogue;
+static inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+/* 16 values of a tile row: sums * sm * ws (+ bias), as float */
+static inline __m512 scaled16(const int32_t* t, __m512 sm, const float* ws, const void* bias,
+    int bias_bf16, int64_t n) {
+  const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(t)), sm),
+                                 _mm512_loadu_ps(ws + n));
+  if (!bias) return y;
+  return _mm512_add_ps(y, bias_bf16 ? bf16x16((const uint16_t*)bias + n)
+                                    : _mm512_loadu_ps((const float*)bias + n));
+}
+__attribute__((noinline)) static void silu_tile(const int32_t* tg, const int32_t* tu, int mr,
+    int nv, int64_t m0, int64_t n0, int64_t cb, const silu_epilogue* ep) {
+  const int64_t I = ep->I;
+  for (int r = 0; r < mr; ++r) {
+    const __m512 sm = _mm512_set1_ps(ep->xs[m0 + r]);
+    float* hr = ep->h + (m0 + r) * I + n0;
+    __m512 amax = _mm512_setzero_ps();
+    for (int v = 0; v < nv; ++v) {
+      const int64_t n = n0 + 16 * v;
+      const __m512 g = scaled16(tg + r * 16 * GEMM_NV + 16 * v, sm, ep->ws, ep->bias, ep->bias_bf16, n);
+      const __m512 u = scaled16(tu + r * 16 * GEMM_NV + 16 * v, sm, ep->ws, ep->bias, ep->bias_bf16, I + n);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 h = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+      _mm512_storeu_ps(hr + 16 * v, h);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(h));
+    }
+    ep->hmax[(m0 + r) * ep->nblk + cb] = _mm512_reduce_max_ps(amax);
+  }
+}
+/* h: [M][I] floats, hmax: [M][ceil(I / 48)] floats (scratch); q [M][I], qs [M] out. */
+int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp,
+    int64_t I, const float* xs, const float* ws, const void* bias, int bias_bf16, float* h,
+    float* hmax, int8_t* q, float* qs, int nthreads) {
+  if (I % 16) return -2;
+  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (M > 0 ? M : 1));
+  if (!xsum) return -1;
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += x[m * ldx + k];
+    xsum[m] = sum;
+  }
+  const int64_t nblk = (I + 16 * GEMM_NV - 1) / (16 * GEMM_NV);
+  const silu_epilogue ep = {xs, ws, bias, bias_bf16, h, hmax, I, nblk};
+  const int64_t Mp = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
+  int failed = 0;
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(|:failed)")
+  {
+    /* a block's gate sums for every row (then its up tiles against them): each weight panel
+       stays in L1 across the row tiles, as in gemm_i8 */
+    int32_t* gate = (int32_t*)malloc(sizeof(int32_t) * Mp * 16 * GEMM_NV);
+    int32_t tu[GEMM_MR * 16 * GEMM_NV];
+    const int64_t ldt = 16 * GEMM_NV;
+    failed |= gate == NULL;
+    _Pragma("omp for schedule(static)")
+    for (int64_t cb = 0; cb < nblk; ++cb) {
+      if (!gate) continue;
+      const int64_t g0 = cb * 16 * GEMM_NV;
+      const int nv = (I - g0) / 16 < GEMM_NV ? (int)((I - g0) / 16) : GEMM_NV;
+      int64_t n0 = g0;
+      for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
+        const int mr = M - m0 < GEMM_MR ? (int)(M - m0) : GEMM_MR;
+        int32_t* yt = gate + m0 * ldt;
+        if (nv == 3) { GEMM_ROWS(3) } else if (nv == 2) { GEMM_ROWS(2) } else { GEMM_ROWS(1) }
+      }
+      n0 = I + g0;
+      for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
+        const int mr = M - m0 < GEMM_MR ? (int)(M - m0) : GEMM_MR;
+        int32_t* yt = tu;
+        if (nv == 3) { GEMM_ROWS(3) } else if (nv == 2) { GEMM_ROWS(2) } else { GEMM_ROWS(1) }
+        silu_tile(gate + m0 * ldt, tu, mr, nv, m0, g0, cb, &ep);
+      }
+    }
+    free(gate);
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; ++m) {
+      float amax = 0.f;
+      for (int64_t b = 0; b < nblk; ++b) amax = fmaxf(amax, hmax[m * nblk + b]);
+      qs[m] = q8_scale(amax);
+      const float inv = q8_inv(amax);
+      const float* hr = h + m * I; int8_t* qr = q + m * I;
+      _Pragma("omp simd")
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = nearbyintf(hr[i] * inv);
+        qr[i] = (int8_t)(v > 127.f ? 127.f : (v < -127.f ? -127.f : v));
+      }
+    }
+  }
+  free(xsum);
+  return failed ? -1 : 0;
+}
 #endif
 """
 )
@@ -263,13 +364,18 @@ def _load() -> ctypes.CDLL | None:
     return load_library("w8a8", _SOURCE, "int8 activations", _SIGNATURES)
 
 
-# Above this many rows torch._int_mm's repacking is amortized and it is as fast (2-6% faster
-# at 1,024-2,048 rows on a Zen 4, 16-48% slower at 13-256).
-PACKED_MAX_ROWS = 512
+# Above this many rows torch._int_mm's repacking is amortized (16-48% slower than the packed
+# GEMM at 13-256 rows, 0-13% faster at 1,024-2,048 on a Zen 4). Up to it the MLP runs its
+# SiLU pass inside the GEMM (20% less MLP time at 1,024 rows) and the decode plan takes the
+# step: 1,024 covers the server's prefill chunks (--max-num-batched-tokens on a CPU).
+PACKED_MAX_ROWS = 1024
 _GEMM_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, ctypes.c_int]
 # x, ldx, M, K, packed, N, xs, ws, bias, y, bf16, threads
 _GEMM_SCALED_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int]
-_gemm: list = []  # (pack_i8, gemm_i8, gemm_i8_scaled) with signatures set, or None; resolved once
+# x, ldx, M, K, packed, I, xs, ws, bias, bias_bf16, h, hmax, q, qs, threads
+_GEMM_SILU_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, ctypes.c_int, _P, _P, _P, _P]
+_GEMM_SILU_ARGS += [ctypes.c_int]
+_gemm: list = []  # (pack_i8, gemm_i8, gemm_i8_scaled, gemm_i8_silu_quant), or None; resolved once
 
 
 def _gemm_functions():
@@ -281,7 +387,9 @@ def _gemm_functions():
             lib.gemm_i8.argtypes, lib.gemm_i8.restype = _GEMM_ARGS, ctypes.c_int
             lib.gemm_i8_scaled.argtypes = _GEMM_SCALED_ARGS
             lib.gemm_i8_scaled.restype = ctypes.c_int
-            fns = (lib.pack_i8, lib.gemm_i8, lib.gemm_i8_scaled)
+            lib.gemm_i8_silu_quant.argtypes = _GEMM_SILU_ARGS
+            lib.gemm_i8_silu_quant.restype = ctypes.c_int
+            fns = (lib.pack_i8, lib.gemm_i8, lib.gemm_i8_scaled, lib.gemm_i8_silu_quant)
         _gemm.append(fns)
     return _gemm[0]
 
@@ -418,29 +526,71 @@ def mlp_w8a8(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """down(silu(gate) * up) with [gate | up] = gate_up(x), both layers w8a8 (int8 weight,
     weight_scale, optional bias; down unsharded): two int8 GEMMs with one C pass between
     them (scales, SiLU, product, and the int8 rows down_proj needs), where the layer by layer
-    path takes four passes over the activations and rounds them to x's dtype twice."""
+    path takes four passes over the activations and rounds them to x's dtype twice. On the
+    packed weight (up to PACKED_MAX_ROWS rows) that pass runs inside the first GEMM's tiles
+    (gemm_i8_silu_quant)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     q, s = quantize_rows(x2)
+    hq, hs = _silu_quant_fused(q, s, gate_up, x.dtype) or _silu_quant(q, s, gate_up, x.dtype)
+    y = _scaled_mm(hq, hs, down.weight, down.packed_int8, down.weight_scale, down.bias, x.dtype)
+    return y.view(*x.shape[:-1], -1)
+
+
+# silu_tile's column blocks: gate_up's h takes ceil(I / 48) partial maxima per row
+SILU_BLOCK = 48
+
+
+def _silu_quant_fused(q: torch.Tensor, s: torch.Tensor, gate_up, dtype: torch.dtype):
+    """(hq, hs) from the packed GEMM with the SiLU pass in its epilogue, or None where it
+    cannot take the call (then _silu_quant does: int32 sums first)."""
+    fns = _gemm_functions()
+    m = q.shape[0]
+    i = gate_up.weight.shape[0] // 2
+    bias = gate_up.bias
+    if (
+        fns is None
+        or gate_up.packed_int8 is None
+        or m > PACKED_MAX_ROWS
+        or i % 16
+        or q.stride(1) != 1
+        or dtype not in _SUFFIX
+        or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))
+    ):
+        return None
+    hq = torch.empty(m, i, dtype=torch.int8)
+    hs = torch.empty(m, dtype=torch.float32)
+    h = torch.empty(m, i, dtype=torch.float32)
+    hmax = torch.empty(m, -(-i // SILU_BLOCK), dtype=torch.float32)
+    if fns[3](
+        q.data_ptr(), q.stride(0), m, q.shape[1], gate_up.packed_int8.data_ptr(), i, s.data_ptr(),
+        gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+        int(dtype == torch.bfloat16), h.data_ptr(), hmax.data_ptr(), hq.data_ptr(),
+        hs.data_ptr(), torch.get_num_threads(),
+    ) != 0:  # fmt: skip
+        raise MemoryError("int8 GEMM: out of memory")
+    return hq, hs
+
+
+def _silu_quant(q: torch.Tensor, s: torch.Tensor, gate_up, dtype: torch.dtype):
+    """(hq, hs): gate_up's int32 sums, then one C pass (or its torch reference)."""
     acc = int_mm(q, gate_up.weight, gate_up.packed_int8)  # [M, 2I]
     m, i = acc.shape[0], acc.shape[1] // 2
     lib = _load()
     bias = gate_up.bias
-    if lib is None or x.dtype not in _SUFFIX or (bias is not None and bias.dtype != x.dtype):
+    if lib is None or dtype not in _SUFFIX or (bias is not None and bias.dtype != dtype):
         gu = acc.float() * s[:, None] * gate_up.weight_scale
         if bias is not None:
             gu = gu + bias.float()
         h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
-        hq, hs = quantize_rows_reference(h)
-    else:
-        hq = torch.empty(m, i, dtype=torch.int8)
-        hs = torch.empty(m, dtype=torch.float32)
-        threads = torch.get_num_threads()
-        tmp = torch.empty(threads, i, dtype=torch.float32)
-        getattr(lib, f"silu_quant_{_SUFFIX[x.dtype]}")(
-            acc.data_ptr(), m, i, s.data_ptr(), gate_up.weight_scale.data_ptr(),
-            None if bias is None else bias.data_ptr(), hq.data_ptr(), hs.data_ptr(),
-            tmp.data_ptr(), threads,
-        )  # fmt: skip
-    y = _scaled_mm(hq, hs, down.weight, down.packed_int8, down.weight_scale, down.bias, x.dtype)
-    return y.view(*x.shape[:-1], -1)
+        return quantize_rows_reference(h)
+    hq = torch.empty(m, i, dtype=torch.int8)
+    hs = torch.empty(m, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    tmp = torch.empty(threads, i, dtype=torch.float32)
+    getattr(lib, f"silu_quant_{_SUFFIX[dtype]}")(
+        acc.data_ptr(), m, i, s.data_ptr(), gate_up.weight_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), hq.data_ptr(), hs.data_ptr(),
+        tmp.data_ptr(), threads,
+    )  # fmt: skip
+    return hq, hs

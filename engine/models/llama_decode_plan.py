@@ -10,7 +10,7 @@ the HTTP thread's per-token work; now it does once a step (Zen 4, w4a8 + int8 KV
 stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
 Two kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the 4-bit
-copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-512 rows on int8 activations
+copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-1,024 rows on int8 activations
 and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8). It needs one
 tensor-parallel rank, bf16, the compiled norm/rotary/attention kernels and every row of the
 step on the attention kernel (decodes, and short prompts' prefill rows); any other step, or a
@@ -50,12 +50,12 @@ typedef int (*gemm_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*,
     int32_t*, int64_t, int);
 typedef int (*gemm_scaled_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
     const float*, const float*, const void*, void*, int, int);
-typedef void (*silu_quant_fn)(const int32_t*, int64_t, int64_t, const float*, const float*,
-    const bf16*, int8_t*, float*, float*, int);
+typedef int (*gemm_silu_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+    const float*, const float*, const void*, int, float*, float*, int8_t*, float*, int);
 
 typedef struct {
   void *norm, *q4, *rope, *silu, *kv8_write, *decode;
-  void *quant, *gemm, *gemm_scaled, *silu_quant;  /* w8a8 (NULL where the plan has none) */
+  void *quant, *gemm_scaled, *gemm_silu;  /* w8a8 (NULL where the plan has none) */
 } Kernels;
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, inter, block_size, kv_int8;
@@ -80,7 +80,7 @@ typedef struct {
   int threads, decode_threads;  /* torch's intra-op threads; the attention scratch's rows */
   int w8a8;                     /* the GEMMs: 4-bit (0) or int8 activations (1) */
   int8_t* xq; float* xs;        /* w8a8: a row-quantized input, its scales */
-  int32_t* acc; int8_t* hq; float* hs; float* tmp;  /* w8a8 MLP: gate_up sums, down's input */
+  float *h, *hmax; int8_t* hq; float* hs;  /* w8a8 MLP: silu(gate) * up, down's input */
 } Step;
 
 /* y [M][N] (bf16, N apart) = x [M][K] (ldx apart) . W^T + bias, as the layer's module would. */
@@ -95,7 +95,7 @@ static int linear(const Kernels* kn, const Layer* L, int which, const Step* st, 
 }
 
 /* down(silu(gate) * up), [gate | up] = gate_up(x): w8a8 as cpu_w8a8.mlp_w8a8 (two int8 GEMMs,
-   one pass between them), 4-bit as the modules (SiLU-mul in the model dtype). */
+   the SiLU pass in the first one's tiles), 4-bit as the modules (SiLU-mul in the model dtype). */
 static int mlp(const Kernels* kn, const Layer* L, const Shape* s, const Step* st) {
   const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
   if (!st->w8a8) {
@@ -104,10 +104,9 @@ static int mlp(const Kernels* kn, const Layer* L, const Shape* s, const Step* st
     return linear(kn, L, DOWN, st, st->act, I, I, st->hidden, Hd);
   }
   ((quant_fn)kn->quant)(st->normed, Hd, M, Hd, st->xq, st->xs, T);
-  if (((gemm_fn)kn->gemm)(st->xq, Hd, M, Hd, L->packed[GATE_UP], 2 * I, st->acc, 2 * I, T))
+  if (((gemm_silu_fn)kn->gemm_silu)(st->xq, Hd, M, Hd, L->packed[GATE_UP], I, st->xs,
+      L->wscale[GATE_UP], L->bias[GATE_UP], 1, st->h, st->hmax, st->hq, st->hs, T))
     return -1;
-  ((silu_quant_fn)kn->silu_quant)(st->acc, M, I, st->xs, L->wscale[GATE_UP], L->bias[GATE_UP],
-      st->hq, st->hs, st->tmp, T);
   return ((gemm_scaled_fn)kn->gemm_scaled)(st->hq, I, M, I, L->packed[DOWN], Hd, st->hs,
       L->wscale[DOWN], L->bias[DOWN], st->hidden, 1, T);
 }
@@ -154,7 +153,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 _KERNELS = ("norm", "q4", "rope", "silu", "kv8_write", "decode")
-_W8A8_KERNELS = ("quant", "gemm", "gemm_scaled", "silu_quant")
+_W8A8_KERNELS = ("quant", "gemm_scaled", "gemm_silu")
 
 
 class _Kernels(ctypes.Structure):
@@ -177,7 +176,7 @@ class _Layer(ctypes.Structure):
 
 
 _BUFFERS = ("hidden", "residual", "normed", "qkv", "qk", "attn", "gate_up", "act")
-_W8A8_BUFFERS = ("xq", "xs", "acc", "hq", "hs", "tmp")
+_W8A8_BUFFERS = ("xq", "xs", "h", "hmax", "hq", "hs")
 
 
 class _Step(ctypes.Structure):
@@ -279,7 +278,9 @@ class DecodePlan:
             return None
         linears = [m for layer in model.layers for m in _linears(layer)]
         w4 = all(m.w4 is not None for m in linears)
-        w8a8 = all(_has_w8a8(m) for m in linears)
+        # the MLP's SiLU pass inside gate_up's GEMM (mlp_w8a8's path) needs I % 16 == 0
+        inter = model.layers[0].mlp.down_proj.weight.shape[1]
+        w8a8 = all(_has_w8a8(m) for m in linears) and inter % 16 == 0
         if not (w4 or w8a8):
             return None
         for layer in model.layers:
@@ -317,9 +318,8 @@ class DecodePlan:
         if w8a8:
             addresses |= {
                 "quant": _address(int8, "quantize_rows_bf16"),
-                "gemm": _address(int8, "gemm_i8"),
                 "gemm_scaled": _address(int8, "gemm_i8_scaled"),
-                "silu_quant": _address(int8, "silu_quant_bf16"),
+                "gemm_silu": _address(int8, "gemm_i8_silu_quant"),
             }
         run_fn = _run_fn()
         if run_fn is None or None in addresses.values():
@@ -338,11 +338,11 @@ class DecodePlan:
             return W8A8
         return None
 
-    def _step_buffers(self, rows: int, threads: int) -> _Step:
+    def _step_buffers(self, rows: int) -> _Step:
         """The step struct over buffers of at least `rows` rows (grown by doubling, so their
         addresses settle after a few steps)."""
         s = self._shape
-        if rows > self._capacity or self._bufs["tmp"].shape[0] < threads:
+        if rows > self._capacity:
             cap = max(rows, 2 * self._capacity)
             h, qkv = s.heads * s.head_dim, (s.heads + 2 * s.kv_heads) * s.head_dim
             bf16 = {
@@ -354,10 +354,10 @@ class DecodePlan:
             bufs |= {
                 "xq": torch.empty(cap, max(s.hidden, h, s.inter), dtype=torch.int8),
                 "xs": torch.empty(cap, dtype=torch.float32),
-                "acc": torch.empty(cap, 2 * s.inter, dtype=torch.int32),
+                "h": torch.empty(cap, s.inter, dtype=torch.float32),
+                "hmax": torch.empty(cap, -(-s.inter // cpu_w8a8.SILU_BLOCK), dtype=torch.float32),
                 "hq": torch.empty(cap, s.inter, dtype=torch.int8),
                 "hs": torch.empty(cap, dtype=torch.float32),
-                "tmp": torch.empty(threads, s.inter, dtype=torch.float32),
             }
             self._bufs, self._capacity = bufs, cap
             for n, t in bufs.items():
@@ -380,7 +380,7 @@ class DecodePlan:
         kd = meta.kernel_decode
         assert kd is not None
         threads = torch.get_num_threads()
-        step = self._step_buffers(rows, threads)
+        step = self._step_buffers(rows)
         self._bufs["hidden"][:rows].copy_(hidden)
         for x in (cos, sin, meta.slot_mapping, kd.block_tables, kd.context_lens, kd.scratch):
             assert x.is_contiguous()

@@ -242,3 +242,34 @@ def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, mo
 
 def _double(t):
     return None if t is None else t.double()
+
+
+@pytest.mark.parametrize("inter, m", [(96, 40), (112, 13), (48, 300)])
+@pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16])
+def test_silu_pass_inside_the_gemm_equals_the_pass_after_it(inter, m, bias):
+    """gemm_i8_silu_quant (gate and up tiles through L1, h never rounded, a partial |h| max
+    per 48-column block) writes the int8 rows down_proj takes as gate_up's int32 sums followed
+    by silu_quant do, up to its exp (exp512, within 2e-7 of libm's): scales within a few
+    ulps, bytes equal but for a rare flip at a .5 tie; a remainder block narrower than 48
+    columns (inter 112) and partial row tiles included."""
+    from engine.layers.linear import MergedColumnParallelLinear
+
+    torch.manual_seed(6)
+    hidden = 64
+    dtype = bias or torch.bfloat16
+    gate_up = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias is not None)
+    gate_up.weight.data.normal_(0, 0.1)
+    if bias is not None:
+        gate_up.bias = torch.nn.Parameter(torch.randn(2 * inter).to(bias), False)
+    gate_up.quantize_int8()
+    gate_up.packed_int8 = cpu_w8a8.pack_weight(gate_up.weight.data)
+    if gate_up.packed_int8 is None:
+        pytest.skip("no AVX512-VNNI (or no compiler) for the packed int8 GEMM")
+    q, s = cpu_w8a8.quantize_rows(torch.randn(m, hidden).to(dtype) * 3)
+    fused = cpu_w8a8._silu_quant_fused(q, s, gate_up, dtype)
+    assert fused is not None
+    hq, hs = cpu_w8a8._silu_quant(q, s, gate_up, dtype)
+    flips = (fused[0].int() - hq.int()).abs()
+    assert flips.max() <= 1 and flips.sum() <= hq.numel() // 1000
+    torch.testing.assert_close(fused[1], hs, rtol=1e-6, atol=0)
+    assert hq.abs().max() == 127  # every row uses the int8 range

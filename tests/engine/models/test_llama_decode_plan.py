@@ -21,12 +21,15 @@ def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypa
     )  # fmt: skip
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=3)
     # one prompt, two, five, then fourteen at once (steps of 1, 2, 5 and 14 decode rows; short
-    # prompts' prefills run on the attention kernel too, and so in the plan)
+    # prompts' prefills run on the attention kernel too, and so in the plan), then sixteen
     outs = llm.generate([list(range(50, 83))], params, use_tqdm=False)
     outs += llm.generate([list(range(5, 25)), list(range(30, 37))], params, use_tqdm=False)
     for n in (5, 14):
         prompts = [list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)]
         outs += llm.generate(prompts, params, use_tqdm=False)
+    # sixteen 40-token prompts: one prefill step of 640 rows, past the packed GEMM's old bound
+    prompts = [list(range(100 + 3 * i, 140 + 3 * i)) for i in range(16)]
+    outs += llm.generate(prompts, params, use_tqdm=False)
     plan = llm.engine.executor.runner.model.model._decode_plan
     runs = None if plan is None else dict(plan.runs)
     llm.shutdown()
@@ -49,7 +52,7 @@ def test_plan_writes_what_the_modules_write(
     with_plan, runs = _generate(path, quantization, kv_cache_dtype, True, monkeypatch)
     without, no_runs = _generate(path, quantization, kv_cache_dtype, False, monkeypatch)
     assert no_runs is None  # switched off: never built
-    taken = (1, 2, 5, 14) if quantization == "w4a8" else (14,)
+    taken = (1, 2, 5, 14, 640) if quantization == "w4a8" else (14, 640)
     assert runs is not None and all(runs.get(rows, 0) > 0 for rows in taken), runs
     if quantization == "w8a8":
         assert min(runs) >= 13, runs  # fewer rows: int8 weights alone, the modules' path

@@ -204,10 +204,33 @@ __attribute__((noinline)) static void epilogue_tile(const int32_t* t, int mr, in
     }
   }
 }
+/* The other epilogue, for greedy sampling: each tile row's largest value of sums * xs[m] *
+   ws[n] (float32, as gemm_i8_scaled would write the logits) and its first column, one pair
+   per (row, column block); gemm_i8_argmax reduces them, so no [M][N] logits are written. */
+typedef struct { const float* xs; const float* ws; float* val; int32_t* col; int64_t ncb; } argmax_epilogue;
+__attribute__((noinline)) static void argmax_tile(const int32_t* t, int mr, int nv, int64_t m0,
+    int64_t n0, int64_t cb, const argmax_epilogue* am) {
+  for (int r = 0; r < mr; ++r) {
+    const __m512 sm = _mm512_set1_ps(am->xs[m0 + r]);
+    float best = -INFINITY; int32_t col = (int32_t)n0;
+    for (int v = 0; v < nv; ++v) {
+      const int64_t n = n0 + 16 * v;
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(
+          _mm512_loadu_si512(t + r * 16 * GEMM_NV + 16 * v)), sm), _mm512_loadu_ps(am->ws + n));
+      const float mx = _mm512_reduce_max_ps(y);
+      if (mx > best) {  /* strictly: the first maximum wins, as torch.argmax */
+        best = mx;
+        col = (int32_t)(n + __builtin_ctz(_mm512_cmp_ps_mask(y, _mm512_set1_ps(mx), _CMP_EQ_OQ)));
+      }
+    }
+    am->val[(m0 + r) * am->ncb + cb] = best; am->col[(m0 + r) * am->ncb + cb] = col;
+  }
+}
 /* x rows ldx apart (K % 4 == 0, N % 16 == 0); y: int32 sums, ldy apart (NULL with an
    epilogue, whose output rows are ldy apart). Returns -1 if out of memory. */
 static int gemm_i8_run(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp,
-    int64_t N, int32_t* y, int64_t ldy, int nthreads, const gemm_epilogue* ep) {
+    int64_t N, int32_t* y, int64_t ldy, int nthreads, const gemm_epilogue* ep,
+    const argmax_epilogue* am) {
   int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (M > 0 ? M : 1));
   if (!xsum) return -1;
   for (int64_t m = 0; m < M; ++m) {
@@ -223,10 +246,11 @@ static int gemm_i8_run(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
     int32_t tile[GEMM_MR * 16 * GEMM_NV];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
       const int mr = M - m0 < GEMM_MR ? (int)(M - m0) : GEMM_MR;
-      int32_t* yt = ep ? tile : y + m0 * ldy + n0;  /* the tile's sums */
-      const int64_t ldt = ep ? 16 * GEMM_NV : ldy;
+      int32_t* yt = ep || am ? tile : y + m0 * ldy + n0;  /* the tile's sums */
+      const int64_t ldt = ep || am ? 16 * GEMM_NV : ldy;
       if (nv == 3) { GEMM_ROWS(3) } else if (nv == 2) { GEMM_ROWS(2) } else { GEMM_ROWS(1) }
       if (ep) epilogue_tile(tile, mr, nv, m0, n0, ldy, ep);
+      if (am) argmax_tile(tile, mr, nv, m0, n0, cb, am);
     }
   }
   free(xsum);
@@ -234,14 +258,30 @@ static int gemm_i8_run(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
 }
 int gemm_i8(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
     int32_t* y, int64_t ldy, int nthreads) {
-  return gemm_i8_run(x, ldx, M, K, wp, N, y, ldy, nthreads, NULL);
+  return gemm_i8_run(x, ldx, M, K, wp, N, y, ldy, nthreads, NULL, NULL);
 }
 /* gemm_i8 with the epilogue: y [M][N] = (x . w) * xs[m] * ws[n] (+ bias), float32 or bf16. */
 int gemm_i8_scaled(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp,
     int64_t N, const float* xs, const float* ws, const void* bias, void* y, int bf16,
     int nthreads) {
   const gemm_epilogue ep = {xs, ws, bias, y, bf16};
-  return gemm_i8_run(x, ldx, M, K, wp, N, NULL, N, nthreads, &ep);
+  return gemm_i8_run(x, ldx, M, K, wp, N, NULL, N, nthreads, &ep, NULL);
+}
+/* argmax over n of (x . w)[m][n] * xs[m] * ws[n] for each row (the first maximum): token[m].
+   val, col: scratch of M * ceil(N / 48) floats and int32s. */
+int gemm_i8_argmax(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp,
+    int64_t N, const float* xs, const float* ws, float* val, int32_t* col, int64_t* token,
+    int nthreads) {
+  const int64_t ncb = (N + 16 * GEMM_NV - 1) / (16 * GEMM_NV);
+  const argmax_epilogue am = {xs, ws, val, col, ncb};
+  if (gemm_i8_run(x, ldx, M, K, wp, N, NULL, N, nthreads, NULL, &am)) return -1;
+  for (int64_t m = 0; m < M; ++m) {
+    float best = val[m * ncb]; int64_t at = col[m * ncb];
+    for (int64_t cb = 1; cb < ncb; ++cb)
+      if (val[m * ncb + cb] > best) { best = val[m * ncb + cb]; at = col[m * ncb + cb]; }
+    token[m] = at;
+  }
+  return 0;
 }
 
 /* The MLP's first half with no int32 [M][2I] in memory: x . [gate | up]^T on the packed
@@ -370,12 +410,17 @@ def _load() -> ctypes.CDLL | None:
 # step: 1,024 covers the server's prefill chunks (--max-num-batched-tokens on a CPU).
 PACKED_MAX_ROWS = 1024
 _GEMM_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, ctypes.c_int]
+# the packed GEMM's column blocks (16 * GEMM_NV): the SiLU and argmax epilogues keep one
+# partial maximum per row and block
+BLOCK_COLS = 48
 # x, ldx, M, K, packed, N, xs, ws, bias, y, bf16, threads
 _GEMM_SCALED_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int]
 # x, ldx, M, K, packed, I, xs, ws, bias, bias_bf16, h, hmax, q, qs, threads
 _GEMM_SILU_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, ctypes.c_int, _P, _P, _P, _P]
 _GEMM_SILU_ARGS += [ctypes.c_int]
-_gemm: list = []  # (pack_i8, gemm_i8, gemm_i8_scaled, gemm_i8_silu_quant), or None; resolved once
+# x, ldx, M, K, packed, N, xs, ws, val, col, token, threads
+_GEMM_ARGMAX_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
+_gemm: list = []  # (pack_i8, gemm_i8, gemm_i8_scaled, gemm_i8_silu_quant, gemm_i8_argmax)
 
 
 def _gemm_functions():
@@ -389,7 +434,12 @@ def _gemm_functions():
             lib.gemm_i8_scaled.restype = ctypes.c_int
             lib.gemm_i8_silu_quant.argtypes = _GEMM_SILU_ARGS
             lib.gemm_i8_silu_quant.restype = ctypes.c_int
-            fns = (lib.pack_i8, lib.gemm_i8, lib.gemm_i8_scaled, lib.gemm_i8_silu_quant)
+            lib.gemm_i8_argmax.argtypes = _GEMM_ARGMAX_ARGS
+            lib.gemm_i8_argmax.restype = ctypes.c_int
+            fns = (
+                lib.pack_i8, lib.gemm_i8, lib.gemm_i8_scaled, lib.gemm_i8_silu_quant,
+                lib.gemm_i8_argmax,
+            )  # fmt: skip
         _gemm.append(fns)
     return _gemm[0]
 
@@ -465,6 +515,33 @@ def linear_w8a8(
     return y.view(*x.shape[:-1], n)
 
 
+def argmax_w8a8(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, packed: torch.Tensor | None
+) -> torch.Tensor | None:
+    """argmax over the last dim of linear_w8a8(x, weight, None, weight_scale, torch.float32,
+    packed), the first maximum winning, as int64 [M]; or None where the packed GEMM cannot take
+    the call. The same float32 values are compared, but none is written: at 128 rows of a
+    49,152-token vocabulary that is 25 MB of logits a greedy step never needs."""
+    fns = _gemm_functions()
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if packed is None or fns is None or m > PACKED_MAX_ROWS or x.dtype not in _SUFFIX:
+        return None
+    q, s = quantize_rows(x2)
+    ncb = -(-n // BLOCK_COLS)
+    val = torch.empty(m, ncb, dtype=torch.float32)
+    col = torch.empty(m, ncb, dtype=torch.int32)
+    token = torch.empty(m, dtype=torch.int64)
+    if fns[4](
+        q.data_ptr(), q.stride(0), m, k, packed.data_ptr(), n, s.data_ptr(),
+        weight_scale.data_ptr(), val.data_ptr(), col.data_ptr(), token.data_ptr(),
+        torch.get_num_threads(),
+    ) != 0:  # fmt: skip
+        raise MemoryError("int8 GEMM: out of memory")
+    return token
+
+
 def _scaled_mm(
     q: torch.Tensor,
     s: torch.Tensor,
@@ -537,10 +614,6 @@ def mlp_w8a8(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1)
 
 
-# silu_tile's column blocks: gate_up's h takes ceil(I / 48) partial maxima per row
-SILU_BLOCK = 48
-
-
 def _silu_quant_fused(q: torch.Tensor, s: torch.Tensor, gate_up, dtype: torch.dtype):
     """(hq, hs) from the packed GEMM with the SiLU pass in its epilogue, or None where it
     cannot take the call (then _silu_quant does: int32 sums first)."""
@@ -561,7 +634,7 @@ def _silu_quant_fused(q: torch.Tensor, s: torch.Tensor, gate_up, dtype: torch.dt
     hq = torch.empty(m, i, dtype=torch.int8)
     hs = torch.empty(m, dtype=torch.float32)
     h = torch.empty(m, i, dtype=torch.float32)
-    hmax = torch.empty(m, -(-i // SILU_BLOCK), dtype=torch.float32)
+    hmax = torch.empty(m, -(-i // BLOCK_COLS), dtype=torch.float32)
     if fns[3](
         q.data_ptr(), q.stride(0), m, q.shape[1], gate_up.packed_int8.data_ptr(), i, s.data_ptr(),
         gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_gemm
+from engine.layers import cpu_gemm, cpu_w4, cpu_w8a8
 from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -61,6 +61,16 @@ class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.UsesCpuGemm):
         self.qweight, self.weight_scale = quantize_rows_int8(self.weight.data)
         if not self.tied:  # nothing else reads the full-precision rows
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(self(hidden)) per row, the first maximum winning, without the logits in
+        memory (the w8a8 GEMM's argmax epilogue, on the same float32 values); None where that
+        path is not the one forward would take: then compute the logits."""
+        if self.qweight is None or self.tp_size > 1 or not self.int8_activations(hidden):
+            return None
+        if self.w4 is not None and hidden.shape[0] <= cpu_w4.MAX_ROWS:
+            return None
+        return cpu_w8a8.argmax_w8a8(hidden, self.qweight, self.weight_scale, self.packed_int8)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.qweight is not None:

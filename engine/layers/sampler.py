@@ -62,6 +62,12 @@ class Sampler:
         for rid in request_ids:
             self._seeded.pop(rid, None)
 
+    @staticmethod
+    def plain_greedy(requests: list[ScheduledRequest]) -> bool:
+        """Whether every row's token is the argmax of its raw logits (temperature 0, one
+        sample, no logprobs, penalties, bias or masks): then the logits need not exist."""
+        return all(_plain_greedy(r) for r in requests)
+
     # Always in inference mode: the kept buffers are then inference tensors in every call.
     @torch.inference_mode()
     def __call__(
@@ -70,7 +76,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests)
         if logits.dtype != torch.float32 or not logits.is_contiguous():
             logits = logits.float().contiguous()
-        if all(_plain_greedy(r) for r in requests):  # the common case: one argmax, no copies
+        if self.plain_greedy(requests):  # the common case: one argmax, no copies
             return [[t] for t in _argmax(logits).tolist()], [None] * len(requests)
 
         s, v = logits.shape

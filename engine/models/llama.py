@@ -167,6 +167,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(compute_logits(hidden)) per row where the LM head can take it without the
+        logits (engine.layers.embedding.ParallelLMHead.greedy), else None."""
+        return self.lm_head.greedy(hidden)
+
     def attention_layers(self) -> list[PagedAttention]:
         """The attention modules, in order: the runner binds one KV-cache tensor to each."""
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -355,7 +355,7 @@ class DecodePlan:
                 "xq": torch.empty(cap, max(s.hidden, h, s.inter), dtype=torch.int8),
                 "xs": torch.empty(cap, dtype=torch.float32),
                 "h": torch.empty(cap, s.inter, dtype=torch.float32),
-                "hmax": torch.empty(cap, -(-s.inter // cpu_w8a8.SILU_BLOCK), dtype=torch.float32),
+                "hmax": torch.empty(cap, -(-s.inter // cpu_w8a8.BLOCK_COLS), dtype=torch.float32),
                 "hq": torch.empty(cap, s.inter, dtype=torch.int8),
                 "hs": torch.empty(cap, dtype=torch.float32),
             }

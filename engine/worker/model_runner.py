@@ -245,10 +245,15 @@ class ModelRunner:
         if not to_sample:
             return ModelRunnerOutput(sampled_token_ids=sampled)
         rows = torch.tensor([last_row[r.request_id] for r in to_sample], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        if self.rank != 0:  # only the driver samples; the others ran the collectives above
-            return ModelRunnerOutput(sampled_token_ids=sampled)
-        tokens, logprobs = self.sampler(logits, to_sample)
+        last = hidden.index_select(0, rows)
+        greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(to_sample) else None
+        if greedy is not None:  # argmax in the LM head's GEMM: no logits (one rank only)
+            tokens, logprobs = [[t] for t in greedy.tolist()], [None] * len(to_sample)
+        else:
+            logits = self.model.compute_logits(last)
+            if self.rank != 0:  # only the driver samples; the others ran the collectives above
+                return ModelRunnerOutput(sampled_token_ids=sampled)
+            tokens, logprobs = self.sampler(logits, to_sample)
         out = ModelRunnerOutput(sampled_token_ids=sampled)
         for r, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
             sampled[r.request_id] = toks

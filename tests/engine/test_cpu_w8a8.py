@@ -273,3 +273,61 @@ def test_silu_pass_inside_the_gemm_equals_the_pass_after_it(inter, m, bias):
     assert flips.max() <= 1 and flips.sum() <= hq.numel() // 1000
     torch.testing.assert_close(fused[1], hs, rtol=1e-6, atol=0)
     assert hq.abs().max() == 127  # every row uses the int8 range
+
+
+@pytest.mark.parametrize("m, n, k", [(13, 96, 64), (37, 16, 4), (300, 112, 36), (128, 4096, 64)])
+def test_argmax_epilogue_picks_the_token_the_logits_would(m, n, k):
+    """argmax_w8a8 compares the float32 logits linear_w8a8 would write (sums * s * w_scale)
+    without writing them: the same token per row, the first of equal maxima winning (three
+    identical best columns across column blocks); None where the packed GEMM does not run."""
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    packed = cpu_w8a8.pack_weight(w)
+    if packed is None:
+        pytest.skip("no AVX512-VNNI (or no compiler) for the packed int8 GEMM")
+    torch.manual_seed(7)
+    ws = torch.rand(n) * 0.01
+    x = torch.randn(m, k).to(torch.bfloat16)
+    logits = cpu_w8a8.linear_w8a8(x, w, None, ws, torch.float32, packed)
+    assert torch.equal(cpu_w8a8.argmax_w8a8(x, w, ws, packed), logits.argmax(-1))
+
+    best = [5, n // 2 + 1, n - 1]  # tied: same row of weights, same scale, largest logits
+    w[best] = 127
+    ws[best] = ws.max()
+    x = x.abs() + 0.1
+    packed = cpu_w8a8.pack_weight(w)
+    logits = cpu_w8a8.linear_w8a8(x, w, None, ws, torch.float32, packed)
+    assert (logits[:, best] == logits.amax(-1, keepdim=True)).all()
+    assert cpu_w8a8.argmax_w8a8(x, w, ws, packed).tolist() == [5] * m
+    assert cpu_w8a8.argmax_w8a8(x, w, ws, None) is None
+    too_many = torch.randn(cpu_w8a8.PACKED_MAX_ROWS + 1, k).to(torch.bfloat16)
+    assert cpu_w8a8.argmax_w8a8(too_many, w, ws, packed) is None
+
+
+def test_greedy_steps_take_the_argmax_epilogue_and_sample_the_same_tokens(
+    tiny_llama_dir, monkeypatch
+):
+    """A w8a8 step whose rows are all plain greedy gets its tokens from the LM head's argmax
+    epilogue (no logits); tokens equal those sampled from the logits. A row asking for
+    logprobs (or a temperature) sends the step through the logits and the sampler."""
+    from engine import LLM, SamplingParams
+    from engine.layers.embedding import ParallelLMHead
+
+    if cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is None:
+        pytest.skip("no AVX512-VNNI (or no compiler) for the packed int8 GEMM")
+    calls = []
+    greedy = ParallelLMHead.greedy
+    monkeypatch.setattr(
+        ParallelLMHead, "greedy", lambda self, h: calls.append(h.shape[0]) or greedy(self, h)
+    )
+    prompts = [list(range(5 + i, 12 + 2 * i)) for i in range(16)]
+    plain = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+    with_lp = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0, logprobs=1)
+
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="w8a8", num_blocks=64)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    assert 16 in calls  # the 16-row decode steps took the epilogue
+    calls.clear()
+    logits = [o.outputs[0].token_ids for o in llm.generate(prompts, with_lp, use_tqdm=False)]
+    assert not calls
+    llm.shutdown()
+    assert fused == logits

@@ -238,7 +238,9 @@ async def run(args: argparse.Namespace) -> dict:
     chat = "chat" in args.endpoint
     url = base_url + args.endpoint
     concurrency = args.max_concurrency or args.num_prompts
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # a connection per request: servers differ in when they drop an idle keep-alive one
+    # (llama.cpp's does between streams), and a request sent on it would fail
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     timeout = aiohttp.ClientTimeout(total=args.timeout, connect=30.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         if args.model is None:

@@ -226,18 +226,25 @@ __attribute__((noinline)) static void argmax_tile(const int32_t* t, int mr, int 
     am->val[(m0 + r) * am->ncb + cb] = best; am->col[(m0 + r) * am->ncb + cb] = col;
   }
 }
+/* Each row's sum of x (malloc'd; NULL if out of memory): the +128 of the packed weight's
+   unsigned bytes comes back out as 128 * sum. */
+static int32_t* row_sums(const int8_t* x, int64_t ldx, int64_t M, int64_t K) {
+  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (M > 0 ? M : 1));
+  if (xsum)
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += x[m * ldx + k];
+      xsum[m] = sum;
+    }
+  return xsum;
+}
 /* x rows ldx apart (K % 4 == 0, N % 16 == 0); y: int32 sums, ldy apart (NULL with an
    epilogue, whose output rows are ldy apart). Returns -1 if out of memory. */
 static int gemm_i8_run(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp,
     int64_t N, int32_t* y, int64_t ldy, int nthreads, const gemm_epilogue* ep,
     const argmax_epilogue* am) {
-  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (M > 0 ? M : 1));
+  int32_t* xsum = row_sums(x, ldx, M, K);
   if (!xsum) return -1;
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += x[m * ldx + k];
-    xsum[m] = sum;
-  }
   const int64_t ncb = (N + 16 * GEMM_NV - 1) / (16 * GEMM_NV);
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t cb = 0; cb < ncb; ++cb) {
@@ -327,13 +334,8 @@ int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
     int64_t I, const float* xs, const float* ws, const void* bias, int bias_bf16, float* h,
     float* hmax, int8_t* q, float* qs, int nthreads) {
   if (I % 16) return -2;
-  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (M > 0 ? M : 1));
+  int32_t* xsum = row_sums(x, ldx, M, K);
   if (!xsum) return -1;
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += x[m * ldx + k];
-    xsum[m] = sum;
-  }
   const int64_t nblk = (I + 16 * GEMM_NV - 1) / (16 * GEMM_NV);
   const silu_epilogue ep = {xs, ws, bias, bias_bf16, h, hmax, I, nblk};
   const int64_t Mp = (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR;

@@ -459,6 +459,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _ok(rc: int) -> None:
+    """The packed GEMMs return -1 when a buffer could not be allocated."""
+    if rc != 0:
+        raise MemoryError("int8 GEMM: out of memory")
+
+
 def int_mm(q: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """q int8 [M, K] . weight int8 [N, K]^T -> exact int32 [M, N]: on the packed copy when
     there is one (up to PACKED_MAX_ROWS rows), else torch._int_mm."""
@@ -468,9 +474,8 @@ def int_mm(q: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -
         return torch._int_mm(q, weight.t())
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.int32)
-    if fns[1](q.data_ptr(), q.stride(0), m, k, packed.data_ptr(), n, y.data_ptr(), n,
-              torch.get_num_threads()) != 0:  # fmt: skip
-        raise MemoryError("int8 GEMM: out of memory")
+    _ok(fns[1](q.data_ptr(), q.stride(0), m, k, packed.data_ptr(), n, y.data_ptr(), n,
+               torch.get_num_threads()))  # fmt: skip
     return y
 
 
@@ -535,12 +540,11 @@ def argmax_w8a8(
     val = torch.empty(m, ncb, dtype=torch.float32)
     col = torch.empty(m, ncb, dtype=torch.int32)
     token = torch.empty(m, dtype=torch.int64)
-    if fns[4](
+    _ok(fns[4](
         q.data_ptr(), q.stride(0), m, k, packed.data_ptr(), n, s.data_ptr(),
         weight_scale.data_ptr(), val.data_ptr(), col.data_ptr(), token.data_ptr(),
         torch.get_num_threads(),
-    ) != 0:  # fmt: skip
-        raise MemoryError("int8 GEMM: out of memory")
+    ))  # fmt: skip
     return token
 
 
@@ -570,12 +574,11 @@ def _scaled_mm(
         return _scaled(int_mm(q, weight, packed), s, weight_scale, bias, dtype)
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=dtype)
-    if fns[2](
+    _ok(fns[2](
         q.data_ptr(), q.stride(0), m, k, packed.data_ptr(), n, s.data_ptr(),
         weight_scale.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
         int(dtype == torch.bfloat16), torch.get_num_threads(),
-    ) != 0:  # fmt: skip
-        raise MemoryError("int8 GEMM: out of memory")
+    ))  # fmt: skip
     return y
 
 
@@ -637,13 +640,12 @@ def _silu_quant_fused(q: torch.Tensor, s: torch.Tensor, gate_up, dtype: torch.dt
     hs = torch.empty(m, dtype=torch.float32)
     h = torch.empty(m, i, dtype=torch.float32)
     hmax = torch.empty(m, -(-i // BLOCK_COLS), dtype=torch.float32)
-    if fns[3](
+    _ok(fns[3](
         q.data_ptr(), q.stride(0), m, q.shape[1], gate_up.packed_int8.data_ptr(), i, s.data_ptr(),
         gate_up.weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
         int(dtype == torch.bfloat16), h.data_ptr(), hmax.data_ptr(), hq.data_ptr(),
         hs.data_ptr(), torch.get_num_threads(),
-    ) != 0:  # fmt: skip
-        raise MemoryError("int8 GEMM: out of memory")
+    ))  # fmt: skip
     return hq, hs
 
 

@@ -46,8 +46,6 @@ typedef void (*decode_fn)(bf16*, int64_t, const bf16*, int64_t, const void*, con
     const float*, const float*, const int64_t*, int64_t, const int64_t*, int64_t, int, int,
     int, int, float, float*, int64_t, int);
 typedef void (*quant_fn)(const bf16*, int64_t, int64_t, int64_t, int8_t*, float*, int);
-typedef int (*gemm_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
-    int32_t*, int64_t, int);
 typedef int (*gemm_scaled_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
     const float*, const float*, const void*, void*, int, int);
 typedef int (*gemm_silu_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,

@@ -96,9 +96,13 @@ class ServerProcess:
                 return stats
             time.sleep(0.05)
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 5000) -> str:
+        """The server's output so far: its last `tail` characters (for error messages), or all
+        of it (None: a first start that compiles the CPU kernels logs many 503 health polls
+        after its banner)."""
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
+        text = self.log_path.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

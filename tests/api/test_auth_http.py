@@ -51,7 +51,7 @@ def test_first_start_prints_a_key_that_works_with_the_sdk(tiny_llama_dir, tmp_pa
     first = ServerProcess([str(tiny_llama_dir), *COMMON], tmp_path / "first.log", env)
     try:
         first.wait_healthy()
-        log = first.log()
+        log = first.log(tail=None)
         key = re.search(r"API key: +(tsr-\S+)", log).group(1)
         admin_token = re.search(r"Admin token: +(tsa-\S+)", log).group(1)
         client = sdk(first, key)
@@ -73,7 +73,8 @@ def test_first_start_prints_a_key_that_works_with_the_sdk(tiny_llama_dir, tmp_pa
     again = ServerProcess([str(tiny_llama_dir), *COMMON], tmp_path / "again.log", env)
     try:
         again.wait_healthy()
-        assert "API key:" not in again.log() and "Admin token:" not in again.log()
+        log = again.log(tail=None)
+        assert "API key:" not in log and "Admin token:" not in log
         assert Admin(again, admin_token).request("GET", "/keys").status_code == 200
         assert sdk(again, key).models.list().data[0].id == model
     finally:

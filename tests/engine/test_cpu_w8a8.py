@@ -3,6 +3,7 @@ reference, the whole projection against exact integer arithmetic, and the layers
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,17 @@ from engine.layers.quantization import quantize_rows_int8
 def _require_kernels():
     if cpu_w8a8._load() is None or not cpu_gemm.available(torch.float32, torch.int8):
         pytest.skip("no C compiler for the CPU kernels")
+
+
+@pytest.fixture(params=["avx512-vnni", "amx"])
+def tiles(request):
+    """The packed GEMMs' two kinds of tile, each held to the same results: VNNI everywhere,
+    AMX where the CPU has it (then it is the default for K % 64 == 0)."""
+    amx = request.param == "amx"
+    if cpu_w8a8.set_amx(amx) != amx:
+        pytest.skip("no AMX on this CPU (or Linux refused it)")
+    yield request.param
+    cpu_w8a8.set_amx(os.environ.get("TESSERA_AMX") != "0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,8 +67,10 @@ def test_linear_w8a8_is_exact_integer_math_then_the_scales(m, n, k, dtype, bias)
     )
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 16, 4), (13, 48, 64), (37, 80, 36), (300, 96, 576)])
-def test_packed_int8_gemm_is_exact(m, n, k):
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 16, 4), (13, 48, 64), (37, 80, 36), (40, 48, 128), (300, 96, 576)]
+)
+def test_packed_int8_gemm_is_exact(m, n, k, tiles):
     """The GEMM on packed weights gives torch._int_mm's int32 sums exactly, the int8 range's
     ends included, over partial row tiles and column blocks; shapes it cannot pack are
     refused (None), and then int_mm is torch._int_mm."""
@@ -77,7 +91,7 @@ def test_packed_int8_gemm_is_exact(m, n, k):
 @pytest.mark.parametrize("m, n, k", [(1, 16, 4), (13, 96, 64), (37, 80, 36), (300, 48, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_gemm_scales_its_sums_as_it_stores_them(m, n, k, dtype, bias):
+def test_packed_gemm_scales_its_sums_as_it_stores_them(m, n, k, dtype, bias, tiles):
     """linear_w8a8 on a packed weight: the GEMM's epilogue writes sums * s * w_scale (+ bias)
     straight to the output dtype: the exact products scaled, rounded once (bf16: once more),
     and within an ulp of the separate int32-then-dequant passes."""
@@ -246,7 +260,7 @@ def _double(t):
 
 @pytest.mark.parametrize("inter, m", [(96, 40), (112, 13), (48, 300)])
 @pytest.mark.parametrize("bias", [None, torch.float32, torch.bfloat16])
-def test_silu_pass_inside_the_gemm_equals_the_pass_after_it(inter, m, bias):
+def test_silu_pass_inside_the_gemm_equals_the_pass_after_it(inter, m, bias, tiles):
     """gemm_i8_silu_quant (gate and up tiles through L1, h never rounded, a partial |h| max
     per 48-column block) writes the int8 rows down_proj takes as gate_up's int32 sums followed
     by silu_quant do, up to its exp (exp512, within 2e-7 of libm's): scales within a few
@@ -276,7 +290,7 @@ def test_silu_pass_inside_the_gemm_equals_the_pass_after_it(inter, m, bias):
 
 
 @pytest.mark.parametrize("m, n, k", [(13, 96, 64), (37, 16, 4), (300, 112, 36), (128, 4096, 64)])
-def test_argmax_epilogue_picks_the_token_the_logits_would(m, n, k):
+def test_argmax_epilogue_picks_the_token_the_logits_would(m, n, k, tiles):
     """argmax_w8a8 compares the float32 logits linear_w8a8 would write (sums * s * w_scale)
     without writing them: the same token per row, the first of equal maxima winning (three
     identical best columns across column blocks); None where the packed GEMM does not run."""

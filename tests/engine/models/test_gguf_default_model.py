@@ -74,7 +74,9 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
     with torch.inference_mode():
         meta = builder.build([(0, len(prompt), blocks)])
         logits = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), meta))
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+        # float32 sums in another order than HF's (the BLAS picks its blocking per CPU): on
+        # logits of magnitude ~20, differences of a few 1e-5 relative
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=2e-5)
         toks = list(prompt)
         out = [int(logits[-1].argmax())]
         while len(out) < 12 and out[-1] != tok.eos_token_id:

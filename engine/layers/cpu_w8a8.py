@@ -24,9 +24,10 @@ the int8 rows down_proj needs (scales, SiLU, product, quantization), 10% less ML
 (gemm_i8_silu_quant), so gate_up's int32 sums never reach memory. On CPUs with AMX (Intel
 Sapphire Rapids and later) the packed GEMMs run on its tiles instead of VNNI's (K % 64 == 0;
 TESSERA_AMX=0 keeps VNNI): the same packed weight, the same exact sums; on two cores of a
-Xeon with AMX, 1.7-2x faster at 32-128 rows and 2-3x at 1,024, and 128 streams of w4a8
-(LLM.generate) 1.15-1.35x faster. Built with the other CPU kernels (engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to
-the same arithmetic, only slower).
+Xeon with AMX, ~2x faster at 32-128 rows and 2-3x at 1,024, and 128 streams of w4a8
+1.3-1.6x faster (served and LLM.generate). Built with the other CPU kernels (engine.cpu_build);
+TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to the same arithmetic,
+only slower).
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const int MR, const 
    (arch_prctl); where it refuses, or K % 64, the VNNI tiles run. use_amx = 0 forces them
    (tests hold one path against the other). */
 #define AMX_ROWS 16
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <string.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
 int use_amx = 1;
@@ -194,7 +195,9 @@ static int amx_on(int64_t K) {
     amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
   return amx_permitted > 0;
 }
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
+typedef struct {
+  uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
+} amx_config;
 static void amx_begin(int amx) {  /* the tile shapes are per thread */
   if (!amx) return;
   amx_config c;
@@ -223,11 +226,11 @@ static void amx_tile(int nv, const int8_t* a, int64_t lda, const uint8_t* b0, in
 }
 #else
 int use_amx = 0;
-static int amx_on(int64_t K) { (void)K; return 0; }
-static void amx_begin(int amx) { (void)amx; }
-static void amx_end(int amx) { (void)amx; }
+static int amx_on(int64_t K) { return 0; }
+static void amx_begin(int amx) {}
+static void amx_end(int amx) {}
 static void amx_tile(int nv, const int8_t* a, int64_t lda, const uint8_t* b0, int64_t K,
-    int32_t* t, int64_t ldt) { (void)nv; (void)a; (void)lda; (void)b0; (void)K; (void)t; (void)ldt; }
+    int32_t* t, int64_t ldt) {}  /* never called: amx_on() is 0 */
 #endif
 /* 1 where a K % 64 GEMM runs on AMX tiles now */
 int amx_enabled(void) { return amx_on(64); }

@@ -41,6 +41,10 @@ ROWS_MAX_M = 8
 # 9 / 12 / 13 / 16 rows: 18.0 / 19.0 / 19.5 / 20.1 ms, the weight-only kernel 14.5 / 15.8 /
 # 20.8 / 27.6) and the weight-only path is the more accurate one.
 W8A8_MIN_ROWS = 13
+# ... and from this many where the packed int8 GEMM runs on AMX tiles (cpu_w8a8): a w4a8
+# decode step of 8 rows takes 12.2-12.9 ms there against 15.7-16.7 on the 4-bit kernel (an
+# Intel Xeon with AMX, two cores); one row stays 2x faster on the 4-bit kernel.
+AMX_W8A8_MIN_ROWS = 8
 
 _SOURCE = (
     C_BF16_HELPERS
@@ -646,13 +650,21 @@ class UsesCpuGemm:
     kernel where it is faster than torch's, decided once, on the loaded weight."""
 
     cpu_gemm_max_rows: int | None = None
-    quantize_activations = False  # int8 weights: int8 activations too from W8A8_MIN_ROWS rows
-    w4: cpu_w4.Q4Weight | None = None  # a 4-bit copy of the weight for 1-12 rows
+    quantize_activations = False  # int8 weights: int8 activations too from w8a8_min_rows
+    w4: cpu_w4.Q4Weight | None = None  # a 4-bit copy of the weight for fewer rows (1-12)
     packed_int8: torch.Tensor | None = None  # w8a8: the int8 weight packed for cpu_w8a8.int_mm
 
     def int8_activations(self, x: torch.Tensor) -> bool:
-        """Whether this call quantizes x to int8 (w8a8 layers, from W8A8_MIN_ROWS rows)."""
-        return self.quantize_activations and x.numel() >= W8A8_MIN_ROWS * x.shape[-1]
+        """Whether this call quantizes x to int8 (w8a8 layers, from w8a8_min_rows rows)."""
+        k = x.shape[-1]
+        return self.quantize_activations and x.numel() >= self.w8a8_min_rows(k) * k
+
+    def w8a8_min_rows(self, k: int) -> int:
+        """The rows from which this w8a8 layer quantizes its activations (and a w4a8 layer
+        leaves its 4-bit copy): AMX_W8A8_MIN_ROWS where its packed GEMM runs on AMX tiles,
+        else W8A8_MIN_ROWS."""
+        amx = self.packed_int8 is not None and cpu_w8a8.amx_runs(k)
+        return AMX_W8A8_MIN_ROWS if amx else W8A8_MIN_ROWS
 
     def project(
         self,
@@ -664,7 +676,7 @@ class UsesCpuGemm:
     ) -> torch.Tensor:
         """x @ weight.T (+ bias), in x's dtype; out_dtype: the dtype the int8-activation path
         rounds to instead (its epilogue writes any float type in the same pass)."""
-        if self.w4 is not None and x.numel() <= cpu_w4.MAX_ROWS * x.shape[-1]:
+        if self.w4 is not None and not self.int8_activations(x):
             y = cpu_w4.linear(x, self.w4, bias)
             if y is not None:
                 return y

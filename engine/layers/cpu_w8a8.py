@@ -11,7 +11,7 @@ dot products exact in int32. This costs accuracy that weight-only int8 does not:
 SmolLM2-135M-Instruct over 1,024 tokens of English, the mean KL divergence from the bf16
 model's next-token distribution is 0.049 (weight-only int8: 0.007), about the loss of the
 Q4_1 file llama.cpp serves (0.051, simulated the same way). Small batches (fewer than
-cpu_gemm.W8A8_MIN_ROWS rows) keep the weight-only kernel: they are bound by reading the
+cpu_gemm.W8A8_MIN_ROWS rows, AMX_W8A8_MIN_ROWS on AMX) keep the weight-only kernel: they are bound by reading the
 weights, which are the same int8 rows, and _int_mm is slower there.
 
 Small C loops around the int8 GEMM: quantizing the rows and the scaled epilogue (each one
@@ -566,11 +566,21 @@ def set_amx(enabled: bool) -> bool:
     """Let the packed GEMMs run on AMX tiles where the CPU has them (the default;
     TESSERA_AMX=0 turns them off) or keep them on AVX512-VNNI; returns whether a K % 64 == 0
     GEMM now runs on AMX."""
+    _amx.clear()
     if _gemm_functions() is None:
         return False
-    lib = _load()
-    ctypes.c_int.in_dll(lib, "use_amx").value = enabled
-    return bool(lib.amx_enabled())
+    ctypes.c_int.in_dll(_load(), "use_amx").value = enabled
+    return amx_runs(64)
+
+
+_amx: list[bool] = []  # whether the packed GEMMs run on AMX now, once asked
+
+
+def amx_runs(k: int) -> bool:
+    """Whether a packed GEMM over k input columns runs on AMX tiles (not VNNI's)."""
+    if not _amx:
+        _amx.append(_gemm_functions() is not None and bool(_load().amx_enabled()))
+    return _amx[0] and k % 64 == 0
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_gemm, cpu_w4, cpu_w8a8
+from engine.layers import cpu_gemm, cpu_w8a8
 from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -66,9 +66,8 @@ class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.UsesCpuGemm):
         """argmax(self(hidden)) per row, the first maximum winning, without the logits in
         memory (the w8a8 GEMM's argmax epilogue, on the same float32 values); None where that
         path is not the one forward would take: then compute the logits."""
+        # (a 4-bit copy, where there is one, takes exactly the rows without int8 activations)
         if self.qweight is None or self.tp_size > 1 or not self.int8_activations(hidden):
-            return None
-        if self.w4 is not None and hidden.shape[0] <= cpu_w4.MAX_ROWS:
             return None
         return cpu_w8a8.argmax_w8a8(hidden, self.qweight, self.weight_scale, self.packed_int8)
 

@@ -11,7 +11,8 @@ stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
 Two kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the 4-bit
 copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-1,024 rows on int8 activations
-and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8). It needs one
+and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8). Where that GEMM runs on AMX
+tiles the boundary is 8 rows (cpu_gemm.AMX_W8A8_MIN_ROWS). It needs one
 tensor-parallel rank, bf16, the compiled norm/rotary/attention kernels and every row of the
 step on the attention kernel (decodes, and short prompts' prefill rows); any other step, or a
 model it does not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
@@ -27,7 +28,7 @@ import torch
 from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.cpu_build import load_library
-from engine.layers import cpu_fused, cpu_gemm, cpu_w4, cpu_w8a8
+from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -234,6 +235,7 @@ class DecodePlan:
         a0 = layers[0].self_attn
         self._run_fn, self._kernels = run_fn, kernels
         self.w4, self.w8a8 = w4, w8a8  # which kinds of step the layers can run
+        self._first_linears = _linears(layers[0])  # their row thresholds are every layer's
         self._shape = _Shape(
             hidden=model.norm.weight.shape[0], heads=a0.num_heads, kv_heads=a0.num_kv_heads,
             head_dim=a0.head_dim, inter=layers[0].mlp.down_proj.weight.shape[1],
@@ -330,9 +332,12 @@ class DecodePlan:
         kd = meta.kernel_decode
         if kd is None or kd.num_rows != rows or meta.decode_groups or meta.prefills:
             return None
-        if self.w4 and 1 <= rows <= cpu_w4.MAX_ROWS:
+        # where the layers' thresholds differ (AMX for some K only), the rows between them
+        # mix both paths: the modules run those steps
+        firsts = [m.w8a8_min_rows(m.weight.shape[1]) for m in self._first_linears]
+        if self.w4 and 1 <= rows < min(firsts):
             return W4
-        if self.w8a8 and cpu_gemm.W8A8_MIN_ROWS <= rows <= cpu_w8a8.PACKED_MAX_ROWS:
+        if self.w8a8 and max(firsts) <= rows <= cpu_w8a8.PACKED_MAX_ROWS:
             return W8A8
         return None
 

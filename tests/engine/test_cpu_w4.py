@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_gemm, cpu_w4
+from engine.layers import cpu_gemm, cpu_w4, cpu_w8a8
 
 
 def _require_kernel():
@@ -71,7 +71,9 @@ def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
         assert cpu_w4.linear(x[:, :64], q4) is None  # another K
 
 
-def test_layers_read_4_bits_up_to_max_rows_only():
+def test_layers_read_4_bits_below_their_int8_activation_rows_only(tiles):
+    """A w4a8 layer reads its 4-bit copy for fewer rows than its int8-activation threshold
+    (13, or 8 where its packed GEMM runs on AMX tiles) and the int8 path from there."""
     _require_kernel()
     from engine.layers.linear import ReplicatedLinear
 
@@ -83,9 +85,14 @@ def test_layers_read_4_bits_up_to_max_rows_only():
     layer.w4 = cpu_w4.quantize_groups(layer.weight.data)
     layer.quantize_int8()
     layer.quantize_activations = True
-    for rows in (1, 2, cpu_w4.MAX_ROWS, cpu_w4.MAX_ROWS + 1, cpu_gemm.W8A8_MIN_ROWS):
+    layer.packed_int8 = cpu_w8a8.pack_weight(layer.weight.data)  # as quantization.py does
+    first = layer.w8a8_min_rows(128)
+    amx = tiles == "amx"
+    assert first == (cpu_gemm.AMX_W8A8_MIN_ROWS if amx else cpu_gemm.W8A8_MIN_ROWS)
+    assert first - 1 <= cpu_w4.MAX_ROWS
+    for rows in (1, 2, first - 1, first, cpu_w4.MAX_ROWS, cpu_w4.MAX_ROWS + 1):
         x = torch.randn(rows, 128).to(torch.bfloat16)
-        if rows <= cpu_w4.MAX_ROWS:
+        if rows < first:
             expected = cpu_w4.linear(x, layer.w4, layer.bias)
         else:
             layer.w4, saved = None, layer.w4  # what the layer does without its 4-bit copy

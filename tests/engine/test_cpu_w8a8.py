@@ -3,7 +3,6 @@ reference, the whole projection against exact integer arithmetic, and the layers
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -17,17 +16,6 @@ from engine.layers.quantization import quantize_rows_int8
 def _require_kernels():
     if cpu_w8a8._load() is None or not cpu_gemm.available(torch.float32, torch.int8):
         pytest.skip("no C compiler for the CPU kernels")
-
-
-@pytest.fixture(params=["avx512-vnni", "amx"])
-def tiles(request):
-    """The packed GEMMs' two kinds of tile, each held to the same results: VNNI everywhere,
-    AMX where the CPU has it (then it is the default for K % 64 == 0)."""
-    amx = request.param == "amx"
-    if cpu_w8a8.set_amx(amx) != amx:
-        pytest.skip("no AMX on this CPU (or Linux refused it)")
-    yield request.param
-    cpu_w8a8.set_amx(os.environ.get("TESSERA_AMX") != "0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -158,9 +146,10 @@ def test_w8a8_lm_head_writes_float32_logits_in_its_epilogue():
     assert bf16.dtype == torch.bfloat16 and torch.equal(logits.bfloat16(), bf16)
 
 
-def test_layers_quantize_activations_only_from_w8a8_min_rows(tiny_llama_dir):
-    """w8a8 layers: below W8A8_MIN_ROWS rows the weight-only kernel (activations
-    untouched), from it int8 activations; int8 layers never quantize activations."""
+def test_layers_quantize_activations_only_from_w8a8_min_rows(tiles):
+    """w8a8 layers: below w8a8_min_rows rows (13; 8 where the packed GEMM runs on AMX tiles)
+    the weight-only kernel (activations untouched), from it int8 activations; int8 layers
+    never quantize activations."""
     from engine.layers.linear import ReplicatedLinear
 
     torch.manual_seed(2)
@@ -169,14 +158,17 @@ def test_layers_quantize_activations_only_from_w8a8_min_rows(tiny_llama_dir):
     layer.bias.data.normal_()
     layer.quantize_int8()
     w, ws = layer.weight, layer.weight_scale
-    first = cpu_gemm.W8A8_MIN_ROWS
+    layer.packed_int8 = cpu_w8a8.pack_weight(w.data)
+    first = layer.w8a8_min_rows(64)
+    amx = tiles == "amx"
+    assert first == (cpu_gemm.AMX_W8A8_MIN_ROWS if amx else cpu_gemm.W8A8_MIN_ROWS)
     for rows, quantized in ((1, False), (first - 1, False), (first, True), (64, True)):
         x = torch.randn(rows, 64)
         layer.quantize_activations = False
         assert torch.equal(layer(x), cpu_gemm.linear(x, w, layer.bias, ws))
         layer.quantize_activations = True
         expected = (
-            cpu_w8a8.linear_w8a8(x, w, layer.bias, ws)
+            cpu_w8a8.linear_w8a8(x, w, layer.bias, ws, None, layer.packed_int8)
             if quantized
             else cpu_gemm.linear(x, w, layer.bias, ws)
         )
@@ -249,7 +241,7 @@ def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, mo
     mlp.gate_up_proj, mlp.down_proj = gate_up, down
     calls = []
     monkeypatch.setattr(cpu_w8a8, "mlp_w8a8", lambda *a: calls.append(a) or y)
-    mlp(x[: cpu_gemm.W8A8_MIN_ROWS - 1])
+    mlp(x[: gate_up.w8a8_min_rows(hidden) - 1])
     assert not calls
     assert mlp(x) is y and len(calls) == 1
 

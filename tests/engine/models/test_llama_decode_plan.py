@@ -1,7 +1,7 @@
 """The one-call decode step (engine.models.llama_decode_plan): the same bytes as the modules,
-on 4-bit weights (1-12 rows) and on int8 activations (from 13 rows), both KV cache dtypes,
-with and without biases; the steps it leaves to the modules; and the switch that turns it
-off."""
+on 4-bit weights (1-12 rows; 1-7 on AMX) and on int8 activations (from 13 rows; 8), both KV
+cache dtypes, with and without biases; the steps it leaves to the modules; and the switch
+that turns it off."""
 
 from __future__ import annotations
 
@@ -20,22 +20,29 @@ def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypa
         num_blocks=128, enable_prefix_caching=False, max_num_seqs=16,
     )  # fmt: skip
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=3)
-    # one prompt, two, five, then fourteen at once (steps of 1, 2, 5 and 14 decode rows; short
+    # one prompt, two, five, ten, then fourteen at once (steps of 1, 2, 5, 10 and 14 decode
+    # rows; 10 sits between the int8-activation thresholds on AMX (8) and VNNI (13); short
     # prompts' prefills run on the attention kernel too, and so in the plan), then sixteen
     outs = llm.generate([list(range(50, 83))], params, use_tqdm=False)
     outs += llm.generate([list(range(5, 25)), list(range(30, 37))], params, use_tqdm=False)
-    for n in (5, 14):
+    for n in (5, 10, 14):
         prompts = [list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)]
         outs += llm.generate(prompts, params, use_tqdm=False)
     # sixteen 40-token prompts: one prefill step of 640 rows, past the packed GEMM's old bound
     prompts = [list(range(100 + 3 * i, 140 + 3 * i)) for i in range(16)]
     outs += llm.generate(prompts, params, use_tqdm=False)
-    plan = llm.engine.executor.runner.model.model._decode_plan
+    model = llm.engine.executor.runner.model.model
+    plan = model._decode_plan
     runs = None if plan is None else dict(plan.runs)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    firsts = {m.w8a8_min_rows(m.weight.shape[1]) for m in linears}
     llm.shutdown()
-    return [
-        (o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs
-    ], runs
+    return (
+        [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs],
+        runs,
+        firsts,
+    )
 
 
 @pytest.mark.parametrize("quantization", ["w4a8", "w8a8"])
@@ -49,11 +56,14 @@ def test_plan_writes_what_the_modules_write(
     if not cpu_w4.available() or cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is None:
         pytest.skip("the plan runs the 4-bit and packed int8 kernels: AVX512-VNNI, a C compiler")
     path = make_tiny_model(f"tiny-{arch}-plan", arch=arch, seed=3)
-    with_plan, runs = _generate(path, quantization, kv_cache_dtype, True, monkeypatch)
-    without, no_runs = _generate(path, quantization, kv_cache_dtype, False, monkeypatch)
+    with_plan, runs, firsts = _generate(path, quantization, kv_cache_dtype, True, monkeypatch)
+    without, no_runs, _ = _generate(path, quantization, kv_cache_dtype, False, monkeypatch)
     assert no_runs is None  # switched off: never built
-    taken = (1, 2, 5, 14, 640) if quantization == "w4a8" else (14, 640)
+    (first,) = firsts  # 13, or 8 where the packed GEMMs run on AMX tiles: one for all layers
+    taken = (1, 2, 5, 10, 14, 640) if quantization == "w4a8" else (14, 640)
+    if quantization == "w8a8" and first <= 10:
+        taken += (10,)
     assert runs is not None and all(runs.get(rows, 0) > 0 for rows in taken), runs
     if quantization == "w8a8":
-        assert min(runs) >= 13, runs  # fewer rows: int8 weights alone, the modules' path
+        assert min(runs) >= first, runs  # fewer rows: int8 weights alone, the modules' path
     assert with_plan == without

@@ -340,17 +340,28 @@ static int32_t* row_sums(const int8_t* x, int64_t ldx, int64_t M, int64_t K) {
     }
   return xsum;
 }
+/* What a packed GEMM prepares: the tile kind and its rows, x's row sums and (AMX, M % 16)
+   its padded last rows. 0, or -1 if out of memory. */
+typedef struct { int amx, step; int8_t* xtail; int32_t* xsum; } gemm_setup;
+static int setup_gemm(gemm_setup* g, const int8_t* x, int64_t ldx, int64_t M, int64_t K) {
+  int failed = 0;
+  g->amx = amx_on(K);
+  g->step = g->amx ? AMX_ROWS : GEMM_MR;
+  g->xtail = amx_tail(g->amx, x, ldx, M, K, &failed);
+  g->xsum = failed ? NULL : row_sums(x, ldx, M, K);
+  if (!g->xsum) { free(g->xtail); return -1; }
+  return 0;
+}
+static void free_gemm(gemm_setup* g) { free(g->xsum); free(g->xtail); }
 /* x rows ldx apart (K % 4 == 0, N % 16 == 0); y: int32 sums, ldy apart (NULL with an
    epilogue, whose output rows are ldy apart). Returns -1 if out of memory. */
 static int gemm_i8_run(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp,
     int64_t N, int32_t* y, int64_t ldy, int nthreads, const gemm_epilogue* ep,
     const argmax_epilogue* am) {
-  const int amx = amx_on(K);
-  const int step = amx ? AMX_ROWS : GEMM_MR;
-  int failed = 0;
-  int8_t* xtail = amx_tail(amx, x, ldx, M, K, &failed);
-  int32_t* xsum = failed ? NULL : row_sums(x, ldx, M, K);
-  if (!xsum) { free(xtail); return -1; }
+  gemm_setup g;
+  if (setup_gemm(&g, x, ldx, M, K)) return -1;
+  const int amx = g.amx, step = g.step;
+  const int8_t* xtail = g.xtail; const int32_t* xsum = g.xsum;
   const int64_t ncb = (N + 16 * GEMM_NV - 1) / (16 * GEMM_NV);
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")
   {
@@ -371,8 +382,7 @@ static int gemm_i8_run(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
     }
     amx_end(amx);
   }
-  free(xsum);
-  free(xtail);
+  free_gemm(&g);
   return 0;
 }
 int gemm_i8(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
@@ -446,15 +456,14 @@ int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
     int64_t I, const float* xs, const float* ws, const void* bias, int bias_bf16, float* h,
     float* hmax, int8_t* q, float* qs, int nthreads) {
   if (I % 16) return -2;
-  const int amx = amx_on(K);
-  const int step = amx ? AMX_ROWS : GEMM_MR;
-  int failed = 0;
-  int8_t* xtail = amx_tail(amx, x, ldx, M, K, &failed);
-  int32_t* xsum = failed ? NULL : row_sums(x, ldx, M, K);
-  if (!xsum) { free(xtail); return -1; }
+  gemm_setup g;
+  if (setup_gemm(&g, x, ldx, M, K)) return -1;
+  const int amx = g.amx, step = g.step;
+  const int8_t* xtail = g.xtail; const int32_t* xsum = g.xsum;
   const int64_t nblk = (I + 16 * GEMM_NV - 1) / (16 * GEMM_NV);
   const silu_epilogue ep = {xs, ws, bias, bias_bf16, h, hmax, I, nblk};
   const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  int failed = 0;
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(|:failed)")
   {
     /* a block's gate sums for every row (then its up tiles against them): each weight panel
@@ -495,8 +504,7 @@ int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
       }
     }
   }
-  free(xsum);
-  free(xtail);
+  free_gemm(&g);
   return failed ? -1 : 0;
 }
 #endif

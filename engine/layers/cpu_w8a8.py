@@ -11,8 +11,8 @@ dot products exact in int32. This costs accuracy that weight-only int8 does not:
 SmolLM2-135M-Instruct over 1,024 tokens of English, the mean KL divergence from the bf16
 model's next-token distribution is 0.049 (weight-only int8: 0.007), about the loss of the
 Q4_1 file llama.cpp serves (0.051, simulated the same way). Small batches (fewer than
-cpu_gemm.W8A8_MIN_ROWS rows, AMX_W8A8_MIN_ROWS on AMX) keep the weight-only kernel: they are bound by reading the
-weights, which are the same int8 rows, and _int_mm is slower there.
+cpu_gemm.W8A8_MIN_ROWS rows, AMX_W8A8_MIN_ROWS on AMX) keep the weight-only kernel: they are
+bound by reading the weights, which are the same int8 rows, and _int_mm is slower there.
 
 Small C loops around the int8 GEMM: quantizing the rows and the scaled epilogue (each one
 pass, where the torch ops would be several). The GEMM itself runs on a packed copy of the
@@ -25,9 +25,9 @@ the int8 rows down_proj needs (scales, SiLU, product, quantization), 10% less ML
 Sapphire Rapids and later) the packed GEMMs run on its tiles instead of VNNI's (K % 64 == 0;
 TESSERA_AMX=0 keeps VNNI): the same packed weight, the same exact sums; on two cores of a
 Xeon with AMX, ~2x faster at 32-128 rows and 2-3x at 1,024, and 128 streams of w4a8
-1.3-1.6x faster (served and LLM.generate). Built with the other CPU kernels (engine.cpu_build);
-TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to the same arithmetic,
-only slower).
+1.3-1.6x faster (served and LLM.generate). Built with the other CPU kernels
+(engine.cpu_build); TESSERA_CPU_KERNELS=0 disables them (the torch fallback stays exact to
+the same arithmetic, only slower).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
 Two kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the 4-bit
 copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-1,024 rows on int8 activations
-and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8). Where that GEMM runs on AMX
-tiles the boundary is 8 rows (cpu_gemm.AMX_W8A8_MIN_ROWS). It needs one
-tensor-parallel rank, bf16, the compiled norm/rotary/attention kernels and every row of the
-step on the attention kernel (decodes, and short prompts' prefill rows); any other step, or a
-model it does not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
+and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8); where that GEMM runs on
+AMX tiles the boundary is 8 rows (cpu_gemm.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
+rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
+attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it
+does not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
 """
 
 from __future__ import annotations

@@ -234,16 +234,6 @@ static void amx_tile(int nv, const int8_t* a, int64_t lda, const uint8_t* b0, in
 #endif
 /* 1 where a K % 64 GEMM runs on AMX tiles now */
 int amx_enabled(void) { return amx_on(64); }
-/* The AMX tiles load 16 rows of x: a GEMM whose M % 16 takes its last rows from a copy padded
-   with zero rows (K bytes each). NULL: none needed, or out of memory (*failed). */
-static int8_t* amx_tail(int amx, const int8_t* x, int64_t ldx, int64_t M, int64_t K, int* failed) {
-  if (!amx || M % AMX_ROWS == 0) return NULL;
-  int8_t* t = (int8_t*)calloc(AMX_ROWS * K, 1);
-  if (!t) { *failed = 1; return NULL; }
-  const int64_t m0 = M - M % AMX_ROWS;
-  for (int64_t m = m0; m < M; ++m) memcpy(t + (m - m0) * K, x + m * ldx, K);
-  return t;
-}
 #define GEMM_ROWS(NV) switch (mr) {                                                           \
     case 8: gemm_tile(8, NV, x, ldx, wp, K, xsum, yt, ldt, m0, n0); break;                    \
     case 7: gemm_tile(7, NV, x, ldx, wp, K, xsum, yt, ldt, m0, n0); break;                    \
@@ -340,15 +330,21 @@ static int32_t* row_sums(const int8_t* x, int64_t ldx, int64_t M, int64_t K) {
     }
   return xsum;
 }
-/* What a packed GEMM prepares: the tile kind and its rows, x's row sums and (AMX, M % 16)
-   its padded last rows. 0, or -1 if out of memory. */
+/* What a packed GEMM prepares: the tile kind and its rows, x's row sums and, where AMX tiles
+   (which load 16 rows) meet M % 16, x's last rows copied with zero rows after them (K bytes
+   each). 0, or -1 if out of memory. */
 typedef struct { int amx, step; int8_t* xtail; int32_t* xsum; } gemm_setup;
 static int setup_gemm(gemm_setup* g, const int8_t* x, int64_t ldx, int64_t M, int64_t K) {
-  int failed = 0;
   g->amx = amx_on(K);
   g->step = g->amx ? AMX_ROWS : GEMM_MR;
-  g->xtail = amx_tail(g->amx, x, ldx, M, K, &failed);
-  g->xsum = failed ? NULL : row_sums(x, ldx, M, K);
+  g->xtail = NULL;
+  const int64_t m0 = M - M % AMX_ROWS;
+  if (g->amx && m0 < M) {
+    g->xtail = (int8_t*)calloc(AMX_ROWS * K, 1);
+    if (!g->xtail) return -1;
+    for (int64_t m = m0; m < M; ++m) memcpy(g->xtail + (m - m0) * K, x + m * ldx, K);
+  }
+  g->xsum = row_sums(x, ldx, M, K);
   if (!g->xsum) { free(g->xtail); return -1; }
   return 0;
 }

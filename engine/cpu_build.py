@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engine.paths import default_cache_dir
+
 logger = logging.getLogger("tessera.engine")
 
 # C shared by the kernels' sources (prepended to them): bf16 <-> float32 conversions that
@@ -162,8 +164,6 @@ def load_library(name: str, source: str, what: str, signatures: Signatures) -> c
             return _loaded[name]
         lib = None
         if kernels_enabled():
-            from engine.models.loader import default_cache_dir
-
             try:
                 path = _build(name, source, default_cache_dir(), what)
                 if path is not None:

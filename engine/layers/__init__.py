@@ -1,1 +1,1 @@
-"""Model building blocks; tensor parallelism lives inside them (see engine.worker.distributed)."""
+"""Model building blocks; tensor parallelism lives inside them (see engine.distributed)."""

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from engine.layers import cpu_gemm, cpu_w8a8
-from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):

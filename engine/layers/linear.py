@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from engine.layers import cpu_gemm
-from engine.worker.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 
 
 def _divide(n: int, d: int, what: str) -> int:

@@ -12,7 +12,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from engine.config import DEFAULT_MODEL
 from engine.models.gguf_convert import CONVERTER_VERSION, convert_gguf
 from engine.models.hf_config import HFModelConfig, load_hf_config, max_model_len_for
 from engine.models.registry import get_model_class
+from engine.paths import default_cache_dir
 
 __all__ = [
     "HFModelConfig",
@@ -45,14 +45,6 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def default_cache_dir() -> Path:
-    """$TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera (~/.cache/tessera)."""
-    if env := os.environ.get("TESSERA_CACHE_DIR"):
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "tessera"
 
 
 def default_gguf_path() -> Path:

@@ -19,11 +19,11 @@ from engine.attention import kv_int8
 from engine.attention.cpu_kernel import kernel_supports
 from engine.attention.metadata import AttentionMetadataBuilder
 from engine.config import EngineConfig
+from engine.distributed import get_tp_size
 from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.worker.distributed import get_tp_size
 from engine.worker.step_threads import StepThreads
 
 logger = logging.getLogger("tessera.engine")
@@ -85,7 +85,7 @@ class ModelRunner:
         if get_tp_size() != tp:
             raise ValueError(
                 f"tensor_parallel_size is {tp} but this process is in a group of {get_tp_size()}: "
-                "call engine.worker.distributed.init_distributed() before building the runner"
+                "call engine.distributed.init_distributed() before building the runner"
             )
         self.num_kv_heads = self.hf_config.num_key_value_heads // tp
         self.model: torch.nn.Module | None = None

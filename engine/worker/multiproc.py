@@ -66,7 +66,7 @@ def _worker_main(
     _die_with_parent(parent_pid)
     import torch
 
-    from engine.worker.distributed import destroy_distributed, init_distributed
+    from engine.distributed import destroy_distributed, init_distributed
     from engine.worker.model_runner import ModelRunner
 
     torch.set_num_threads(num_threads)
@@ -100,7 +100,7 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         import torch
 
-        from engine.worker.distributed import init_distributed
+        from engine.distributed import init_distributed
         from engine.worker.model_runner import ModelRunner
 
         world_size = config.parallel.tensor_parallel_size
@@ -187,6 +187,6 @@ class WorkerGroup:
                 proc.join(2)
         self.procs, self.conns = [], []
         with contextlib.suppress(Exception):
-            from engine.worker.distributed import destroy_distributed
+            from engine.distributed import destroy_distributed
 
             destroy_distributed()

@@ -22,7 +22,7 @@ def _logits(model_dir, kv_int8: bool = False) -> torch.Tensor:
     model = load_model(model_dir, dtype="float32")
     cfg = model.config
     from engine.attention.kv_int8 import allocate_scales
-    from engine.worker.distributed import get_tp_size
+    from engine.distributed import get_tp_size
 
     hkv = cfg.num_key_value_heads // get_tp_size()
     for attn in model.attention_layers():
@@ -39,7 +39,7 @@ def _logits(model_dir, kv_int8: bool = False) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, model_dirs: list, out_file: str) -> None:
-    from engine.worker.distributed import destroy_distributed, init_distributed
+    from engine.distributed import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")

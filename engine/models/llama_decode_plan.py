@@ -3,7 +3,7 @@
 At one stream a decode step is ~330 small calls (per layer: two norms, four GEMMs, rotary,
 the KV write, attention, SiLU), each a few microseconds of Python, torch and ctypes around a
 few microseconds of work: on a Zen 4 core ~2.5 ms of a ~10 ms step. The plan runs the same
-kernels in the same order from C, through their function pointers, on buffers it keeps:
+kernels in the same order from C (engine/kernels/cpu/decode_plan.c), on buffers it keeps:
 every byte they write is what the module path writes (tested). In the server it saves more
 than the Python: after each of those calls the engine thread had to win the GIL back from
 the HTTP thread's per-token work; now it does once a step (Zen 4, w4a8 + int8 KV: one
@@ -27,136 +27,11 @@ import torch
 
 from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
-from engine.cpu_build import load_library
 from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
-
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-typedef uint16_t bf16;
-typedef void (*norm_fn)(const bf16*, int64_t, bf16*, int64_t, const bf16*, bf16*, int64_t,
-    int64_t, int64_t, float, int);
-typedef int (*q4_fn)(const bf16*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
-    const bf16*, bf16*, int64_t, int);
-typedef void (*rope_fn)(const bf16*, int64_t, const bf16*, const bf16*, bf16*, int64_t,
-    int64_t, int64_t, int);
-typedef void (*silu_fn)(const bf16*, int64_t, bf16*, int64_t, int64_t, int64_t, int);
-typedef void (*kv8_write_fn)(int8_t*, int8_t*, float*, float*, const int64_t*, int64_t,
-    const bf16*, int64_t, const bf16*, int64_t, int, int, int);
-typedef void (*decode_fn)(bf16*, int64_t, const bf16*, int64_t, const void*, const void*,
-    const float*, const float*, const int64_t*, int64_t, const int64_t*, int64_t, int, int,
-    int, int, float, float*, int64_t, int);
-typedef void (*quant_fn)(const bf16*, int64_t, int64_t, int64_t, int8_t*, float*, int);
-typedef int (*gemm_scaled_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
-    const float*, const float*, const void*, void*, int, int);
-typedef int (*gemm_silu_fn)(const int8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
-    const float*, const float*, const void*, int, float*, float*, int8_t*, float*, int);
-
-typedef struct {
-  void *norm, *q4, *rope, *silu, *kv8_write, *decode;
-  void *quant, *gemm_scaled, *gemm_silu;  /* w8a8 (NULL where the plan has none) */
-} Kernels;
-typedef struct {
-  int64_t hidden, heads, kv_heads, head_dim, inter, block_size, kv_int8;
-  float eps, scale;
-} Shape;
-enum { QKV, O, GATE_UP, DOWN };
-typedef struct {
-  const bf16 *in_norm, *post_norm;
-  const uint8_t* w4[4];      /* 4-bit tiles (cpu_w4), or NULL */
-  const bf16* bias[4];
-  const uint8_t* packed[4];  /* w8a8: int8 weights packed for the GEMM, and their row scales */
-  const float* wscale[4];
-  void *k_cache, *v_cache;
-  float *k_scales, *v_scales;
-} Layer;
-typedef struct {
-  int64_t rows, max_blocks, scratch_size;
-  bf16 *hidden, *residual, *normed, *qkv, *qk, *attn, *gate_up, *act;
-  const bf16 *cos, *sin;
-  const int64_t *slots, *block_tables, *context_lens;
-  float* scratch;
-  int threads, decode_threads;  /* torch's intra-op threads; the attention scratch's rows */
-  int w8a8;                     /* the GEMMs: 4-bit (0) or int8 activations (1) */
-  int8_t* xq; float* xs;        /* w8a8: a row-quantized input, its scales */
-  float *h, *hmax; int8_t* hq; float* hs;  /* w8a8 MLP: silu(gate) * up, down's input */
-} Step;
-
-/* y [M][N] (bf16, N apart) = x [M][K] (ldx apart) . W^T + bias, as the layer's module would. */
-static int linear(const Kernels* kn, const Layer* L, int which, const Step* st, const bf16* x,
-    int64_t ldx, int64_t K, bf16* y, int64_t N) {
-  const int64_t M = st->rows; const int T = st->threads;
-  if (!st->w8a8)
-    return ((q4_fn)kn->q4)(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
-  ((quant_fn)kn->quant)(x, ldx, M, K, st->xq, st->xs, T);
-  return ((gemm_scaled_fn)kn->gemm_scaled)(st->xq, K, M, K, L->packed[which], N, st->xs,
-      L->wscale[which], L->bias[which], y, 1, T);
-}
-
-/* down(silu(gate) * up), [gate | up] = gate_up(x): w8a8 as cpu_w8a8.mlp_w8a8 (two int8 GEMMs,
-   the SiLU pass in the first one's tiles), 4-bit as the modules (SiLU-mul in the model dtype). */
-static int mlp(const Kernels* kn, const Layer* L, const Shape* s, const Step* st) {
-  const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
-  if (!st->w8a8) {
-    if (linear(kn, L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;
-    ((silu_fn)kn->silu)(st->gate_up, 2 * I, st->act, I, M, I, T);
-    return linear(kn, L, DOWN, st, st->act, I, I, st->hidden, Hd);
-  }
-  ((quant_fn)kn->quant)(st->normed, Hd, M, Hd, st->xq, st->xs, T);
-  if (((gemm_silu_fn)kn->gemm_silu)(st->xq, Hd, M, Hd, L->packed[GATE_UP], I, st->xs,
-      L->wscale[GATE_UP], L->bias[GATE_UP], 1, st->h, st->hmax, st->hq, st->hs, T))
-    return -1;
-  return ((gemm_scaled_fn)kn->gemm_scaled)(st->hq, I, M, I, L->packed[DOWN], Hd, st->hs,
-      L->wscale[DOWN], L->bias[DOWN], st->hidden, 1, T);
-}
-
-/* hidden: the step's embeddings in, the last layer's output out (residual: its stream, for
-   the final norm). 0, or -1 when a GEMM could not allocate. */
-int run_decode(const Kernels* kn, const Shape* s, const Layer* layers, int64_t n_layers,
-    const Step* st) {
-  const norm_fn norm = (norm_fn)kn->norm; const rope_fn rope = (rope_fn)kn->rope;
-  const int64_t M = st->rows, Hd = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
-  const int64_t qkv_n = (H + 2 * Hkv) * D, qk_n = (H + Hkv) * D, T = st->threads;
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const Layer* L = layers + l;
-    if (l == 0) {  /* the residual stream starts as the embeddings */
-      memcpy(st->residual, st->hidden, sizeof(bf16) * M * Hd);
-      norm(st->hidden, Hd, NULL, 0, L->in_norm, st->normed, Hd, M, Hd, s->eps, T);
-    } else {
-      norm(st->hidden, Hd, st->residual, Hd, L->in_norm, st->normed, Hd, M, Hd, s->eps, T);
-    }
-    if (linear(kn, L, QKV, st, st->normed, Hd, Hd, st->qkv, qkv_n)) return -1;
-    rope(st->qkv, qkv_n, st->cos, st->sin, st->qk, M, H + Hkv, D, T);
-    const bf16* k = st->qk + H * D; const bf16* v = st->qkv + qk_n;
-    if (s->kv_int8) {
-      ((kv8_write_fn)kn->kv8_write)((int8_t*)L->k_cache, (int8_t*)L->v_cache, L->k_scales,
-          L->v_scales, st->slots, M, k, qk_n, v, qkv_n, (int)Hkv, (int)D, (int)s->block_size);
-    } else {  /* [blocks, block_size, Hkv, D]: a token's heads are one row at its slot */
-      for (int64_t t = 0; t < M; ++t) {
-        memcpy((bf16*)L->k_cache + st->slots[t] * Hkv * D, k + t * qk_n, sizeof(bf16) * Hkv * D);
-        memcpy((bf16*)L->v_cache + st->slots[t] * Hkv * D, v + t * qkv_n, sizeof(bf16) * Hkv * D);
-      }
-    }
-    ((decode_fn)kn->decode)(st->attn, H * D, st->qk, qk_n, L->k_cache, L->v_cache, L->k_scales,
-        L->v_scales, st->block_tables, st->max_blocks, st->context_lens, M, (int)H, (int)Hkv,
-        (int)D, (int)s->block_size, s->scale, st->scratch, st->scratch_size, st->decode_threads);
-    if (linear(kn, L, O, st, st->attn, H * D, H * D, st->hidden, Hd)) return -1;
-    norm(st->hidden, Hd, st->residual, Hd, L->post_norm, st->normed, Hd, M, Hd, s->eps, T);
-    if (mlp(kn, L, s, st)) return -1;
-  }
-  return 0;
-}
-"""
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
-
-_KERNELS = ("norm", "q4", "rope", "silu", "kv8_write", "decode")
-_W8A8_KERNELS = ("quant", "gemm_scaled", "gemm_silu")
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = [(n, _P) for n in _KERNELS + _W8A8_KERNELS]
+# Mirrors of the structs in engine/kernels/cpu/include/tessera_kernels.h, field for field.
 
 
 class _Shape(ctypes.Structure):
@@ -189,26 +64,9 @@ class _Step(ctypes.Structure):
 
 
 def _run_fn():
-    lib = load_library("decode_plan", _SOURCE, "the one-call decode step", {})
-    fn = getattr(lib, "run_decode", None) if lib is not None else None
-    if fn is not None:
-        fn.argtypes = [
-            ctypes.POINTER(_Kernels),
-            ctypes.POINTER(_Shape),
-            _P,
-            _I64,
-            ctypes.POINTER(_Step),
-        ]
-        fn.restype = ctypes.c_int
-    return fn
-
-
-def _address(lib: ctypes.CDLL | None, name: str) -> int | None:
-    return _fn_address(getattr(lib, name, None) if lib is not None else None)
-
-
-def _fn_address(fn) -> int | None:
-    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+    """run_decode, from the one kernel library (which the layers' kernels share)."""
+    lib = cpu_fused._load()
+    return getattr(lib, "run_decode", None) if lib is not None else None
 
 
 def enabled() -> bool:
@@ -230,10 +88,10 @@ def _has_w8a8(m) -> bool:
 class DecodePlan:
     """The layers' weights and caches as C structs, built once; run() takes a step."""
 
-    def __init__(self, model: torch.nn.Module, run_fn, kernels: _Kernels, w4: bool, w8a8: bool):
+    def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool):
         layers = model.layers
         a0 = layers[0].self_attn
-        self._run_fn, self._kernels = run_fn, kernels
+        self._run_fn = run_fn
         self.w4, self.w8a8 = w4, w8a8  # which kinds of step the layers can run
         self._first_linears = _linears(layers[0])  # their row thresholds are every layer's
         self._shape = _Shape(
@@ -303,28 +161,13 @@ class DecodePlan:
             torch.bfloat16, torch.device("cpu"), a0.num_kv_heads, a0.head_dim
         ):
             return None
-        fused, attention, int8 = cpu_fused._load(), cpu_kernel.load_kernel(), cpu_w8a8._load()
-        addresses = {
-            "norm": _address(fused, "rmsnorm_bf16"),
-            "q4": _fn_address(cpu_w4._kernel()) if w4 else 0,
-            "rope": _address(fused, "rope_bf16"),
-            "silu": _address(fused, "silu_mul_bf16"),
-            "kv8_write": _address(attention, "kv8_write_bf16"),
-            "decode": _address(
-                attention,
-                "paged_decode_kv8_bf16" if a0.attn.kv_scales is not None else "paged_decode_bf16",
-            ),
-        }
-        if w8a8:
-            addresses |= {
-                "quant": _address(int8, "quantize_rows_bf16"),
-                "gemm_scaled": _address(int8, "gemm_i8_scaled"),
-                "gemm_silu": _address(int8, "gemm_i8_silu_quant"),
-            }
-        run_fn = _run_fn()
-        if run_fn is None or None in addresses.values():
+        # run_decode calls the kernels directly; the ones a CPU may lack must be there
+        if (w4 and cpu_w4._kernel() is None) or (w8a8 and cpu_w8a8._gemm_functions() is None):
             return None
-        return cls(model, run_fn, _Kernels(**addresses), w4, w8a8)
+        run_fn = _run_fn()
+        if run_fn is None:
+            return None
+        return cls(model, run_fn, w4, w8a8)
 
     def takes(self, rows: int, meta: AttentionMetadata) -> int | None:
         """The kind of step (W4, W8A8) the plan runs for this one, or None: the modules run it.
@@ -395,8 +238,8 @@ class DecodePlan:
         step.scratch, step.scratch_size = kd.scratch.data_ptr(), kd.scratch.shape[1]
         step.threads, step.decode_threads = threads, kd.scratch.shape[0]
         rc = self._run_fn(
-            ctypes.byref(self._kernels), ctypes.byref(self._shape), ctypes.addressof(self._layers),
-            len(self._layers), ctypes.byref(step),
+            ctypes.byref(self._shape), ctypes.addressof(self._layers), len(self._layers),
+            ctypes.byref(step),
         )  # fmt: skip
         if rc != 0:
             return None

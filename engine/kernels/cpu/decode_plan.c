@@ -1,0 +1,83 @@
+/* A Llama decode step as one call: the same kernels in the same order as the modules, on
+   buffers the plan keeps (engine/models/llama_decode_plan.py). The kernels are called by name:
+   they are in this library. */
+#include "tessera_kernels.h"
+#include <string.h>
+typedef uint16_t bf16;
+
+/* Built only where the CPU has the instructions they need (w4.c, w8a8.c): weak references
+   are NULL where they are absent, and a step that needs one fails (Python checks first). */
+#pragma weak linear_q4_bf16
+#pragma weak gemm_i8_scaled
+#pragma weak gemm_i8_silu_quant
+
+enum { QKV, O, GATE_UP, DOWN };
+
+/* y [M][N] (bf16, N apart) = x [M][K] (ldx apart) . W^T + bias, as the layer's module would. */
+static int linear(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
+    int64_t K, bf16* y, int64_t N) {
+  const int64_t M = st->rows; const int T = st->threads;
+  if (!st->w8a8)
+    return linear_q4_bf16(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
+  quantize_rows_bf16(x, ldx, M, K, st->xq, st->xs, T);
+  return gemm_i8_scaled(st->xq, K, M, K, L->packed[which], N, st->xs, L->wscale[which],
+      L->bias[which], y, 1, T);
+}
+
+/* down(silu(gate) * up), [gate | up] = gate_up(x): w8a8 as cpu_w8a8.mlp_w8a8 (two int8 GEMMs,
+   the SiLU pass in the first one's tiles), 4-bit as the modules (SiLU-mul in the model dtype). */
+static int mlp(const Layer* L, const Shape* s, const Step* st) {
+  const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
+  if (!st->w8a8) {
+    if (linear(L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;
+    silu_mul_bf16(st->gate_up, 2 * I, st->act, I, M, I, T);
+    return linear(L, DOWN, st, st->act, I, I, st->hidden, Hd);
+  }
+  quantize_rows_bf16(st->normed, Hd, M, Hd, st->xq, st->xs, T);
+  if (gemm_i8_silu_quant(st->xq, Hd, M, Hd, L->packed[GATE_UP], I, st->xs,
+      L->wscale[GATE_UP], L->bias[GATE_UP], 1, st->h, st->hmax, st->hq, st->hs, T))
+    return -1;
+  return gemm_i8_scaled(st->hq, I, M, I, L->packed[DOWN], Hd, st->hs, L->wscale[DOWN],
+      L->bias[DOWN], st->hidden, 1, T);
+}
+
+/* hidden: the step's embeddings in, the last layer's output out (residual: its stream, for
+   the final norm). 0, or -1 when a GEMM could not allocate (or is not in this library). */
+int run_decode(const Shape* s, const Layer* layers, int64_t n_layers, const Step* st) {
+  if (st->w8a8 ? !gemm_i8_scaled || !gemm_i8_silu_quant : !linear_q4_bf16) return -1;
+  const int64_t M = st->rows, Hd = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
+  const int64_t qkv_n = (H + 2 * Hkv) * D, qk_n = (H + Hkv) * D, T = st->threads;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const Layer* L = layers + l;
+    if (l == 0) {  /* the residual stream starts as the embeddings */
+      memcpy(st->residual, st->hidden, sizeof(bf16) * M * Hd);
+      rmsnorm_bf16(st->hidden, Hd, NULL, 0, L->in_norm, st->normed, Hd, M, Hd, s->eps, T);
+    } else {
+      rmsnorm_bf16(st->hidden, Hd, st->residual, Hd, L->in_norm, st->normed, Hd, M, Hd, s->eps, T);
+    }
+    if (linear(L, QKV, st, st->normed, Hd, Hd, st->qkv, qkv_n)) return -1;
+    rope_bf16(st->qkv, qkv_n, st->cos, st->sin, st->qk, M, H + Hkv, D, T);
+    const bf16* k = st->qk + H * D; const bf16* v = st->qkv + qk_n;
+    if (s->kv_int8) {
+      kv8_write_bf16((int8_t*)L->k_cache, (int8_t*)L->v_cache, L->k_scales, L->v_scales,
+          st->slots, M, k, qk_n, v, qkv_n, (int)Hkv, (int)D, (int)s->block_size);
+      paged_decode_kv8_bf16(st->attn, H * D, st->qk, qk_n, (const int8_t*)L->k_cache,
+          (const int8_t*)L->v_cache, L->k_scales, L->v_scales, st->block_tables, st->max_blocks,
+          st->context_lens, M, (int)H, (int)Hkv, (int)D, (int)s->block_size, s->scale,
+          st->scratch, st->scratch_size, st->decode_threads);
+    } else {  /* [blocks, block_size, Hkv, D]: a token's heads are one row at its slot */
+      for (int64_t t = 0; t < M; ++t) {
+        memcpy((bf16*)L->k_cache + st->slots[t] * Hkv * D, k + t * qk_n, sizeof(bf16) * Hkv * D);
+        memcpy((bf16*)L->v_cache + st->slots[t] * Hkv * D, v + t * qkv_n, sizeof(bf16) * Hkv * D);
+      }
+      paged_decode_bf16(st->attn, H * D, st->qk, qk_n, (const bf16*)L->k_cache,
+          (const bf16*)L->v_cache, L->k_scales, L->v_scales, st->block_tables, st->max_blocks,
+          st->context_lens, M, (int)H, (int)Hkv, (int)D, (int)s->block_size, s->scale,
+          st->scratch, st->scratch_size, st->decode_threads);
+    }
+    if (linear(L, O, st, st->attn, H * D, H * D, st->hidden, Hd)) return -1;
+    rmsnorm_bf16(st->hidden, Hd, st->residual, Hd, L->post_norm, st->normed, Hd, M, Hd, s->eps, T);
+    if (mlp(L, s, st)) return -1;
+  }
+  return 0;
+}

@@ -1,0 +1,99 @@
+/* Every function and variable the CPU kernel library exports, the structs it shares with
+   Python, and the compile-time constants Python also reads (engine/kernels/cpu/ops.py parses
+   this file: its ctypes table must match these prototypes, tests/engine/kernels/
+   test_bindings.py checks that it does). Every .c file includes this header first, so the
+   compiler holds each definition to its prototype here.
+
+   Types across the boundary: bf16 values travel as uint16_t; every pointer is a c_void_p
+   on the Python side, int64_t a c_int64, int a c_int, float a c_float.
+
+   Kept to one declaration per line, in `type name(args);` form, so that a small parser can
+   read it (no macros in prototypes, no function pointers). */
+#ifndef TESSERA_KERNELS_H
+#define TESSERA_KERNELS_H
+#include <stdint.h>
+
+/* ---- constants shared with Python ---- */
+#define ROWS_MAX_M 8          /* gemm: bf16 batches of up to this many rows stream the weights */
+#define W4_MAX_ROWS 12        /* w4: rows of x linear_q4_bf16 takes (cpu_w4.MAX_ROWS) */
+#define W4_TILE 16            /* w4: output rows per tile, one per float lane */
+#define W4_GROUP_BYTES 320    /* w4: a tile's group: 16 x 32 codes, 16 float16 scales, 16 minimums */
+#define W8A8_BLOCK_COLS 48    /* w8a8: the packed GEMM's column blocks (16 * GEMM_NV) */
+#define ATTN_MAX_ROW 1024     /* attention: floats in the per-token row buffer (Hkv * D) */
+
+/* ---- gemm.c: y = x W^T (+ b), bf16 / float32 / int8 weights (engine.layers.cpu_gemm) ---- */
+int linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+int linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const float* wscale, int64_t N, const float* bias, float* y, int64_t ldy, int nthreads);
+int linear_i8_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+int linear_i8_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* wscale, int64_t N, const float* bias, float* y, int64_t ldy, int nthreads);
+/* only where the CPU has AVX512-F, -BW and -BF16 (absent from the library elsewhere) */
+int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+
+/* ---- w4.c: 4-bit weight groups (engine.layers.cpu_w4); only with AVX512-F, -BW, -VNNI and F16C ---- */
+int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+
+/* ---- w8a8.c: int8 activations (engine.layers.cpu_w8a8) ---- */
+void quantize_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);
+void quantize_rows_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);
+void dequant_f32(const int32_t* acc, int64_t M, int64_t N, const float* s, const float* wscale, const float* bias, float* y, int nthreads);
+void dequant_bf16(const int32_t* acc, int64_t M, int64_t N, const float* s, const float* wscale, const uint16_t* bias, uint16_t* y, int nthreads);
+void silu_quant_f32(const int32_t* acc, int64_t M, int64_t I, const float* s, const float* wscale, const float* bias, int8_t* q, float* qs, float* tmp, int nthreads);
+void silu_quant_bf16(const int32_t* acc, int64_t M, int64_t I, const float* s, const float* wscale, const uint16_t* bias, int8_t* q, float* qs, float* tmp, int nthreads);
+/* the packed GEMMs: only with AVX512-F and -VNNI (absent from the library elsewhere) */
+void pack_i8(const int8_t* w, int64_t N, int64_t K, uint8_t* out);
+int gemm_i8(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int32_t* y, int64_t ldy, int nthreads);
+int gemm_i8_scaled(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* xs, const float* ws, const void* bias, void* y, int bf16, int nthreads);
+int gemm_i8_argmax(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* xs, const float* ws, float* val, int32_t* col, int64_t* token, int nthreads);
+int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t I, const float* xs, const float* ws, const void* bias, int bias_bf16, float* h, float* hmax, int8_t* q, float* qs, int nthreads);
+int amx_enabled(void);
+extern int use_amx;  /* 0: the packed GEMMs keep to VNNI tiles (set from Python) */
+
+/* ---- fused_ops.c: RMSNorm (+ residual), SiLU-and-mul, rotary (engine.layers.cpu_fused) ---- */
+void rmsnorm_f32(const float* x, int64_t ldx, float* residual, int64_t ldr, const float* w, float* out, int64_t ldo, int64_t rows, int64_t H, float eps, int nthreads);
+void rmsnorm_bf16(const uint16_t* x, int64_t ldx, uint16_t* residual, int64_t ldr, const uint16_t* w, uint16_t* out, int64_t ldo, int64_t rows, int64_t H, float eps, int nthreads);
+void silu_mul_f32(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t rows, int64_t I, int nthreads);
+void silu_mul_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t ldo, int64_t rows, int64_t I, int nthreads);
+void rope_f32(const float* x, int64_t ldx, const float* cos, const float* sin, float* out, int64_t rows, int64_t heads, int64_t D, int nthreads);
+void rope_bf16(const uint16_t* x, int64_t ldx, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t rows, int64_t heads, int64_t D, int nthreads);
+
+/* ---- paged_attention.c: decode attention on the paged cache, the int8 KV writer (engine.attention.cpu_kernel) ---- */
+void paged_decode_f32(float* out, int64_t out_stride, const float* q, int64_t q_stride, const float* kc, const float* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch, int64_t scratch_size, int nthreads);
+void paged_decode_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch, int64_t scratch_size, int nthreads);
+void paged_decode_kv8_f32(float* out, int64_t out_stride, const float* q, int64_t q_stride, const int8_t* kc, const int8_t* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch, int64_t scratch_size, int nthreads);
+void paged_decode_kv8_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride, const int8_t* kc, const int8_t* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch, int64_t scratch_size, int nthreads);
+void kv8_write_f32(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n, const float* k, int64_t k_stride, const float* v, int64_t v_stride, int Hkv, int D, int bs);
+void kv8_write_bf16(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n, const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int Hkv, int D, int bs);
+
+/* ---- decode_plan.c: a Llama decode step as one call (engine.models.llama_decode_plan) ----
+   The structs are mirrored field for field by ctypes.Structure classes in Python. */
+typedef struct {
+  int64_t hidden, heads, kv_heads, head_dim, inter, block_size, kv_int8;
+  float eps, scale;
+} Shape;
+typedef struct {
+  const uint16_t *in_norm, *post_norm;
+  const uint8_t* w4[4];      /* 4-bit tiles (w4.c) of qkv, o, gate_up, down, or NULL */
+  const uint16_t* bias[4];
+  const uint8_t* packed[4];  /* w8a8: int8 weights packed for the GEMM, and their row scales */
+  const float* wscale[4];
+  void *k_cache, *v_cache;
+  float *k_scales, *v_scales;
+} Layer;
+typedef struct {
+  int64_t rows, max_blocks, scratch_size;
+  uint16_t *hidden, *residual, *normed, *qkv, *qk, *attn, *gate_up, *act;
+  const uint16_t *cos, *sin;
+  const int64_t *slots, *block_tables, *context_lens;
+  float* scratch;
+  int threads, decode_threads;  /* torch's intra-op threads; the attention scratch's rows */
+  int w8a8;                     /* the GEMMs: 4-bit (0) or int8 activations (1) */
+  int8_t* xq;                   /* w8a8: a row-quantized input, its scales */
+  float* xs;
+  float *h, *hmax;              /* w8a8 MLP: silu(gate) * up, down's input */
+  int8_t* hq;
+  float* hs;
+} Step;
+int run_decode(const Shape* s, const Layer* layers, int64_t n_layers, const Step* st);
+
+#endif

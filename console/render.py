@@ -15,9 +15,19 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from litestar import Request, Response
 from litestar.enums import MediaType
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_DIR = ROOT / "templates" / "console"
-STATIC_DIR = ROOT / "static"
+
+def _data_dir(name: str) -> Path:
+    """templates/ or static/: inside this package when installed from a wheel (setup.py maps
+    them there), else at the top of the source checkout (editable install, PYTHONPATH)."""
+    here = Path(__file__).resolve().parent
+    for path in (here / name, here.parent / name):
+        if path.is_dir():
+            return path
+    raise RuntimeError(f"the console's {name}/ folder is missing from this installation")
+
+
+TEMPLATE_DIR = _data_dir("templates") / "console"
+STATIC_DIR = _data_dir("static")
 STATIC_PATH = "/console/static"
 
 SECURITY_HEADERS = {

@@ -1,14 +1,14 @@
 """Alembic, driven programmatically, so migrations work from an installed package.
 
-The scripts live in the top-level `migrations/` folder (env.py, script.py.mako, versions/);
-`migrations/alembic.ini` is only for developers who run the `alembic` command directly.
+The scripts live in the repository's top-level `migrations/` folder (env.py, script.py.mako,
+versions/), which a wheel installs as api/db/migrations; `migrations/alembic.ini` is only for
+developers who run the `alembic` command directly.
 These helpers are synchronous: Database runs them in a worker thread (upgrade) or through
 AsyncConnection.run_sync (revision and drift checks).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,12 @@ from sqlalchemy.engine.url import URL
 
 
 def migrations_dir() -> Path:
-    """The repository's migrations/ (source checkout, editable install) or the installed one."""
-    candidates = [Path(__file__).resolve().parents[2] / "migrations"]
-    spec = importlib.util.find_spec("migrations")
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [Path(p) for p in spec.submodule_search_locations]
-    for path in candidates:
+    """api/db/migrations when installed from a wheel (setup.py maps it there), else the source
+    checkout's top-level migrations/ (editable install, PYTHONPATH). The installed copy is
+    looked for first: next to an installed package, ../../migrations is site-packages/migrations,
+    which may be another project's."""
+    here = Path(__file__).resolve().parent
+    for path in (here / "migrations", here.parents[1] / "migrations"):
         if (path / "env.py").is_file() and (path / "versions").is_dir():
             return path
     raise RuntimeError("Tessera's migrations/ folder is missing from this installation")

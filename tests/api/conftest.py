@@ -50,18 +50,30 @@ def stream_in_thread(
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        serve: list[str] | None = None,
+        cwd: Path = REPO,
+    ):
+        """`serve`: the command that serves, default this interpreter's `-m api.cli serve` from
+        the checkout; another one (an installed `tessera serve`) runs without PYTHONPATH, which
+        would put the checkout first on its path."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        if serve is not None:
+            base_env.pop("PYTHONPATH", None)
         base_env.update({"TESSERA_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         base_env.update(env or {})
-        cmd = [sys.executable, "-m", "api.cli", "serve", *args]
+        cmd = [*(serve or [sys.executable, "-m", "api.cli", "serve"]), *args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=base_env, stdout=self._log, stderr=subprocess.STDOUT
+            cmd, cwd=cwd, env=base_env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
     def wait_healthy(self, timeout: float = 180.0) -> None:

@@ -54,9 +54,10 @@ def quantize_layer(layer: nn.Module, method: str) -> None:
     the method for `--quantization method` and convert its weights to that method's format."""
     _check_method(method)
     linear_method, head_method = _METHODS[method]
-    if isinstance(layer.quant_method, LMHeadMethodBase):
+    current = getattr(layer, "quant_method", None)
+    if isinstance(current, LMHeadMethodBase):
         layer.quant_method = head_method()
-    elif isinstance(layer.quant_method, LinearMethodBase):
+    elif isinstance(current, LinearMethodBase):
         layer.quant_method = linear_method()
     else:
         raise TypeError(f"{type(layer).__name__} holds no linear method")

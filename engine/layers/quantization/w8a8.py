@@ -46,8 +46,7 @@ class W8A8LinearMethod(Int8LinearMethod):
     """Int8 rows, their packed copy (`layer.packed_int8`, None where the packed GEMM cannot
     take the shape: torch._int_mm then), int8 activations from w8a8_min_rows rows."""
 
-    w8a8_min_rows = staticmethod(w8a8_min_rows)
-    int8_activations = staticmethod(int8_activations)
+    w8a8_min_rows = staticmethod(w8a8_min_rows)  # for callers holding only the method (decode plan)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)

@@ -5,7 +5,7 @@ matmul falls back to a slow path (measured here: 8-19 GFLOP/s on two cores at an
 while reading bf16 weights halves the memory traffic of float32 ones, which is what bounds
 decode at small batches. This kernel widens each bf16 weight to float32 in registers (a
 shift) and accumulates in float32 with FMA, so it runs at float32 speed with bf16 bytes.
-int8 weights (engine.layers.quantization) are widened the same way and scaled per row.
+int8 weights (engine.layers.quantization.int8) are widened the same way and scaled per row.
 
 Blocking: the weight rows are split into blocks of NB rows over the threads. Small batches
 (decode): tiles of 4 input rows x 3 weight rows keep 12 float32 accumulators in registers,
@@ -33,19 +33,9 @@ import torch
 
 from engine.kernels.cpu import ops
 from engine.kernels.cpu.build import cpu_flags
-from engine.layers import cpu_w4, cpu_w8a8
 
 # Batches of up to this many rows stream the weights row by row (DEFINE_ROWS_DP).
 ROWS_MAX_M = ops.ROWS_MAX_M
-# w8a8 layers quantize their activations from this many rows. Below it int8 weights alone
-# are faster: oneDNN's _int_mm is slow at small M (the model's GEMMs on one Zen 5 core at
-# 9 / 12 / 13 / 16 rows: 18.0 / 19.0 / 19.5 / 20.1 ms, the weight-only kernel 14.5 / 15.8 /
-# 20.8 / 27.6) and the weight-only path is the more accurate one.
-W8A8_MIN_ROWS = 13
-# ... and from this many where the packed int8 GEMM runs on AMX tiles (cpu_w8a8): a w4a8
-# decode step of 8 rows takes 12.2-12.9 ms there against 15.7-16.7 on the 4-bit kernel (an
-# Intel Xeon with AMX, two cores); one row stays 2x faster on the 4-bit kernel.
-AMX_W8A8_MIN_ROWS = 8
 
 
 # (activation dtype, weight dtype) -> C function.
@@ -162,54 +152,6 @@ def linear(
         if rc != 0:
             return _torch_linear(x, weight, bias, weight_scale)
     return y.view(*x.shape[:-1], n)
-
-
-class UsesCpuGemm:
-    """For modules whose forward is a matmul (linear layers, the LM head): routes it to the
-    kernel where it is faster than torch's, decided once, on the loaded weight."""
-
-    cpu_gemm_max_rows: int | None = None
-    quantize_activations = False  # int8 weights: int8 activations too from w8a8_min_rows
-    w4: cpu_w4.Q4Weight | None = None  # a 4-bit copy of the weight for fewer rows (1-12)
-    packed_int8: torch.Tensor | None = None  # w8a8: the int8 weight packed for cpu_w8a8.int_mm
-
-    def int8_activations(self, x: torch.Tensor) -> bool:
-        """Whether this call quantizes x to int8 (w8a8 layers, from w8a8_min_rows rows)."""
-        k = x.shape[-1]
-        return self.quantize_activations and x.numel() >= self.w8a8_min_rows(k) * k
-
-    def w8a8_min_rows(self, k: int) -> int:
-        """The rows from which this w8a8 layer quantizes its activations (and a w4a8 layer
-        leaves its 4-bit copy): AMX_W8A8_MIN_ROWS where its packed GEMM runs on AMX tiles,
-        else W8A8_MIN_ROWS."""
-        amx = self.packed_int8 is not None and cpu_w8a8.amx_runs(k)
-        return AMX_W8A8_MIN_ROWS if amx else W8A8_MIN_ROWS
-
-    def project(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        weight_scale: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """x @ weight.T (+ bias), in x's dtype; out_dtype: the dtype the int8-activation path
-        rounds to instead (its epilogue writes any float type in the same pass)."""
-        if self.w4 is not None and not self.int8_activations(x):
-            y = cpu_w4.linear(x, self.w4, bias)
-            if y is not None:
-                return y
-        if weight_scale is not None:  # int8 rows exist only for this kernel
-            if self.int8_activations(x):
-                return cpu_w8a8.linear_w8a8(
-                    x, weight, bias, weight_scale, out_dtype, self.packed_int8
-                )
-            return linear(x, weight, bias, weight_scale)
-        if self.cpu_gemm_max_rows is None:
-            self.cpu_gemm_max_rows = max_rows_for(weight)
-        if x.numel() <= self.cpu_gemm_max_rows * x.shape[-1]:
-            return linear(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)
 
 
 def _torch_linear(

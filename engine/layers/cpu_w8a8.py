@@ -11,8 +11,9 @@ dot products exact in int32. This costs accuracy that weight-only int8 does not:
 SmolLM2-135M-Instruct over 1,024 tokens of English, the mean KL divergence from the bf16
 model's next-token distribution is 0.049 (weight-only int8: 0.007), about the loss of the
 Q4_1 file llama.cpp serves (0.051, simulated the same way). Small batches (fewer than
-cpu_gemm.W8A8_MIN_ROWS rows, AMX_W8A8_MIN_ROWS on AMX) keep the weight-only kernel: they are
-bound by reading the weights, which are the same int8 rows, and _int_mm is slower there.
+W8A8_MIN_ROWS rows, AMX_W8A8_MIN_ROWS on AMX: engine.layers.quantization.w8a8) keep the
+weight-only kernel: they are bound by reading the weights, which are the same int8 rows, and
+_int_mm is slower there.
 
 Small C loops around the int8 GEMM: quantizing the rows and the scaled epilogue (each one
 pass, where the torch ops would be several). The GEMM itself runs on a packed copy of the

@@ -2,6 +2,7 @@
 
 Each rank holds ceil(vocab / tp) rows (the last shard zero-padded); the embedding masks ids
 outside its shard and all-reduces, the LM head all-gathers its logits and drops the padding.
+The LM head's `quant_method` (engine.layers.quantization) multiplies its rows.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from engine.layers import cpu_gemm, cpu_w8a8
+from engine.layers.quantization.base import LMHeadMethodBase
+from engine.layers.quantization.unquantized import UnquantizedLMHeadMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,39 +46,30 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.UsesCpuGemm):
+class ParallelLMHead(VocabParallelEmbedding):
     """hidden [S, H] -> logits [S, vocab] in float32. Tie by sharing the embedding's weight."""
 
     tied = False
-    qweight: torch.Tensor | None = None  # int8 rows and their scales, once quantized
-    weight_scale: torch.Tensor | None = None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.quant_method: LMHeadMethodBase = UnquantizedLMHeadMethod()
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self.tied = True
 
-    def quantize_int8(self) -> None:
-        from engine.layers.quantization import quantize_rows_int8
-
-        self.qweight, self.weight_scale = quantize_rows_int8(self.weight.data)
-        if not self.tied:  # nothing else reads the full-precision rows
-            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """argmax(self(hidden)) per row, the first maximum winning, without the logits in
-        memory (the w8a8 GEMM's argmax epilogue, on the same float32 values); None where that
-        path is not the one forward would take: then compute the logits."""
-        # (a 4-bit copy, where there is one, takes exactly the rows without int8 activations)
-        if self.qweight is None or self.tp_size > 1 or not self.int8_activations(hidden):
+        memory (the quant method's greedy hook: w8a8's GEMM argmax epilogue, on the same
+        float32 values); None where that path is not the one forward would take: then compute
+        the logits."""
+        if self.tp_size > 1:
             return None
-        return cpu_w8a8.argmax_w8a8(hidden, self.qweight, self.weight_scale, self.packed_int8)
+        return self.quant_method.greedy(self, hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.qweight is not None:
-            # float32 straight from the int32 sums (w8a8): no bf16 rounding, no extra pass
-            logits = self.project(hidden, self.qweight, None, self.weight_scale, torch.float32)
-        else:
-            logits = self.project(hidden, self.weight)
+        logits = self.quant_method.apply(self, hidden)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

@@ -2,7 +2,9 @@
 
 Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies this
 rank's slice of a full checkpoint tensor. ColumnParallel splits output features (no
-communication), RowParallel splits input features and all-reduces its output.
+communication), RowParallel splits input features and all-reduces its output. How the weights
+are stored and multiplied is the layer's `quant_method` (engine.layers.quantization):
+unquantized until the loader's quantize_model gives it another.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import torch
 from torch import nn
 
 from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from engine.layers import cpu_gemm
+from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -20,7 +23,7 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class LinearBase(nn.Module, cpu_gemm.UsesCpuGemm):
+class LinearBase(nn.Module):
     """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
@@ -28,14 +31,8 @@ class LinearBase(nn.Module, cpu_gemm.UsesCpuGemm):
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight_scale: torch.Tensor | None = None  # int8 weights: one scale per row
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and param.dim() > self.tp_dim:
@@ -43,19 +40,8 @@ class LinearBase(nn.Module, cpu_gemm.UsesCpuGemm):
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         _copy(param, loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias), on the CPU GEMM kernel where it is the faster path."""
-        return self.project(x, self.weight, bias, self.weight_scale)
-
-    def quantize_int8(self) -> None:
-        """Replace the weight by int8 rows and their scales (engine.layers.quantization)."""
-        from engine.layers.quantization import quantize_rows_int8
-
-        q, self.weight_scale = quantize_rows_int8(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -129,8 +115,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
-        y = tp_all_reduce(self.matmul(x, None))
+            return self.quant_method.apply(self, x, self.bias)
+        y = tp_all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -12,10 +12,9 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_paged import PagedAttention
-from engine.layers import cpu_w8a8
-from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFModelConfig
@@ -57,20 +56,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     def __init__(self, cfg: HFModelConfig):
-        super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.gate_up_proj, self.down_proj
-        # w8a8 at this many rows: both GEMMs int8, one C pass between them
-        if gate_up.int8_activations(x) and down.quantize_activations and down.tp_size == 1:
-            return cpu_w8a8.mlp_w8a8(x, gate_up, down)
-        return down(self.act(gate_up(x)))
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
 
 class LlamaDecoderLayer(nn.Module):

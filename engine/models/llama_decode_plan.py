@@ -12,7 +12,7 @@ stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 Two kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the 4-bit
 copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-1,024 rows on int8 activations
 and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8); where that GEMM runs on
-AMX tiles the boundary is 8 rows (cpu_gemm.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
+AMX tiles the boundary is 8 rows (w8a8.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
 rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
 attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it
 does not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
@@ -28,6 +28,7 @@ import torch
 from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
+from engine.layers.quantization import W4A8LinearMethod, W8A8LinearMethod
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -81,8 +82,12 @@ def _linears(layer: torch.nn.Module) -> tuple:
     return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 
-def _has_w8a8(m) -> bool:
-    return m.packed_int8 is not None and m.weight_scale is not None and m.quantize_activations
+def _has_w4(m) -> bool:
+    return isinstance(m.quant_method, W4A8LinearMethod) and m.w4 is not None
+
+
+def _has_w8a8(m) -> bool:  # w8a8 or w4a8: int8 activations, on the packed weight
+    return isinstance(m.quant_method, W8A8LinearMethod) and m.packed_int8 is not None
 
 
 class DecodePlan:
@@ -135,7 +140,7 @@ class DecodePlan:
         if not enabled() or not len(model.layers):
             return None
         linears = [m for layer in model.layers for m in _linears(layer)]
-        w4 = all(m.w4 is not None for m in linears)
+        w4 = all(_has_w4(m) for m in linears)
         # the MLP's SiLU pass inside gate_up's GEMM (mlp_w8a8's path) needs I % 16 == 0
         inter = model.layers[0].mlp.down_proj.weight.shape[1]
         w8a8 = all(_has_w8a8(m) for m in linears) and inter % 16 == 0
@@ -177,7 +182,7 @@ class DecodePlan:
             return None
         # where the layers' thresholds differ (AMX for some K only), the rows between them
         # mix both paths: the modules run those steps
-        firsts = [m.w8a8_min_rows(m.weight.shape[1]) for m in self._first_linears]
+        firsts = [m.quant_method.w8a8_min_rows(m, m.weight.shape[1]) for m in self._first_linears]
         if self.w4 and 1 <= rows < min(firsts):
             return W4
         if self.w8a8 and max(firsts) <= rows <= cpu_w8a8.PACKED_MAX_ROWS:

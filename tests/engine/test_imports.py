@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 
 
@@ -84,9 +82,6 @@ def _without_package_parents(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in graph.items()}
 
 
-@pytest.mark.xfail(
-    strict=True, reason="layers.quantization <-> linear/embedding until the linear methods land"
-)
 def test_no_import_cycle_in_engine():
     cycle = _cycle(_without_package_parents(_graph()))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_gemm, cpu_w4, cpu_w8a8
+from engine.layers import cpu_w4
+from engine.layers.quantization import W8A8LMHeadMethod, quantize_layer
+from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
 
 
 def _require_kernel():
@@ -82,13 +84,10 @@ def test_layers_read_4_bits_below_their_int8_activation_rows_only(tiles):
     layer.weight.data.normal_(0, 0.05)
     layer.bias.data.normal_()
     layer.to(torch.bfloat16)
-    layer.w4 = cpu_w4.quantize_groups(layer.weight.data)
-    layer.quantize_int8()
-    layer.quantize_activations = True
-    layer.packed_int8 = cpu_w8a8.pack_weight(layer.weight.data)  # as quantization.py does
-    first = layer.w8a8_min_rows(128)
+    quantize_layer(layer, "w4a8")  # 4-bit groups, int8 rows and their packed copy
+    first = layer.quant_method.w8a8_min_rows(layer, 128)
     amx = tiles == "amx"
-    assert first == (cpu_gemm.AMX_W8A8_MIN_ROWS if amx else cpu_gemm.W8A8_MIN_ROWS)
+    assert first == (AMX_W8A8_MIN_ROWS if amx else W8A8_MIN_ROWS)
     assert first - 1 <= cpu_w4.MAX_ROWS
     for rows in (1, 2, first - 1, first, cpu_w4.MAX_ROWS, cpu_w4.MAX_ROWS + 1):
         x = torch.randn(rows, 128).to(torch.bfloat16)
@@ -118,7 +117,9 @@ def test_w4a8_engine_generates_and_is_validated(make_tiny_model):
     model = llm.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert layers and all(m.w4 is not None and m.weight.dtype == torch.int8 for m in layers)
-    assert model.lm_head.w4 is None  # the LM head stays int8
+    # the LM head stays int8: no 4-bit copy
+    assert isinstance(model.lm_head.quant_method, W8A8LMHeadMethod)
+    assert getattr(model.lm_head, "w4", None) is None
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     prompts = [list(range(5, 5 + n)) for n in (3, 20)]  # decodes of 1-2 rows read 4 bits
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from engine.layers import cpu_gemm, cpu_w8a8
-from engine.layers.quantization import quantize_rows_int8
+from engine.layers.quantization import (
+    Int8LinearMethod,
+    W8A8LinearMethod,
+    W8A8LMHeadMethod,
+    quantize_layer,
+    quantize_rows_int8,
+)
+from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
 
 
 @pytest.fixture(autouse=True)
@@ -134,9 +141,9 @@ def test_w8a8_lm_head_writes_float32_logits_in_its_epilogue():
     torch.manual_seed(3)
     head = ParallelLMHead(500, 64)
     head.weight.data.normal_(0, 0.05)
-    head.quantize_int8()
-    head.quantize_activations = True
-    h = torch.randn(cpu_gemm.W8A8_MIN_ROWS + 3, 64).bfloat16()
+    quantize_layer(head, "w8a8")
+    head.packed_int8 = None  # no packed copy: the int32 sums, then the epilogue pass
+    h = torch.randn(W8A8_MIN_ROWS + 3, 64).bfloat16()
     logits = head(h)
     assert logits.dtype == torch.float32
     q, s = cpu_w8a8.quantize_rows(h)
@@ -156,17 +163,17 @@ def test_layers_quantize_activations_only_from_w8a8_min_rows(tiles):
     layer = ReplicatedLinear(64, 48, bias=True)
     layer.weight.data.normal_(0, 0.05)
     layer.bias.data.normal_()
-    layer.quantize_int8()
+    quantize_layer(layer, "w8a8")
     w, ws = layer.weight, layer.weight_scale
-    layer.packed_int8 = cpu_w8a8.pack_weight(w.data)
-    first = layer.w8a8_min_rows(64)
+    w8a8 = layer.quant_method
+    first = w8a8.w8a8_min_rows(layer, 64)
     amx = tiles == "amx"
-    assert first == (cpu_gemm.AMX_W8A8_MIN_ROWS if amx else cpu_gemm.W8A8_MIN_ROWS)
+    assert first == (AMX_W8A8_MIN_ROWS if amx else W8A8_MIN_ROWS)
     for rows, quantized in ((1, False), (first - 1, False), (first, True), (64, True)):
         x = torch.randn(rows, 64)
-        layer.quantize_activations = False
+        layer.quant_method = Int8LinearMethod()  # the same int8 rows, weight-only
         assert torch.equal(layer(x), cpu_gemm.linear(x, w, layer.bias, ws))
-        layer.quantize_activations = True
+        layer.quant_method = w8a8
         expected = (
             cpu_w8a8.linear_w8a8(x, w, layer.bias, ws, None, layer.packed_int8)
             if quantized
@@ -183,8 +190,11 @@ def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
     llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="w8a8", num_blocks=64)
     model = llm.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert layers and all(m.quantize_activations and m.weight.dtype == torch.int8 for m in layers)
-    assert model.lm_head.quantize_activations
+    assert layers and all(
+        isinstance(m.quant_method, W8A8LinearMethod) and m.weight.dtype == torch.int8
+        for m in layers
+    )
+    assert isinstance(model.lm_head.quant_method, W8A8LMHeadMethod)
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
     prompts = [
         list(range(5, 5 + n)) for n in (3, 20, 33)
@@ -224,8 +234,8 @@ def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, mo
     )
     for layer in (gate_up, down):
         layer.bias = None if not bias else torch.nn.Parameter(layer.bias.to(dtype), False)
-        layer.quantize_int8()
-        layer.quantize_activations = True
+        quantize_layer(layer, "w8a8")
+        layer.packed_int8 = None  # torch._int_mm and the C pass after it
     y = cpu_w8a8.mlp_w8a8(x, gate_up, down)
     with monkeypatch.context() as patch:
         patch.setattr(cpu_w8a8, "_load", lambda: None)
@@ -241,7 +251,7 @@ def test_fused_mlp_matches_its_torch_reference_and_the_float_mlp(dtype, bias, mo
     mlp.gate_up_proj, mlp.down_proj = gate_up, down
     calls = []
     monkeypatch.setattr(cpu_w8a8, "mlp_w8a8", lambda *a: calls.append(a) or y)
-    mlp(x[: gate_up.w8a8_min_rows(hidden) - 1])
+    mlp(x[: gate_up.quant_method.w8a8_min_rows(gate_up, hidden) - 1])
     assert not calls
     assert mlp(x) is y and len(calls) == 1
 
@@ -267,8 +277,7 @@ def test_silu_pass_inside_the_gemm_equals_the_pass_after_it(inter, m, bias, tile
     gate_up.weight.data.normal_(0, 0.1)
     if bias is not None:
         gate_up.bias = torch.nn.Parameter(torch.randn(2 * inter).to(bias), False)
-    gate_up.quantize_int8()
-    gate_up.packed_int8 = cpu_w8a8.pack_weight(gate_up.weight.data)
+    quantize_layer(gate_up, "w8a8")
     if gate_up.packed_int8 is None:
         pytest.skip("no AVX512-VNNI (or no compiler) for the packed int8 GEMM")
     q, s = cpu_w8a8.quantize_rows(torch.randn(m, hidden).to(dtype) * 3)

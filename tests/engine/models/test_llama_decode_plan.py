@@ -36,7 +36,7 @@ def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypa
     runs = None if plan is None else dict(plan.runs)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    firsts = {m.w8a8_min_rows(m.weight.shape[1]) for m in linears}
+    firsts = {m.quant_method.w8a8_min_rows(m, m.weight.shape[1]) for m in linears}
     llm.shutdown()
     return (
         [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs],

@@ -1,0 +1,102 @@
+"""Linear methods: how each linear layer and the LM head store and multiply their weights.
+
+One class per weight format, chosen once after loading for `--quantization` (vLLM's
+`quant_method`): unquantized (the default: oneDNN or the C GEMM), int8 (weight-only), w8a8
+(int8 activations too, from a few rows) and w4a8 (w8a8 plus 4-bit weights for small
+batches). Every quantized format runs on the CPU kernels; the per-format modules say why
+each exists and where it pays. A CUDA backend adds its methods here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers import cpu_gemm, cpu_w4
+from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+from engine.layers.quantization.int8 import Int8LinearMethod, Int8LMHeadMethod, quantize_rows_int8
+from engine.layers.quantization.unquantized import UnquantizedLinearMethod, UnquantizedLMHeadMethod
+from engine.layers.quantization.w4a8 import W4A8LinearMethod
+from engine.layers.quantization.w8a8 import W8A8LinearMethod, W8A8LMHeadMethod
+
+__all__ = [
+    "METHODS",
+    "Int8LMHeadMethod",
+    "Int8LinearMethod",
+    "LMHeadMethodBase",
+    "LinearMethodBase",
+    "UnquantizedLMHeadMethod",
+    "UnquantizedLinearMethod",
+    "W4A8LinearMethod",
+    "W8A8LMHeadMethod",
+    "W8A8LinearMethod",
+    "quantize_layer",
+    "quantize_model",
+    "quantize_rows_int8",
+]
+
+# --quantization -> (the linear layers' method, the LM head's); w4a8's LM head stays int8
+_METHODS: dict[str, tuple[type[LinearMethodBase], type[LMHeadMethodBase]]] = {
+    "int8": (Int8LinearMethod, Int8LMHeadMethod),
+    "w8a8": (W8A8LinearMethod, W8A8LMHeadMethod),
+    "w4a8": (W4A8LinearMethod, W8A8LMHeadMethod),
+}
+METHODS = tuple(_METHODS)
+
+
+def _check_method(method: str) -> None:
+    if method not in _METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {method!r}")
+
+
+def quantize_layer(layer: nn.Module, method: str) -> None:
+    """Give one loaded layer (a linear layer or the LM head, told apart by the method it holds)
+    the method for `--quantization method` and convert its weights to that method's format."""
+    _check_method(method)
+    linear_method, head_method = _METHODS[method]
+    current = getattr(layer, "quant_method", None)
+    if isinstance(current, LMHeadMethodBase):
+        layer.quant_method = head_method()
+    elif isinstance(current, LinearMethodBase):
+        layer.quant_method = linear_method()
+    else:
+        raise TypeError(f"{type(layer).__name__} holds no linear method")
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def _check_supported(method: str, weights: list[torch.Tensor]) -> None:
+    """Every quantized format runs on the CPU kernels: refuse what they cannot take."""
+    if any(w.device.type != "cpu" for w in weights):
+        raise ValueError(
+            f"--quantization {method} runs on the CPU GEMM kernel; use it with --device cpu"
+        )
+    dtype = weights[0].dtype if weights else torch.float32
+    if not cpu_gemm.available(dtype, torch.int8):
+        raise ValueError(
+            f"--quantization {method} needs the compiled CPU kernels (a C compiler on the machine, "
+            f"TESSERA_CPU_KERNELS not 0) and a bfloat16 or float32 model; got {dtype}"
+        )
+    if method == "w4a8" and not (dtype == torch.bfloat16 and cpu_w4.available()):
+        raise ValueError(
+            "--quantization w4a8 needs a bfloat16 model and a CPU with AVX512-VNNI (its 4-bit "
+            "kernel); use w8a8 here"
+        )
+
+
+def quantize_model(model: nn.Module, method: str | None) -> int:
+    """After loading: give every linear layer and the LM head the method for `--quantization
+    method` (None: they keep the unquantized one) and convert their weights; returns how
+    many layers were quantized."""
+    if method is None:
+        return 0
+    _check_method(method)
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), (LinearMethodBase, LMHeadMethodBase))
+    ]
+    linears = [m.weight for m in layers if isinstance(m.quant_method, LinearMethodBase)]
+    _check_supported(method, linears)
+    for layer in layers:
+        quantize_layer(layer, method)
+    return len(layers)

@@ -112,7 +112,7 @@ def resolve_model_dir(model: str, load_format: str) -> Path:
 def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
     from engine.attention.cpu_kernel import kernel_supports
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.outputs import ScheduledRequest, SchedulerOutput
+    from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
     from engine.sampling_params import SamplingParams
     from engine.worker.model_runner import ModelRunner
 
@@ -160,32 +160,27 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
     tables = [[free.pop() for _ in range(n)] for n in tables_len]
     greedy = SamplingParams(temperature=0.0, max_tokens=None)
 
-    # Fill the cache: whole prompts as prefill chunks, about _FILL_TOKENS tokens a step.
+    # Fill the cache: whole prompts as prefill chunks, about _FILL_TOKENS tokens a step. Each
+    # request reaches the runner once, its "prompt" ending with the token the steps decode.
     t0 = time.perf_counter()
     chunk: list[ScheduledRequest] = []
+    new: list[NewRequestData] = []
     n = 0
-    for i, (prompt, _) in enumerate(seqs):
-        chunk.append(ScheduledRequest(str(i), prompt, 0, tables[i], False, greedy))
+    for i, (prompt, token) in enumerate(seqs):
+        new.append(NewRequestData(str(i), [*prompt, token], greedy))
+        chunk.append(ScheduledRequest(str(i), 0, len(prompt), tables[i], False))
         n += len(prompt)
         if n >= _FILL_TOKENS or i == len(seqs) - 1:
-            runner.execute_model(SchedulerOutput(scheduled=chunk, num_batched_tokens=n))
-            chunk, n = [], 0
+            runner.execute_model(
+                SchedulerOutput(scheduled=chunk, num_batched_tokens=n, new_requests=new)
+            )
+            chunk, new, n = [], [], 0
     fill_s = time.perf_counter() - t0
 
     rows = []
     for b in args.batch_sizes:
-        step_reqs = [
-            ScheduledRequest(
-                request_id=str(i),
-                token_ids=[seqs[i][1]],
-                start_pos=len(seqs[i][0]),
-                block_ids=tables[i],
-                sample=True,
-                sampling_params=greedy,
-                prompt_token_ids=seqs[i][0],
-            )
-            for i in range(b)
-        ]
+        # The same decode step each time: the token after each prompt, at the same position.
+        step_reqs = [ScheduledRequest(str(i), len(seqs[i][0]), 1, [], True) for i in range(b)]
         so = SchedulerOutput(scheduled=step_reqs, num_batched_tokens=b)
         first = runner.execute_model(so).sampled_token_ids
         times = time_steps(lambda so=so: runner.execute_model(so), args.warmup, args.steps)

@@ -158,6 +158,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if scheduler_output.drops_requests:  # the runners forget them (no forward)
+                self.executor.execute_model(scheduler_output)
             return []
         runner_output = self.executor.execute_model(scheduler_output)
         self._count_tokens(scheduler_output, runner_output)
@@ -171,9 +173,10 @@ class LLMEngine:
         self.num_steps += 1
         prompt = 0
         for sr in scheduler_output.scheduled:
-            n_prompt = len(sr.prompt_token_ids)
+            request = self.scheduler.get_request(sr.request_id)  # (aborts come between steps)
+            n_prompt = request.num_prompt_tokens if request is not None else 0
             if sr.start_pos < n_prompt:
-                prompt += min(len(sr.token_ids), n_prompt - sr.start_pos)
+                prompt += min(sr.num_tokens, n_prompt - sr.start_pos)
         self.prompt_tokens_total += prompt
         self.generation_tokens_total += sum(map(len, runner_output.sampled_token_ids.values()))
 

@@ -12,43 +12,65 @@ from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: everything the model runner needs to run it."""
+class NewRequestData:
+    """A request the runner does not hold yet: sent once, with the step that first schedules
+    it. A preempted request is new again when it is readmitted (its outputs so far are part
+    of what it recomputes), and so is each forked sample (output_token_ids = its first)."""
 
     request_id: str
-    # Tokens whose K/V this step computes: a prefill chunk, or the one token of a decode step.
-    token_ids: list[int]
-    # Position of token_ids[0] (== request.num_computed_tokens before this step).
-    start_pos: int
-    # The request's whole block table (physical block ids, in order) after this step's allocation.
-    # Token at position p lives in slot block_ids[p // block_size] * block_size + p % block_size.
-    block_ids: list[int]
-    # True when this chunk ends at the last known token: the runner samples from its last position.
-    sample: bool
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    # How many tokens to sample from the last position: n for a parent's first sample, else 1.
-    num_samples: int = 1
-    # Prompt and output token ids so far (references, not copies): for penalties and min_tokens.
-    prompt_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled before this admission (a copy: the runner appends its own samples).
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
 
 
 @dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: only what changed since the runner last saw it.
+
+    The runner knows every token it has to compute: the prompt and earlier outputs from the
+    request's NewRequestData, and the tokens it sampled itself since (engine.worker.input_batch).
+    """
+
+    request_id: str
+    # Position of this step's first token (== request.num_computed_tokens before this step).
+    start_pos: int
+    # Tokens whose K/V this step computes: a prefill chunk, or the one token of a decode step.
+    num_tokens: int
+    # Block ids appended to the request's block table since the runner last saw it (the
+    # whole table for a new request). Token at position p lives in slot
+    # table[p // block_size] * block_size + p % block_size.
+    new_block_ids: list[int]
+    # True when this chunk ends at the last known token: the runner samples from its last position.
+    sample: bool
+    # How many tokens to sample from the last position: n for a parent's first sample, else 1.
+    num_samples: int = 1
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
+    # In scheduling order (running requests first, then the ones admitted this step).
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
+    # The scheduled requests the runner does not hold yet (a subset of `scheduled`).
+    new_requests: list[NewRequestData] = field(default_factory=list)
     # Copy-on-write for forked samples: copy every layer's K/V of block src into block dst
     # before this step's forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Requests that finished, were aborted or preempted since the last step: the runner drops
-    # any per-request state it keeps (seeded generators, cached inputs).
+    # their state (a preempted request comes back later as a new request).
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def drops_requests(self) -> bool:
+        """Whether the runners must forget some requests (even when nothing is scheduled)."""
+        return bool(self.finished_request_ids or self.preempted_request_ids)
 
 
 @dataclass(slots=True)

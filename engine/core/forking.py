@@ -2,7 +2,10 @@
 
 The parent runs alone until then, holding n seats of max_num_seqs; the runner samples n
 tokens from it (ScheduledRequest.num_samples) and samples 1..n-1 become child requests
-"<id>#<i>". The scheduler gives each child the parent's blocks (KVCacheManager.fork).
+"<id>#<i>". The scheduler gives each child the parent's blocks (KVCacheManager.fork). The
+runner keeps the parent's first token; each child reaches it as a new request (NewRequestData
+with the shared prompt and its own first token as output), its table the shared full blocks
+plus the copied partial one.
 """
 
 from __future__ import annotations

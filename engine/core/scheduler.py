@@ -11,6 +11,12 @@ n > 1 (see forking.py): update_from_output forks the samples of a parent whose p
 computed; each child shares the prompt's full blocks, and a partially filled last block is
 copied: the pair goes into the next SchedulerOutput.blocks_to_copy, which the runner applies
 before that step's forward.
+
+Step inputs are incremental (vLLM v1's NewRequestData / CachedRequestData): a request's
+prompt, sampling params and eos id go to the runner once (NewRequestData, when it is first
+scheduled, again after a preemption, and for each forked sample); each step then carries only
+its position, token count and the block ids appended since the runner last saw it. The runner
+keeps the rest (engine.worker.input_batch) and appends the tokens it samples itself.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ from engine.core.forking import child_id, fork_samples, seats
 from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
 from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.core.stop import check_stop
-from engine.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from engine.outputs import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_N
 
@@ -69,6 +81,9 @@ class Scheduler:
         self._num_seats = 0  # sum of seats() over running
         self._finished_ids: list[str] = []  # for the next SchedulerOutput
         self._pending_copies: list[tuple[str, int, int]] = []  # (child id, src, dst)
+        # Requests the runner holds (sent as new, not finished or preempted since): how many
+        # of their block ids it has.
+        self._num_sent_blocks: dict[str, int] = {}
 
     # -- queries ------------------------------------------------------------------------
 
@@ -152,6 +167,7 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._num_sent_blocks.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
 
     # -- one step -----------------------------------------------------------------------
@@ -159,6 +175,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
+        new: dict[str, NewRequestData] = {}
         preempted_ids: list[str] = []
         manager = self.kv_cache_manager
         running = self.running
@@ -178,20 +195,21 @@ class Scheduler:
                     i -= 1
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
-                    budget += len(undone.token_ids)
+                    budget += undone.num_tokens
+                    new.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._schedule_one(request, num_new)
+                scheduled[request.request_id] = self._schedule_one(request, num_new, new)
                 budget -= num_new
                 i += 1
                 continue
             break  # the request itself was preempted: no blocks for anything further
 
         if not preempted_ids:  # blocks are short: do not admit while preempting
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, new)
 
         # Copies for children forked last step, unless they were preempted or aborted since.
         copies = [
@@ -202,6 +220,7 @@ class Scheduler:
         out = SchedulerOutput(
             scheduled=list(scheduled.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            new_requests=list(new.values()),
             blocks_to_copy=copies,
             finished_request_ids=self._finished_ids,
             preempted_request_ids=preempted_ids,
@@ -210,7 +229,12 @@ class Scheduler:
         self._pending_copies = []
         return out
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _admit_waiting(
+        self,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        new: dict[str, NewRequestData],
+    ) -> int:
         manager = self.kv_cache_manager
         waiting = self.waiting
         while waiting and budget > 0:
@@ -235,28 +259,38 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             self.running.append(request)
             self._num_seats += num_seats
-            scheduled[request.request_id] = self._schedule_one(request, num_new)
+            scheduled[request.request_id] = self._schedule_one(request, num_new, new)
             budget -= num_new
         return budget
 
-    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule_one(
+        self, request: Request, num_new: int, new: dict[str, NewRequestData]
+    ) -> ScheduledRequest:
+        rid = request.request_id
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
-        all_tokens = request.all_token_ids
-        sample = end == len(all_tokens)
+        sample = end == len(request.all_token_ids)
         params = request.sampling_params
+        table = self.kv_cache_manager.req_to_block_ids[rid]
+        num_sent = self._num_sent_blocks.get(rid)
+        if num_sent is None:  # the runner does not hold it: send it whole, once
+            new[rid] = NewRequestData(
+                rid,
+                request.prompt_token_ids,
+                params,
+                list(request.output_token_ids),
+                request.eos_token_id,
+            )
+            num_sent = 0
+        self._num_sent_blocks[rid] = len(table)
         return ScheduledRequest(
-            request.request_id,
-            all_tokens[start:end],
+            rid,
             start,
-            self.kv_cache_manager.req_to_block_ids[request.request_id],
+            num_new,
+            table[num_sent:],
             sample,
-            params,
             seats(request) if sample and params.n > 1 else 1,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            request.eos_token_id,
         )
 
     def _pick_victim(self) -> int:
@@ -269,6 +303,7 @@ class Scheduler:
         """Recompute preemption: drop the blocks, start over later from the waiting front."""
         self._num_seats -= seats(request)
         self.kv_cache_manager.free(request)
+        self._num_sent_blocks.pop(request.request_id, None)  # the runner drops it
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -294,7 +329,7 @@ class Scheduler:
             if request is None or request.status != _RUNNING:
                 continue  # finished or aborted since schedule()
             start = sr.start_pos
-            if caching and (start + len(sr.token_ids)) // bs > start // bs:
+            if caching and (start + sr.num_tokens) // bs > start // bs:
                 manager.cache_blocks(request)  # this step completed a block's K/V
             tokens = sampled.get(rid)
             if not tokens:  # a prefill chunk short of the prompt's end

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from operator import index
+from typing import Protocol
 
 import torch
 
-from engine.outputs import ScheduledRequest, TokenLogprobs
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
 
 _B = 64  # block width
 _CANDIDATE_BLOCKS = (16, 128)  # top-p/top-k rank the tokens of this many best blocks first
@@ -47,6 +49,18 @@ def validate_token_ids(ids: Iterable[int], vocab_size: int, what: str = "token i
             )
 
 
+class SamplingRequest(Protocol):
+    """What the sampler reads of a request: the runner's per-request state
+    (engine.worker.input_batch.CachedRequestState) has these fields."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    num_samples: int  # tokens to draw from its row
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # so far: penalties, min_tokens, the seeded draw's step
+    eos_token_id: int | None
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed = seed
@@ -63,7 +77,7 @@ class Sampler:
             self._seeded.pop(rid, None)
 
     @staticmethod
-    def plain_greedy(requests: list[ScheduledRequest]) -> bool:
+    def plain_greedy(requests: list[SamplingRequest]) -> bool:
         """Whether every row's token is the argmax of its raw logits (temperature 0, one
         sample, no logprobs, penalties, bias or masks): then the logits need not exist."""
         return all(_plain_greedy(r) for r in requests)
@@ -71,7 +85,7 @@ class Sampler:
     # Always in inference mode: the kept buffers are then inference tensors in every call.
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, requests: list[ScheduledRequest]
+        self, logits: torch.Tensor, requests: list[SamplingRequest]
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         assert logits.dim() == 2 and logits.shape[0] == len(requests)
         if logits.dtype != torch.float32 or not logits.is_contiguous():
@@ -98,7 +112,7 @@ class Sampler:
         return tokens, self._logprobs(logits, requests, tokens)
 
     def _sample(
-        self, x: torch.Tensor, rows: list[int], reqs: list[ScheduledRequest], own: bool
+        self, x: torch.Tensor, rows: list[int], reqs: list[SamplingRequest], own: bool
     ) -> list[list[int]]:
         """Draw num_samples tokens for each of x's `rows` (x itself is modified if `own`)."""
         r_, v = len(rows), x.shape[1]
@@ -151,7 +165,7 @@ class Sampler:
         out.clamp_(max=v - 1)  # only reachable from NaN logits: keep ids in the vocabulary
         return [row[: r.num_samples] for row, r in zip(out.tolist(), reqs, strict=True)]
 
-    def _uniforms(self, reqs: list[ScheduledRequest], device: torch.device) -> torch.Tensor:
+    def _uniforms(self, reqs: list[SamplingRequest], device: torch.device) -> torch.Tensor:
         """[R, max num_samples] float64 uniforms; seeded rows from their own generator."""
         if device not in self._shared:
             self._shared[device] = torch.Generator(device).manual_seed(self._seed)
@@ -170,7 +184,7 @@ class Sampler:
         return u
 
     def _logprobs(
-        self, logits: torch.Tensor, requests: list[ScheduledRequest], tokens: list[list[int]]
+        self, logits: torch.Tensor, requests: list[SamplingRequest], tokens: list[list[int]]
     ) -> list[list[TokenLogprobs] | None]:
         out: list[list[TokenLogprobs] | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
@@ -216,11 +230,11 @@ class Sampler:
         return buf[: rows * cols].view(rows, cols)
 
 
-def _is_greedy(r: ScheduledRequest) -> bool:
+def _is_greedy(r: SamplingRequest) -> bool:
     return r.sampling_params.temperature < _GREEDY_BELOW
 
 
-def _plain_greedy(r: ScheduledRequest) -> bool:
+def _plain_greedy(r: SamplingRequest) -> bool:
     sp = r.sampling_params
     return (
         r.num_samples == 1
@@ -230,19 +244,19 @@ def _plain_greedy(r: ScheduledRequest) -> bool:
     )
 
 
-def _masks_stops(r: ScheduledRequest) -> bool:
+def _masks_stops(r: SamplingRequest) -> bool:
     sp = r.sampling_params
     return sp.min_tokens > 0 and len(r.output_token_ids) < sp.min_tokens
 
 
-def _needs_changes(requests: Iterable[ScheduledRequest]) -> bool:
+def _needs_changes(requests: Iterable[SamplingRequest]) -> bool:
     return any(
         r.sampling_params.logit_bias or r.sampling_params.needs_penalties or _masks_stops(r)
         for r in requests
     )
 
 
-def _apply_changes(x: torch.Tensor, requests: list[ScheduledRequest]) -> None:
+def _apply_changes(x: torch.Tensor, requests: list[SamplingRequest]) -> None:
     """logit_bias, the min_tokens mask and penalties, in place on x [S, V]."""
     rows: list[int] = []
     toks: list[int] = []

@@ -2,7 +2,8 @@
 
 tensor_parallel_size == 1: the runner lives in this process.
 tensor_parallel_size > 1: rank 0 in this process, ranks 1..N-1 in worker processes
-(see engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step.
+(see engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and
+keeps its own persistent input batch (engine/worker/input_batch.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """ModelRunner: owns the model and its paged KV cache on one rank, and runs a step.
 
-execute_model: copy blocks (copy-on-write for forked samples) -> flatten the scheduled chunks
-(decodes first, sorted by context length) -> one forward over the flattened batch -> logits
-of each sampling request's last token -> Sampler.
+execute_model: apply the step's changes to the persistent input batch (engine.worker.
+input_batch) -> copy blocks (copy-on-write for forked samples) -> flatten the scheduled
+chunks (decodes first, sorted by context length) -> one forward over the flattened batch ->
+logits of each sampling request's last token -> Sampler -> the sampled tokens appended to the
+input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.worker.input_batch import InputBatch
 from engine.worker.step_threads import StepThreads
 
 logger = logging.getLogger("tessera.engine")
@@ -94,6 +97,7 @@ class ModelRunner:
         self.kv_scales: list[torch.Tensor] = []  # with an int8 cache: one per layer
         self.num_blocks = 0
         self.sampler = Sampler(seed=config.model.seed)
+        self.input_batch = InputBatch()  # the requests this rank holds, across steps
         self._builder: AttentionMetadataBuilder | None = None
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
 
@@ -233,6 +237,8 @@ class ModelRunner:
         so = scheduler_output
         if so.finished_request_ids or so.preempted_request_ids:
             self.sampler.drop([*so.finished_request_ids, *so.preempted_request_ids])
+        batch = self.input_batch
+        batch.update(so)
         if so.blocks_to_copy:
             self.copy_blocks(so.blocks_to_copy)
         if not so.scheduled:
@@ -241,44 +247,37 @@ class ModelRunner:
             self._threads.apply(so.num_batched_tokens)
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
-        to_sample = [r for r in so.scheduled if r.sample]
+        to_sample = [r.request_id for r in so.scheduled if r.sample]
         if not to_sample:
             return ModelRunnerOutput(sampled_token_ids=sampled)
-        rows = torch.tensor([last_row[r.request_id] for r in to_sample], device=self.device)
+        states = [batch[rid] for rid in to_sample]
+        rows = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
         last = hidden.index_select(0, rows)
-        greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(to_sample) else None
+        greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
         if greedy is not None:  # argmax in the LM head's GEMM: no logits (one rank only)
-            tokens, logprobs = [[t] for t in greedy.tolist()], [None] * len(to_sample)
+            tokens, logprobs = [[t] for t in greedy.tolist()], [None] * len(states)
         else:
             logits = self.model.compute_logits(last)
             if self.rank != 0:  # only the driver samples; the others ran the collectives above
                 return ModelRunnerOutput(sampled_token_ids=sampled)
-            tokens, logprobs = self.sampler(logits, to_sample)
+            tokens, logprobs = self.sampler(logits, states)
         out = ModelRunnerOutput(sampled_token_ids=sampled)
-        for r, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
-            sampled[r.request_id] = toks
+        for rid, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
+            sampled[rid] = toks
             if lps is not None:
-                out.logprobs[r.request_id] = lps
+                out.logprobs[rid] = lps
+        if self.rank == 0:
+            batch.append_sampled(sampled)
         return out
+
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Another rank's view: the driver's samples of the previous step (see multiproc.py)."""
+        self.input_batch.append_sampled(sampled)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, int]]:
         """Run the flattened batch; return hidden [T, H] and each request's last row."""
-        decodes = sorted((r for r in scheduled if len(r.token_ids) == 1), key=_start_pos)
-        prefills = [r for r in scheduled if len(r.token_ids) != 1]
-        ids: list[int] = [r.token_ids[0] for r in decodes]
-        positions: list[int] = [r.start_pos for r in decodes]
-        last_row = {r.request_id: i for i, r in enumerate(decodes)}
-        for r in prefills:
-            ids.extend(r.token_ids)
-            positions.extend(range(r.start_pos, r.start_pos + len(r.token_ids)))
-            last_row[r.request_id] = len(ids) - 1
-        seqs = [(r.start_pos, len(r.token_ids), r.block_ids) for r in decodes]
-        seqs += [(r.start_pos, len(r.token_ids), r.block_ids) for r in prefills]
+        ids, positions, seqs, last_row = self.input_batch.step_inputs(scheduled)
         meta = self._builder.build(seqs)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos, meta), last_row
-
-
-def _start_pos(r: ScheduledRequest) -> int:
-    return r.start_pos

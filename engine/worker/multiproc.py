@@ -1,8 +1,10 @@
 """Tensor-parallel worker processes.
 
 Rank 0 (the driver) runs in the engine's process; ranks 1..N-1 run `_worker_main` in spawned
-processes. Every step the driver sends the SchedulerOutput down a pipe to each worker, runs
-its own shard, and the layers' all-reduces keep the ranks in lockstep. Only rank 0 samples.
+processes. Every step the driver sends the step payload down a pipe to each worker (msgpack,
+see step_payload.py: the SchedulerOutput's changes and the tokens the driver sampled the step
+before, O(batch) bytes), runs its own shard, and the layers' all-reduces keep the ranks in
+lockstep. Only rank 0 samples. Replies (ready, ok, error) are small and stay pickled.
 
 Workers die with their parent: PR_SET_PDEATHSIG on Linux, plus a watchdog thread that
 exits when the parent's pid changes (covers other platforms and reparenting races).
@@ -22,15 +24,31 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.step_payload import decode_step, encode_step
 
 logger = logging.getLogger("tessera.engine")
 
 _READY_TIMEOUT_S = 600.0  # loading a large model on a slow disk takes a while
 _JOIN_TIMEOUT_S = 10.0
+_EXECUTE = "execute_model"
+
+_encoder = msgspec.msgpack.Encoder()
+_call_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+
+
+def call_message(method: str, body: bytes) -> bytes:
+    """One driver -> worker message: a method name and its msgpack-encoded arguments."""
+    return _encoder.encode((method, msgspec.Raw(body)))
+
+
+def step_message(so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> bytes:
+    """The exact bytes a worker gets for one step."""
+    return call_message(_EXECUTE, encode_step(so, prev_sampled))
 
 
 def free_port() -> int:
@@ -76,12 +94,16 @@ def _worker_main(
         runner.load_model()
         conn.send(("ready", None))
         while True:
-            method, args = conn.recv()
+            method, body = _call_decoder.decode(conn.recv_bytes())
             if method == "stop":
                 break
-            result = getattr(runner, method)(*args)
-            # execute_model's result lives on rank 0; workers only acknowledge.
-            conn.send(("ok", result if method != "execute_model" else None))
+            if method == _EXECUTE:
+                so, prev_sampled = decode_step(body)
+                runner.append_sampled(prev_sampled)
+                runner.execute_model(so)
+                conn.send(("ok", None))  # the step's result lives on rank 0
+                continue
+            conn.send(("ok", getattr(runner, method)(*msgspec.msgpack.decode(body))))
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as exc:  # report, then die: the driver turns it into an error
@@ -131,6 +153,8 @@ class WorkerGroup:
             child_conn.close()
             self.procs.append(proc)
             self.conns.append(parent_conn)
+        # What the driver sampled last step: the workers append it before the next one.
+        self._sampled: dict[str, list[int]] = {}
         try:
             torch.set_num_threads(num_threads)
             init_distributed(0, world_size, init_method, _backend(config))
@@ -159,10 +183,13 @@ class WorkerGroup:
         return results
 
     def _call(self, method: str, *args):
-        for conn in self.conns:
-            conn.send((method, args))
+        self._send(call_message(method, _encoder.encode(args)))
         result = getattr(self.driver, method)(*args)
         return result, self._gather()
+
+    def _send(self, message: bytes) -> None:
+        for conn in self.conns:
+            conn.send_bytes(message)
 
     def determine_num_blocks(self) -> int:
         mine, theirs = self._call("determine_num_blocks")
@@ -172,13 +199,17 @@ class WorkerGroup:
         self._call("init_kv_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        result, _ = self._call("execute_model", scheduler_output)
+        self._send(step_message(scheduler_output, self._sampled))
+        self._sampled = {}  # sent: never twice, even if this step fails
+        result = self.driver.execute_model(scheduler_output)
+        self._gather()
+        self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}
         return result
 
     def shutdown(self) -> None:
         for conn in self.conns:
             with contextlib.suppress(Exception):
-                conn.send(("stop", ()))
+                conn.send_bytes(call_message("stop", _encoder.encode(())))
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         for proc in self.procs:
             proc.join(max(0.1, deadline - time.monotonic()))

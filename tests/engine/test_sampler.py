@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine.layers.sampler import Sampler, apply_penalties, validate_token_ids
-from engine.outputs import ScheduledRequest
+from engine.outputs import NewRequestData
 from engine.sampling_params import SamplingParams
+from engine.worker.input_batch import CachedRequestState
 
 torch.set_num_threads(1)
 
@@ -20,19 +21,19 @@ def req(
     num_samples: int = 1,
     eos: int | None = None,
     **params,
-) -> ScheduledRequest:
-    return ScheduledRequest(
-        request_id=str(rid),
-        token_ids=[0],
-        start_pos=0,
-        block_ids=[0],
-        sample=True,
-        sampling_params=SamplingParams(**params),
-        num_samples=num_samples,
-        prompt_token_ids=prompt if prompt is not None else [1, 2, 3],
-        output_token_ids=out if out is not None else [],
-        eos_token_id=eos,
+) -> CachedRequestState:
+    """A request as the runner holds it (what the sampler reads)."""
+    state = CachedRequestState.from_new(
+        NewRequestData(
+            request_id=str(rid),
+            prompt_token_ids=prompt if prompt is not None else [1, 2, 3],
+            sampling_params=SamplingParams(**params),
+            output_token_ids=out if out is not None else [],
+            eos_token_id=eos,
+        )
     )
+    state.num_samples = num_samples
+    return state
 
 
 def reference_probs(row: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float):

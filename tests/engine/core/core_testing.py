@@ -1,11 +1,14 @@
 """Shared test helpers for engine/core: a paged fake model runner and invariant checks.
 
 FakeRunner stands in for the model without mocking the scheduler's contract: it keeps a
-real paged store (one token id per KV slot), applies blocks_to_copy, writes every scheduled
-token into the slot its block table names, then "attends" by reading the whole history back
-through the block table and samples next_token(history). A wrong block table, a bad prefix
-hit, a missed copy-on-write or a block reused while still needed changes the history it
-reads, so the generated tokens differ from reference_generate().
+real paged store (one token id per KV slot) and the runner's real persistent input batch
+(engine.worker.input_batch, fed only the incremental SchedulerOutputs), applies
+blocks_to_copy, writes every scheduled token into the slot its block table names, then
+"attends" by reading the whole history back through the block table and samples
+next_token(history). A wrong block table, a bad prefix hit, a missed copy-on-write or a block
+reused while still needed changes the history it reads, so the generated tokens differ from
+reference_generate(). check_runner_state compares what the input batch rebuilt with the
+scheduler's own view of every request after each step.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections import Counter
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.worker.input_batch import InputBatch
 
 VOCAB = 97
 
@@ -49,31 +53,67 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.batch = InputBatch()
+        self.step_tokens: dict[str, list[int]] = {}  # the token ids each request computed last
 
-    def slot(self, block_ids: list[int], pos: int) -> int:
-        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slot(self, block_ids, pos: int) -> int:
+        return int(block_ids[pos // self.block_size]) * self.block_size + pos % self.block_size
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The block table the runner rebuilt for a request it holds."""
+        return self.batch[request_id].block_table.tolist()
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
+        self.batch.update(out)
         for src, dst in out.blocks_to_copy:
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
+        self.step_tokens = {}
         for sr in out.scheduled:  # write the whole batch's K/V first, as a real runner does
-            assert 0 not in sr.block_ids, "the null block is never in a block table"
-            for j, token in enumerate(sr.token_ids):
-                self.slots[self.slot(sr.block_ids, sr.start_pos + j)] = token
+            state = self.batch[sr.request_id]
+            table = state.block_table
+            assert 0 not in table, "the null block is never in a block table"
+            tokens = state.token_ids[sr.start_pos : sr.start_pos + sr.num_tokens]
+            assert len(tokens) == sr.num_tokens
+            self.step_tokens[sr.request_id] = tokens
+            for j, token in enumerate(tokens):
+                self.slots[self.slot(table, sr.start_pos + j)] = token
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
             if not sr.sample:
                 continue
-            end = sr.start_pos + len(sr.token_ids)
-            history = [self.slot_value(sr.block_ids, p) for p in range(end)]
-            expected = sr.prompt_token_ids + sr.output_token_ids
+            state = self.batch[sr.request_id]
+            end = sr.start_pos + sr.num_tokens
+            assert end == len(state.token_ids), f"{sr.request_id}: samples before its last token"
+            history = [self.slot_value(state.block_table, p) for p in range(end)]
+            expected = state.prompt_token_ids + state.output_token_ids
             assert history == expected, f"{sr.request_id}: KV read back differs from its tokens"
             sampled[sr.request_id] = [next_token(history, i) for i in range(sr.num_samples)]
+        self.batch.append_sampled(sampled)  # what a rank-0 runner does after sampling
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
-    def slot_value(self, block_ids: list[int], pos: int) -> int | None:
+    def slot_value(self, block_ids, pos: int) -> int | None:
         return self.slots[self.slot(block_ids, pos)]
+
+
+def check_runner_state(scheduler: Scheduler, runner: FakeRunner) -> None:
+    """After a step: every request the runner's input batch holds that the scheduler still
+    runs has exactly the scheduler's tokens and block table; the others are finished ones
+    whose drop comes with the next SchedulerOutput."""
+    manager = scheduler.kv_cache_manager
+    pending = set(scheduler._finished_ids)
+    for rid, state in runner.batch.requests.items():
+        request = scheduler.get_request(rid)
+        if request is None:
+            assert rid in pending, f"the runner holds {rid!r}, which the scheduler forgot"
+            continue
+        assert request.status == RequestStatus.RUNNING, f"the runner holds {rid!r} not running"
+        assert state.token_ids == request.all_token_ids, rid
+        assert state.prompt_token_ids == request.prompt_token_ids, rid
+        assert state.output_token_ids == request.output_token_ids, rid
+        assert state.block_table.tolist() == manager.get_block_ids(rid), rid
+        assert state.sampling_params == request.sampling_params, rid
+        assert state.eos_token_id == request.eos_token_id, rid
 
 
 def make_request(
@@ -180,6 +220,7 @@ class Transcript:
 def step(scheduler: Scheduler, runner: FakeRunner, transcript: Transcript | None = None):
     out = scheduler.schedule()
     updates = scheduler.update_from_output(out, runner(out))
+    check_runner_state(scheduler, runner)
     if transcript is not None:
         transcript.add(updates)
     return out, updates

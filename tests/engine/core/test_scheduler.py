@@ -25,7 +25,7 @@ ABORT = RequestStatus.FINISHED_ABORTED
 
 def shape(out):
     """(request id, start position, number of tokens, sample) per scheduled request."""
-    return [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled]
+    return [(s.request_id, s.start_pos, s.num_tokens, s.sample) for s in out.scheduled]
 
 
 # -- chunked prefill and the token budget ----------------------------------------------------
@@ -39,21 +39,27 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
 
     out, updates = step(sched, runner)
     assert shape(out) == [("r", 0, 64, False)] and out.num_batched_tokens == 64
-    assert out.scheduled[0].token_ids == prompt[:64]
-    table = out.scheduled[0].block_ids
-    assert table == [1, 2, 3, 4] and updates == []
+    assert [n.request_id for n in out.new_requests] == ["r"]
+    assert out.new_requests[0].prompt_token_ids == prompt and runner.step_tokens["r"] == prompt[:64]
+    assert out.scheduled[0].new_block_ids == [1, 2, 3, 4] and updates == []
+    assert runner.block_table("r") == [1, 2, 3, 4]
+
+    # Later chunks carry only the blocks added since: the runner's table grows in place.
+    out, updates = step(sched, runner)
+    assert shape(out) == [("r", 64, 64, False)] and updates == [] and out.new_requests == []
+    assert (
+        out.scheduled[0].new_block_ids == [5, 6, 7, 8] and runner.step_tokens["r"] == prompt[64:128]
+    )
+    assert runner.block_table("r") == list(range(1, 9))
 
     out, updates = step(sched, runner)
-    assert shape(out) == [("r", 64, 64, False)] and updates == []
-    assert out.scheduled[0].block_ids is table and table == list(range(1, 9))
-
-    out, updates = step(sched, runner)
-    assert shape(out) == [("r", 128, 22, True)] and table == list(range(1, 11))
+    assert shape(out) == [("r", 128, 22, True)] and out.scheduled[0].new_block_ids == [9, 10]
+    assert runner.block_table("r") == list(range(1, 11))
     assert [u.new_token_ids for u in updates] == [reference_generate(prompt, 1)]
 
     out, _ = step(sched, runner)
-    assert shape(out) == [("r", 150, 1, True)]
-    assert out.scheduled[0].token_ids == reference_generate(prompt, 1)
+    assert shape(out) == [("r", 150, 1, True)] and out.scheduled[0].new_block_ids == []
+    assert runner.step_tokens["r"] == reference_generate(prompt, 1)
     transcript = run_until_done(sched, runner)
     assert transcript.finish == {"r": "length"}
 
@@ -121,7 +127,8 @@ def test_preemption_under_a_tiny_pool_and_the_same_tokens_after_recompute():
     # a needs a third block: b, the newest, is preempted and its blocks go to a.
     assert out.preempted_request_ids == ["b"]
     assert shape(out) == [("a", 32, 1, True)]
-    assert out.scheduled[0].block_ids == [1, 2, 4]
+    assert out.scheduled[0].new_block_ids == [4] and runner.block_table("a") == [1, 2, 4]
+    assert "b" not in runner.batch  # the runner dropped the preempted request
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert [r.request_id for r in sched.waiting] == ["b"]
     assert sched.stats().num_preemptions == 1 and b.num_preemptions == 1
@@ -152,7 +159,11 @@ def test_preempted_request_is_recomputed_from_its_own_cached_blocks():
     out, _ = step(sched, runner, transcript)
     # b's two full blocks were computed and cached before it was preempted: 32 of 33 hit.
     assert shape(out) == [("b", 32, 1, True)]
-    assert out.scheduled[0].block_ids == [4, 5, 6]
+    # b is new again for the runner: prompt, and its outputs so far, recomputed from a hit.
+    [new] = out.new_requests
+    assert new.request_id == "b" and new.prompt_token_ids == pb
+    assert new.output_token_ids == transcript.tokens["b"][:2] and len(transcript.tokens["b"]) == 3
+    assert out.scheduled[0].new_block_ids == [4, 5, 6] and runner.block_table("b") == [4, 5, 6]
     rest = run_until_done(sched, runner, check=True)
     assert transcript.tokens["a"] == reference_generate(pa, 3)
     assert transcript.tokens["b"] + rest.tokens["b"] == reference_generate(pb, 10)
@@ -337,7 +348,8 @@ def test_fork_shares_the_prompt_and_copies_the_partial_block():
     transcript = Transcript()
     out, updates = step(sched, runner, transcript)
     [sr] = out.scheduled
-    assert sr.num_samples == 3 and sr.sample and sr.block_ids == [1, 2]
+    assert sr.num_samples == 3 and sr.sample and sr.new_block_ids == [1, 2]
+    assert runner.block_table("r") == [1, 2]
     assert [(u.request_id, u.parent_id, u.sample_index) for u in updates] == [
         ("r#1", "r", 1),
         ("r#2", "r", 2),
@@ -354,11 +366,18 @@ def test_fork_shares_the_prompt_and_copies_the_partial_block():
 
     out, _ = step(sched, runner, transcript)
     assert out.blocks_to_copy == [(2, 3), (2, 4)]
-    assert [(s.request_id, s.block_ids, s.num_samples) for s in out.scheduled] == [
+    table = runner.block_table
+    assert [(s.request_id, table(s.request_id), s.num_samples) for s in out.scheduled] == [
         ("r", [1, 2], 1),
         ("r#1", [1, 3], 1),
         ("r#2", [1, 4], 1),
     ]
+    # The samples reach the runner once, as new requests with the prompt and their first token.
+    assert [s.new_block_ids for s in out.scheduled] == [[], [1, 3], [1, 4]]
+    assert [(n.request_id, n.prompt_token_ids, n.output_token_ids) for n in out.new_requests] == [
+        (f"r#{i}", prompt, [reference_generate(prompt, 1, sample_index=i)[0]]) for i in (1, 2)
+    ]
+    assert [n.sampling_params.seed for n in out.new_requests] == [11, 12]
     rest = run_until_done(sched, runner, check=True)
     assert sched.schedule().blocks_to_copy == []
     for i, rid in enumerate(["r", "r#1", "r#2"]):
@@ -374,7 +393,7 @@ def test_fork_at_a_block_boundary_copies_nothing():
     step(sched, runner)
     out, _ = step(sched, runner)
     assert out.blocks_to_copy == []
-    assert [s.block_ids for s in out.scheduled] == [[1, 2, 3], [1, 2, 4]]
+    assert [runner.block_table(s.request_id) for s in out.scheduled] == [[1, 2, 3], [1, 2, 4]]
 
 
 def test_fork_without_a_free_block_recomputes_the_child():

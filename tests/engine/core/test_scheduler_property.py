@@ -2,7 +2,8 @@
 
 After every operation the block and request bookkeeping must be consistent
 (core_testing.check_invariants); the FakeRunner checks every step that each block table
-reads back exactly the request's tokens; at the end every request has finished or been
+reads back exactly the request's tokens, and that the runner's input batch, fed only the
+incremental SchedulerOutputs, holds the scheduler's tokens and block tables; at the end every request has finished or been
 aborted, and every sample's tokens are a prefix of what the fake model generates for it
 alone (preemption, prefix hits and forks never change a token).
 """
@@ -13,6 +14,7 @@ from core_testing import (
     FakeRunner,
     Transcript,
     check_invariants,
+    check_runner_state,
     make_request,
     make_scheduler,
     reference_generate,
@@ -113,6 +115,7 @@ def test_random_workloads_keep_the_books_straight(config, operations):
         if abort_index is not None and sched.requests:  # an abort while the step runs
             finish(live_ids()[abort_index % len(sched.requests)], RequestStatus.FINISHED_ABORTED)
         transcript.add(sched.update_from_output(out, result))
+        check_runner_state(sched, runner)
 
     for op in operations:
         kind = op[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.outputs import ScheduledRequest, SchedulerOutput
+from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
 
@@ -36,7 +36,8 @@ def runner(tiny_llama_dir):
 
 
 class Driver:
-    """Plays the scheduler: shuffled block allocation, chunked prefill, then greedy decode."""
+    """Plays the scheduler: shuffled block allocation, chunked prefill, then greedy decode.
+    Like the scheduler, it sends a request whole once, then only each step's changes."""
 
     def __init__(self, runner, seed=0):
         self.runner = runner
@@ -45,35 +46,49 @@ class Driver:
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.done: dict[str, int] = {}  # tokens whose K/V are cached
+        self.num_sent: dict[str, int] = {}  # block ids the runner has
+        self.unsent: dict[str, NewRequestData] = {}
 
-    def add(self, rid, prompt):
-        self.tokens[rid], self.tables[rid], self.done[rid] = list(prompt), [], 0
+    def add(self, rid, prompt, params=None, outputs=()):
+        self.tokens[rid], self.tables[rid], self.done[rid] = [*prompt, *outputs], [], 0
+        self.unsent[rid] = NewRequestData(
+            rid, list(prompt), params or SamplingParams(temperature=0.0), list(outputs)
+        )
+        self.num_sent[rid] = 0
 
-    def chunk(self, rid, n, params=None):
+    def chunk(self, rid, n):
         toks = self.tokens[rid]
         start = self.done[rid]
         end = min(start + n, len(toks))
         table = self.tables[rid]
         while len(table) * BLOCK < end:
             table.append(self.free.pop())
+        new_blocks = table[self.num_sent[rid] :]
+        self.num_sent[rid] = len(table)
         return ScheduledRequest(
             request_id=rid,
-            token_ids=toks[start:end],
             start_pos=start,
-            block_ids=table,
+            num_tokens=end - start,
+            new_block_ids=new_blocks,
             sample=end == len(toks),
-            sampling_params=params or SamplingParams(temperature=0.0),
         )
 
     def step(self, chunks, **kw):
+        new = [self.unsent.pop(c.request_id) for c in chunks if c.request_id in self.unsent]
         out = self.runner.execute_model(
             SchedulerOutput(
-                scheduled=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks), **kw
+                scheduled=chunks,
+                num_batched_tokens=sum(c.num_tokens for c in chunks),
+                new_requests=new,
+                **kw,
             )
         )
         for c in chunks:
-            self.done[c.request_id] = c.start_pos + len(c.token_ids)
+            self.done[c.request_id] = c.start_pos + c.num_tokens
             self.tokens[c.request_id] += out.sampled_token_ids[c.request_id][:1]
+            state = self.runner.input_batch[c.request_id]
+            assert state.token_ids == self.tokens[c.request_id]  # the runner appends its own
+            assert state.block_table.tolist() == self.tables[c.request_id]
         return out
 
 
@@ -128,7 +143,7 @@ def test_forked_sample_decodes_from_copied_block(runner, tiny_llama_dir):
     d = Driver(runner)
     d.add("p", prompt)
     first = d.step([d.chunk("p", 100)]).sampled_token_ids["p"][0]
-    d.add("f", d.tokens["p"])
+    d.add("f", prompt, outputs=[first])
     d.done["f"] = len(prompt)
     d.tables["f"] = [d.tables["p"][0], d.free.pop()]
     for_copy = [(d.tables["p"][1], d.tables["f"][1])]
@@ -139,16 +154,15 @@ def test_forked_sample_decodes_from_copied_block(runner, tiny_llama_dir):
 
 def test_logprobs_and_drop(runner):
     d = Driver(runner)
-    d.add("x", [1, 2, 3, 4])
-    params = SamplingParams(temperature=1.0, seed=7, logprobs=2)
-    out = d.step([d.chunk("x", 100, params)])
+    d.add("x", [1, 2, 3, 4], SamplingParams(temperature=1.0, seed=7, logprobs=2))
+    out = d.step([d.chunk("x", 100)])
     (lp,) = out.logprobs["x"]
     assert lp.token_id == out.sampled_token_ids["x"][0] and len(lp.top) == 2
     assert runner.sampler.num_tracked_requests == 1
     runner.execute_model(
         SchedulerOutput(scheduled=[], num_batched_tokens=0, finished_request_ids=["x"])
     )
-    assert runner.sampler.num_tracked_requests == 0
+    assert runner.sampler.num_tracked_requests == 0 and "x" not in runner.input_batch
 
 
 def test_kv_sizing_from_memory_and_log_line(tiny_llama_dir, caplog):

@@ -71,3 +71,40 @@ def test_tp2_matches_tp1(tiny_llama_dir, tiny_qwen2_dir, make_tiny_model, tmp_pa
     for got, want in zip(torch.load(out), expected, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _generate(model_dir, tp: int, prompts, params) -> list[list[list[int]]]:
+    from engine import LLM
+
+    # A small pool and budget: chunked prefill and preemption on both sides.
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_blocks=24,
+        block_size=8,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        tensor_parallel_size=tp,
+        device="cpu",
+    )
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        preempted = llm.engine.scheduler.stats().num_preemptions
+    finally:
+        llm.shutdown()
+    return [[c.token_ids for c in o.outputs] for o in outs], preempted
+
+
+def test_tp2_engine_greedy_equals_tp1(tiny_llama_dir):
+    """The whole engine over the worker channel: the worker rank learns every token from the
+    incremental step payloads (new requests once, the driver's samples a step later)."""
+    from engine import SamplingParams
+
+    torch.set_num_threads(1)
+    prompts = [list(range(10, 60)), list(range(100, 137)), [3, 9, 27, 81], list(range(200, 219))]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in prompts]
+    params[3] = SamplingParams(n=2, max_tokens=30, temperature=0.0, ignore_eos=True)
+    want, preempted = _generate(tiny_llama_dir, 1, prompts, params)
+    got, _ = _generate(tiny_llama_dir, 2, prompts, params)
+    assert preempted > 0
+    assert got == want

@@ -1,0 +1,150 @@
+"""The runner's persistent per-request state, kept in step with the scheduler's incremental
+SchedulerOutputs (in the manner of vLLM v1's InputBatch / CachedRequestState).
+
+A request arrives once as NewRequestData (prompt, earlier outputs, sampling params, eos id);
+each step then brings its ScheduledRequest (position, token count, new block ids). The tokens
+the runner samples are appended by the runner itself (append_sampled): rank 0 right after
+sampling, the other tensor-parallel ranks from the next step's payload. So every rank knows,
+without the scheduler resending it, each token it must compute and what the sampler reads
+(prompt and output ids for penalties, the output count for min_tokens and seeded draws).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.sampling_params import SamplingParams
+
+_MIN_BLOCK_CAPACITY = 16
+
+
+@dataclass(slots=True, eq=False)
+class CachedRequestState:
+    """What the runner holds for one request (the sampler reads the fields it names)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    token_ids: list[int]  # prompt + output, one list: a step's input ids are a slice of it
+    block_ids: np.ndarray  # int32, grown by doubling; the table is its first num_blocks
+    num_blocks: int = 0
+    num_samples: int = 1  # of the step that last scheduled it
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> CachedRequestState:
+        outputs = list(new.output_token_ids)
+        return cls(
+            request_id=new.request_id,
+            prompt_token_ids=new.prompt_token_ids,
+            output_token_ids=outputs,
+            sampling_params=new.sampling_params,
+            eos_token_id=new.eos_token_id,
+            token_ids=[*new.prompt_token_ids, *outputs],
+            block_ids=np.zeros(_MIN_BLOCK_CAPACITY, dtype=np.int32),
+        )
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """The block table: an int32 view, valid until the next append_blocks."""
+        return self.block_ids[: self.num_blocks]
+
+    def append_blocks(self, ids: list[int]) -> None:
+        n, end = self.num_blocks, self.num_blocks + len(ids)
+        if end > len(self.block_ids):
+            grown = np.zeros(max(end, 2 * len(self.block_ids)), dtype=np.int32)
+            grown[:n] = self.block_ids[:n]
+            self.block_ids = grown
+        self.block_ids[n:end] = ids
+        self.num_blocks = end
+
+    def append_tokens(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self.token_ids.extend(tokens)
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def __getitem__(self, request_id: str) -> CachedRequestState:
+        return self.requests[request_id]
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Apply a step's changes: drop, add, then extend each scheduled request."""
+        requests = self.requests
+        for rid in so.finished_request_ids:
+            requests.pop(rid, None)  # also ids the runner never held (aborted while waiting)
+        for rid in so.preempted_request_ids:
+            requests.pop(rid, None)
+        for new in so.new_requests:
+            requests[new.request_id] = CachedRequestState.from_new(new)
+        for r in so.scheduled:
+            state = requests.get(r.request_id)
+            if state is None:
+                raise RuntimeError(
+                    f"request {r.request_id!r} is scheduled but the runner does not hold it: "
+                    "it was never sent as a new request, or was dropped since"
+                )
+            if r.new_block_ids:
+                state.append_blocks(r.new_block_ids)
+            state.num_samples = r.num_samples
+            if r.start_pos + r.num_tokens > len(state.token_ids):
+                raise RuntimeError(
+                    f"request {r.request_id!r}: the step computes tokens up to position "
+                    f"{r.start_pos + r.num_tokens - 1} but the runner knows only "
+                    f"{len(state.token_ids)} tokens"
+                )
+
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Append a step's sampled tokens (ModelRunnerOutput.sampled_token_ids) to the
+        requests that step scheduled. A parent's first sample (num_samples > 1) keeps only
+        the first: the other samples become forked requests, sent to the runner as new."""
+        requests = self.requests
+        for rid, tokens in sampled.items():
+            if not tokens:
+                continue
+            state = requests[rid]
+            state.append_tokens(tokens[:1] if state.num_samples > 1 else tokens)
+
+    def step_inputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[int], list[int], list[tuple[int, int, np.ndarray]], dict[str, int]]:
+        """The flattened batch: input ids, positions, (start_pos, num_tokens, block table) per
+        request for the attention metadata builder (decodes first, by start_pos ascending,
+        then the prefill chunks in scheduling order), and each request's last row."""
+        requests = self.requests
+        decodes = sorted((r for r in scheduled if r.num_tokens == 1), key=_start_pos)
+        prefills = [r for r in scheduled if r.num_tokens != 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[tuple[int, int, np.ndarray]] = []
+        last_row: dict[str, int] = {}
+        for i, r in enumerate(decodes):
+            state = requests[r.request_id]
+            ids.append(state.token_ids[r.start_pos])
+            positions.append(r.start_pos)
+            seqs.append((r.start_pos, 1, state.block_table))
+            last_row[r.request_id] = i
+        for r in prefills:
+            state = requests[r.request_id]
+            start, end = r.start_pos, r.start_pos + r.num_tokens
+            ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            seqs.append((start, r.num_tokens, state.block_table))
+            last_row[r.request_id] = len(ids) - 1
+        return ids, positions, seqs, last_row
+
+
+def _start_pos(r: ScheduledRequest) -> int:
+    return r.start_pos

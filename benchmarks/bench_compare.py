@@ -10,6 +10,9 @@ server per level with C parallel slots and THREADS threads (slots = concurrency)
 markdown table: output tokens/s of both and their ratio, TTFT, TPOT and ITL medians.
 --tessera-args may be given several times: each is one Tessera configuration (its own
 server, one after another), all measured against the same llama.cpp run, one table each.
+--baseline-tree PATH runs every configuration a second time from another checkout (e.g. a
+`git worktree` of an older commit), before the current tree's: a before/after of two commits
+against one llama.cpp run.
 Both servers run on 127.0.0.1 only and are always stopped, also on errors and Ctrl-C.
 Run it on a quiet machine: both servers and the client share the CPUs with everything else.
 """
@@ -64,7 +67,9 @@ class TesseraServer:
         max_num_seqs: int,
         extra_args: list[str] | None = None,
         startup_timeout: float = 600.0,
+        root: Path = ROOT,
     ) -> None:
+        self.root = root  # the source tree the server runs from
         self.model = model
         self.threads = threads
         self.max_num_seqs = max_num_seqs
@@ -100,13 +105,13 @@ class TesseraServer:
         ]  # fmt: skip
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PYTHONPATH": str(self.root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         }
         env.pop("TESSERA_DATABASE_URL", None)  # --auth none: no database at all
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd,
-                cwd=ROOT,
+                cwd=self.root,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -211,18 +216,24 @@ def _banner(text: str) -> None:
     print(f"\n### {text}", flush=True)
 
 
-def run_tessera(
-    args: argparse.Namespace, model: str, extra_args: str, levels: dict, errors: dict
-) -> None:
-    """One Tessera configuration (`tessera serve` + extra_args) at every level into levels."""
+def config_label(config: dict) -> str:
+    label = f"Tessera {config['tessera_args']}".strip()
+    return label if config["tree"] is None else f"{label} (baseline tree {config['tree']})"
+
+
+def run_tessera(args: argparse.Namespace, model: str, config: dict, errors: dict) -> None:
+    """One Tessera configuration (`tessera serve` + its args, from its tree) at every level
+    into config["levels"]."""
+    levels = config["levels"]
     server = TesseraServer(
         model,
         threads=args.threads,
         max_num_seqs=max(args.concurrency),
-        extra_args=shlex.split(extra_args),
+        extra_args=shlex.split(config["tessera_args"]),
         startup_timeout=args.startup_timeout,
+        root=ROOT if config["tree"] is None else Path(config["tree"]),
     )
-    label = f"Tessera {extra_args}".strip()
+    label = config_label(config)
     try:
         url = server.start()
     except RuntimeError as e:
@@ -363,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='extra `tessera serve` flags, e.g. "--dtype float32"; give it several times to '
         "compare several configurations against one llama.cpp run",
     )
+    p.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="another checkout (e.g. a git worktree of an older commit): each configuration "
+        "also runs from it, first, against the same llama.cpp run",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0)
@@ -388,6 +405,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not (Path(args.model).is_file() and args.model.endswith(".gguf")):
             parser.error(f"--model must be a .gguf file both servers can load, got {args.model}")
         tessera_model = gguf = str(Path(args.model).resolve())
+    if args.baseline_tree is not None:
+        tree = Path(args.baseline_tree).resolve()
+        if not (tree / "api" / "cli.py").is_file():
+            parser.error(f"--baseline-tree must be a Tessera checkout, got {args.baseline_tree}")
+        args.baseline_tree = str(tree)
     if "llamacpp" in args.servers:
         try:
             import xllamacpp  # noqa: F401
@@ -402,15 +424,19 @@ def main(argv: list[str] | None = None) -> dict:
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "machine": machine,
-        # One entry per --tessera-args: its levels, concurrency -> bench_serve's summary (or
-        # {"error": ...}); "tessera" and "table" are the first configuration's.
+        # One entry per --tessera-args (and per tree, baseline first): its levels,
+        # concurrency -> bench_serve's summary (or {"error": ...}); "tessera" and "table" are
+        # the current tree's first configuration's.
         "tessera_configs": [
-            {"tessera_args": extra, "levels": {}} for extra in (args.tessera_args or [""])
+            {"tessera_args": extra, "tree": tree, "levels": {}}
+            for extra in (args.tessera_args or [""])
+            for tree in ([args.baseline_tree] if args.baseline_tree else []) + [None]
         ],
         "llamacpp": {},
         "server_errors": {},
     }
-    results["tessera"] = results["tessera_configs"][0]["levels"]
+    current = [c for c in results["tessera_configs"] if c["tree"] is None]
+    results["tessera"] = current[0]["levels"]
     print("bench compare: run it on a quiet machine; other load skews both servers.")
     load, cpus = machine["load_avg_1m"], machine["usable_cpus"]
     if load and cpus and load > 0.25 * cpus:
@@ -422,13 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
         with sigterm_as_interrupt():
             if "tessera" in args.servers:
                 for config in results["tessera_configs"]:
-                    run_tessera(
-                        args,
-                        tessera_model,
-                        config["tessera_args"],
-                        config["levels"],
-                        results["server_errors"],
-                    )
+                    run_tessera(args, tessera_model, config, results["server_errors"])
             if "llamacpp" in args.servers:
                 run_llamacpp(args, gguf, results)
     except KeyboardInterrupt:
@@ -437,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for config in results["tessera_configs"]:
         config["table"] = table_json(table_rows(results, args.concurrency, config["levels"]))
-    results["table"] = results["tessera_configs"][0]["table"]
+    results["table"] = current[0]["table"]
     m = machine
     print(
         f"\n## Tessera vs llama.cpp: {Path(gguf).name}, {args.random_input_len} words in, "
@@ -450,11 +470,12 @@ def main(argv: list[str] | None = None) -> dict:
     several = len(results["tessera_configs"]) > 1
     for config in results["tessera_configs"]:
         if several:
-            print(f"\n### Tessera {config['tessera_args'] or '(its defaults)'}\n")
+            label = config_label(config) if config["tessera_args"] else "Tessera (its defaults)"
+            if config["tree"] is not None and not config["tessera_args"]:
+                label += f" (baseline tree {config['tree']})"
+            print(f"\n### {label}\n")
         print(format_table(table_rows(results, args.concurrency, config["levels"])))
-    runs = [
-        (f"Tessera {c['tessera_args']}".strip(), c["levels"]) for c in results["tessera_configs"]
-    ]
+    runs = [(config_label(c), c["levels"]) for c in results["tessera_configs"]]
     inexact = [
         f"{name} at {c}"
         for name, levels in (*runs, ("llama.cpp", results["llamacpp"]))

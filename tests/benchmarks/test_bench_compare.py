@@ -1,6 +1,6 @@
 """`tessera bench compare`: the report, argument checks, and a tiny side-by-side run of both
-servers on the default model, two Tessera configurations against one llama.cpp run (every
-server stopped afterwards, no child process left)."""
+servers on the default model, two Tessera configurations from two trees against one llama.cpp
+run (every server stopped afterwards, no child process left)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,13 @@ def test_model_must_be_a_gguf_file(tmp_path, capsys):
     assert ".gguf" in capsys.readouterr().err
 
 
+def test_baseline_tree_must_be_a_checkout(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_compare.main(["--baseline-tree", str(tmp_path), "--servers", "tessera"])
+    assert e.value.code == 2
+    assert "--baseline-tree must be a Tessera checkout" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_side_by_side_run(tmp_path):
     pytest.importorskip("xllamacpp", reason="benchmark-only dependency")
@@ -65,13 +72,20 @@ def test_tiny_side_by_side_run(tmp_path):
     result = bench_compare.main(
         ["--concurrency", "1", "2", "--num-prompts", "4", "--random-input-len", "16",
          "--random-output-len", "16", "--json", str(out),
-         "--tessera-args", "", "--tessera-args", "--kv-cache-dtype int8"]
+         "--tessera-args", "", "--tessera-args", "--kv-cache-dtype int8",
+         "--baseline-tree", str(bench_compare.ROOT)]
     )  # fmt: skip
     assert out.is_file()
     configs = result["tessera_configs"]
-    assert [c["tessera_args"] for c in configs] == ["", "--kv-cache-dtype int8"]
-    assert result["tessera"] is configs[0]["levels"] and result["table"] is configs[0]["table"]
-    for levels in (configs[0]["levels"], configs[1]["levels"], result["llamacpp"]):
+    baseline = str(bench_compare.ROOT.resolve())
+    assert [(c["tessera_args"], c["tree"]) for c in configs] == [
+        ("", baseline),
+        ("", None),
+        ("--kv-cache-dtype int8", baseline),
+        ("--kv-cache-dtype int8", None),
+    ]  # each configuration from the baseline tree first, then from this one
+    assert result["tessera"] is configs[1]["levels"] and result["table"] is configs[1]["table"]
+    for levels in (*(c["levels"] for c in configs), result["llamacpp"]):
         for c in (1, 2):
             s = levels[c]
             assert "error" not in s, s

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_paged import PagedAttention
+from engine.attention.backends.base import AttentionMetadata
+from engine.attention.layer import PagedAttention
 from engine.layers import cpu_w8a8
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 from engine.config import DEFAULT_MODEL, EngineConfig
 
 ENV_PREFIX = "TESSERA_"
@@ -153,6 +154,12 @@ class Settings:
         choices=("int8", "w8a8", "w4a8"),
     )
     device: str = _flag("Device.", "auto", choices=("auto", "cpu", "cuda"))
+    attention_backend: str = _flag(
+        "Attention backend: auto = the C kernels on the CPU where they run, else torch; "
+        "torch = dense gather + SDPA (the reference, any device); cpu = the C kernels.",
+        "auto",
+        choices=ATTENTION_BACKEND_CHOICES,
+    )
     seed: int = _flag("Seed for weights (dummy) and for unseeded sampling.", 0, int)
     max_model_len: int | None = _flag(
         "Context length: prompt + output tokens (default: the model's).", None, _opt_int
@@ -387,6 +394,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         quantization=s.quantization,
         seed=s.seed,
         device=s.device,
+        attention_backend=s.attention_backend,
         block_size=s.block_size,
         num_blocks=s.num_kv_blocks,
         kv_cache_memory=s.kv_cache_memory,

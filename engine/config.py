@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.attention.backends import ATTENTION_BACKEND_CHOICES
+
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.models.loader to the bundled GGUF
 
 
@@ -111,6 +113,8 @@ class ModelConfig:
     quantization: str | None = None  # None | int8 (weight-only) | w8a8 | w4a8 (CPU)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # auto: the C kernels on the CPU where they run, else torch (engine.attention.backends)
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _check(
@@ -128,6 +132,11 @@ class ModelConfig:
         _check(
             self.device in ("auto", "cpu", "cuda"),
             f"device must be auto, cpu or cuda; got {self.device!r}",
+        )
+        _check(
+            self.attention_backend in ATTENTION_BACKEND_CHOICES,
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}; "
+            f"got {self.attention_backend!r}",
         )
         if self.max_model_len is not None:
             _check(
@@ -165,6 +174,7 @@ class EngineConfig:
         quantization: str | None = None,
         seed: int = 0,
         device: str = "auto",
+        attention_backend: str = "auto",
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -192,6 +202,7 @@ class EngineConfig:
                 quantization=quantization,
                 seed=seed,
                 device=device,
+                attention_backend=attention_backend,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -1,6 +1,6 @@
 """An optional compiled CPU kernel for decode attention, read straight from the paged cache.
 
-The torch path (torch_paged.py) gathers each decode sequence's blocks into a padded buffer and
+The torch path (backends/torch.py) gathers each decode sequence's blocks into a padded buffer and
 runs SDPA: it moves the K/V three times (read, write, read again). This kernel reads each
 token's K and V once, which is what bounds decode at large batches on CPU. On CPUs with
 AVX512-BF16 a vectorised bf16 variant runs (2x the generic loops in a cached micro-benchmark,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_paged import PagedAttention
+from engine.attention.backends.base import AttentionMetadata
+from engine.attention.layer import PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.mlp import GatedMLP

@@ -26,7 +26,8 @@ import os
 import torch
 
 from engine.attention import cpu_kernel
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.backends.base import AttentionMetadata
+from engine.attention.backends.cpu import CpuAttentionMetadata
 from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
 from engine.layers.quantization import W4A8LinearMethod, W8A8LinearMethod
 
@@ -177,6 +178,8 @@ class DecodePlan:
     def takes(self, rows: int, meta: AttentionMetadata) -> int | None:
         """The kind of step (W4, W8A8) the plan runs for this one, or None: the modules run it.
         Each kind covers exactly the row counts where the layers take that path."""
+        if not isinstance(meta, CpuAttentionMetadata):  # the layers run another backend
+            return None
         kd = meta.kernel_decode
         if kd is None or kd.num_rows != rows or meta.decode_groups or meta.prefills:
             return None
@@ -228,8 +231,8 @@ class DecodePlan:
         failed (the caller reruns the step on the modules, whose KV writes land on the same
         slots with the same bytes)."""
         rows = hidden.shape[0]
+        assert isinstance(meta, CpuAttentionMetadata) and meta.kernel_decode is not None
         kd = meta.kernel_decode
-        assert kd is not None
         threads = torch.get_num_threads()
         step = self._step_buffers(rows)
         self._bufs["hidden"][:rows].copy_(hidden)

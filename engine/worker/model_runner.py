@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from engine.attention import kv_int8
-from engine.attention.cpu_kernel import kernel_supports
-from engine.attention.metadata import AttentionMetadataBuilder
+from engine.attention.backends import select_backend
+from engine.attention.backends.base import AttentionBackend
+from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import EngineConfig
 from engine.distributed import get_tp_size
 from engine.layers.quantization import quantize_model
@@ -98,7 +99,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = Sampler(seed=config.model.seed)
         self.input_batch = InputBatch()  # the requests this rank holds, across steps
-        self._builder: AttentionMetadataBuilder | None = None
+        self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
 
     # -- set-up ---------------------------------------------------------------------------
@@ -119,24 +120,33 @@ class ModelRunner:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         quantize_model(self.model, m.quantization)
         head_dim = self.hf_config.head_dim
-        use_kernel = kernel_supports(self.dtype, self.device, self.num_kv_heads, head_dim)
-        self._builder = AttentionMetadataBuilder(
+        choice = select_backend(
+            m.attention_backend,
+            self.device,
+            self.dtype,
+            self.config.cache.kv_cache_dtype,
+            self.num_kv_heads,
+            head_dim,
+        )
+        self.attn_backend = choice.backend(
             self.block_size,
+            self.hf_config.num_attention_heads // get_tp_size(),
             self.num_kv_heads,
             head_dim,
             self.dtype,
             self.device,
-            num_heads=self.hf_config.num_attention_heads // get_tp_size(),
-            use_cpu_kernel=use_kernel,
         )
+        for attn in self.model.attention_layers():
+            attn.backend = self.attn_backend
         if self.rank == 0:
             logger.info(
-                "Model %s loaded: %s%s on %s; decode attention: %s",
+                "Model %s loaded: %s%s on %s; attention backend: %s (%s)",
                 self.model_dir.name,
                 str(self.dtype).removeprefix("torch."),
                 f" with {m.quantization} weights" if m.quantization else "",
                 self.device,
-                "compiled CPU kernel" if use_kernel else "torch",
+                self.attn_backend.name,
+                choice.reason,
             )
 
     def kv_block_bytes(self) -> int:
@@ -167,13 +177,16 @@ class ModelRunner:
 
     def _profile_cuda_budget(self) -> int:
         """GPU bytes left for the KV cache after a forward of the largest batch."""
-        assert self.model is not None and self._builder is not None
+        assert self.model is not None and self.attn_backend is not None
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        meta = self._builder.build([(0, n, [0] * (-(-n // self.block_size)))])
+        common = common_metadata_from_seqs(
+            [(0, n, [0] * (-(-n // self.block_size)))], self.block_size
+        )
+        meta = self.attn_backend.build_metadata(common)
         with torch.inference_mode():
             self.model.compute_logits(self.model(ids, pos, meta)[-1:])
         torch.cuda.synchronize(self.device)
@@ -233,7 +246,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.model is not None and self._builder is not None and self.kv_caches
+        assert self.model is not None and self.attn_backend is not None and self.kv_caches
         so = scheduler_output
         if so.finished_request_ids or so.preempted_request_ids:
             self.sampler.drop([*so.finished_request_ids, *so.preempted_request_ids])
@@ -277,7 +290,7 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, int]]:
         """Run the flattened batch; return hidden [T, H] and each request's last row."""
         ids, positions, seqs, last_row = self.input_batch.step_inputs(scheduled)
-        meta = self._builder.build(seqs)
+        meta = self.attn_backend.build_metadata(common_metadata_from_seqs(seqs, self.block_size))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos, meta), last_row

@@ -195,3 +195,13 @@ def test_step_token_budget_defaults_by_device():
     assert given.scheduler.max_num_batched_tokens == 64
     env = settings(["m"], {"TESSERA_MAX_NUM_BATCHED_TOKENS": "4096"})
     assert env.max_num_batched_tokens == 4096
+
+
+def test_attention_backend_flag_reaches_the_engine_config():
+    assert to_engine_config(settings(["m"])).model.attention_backend == "auto"
+    c = to_engine_config(settings(["m", "--attention-backend", "torch"]))
+    assert c.model.attention_backend == "torch"
+    env = {"TESSERA_ATTENTION_BACKEND": "cpu"}
+    assert to_engine_config(settings([], env)).model.attention_backend == "cpu"
+    with pytest.raises(SystemExit):  # argparse refuses a name that is not a backend
+        settings(["--attention-backend", "triton"])

@@ -8,7 +8,7 @@ import random
 def mixed_step(
     rng: random.Random, block_size: int, num_blocks: int
 ) -> tuple[list[tuple[int, int, list[int]]], int]:
-    """(seqs for AttentionMetadataBuilder.build, rows before the fresh prompt): 13 decodes
+    """(seqs for common_metadata_from_seqs, rows before the fresh prompt): 13 decodes
     sorted by context (1-150 tokens), then prefill chunks: positions 10-16 of a prompt whose
     first 10 tokens are cached, and a fresh 23-token prompt; blocks scattered over the cache."""
     bs = block_size

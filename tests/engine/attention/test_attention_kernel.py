@@ -8,9 +8,12 @@ import pytest
 import torch
 from attention_testing import mixed_step
 
-from engine.attention import cpu_kernel, metadata
-from engine.attention.metadata import AttentionMetadataBuilder
-from engine.attention.torch_paged import PagedAttention
+from engine.attention import cpu_kernel
+from engine.attention.backends import cpu as cpu_backend
+from engine.attention.backends.cpu import CpuAttentionBackend
+from engine.attention.backends.torch import TorchAttentionBackend
+from engine.attention.layer import PagedAttention
+from engine.attention.metadata import common_metadata_from_seqs
 
 
 @pytest.mark.parametrize(
@@ -36,7 +39,7 @@ def test_kernel_matches_torch_path(
     past it stay with SDPA."""
     if not cpu_kernel.kernel_supports(dtype, torch.device("cpu"), kv_heads, head_dim):
         pytest.skip("no C compiler for the CPU kernel")
-    monkeypatch.setattr(metadata, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
+    monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
     seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)
@@ -49,11 +52,12 @@ def test_kernel_matches_torch_path(
     for use_kernel in (False, True):
         attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
         attn.kv_cache = cache.clone()
-        builder = AttentionMetadataBuilder(
-            bs, kv_heads, head_dim, dtype, num_heads=heads, use_cpu_kernel=use_kernel
+        backend = (CpuAttentionBackend if use_kernel else TorchAttentionBackend)(
+            bs, heads, kv_heads, head_dim, dtype
         )
-        meta = builder.build(seqs)
-        assert (meta.kernel_decode is not None) == use_kernel
+        attn.backend = backend
+        meta = backend.build_metadata(common_metadata_from_seqs(seqs, bs))
+        assert (getattr(meta, "kernel_decode", None) is not None) == use_kernel
         if use_kernel:  # the kernel's rows: decodes, then the chunks within the limit
             kernel_rows = shared_rows + (23 if prefill_limit >= 23 else 0)
             assert meta.kernel_decode.num_rows == kernel_rows
@@ -76,12 +80,11 @@ def test_kernel_uses_every_torch_thread():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            builder = AttentionMetadataBuilder(
-                16, 2, 16, torch.float32, num_heads=4, use_cpu_kernel=True
-            )
-            meta = builder.build(seqs)
+            backend = CpuAttentionBackend(16, 4, 2, 16, torch.float32)
+            meta = backend.build_metadata(common_metadata_from_seqs(seqs, 16))
             assert meta.kernel_decode.scratch.shape[0] == n
             attn = PagedAttention(4, 2, 16, 0.25)
+            attn.backend = backend
             attn.kv_cache = cache.clone()
             with torch.inference_mode():
                 outs.append(attn(q, k, k, meta))
@@ -118,11 +121,12 @@ def test_kernel_is_as_accurate_as_the_torch_path():
     for use_kernel in (False, True):
         attn = PagedAttention(heads, kv_heads, d, d**-0.5)
         attn.kv_cache = cache.clone()
-        builder = AttentionMetadataBuilder(
-            bs, kv_heads, d, dtype, num_heads=heads, use_cpu_kernel=use_kernel
+        attn.backend = (CpuAttentionBackend if use_kernel else TorchAttentionBackend)(
+            bs, heads, kv_heads, d, dtype
         )
+        meta = attn.backend.build_metadata(common_metadata_from_seqs(seqs, bs))
         with torch.inference_mode():
-            outs.append(attn(q, k, v, builder.build(seqs)).double())
+            outs.append(attn(q, k, v, meta).double())
         written = attn.kv_cache.double()  # the step's K/V included
     exact = []
     for i, (start, n, blocks) in enumerate(seqs):

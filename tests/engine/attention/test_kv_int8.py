@@ -10,9 +10,12 @@ import pytest
 import torch
 from attention_testing import mixed_step
 
-from engine.attention import cpu_kernel, kv_int8, metadata
-from engine.attention.metadata import AttentionMetadataBuilder
-from engine.attention.torch_paged import PagedAttention
+from engine.attention import cpu_kernel, kv_int8
+from engine.attention.backends import cpu as cpu_backend
+from engine.attention.backends.cpu import CpuAttentionBackend
+from engine.attention.backends.torch import TorchAttentionBackend
+from engine.attention.layer import PagedAttention
+from engine.attention.metadata import common_metadata_from_seqs
 
 
 def _kernel_or_skip(dtype=torch.bfloat16, kv_heads=3, head_dim=64):
@@ -82,11 +85,11 @@ def _attend(cache, scales, q, k, v, seqs, heads, use_kernel):
     _, _, bs, kv_heads, d = cache.shape
     attn = PagedAttention(heads, kv_heads, d, d**-0.5)
     attn.kv_cache, attn.kv_scales = cache.clone(), None if scales is None else scales.clone()
-    builder = AttentionMetadataBuilder(
-        bs, kv_heads, d, q.dtype, num_heads=heads, use_cpu_kernel=use_kernel
+    attn.backend = (CpuAttentionBackend if use_kernel else TorchAttentionBackend)(
+        bs, heads, kv_heads, d, q.dtype
     )
-    meta = builder.build(seqs)
-    assert (meta.kernel_decode is not None) == use_kernel
+    meta = attn.backend.build_metadata(common_metadata_from_seqs(seqs, bs))
+    assert (getattr(meta, "kernel_decode", None) is not None) == use_kernel
     with torch.inference_mode():
         return attn(q, k, v, meta).double(), attn
 
@@ -113,7 +116,7 @@ def test_kernel_matches_torch_path_on_the_int8_cache(
     2048) but on SDPA over its unquantized K/V on the torch path, so its rows are compared
     only when both run it on SDPA (limit 20)."""
     _kernel_or_skip(dtype, kv_heads, head_dim)
-    monkeypatch.setattr(metadata, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
+    monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
     seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)
@@ -147,8 +150,7 @@ def test_int8_cache_costs_little_accuracy_and_the_kernel_adds_none():
     k = (torch.randn(rows, kv_heads, d) * 3).to(dtype)
     v = torch.randn(rows, kv_heads, d).to(dtype)
     flat = exact_cache.view(2, -1, kv_heads, d)
-    builder = AttentionMetadataBuilder(bs, kv_heads, d, dtype)
-    slots = builder.build(seqs).slot_mapping
+    slots = common_metadata_from_seqs(seqs, bs).slot_mapping
     flat[0][slots], flat[1][slots] = k.float(), v.float()  # the step's own K/V, unquantized
     exact = []
     for i, (start, n, blocks) in enumerate(seqs):

@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-from engine.attention.metadata import AttentionMetadataBuilder
+from engine.attention.backends.cpu import CpuAttentionBackend
+from engine.attention.backends.torch import TorchAttentionBackend
+from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import DEFAULT_MODEL
 from engine.models.gguf_convert import _unpermute
 from engine.models.loader import load_model, resolve_model
@@ -69,10 +71,12 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
     caches = [torch.zeros(2, nb, bs, 3, 64) for _ in range(cfg.num_hidden_layers)]
     for attn, c in zip(model.attention_layers(), caches, strict=True):
         attn.kv_cache = c
-    builder = AttentionMetadataBuilder(bs, 3, 64, torch.float32)
+    backend = TorchAttentionBackend(bs, 9, 3, 64, torch.float32)
+    for attn in model.attention_layers():
+        attn.backend = backend
     blocks = list(range(nb - 1, 0, -1))  # descending block ids
     with torch.inference_mode():
-        meta = builder.build([(0, len(prompt), blocks)])
+        meta = backend.build_metadata(common_metadata_from_seqs([(0, len(prompt), blocks)], bs))
         logits = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), meta))
         # float32 sums in another order than HF's (the BLAS picks its blocking per CPU): on
         # logits of magnitude ~20, differences of a few 1e-5 relative
@@ -81,7 +85,9 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
         out = [int(logits[-1].argmax())]
         while len(out) < 12 and out[-1] != tok.eos_token_id:
             toks.append(out[-1])
-            meta = builder.build([(len(toks) - 1, 1, blocks)])
+            meta = backend.build_metadata(
+                common_metadata_from_seqs([(len(toks) - 1, 1, blocks)], bs)
+            )
             h = model(torch.tensor([out[-1]]), torch.tensor([len(toks) - 1]), meta)
             out.append(int(model.compute_logits(h)[-1].argmax()))
     assert "Paris" in tok.decode(out)
@@ -122,22 +128,21 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
             )
             attn.kv_scales = kv_scales(nb, bs, 3, "cpu") if kv_int8 else None
         # the prompt's attention through the kernel reads the cache, as in the server
-        builder = AttentionMetadataBuilder(
-            bs,
-            3,
-            64,
-            torch.bfloat16,
-            num_heads=9,
-            use_cpu_kernel=kernel_supports(torch.bfloat16, torch.device("cpu"), 3, 64),
+        kernel = kernel_supports(torch.bfloat16, torch.device("cpu"), 3, 64)
+        backend = (CpuAttentionBackend if kernel else TorchAttentionBackend)(
+            bs, 9, 3, 64, torch.bfloat16
         )
+        for attn in model.attention_layers():
+            attn.backend = backend
         blocks = list(range(1, nb))
         with torch.inference_mode():
-            meta = builder.build([(0, len(prompt), blocks)])
+            meta = backend.build_metadata(common_metadata_from_seqs([(0, len(prompt), blocks)], bs))
             pos = torch.arange(len(prompt))
             logits = model.compute_logits(model(torch.tensor(prompt), pos, meta))
             out = [int(logits[-1].argmax())]
             while len(out) < 16 and out[-1] != tok.eos_token_id:
-                meta = builder.build([(len(prompt) + len(out) - 1, 1, blocks)])
+                step = [(len(prompt) + len(out) - 1, 1, blocks)]
+                meta = backend.build_metadata(common_metadata_from_seqs(step, bs))
                 pos = torch.tensor([len(prompt) + len(out) - 1])
                 h = model(torch.tensor([out[-1]]), pos, meta)
                 out.append(int(model.compute_logits(h)[-1].argmax()))

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from engine.attention import cpu_kernel
-from engine.attention.metadata import AttentionMetadataBuilder
+from engine.attention.backends.cpu import CpuAttentionBackend
+from engine.attention.backends.torch import TorchAttentionBackend
+from engine.attention.metadata import common_metadata_from_seqs
 from engine.models.loader import load_model
 
 BLOCK = 8
@@ -22,7 +24,7 @@ BLOCK = 8
 class PagedHarness:
     """A model with a bound KV cache and a shuffled block allocator, stepping by hand."""
 
-    def __init__(self, model, num_blocks: int = 64, seed: int = 0, **builder_kw):
+    def __init__(self, model, num_blocks: int = 64, seed: int = 0, cpu_kernel=False, **kw):
         cfg = model.config
         self.model = model
         self.caches = [
@@ -34,14 +36,16 @@ class PagedHarness:
         self.free = list(range(1, num_blocks))  # block 0 is reserved
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[str, list[int]] = {}
-        self.builder = AttentionMetadataBuilder(
+        self.backend = (CpuAttentionBackend if cpu_kernel else TorchAttentionBackend)(
             BLOCK,
+            cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
             torch.float32,
-            num_heads=cfg.num_attention_heads,
-            **builder_kw,
+            **kw,
         )
+        for attn in model.attention_layers():
+            attn.backend = self.backend
 
     def step(self, chunks: list[tuple[str, list[int], int]]) -> torch.Tensor:
         """chunks: (seq id, token ids, start position); decodes first. -> logits [T, V]."""
@@ -53,7 +57,7 @@ class PagedHarness:
             seqs.append((start, len(toks), table))
             ids += toks
             pos += range(start, start + len(toks))
-        meta = self.builder.build(seqs)
+        meta = self.backend.build_metadata(common_metadata_from_seqs(seqs, BLOCK))
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta)
             return self.model.compute_logits(hidden)
@@ -84,7 +88,7 @@ def test_mixed_batch_matches_hf(request, model_fixture, decode):
     if decode == "cpu-kernel":
         if not cpu_kernel.kernel_supports(torch.float32, torch.device("cpu"), 2, 16):
             pytest.skip("no C compiler for the CPU kernel")
-        h = PagedHarness(model, use_cpu_kernel=True)
+        h = PagedHarness(model, cpu_kernel=True)
     else:
         groups = 1 if decode == "one-group" else 2
         h = PagedHarness(model, decode_group_size=1, max_decode_groups=groups)

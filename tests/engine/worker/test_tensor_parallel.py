@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.attention.metadata import AttentionMetadataBuilder
+from engine.attention.backends.torch import TorchAttentionBackend
+from engine.attention.metadata import common_metadata_from_seqs
 from engine.models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -29,11 +30,14 @@ def _logits(model_dir, kv_int8: bool = False) -> torch.Tensor:
         dtype = torch.int8 if kv_int8 else torch.float32
         attn.kv_cache = torch.zeros(2, 8, BLOCK, hkv, cfg.head_dim, dtype=dtype)
         attn.kv_scales = allocate_scales(8, BLOCK, hkv, "cpu") if kv_int8 else None
-    builder = AttentionMetadataBuilder(BLOCK, hkv, cfg.head_dim, torch.float32)
+    heads = cfg.num_attention_heads // get_tp_size()
+    backend = TorchAttentionBackend(BLOCK, heads, hkv, cfg.head_dim, torch.float32)
+    for attn in model.attention_layers():
+        attn.backend = backend
     with torch.inference_mode():
-        meta = builder.build([(0, len(PROMPT), [5, 2])])
+        meta = backend.build_metadata(common_metadata_from_seqs([(0, len(PROMPT), [5, 2])], BLOCK))
         a = model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), meta))
-        meta = builder.build([(len(PROMPT), 1, [5, 2])])
+        meta = backend.build_metadata(common_metadata_from_seqs([(len(PROMPT), 1, [5, 2])], BLOCK))
         b = model.compute_logits(model(torch.tensor([42]), torch.tensor([len(PROMPT)]), meta))
     return torch.cat([a, b])
 

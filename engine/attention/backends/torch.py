@@ -1,0 +1,308 @@
+"""The torch backend: dense gather + SDPA, any device; the reference for every faster backend.
+
+Decodes are split into a few groups of similar length so that padding to the longest
+context stays small; each group is one gather + one attention call per layer, whatever its
+size. Each prefill chunk is one SDPA call: causal over its own fresh K/V when it starts at
+position 0, else over its gathered prefix and itself under a mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.attention import kv_int8
+from engine.attention.backends.base import (
+    AttentionBackend,
+    AttentionLayer,
+    AttentionMetadata,
+    check_static_capacity,
+)
+from engine.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    start: int  # rows [start, end) of the flattened batch
+    end: int
+    num_blocks: int  # blocks gathered per sequence (the group's longest context, rounded up)
+    block_table: torch.Tensor  # [n * num_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] additive: 0 or -inf past the context
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # rows [start, end) of the flattened batch
+    end: int
+    context_len: int  # keys attended: cached prefix + this chunk
+    # None when the chunk starts at position 0: it attends causally to its own fresh K/V.
+    block_table: torch.Tensor | None  # [num_blocks] int64
+    mask: torch.Tensor | None  # [chunk, context_len] bool, True = may attend
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata(AttentionMetadata):
+    num_decode_tokens: int
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    block_size: int
+    # Scratch for gathered K/V, [2, n, block_size, kv_heads, head_dim] per use; reused by every
+    # group and layer (they run one after another), so it is allocated once, not per layer.
+    workspace: torch.Tensor | None = None
+
+    def gather_buffer(self, num_blocks: int) -> torch.Tensor:
+        assert self.workspace is not None
+        _, _, bs, h, d = self.workspace.shape
+        return self.workspace.view(-1)[: 2 * num_blocks * bs * h * d].view(2, num_blocks, bs, h, d)
+
+
+@dataclass(slots=True)
+class TorchStaticMetadata:
+    """Flat storage the step's tables and masks are carved from, for a maximum batch. The
+    torch path's shapes still follow the step (group sizes, context lengths); what stays
+    fixed is where its tensors live."""
+
+    max_rows: int
+    max_blocks: int
+    slot_mapping: torch.Tensor  # int64 [max_rows]
+    storage: dict[torch.dtype, torch.Tensor]  # int64 tables, additive masks, bool masks
+    workspace: torch.Tensor  # [2, max_rows * max_blocks, block_size, kv_heads, head_dim]
+
+
+class FreshTensors:
+    """build_metadata's tensors: host tensors moved to the device (a no-op on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def put(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device)
+
+
+@dataclass(slots=True)
+class StaticTensors:
+    """fill_static_metadata's tensors: copied into the next free part of the storage."""
+
+    storage: dict[torch.dtype, torch.Tensor]
+    used: dict[torch.dtype, int] = field(default_factory=dict)
+
+    def put(self, x: torch.Tensor) -> torch.Tensor:
+        off, n = self.used.get(x.dtype, 0), x.numel()
+        view = self.storage[x.dtype][off : off + n].view(x.shape)
+        view.copy_(x)
+        self.used[x.dtype] = off + n
+        return view
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(
+        self,
+        block_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        decode_group_size: int = 64,
+        max_decode_groups: int = 4,
+    ):
+        super().__init__(block_size, num_heads, num_kv_heads, head_dim, dtype, device)
+        self.decode_group_size = decode_group_size
+        self.max_decode_groups = max_decode_groups
+        self._workspace_blocks = 0
+        self._workspace: torch.Tensor | None = None
+
+    @classmethod
+    def unsupported_reason(cls, device, dtype, kv_cache_dtype, num_kv_heads, head_dim):
+        return None  # plain torch ops: any device, dtype and cache
+
+    # -- metadata -----------------------------------------------------------------------
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        return self._build(common, FreshTensors(self.device), None)
+
+    def allocate_static_metadata(self, max_rows: int, max_blocks_per_req: int):
+        n = max_rows * max_blocks_per_req
+        return TorchStaticMetadata(
+            max_rows=max_rows,
+            max_blocks=max_blocks_per_req,
+            slot_mapping=torch.zeros(max_rows, dtype=torch.int64, device=self.device),
+            storage={
+                torch.int64: torch.zeros(n, dtype=torch.int64, device=self.device),
+                self.dtype: torch.zeros(n * self.block_size, dtype=self.dtype, device=self.device),
+                torch.bool: torch.zeros(n * self.block_size, dtype=torch.bool, device=self.device),
+            },
+            workspace=self._workspace_of(n),
+        )
+
+    def fill_static_metadata(
+        self, static: TorchStaticMetadata, common: CommonAttentionMetadata
+    ) -> TorchAttentionMetadata:
+        check_static_capacity(common, static.max_rows, static.max_blocks)
+        return self._build(common, StaticTensors(static.storage), static)
+
+    def _build(self, common, tensors, static: TorchStaticMetadata | None) -> TorchAttentionMetadata:
+        groups = self._decode_groups(common, tensors)
+        prefills, need = self._prefill_chunks(common, common.num_decodes, tensors)
+        for g in groups:
+            need = max(need, g.block_table.numel())
+        return self._metadata(common, groups, prefills, need, static)
+
+    def _metadata(
+        self, common, groups, prefills, need, static, cls=TorchAttentionMetadata, **extra
+    ) -> TorchAttentionMetadata:
+        """The step's metadata of type cls around its groups and chunks: the slot mapping,
+        and the gather workspace for `need` blocks."""
+        if static is None:
+            slots = common.slot_mapping.to(self.device)
+            workspace = self._get_workspace(need) if need else None
+        else:
+            slots = static.slot_mapping[: common.num_actual_tokens]
+            slots.copy_(common.slot_mapping)
+            workspace = static.workspace if need else None
+        return cls(
+            slot_mapping=slots,
+            num_decode_tokens=common.num_decode_tokens,
+            decode_groups=groups,
+            prefills=prefills,
+            block_size=self.block_size,
+            workspace=workspace,
+            **extra,
+        )
+
+    def _decode_groups(self, common: CommonAttentionMetadata, tensors) -> list[DecodeGroup]:
+        b = common.num_decodes
+        if b == 0:
+            return []
+        bs = self.block_size
+        num_groups = max(1, min(self.max_decode_groups, b // self.decode_group_size))
+        bounds = np.linspace(0, b, num_groups + 1).astype(int)
+        seq_lens = common.seq_lens.numpy()
+        block_table = common.block_table.numpy()
+        groups = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            ctx = seq_lens[lo:hi].astype(np.int64)
+            nb = -(-int(ctx.max()) // bs)
+            table = block_table[lo:hi, :nb].astype(np.int64)  # block 0 pads: it is reserved
+            valid = np.arange(nb * bs)[None, :] < ctx[:, None]
+            mask = torch.zeros((hi - lo, 1, 1, nb * bs), dtype=self.dtype)
+            mask.masked_fill_(~torch.from_numpy(valid)[:, None, None, :], float("-inf"))
+            groups.append(
+                DecodeGroup(
+                    start=int(lo),
+                    end=int(hi),
+                    num_blocks=nb,
+                    block_table=tensors.put(torch.from_numpy(table.reshape(-1))),
+                    mask=tensors.put(mask),
+                )
+            )
+        return groups
+
+    def _prefill_chunks(
+        self, common: CommonAttentionMetadata, first_req: int, tensors
+    ) -> tuple[list[PrefillChunk], int]:
+        """The torch path's chunks for requests [first_req, num_reqs), and the blocks the
+        largest prefix gather needs."""
+        bs = self.block_size
+        qsl = common.query_start_loc.numpy()
+        seq_lens = common.seq_lens.numpy()
+        block_table = common.block_table.numpy()
+        prefills: list[PrefillChunk] = []
+        need = 0
+        for r in range(first_req, common.num_reqs):
+            row, end, ctx = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+            start = ctx - (end - row)
+            if start == 0:
+                prefills.append(PrefillChunk(row, end, ctx, None, None))
+                continue
+            nb = -(-ctx // bs)
+            table = torch.from_numpy(block_table[r, :nb].astype(np.int64))
+            q_pos = torch.arange(start, ctx)
+            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+            prefills.append(PrefillChunk(row, end, ctx, tensors.put(table), tensors.put(mask)))
+            need = max(need, nb)
+        return prefills, need
+
+    def _workspace_of(self, num_blocks: int) -> torch.Tensor:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _get_workspace(self, num_blocks: int) -> torch.Tensor:
+        if self._workspace is None or num_blocks > self._workspace_blocks:
+            # Grow with headroom so a slowly growing batch does not reallocate every step.
+            self._workspace_blocks = max(num_blocks, int(self._workspace_blocks * 1.5))
+            self._workspace = self._workspace_of(self._workspace_blocks)
+        return self._workspace
+
+    # -- a layer's step -----------------------------------------------------------------
+
+    def write_kv(self, layer: AttentionLayer, k, v, kv_cache, metadata) -> None:
+        if layer.kv_scales is not None:  # the torch quantizer: the reference's own bytes
+            kv_int8.write(kv_cache, layer.kv_scales, metadata.slot_mapping, k, v, use_kernel=False)
+            return
+        flat = kv_cache.view(2, -1, layer.num_kv_heads, layer.head_dim)
+        flat[0].index_copy_(0, metadata.slot_mapping, k)
+        flat[1].index_copy_(0, metadata.slot_mapping, v)
+
+    def forward(self, layer, q, k, v, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        groups = metadata.decode_groups
+        if len(groups) == 1 and not metadata.prefills:  # the common all-decode step: no copy
+            return self._decode(layer, q, groups[0], kv_cache, metadata).reshape(t, -1)
+        out = q.new_empty(t, layer.num_heads, layer.head_dim)
+        self._torch_rows(layer, q, k, v, kv_cache, metadata, out)
+        return out.view(t, -1)
+
+    def _torch_rows(self, layer, q, k, v, kv_cache, meta: TorchAttentionMetadata, out) -> None:
+        """The decode groups' and prefill chunks' rows of out [T, H, D]."""
+        for g in meta.decode_groups:
+            out[g.start : g.end] = self._decode(layer, q[g.start : g.end], g, kv_cache, meta)
+        for p in meta.prefills:
+            out[p.start : p.end] = self._prefill(layer, q[p.start : p.end], k, v, p, kv_cache, meta)
+
+    def _decode(self, layer, q, g: DecodeGroup, kv_cache, meta) -> torch.Tensor:
+        """One query token per sequence against its gathered, padded context."""
+        assert kv_cache is not None
+        n, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        kv = self._gather(layer, g.block_table, kv_cache, meta)
+        k = kv[0].view(n, -1, hkv, d).transpose(1, 2)  # [n, Hkv, L, D], a view
+        v = kv[1].view(n, -1, hkv, d).transpose(1, 2)
+        # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
+        qg = q.view(n, hkv, -1, d)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=layer.scale)
+        return o.view(n, layer.num_heads, d)
+
+    def _gather(self, layer, block_table, kv_cache, meta) -> torch.Tensor:
+        """K and V of the given blocks, in order: [2, n_blocks, block_size, Hkv, D]."""
+        kv = meta.gather_buffer(block_table.numel())
+        if layer.kv_scales is not None:
+            return kv_int8.gather_dequantized(kv_cache, layer.kv_scales, block_table, kv)
+        # Two dim-0 selects copy whole blocks; one select over dim 1 goes element-wise.
+        torch.index_select(kv_cache[0], 0, block_table, out=kv[0])
+        torch.index_select(kv_cache[1], 0, block_table, out=kv[1])
+        return kv
+
+    def _prefill(self, layer, q, k, v, p: PrefillChunk, kv_cache, meta) -> torch.Tensor:
+        """A chunk of queries: causal over its own tokens, full over its cached prefix."""
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        if p.block_table is None:
+            kh = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            vh = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=True
+            )
+        else:
+            assert kv_cache is not None
+            kv = self._gather(layer, p.block_table, kv_cache, meta)
+            hkv, d = layer.num_kv_heads, layer.head_dim
+            kh = kv[0].view(-1, hkv, d)[: p.context_len].transpose(0, 1).unsqueeze(0)
+            vh = kv[1].view(-1, hkv, d)[: p.context_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=p.mask, scale=layer.scale, enable_gqa=True
+            )
+        return o[0].transpose(0, 1)  # [Q, H, D]

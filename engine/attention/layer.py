@@ -1,0 +1,44 @@
+"""PagedAttention: the attention layer of every model, over a flattened batch.
+
+It holds its KV cache (and the int8 cache's scales) and the backend, all bound by the model
+runner; per step it writes this step's K/V through the backend, then lets the backend attend.
+No device or kernel is named here: that is the backend's (engine.attention.backends).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.backends.base import AttentionBackend, AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.kv_scales: torch.Tensor | None = None  # float32, with an int8 cache
+        self.backend: AttentionBackend | None = None  # bound by the model runner
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (may be strided views) -> [T, H * D]."""
+        backend = self.backend
+        if backend is None:
+            raise RuntimeError(
+                "no attention backend is bound to this layer (the model runner binds one: "
+                "engine.attention.backends.select_backend)"
+            )
+        if self.kv_cache is not None:
+            backend.write_kv(self, k, v, self.kv_cache, meta)
+        return backend.forward(self, q, k, v, self.kv_cache, meta)

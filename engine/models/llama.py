@@ -18,7 +18,6 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import HFModelConfig
-from engine.models.llama_decode_plan import DecodePlan
 
 
 class LlamaAttention(nn.Module):
@@ -95,36 +94,17 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling
         )
-        self._decode_plan: DecodePlan | None = None
-        self._decode_plan_cache: int | None = -1  # the KV cache the plan was built for
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for every layer
-        plan = self._plan()
-        kind = None if plan is None else plan.takes(hidden.shape[0], meta)
-        if kind is not None:
-            out = plan.run(kind, hidden, *rope, meta)
-            if out is not None:
-                return out
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def _plan(self) -> DecodePlan | None:
-        """The one-call decode step, built at the first step (after quantization and the KV
-        cache), and again if the cache is re-bound; it holds the weights it was built on (a
-        model changed in place afterwards would need `_decode_plan_cache = -1`)."""
-        cache = self.layers[0].self_attn.attn.kv_cache if len(self.layers) else None
-        key = None if cache is None else cache.data_ptr()
-        if key != self._decode_plan_cache:
-            self._decode_plan = None if key is None else DecodePlan.build(self)
-            self._decode_plan_cache = key
-        return self._decode_plan
 
 
 class LlamaForCausalLM(nn.Module):

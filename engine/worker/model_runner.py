@@ -2,7 +2,9 @@
 
 execute_model: apply the step's changes to the persistent input batch (engine.worker.
 input_batch) -> copy blocks (copy-on-write for forked samples) -> flatten the scheduled
-chunks (decodes first, sorted by context length) -> one forward over the flattened batch ->
+chunks (decodes first, sorted by context length) -> one step over the flattened batch (the
+step graph where it takes the step: today the CPU's one-call decode plan, engine.worker.
+cpu_graph; else the eager forward) ->
 logits of each sampling request's last token -> Sampler -> the sampled tokens appended to the
 input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
 """
@@ -19,7 +21,7 @@ import torch
 
 from engine.attention import kv_int8
 from engine.attention.backends import select_backend
-from engine.attention.backends.base import AttentionBackend
+from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import EngineConfig
 from engine.distributed import get_tp_size
@@ -27,6 +29,7 @@ from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.worker.cpu_graph import DecodePlan
 from engine.worker.input_batch import InputBatch
 from engine.worker.step_threads import StepThreads
 
@@ -101,6 +104,9 @@ class ModelRunner:
         self.input_batch = InputBatch()  # the requests this rank holds, across steps
         self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
+        # A planned or captured step over static buffers, built once the KV cache is bound:
+        # run(input_ids, positions, meta) -> hidden, or None for the steps it does not take.
+        self._step_graph: DecodePlan | None = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -223,6 +229,7 @@ class ModelRunner:
             attn.kv_cache = self.kv_caches[i]
             attn.kv_scales = self.kv_scales[i] if int8 else None
         self.num_blocks = num_blocks
+        self._step_graph = DecodePlan.build(self.model) if self.device.type == "cpu" else None
         tokens = (num_blocks - 1) * self.block_size
         if self.rank == 0:
             logger.info(
@@ -293,4 +300,14 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(common_metadata_from_seqs(seqs, self.block_size))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model(input_ids, pos, meta), last_row
+        return self._run_model(input_ids, pos, meta), last_row
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The step graph's output where it takes this step, else the eager forward's."""
+        if self._step_graph is not None:
+            hidden = self._step_graph.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, meta)

@@ -17,7 +17,7 @@ import pytest
 
 from engine.kernels.cpu import build, ops
 from engine.layers import cpu_w4
-from engine.models import llama_decode_plan
+from engine.worker import cpu_graph
 
 # C scalar types -> ctypes; every pointer is a c_void_p in the bindings
 _SCALARS: dict[str, Any] = {
@@ -160,9 +160,9 @@ def test_the_exported_variables_and_constants_agree(header):
 
 def test_the_decode_plan_mirrors_match_the_c_structs(header):
     mirrors = {
-        "Shape": llama_decode_plan._Shape,
-        "Layer": llama_decode_plan._Layer,
-        "Step": llama_decode_plan._Step,
+        "Shape": cpu_graph._Shape,
+        "Layer": cpu_graph._Layer,
+        "Step": cpu_graph._Step,
     }
     assert header["structs"].keys() == mirrors.keys()
     for name, mirror in mirrors.items():
@@ -189,7 +189,7 @@ def test_the_checks_catch_a_wrong_binding(header):
     assert signature_mismatches(header["functions"], missing)  # a prototype without a binding
 
     class ShapeWrong(ctypes.Structure):  # eps and scale swapped: same types, wrong order
-        _fields_ = llama_decode_plan._Shape._fields_[:-2] + [
+        _fields_ = cpu_graph._Shape._fields_[:-2] + [
             ("scale", ctypes.c_float),
             ("eps", ctypes.c_float),
         ]

@@ -1,4 +1,5 @@
-"""A Llama decode step as one C call (the CPU's answer to CUDA graphs).
+"""A Llama decode step as one C call: the CPU's step graph (the model runner runs it where it
+takes a step, the eager forward otherwise, as a CUDA-graph runner would).
 
 At one stream a decode step is ~330 small calls (per layer: two norms, four GEMMs, rotary,
 the KV write, attention, SiLU), each a few microseconds of Python, torch and ctypes around a
@@ -28,6 +29,7 @@ import torch
 from engine.attention import cpu_kernel
 from engine.attention.backends.base import AttentionMetadata
 from engine.attention.backends.cpu import CpuAttentionMetadata
+from engine.kernels.cpu import ops
 from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
 from engine.layers.quantization import W4A8LinearMethod, W8A8LinearMethod
 
@@ -63,12 +65,6 @@ class _Step(ctypes.Structure):
         + [("threads", ctypes.c_int), ("decode_threads", ctypes.c_int), ("w8a8", ctypes.c_int)]
         + [(n, _P) for n in _W8A8_BUFFERS]
     )
-
-
-def _run_fn():
-    """run_decode, from the one kernel library (which the layers' kernels share)."""
-    lib = cpu_fused._load()
-    return getattr(lib, "run_decode", None) if lib is not None else None
 
 
 def enabled() -> bool:
@@ -107,6 +103,7 @@ class DecodePlan:
             eps=layers[0].input_layernorm.eps, scale=a0.attn.scale,
         )  # fmt: skip
         self._final_norm = model.norm
+        self._embed, self._rotary = model.embed_tokens, model.rotary_emb
         self._layers = (_Layer * len(layers))()
         self._tensors: list[torch.Tensor] = []  # what _layers points into, kept alive with it
 
@@ -136,9 +133,11 @@ class DecodePlan:
         self.runs: dict[int, int] = {}  # steps run, by row count
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> DecodePlan | None:
-        """The plan for a LlamaModel, or None where it does not fit (see the module doc)."""
-        if not enabled() or not len(model.layers):
+    def build(cls, causal_lm: torch.nn.Module) -> DecodePlan | None:
+        """The plan for a Llama-family model whose KV cache is bound, or None where it does not
+        fit (see the module doc)."""
+        model = getattr(causal_lm, "model", None)
+        if not enabled() or not len(getattr(model, "layers", ())):
             return None
         linears = [m for layer in model.layers for m in _linears(layer)]
         w4 = all(_has_w4(m) for m in linears)
@@ -170,7 +169,7 @@ class DecodePlan:
         # run_decode calls the kernels directly; the ones a CPU may lack must be there
         if (w4 and cpu_w4._kernel() is None) or (w8a8 and cpu_w8a8._gemm_functions() is None):
             return None
-        run_fn = _run_fn()
+        run_fn = ops.function("run_decode")
         if run_fn is None:
             return None
         return cls(model, run_fn, w4, w8a8)
@@ -220,6 +219,18 @@ class DecodePlan:
         return self._step
 
     def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The final norm's output [rows, hidden] for this step, or None where the plan does
+        not take it (the runner runs the modules)."""
+        kind = self.takes(input_ids.shape[0], meta)
+        if kind is None:
+            return None
+        hidden = self._embed(input_ids)
+        cos, sin = self._rotary.lookup(positions, hidden.dtype)
+        return self._run(kind, hidden, cos, sin, meta)
+
+    def _run(
         self,
         kind: int,
         hidden: torch.Tensor,
@@ -228,7 +239,7 @@ class DecodePlan:
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """The final norm's output [rows, hidden] for the embeddings hidden; None if the C call
-        failed (the caller reruns the step on the modules, whose KV writes land on the same
+        failed (the runner reruns the step on the modules, whose KV writes land on the same
         slots with the same bytes)."""
         rows = hidden.shape[0]
         assert isinstance(meta, CpuAttentionMetadata) and meta.kernel_decode is not None

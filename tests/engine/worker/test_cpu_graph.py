@@ -1,4 +1,4 @@
-"""The one-call decode step (engine.models.llama_decode_plan): the same bytes as the modules,
+"""The one-call decode step (engine.worker.cpu_graph, the CPU's step graph): the same bytes as the modules,
 on 4-bit weights (1-12 rows; 1-7 on AMX) and on int8 activations (from 13 rows; 8), both KV
 cache dtypes, with and without biases; the steps it leaves to the modules; and the switch
 that turns it off."""
@@ -31,8 +31,8 @@ def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypa
     # sixteen 40-token prompts: one prefill step of 640 rows, past the packed GEMM's old bound
     prompts = [list(range(100 + 3 * i, 140 + 3 * i)) for i in range(16)]
     outs += llm.generate(prompts, params, use_tqdm=False)
-    model = llm.engine.executor.runner.model.model
-    plan = model._decode_plan
+    runner = llm.engine.executor.runner
+    model, plan = runner.model.model, runner._step_graph
     runs = None if plan is None else dict(plan.runs)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

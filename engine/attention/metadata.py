@@ -9,6 +9,7 @@ device.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,16 +36,41 @@ class CommonAttentionMetadata:
     num_decode_tokens: int
     max_query_len: int
     max_seq_len: int
+    # The same on the host as numpy, for backends building their tables there: int64 copies
+    # of the offsets and lengths, the block table's own memory.
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+    block_table_np: np.ndarray
 
     @property
-    def query_lens(self) -> np.ndarray:
-        qsl = self.query_start_loc.numpy()
-        return (qsl[1:] - qsl[:-1]).astype(np.int64)
+    def query_lens_np(self) -> np.ndarray:
+        return np.diff(self.query_start_loc_np)
 
     @property
-    def start_positions(self) -> np.ndarray:
+    def start_positions_np(self) -> np.ndarray:
         """int64 [num_reqs]: the position of each request's first query token."""
-        return self.seq_lens.numpy().astype(np.int64) - self.query_lens
+        return self.seq_lens_np - self.query_lens_np
+
+
+def _block_table(seqs: Sequence[SeqSpec], need: list[int], width: int) -> np.ndarray:
+    """int32 [num_reqs, width]: each request's first need[r] block ids, then block 0."""
+    table = np.zeros((len(seqs), width), dtype=np.int32)
+    for r, (s, k) in enumerate(zip(seqs, need, strict=True)):
+        if len(s[2]) < k:
+            raise ValueError(
+                f"request {r} needs {k} blocks of its context but has only {len(s[2])} blocks"
+            )
+    if len(seqs) > 1 and not isinstance(seqs[0][2], np.ndarray):
+        # Python lists: one conversion of all ids at once beats one per row.
+        ids = itertools.chain.from_iterable(
+            s[2] if len(s[2]) == k else s[2][:k] for s, k in zip(seqs, need, strict=True)
+        )
+        flat = np.fromiter(ids, dtype=np.int32, count=sum(need))
+        table[np.arange(width)[None, :] < np.array(need)[:, None]] = flat
+        return table
+    for r, (s, k) in enumerate(zip(seqs, need, strict=True)):
+        table[r, :k] = s[2][:k]
+    return table
 
 
 def common_metadata_from_seqs(seqs: Sequence[SeqSpec], block_size: int) -> CommonAttentionMetadata:
@@ -52,32 +78,29 @@ def common_metadata_from_seqs(seqs: Sequence[SeqSpec], block_size: int) -> Commo
     (num_tokens == 1) come first, sorted by start_pos ascending."""
     bs = block_size
     num_reqs = len(seqs)
-    starts = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=num_reqs)
-    counts = np.fromiter((s[1] for s in seqs), dtype=np.int64, count=num_reqs)
-    seq_lens = starts + counts
-    num_decodes = 0
-    while num_decodes < num_reqs and counts[num_decodes] == 1:
-        num_decodes += 1
-    max_seq_len = int(seq_lens.max()) if num_reqs else 0
-    blocks_needed = -(-seq_lens // bs)
-    table = np.zeros((num_reqs, -(-max_seq_len // bs)), dtype=np.int32)
-    for r, (_, _, ids) in enumerate(seqs):
-        need = int(blocks_needed[r])
-        if len(ids) < need:
-            raise ValueError(
-                f"request {r} attends {int(seq_lens[r])} tokens but has only {len(ids)} blocks "
-                f"of {bs}"
-            )
-        table[r, :need] = ids[:need]
-    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(counts, out=qsl[1:])
+    # Per-request numbers in plain Python (a step has at most a few hundred requests: cheaper
+    # than numpy's per-call cost at small batches), per-token and per-block ones in numpy.
+    counts = [s[1] for s in seqs]
+    seq_lens = [s[0] + s[1] for s in seqs]
+    num_decodes = next((i for i, c in enumerate(counts) if c != 1), num_reqs)
+    max_seq_len = max(seq_lens, default=0)
+    table = _block_table(seqs, [-(-n // bs) for n in seq_lens], -(-max_seq_len // bs))
+    qsl = np.array([0, *itertools.accumulate(counts)], dtype=np.int64)
+    seq_lens_np = np.array(seq_lens, dtype=np.int64)
     num_tokens = int(qsl[-1])
-    req_of_token = np.repeat(np.arange(num_reqs), counts)
-    pos = np.arange(num_tokens) - qsl[:-1][req_of_token] + starts[req_of_token]
+    if num_decodes == num_reqs:  # one token each, at its start position
+        req_of_token, pos = np.arange(num_reqs), seq_lens_np - 1
+    else:
+        req_of_token = np.repeat(np.arange(num_reqs), counts)
+        pos = (
+            np.arange(num_tokens)
+            - qsl[:-1][req_of_token]
+            + (seq_lens_np - np.diff(qsl))[req_of_token]
+        )
     slots = table[req_of_token, pos // bs].astype(np.int64) * bs + pos % bs
     return CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)),
         block_table=torch.from_numpy(table),
         slot_mapping=torch.from_numpy(slots),
         block_size=bs,
@@ -85,6 +108,9 @@ def common_metadata_from_seqs(seqs: Sequence[SeqSpec], block_size: int) -> Commo
         num_actual_tokens=num_tokens,
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
-        max_query_len=int(counts.max()) if num_reqs else 0,
+        max_query_len=max(counts, default=0),
         max_seq_len=max_seq_len,
+        query_start_loc_np=qsl,
+        seq_lens_np=seq_lens_np,
+        block_table_np=table,
     )

@@ -181,9 +181,10 @@ class TorchAttentionBackend(AttentionBackend):
             return []
         bs = self.block_size
         num_groups = max(1, min(self.max_decode_groups, b // self.decode_group_size))
-        bounds = np.linspace(0, b, num_groups + 1).astype(int)
-        seq_lens = common.seq_lens.numpy()
-        block_table = common.block_table.numpy()
+        # (linspace costs more than the rest of a one-group step's tables)
+        bounds = [0, b] if num_groups == 1 else np.linspace(0, b, num_groups + 1).astype(int)
+        seq_lens = common.seq_lens_np
+        block_table = common.block_table_np
         groups = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             ctx = seq_lens[lo:hi].astype(np.int64)
@@ -209,9 +210,9 @@ class TorchAttentionBackend(AttentionBackend):
         """The torch path's chunks for requests [first_req, num_reqs), and the blocks the
         largest prefix gather needs."""
         bs = self.block_size
-        qsl = common.query_start_loc.numpy()
-        seq_lens = common.seq_lens.numpy()
-        block_table = common.block_table.numpy()
+        qsl = common.query_start_loc_np
+        seq_lens = common.seq_lens_np
+        block_table = common.block_table_np
         prefills: list[PrefillChunk] = []
         need = 0
         for r in range(first_req, common.num_reqs):

@@ -221,6 +221,14 @@ def test_common_metadata_is_flat_and_exact():
     assert c.slot_mapping.tolist() == [9 * 4 + 2, 2 * 4 + 1, 4 * 4 + 3, 32, 33, 34, 35, 4]
     assert (c.num_reqs, c.num_actual_tokens, c.num_decodes, c.num_decode_tokens) == (3, 8, 2, 2)
     assert (c.max_query_len, c.max_seq_len) == (6, 9)
+    as_arrays = [(a, n, np.asarray(ids, dtype=np.int32)) for a, n, ids in seqs]
+    for other in (
+        common_metadata_from_seqs(as_arrays, bs),
+        common_metadata_from_seqs(seqs[2:], bs),
+    ):
+        rows = slice(0, 3) if other.num_reqs == 3 else slice(2, 3)
+        assert torch.equal(other.block_table, c.block_table[rows, : other.block_table.shape[1]])
+    assert torch.equal(common_metadata_from_seqs(as_arrays, bs).slot_mapping, c.slot_mapping)
     with pytest.raises(ValueError, match="has only 1 blocks"):
         common_metadata_from_seqs([(4, 1, [5])], bs)
 

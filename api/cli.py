@@ -111,7 +111,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def serve(settings: Settings) -> int:
     """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
-    database is not usable, the app failed to start or the engine failed to load."""
+    database is not usable, the app failed to start, the engine failed to load or died."""
     from api.app import create_app
 
     logging.basicConfig(
@@ -139,7 +139,7 @@ def serve(settings: Settings) -> int:
     server = DrainingServer(config, state)
     state.on_fatal = server.request_exit
     server.run()
-    return 1 if state.load_error or not server.started else 0
+    return 1 if state.load_error or state.engine_error or not server.started else 0
 
 
 def _database_ready(settings: Settings) -> bool:

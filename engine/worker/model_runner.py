@@ -178,6 +178,11 @@ class ModelRunner:
                 choice.reason,
             )
 
+    def device_info(self) -> tuple[str, int | None]:
+        """(this rank's device, the process's current CUDA device or None): where it runs."""
+        current = torch.cuda.current_device() if self.device.type == "cuda" else None
+        return str(self.device), current
+
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers (K and V) on this rank."""
         assert self.dtype is not None, "load_model() first"

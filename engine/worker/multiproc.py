@@ -10,7 +10,9 @@ Devices: on CUDA rank r binds cuda:r (torch.cuda.set_device) before anything tou
 and the group's backend follows the resolved device (nccl for CUDA, gloo for CPU).
 
 Workers die with their parent: PR_SET_PDEATHSIG on Linux, plus a watchdog thread that
-exits when the parent's pid changes (covers other platforms and reparenting races).
+exits when the parent's pid changes (covers other platforms and reparenting races). They
+ignore SIGINT and SIGTERM: a Ctrl-C in a terminal or a supervisor's SIGTERM to the whole
+process group is the server's to handle (it drains, then stops its workers itself).
 
 A worker that dies takes the engine with it, within a bounded time: a watcher thread waits on
 the workers' process sentinels; the driver waits for replies on the pipes and the sentinels
@@ -50,6 +52,13 @@ _READY_TIMEOUT_S = 600.0  # loading a large model on a slow disk takes a while
 _JOIN_TIMEOUT_S = 10.0
 _WATCH_S = 0.5  # how often the watcher looks up from the sentinels to see if it should stop
 _DEATH_GRACE_S = 1.0  # after a failed step: how long a dying worker gets to be seen as dead
+_EXITED = "a tensor-parallel worker exited"
+
+
+class WorkerExited(RuntimeError):
+    """A worker's process ended while the driver waited for its reply."""
+
+
 _EXECUTE = "execute_model"
 
 _encoder = msgspec.msgpack.Encoder()
@@ -97,6 +106,8 @@ def _worker_main(
     num_threads: int,
 ) -> None:
     _die_with_parent(parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     import torch
 
     from engine.distributed import (
@@ -231,24 +242,30 @@ class WorkerGroup:
         if self._failure is not None:
             raise EngineDeadError(self._failure)
         if wait_ready([p.sentinel for p in self.procs], timeout=0):
-            raise self._fail("a tensor-parallel worker exited")
+            raise self._fail(_EXITED)
 
     def _watch(self) -> None:
         """Notice a worker's death even while the driver is busy or idle."""
         sentinels = [p.sentinel for p in self.procs]
         while not self._closing.is_set():
             if wait_ready(sentinels, timeout=_WATCH_S) and not self._closing.is_set():
-                self._fail("a tensor-parallel worker exited")
+                self._fail(_EXITED, read_pipes=False)
                 return
 
-    def _fail(self, cause: str) -> EngineDeadError:
+    def _fail(self, cause: str, read_pipes: bool = True) -> EngineDeadError:
         """Mark the group dead (the first reason wins), kill the workers left, tell the
-        callbacks; returns the error to raise."""
+        callbacks; returns the error to raise. read_pipes: look for a worker's error reply
+        (only on the thread that drives the group: the pipes are not shared)."""
         with self._lock:
             first = self._failure is None
             if first:
-                deaths = self._deaths(_DEATH_GRACE_S)
-                self._failure = "; ".join(deaths) if deaths else cause
+                # The workers that exited, then what failed (a worker's own error says why).
+                reasons = self._deaths(_DEATH_GRACE_S)
+                if read_pipes:
+                    reasons += self._pending_errors()
+                if cause != _EXITED or not reasons:
+                    reasons.append(cause)
+                self._failure = "; ".join(reasons)
                 self._kill_workers()
             callbacks = list(self._failure_callbacks) if first else []
             failure = self._failure
@@ -268,8 +285,20 @@ class WorkerGroup:
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.exitcode
             if code is not None:
+                verb = "exited" if code == 0 else "died"
                 what = describe_exit(code)
-                out.append(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({what})")
+                out.append(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {verb} ({what})")
+        return out
+
+    def _pending_errors(self) -> list[str]:
+        """The error replies waiting in the pipes (a worker that failed says why first)."""
+        out = []
+        for conn in self.conns:
+            with contextlib.suppress(Exception):
+                while conn.poll():
+                    status, value = conn.recv()
+                    if status == "error":
+                        out.append(f"tensor-parallel worker failed: {value}")
         return out
 
     def _kill_workers(self) -> None:
@@ -299,11 +328,11 @@ class WorkerGroup:
                 if ready and conn not in ready:
                     with self._lock:
                         deaths = self._deaths(0)
-                    raise RuntimeError("; ".join(deaths) or "a tensor-parallel worker exited")
+                    raise WorkerExited("; ".join(deaths) or _EXITED)
             try:
                 status, value = conn.recv()
             except EOFError:
-                raise RuntimeError(f"tensor-parallel worker rank {rank} died") from None
+                raise WorkerExited(f"tensor-parallel worker rank {rank} died") from None
             if status == "error":
                 raise RuntimeError(f"tensor-parallel worker failed: {value}")
             results.append(value)
@@ -341,6 +370,8 @@ class WorkerGroup:
             self._gather(self.timeout_s)
         except EngineDeadError:
             raise
+        except WorkerExited:
+            raise self._fail(_EXITED) from None
         except Exception as exc:  # a rank failed mid-step: the ranks no longer agree
             raise self._fail(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
         self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}

@@ -245,9 +245,10 @@ class ModelRunner:
         return budget
 
     @torch.inference_mode()
-    def _profile_step(self) -> None:
+    def _profile_step(self) -> torch.Tensor:
         """The largest step: a prefill of the whole token budget (no KV cache yet: it writes
-        nowhere), then the logits of max_num_seqs rows and the sampler's float32 copy."""
+        nowhere), then the logits of max_num_seqs rows (returned) and the sampler's float32
+        probabilities."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
@@ -258,6 +259,7 @@ class ModelRunner:
         rows = torch.arange(self.config.scheduler.max_num_seqs, device=self.device) % n
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1)
+        return logits
 
     def _check_fits(self, num_blocks: int) -> None:
         usable = (num_blocks - 1) * self.block_size  # block 0 is reserved

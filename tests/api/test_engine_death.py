@@ -28,7 +28,7 @@ DIED = "tensor-parallel worker rank 1"
 def _workers(pid: int) -> list[psutil.Process]:
     """The multiprocessing workers under pid (not its resource tracker)."""
     out = []
-    for child in psutil.Process(pid).children(recursive=True):
+    for child in psutil.Process(pid).children():
         try:
             if "spawn_main" in " ".join(child.cmdline()):
                 out.append(child)

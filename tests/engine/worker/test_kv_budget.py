@@ -84,3 +84,22 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
         "tensor_parallel_size 4 needs 4 GPUs, one per rank, but 1 is visible "
         "(CUDA_VISIBLE_DEVICES=0): lower --tensor-parallel-size or make more GPUs visible"
     )
+
+
+def test_the_profiled_step_is_the_largest_one(tiny_llama_dir):
+    """The step the CUDA profile measures runs on any device: a prefill of the whole token
+    budget, then logits for max_num_seqs rows (more rows than tokens: rows repeat)."""
+    from engine import EngineConfig, ModelConfig, SchedulerConfig
+    from engine.worker.model_runner import ModelRunner
+
+    config = EngineConfig(
+        model=ModelConfig(
+            model=str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=40, max_num_batched_tokens=32, max_model_len=256),
+    )
+    runner = ModelRunner(config, model_dir=tiny_llama_dir)
+    runner.load_model()
+    logits = runner._profile_step()
+    assert logits.shape == (40, runner.hf_config.vocab_size)
+    assert torch.isfinite(logits).all()

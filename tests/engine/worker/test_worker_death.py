@@ -48,7 +48,7 @@ def _live_workers(pids: list[int]) -> list[int]:
 def _spawned_children() -> list[int]:
     """This process's multiprocessing children other than its resource tracker."""
     out = []
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children():
         try:
             cmd = " ".join(child.cmdline())
         except psutil.Error:

@@ -6,7 +6,9 @@
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (new requests get 503, in-flight ones
 may finish for --shutdown-timeout seconds, the rest are aborted), then the server stops the
-engine and exits 0. A second signal aborts what is left at once.
+engine and exits 0. A second signal aborts what is left at once. An engine that dies while
+serving (a tensor-parallel worker died) stops the server with exit code 1, for a supervisor
+to restart it.
 """
 
 from __future__ import annotations

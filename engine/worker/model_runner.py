@@ -24,14 +24,13 @@ from engine.attention.backends import select_backend
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import EngineConfig
-from engine.distributed import bind_cuda_device, get_tp_size
+from engine.distributed import get_tp_size
 from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.worker.cpu_graph import DecodePlan
 from engine.worker.input_batch import InputBatch
-from engine.worker.kv_budget import GpuMemoryProfile, kv_cache_budget
 from engine.worker.step_threads import StepThreads
 
 logger = logging.getLogger("tessera.engine")
@@ -106,7 +105,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(self.model_dir)
         tp = config.parallel.tensor_parallel_size
         self.device = resolve_device(config.model.device, rank, tp)
-        bind_cuda_device(self.device)  # a no-op on CPU; multiproc.py does it even earlier
+        if self.device.type == "cuda":  # this rank's GPU is the current one (kernel launches)
+            torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
         # Raises if the requested length exceeds what the model (or its sliding window) allows.
         self.max_model_len = max_model_len_for(
@@ -178,11 +178,6 @@ class ModelRunner:
                 choice.reason,
             )
 
-    def device_info(self) -> tuple[str, int | None]:
-        """(this rank's device, the process's current CUDA device or None): where it runs."""
-        current = torch.cuda.current_device() if self.device.type == "cuda" else None
-        return str(self.device), current
-
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers (K and V) on this rank."""
         assert self.dtype is not None, "load_model() first"
@@ -212,6 +207,8 @@ class ModelRunner:
     def _profile_cuda_budget(self) -> int:
         """GPU bytes left for the KV cache (engine.worker.kv_budget): measured around the
         largest step the scheduler can send, then the arithmetic."""
+        from engine.worker.kv_budget import GpuMemoryProfile, kv_cache_budget
+
         assert self.model is not None and self.attn_backend is not None
         dev = self.device
         torch.cuda.synchronize(dev)
@@ -260,6 +257,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1)
         return logits
+
+    def device_info(self) -> tuple[str, int | None]:
+        """(this rank's device, the process's current CUDA device or None): where it runs."""
+        current = torch.cuda.current_device() if self.device.type == "cuda" else None
+        return str(self.device), current
 
     def _check_fits(self, num_blocks: int) -> None:
         usable = (num_blocks - 1) * self.block_size  # block 0 is reserved

@@ -280,9 +280,12 @@ class WorkerGroup:
 
     def _deaths(self, grace: float) -> list[str]:
         """The workers that exited (waiting up to grace for the first), as sentences."""
-        wait_ready([p.sentinel for p in self.procs], timeout=grace)
+        ended = set(wait_ready([p.sentinel for p in self.procs], timeout=grace))
         out = []
         for rank, proc in enumerate(self.procs, start=1):
+            if proc.sentinel in ended:
+                # Its pipes close a moment before it can be reaped: wait for that moment.
+                proc.join(_DEATH_GRACE_S)
             code = proc.exitcode
             if code is not None:
                 verb = "exited" if code == 0 else "died"

@@ -94,7 +94,11 @@ def test_the_profiled_step_is_the_largest_one(tiny_llama_dir):
 
     config = EngineConfig(
         model=ModelConfig(
-            model=str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            device="cpu",
+            max_model_len=256,
+            attention_backend="torch",  # the reference, as on CUDA without Triton
         ),
         scheduler=SchedulerConfig(max_num_seqs=40, max_num_batched_tokens=32, max_model_len=256),
     )

@@ -123,6 +123,7 @@ def _worker_main(
         device = resolve_device(config.model.device, rank, world_size)
         bind_cuda_device(device)  # first: this rank's context and communicator on its GPU
         timeout_s = config.parallel.collective_timeout_s
+        conn.send(("joining", None))  # imported: the driver joins the group only now
         init_distributed(rank, world_size, init_method, backend_for(device), timeout_s)
         runner = ModelRunner(config, model_dir=model_dir, rank=rank)
         runner.load_model()
@@ -204,6 +205,9 @@ class WorkerGroup:
         # What the driver sampled last step: the workers append it before the next one.
         self._sampled: dict[str, list[int]] = {}
         try:
+            # Every rank at the rendezvous within moments of the others, however long the
+            # workers took to start: the collective timeout need not cover an import.
+            self._gather(timeout=_READY_TIMEOUT_S)
             bind_cuda_device(self.device)
             torch.set_num_threads(num_threads)
             init_distributed(0, world_size, init_method, self.backend, self.timeout_s)

@@ -1,7 +1,8 @@
 """A tensor-parallel worker that dies marks the engine dead: the real WorkerGroup at TP=2 on
 gloo, its worker killed with SIGKILL between steps and in the middle of a long generate. The
 call raises EngineDeadError (it does not hang) within a bounded time, later calls fail at
-once, and no worker process is left behind."""
+once, and no worker process is left behind. A worker that hangs (SIGSTOP) is ended by the
+collective timeout."""
 
 from __future__ import annotations
 
@@ -121,4 +122,26 @@ async def test_worker_killed_during_a_long_generate(tiny_llama_dir):
         assert _live_workers(pids) == []
     finally:
         await engine.shutdown()
+    assert set(_spawned_children()) - before == set()
+
+
+def test_a_stuck_worker_times_out_the_collective(tiny_llama_dir):
+    """A worker that stops answering (SIGSTOP: alive, its sockets open) cannot hold the
+    driver in an all-reduce: the collective timeout ends the step, the group is dead."""
+    torch.set_num_threads(1)
+    before = set(_spawned_children())
+    timeout_s = 3.0  # short: the rendezvous waits for the workers' imports separately
+    llm = LLM(str(tiny_llama_dir), **{**OPTIONS, "collective_timeout_s": timeout_s})
+    try:
+        pids = [p.pid for p in llm.engine.executor.workers.procs]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+        os.kill(pids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="a tensor-parallel step failed"):
+            llm.generate([[8, 9, 10]], params)
+        assert timeout_s <= time.monotonic() - t0 < timeout_s + 10
+        assert _live_workers(pids) == []  # the stuck worker was killed and reaped
+    finally:
+        llm.shutdown()
     assert set(_spawned_children()) - before == set()

@@ -6,7 +6,9 @@
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (new requests get 503, in-flight ones
 may finish for --shutdown-timeout seconds, the rest are aborted), then the server stops the
-engine and exits 0. A second signal aborts what is left at once.
+engine and exits 0. A second signal aborts what is left at once. An engine that dies while
+serving (a tensor-parallel worker died) stops the server with exit code 1, for a supervisor
+to restart it.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def serve(settings: Settings) -> int:
     """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
-    database is not usable, the app failed to start or the engine failed to load."""
+    database is not usable, the app failed to start, the engine failed to load or died."""
     from api.app import create_app
 
     logging.basicConfig(
@@ -139,7 +141,7 @@ def serve(settings: Settings) -> int:
     server = DrainingServer(config, state)
     state.on_fatal = server.request_exit
     server.run()
-    return 1 if state.load_error or not server.started else 0
+    return 1 if state.load_error or state.engine_error or not server.started else 0
 
 
 def _database_ready(settings: Settings) -> bool:

@@ -3,7 +3,9 @@
 ServerState is the one object routes ask "may I start work?" (`require_engine`) and the
 signal handler asks to drain. The engine loads in the background so /health can answer 503
 while it loads; generation requests get 503 with Retry-After until it is ready and again
-once draining starts.
+once draining starts. An engine that dies while serving (a tensor-parallel worker died) is
+fatal: /health answers 503, requests fail with 503, and the server stops and exits non-zero
+so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class ServerState:
         self.owns_engine = engine is None  # an engine passed in is the caller's to shut down
         self.phase = Phase.READY if engine is not None else Phase.LOADING
         self.load_error: str | None = None
+        self.engine_error: str | None = None  # why a running engine died; the server exits 1
         self.started_at = time.time()
-        # Called when the server should exit on its own (the engine failed to load);
+        # Called when the server should exit on its own (the engine failed to load or died);
         # the CLI points it at uvicorn's should_exit.
         self.on_fatal: Callable[[], None] | None = None
         self._inflight: set[Generation] = set()
@@ -60,6 +63,8 @@ class ServerState:
 
     def require_engine(self) -> Any:
         """The engine, or a 503 (with Retry-After) that says why no work is admitted now."""
+        if self.engine_error is not None:
+            raise unavailable(f"The engine died: {self.engine_error}", retry_after=5)
         if self.phase is Phase.READY and self.engine is not None:
             return self.engine
         if self.phase is Phase.LOADING:
@@ -84,6 +89,8 @@ class ServerState:
 
     def health(self) -> tuple[bool, str]:
         """(healthy, status word) for /health."""
+        if self.engine_error is not None:
+            return False, "engine_dead"
         if self.phase is not Phase.READY:
             return False, self.phase.value
         if not self.engine.is_healthy():
@@ -97,6 +104,8 @@ class ServerState:
         self._idle.set()
         if self.engine is None:
             self._load_task = asyncio.create_task(self._load(), name="tessera-load-engine")
+        else:
+            self._watch_engine(self.engine)
 
     async def _load(self) -> None:
         t0 = time.monotonic()
@@ -112,6 +121,7 @@ class ServerState:
                 self.on_fatal()
             return
         self.engine = engine
+        self._watch_engine(engine)
         if self.phase is Phase.LOADING:
             self.phase = Phase.READY
             logger.info(
@@ -120,6 +130,20 @@ class ServerState:
                 engine.model_name,
                 engine.max_model_len,
             )
+
+    def _watch_engine(self, engine: Any) -> None:
+        on_dead = getattr(engine, "on_dead", None)  # test doubles may not have it
+        if on_dead is not None:
+            on_dead(self._engine_died)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """The engine can serve no more: fail fast and stop, so a supervisor restarts us."""
+        if self.engine_error is not None:
+            return
+        self.engine_error = str(exc)
+        logger.error("The engine died (%s): stopping the server", exc)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout` s, abort the rest.

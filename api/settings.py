@@ -198,6 +198,12 @@ class Settings:
         "Reuse KV blocks of shared prompt prefixes.", True, parse_bool, kind="bool"
     )
     tensor_parallel_size: int = _flag("Tensor-parallel ranks (worker processes).", 1, int)
+    collective_timeout: float = _flag(
+        "Seconds a tensor-parallel rank waits for its peers (a collective, a worker's reply) "
+        "before the engine is declared dead and the server exits non-zero.",
+        300.0,
+        float,
+    )
     # --- auth, storage (used by api/auth.py and the services) ---
     auth: str | None = _flag(
         "keys: API keys from the database (plus any --api-key); static: only the --api-key "
@@ -406,6 +412,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         policy=s.scheduling_policy,
         tensor_parallel_size=s.tensor_parallel_size,
         frontend_threads=s.frontend_threads,
+        collective_timeout_s=s.collective_timeout,
         served_model_name=s.served_model_name,
         max_num_queued_requests=s.max_num_queued_requests,
     )

@@ -3,6 +3,11 @@
 The step loop runs on its own thread so the event loop never waits on a forward pass.
 Callers talk to it through a thread-safe inbox (add, abort, snapshot); each step's outputs
 go back to the event loop in one call_soon_threadsafe, which feeds per-request queues.
+
+An engine that can step no more (a tensor-parallel worker died: EngineDeadError from a step
+or from the executor's watcher, or the loop itself crashed) is dead for good: every request
+in flight and every new one fails with EngineDeadError, is_healthy() is False, and the
+on_dead listeners (the server, which then exits non-zero) are told once, on the event loop.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, QueueFullError
@@ -41,7 +46,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._dead: BaseException | None = None
+        self._dead_lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
+        self._dead_listeners: list[Callable[[EngineDeadError], None]] = []
         self._stats = EngineStats(
             num_blocks=engine.num_blocks, block_size=engine.config.cache.block_size
         )
@@ -57,6 +64,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
+        # A worker's death is heard at once, even while the loop is idle or inside a step.
+        self.engine.executor.on_dead(self._mark_dead)
+
+    def on_dead(self, listener: Callable[[EngineDeadError], None]) -> None:
+        """Call listener(error) on the event loop once, if the engine dies (not on shutdown)."""
+        self._dead_listeners.append(listener)
+        if self._dead is not None:
+            self._call_in_loop(listener, self._dead)
 
     # -- the public API (event loop thread) ---------------------------------------------------
 
@@ -72,7 +87,9 @@ class AsyncEngine:
         """Yield the request's cumulative output after each step that changed it.
 
         Stopping the iteration (cancellation, aclose) aborts the request at once."""
-        if self._dead is not None or self._thread is None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        if self._thread is None:
             raise EngineDeadError("The engine is not running.")
         params = self.engine.validate_request(prompt_token_ids, params)
         limit = self.config.max_num_queued_requests
@@ -148,7 +165,7 @@ class AsyncEngine:
         engine = self.engine
         self._publish_stats()
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and self._dead is None:
                 busy = engine.has_unfinished_requests()
                 if self._drain_inbox(block=not busy):
                     self._publish_stats()  # adds and aborts change the queues too
@@ -156,19 +173,37 @@ class AsyncEngine:
                     continue
                 try:
                     outputs = engine.step()
+                except EngineDeadError:
+                    raise  # nothing can step again: end the loop
                 except Exception:
                     logger.exception("Engine step failed; failing the requests in flight")
                     outputs = engine.fail_requests(list(engine.output_processor.states))
                 self._publish_stats()
                 if outputs:
                     self._deliver(outputs)
+        except EngineDeadError as exc:
+            self._mark_dead(exc)
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death
             logger.exception("Engine loop died")
-            self._dead = exc
+            dead = EngineDeadError(f"The engine loop died: {type(exc).__name__}: {exc}")
+            dead.__cause__ = exc
+            self._mark_dead(dead)
         finally:
             self._publish_stats(alive=False)
-            dead = EngineDeadError("The engine stopped.")
-            self._call_in_loop(self._fail_all, dead)
+            if self._dead is None:  # a shutdown: the streams still open end too
+                self._call_in_loop(self._fail_all, EngineDeadError("The engine stopped."))
+
+    def _mark_dead(self, exc: EngineDeadError) -> None:
+        """The engine can step no more (any thread; the first call wins): fail every stream
+        and tell the listeners, on the event loop."""
+        with self._dead_lock:
+            if self._dead is not None or self._stopping.is_set():
+                return
+            self._dead = exc
+        logger.error("The engine is dead: %s", exc)
+        self._call_in_loop(self._fail_all, exc)
+        for listener in self._dead_listeners:
+            self._call_in_loop(listener, exc)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Handle every queued command; True if there was any."""

@@ -91,11 +91,18 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # CPU threads that small steps leave to a serving front end (engine.worker.step_threads).
     frontend_threads: int = 0
+    # How long a rank waits for its peers in a collective (and the driver for a worker's
+    # reply) before the tensor-parallel group is declared dead (engine.worker.multiproc).
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
+        )
+        _check(
+            self.collective_timeout_s > 0,
+            f"collective_timeout_s must be positive seconds, got {self.collective_timeout_s}",
         )
         _check(
             self.frontend_threads >= 0,
@@ -187,6 +194,7 @@ class EngineConfig:
         policy: str = "fcfs",
         tensor_parallel_size: int = 1,
         frontend_threads: int = 0,
+        collective_timeout_s: float = 300.0,
         served_model_name: str | None = None,
         max_num_queued_requests: int | None = None,
     ) -> EngineConfig:
@@ -222,7 +230,9 @@ class EngineConfig:
                 policy=policy,
             ),
             parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size, frontend_threads=frontend_threads
+                tensor_parallel_size=tensor_parallel_size,
+                frontend_threads=frontend_threads,
+                collective_timeout_s=collective_timeout_s,
             ),
             served_model_name=served_model_name,
             max_num_queued_requests=max_num_queued_requests,

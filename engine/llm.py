@@ -37,6 +37,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         tensor_parallel_size: int = 1,
+        collective_timeout_s: float = 300.0,
         seed: int = 0,
         device: str = "auto",
         attention_backend: str = "auto",
@@ -65,6 +66,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             policy=policy,
             tensor_parallel_size=tensor_parallel_size,
+            collective_timeout_s=collective_timeout_s,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -28,7 +28,7 @@ logger = logging.getLogger("tessera.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.monotonic()
-        model_dir = resolve_model(config.model.model)
+        model_dir = resolve_model(config.model.model, load_format=config.model.load_format)
         hf_config = load_hf_config(model_dir)
         max_model_len = max_model_len_for(hf_config, config.model.max_model_len)
         config.model.max_model_len = max_model_len
@@ -179,6 +179,10 @@ class LLMEngine:
                 prompt += min(sr.num_tokens, n_prompt - sr.start_pos)
         self.prompt_tokens_total += prompt
         self.generation_tokens_total += sum(map(len, runner_output.sampled_token_ids.values()))
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the engine can step no more (a tensor-parallel worker died)."""
+        self.executor.check_alive()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

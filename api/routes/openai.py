@@ -306,7 +306,8 @@ def _require_engine(server: ServerState, request: Request) -> Any:
     except APIError:
         metrics = request.app.state.get("metrics")
         if metrics is not None:
-            metrics.rejected("admission", _PHASE_REJECTIONS.get(server.phase.value, "draining"))
+            reason = _PHASE_REJECTIONS.get(server.phase.value, "draining")
+            metrics.rejected("admission", "engine_dead" if server.engine_error else reason)
         raise
 
 

@@ -30,8 +30,8 @@ class SystemController(Controller):
         or when the loop died or is stuck. `?verbose=true` adds the engine's counters."""
         ok, status = server.health()
         body: dict[str, Any] = {"status": status}
-        if server.load_error:
-            body["error"] = server.load_error
+        if server.load_error or server.engine_error:
+            body["error"] = server.load_error or server.engine_error
         if verbose:
             body["inflight_requests"] = server.num_inflight
             if server.engine is not None:

@@ -67,8 +67,12 @@ def _cached_folder(gguf: Path, name: str, cache_dir: Path) -> Path:
     return cache_dir / "models" / f"{name}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A HF-style folder for a local folder, a .gguf file or the default model name."""
+def resolve_model(
+    name_or_path: str | Path, cache_dir: str | Path | None = None, load_format: str = "auto"
+) -> Path:
+    """A HF-style folder for a local folder, a .gguf file or the default model name.
+
+    With load_format "dummy" a folder needs only config.json (and a tokenizer to serve)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     text = str(name_or_path)
     if text == DEFAULT_MODEL:
@@ -76,7 +80,7 @@ def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None)
     else:
         path = Path(text).expanduser()
         if path.is_dir():
-            _check_folder(path)
+            _check_folder(path, weights=load_format != "dummy")
             return path
         if not (path.is_file() and path.suffix == ".gguf"):
             raise ValueError(
@@ -90,10 +94,10 @@ def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None)
     return convert_gguf(gguf, folder)
 
 
-def _check_folder(path: Path) -> None:
+def _check_folder(path: Path, weights: bool = True) -> None:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a model folder: config.json is missing")
-    if not any(path.glob("*.safetensors")):
+    if weights and not any(path.glob("*.safetensors")):
         raise ValueError(
             f"{path} has no *.safetensors weights (only safetensors are loaded; "
             "use --load-format dummy for random weights)"
@@ -158,12 +162,17 @@ def load_model(
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights drawn in place where the parameters live (on a GPU: on the GPU, with
+    its own generator; nothing is generated on the host and copied)."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            continue
+        gen = generators.get(p.device)
+        if gen is None:
+            gen = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.data.normal_(0.0, 0.02, generator=gen)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -3,14 +3,17 @@
 tensor_parallel_size == 1: the runner lives in this process.
 tensor_parallel_size > 1: rank 0 in this process, ranks 1..N-1 in worker processes
 (see engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and
-keeps its own persistent input batch (engine/worker/input_batch.py).
+keeps its own persistent input batch (engine/worker/input_batch.py). A worker that dies
+makes every later call raise EngineDeadError; on_dead listeners hear of it at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
@@ -27,6 +30,16 @@ class Executor:
         else:
             self.runner = ModelRunner(config, model_dir=model_dir)
             self.runner.load_model()
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if a tensor-parallel worker died (one process: never)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call callback(error) once, from any thread, when the executor can step no more."""
+        if self.workers is not None:
+            self.workers.add_failure_callback(callback)
 
     def determine_num_blocks(self) -> int:
         if self.workers is not None:

@@ -40,12 +40,29 @@ _CPU_KV_CAP = 8 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device tensor-parallel rank `rank` runs on: auto = CUDA when there is one; on
+    CUDA each rank gets its own GPU, cuda:<rank> (one node: the rank is the local rank)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cuda":
+        return torch.device(device)
+    if not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but no CUDA device is available")
-    return torch.device(device)
+    check_visible_gpus(world_size, torch.cuda.device_count())
+    return torch.device("cuda", rank)
+
+
+def check_visible_gpus(world_size: int, visible: int) -> None:
+    """One GPU per tensor-parallel rank: say so at start rather than stack ranks on one."""
+    if world_size > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        raise ValueError(
+            f"tensor_parallel_size {world_size} needs {world_size} GPUs, one per rank, but "
+            f"{visible} {'is' if visible == 1 else 'are'} visible{where}: lower "
+            "--tensor-parallel-size or make more GPUs visible"
+        )
 
 
 def tune_malloc() -> None:
@@ -80,15 +97,21 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None = None, rank: int = 0):
         self.config = config
         self.rank = rank
-        self.model_dir = Path(model_dir) if model_dir else resolve_model(config.model.model)
+        self.model_dir = (
+            Path(model_dir)
+            if model_dir
+            else resolve_model(config.model.model, load_format=config.model.load_format)
+        )
         self.hf_config = load_hf_config(self.model_dir)
-        self.device = resolve_device(config.model.device)
+        tp = config.parallel.tensor_parallel_size
+        self.device = resolve_device(config.model.device, rank, tp)
+        if self.device.type == "cuda":  # this rank's GPU is the current one (kernel launches)
+            torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
         # Raises if the requested length exceeds what the model (or its sliding window) allows.
         self.max_model_len = max_model_len_for(
             self.hf_config, config.model.max_model_len or config.scheduler.max_model_len
         )
-        tp = config.parallel.tensor_parallel_size
         if get_tp_size() != tp:
             raise ValueError(
                 f"tensor_parallel_size is {tp} but this process is in a group of {get_tp_size()}: "
@@ -182,23 +205,63 @@ class ModelRunner:
         return num
 
     def _profile_cuda_budget(self) -> int:
-        """GPU bytes left for the KV cache after a forward of the largest batch."""
+        """GPU bytes left for the KV cache (engine.worker.kv_budget): measured around the
+        largest step the scheduler can send, then the arithmetic."""
+        from engine.worker.kv_budget import GpuMemoryProfile, kv_cache_budget
+
         assert self.model is not None and self.attn_backend is not None
-        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        dev = self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        self._profile_step()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        torch.cuda.empty_cache()  # the step's activations go back: "in use" is what stays
+        free, total = torch.cuda.mem_get_info(dev)
+        profile = GpuMemoryProfile(
+            total=total,
+            free=free,
+            torch_allocated=torch.cuda.memory_allocated(dev),
+            peak_growth=max(0, peak - before),
+        )
+        blocks = -(-self.max_model_len // self.block_size) + 1  # one request + block 0
+        budget = kv_cache_budget(
+            profile, self.config.cache.gpu_memory_utilization, blocks * self.kv_block_bytes()
+        )
+        if self.rank == 0:
+            logger.info(
+                "GPU memory: %.2f GiB total, %.2f GiB in use after loading, activation peak "
+                "%.2f GiB: %.2f GiB for the KV cache",
+                total / 2**30,
+                profile.in_use / 2**30,
+                profile.peak_growth / 2**30,
+                budget / 2**30,
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_step(self) -> torch.Tensor:
+        """The largest step: a prefill of the whole token budget (no KV cache yet: it writes
+        nowhere), then the logits of max_num_seqs rows (returned) and the sampler's float32
+        probabilities."""
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         common = common_metadata_from_seqs(
             [(0, n, [0] * (-(-n // self.block_size)))], self.block_size
         )
-        meta = self.attn_backend.build_metadata(common)
-        with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, pos, meta)[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        return max(0, int(total * self.config.cache.gpu_memory_utilization) - peak)
+        hidden = self.model(ids, pos, self.attn_backend.build_metadata(common))
+        rows = torch.arange(self.config.scheduler.max_num_seqs, device=self.device) % n
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        torch.softmax(logits.float(), dim=-1)
+        return logits
+
+    def device_info(self) -> tuple[str, int | None]:
+        """(this rank's device, the process's current CUDA device or None): where it runs."""
+        current = torch.cuda.current_device() if self.device.type == "cuda" else None
+        return str(self.device), current
 
     def _check_fits(self, num_blocks: int) -> None:
         usable = (num_blocks - 1) * self.block_size  # block 0 is reserved

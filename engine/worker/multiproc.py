@@ -6,8 +6,20 @@ see step_payload.py: the SchedulerOutput's changes and the tokens the driver sam
 before, O(batch) bytes), runs its own shard, and the layers' all-reduces keep the ranks in
 lockstep. Only rank 0 samples. Replies (ready, ok, error) are small and stay pickled.
 
+Devices: on CUDA rank r binds cuda:r (torch.cuda.set_device) before anything touches CUDA,
+and the group's backend follows the resolved device (nccl for CUDA, gloo for CPU).
+
 Workers die with their parent: PR_SET_PDEATHSIG on Linux, plus a watchdog thread that
-exits when the parent's pid changes (covers other platforms and reparenting races).
+exits when the parent's pid changes (covers other platforms and reparenting races). They
+ignore SIGINT and SIGTERM: a Ctrl-C in a terminal or a supervisor's SIGTERM to the whole
+process group is the server's to handle (it drains, then stops its workers itself).
+
+A worker that dies takes the engine with it, within a bounded time: a watcher thread waits on
+the workers' process sentinels; the driver waits for replies on the pipes and the sentinels
+together (never on a pipe alone), and every collective has a timeout
+(ParallelConfig.collective_timeout_s), so a peer that died cannot hold the driver in an
+all-reduce. Any failed step breaks the group (the ranks' states no longer agree): the group
+kills the other workers, and this and every later call raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -21,13 +33,16 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 
 import msgspec
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.step_payload import decode_step, encode_step
 
@@ -35,6 +50,15 @@ logger = logging.getLogger("tessera.engine")
 
 _READY_TIMEOUT_S = 600.0  # loading a large model on a slow disk takes a while
 _JOIN_TIMEOUT_S = 10.0
+_WATCH_S = 0.5  # how often the watcher looks up from the sentinels to see if it should stop
+_DEATH_GRACE_S = 1.0  # after a failed step: how long a dying worker gets to be seen as dead
+_EXITED = "a tensor-parallel worker exited"
+
+
+class WorkerExited(RuntimeError):
+    """A worker's process ended while the driver waited for its reply."""
+
+
 _EXECUTE = "execute_model"
 
 _encoder = msgspec.msgpack.Encoder()
@@ -82,14 +106,25 @@ def _worker_main(
     num_threads: int,
 ) -> None:
     _die_with_parent(parent_pid)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     import torch
 
-    from engine.distributed import destroy_distributed, init_distributed
-    from engine.worker.model_runner import ModelRunner
+    from engine.distributed import (
+        backend_for,
+        bind_cuda_device,
+        destroy_distributed,
+        init_distributed,
+    )
+    from engine.worker.model_runner import ModelRunner, resolve_device
 
     torch.set_num_threads(num_threads)
     try:
-        init_distributed(rank, world_size, init_method, _backend(config))
+        device = resolve_device(config.model.device, rank, world_size)
+        bind_cuda_device(device)  # first: this rank's context and communicator on its GPU
+        timeout_s = config.parallel.collective_timeout_s
+        conn.send(("joining", None))  # imported: the driver joins the group only now
+        init_distributed(rank, world_size, init_method, backend_for(device), timeout_s)
         runner = ModelRunner(config, model_dir=model_dir, rank=rank)
         runner.load_model()
         conn.send(("ready", None))
@@ -114,21 +149,35 @@ def _worker_main(
             destroy_distributed()
 
 
-def _backend(config: EngineConfig) -> str:
-    return "nccl" if config.model.device == "cuda" else "gloo"
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 class WorkerGroup:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         import torch
 
-        from engine.distributed import init_distributed
-        from engine.worker.model_runner import ModelRunner
+        from engine.distributed import backend_for, bind_cuda_device, init_distributed
+        from engine.worker.model_runner import ModelRunner, resolve_device
 
         world_size = config.parallel.tensor_parallel_size
+        # Resolved here first: too few GPUs fails before any process starts.
+        self.device = resolve_device(config.model.device, 0, world_size)
+        self.backend = backend_for(self.device)
+        self.timeout_s = config.parallel.collective_timeout_s
         init_method = f"tcp://127.0.0.1:{free_port()}"
         # Each rank computes at once: split the cores instead of oversubscribing them.
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
+        self._failure: str | None = None  # why the group broke; set once
+        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._lock = threading.Lock()  # guards _failure and the processes' reaping
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
         ctx = mp.get_context("spawn")
         self.procs: list = []
         self.conns: list[Connection] = []
@@ -156,36 +205,157 @@ class WorkerGroup:
         # What the driver sampled last step: the workers append it before the next one.
         self._sampled: dict[str, list[int]] = {}
         try:
+            # Every rank at the rendezvous within moments of the others, however long the
+            # workers took to start: the collective timeout need not cover an import.
+            self._gather(timeout=_READY_TIMEOUT_S)
+            bind_cuda_device(self.device)
             torch.set_num_threads(num_threads)
-            init_distributed(0, world_size, init_method, _backend(config))
+            init_distributed(0, world_size, init_method, self.backend, self.timeout_s)
             self.driver = ModelRunner(config, model_dir=model_dir, rank=0)
             self.driver.load_model()
             self._gather(timeout=_READY_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("Tensor parallel: %d ranks ready", world_size)
+        self._watcher = threading.Thread(target=self._watch, name="tessera-tp-watch", daemon=True)
+        self._watcher.start()
+        logger.info(
+            "Tensor parallel: %d ranks ready (%s, collective timeout %.0f s)",
+            world_size,
+            self.backend,
+            self.timeout_s,
+        )
 
-    def _gather(self, timeout: float | None = None) -> list:
+    # -- liveness -------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group is dead, or None while it is alive."""
+        return self._failure
+
+    def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call callback(error) once when the group dies (from the thread that notices)."""
+        with self._lock:
+            self._failure_callbacks.append(callback)
+            failure = self._failure
+        if failure is not None:
+            callback(EngineDeadError(failure))
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the group broke or a worker has exited."""
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        if wait_ready([p.sentinel for p in self.procs], timeout=0):
+            raise self._fail(_EXITED)
+
+    def _watch(self) -> None:
+        """Notice a worker's death even while the driver is busy or idle."""
+        sentinels = [p.sentinel for p in self.procs]
+        while not self._closing.is_set():
+            if wait_ready(sentinels, timeout=_WATCH_S) and not self._closing.is_set():
+                self._fail(_EXITED, read_pipes=False)
+                return
+
+    def _fail(self, cause: str, read_pipes: bool = True) -> EngineDeadError:
+        """Mark the group dead (the first reason wins), kill the workers left, tell the
+        callbacks; returns the error to raise. read_pipes: look for a worker's error reply
+        (only on the thread that drives the group: the pipes are not shared)."""
+        with self._lock:
+            first = self._failure is None
+            if first:
+                # The workers that exited, then what failed (a worker's own error says why).
+                reasons = self._deaths(_DEATH_GRACE_S)
+                if read_pipes:
+                    reasons += self._pending_errors()
+                if cause != _EXITED or not reasons:
+                    reasons.append(cause)
+                self._failure = "; ".join(reasons)
+                self._kill_workers()
+            callbacks = list(self._failure_callbacks) if first else []
+            failure = self._failure
+        if first:
+            logger.error("The tensor-parallel group is dead: %s", failure)
+        for callback in callbacks:
+            try:
+                callback(EngineDeadError(failure))
+            except Exception:  # noqa: BLE001 - one bad listener must not hide the death
+                logger.exception("An engine-dead callback failed")
+        return EngineDeadError(failure)
+
+    def _deaths(self, grace: float) -> list[str]:
+        """The workers that exited (waiting up to grace for the first), as sentences."""
+        ended = set(wait_ready([p.sentinel for p in self.procs], timeout=grace))
+        out = []
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.sentinel in ended:
+                # Its pipes close a moment before it can be reaped: wait for that moment.
+                proc.join(_DEATH_GRACE_S)
+            code = proc.exitcode
+            if code is not None:
+                verb = "exited" if code == 0 else "died"
+                what = describe_exit(code)
+                out.append(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {verb} ({what})")
+        return out
+
+    def _pending_errors(self) -> list[str]:
+        """The error replies waiting in the pipes (a worker that failed says why first)."""
+        out = []
+        for conn in self.conns:
+            with contextlib.suppress(Exception):
+                while conn.poll():
+                    status, value = conn.recv()
+                    if status == "error":
+                        out.append(f"tensor-parallel worker failed: {value}")
+        return out
+
+    def _kill_workers(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(2)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def _gather(self, timeout: float) -> list:
+        """Every worker's reply, waiting on the pipe and every worker's sentinel at once."""
+        deadline = time.monotonic() + timeout
+        sentinels = [p.sentinel for p in self.procs]
         results = []
         for rank, conn in enumerate(self.conns, start=1):
-            if timeout is not None and not conn.poll(timeout):
-                raise RuntimeError(
-                    f"tensor-parallel worker rank {rank} did not answer in {timeout:.0f} s"
-                )
+            while not conn.poll():
+                if self._failure is not None:
+                    raise EngineDeadError(self._failure)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(
+                        f"tensor-parallel worker rank {rank} did not answer in {timeout:.0f} s"
+                    )
+                ready = wait_ready([conn, *sentinels], timeout=left)
+                if ready and conn not in ready:
+                    with self._lock:
+                        deaths = self._deaths(0)
+                    raise WorkerExited("; ".join(deaths) or _EXITED)
             try:
                 status, value = conn.recv()
             except EOFError:
-                raise RuntimeError(f"tensor-parallel worker rank {rank} died") from None
+                raise WorkerExited(f"tensor-parallel worker rank {rank} died") from None
             if status == "error":
                 raise RuntimeError(f"tensor-parallel worker failed: {value}")
             results.append(value)
         return results
 
     def _call(self, method: str, *args):
-        self._send(call_message(method, _encoder.encode(args)))
-        result = getattr(self.driver, method)(*args)
-        return result, self._gather()
+        """Run a set-up method on every rank. A failure (a model too big for the KV budget,
+        say) keeps its own type, but the group is done: its workers are stopped."""
+        self.check_alive()
+        try:
+            self._send(call_message(method, _encoder.encode(args)))
+            result = getattr(self.driver, method)(*args)
+            return result, self._gather(self.timeout_s)
+        except Exception as exc:
+            self._fail(f"{method} failed: {type(exc).__name__}: {exc}")
+            raise
 
     def _send(self, message: bytes) -> None:
         for conn in self.conns:
@@ -199,25 +369,41 @@ class WorkerGroup:
         self._call("init_kv_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(step_message(scheduler_output, self._sampled))
-        self._sampled = {}  # sent: never twice, even if this step fails
-        result = self.driver.execute_model(scheduler_output)
-        self._gather()
+        self.check_alive()
+        try:
+            self._send(step_message(scheduler_output, self._sampled))
+            self._sampled = {}  # sent: never twice, even if this step fails
+            result = self.driver.execute_model(scheduler_output)
+            self._gather(self.timeout_s)
+        except EngineDeadError:
+            raise
+        except WorkerExited:
+            raise self._fail(_EXITED) from None
+        except Exception as exc:  # a rank failed mid-step: the ranks no longer agree
+            raise self._fail(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
         self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}
         return result
 
     def shutdown(self) -> None:
+        self._closing.set()
+        with self._lock:
+            if self._failure is None:
+                for conn in self.conns:
+                    with contextlib.suppress(Exception):
+                        conn.send_bytes(call_message("stop", _encoder.encode(())))
+                deadline = time.monotonic() + _JOIN_TIMEOUT_S
+                for proc in self.procs:
+                    proc.join(max(0.1, deadline - time.monotonic()))
+            self._kill_workers()
+            failed = self._failure is not None
+        if self._watcher is not None:
+            self._watcher.join(2 * _WATCH_S)
         for conn in self.conns:
-            with contextlib.suppress(Exception):
-                conn.send_bytes(call_message("stop", _encoder.encode(())))
-        deadline = time.monotonic() + _JOIN_TIMEOUT_S
-        for proc in self.procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2)
+            conn.close()
         self.procs, self.conns = [], []
-        with contextlib.suppress(Exception):
-            from engine.distributed import destroy_distributed
+        # NCCL after a peer died may block in its teardown; the process is about to exit.
+        if not (failed and self.backend == "nccl"):
+            with contextlib.suppress(Exception):
+                from engine.distributed import destroy_distributed
 
-            destroy_distributed()
+                destroy_distributed()

@@ -157,3 +157,53 @@ def test_sliding_window_caps_max_model_len():
     assert max_model_len_for(qwen, None) == 32768 and qwen.attention_bias
     with pytest.raises(ValueError, match="max_position_embeddings"):
         max_model_len_for(qwen, 40000)
+
+
+def test_dummy_serves_from_a_folder_without_weights(tiny_llama_dir, tmp_path):
+    """--load-format dummy needs config.json only: resolve_model and the whole engine."""
+    from engine import LLM, SamplingParams
+
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    assert resolve_model(str(tmp_path), load_format="dummy") == tmp_path
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        resolve_model(str(tmp_path))
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        tokenizer=str(tiny_llama_dir),
+        dtype="float32",
+        num_blocks=16,
+        max_model_len=64,
+        device="cpu",
+    )
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.cuda
+def test_dummy_weights_are_drawn_on_the_gpu(tiny_llama_dir):
+    """Nothing of the dummy init runs on the host: every op it dispatches is on CUDA."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.models import loader
+
+    class HostOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [*args, *(kwargs or {}).values()]
+            if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in flat):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = load_model(tiny_llama_dir, dtype="bfloat16", load_format="dummy", device="cuda")
+    with HostOps() as host:
+        loader._init_dummy(model, seed=1)
+    assert host.seen == []
+    w = model.model.layers[0].self_attn.qkv_proj.weight
+    assert w.device.type == "cuda" and 0.01 < w.float().std().item() < 0.03

@@ -119,7 +119,14 @@ def test_store_kv_writes_what_torch_writes_and_padding_writes_nowhere(dtype, fp8
     cache = torch.randn(2, 12, bs, hkv, d, generator=g)
     cache = kv_fp8.quantize(cache, 1.0) if fp8 else cache.to(dtype)
     t = 11
-    qkv = (torch.randn(t, 4 * hkv, d, generator=g) * 100).to(dtype)  # some beyond +-448
+    qkv = torch.randn(t, 4 * hkv, d, generator=g) * 100  # some beyond +-448
+    # e4m3's edges: zero, subnormals and a subnormal tie, the smallest normal's neighbours,
+    # ties to even (1.0625 -> 1, 1.1875 -> 1.25), a carry into the exponent, saturation
+    edges = [0.0, 2**-10, 3 * 2**-10, 2**-9, 0.0155, 2**-6, 1.0625, 1.1875, 1.96875, 1.99]
+    edges += [448.0, 460.0, 1e4, -(2**-8), -1.0625, -500.0]
+    special = torch.tensor(edges)
+    qkv[0, hkv:] = special.repeat(-(-(3 * hkv * d) // len(edges)))[: 3 * hkv * d].view(3 * hkv, d)
+    qkv = qkv.to(dtype)
     k, v = qkv[:, hkv : 2 * hkv], qkv[:, 3 * hkv :]  # strided views, as a fused QKV gives
     slots = torch.randperm(12 * bs, generator=g)[:t].clone()
     slots[[2, 7]] = PAD_SLOT_ID

@@ -6,7 +6,9 @@ TRITON_INTERPRET=1), so the shapes are tiny. Tolerances against the torch backen
 1e-5 (sums in another order); float16 2e-3 (the kernel's P @ V dot takes fp16 operands, as
 on a GPU); bfloat16 2^-6 relative (2 ulps: the interpreter's fp32 -> bf16 cast truncates,
 one ulp, and the reference rounds its own output once). An fp8 cache is read alike by both
-(the same bytes, dequantized exactly), so the tolerances stay those of the model's dtype.
+(the same bytes, dequantized exactly; the step's K/V are e4m3 values already, since the torch
+path attends a fresh prompt's own K/V rather than the cache), so the tolerances stay those of
+the model's dtype.
 The `cuda` tests run the kernels at real shapes, only where a GPU is.
 """
 
@@ -72,6 +74,8 @@ def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0):
     full = torch.randn(2, NUM_BLOCKS, bs, kv_heads, d, generator=g)
     cache = kv_fp8.quantize(full, 1.0) if fp8 else full.to(dtype)
     q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    if fp8:  # e4m3 values: the torch path attends a fresh prompt's own K/V, not the cache's
+        k, v = (kv_fp8.dequantize(kv_fp8.quantize(x, 1.0), 1.0, dtype) for x in (k, v))
     return cache, q, k, v
 
 

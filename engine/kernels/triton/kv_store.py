@@ -65,7 +65,9 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slot >= 0)
+    # (slot >= 0 as a tensor: the interpreter's & of a scalar bool and a tensor is no bool)
+    padding = (heads[:, None] * 0 + slot) < 0
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & ~padding
     src_k = k_ptr + t.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :]
     src_v = v_ptr + t.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :]
     block = slot // BLOCK_SIZE

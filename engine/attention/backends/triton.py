@@ -6,6 +6,13 @@ paged_attention.plan_launch); every layer then stores its K/V through the slot m
 runs one paged-attention launch (two where a small decode batch splits its contexts) that
 reads the cache in place. Caches: the model's dtype, or fp8 e4m3 (engine.attention.kv_fp8).
 
+A graph runner's hooks: allocate_static_metadata sizes device buffers for its largest batch
+once (the split launch's partial results included); fill_static_metadata copies a step's
+tables into them in place (copy_(..., non_blocking=True)). A launch's shape follows only the
+batch's size and query lengths, never its contexts, so a graph captured for a batch size
+replays for any context. Padding requests of a padded batch: one query token each, slot
+PAD_SLOT_ID (written nowhere) and seq_len 0 (no keys read, zeros out).
+
 Triton is imported when a backend is built, never when this module is: a CPU install can
 import the engine (and name this backend) without it. Under TRITON_INTERPRET=1 the backend
 also runs on CPU tensors: that is how the tests check it without a GPU.

@@ -14,6 +14,7 @@ The `cuda` tests run the kernels at real shapes, only where a GPU is.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -267,6 +268,35 @@ def test_static_buffers_give_what_fresh_metadata_gives():
     too_long = [(12 * bs, 1, list(range(1, 14)))]  # 13 blocks: one more than the buffers hold
     with pytest.raises(ValueError, match="does not fit static buffers"):
         backend.fill_static_metadata(static, common_metadata_from_seqs(too_long, bs))
+
+
+def test_padded_decode_batch_gives_the_unpadded_rows():
+    """A decode batch padded as a graph runner pads it: extra requests of one token with
+    slot PAD_SLOT_ID and no keys. The real rows are bit for bit the unpadded batch's, the
+    padding rows are zeros, and the cache holds only the real requests' K/V."""
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    seqs = _step("decode", bs, seed=4)
+    n, pad = len(seqs), 3
+    padded = common_metadata_from_seqs([*seqs, *[(0, 1, [0])] * pad], bs)
+    seq_lens = padded.seq_lens_np.copy()
+    seq_lens[n:] = 0
+    slots = padded.slot_mapping.clone()
+    slots[n:] = PAD_SLOT_ID
+    padded = dataclasses.replace(
+        padded,
+        slot_mapping=slots,
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        seq_lens_np=seq_lens,
+    )
+    cache, q, k, v = _inputs(
+        [*seqs, *[(0, 1, [0])] * pad], heads, kv_heads, d, bs, torch.bfloat16, False
+    )
+    backend = TritonAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16)
+    common = common_metadata_from_seqs(seqs, bs)
+    out, out_cache = _attend(backend, cache, q[:n], k[:n], v[:n], backend.build_metadata(common))
+    padded_out, padded_cache = _attend(backend, cache, q, k, v, backend.build_metadata(padded))
+    assert torch.equal(padded_out[:n], out) and not padded_out[n:].any()
+    assert torch.equal(padded_cache, out_cache)
 
 
 def test_forward_without_a_cache_is_causal_attention():

@@ -20,7 +20,6 @@ also runs on CPU tensors: that is how the tests check it without a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,10 +75,10 @@ class TritonStaticMetadata:
 
 def triton_import_error() -> str | None:
     """Why triton cannot be imported here, or None."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install 'tessera[gpu]')"
     try:
         import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'tessera[gpu]')"
     except Exception as exc:  # a broken install: say what it raised
         return f"triton does not import: {exc}"
     return None

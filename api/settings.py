@@ -155,8 +155,9 @@ class Settings:
     )
     device: str = _flag("Device.", "auto", choices=("auto", "cpu", "cuda"))
     attention_backend: str = _flag(
-        "Attention backend: auto = the C kernels on the CPU where they run, else torch; "
-        "torch = dense gather + SDPA (the reference, any device); cpu = the C kernels.",
+        "Attention backend: auto = triton on CUDA where it imports, the C kernels on the CPU "
+        "where they run, else torch; torch = dense gather + SDPA (the reference, any device); "
+        "cpu = the C kernels; triton = the Triton paged-attention kernels (CUDA, the gpu extra).",
         "auto",
         choices=ATTENTION_BACKEND_CHOICES,
     )
@@ -187,9 +188,10 @@ class Settings:
     kv_cache_dtype: str = _flag(
         "KV cache storage: auto = the model's dtype; int8 = int8 with a scale per token and "
         "head (half the memory and half the bytes read per decode step, so more throughput "
-        "at large batches; next-token KL ~0.003 from bf16 on the default model).",
+        "at large batches; next-token KL ~0.003 from bf16 on the default model); fp8 = float8 "
+        "e4m3 with per-tensor scales of 1.0 (CUDA, the triton backend: twice the tokens of bf16).",
         "auto",
-        choices=("auto", "int8"),
+        choices=("auto", "int8", "fp8"),
     )
     gpu_memory_utilization: float = _flag(
         "Share of GPU memory the engine may use (CUDA only).", 0.9, float

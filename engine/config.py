@@ -26,7 +26,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # auto: the model's dtype; int8: int8 values with a float32 scale per token and head
-    # (engine.attention.kv_int8): half the bytes, so twice the tokens and less to read.
+    # (engine.attention.kv_int8): half the bytes, so twice the tokens and less to read; fp8:
+    # float8 e4m3 with per-tensor scales (engine.attention.kv_fp8), the triton backend's.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -46,8 +47,8 @@ class CacheConfig:
                 f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}",
             )
         _check(
-            self.kv_cache_dtype in ("auto", "int8"),
-            f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
+            self.kv_cache_dtype in ("auto", "int8", "fp8"),
+            f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}",
         )
         _check(
             0.0 < self.gpu_memory_utilization <= 1.0,
@@ -120,7 +121,8 @@ class ModelConfig:
     quantization: str | None = None  # None | int8 (weight-only) | w8a8 | w4a8 (CPU)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    # auto: the C kernels on the CPU where they run, else torch (engine.attention.backends)
+    # auto: triton on CUDA where it imports, the C kernels on the CPU where they run, else
+    # torch (engine.attention.backends)
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -168,6 +170,13 @@ class EngineConfig:
             self.scheduler.block_size == self.cache.block_size,
             "scheduler.block_size must equal cache.block_size",
         )
+        if self.cache.kv_cache_dtype == "fp8":
+            backend, device = self.model.attention_backend, self.model.device
+            _check(
+                backend in ("auto", "triton") and device != "cpu",
+                "kv_cache_dtype fp8 needs the triton attention backend on a CUDA device; got "
+                f"attention_backend {backend!r} on device {device!r} (use int8 on the CPU)",
+            )
 
     @classmethod
     def from_options(

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# A slot that writes nowhere: the padding rows of a captured graph (the triton backend's store
+# skips negative slots; block tables pad with block 0, which is never handed out).
+PAD_SLOT_ID = -1
+
 # One request's part of a step as the model runner has it: (start_pos, num_tokens, block_ids).
 # block_ids: the request's physical blocks in order, a list or a 1-D int32 numpy array.
 SeqSpec = tuple[int, int, Sequence[int] | np.ndarray]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import kv_int8
+from engine.attention import kv_fp8, kv_int8
 from engine.attention.backends import select_backend
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.metadata import common_metadata_from_seqs
@@ -185,6 +185,8 @@ class ModelRunner:
         per_token = self.num_kv_heads * c.head_dim  # values of K (and of V) per token
         if self.config.cache.kv_cache_dtype == "int8":
             per_token_bytes = per_token + 4 * self.num_kv_heads  # int8 + a float32 scale per head
+        elif self.config.cache.kv_cache_dtype == "fp8":
+            per_token_bytes = per_token  # one byte per value; the scales are per tensor
         else:
             per_token_bytes = per_token * torch.empty((), dtype=self.dtype).element_size()
         return 2 * c.num_hidden_layers * self.block_size * per_token_bytes
@@ -280,7 +282,10 @@ class ModelRunner:
         c = self.hf_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         int8 = self.config.cache.kv_cache_dtype == "int8"
-        dtype = torch.int8 if int8 else self.dtype
+        fp8 = self.config.cache.kv_cache_dtype == "fp8"
+        # fp8 caches are held as bytes (block copies need no float8 index kernels); the
+        # layers see them as float8 e4m3.
+        dtype = torch.int8 if int8 else torch.uint8 if fp8 else self.dtype
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)
         ]
@@ -289,7 +294,7 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers if int8 else 0)
         ]
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.kv_cache = self.kv_caches[i]
+            attn.kv_cache = self.kv_caches[i].view(kv_fp8.FP8_DTYPE) if fp8 else self.kv_caches[i]
             attn.kv_scales = self.kv_scales[i] if int8 else None
         self.num_blocks = num_blocks
         self._step_graph = DecodePlan.build(self.model) if self.device.type == "cpu" else None
@@ -299,7 +304,7 @@ class ModelRunner:
                 "KV cache: %d blocks (%d tokens, %s); max concurrency at %d tokens/request: %.2f",
                 num_blocks,
                 tokens,
-                str(dtype).removeprefix("torch."),
+                str(kv_fp8.FP8_DTYPE if fp8 else dtype).removeprefix("torch."),
                 self.max_model_len,
                 tokens / self.max_model_len,
             )

@@ -203,5 +203,9 @@ def test_attention_backend_flag_reaches_the_engine_config():
     assert c.model.attention_backend == "torch"
     env = {"TESSERA_ATTENTION_BACKEND": "cpu"}
     assert to_engine_config(settings([], env)).model.attention_backend == "cpu"
+    c = to_engine_config(
+        settings(["m", "--attention-backend", "triton", "--kv-cache-dtype", "fp8"])
+    )
+    assert (c.model.attention_backend, c.cache.kv_cache_dtype) == ("triton", "fp8")
     with pytest.raises(SystemExit):  # argparse refuses a name that is not a backend
-        settings(["--attention-backend", "triton"])
+        settings(["--attention-backend", "flash"])

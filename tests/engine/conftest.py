@@ -1,12 +1,19 @@
-"""Fixtures of the engine's kernel tests."""
+"""Fixtures of the engine's kernel tests, and the Triton interpreter where no GPU is."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
-from engine.layers import cpu_w8a8
+# Without a CUDA device the Triton kernels (engine.kernels.triton) run under Triton's
+# interpreter on CPU tensors. Triton reads this when a kernel is defined, so it is set here,
+# before any test module imports a kernel module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.layers import cpu_w8a8  # noqa: E402
 
 
 @pytest.fixture(params=["avx512-vnni", "amx"])

@@ -1,7 +1,8 @@
 """Attention backends: one interface (base.AttentionBackend), one file per implementation.
 
 torch: the reference (dense gather + SDPA), any device. cpu: the compiled C kernels, int8 KV
-cache included. A new backend is one file here plus one line in BACKENDS. This module imports
+cache included. triton: the Triton kernels on CUDA, fp8 KV cache included (triton is imported
+when that backend is built, not here). A new backend is one file here plus one line in BACKENDS. This module imports
 no backend (nor torch) until one is chosen, so the config can validate names cheaply.
 """
 
@@ -20,10 +21,11 @@ if TYPE_CHECKING:
 BACKENDS = {
     "torch": "engine.attention.backends.torch:TorchAttentionBackend",
     "cpu": "engine.attention.backends.cpu:CpuAttentionBackend",
+    "triton": "engine.attention.backends.triton:TritonAttentionBackend",
 }
 ATTENTION_BACKEND_CHOICES = ("auto", *BACKENDS)
 # What `auto` tries, in order; torch, which runs anywhere, is the last resort.
-AUTO_ORDER = ("cpu", "torch")
+AUTO_ORDER = ("triton", "cpu", "torch")
 
 
 def backend_class(name: str) -> type[AttentionBackend]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import kv_int8
+from engine.attention import kv_fp8, kv_int8
 from engine.attention.backends.base import (
     AttentionBackend,
     AttentionLayer,
@@ -119,6 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, device, dtype, kv_cache_dtype, num_kv_heads, head_dim):
+        if kv_cache_dtype == "fp8":  # it reads one, as the triton kernels' reference only
+            return "the fp8 KV cache is served by the triton backend"
         return None  # plain torch ops: any device, dtype and cache
 
     # -- metadata -----------------------------------------------------------------------
@@ -246,6 +248,9 @@ class TorchAttentionBackend(AttentionBackend):
         if layer.kv_scales is not None:  # the torch quantizer: the reference's own bytes
             kv_int8.write(kv_cache, layer.kv_scales, metadata.slot_mapping, k, v, use_kernel=False)
             return
+        if kv_cache.dtype == kv_fp8.FP8_DTYPE:
+            kv_fp8.write(kv_cache, metadata.slot_mapping, k, v)
+            return
         flat = kv_cache.view(2, -1, layer.num_kv_heads, layer.head_dim)
         flat[0].index_copy_(0, metadata.slot_mapping, k)
         flat[1].index_copy_(0, metadata.slot_mapping, v)
@@ -283,6 +288,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv = meta.gather_buffer(block_table.numel())
         if layer.kv_scales is not None:
             return kv_int8.gather_dequantized(kv_cache, layer.kv_scales, block_table, kv)
+        if kv_cache.dtype == kv_fp8.FP8_DTYPE:
+            return kv_fp8.gather_dequantized(kv_cache, block_table, kv)
         # Two dim-0 selects copy whole blocks; one select over dim 1 goes element-wise.
         torch.index_select(kv_cache[0], 0, block_table, out=kv[0])
         torch.index_select(kv_cache[1], 0, block_table, out=kv[1])

@@ -22,6 +22,7 @@ from engine.attention.backends import (
 from engine.attention.backends import cpu as cpu_backend
 from engine.attention.backends.cpu import CpuAttentionBackend, CpuAttentionMetadata
 from engine.attention.backends.torch import TorchAttentionBackend, TorchAttentionMetadata
+from engine.attention.backends.triton import triton_import_error
 from engine.attention.layer import PagedAttention
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import ModelConfig
@@ -234,7 +235,7 @@ def test_common_metadata_is_flat_and_exact():
 
 
 def test_select_backend_choices_and_errors():
-    assert set(BACKENDS) == {"torch", "cpu"} and ATTENTION_BACKEND_CHOICES[0] == "auto"
+    assert set(BACKENDS) == {"torch", "cpu", "triton"} and ATTENTION_BACKEND_CHOICES[0] == "auto"
     cpu_ok = CpuAttentionBackend.unsupported_reason(CPU, torch.bfloat16, "auto", 3, 64) is None
     auto = select_backend("auto", "cpu", torch.bfloat16, "auto", 3, 64)
     assert auto.backend is (CpuAttentionBackend if cpu_ok else TorchAttentionBackend)
@@ -243,7 +244,10 @@ def test_select_backend_choices_and_errors():
     half = select_backend("auto", "cpu", torch.float16, "int8", 3, 64)
     assert half.backend is TorchAttentionBackend and "float32 or bfloat16" in half.reason
     gpu = select_backend("auto", torch.device("cuda"), torch.bfloat16, "auto", 8, 128)
-    assert gpu.backend is TorchAttentionBackend and "CPU" in gpu.reason
+    if triton_import_error() is None:  # CUDA: triton where it imports, else torch
+        assert gpu.backend.name == "triton"
+    else:
+        assert gpu.backend is TorchAttentionBackend and "CPU" in gpu.reason
     for device in ("cpu", "cuda"):  # torch runs anywhere
         chosen = select_backend("torch", device, torch.float16, "int8", 8, 128)
         assert chosen.backend is TorchAttentionBackend
@@ -254,8 +258,8 @@ def test_select_backend_choices_and_errors():
     if CpuAttentionBackend.unsupported_reason(CPU, torch.float32, "auto", 2, 16) is None:
         with pytest.raises(ValueError, match="row buffer"):
             select_backend("cpu", "cpu", torch.float32, "auto", 16, 128)
-    with pytest.raises(ValueError, match="unknown attention backend 'triton'.*auto, torch, cpu"):
-        select_backend("triton", "cpu", torch.float32, "auto", 2, 16)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*auto, torch, cpu"):
+        select_backend("flash", "cpu", torch.float32, "auto", 2, 16)
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cpu"):
         ModelConfig(attention_backend="flash")
 

@@ -207,5 +207,5 @@ def test_engine_with_an_int8_cache(tiny_llama_dir):
     assert same >= 0.75 * sum(map(len, ref)), (ref, cold)
     base.shutdown()
     llm.shutdown()
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or int8"):
-        EngineConfig.from_options(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, int8 or fp8"):
+        EngineConfig.from_options(kv_cache_dtype="fp4")

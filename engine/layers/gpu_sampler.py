@@ -200,25 +200,36 @@ class GpuSampler:
         key = torch.where(seeded, seeds, self._seed)
         unseeded_counter = torch.arange(s, device=x.device) + (self._step << 20)
         u = hash_uniforms(key, torch.where(seeded, rows.num_outputs, unseeded_counter), m)
+        # Rows without top-k/top-p draw over the vocabulary in id order, whatever the others
+        # do: a row's token must not depend on its neighbours' parameters.
+        cum = e.cumsum(-1, dtype=torch.float64)
+        drawn = torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=v - 1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in sps):
-            vals, ids = e.sort(-1, descending=True)
-            rank = torch.arange(v, device=x.device)[None, :]
-            top_k = ints[0]
-            k = torch.where(top_k > 0, top_k.clamp(max=v), v)[:, None]
-            vals = vals * (rank < k)
-            cum = vals.cumsum(-1, dtype=torch.float64)
-            # top_p over what top_k kept: a token stays while the mass before it is under
-            # top_p of the total (the first always stays)
-            top_p = floats[1].double()[:, None]
-            keep = ((cum - vals) < top_p * cum[:, -1:]) | (rank == 0) | (top_p >= 1.0)
-            vals = vals * keep
-            cum = vals.cumsum(-1, dtype=torch.float64)
-            pos = torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=v - 1)
-            drawn = ids.gather(1, pos)
-        else:
-            cum = e.cumsum(-1, dtype=torch.float64)
-            drawn = torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=v - 1)
+            top_k, top_p = ints[0], floats[1]
+            truncated = self._draw_truncated(e, u, top_k, top_p)
+            drawn = torch.where(((top_k > 0) | (top_p < 1.0))[:, None], truncated, drawn)
         return torch.where(is_greedy[:, None], greedy_tok[:, None], drawn)
+
+    @staticmethod
+    def _draw_truncated(
+        e: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    ) -> torch.Tensor:
+        """The inverse-CDF draw over the probabilities e [S, V] sorted (stable: ties keep id
+        order) after top_k (0: off), then top_p over what top_k kept (1: off)."""
+        v = e.shape[1]
+        vals, ids = e.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(v, device=e.device)[None, :]
+        k = torch.where(top_k > 0, top_k.clamp(max=v), v)[:, None]
+        vals = vals * (rank < k)
+        cum = vals.cumsum(-1, dtype=torch.float64)
+        # a token stays while the mass before it is under top_p of the total (the first
+        # always stays)
+        p = top_p.double()[:, None]
+        keep = ((cum - vals) < p * cum[:, -1:]) | (rank == 0) | (p >= 1.0)
+        vals = vals * keep
+        cum = vals.cumsum(-1, dtype=torch.float64)
+        pos = torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=v - 1)
+        return ids.gather(1, pos)
 
 
 def _on(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -13,7 +13,8 @@ allocate_static_metadata / fill_static_metadata hooks).
 Padding rows are decode requests of one token at position 0 whose context is slot 0 of block
 0: block 0 is reserved (never given to a request, only the padding of block tables), so what
 they write lands nowhere anyone reads, with every backend and without a special case in any
-kernel. Their outputs are dropped.
+kernel. They come first (the shortest contexts: the decodes stay sorted by context length);
+their outputs are dropped. Graphs are captured on padding rows at the longest context.
 
 Steps a graph does not take run eagerly: any step with a prefill chunk, a batch above the
 ladder, a backend whose launches depend on the step's contents (`cuda_graph_capturable`), more
@@ -76,55 +77,49 @@ def graph_takes(common: CommonAttentionMetadata, max_rows: int, max_blocks: int)
 
 
 def pad_decode_metadata(common: CommonAttentionMetadata, rows: int) -> CommonAttentionMetadata:
-    """An all-decode step's metadata grown to `rows` requests: each padding request one token
-    at position 0 in slot PAD_SLOT, attending to that one key (block table row of block 0)."""
+    """An all-decode step's metadata grown to `rows` requests by padding requests in front
+    (the shortest contexts, so the decodes stay sorted by context length): each one token at
+    position 0 in slot PAD_SLOT, attending to that one key (a block table row of block 0)."""
     n = common.num_reqs
     pad = rows - n
     if pad == 0:
         return common
     assert pad > 0 and common.num_decodes == n
     qsl = np.arange(rows + 1, dtype=np.int64)
-    seq_lens = np.concatenate([common.seq_lens_np, np.ones(pad, dtype=np.int64)])
+    seq_lens = np.concatenate([np.ones(pad, dtype=np.int64), common.seq_lens_np])
     table = np.zeros((rows, max(common.block_table_np.shape[1], 1)), dtype=np.int32)
-    table[:n, : common.block_table_np.shape[1]] = common.block_table_np
+    table[pad:, : common.block_table_np.shape[1]] = common.block_table_np
     slots = torch.cat(
-        [common.slot_mapping, torch.full((pad,), PAD_SLOT, dtype=common.slot_mapping.dtype)]
+        [torch.full((pad,), PAD_SLOT, dtype=common.slot_mapping.dtype), common.slot_mapping]
     )
+    return _decode_metadata(qsl, seq_lens, table, slots, common.block_size, common.max_seq_len)
+
+
+def capture_metadata(rows: int, block_size: int, max_blocks: int) -> CommonAttentionMetadata:
+    """What a graph is captured on: `rows` padding requests at the longest context (every
+    block of their tables block 0), so whatever a backend sizes by the step's maximum is as
+    large as any later step needs. Their K/V go to PAD_SLOT."""
+    qsl = np.arange(rows + 1, dtype=np.int64)
+    seq_lens = np.full(rows, max_blocks * block_size, dtype=np.int64)
+    table = np.zeros((rows, max_blocks), dtype=np.int32)
+    slots = torch.full((rows,), PAD_SLOT, dtype=torch.int64)
+    return _decode_metadata(qsl, seq_lens, table, slots, block_size, max_blocks * block_size)
+
+
+def _decode_metadata(qsl, seq_lens, table, slots, block_size, max_seq_len):
+    rows = len(seq_lens)
     return CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
         block_table=torch.from_numpy(table),
         slot_mapping=slots,
-        block_size=common.block_size,
-        num_reqs=rows,
-        num_actual_tokens=rows,
-        num_decodes=rows,
-        num_decode_tokens=rows,
-        max_query_len=1,
-        max_seq_len=max(common.max_seq_len, 1),
-        query_start_loc_np=qsl,
-        seq_lens_np=seq_lens,
-        block_table_np=table,
-    )
-
-
-def padding_metadata(rows: int, block_size: int) -> CommonAttentionMetadata:
-    """A step of `rows` padding requests only: what a graph is captured on."""
-    qsl = np.arange(rows + 1, dtype=np.int64)
-    seq_lens = np.ones(rows, dtype=np.int64)
-    table = np.zeros((rows, 1), dtype=np.int32)
-    return CommonAttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-        block_table=torch.from_numpy(table),
-        slot_mapping=torch.full((rows,), PAD_SLOT, dtype=torch.int64),
         block_size=block_size,
         num_reqs=rows,
         num_actual_tokens=rows,
         num_decodes=rows,
         num_decode_tokens=rows,
         max_query_len=1,
-        max_seq_len=1,
+        max_seq_len=max(max_seq_len, 1),
         query_start_loc_np=qsl,
         seq_lens_np=seq_lens,
         block_table_np=table,
@@ -152,15 +147,15 @@ class StaticStepInputs:
         return self.buffer[rows : 2 * rows]
 
     def fill(self, ids: Sequence[int], positions: Sequence[int], rows: int) -> None:
-        """This step's ids and positions, the rows past them zero (padding: token 0 at 0)."""
-        n = len(ids)
+        """This step's ids and positions after rows - len(ids) padding rows (token 0 at 0)."""
+        pad = rows - len(ids)
         if self._copied is not None:
             self._copied.synchronize()  # normally long done: the last step read its tokens
         h = self._host_np
-        h[:n] = ids
-        h[n:rows] = 0
-        h[rows : rows + n] = positions
-        h[rows + n : 2 * rows] = 0
+        h[:pad] = 0
+        h[pad:rows] = ids
+        h[rows : rows + pad] = 0
+        h[rows + pad : 2 * rows] = positions
         self.buffer[: 2 * rows].copy_(self.host[: 2 * rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -308,7 +303,7 @@ class CudaGraphRunner:
             free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
         for rows in reversed(self.ladder):
-            common = padding_metadata(rows, self.backend.block_size)
+            common = capture_metadata(rows, self.backend.block_size, self.max_blocks)
             self.inputs.fill([], [], rows)
             meta = self.backend.fill_static_metadata(self.static_meta, common)
             self._replays[rows] = self.strategy.capture(self._step_fn(rows), meta)
@@ -346,7 +341,7 @@ class CudaGraphRunner:
         )
         hidden = self._replays[rows](attn_meta)
         self.runs[rows] = self.runs.get(rows, 0) + 1
-        return hidden[:n]
+        return hidden[rows - n :]  # the padding rows came first
 
     def close(self) -> None:
         self.strategy.close()

@@ -19,6 +19,7 @@ from engine.worker.cuda_graph import (
     EagerReplay,
     batch_ladder,
     bucket_for,
+    capture_metadata,
     graph_takes,
     pad_decode_metadata,
 )
@@ -62,12 +63,16 @@ def test_padding_rows_attend_to_the_reserved_slot_only() -> None:
     padded = pad_decode_metadata(common, 4)
     assert (padded.num_reqs, padded.num_actual_tokens, padded.num_decodes) == (4, 4, 4)
     assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert padded.seq_lens.tolist() == [6, 18, 1, 1]
-    assert padded.slot_mapping.tolist() == [*common.slot_mapping.tolist(), PAD_SLOT, PAD_SLOT]
+    assert padded.seq_lens.tolist() == [1, 1, 6, 18]  # in front: still sorted by context
+    assert padded.slot_mapping.tolist() == [PAD_SLOT, PAD_SLOT, *common.slot_mapping.tolist()]
     assert PAD_SLOT // BLOCK == 0  # in block 0, which the block pool never hands out
-    assert padded.block_table.tolist() == [[3, 0, 0], [4, 9, 2], [0, 0, 0], [0, 0, 0]]
+    assert padded.block_table.tolist() == [[0, 0, 0], [0, 0, 0], [3, 0, 0], [4, 9, 2]]
     assert padded.max_seq_len == common.max_seq_len and padded.max_query_len == 1
     assert pad_decode_metadata(common, 2) is common
+    captured = capture_metadata(3, BLOCK, 16)  # the longest context, all in block 0
+    assert captured.seq_lens.tolist() == [128] * 3 and captured.max_seq_len == 128
+    assert captured.block_table.shape == (3, 16) and not captured.block_table.any()
+    assert captured.slot_mapping.tolist() == [PAD_SLOT] * 3
 
 
 def _runner(model_dir, max_num_seqs=16, **model_kw) -> ModelRunner:

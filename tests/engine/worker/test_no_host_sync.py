@@ -3,7 +3,9 @@ op that makes the host wait for device values (a scalar read: .item(), bool(t), 
 device tensor's .tolist(); an output whose shape depends on values: nonzero, masked_select,
 unique, boolean-mask indexing, ...; a blocking copy between host and device), run over the model's
 forward (torch attention backend), the CUDA-graph runner's step and the GPU sampler, on CPU
-tensors: the ops they dispatch are the ones they dispatch on CUDA."""
+tensors: the ops they dispatch are the ones they dispatch on CUDA. (A CPU tensor's .tolist()
+reads memory without dispatching anything; a CUDA tensor's copies it to the host first, which
+the check catches: the `cuda` test.)"""
 
 from __future__ import annotations
 
@@ -154,9 +156,8 @@ def test_forward_and_graph_step_have_no_host_sync(runner) -> None:
     assert graphs.runs == {4: 1}
 
 
-def test_gpu_sampler_has_no_host_sync() -> None:
-    """Every stage at once: greedy and random rows, temperature, min_p, top_k, top_p, seeds,
-    n > 1, penalties, logit_bias and the min_tokens mask; the ids read after the mode."""
+def _every_stage(device: str):
+    """Requests for every stage at once, their parameter tables and the sampler."""
     reqs = [
         _req(0, temperature=0.0),
         _req(1, temperature=0.8, top_k=20, seed=3),
@@ -166,12 +167,14 @@ def test_gpu_sampler_has_no_host_sync() -> None:
         _req(5, temperature=0.0, frequency_penalty=0.5, logit_bias={7: 5.0}, out=[2]),
         _req(6, temperature=1.0, min_tokens=4, eos=2, stop_token_ids=[8]),
     ]
-    params = SamplingTensors("cpu")
+    params = SamplingTensors(device)
     for r in reqs:
         params.add(r.request_id, r.sampling_params)
     params.flush()
-    sampler = GpuSampler(params, seed=1)
-    logits = torch.randn(len(reqs), 1000, generator=torch.Generator().manual_seed(1))
+    return reqs, params, GpuSampler(params, seed=1)
+
+
+def _sample_without_sync(reqs, params, sampler, logits) -> list[list[int]]:
     with torch.inference_mode(), NoHostSync():
         rows = sampler.stage(
             list(range(len(reqs))),
@@ -179,7 +182,31 @@ def test_gpu_sampler_has_no_host_sync() -> None:
             [len(r.output_token_ids) for r in reqs],
         )
         pending = sampler.sample(logits, reqs, rows)
-    tokens = pending.tolist()
+    tokens = pending.tolist()  # the one wait, after the step
     assert [len(t) for t in tokens] == [1, 1, 1, 3, 1, 1, 1]
-    assert all(0 <= t < 1000 for row in tokens for t in row)
+    assert all(0 <= t < logits.shape[1] for row in tokens for t in row)
     assert tokens[6][0] not in (2, 8)  # masked until min_tokens
+    return tokens
+
+
+def test_gpu_sampler_has_no_host_sync() -> None:
+    """Every stage at once: greedy and random rows, temperature, min_p, top_k, top_p, seeds,
+    n > 1, penalties, logit_bias and the min_tokens mask; the ids read after the mode."""
+    reqs, params, sampler = _every_stage("cpu")
+    logits = torch.randn(len(reqs), 1000, generator=torch.Generator().manual_seed(1))
+    _sample_without_sync(reqs, params, sampler, logits)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_no_host_sync_on_cuda(runner) -> None:
+    """On the device itself: .tolist() of a CUDA tensor is caught; the GPU sampler passes."""
+    t = torch.arange(4, device="cuda")
+    with pytest.raises(HostSync), NoHostSync():
+        t.tolist()
+    reqs, params, sampler = _every_stage("cuda")
+    logits = torch.randn(len(reqs), 1000, device="cuda")
+    _sample_without_sync(reqs, params, sampler, logits)

@@ -371,8 +371,12 @@ class ModelRunner:
                 return hidden
             graph = None
         meta = self.attn_backend.build_metadata(common)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.device.type == "cpu":
+            input_ids = torch.tensor(ids, dtype=torch.long)
+            pos = torch.tensor(positions, dtype=torch.long)
+        else:  # a blocking host-to-device copy would wait for the device's queue
+            input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         if graph is not None:
             hidden = graph.run(input_ids, pos, meta)
             if hidden is not None:

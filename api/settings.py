@@ -161,6 +161,12 @@ class Settings:
         "auto",
         choices=ATTENTION_BACKEND_CHOICES,
     )
+    enforce_eager: bool = _flag(
+        "Run every step eagerly: no CUDA graphs for decode steps (CUDA only).",
+        False,
+        parse_bool,
+        kind="bool",
+    )
     seed: int = _flag("Seed for weights (dummy) and for unseeded sampling.", 0, int)
     max_model_len: int | None = _flag(
         "Context length: prompt + output tokens (default: the model's).", None, _opt_int
@@ -403,6 +409,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         seed=s.seed,
         device=s.device,
         attention_backend=s.attention_backend,
+        enforce_eager=s.enforce_eager,
         block_size=s.block_size,
         num_blocks=s.num_kv_blocks,
         kv_cache_memory=s.kv_cache_memory,

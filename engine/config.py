@@ -124,6 +124,8 @@ class ModelConfig:
     # auto: triton on CUDA where it imports, the C kernels on the CPU where they run, else
     # torch (engine.attention.backends)
     attention_backend: str = "auto"
+    # No CUDA graphs: every step eager (engine.worker.cuda_graph); vLLM's name.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -191,6 +193,7 @@ class EngineConfig:
         seed: int = 0,
         device: str = "auto",
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -220,6 +223,7 @@ class EngineConfig:
                 seed=seed,
                 device=device,
                 attention_backend=attention_backend,
+                enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -7,6 +7,10 @@ the runner samples are appended by the runner itself (append_sampled): rank 0 ri
 sampling, the other tensor-parallel ranks from the next step's payload. So every rank knows,
 without the scheduler resending it, each token it must compute and what the sampler reads
 (prompt and output ids for penalties, the output count for min_tokens and seeded draws).
+
+On a GPU the batch also keeps each request's sampling parameters as one column of two device
+tables (SamplingTensors), written when requests join: the GPU sampler
+(engine.layers.gpu_sampler) reads the step's columns, so no parameter crosses per step.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -67,9 +72,77 @@ class CachedRequestState:
         self.token_ids.extend(tokens)
 
 
+# SamplingTensors' rows: float32 parameters, then the int64 ones (seed -1: unseeded).
+FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+INT_PARAMS = ("top_k", "seed")
+
+
+class SamplingTensors:
+    """Each request's sampling parameters as one column of two device tables, floats
+    [len(FLOAT_PARAMS), capacity] and ints [len(INT_PARAMS), capacity]. A request takes a
+    column when it joins and frees it when it leaves; a step that changed any column copies
+    the host tables once (flush). The capacity doubles when full."""
+
+    def __init__(self, device: torch.device | str, capacity: int = 64):
+        self.device = torch.device(device)
+        self.column: dict[str, int] = {}
+        self._free: list[int] = []
+        self._dirty = False
+        self.capacity = 0
+        self._host_f = np.zeros((len(FLOAT_PARAMS), 0), dtype=np.float32)
+        self._host_i = np.zeros((len(INT_PARAMS), 0), dtype=np.int64)
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        host_f = np.zeros((len(FLOAT_PARAMS), capacity), dtype=np.float32)
+        host_i = np.full((len(INT_PARAMS), capacity), -1, dtype=np.int64)
+        host_f[:, :old], host_i[:, :old] = self._host_f, self._host_i
+        self._host_f, self._host_i = host_f, host_i
+        self.floats = torch.zeros(host_f.shape, dtype=torch.float32, device=self.device)
+        self.ints = torch.zeros(host_i.shape, dtype=torch.int64, device=self.device)
+        self._free.extend(range(capacity - 1, old - 1, -1))  # lowest column first
+        self.capacity = capacity
+        self._dirty = True
+
+    def add(self, request_id: str, sp: SamplingParams) -> None:
+        if not self._free:
+            self._grow(2 * self.capacity)
+        col = self.column[request_id] = self._free.pop()
+        f, i = self._host_f, self._host_i
+        f[0, col], f[1, col], f[2, col] = sp.temperature, sp.top_p, sp.min_p
+        f[3, col], f[4, col] = sp.repetition_penalty, sp.presence_penalty
+        f[5, col] = sp.frequency_penalty
+        i[0, col] = sp.top_k
+        i[1, col] = -1 if sp.seed is None else sp.seed & 0x7FFFFFFFFFFFFFFF
+        self._dirty = True
+
+    def remove(self, request_id: str) -> None:
+        col = self.column.pop(request_id, None)
+        if col is not None:
+            self._free.append(col)
+
+    def flush(self) -> None:
+        """Copy the host tables to the device if a request joined since the last flush
+        (from pageable memory: the host may rewrite them as soon as this returns)."""
+        if self._dirty:
+            self.floats.copy_(torch.from_numpy(self._host_f), non_blocking=True)
+            self.ints.copy_(torch.from_numpy(self._host_i), non_blocking=True)
+            self._dirty = False
+
+
 class InputBatch:
-    def __init__(self) -> None:
+    def __init__(self, sampling: SamplingTensors | None = None) -> None:
         self.requests: dict[str, CachedRequestState] = {}
+        # The device copies of the sampling parameters (the GPU sampler's), or None.
+        self.sampling = sampling
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -83,12 +156,21 @@ class InputBatch:
     def update(self, so: SchedulerOutput) -> None:
         """Apply a step's changes: drop, add, then extend each scheduled request."""
         requests = self.requests
+        sampling = self.sampling
         for rid in so.finished_request_ids:
             requests.pop(rid, None)  # also ids the runner never held (aborted while waiting)
         for rid in so.preempted_request_ids:
             requests.pop(rid, None)
+        if sampling is not None:
+            for rid in (*so.finished_request_ids, *so.preempted_request_ids):
+                sampling.remove(rid)
         for new in so.new_requests:
             requests[new.request_id] = CachedRequestState.from_new(new)
+            if sampling is not None:
+                sampling.remove(new.request_id)  # a resent request keeps no stale column
+                sampling.add(new.request_id, new.sampling_params)
+        if sampling is not None:
+            sampling.flush()
         for r in so.scheduled:
             state = requests.get(r.request_id)
             if state is None:

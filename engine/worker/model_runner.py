@@ -3,10 +3,11 @@
 execute_model: apply the step's changes to the persistent input batch (engine.worker.
 input_batch) -> copy blocks (copy-on-write for forked samples) -> flatten the scheduled
 chunks (decodes first, sorted by context length) -> one step over the flattened batch (the
-step graph where it takes the step: today the CPU's one-call decode plan, engine.worker.
-cpu_graph; else the eager forward) ->
-logits of each sampling request's last token -> Sampler -> the sampled tokens appended to the
-input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
+step graph where it takes the step: the CPU's one-call decode plan, engine.worker.cpu_graph,
+or on CUDA the captured decode graphs, engine.worker.cuda_graph; else the eager forward) ->
+logits of each sampling request's last token -> Sampler (on CUDA the sync-free GpuSampler,
+engine.layers.gpu_sampler, unless a request asks for logprobs) -> the sampled tokens appended
+to the input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ import torch
 
 from engine.attention import kv_fp8, kv_int8
 from engine.attention.backends import select_backend
-from engine.attention.backends.base import AttentionBackend, AttentionMetadata
-from engine.attention.metadata import common_metadata_from_seqs
+from engine.attention.backends.base import AttentionBackend
+from engine.attention.metadata import CommonAttentionMetadata, common_metadata_from_seqs
 from engine.config import EngineConfig
 from engine.distributed import get_tp_size
+from engine.layers.gpu_sampler import GpuSampler
 from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
-from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.worker.cpu_graph import DecodePlan
-from engine.worker.input_batch import InputBatch
+from engine.worker.cuda_graph import CudaGraphRunner
+from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.step_threads import StepThreads
 
 logger = logging.getLogger("tessera.engine")
@@ -124,12 +127,17 @@ class ModelRunner:
         self.kv_scales: list[torch.Tensor] = []  # with an int8 cache: one per layer
         self.num_blocks = 0
         self.sampler = Sampler(seed=config.model.seed)
-        self.input_batch = InputBatch()  # the requests this rank holds, across steps
+        # On CUDA the sampling parameters also live on the device, for the sync-free sampler.
+        on_gpu = self.device.type == "cuda"
+        params = SamplingTensors(self.device) if on_gpu else None
+        self.input_batch = InputBatch(params)  # the requests this rank holds, across steps
+        self.gpu_sampler = GpuSampler(params, seed=config.model.seed) if params else None
         self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
         # A planned or captured step over static buffers, built once the KV cache is bound:
-        # run(input_ids, positions, meta) -> hidden, or None for the steps it does not take.
-        self._step_graph: DecodePlan | None = None
+        # run(input_ids, positions, meta) -> hidden, or None for the steps it does not take
+        # (the CPU's plan takes the eager forward's inputs; CUDA graphs the host-side ones).
+        self._step_graph: DecodePlan | CudaGraphRunner | None = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -297,7 +305,7 @@ class ModelRunner:
             attn.kv_cache = self.kv_caches[i].view(kv_fp8.FP8_DTYPE) if fp8 else self.kv_caches[i]
             attn.kv_scales = self.kv_scales[i] if int8 else None
         self.num_blocks = num_blocks
-        self._step_graph = DecodePlan.build(self.model) if self.device.type == "cpu" else None
+        self._step_graph = self._build_step_graph()
         tokens = (num_blocks - 1) * self.block_size
         if self.rank == 0:
             logger.info(
@@ -308,6 +316,23 @@ class ModelRunner:
                 self.max_model_len,
                 tokens / self.max_model_len,
             )
+
+    def _build_step_graph(self) -> DecodePlan | CudaGraphRunner | None:
+        if self.device.type == "cpu":
+            return DecodePlan.build(self.model)
+        if self._step_graph is not None:  # a re-bound cache: the old graphs read the old one
+            self._step_graph.close()
+        return CudaGraphRunner.build(
+            self.model,
+            self.attn_backend,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            enforce_eager=self.config.model.enforce_eager,
+            tp_size=get_tp_size(),
+            log=self.rank == 0,
+        )
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -339,16 +364,22 @@ class ModelRunner:
         if not to_sample:
             return ModelRunnerOutput(sampled_token_ids=sampled)
         states = [batch[rid] for rid in to_sample]
-        rows = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
-        last = hidden.index_select(0, rows)
-        greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
-        if greedy is not None:  # argmax in the LM head's GEMM: no logits (one rank only)
-            tokens, logprobs = [[t] for t in greedy.tolist()], [None] * len(states)
-        else:
-            logits = self.model.compute_logits(last)
-            if self.rank != 0:  # only the driver samples; the others ran the collectives above
+        if self.gpu_sampler is not None:
+            drawn = self._sample_on_device(hidden, last_row, to_sample, states)
+            if drawn is None:  # not the driver: it ran the LM head's collectives, no more
                 return ModelRunnerOutput(sampled_token_ids=sampled)
-            tokens, logprobs = self.sampler(logits, states)
+            tokens, logprobs = drawn
+        else:
+            rows = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
+            last = hidden.index_select(0, rows)
+            greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
+            if greedy is not None:  # argmax in the LM head's GEMM: no logits (one rank only)
+                tokens, logprobs = [[t] for t in greedy.tolist()], [None] * len(states)
+            else:
+                logits = self.model.compute_logits(last)
+                if self.rank != 0:  # only the driver samples; the others ran the collectives
+                    return ModelRunnerOutput(sampled_token_ids=sampled)
+                tokens, logprobs = self.sampler(logits, states)
         out = ModelRunnerOutput(sampled_token_ids=sampled)
         for rid, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
             sampled[rid] = toks
@@ -358,6 +389,35 @@ class ModelRunner:
             batch.append_sampled(sampled)
         return out
 
+    def _sample_on_device(
+        self,
+        hidden: torch.Tensor,
+        last_row: dict[str, int],
+        to_sample: list[str],
+        states: list[CachedRequestState],
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]] | None:
+        """The GPU sampler's tokens and logprobs (None on ranks other than the driver): the
+        step's rows in one copy, the LM head (its argmax alone for plain greedy steps), the
+        draw, and one wait for the ids' copy back."""
+        assert self.gpu_sampler is not None and self.input_batch.sampling is not None
+        columns = self.input_batch.sampling.column
+        rows = self.gpu_sampler.stage(
+            [last_row[rid] for rid in to_sample],
+            [columns[rid] for rid in to_sample],
+            [len(s.output_token_ids) for s in states],
+        )
+        last = hidden.index_select(0, rows.hidden_rows)
+        greedy = self.model.greedy_tokens(last) if Sampler.plain_greedy(states) else None
+        logits = None
+        if greedy is None:
+            logits = self.model.compute_logits(last)
+            if self.rank != 0:
+                return None
+        tokens = self.gpu_sampler.sample(logits, states, rows, greedy).tolist()
+        if logits is None or all(s.sampling_params.logprobs is None for s in states):
+            return tokens, [None] * len(states)
+        return tokens, self.gpu_sampler.logprobs(logits, states, tokens)
+
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Another rank's view: the driver's samples of the previous step (see multiproc.py)."""
         self.input_batch.append_sampled(sampled)
@@ -365,17 +425,28 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, int]]:
         """Run the flattened batch; return hidden [T, H] and each request's last row."""
         ids, positions, seqs, last_row = self.input_batch.step_inputs(scheduled)
-        meta = self.attn_backend.build_metadata(common_metadata_from_seqs(seqs, self.block_size))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self._run_model(input_ids, pos, meta), last_row
+        common = common_metadata_from_seqs(seqs, self.block_size)
+        return self._run_model(ids, positions, common), last_row
 
     def _run_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, ids: list[int], positions: list[int], common: CommonAttentionMetadata
     ) -> torch.Tensor:
         """The step graph's output where it takes this step, else the eager forward's."""
-        if self._step_graph is not None:
-            hidden = self._step_graph.run(input_ids, positions, meta)
+        graph = self._step_graph
+        if isinstance(graph, CudaGraphRunner):  # host inputs go straight to its static buffers
+            hidden = graph.run(ids, positions, common)
             if hidden is not None:
                 return hidden
-        return self.model(input_ids, positions, meta)
+            graph = None
+        meta = self.attn_backend.build_metadata(common)
+        if self.device.type == "cpu":
+            input_ids = torch.tensor(ids, dtype=torch.long)
+            pos = torch.tensor(positions, dtype=torch.long)
+        else:  # a blocking host-to-device copy would wait for the device's queue
+            input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        if graph is not None:
+            hidden = graph.run(input_ids, pos, meta)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, pos, meta)

@@ -209,3 +209,11 @@ def test_attention_backend_flag_reaches_the_engine_config():
     assert (c.model.attention_backend, c.cache.kv_cache_dtype) == ("triton", "fp8")
     with pytest.raises(SystemExit):  # argparse refuses a name that is not a backend
         settings(["--attention-backend", "flash"])
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    assert to_engine_config(settings(["m"])).model.enforce_eager is False
+    assert to_engine_config(settings(["m", "--enforce-eager"])).model.enforce_eager is True
+    assert to_engine_config(settings(["m", "--no-enforce-eager"])).model.enforce_eager is False
+    env = {"TESSERA_ENFORCE_EAGER": "1"}
+    assert to_engine_config(settings([], env)).model.enforce_eager is True

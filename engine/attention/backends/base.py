@@ -45,6 +45,11 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Whether a CUDA graph captured over fill_static_metadata's result replays correctly for
+    # any later fill with the same number of rows: the tensors' addresses and shapes, and
+    # forward's launches (grids, split counts), depend only on that number, never on the
+    # step's contents (context lengths). The torch reference's shapes follow the contexts.
+    cuda_graph_capturable: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -86,6 +86,9 @@ def triton_import_error() -> str | None:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # Its launch grid follows the batch's row count and query lengths only, never the
+    # contexts, so a graph captured for a batch size replays for any context.
+    cuda_graph_capturable = True
 
     def __init__(
         self,

@@ -35,3 +35,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
 class UnquantizedLMHeadMethod(LMHeadMethodBase):
     def apply(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return linear_by_rows(head, hidden, head.weight, None)
+
+    def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        if hidden.device.type == "cpu":
+            return None  # the CPU sampler's blocked argmax over the float32 logits is faster
+        # The argmax of the logits in the model's dtype: the float32 copy the head's forward
+        # makes is exact, so the same ids (the first maximum wins), without that [S, V] copy.
+        return linear_by_rows(head, hidden, head.weight, None).argmax(-1)

@@ -1,0 +1,241 @@
+"""The CUDA-graph runner (engine.worker.cuda_graph): the batch ladder, which steps a graph
+takes, padding, and its logic end to end on the CPU (EagerReplay: each "replay" runs the step
+again over the same static buffers), padded steps against unpadded eager ones; on a GPU
+(`cuda` marker) real graph replays against eager steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention.metadata import common_metadata_from_seqs
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.worker.cuda_graph import (
+    PAD_SLOT,
+    CudaGraphCapture,
+    CudaGraphRunner,
+    EagerReplay,
+    batch_ladder,
+    bucket_for,
+    capture_metadata,
+    graph_takes,
+    pad_decode_metadata,
+)
+from engine.worker.model_runner import ModelRunner
+
+BLOCK = 8
+MAX_LEN = 128
+
+
+def test_batch_ladder() -> None:
+    assert batch_ladder(256) == (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16))
+    assert batch_ladder(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)
+    assert batch_ladder(20) == (1, 2, 4, 8, 16, 20)
+    assert batch_ladder(1) == (1,)
+    assert batch_ladder(3) == (1, 2, 3)
+    assert batch_ladder(4096)[-3:] == (480, 496, 512)  # capped
+    assert batch_ladder(64, cap=40) == (1, 2, 4, 8, 16, 24, 32, 40)
+
+
+def test_bucket_for() -> None:
+    ladder = batch_ladder(100)
+    got = {n: bucket_for(n, ladder) for n in (1, 2, 3, 5, 9, 17, 25, 33, 49, 97, 100, 101)}
+    assert got == {
+        1: 1, 2: 2, 3: 4, 5: 8, 9: 16, 17: 24, 25: 32, 33: 48, 49: 64, 97: 100, 100: 100,
+        101: None,
+    }  # fmt: skip
+
+
+def test_graphs_take_decode_steps_only() -> None:
+    decodes = [(5, 1, [1]), (9, 1, [2, 3]), (20, 1, [4, 5, 6])]
+    assert graph_takes(common_metadata_from_seqs(decodes, BLOCK), 8, 16)
+    assert not graph_takes(common_metadata_from_seqs(decodes, BLOCK), 2, 16)  # too many
+    assert not graph_takes(common_metadata_from_seqs(decodes, BLOCK), 8, 2)  # tables too wide
+    mixed = [*decodes, (0, 4, [7])]  # a prefill chunk: eager
+    assert not graph_takes(common_metadata_from_seqs(mixed, BLOCK), 8, 16)
+    assert not graph_takes(common_metadata_from_seqs([(0, 1, [7])] * 0, BLOCK), 8, 16)
+
+
+def test_padding_rows_attend_to_the_reserved_slot_only() -> None:
+    common = common_metadata_from_seqs([(5, 1, [3]), (17, 1, [4, 9, 2])], BLOCK)
+    padded = pad_decode_metadata(common, 4)
+    assert (padded.num_reqs, padded.num_actual_tokens, padded.num_decodes) == (4, 4, 4)
+    assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert padded.seq_lens.tolist() == [1, 1, 6, 18]  # in front: still sorted by context
+    assert padded.slot_mapping.tolist() == [PAD_SLOT, PAD_SLOT, *common.slot_mapping.tolist()]
+    assert PAD_SLOT // BLOCK == 0  # in block 0, which the block pool never hands out
+    assert padded.block_table.tolist() == [[0, 0, 0], [0, 0, 0], [3, 0, 0], [4, 9, 2]]
+    assert padded.max_seq_len == common.max_seq_len and padded.max_query_len == 1
+    assert pad_decode_metadata(common, 2) is common
+    captured = capture_metadata(3, BLOCK, 16)  # the longest context, all in block 0
+    assert captured.seq_lens.tolist() == [128] * 3 and captured.max_seq_len == 128
+    assert captured.block_table.shape == (3, 16) and not captured.block_table.any()
+    assert captured.slot_mapping.tolist() == [PAD_SLOT] * 3
+
+
+def _runner(model_dir, max_num_seqs=16, **model_kw) -> ModelRunner:
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_LEN, **model_kw),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(
+            block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=max_num_seqs
+        ),
+    )
+    runner = ModelRunner(config, model_dir=model_dir)
+    runner.load_model()
+    runner.init_kv_cache(64)
+    return runner
+
+
+def _decode_step(rng: random.Random, n: int, num_blocks: int):
+    """n decodes with scattered blocks and contexts of 1-60 tokens, sorted by context."""
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    ctx = sorted(rng.randint(1, 60) for _ in range(n))
+    seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // BLOCK))]) for c in ctx]
+    ids = [rng.randrange(1, 300) for _ in range(n)]
+    return ids, [c - 1 for c in ctx], seqs
+
+
+def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
+    """Steps of 1, 3, 5, 6 and 8 decodes through the graph runner (ladder 1, 2, 4, 8: padded to
+    1, 4, 8, 8, 8) give the eager unpadded step's hidden states and greedy tokens, write the
+    same K/V, and the padding rows write only into the reserved block 0."""
+    torch.set_num_threads(1)
+    runner = _runner(tiny_llama_dir, attention_backend="torch")
+    g = torch.Generator().manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    graphs = CudaGraphRunner(
+        runner.model, runner.attn_backend, (1, 2, 4, 8), MAX_LEN // BLOCK, EagerReplay(), "cpu"
+    )
+    graphs.capture_all()
+    rng = random.Random(1)
+    for n in (1, 3, 5, 6, 8):
+        ids, positions, seqs = _decode_step(rng, n, runner.num_blocks)
+        common = common_metadata_from_seqs(seqs, BLOCK)
+        before = [c[:, 1:].clone() for c in runner.kv_caches]
+        with torch.inference_mode():
+            meta = runner.attn_backend.build_metadata(common)
+            eager = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
+            written = [c[:, 1:].clone() for c in runner.kv_caches]
+            for cache, old in zip(runner.kv_caches, before, strict=True):
+                cache[:, 1:] = old  # undo: the graph step must write the same values itself
+            hidden = graphs.run(ids, positions, common)
+            assert hidden is not None and hidden.shape == eager.shape
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+            assert torch.equal(
+                runner.model.compute_logits(hidden).argmax(-1),
+                runner.model.compute_logits(eager).argmax(-1),
+            )
+        for cache, w in zip(runner.kv_caches, written, strict=True):
+            torch.testing.assert_close(cache[:, 1:], w, rtol=1e-6, atol=1e-6)
+    assert graphs.runs == {1: 1, 4: 1, 8: 3}
+    # A step with a prefill chunk and one above the ladder are left to the eager forward.
+    ids, positions, seqs = _decode_step(rng, 9, runner.num_blocks)
+    assert graphs.run(ids, positions, common_metadata_from_seqs(seqs, BLOCK)) is None
+    mixed = common_metadata_from_seqs([*seqs[:2], (0, 3, [60])], BLOCK)
+    assert graphs.run([*ids[:2], 1, 2, 3], [*positions[:2], 0, 1, 2], mixed) is None
+
+
+def test_engine_greedy_output_through_the_graph_runner(tiny_llama_dir) -> None:
+    """The whole engine's greedy tokens, with the runner's step graph swapped for the graph
+    runner (EagerReplay): the same as the eager engine's, decode steps through the buckets."""
+    from engine import LLM, SamplingParams
+
+    prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", num_blocks=96, block_size=BLOCK, max_num_seqs=8)
+    llm = LLM(str(tiny_llama_dir), attention_backend="torch", **kw)
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner = llm.engine.executor.runner
+    assert runner._step_graph is None  # float32 on the CPU: no decode plan
+    graphs = CudaGraphRunner(
+        runner.model, runner.attn_backend, batch_ladder(8), -(-runner.max_model_len // BLOCK),
+        EagerReplay(), "cpu",
+    )  # fmt: skip
+    graphs.capture_all()
+    runner._step_graph = graphs
+    graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    assert graphed == eager
+    assert set(graphs.runs) == {8}  # five decodes a step, padded to the next size up
+    assert graphs.runs[8] >= 9
+
+
+def test_no_graphs_off_cuda_or_under_enforce_eager(tiny_llama_dir) -> None:
+    runner = _runner(tiny_llama_dir, enforce_eager=True)
+    assert not isinstance(runner._step_graph, CudaGraphRunner)
+    kw = dict(max_num_seqs=8, max_model_len=MAX_LEN, block_size=BLOCK, tp_size=1)
+    cpu = torch.device("cpu")
+    assert (
+        CudaGraphRunner.build(
+            runner.model, runner.attn_backend, device=cpu, enforce_eager=False, **kw
+        )
+        is None
+    )
+    assert not runner.attn_backend.cuda_graph_capturable  # the CPU's C kernels
+
+
+def test_enforce_eager_reaches_the_engine_config() -> None:
+    assert not EngineConfig.from_options("m").model.enforce_eager
+    assert EngineConfig.from_options("m", enforce_eager=True).model.enforce_eager
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
+    """Real CUDA graphs over the runner's backend: every decode step's greedy tokens equal
+    the eager step's, padded or not."""
+    runner = _runner(tiny_llama_dir, device="cuda", enforce_eager=True)
+    if not runner.attn_backend.cuda_graph_capturable:
+        pytest.skip(f"the {runner.attn_backend.name} backend is not capturable")
+    graphs = CudaGraphRunner(
+        runner.model, runner.attn_backend, (1, 2, 4, 8), MAX_LEN // BLOCK, CudaGraphCapture(),
+        "cuda",
+    )  # fmt: skip
+    graphs.capture_all()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g, device="cuda"))
+    rng = random.Random(2)
+    for n in (1, 2, 3, 5, 8):
+        ids, positions, seqs = _decode_step(rng, n, runner.num_blocks)
+        common = common_metadata_from_seqs(seqs, BLOCK)
+        with torch.inference_mode():
+            meta = runner.attn_backend.build_metadata(common)
+            dev = torch.device("cuda")
+            ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
+            eager = runner.model(ids_t, pos_t, meta)
+            hidden = graphs.run(ids, positions, common)
+            assert hidden is not None
+            torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
+            assert torch.equal(
+                runner.model.compute_logits(hidden).argmax(-1),
+                runner.model.compute_logits(eager).argmax(-1),
+            )
+    graphs.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_engine_greedy_on_cuda_equals_the_cpu_torch_path(tiny_llama_dir) -> None:
+    """The whole engine on CUDA (default backend, graphs, the GPU sampler) against the CPU's
+    torch reference: the same greedy tokens."""
+    from engine import LLM, SamplingParams
+
+    prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", num_blocks=128, block_size=BLOCK, max_num_seqs=8)
+    outs = {}
+    for device, backend in (("cpu", "torch"), ("cuda", "auto")):
+        llm = LLM(str(tiny_llama_dir), device=device, attention_backend=backend, **kw)
+        done = llm.generate(prompts, params, use_tqdm=False)
+        outs[device] = [o.outputs[0].token_ids for o in done]
+        llm.shutdown()
+    assert outs["cuda"] == outs["cpu"]

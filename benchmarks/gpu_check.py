@@ -63,8 +63,8 @@ import numpy as np
 import torch
 
 _ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:  # `python3 benchmarks/gpu_check.py` without PYTHONPATH=.
-    sys.path.insert(0, str(_ROOT))
+if str(_ROOT) not in sys.path:  # a fallback for `python3 benchmarks/gpu_check.py` alone
+    sys.path.append(str(_ROOT))
 
 DECODE_BANDWIDTH_GOAL = 0.70  # of the measured copy bandwidth, decode at B=256
 OFFLINE_GOAL_TOK_S = 16_215  # SGLang's one-H100 figure on the Llama-3-8B shape
@@ -954,17 +954,17 @@ def section_end_to_end(chk: Check, out: Report, budget: Budget) -> None:
     weights = decode_weight_bytes(cfg)
     per_token = kv_bytes_per_token(cfg)
     copy = chk.copy_bandwidth()
-    graphs = option_supported(LLM.__init__, "enforce_eager")
-    if graphs:
+    if chk.device.type != "cuda":
+        why_not = "no CUDA device: the default path only"
+    elif not option_supported(LLM.__init__, "enforce_eager"):
+        why_not = "LLM has no enforce_eager option on this branch: the default path only"
+    else:
+        why_not = None
+    if why_not is None:
         modes = [("eager", True), ("graphs", False)]
     else:
-        modes = [("eager (the default)", None)]
-        out.row(
-            4,
-            "CUDA graphs",
-            "not measured",
-            note="LLM has no enforce_eager option on this branch: the default path only",
-        )
+        modes = [("default", None)]
+        out.row(4, "CUDA graphs", "not measured", note=why_not)
     shape = (
         f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
         f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads"

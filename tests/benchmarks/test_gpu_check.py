@@ -23,7 +23,9 @@ BLOCK_WEB_STACK = (
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TRITON_INTERPRET", None)  # the smoke run is the CPU's, not the interpreter's
+    return env
 
 
 def test_imports_without_the_web_stack():
@@ -105,7 +107,8 @@ def test_quick_cpu_smoke_run(tmp_path):
         if (r["backend"], r["kv"]) == ("torch", "bf16") and "rel_err" in r
     ]
     assert len(errors) == 10 and max(errors) < 2e-2  # 2 batches x 3 contexts, decode + mixed
-    assert checks["correctness triton, bf16 KV"]["result"] == "not available"
+    triton_bf16 = checks["correctness triton, bf16 KV"]
+    assert triton_bf16["result"] == "not available" or triton_bf16["versus"].endswith(": ok")
 
     timed = [r for r in sections["3"]["results"] if r.get("seconds")]
     assert {(r["batch"], r["context"]) for r in timed} == {(1, 64), (4, 64), (1, 256), (4, 256)}

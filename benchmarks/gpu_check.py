@@ -18,7 +18,8 @@ stdout, progress to stderr, and every figure as JSON to $OUT/gpu_check.json when
    8 KV heads, head dim 128, random non-contiguous block tables, stale values in the unused
    slots; the worst max|out - ref| / max|ref| per backend and KV dtype.
 3. attention microbenchmark: one layer's decode forward, triton vs torch, B = 1/64/256 x
-   context 1k/4k/8k: microseconds per call, KV bytes read per second, % of the copy ceiling.
+   context 1k/4k/8k: microseconds per call, KV bytes read per second, % of the copy ceiling
+   (eager launches, CUDA events: the smallest shapes are bound by the launch, not the kernel).
 4. end to end on the Llama-3-8B shape with dummy weights (LLM, token-id prompts): decode tok/s
    at B = 1/64/256 on a 1k context, eager and with the engine's default step graphs where the
    engine has `enforce_eager`; prefill tok/s of a 2,048-token chunk from scratch and of the

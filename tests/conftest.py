@@ -136,6 +136,18 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
     return out_dir
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Tests that run several ranks in this process give torch one thread; the next test gets
+    the count back (torch is not imported here for tests that never load it)."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
     made: dict[str, Path] = {}

@@ -16,8 +16,6 @@ from engine.outputs import NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 
-torch.set_num_threads(1)
-
 
 def req(rid, out=(), prompt=(1, 2, 3), num_samples=1, eos=None, **params) -> CachedRequestState:
     state = CachedRequestState.from_new(

@@ -37,8 +37,8 @@ from engine.layers.sampler import (
     Sampler,
     SamplingRequest,
     _is_greedy,
-    _masks_stops,
     _needs_changes,
+    bias_and_mask_entries,
 )
 from engine.outputs import TokenLogprobs
 
@@ -250,22 +250,7 @@ def _padded(lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> t
 def _apply_changes(x: torch.Tensor, requests: Sequence[SamplingRequest], floats) -> None:
     """logit_bias, the min_tokens mask and penalties in place on x [S, V], from host lists
     copied over (their sizes are the host's): the CPU sampler's values, no sync."""
-    rows: list[int] = []
-    toks: list[int] = []
-    vals: list[float] = []
-    for i, r in enumerate(requests):
-        sp = r.sampling_params
-        if sp.logit_bias:
-            rows += [i] * len(sp.logit_bias)
-            toks += sp.logit_bias.keys()
-            vals += sp.logit_bias.values()
-        if _masks_stops(r):
-            stops = list(sp.stop_token_ids)
-            if r.eos_token_id is not None and not sp.ignore_eos:
-                stops.append(r.eos_token_id)
-            rows += [i] * len(stops)
-            toks += stops
-            vals += [float("-inf")] * len(stops)
+    rows, toks, vals = bias_and_mask_entries(requests)
     dev = x.device
     if rows:
         where = (_on(rows, torch.int64, dev), _on(toks, torch.int64, dev))

@@ -256,8 +256,11 @@ def _needs_changes(requests: Iterable[SamplingRequest]) -> bool:
     )
 
 
-def _apply_changes(x: torch.Tensor, requests: list[SamplingRequest]) -> None:
-    """logit_bias, the min_tokens mask and penalties, in place on x [S, V]."""
+def bias_and_mask_entries(
+    requests: Sequence[SamplingRequest],
+) -> tuple[list[int], list[int], list[float]]:
+    """(row, token, value) entries of each row's logit_bias and min_tokens stop mask, for one
+    accumulating index_put_ on the logits (bias adds, the mask adds -inf)."""
     rows: list[int] = []
     toks: list[int] = []
     vals: list[float] = []
@@ -274,6 +277,12 @@ def _apply_changes(x: torch.Tensor, requests: list[SamplingRequest]) -> None:
             rows += [i] * len(stops)
             toks += stops
             vals += [float("-inf")] * len(stops)
+    return rows, toks, vals
+
+
+def _apply_changes(x: torch.Tensor, requests: list[SamplingRequest]) -> None:
+    """logit_bias, the min_tokens mask and penalties, in place on x [S, V]."""
+    rows, toks, vals = bias_and_mask_entries(requests)
     if rows:  # bias adds, the mask adds -inf: one accumulate covers both
         where = (_tensor(rows, x, torch.long), _tensor(toks, x, torch.long))
         x.index_put_(where, _tensor(vals, x), accumulate=True)

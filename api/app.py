@@ -26,6 +26,7 @@ from litestar.types import ControllerRouterHandler
 
 import engine as engine_pkg
 from api.access import Access
+from api.affinity import AffinityHeaderMiddleware
 from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
@@ -83,6 +84,7 @@ def create_app(
             Exception: _internal_error,
         },
         plugins=[MetricsPlugin(metrics)],  # GET /metrics, HTTP counters, app.state.metrics
+        middleware=[AffinityHeaderMiddleware],  # X-Tessera-Affinity for proxies (api/affinity.py)
         request_max_body_size=settings.max_body_size,
         openapi_config=OpenAPIConfig(
             title="Tessera",

@@ -14,7 +14,7 @@ from alembic import context
 from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 
-from api.db.migrate import _only_ours
+from api.db.migrate import _only_ours, take_migration_lock
 from api.db.models import Base, UTCDateTime
 from api.db.session import create_engine, normalize_url
 
@@ -55,6 +55,8 @@ def run_migrations_offline() -> None:
 
 
 def do_run_migrations(connection: Connection) -> None:
+    # Before alembic reads the current revision: concurrent upgrades run one after the other.
+    take_migration_lock(connection)
     _configure(connection=connection)
     with context.begin_transaction():
         context.run_migrations()

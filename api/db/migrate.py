@@ -20,6 +20,19 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine.url import URL
 
+# One Postgres advisory lock serialises concurrent `tessera db upgrade` runs (an init container
+# in each of N replicas): the second waits, then finds the schema at head and does nothing.
+# A fixed 64-bit key, "tessera1" in ASCII; other applications on a shared Postgres pick theirs.
+MIGRATION_LOCK_KEY = 0x7465737365726131
+
+
+def take_migration_lock(conn: Connection) -> None:
+    """Postgres: wait for the migration lock, held until this transaction ends (commit or
+    rollback, or the connection dying), so no replica can leave it held. Other dialects: none
+    needed (SQLite is one file that one server migrates under its own write lock)."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
+
 
 def migrations_dir() -> Path:
     """api/db/migrations when installed from a wheel (setup.py maps it there), else the source

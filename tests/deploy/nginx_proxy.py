@@ -4,9 +4,10 @@
     proxy = NginxProxy(tmp, {"tessera-a": port_a, "tessera-b": port_b})
     proxy.base_url; proxy.upstreams_of(request_id)     # from its access log; proxy.stop()
 
-Only addresses and paths are rewritten (upstream servers and the listen port to loopback, the
-pid, temp and log paths into tmp): each rewrite must match exactly once, so a change to the
-shipped file's shape fails here instead of testing some other configuration.
+Only addresses and paths are rewritten (benchmarks/bench_affinity.render_nginx_config: upstream
+servers and the listen port to loopback, the pid, temp and log paths into tmp): each rewrite
+must match exactly once, so a change to the shipped file's shape fails here instead of testing
+some other configuration.
 """
 
 from __future__ import annotations
@@ -21,16 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.bench_affinity import nginx_binary, render_nginx_config
 from tests.api.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deploy" / "nginx" / "nginx.conf"
-
-
-def nginx_binary() -> str | None:
-    return shutil.which("nginx") or (
-        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-    )
 
 
 def ensure_nginx() -> str:
@@ -51,24 +47,8 @@ def ensure_nginx() -> str:
     return found
 
 
-def _sub(text: str, pattern: str, repl: str) -> str:
-    out, n = re.subn(pattern, repl, text, flags=re.M)
-    assert n == 1, f"{SHIPPED.name}: expected one match of {pattern!r}, found {n}"
-    return out
-
-
 def render_config(upstreams: dict[str, int], listen: int, tmp: Path) -> str:
-    text = SHIPPED.read_text()
-    for host, port in upstreams.items():
-        text = _sub(text, rf"^(\s*server ){re.escape(host)}:8000\b", rf"\g<1>127.0.0.1:{port}")
-    text = _sub(text, r"^(\s*listen )8080;", rf"\g<1>127.0.0.1:{listen};")
-    text = _sub(text, r"^pid /tmp/nginx\.pid;", f"pid {tmp}/nginx.pid;")
-    text = _sub(text, r"access_log /dev/stdout tessera;", f"access_log {tmp}/access.log tessera;")
-    text, n = re.subn(r"/tmp/nginx-", f"{tmp}/nginx-", text)
-    assert n == 5
-    if os.geteuid() == 0:  # workers must read the temp dirs root creates
-        text = "user root;\n" + text
-    return text
+    return render_nginx_config(upstreams, listen, tmp, affinity=True)
 
 
 class NginxProxy:

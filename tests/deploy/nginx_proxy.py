@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.bench_affinity import nginx_binary, render_nginx_config
@@ -52,25 +52,29 @@ def render_config(upstreams: dict[str, int], listen: int, tmp: Path) -> str:
 
 
 class NginxProxy:
-    def __init__(self, tmp: Path, upstreams: dict[str, int]) -> None:
+    def __init__(self, tmp: Path, upstreams: dict[str, int], edit=None) -> None:
+        """`edit`: a function of the rendered configuration text (a test's own variant)."""
         self.binary = ensure_nginx()
         self.tmp = tmp
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.conf = tmp / "nginx.conf"
-        self.conf.write_text(render_config(upstreams, self.port, tmp))
+        text = render_config(upstreams, self.port, tmp)
+        self.conf.write_text(edit(text) if edit else text)
         self.log = tmp / "access.log"
         cmd = [self.binary, "-p", str(tmp), "-c", str(self.conf), "-g", "daemon off;"]
         check = subprocess.run([*cmd[:-2], "-t"], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         self._err = open(tmp / "error.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._err, stderr=subprocess.STDOUT)
+        # Wait with a bare TCP connect: a request would open an upstream connection, which
+        # nginx then keeps (keepalive) and a test counting connections would see.
         deadline = time.monotonic() + 30
         while True:
             try:
-                httpx.get(self.base_url + "/version", timeout=2)
+                socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
                 return
-            except httpx.TransportError:
+            except OSError:
                 assert self.proc.poll() is None, (tmp / "error.log").read_text()
                 assert time.monotonic() < deadline, "nginx did not start listening"
                 time.sleep(0.1)

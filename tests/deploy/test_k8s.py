@@ -115,7 +115,8 @@ def test_probes_follow_health_and_tolerate_model_loading(rendered):
     startup = server["startupProbe"]
     # Liveness only starts once the startupProbe passed: a model may take minutes to load.
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
-    assert server["readinessProbe"]["failureThreshold"] == 1  # a draining replica leaves at once
+    ready = server["readinessProbe"]
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 10  # a stuck replica leaves soon
 
 
 def test_migration_runs_before_the_server_starts(rendered):

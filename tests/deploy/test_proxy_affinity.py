@@ -196,6 +196,59 @@ def test_dashboard_metrics_exist_in_a_real_servers_metrics(stack):
         assert found == kind, f"the dashboard queries {name} as a {kind}; /metrics has a {found}"
 
 
+def test_a_full_replica_spills_its_tenant_to_the_next(stack, tmp_path):
+    """max_conns: with the cap at 1, a tenant's second concurrent request goes to the next
+    replica on the ring. The home replica is stopped (SIGSTOP) so the first request stays in
+    flight there, deterministically, until the test lets it go."""
+    import psutil
+
+    key = stack.keys[0][1]
+    home = served_by(stack, complete(stack, key))
+    other = next(n for n in stack.replicas if n != home)
+    ports = {name: r.port for name, r in stack.replicas.items()}
+
+    def cap_at_one(text: str) -> str:
+        out, n = re.subn(r"max_conns=\d+", "max_conns=1", text)
+        assert n == 2
+        return out
+
+    proxy = NginxProxy(tmp_path, ports, edit=cap_at_one)
+    home_port = stack.replicas[home].port
+    first: dict = {}
+    stack.replicas[home].signal(signal.SIGSTOP)
+    try:
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "ignore_eos": True}
+
+        def send_first() -> None:
+            first["r"] = httpx.post(
+                proxy.base_url + "/v1/completions", json=body, headers=bearer(key), timeout=120
+            )
+
+        thread = threading.Thread(target=send_first)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not any(  # nginx's connection to the stopped home replica: the first request
+            c.raddr and c.raddr.port == home_port and c.status == psutil.CONN_ESTABLISHED
+            for c in psutil.net_connections(kind="tcp")
+        ):
+            assert time.monotonic() < deadline, "nginx never connected to the home replica"
+            time.sleep(0.05)
+        second = httpx.post(
+            proxy.base_url + "/v1/completions", json=body, headers=bearer(key), timeout=60
+        )
+        assert second.status_code == 200, second.text
+        # Home was full: nginx did not even try it.
+        assert proxy.upstreams_of(second.headers["x-request-id"]) == [stack.addr(other)]
+    finally:
+        stack.replicas[home].signal(signal.SIGCONT)
+    thread.join(timeout=120)
+    try:
+        assert first["r"].status_code == 200
+        assert proxy.upstreams_of(first["r"].headers["x-request-id"]) == [stack.addr(home)]
+    finally:
+        proxy.stop()
+
+
 def _load(stack: Stack, stop: threading.Event, results: list, streaming: bool) -> None:
     """One client: its tenant's requests one after the other until `stop`."""
     i = len(results)

@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.model_name = "bench"
+    if not NGINX_CONF.is_file():
+        raise SystemExit(f"{NGINX_CONF} is missing: run from a checkout of the repository")
     from api.cli import main as tessera
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-affinity-") as t:

@@ -71,16 +71,31 @@ class Principal:
     budget_period: str = "total"
     priority: int = 0
     is_admin: bool = False
+    # The key's tenant (api/services/tenants.py): the fair scheduler's share, the salt that
+    # keeps prefix-cache blocks apart (per key, or per tenant if it opted into sharing;
+    # never across tenants), whether the tenant has limits of its own (quotas then count
+    # its row too), and the tighter of the key's and tenant's maximum request duration.
+    tenant_id: str | None = None
+    tenant_name: str | None = None
+    tenant_weight: float = 1.0
+    cache_salt: str | None = None
+    tenant_limited: bool = False
+    max_request_seconds: float | None = None
 
     @property
     def has_limits(self) -> bool:
-        return any(
+        return self.tenant_limited or any(
             v is not None
             for v in (self.rpm_limit, self.tpm_limit, self.max_parallel, self.token_budget)
         )
 
     @classmethod
     def from_record(cls, record: KeyRecord) -> Principal:
+        tenant = record.tenant
+        durations = [record.max_request_seconds]
+        if tenant is not None:
+            durations.append(tenant.max_request_seconds)
+        known = [d for d in durations if d is not None]
         return cls(
             key_id=record.id,
             key_name=record.name,
@@ -91,7 +106,24 @@ class Principal:
             token_budget=record.token_budget,
             budget_period=record.budget_period,
             priority=record.priority,
+            tenant_id=record.tenant_id or None,
+            tenant_name=tenant.name if tenant is not None else None,
+            tenant_weight=tenant.weight if tenant is not None else 1.0,
+            cache_salt=cache_salt(record),
+            tenant_limited=tenant is not None and tenant.has_limits,
+            max_request_seconds=min(known) if known else None,
         )
+
+
+def cache_salt(record: KeyRecord) -> str:
+    """The prefix-cache salt of a key's requests: one per key, or one per tenant when the
+    tenant chose the `tenant` scope. A digest, so the engine never sees ids."""
+    tenant = record.tenant
+    if tenant is not None and tenant.prefix_cache_scope == "tenant":
+        scope = f"tenant:{tenant.id}"
+    else:
+        scope = f"key:{record.id}"
+    return hashlib.sha256(scope.encode()).hexdigest()[:32]
 
 
 ADMIN = Principal(key_id=None, key_name="admin", is_admin=True)
@@ -188,6 +220,8 @@ class Authenticator:
             raise invalid_api_key("This API key has expired.")
         if entry.grace_until is not None and entry.grace_until <= now:
             raise invalid_api_key("This API key was rotated and its grace period has ended.")
+        if record.tenant is not None and record.tenant.disabled_at is not None:
+            raise invalid_api_key("This API key's tenant has been disabled.")
         return Principal.from_record(record)
 
     async def _lookup(self, digest: str) -> _Entry:

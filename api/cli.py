@@ -3,6 +3,7 @@
     tessera serve [MODEL] [--host H] [--port P] [--api-key KEY] ...   (see --help)
     tessera bench serve --base-url http://127.0.0.1:8000 --num-prompts 100
     tessera keys ... / tessera db ...   (api/cli_db.py)
+    tessera tenants ...                 (api/cli_tenants.py)
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (new requests get 503, in-flight ones
 may finish for --shutdown-timeout seconds, the rest are aborted), then the server stops the
@@ -63,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     try:  # keys/db subcommands live with the data layer; the CLI works without them
         from api.cli_db import add_db_parser, add_keys_parser
+        from api.cli_tenants import add_tenants_parser
     except ImportError:
         pass
     else:
         add_keys_parser(sub)
+        add_tenants_parser(sub)
         add_db_parser(sub)
     return parser
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import event
 
-from api.auth import ADMIN, ANONYMOUS, STATIC, Authenticator, Principal
+from api.auth import ADMIN, ANONYMOUS, STATIC, Authenticator, Principal, cache_salt
 from api.db.session import Database
 from api.errors import APIError
 from api.services.keys import KeyService
@@ -72,6 +72,10 @@ async def test_valid_key_gives_its_principal(db: Database) -> None:
         token_budget=1000,
         budget_period="day",
         priority=7,
+        # A key created without a tenant is the only key of a tenant of its own.
+        tenant_id=record.id,
+        tenant_name=f"alice-{record.id[:8]}",
+        cache_salt=cache_salt(record),
     )
     assert await _auth(db).authenticate(f"bearer   {key}  ") == principal  # scheme any case
 

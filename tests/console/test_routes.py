@@ -21,6 +21,7 @@ PAGES = [
     ("/console", "live"),
     ("/console/requests", "requests-table"),
     ("/console/keys", "keys-panel"),
+    ("/console/tenants", "tenants"),
     ("/console/usage", "usage"),
     ("/console/settings", "settings"),
 ]

@@ -15,7 +15,7 @@
     PATCH  /admin/v1/tenants/{id}         change weight, limits, scope, name; disabled: bool
     DELETE /admin/v1/tenants/{id}         disable (200, the tenant): its keys are refused
     GET    /admin/v1/tenants/{id}/keys    its keys (no secrets)
-    GET    /admin/v1/usage                ?key_id=&since=&until=&group_by=day|hour
+    GET    /admin/v1/usage                ?key_id=&tenant_id=&since=&until=&group_by=day|hour
     GET    /admin/v1/engine               engine state (running/waiting, KV usage)
 
 Needs on app.state: `keys` (KeyService), `tenants` (TenantService), `authenticator` (Authenticator; its cache is
@@ -177,11 +177,14 @@ class AdminController(Controller):
         since: Annotated[datetime | None, QueryParameter(description="inclusive, RFC 3339")] = None,
         until: Annotated[datetime | None, QueryParameter(description="exclusive, RFC 3339")] = None,
         group_by: Annotated[str, QueryParameter(description="day or hour (UTC)")] = "day",
+        tenant_id: FromQuery[str | None] = None,
     ) -> UsageReport:
         if group_by not in GROUP_BY:
             raise invalid_request("group_by must be `day` or `hour`.", param="group_by")
         buckets = await _call(
-            _keys(state).usage(key_id=key_id, since=since, until=until, group_by=group_by)
+            _keys(state).usage(
+                key_id=key_id, since=since, until=until, group_by=group_by, tenant_id=tenant_id
+            )
         )
         return UsageReport(
             group_by=group_by, since=since, until=until, data=[usage_item(b) for b in buckets]

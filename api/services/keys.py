@@ -271,11 +271,13 @@ class KeyService:
         since: datetime | None = None,
         until: datetime | None = None,
         group_by: str = "day",
+        tenant_id: str | None = None,
     ) -> list[UsageBucket]:
         """Requests and tokens per key and per day/hour (UTC); see usage.aggregate_usage."""
         return await aggregate_usage(
-            self.db, key_id=key_id, since=since, until=until, group_by=group_by
-        )
+            self.db, key_id=key_id, since=since, until=until, group_by=group_by,
+            tenant_id=tenant_id,
+        )  # fmt: skip
 
     async def ensure_bootstrap(self, name: str = "default") -> str | None:
         """Create the first API key if there is none; its plaintext, or None."""

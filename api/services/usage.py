@@ -206,10 +206,11 @@ async def aggregate_usage(
     since: datetime | None = None,
     until: datetime | None = None,
     group_by: str = "day",
+    tenant_id: str | None = None,
 ) -> list[UsageBucket]:
     """Requests and tokens per key and per day/hour (UTC), oldest bucket first.
 
-    `since` is inclusive, `until` exclusive.
+    `since` is inclusive, `until` exclusive; `tenant_id` keeps the rows charged to it.
     """
     if group_by not in GROUP_BY:
         raise ValueError(f"group_by must be one of {', '.join(GROUP_BY)}")
@@ -234,6 +235,8 @@ async def aggregate_usage(
     )
     if key_id is not None:
         query = query.where(UsageRow.key_id == key_id)
+    if tenant_id is not None:
+        query = query.where(UsageRow.tenant_id == tenant_id)
     if since is not None:
         query = query.where(UsageRow.created_at >= aware(since))
     if until is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator
+from uuid import uuid4
 
 import pytest
 from litestar import get
@@ -245,3 +246,20 @@ def test_cache_salt_scope() -> None:
     assert cache_salt(replace(k, tenant=shared)) == cache_salt(replace(k2, tenant=shared))
     other = replace(shared, id="t2")
     assert cache_salt(replace(k, tenant=shared)) != cache_salt(replace(k, tenant=other))
+
+
+async def test_usage_by_tenant(client: AsyncTestClient, db: Database) -> None:
+    from api.services.usage import UsageRecord, UsageRecorder
+
+    tenant = await TenantService(db).create("usage-t")
+    inside, _ = await KeyService(db).create("in", tenant_id=tenant.id)
+    outside, _ = await KeyService(db).create("out")
+    recorder = UsageRecorder(db)
+    for key, tid in ((inside, tenant.id), (inside, tenant.id), (outside, outside.tenant_id)):
+        recorder.record(UsageRecord(request_id=uuid4().hex, key_id=key.id, model="m",
+                                    prompt_tokens=3, completion_tokens=2, tenant_id=tid,
+                                    x_request_id="rid"))  # fmt: skip
+    assert await recorder.flush()
+    r = await client.get(f"/admin/v1/usage?tenant_id={tenant.id}", headers=AUTH)
+    data = r.json()["data"]
+    assert [(d["key_id"], d["requests"], d["total_tokens"]) for d in data] == [(inside.id, 2, 10)]

@@ -1,7 +1,8 @@
 """OpenTelemetry spans, captured with the SDK's InMemorySpanExporter on the app in-process
 (a real engine on a tiny model): one server span per HTTP request continuing the caller's
 trace, an llm_request span per engine request with vLLM's gen_ai.* attribute names, and its
-queue / prefill / decode children in order. Without the packages, the flag fails clearly."""
+queue / prefill / decode children in order. Without the packages, the flag fails clearly;
+with them, a real server exports to an OTLP/HTTP receiver on loopback."""
 
 from __future__ import annotations
 
@@ -102,3 +103,69 @@ def test_missing_packages_is_a_clear_startup_error(tmp_path) -> None:
     )
     assert p.returncode == 1
     assert "pip install 'tessera[otel]'" in p.stderr
+
+
+def test_spans_reach_an_otlp_endpoint(start_server, tiny_llama_dir) -> None:
+    """A real `tessera serve --otlp-traces-endpoint` posting OTLP/HTTP protobuf to a receiver
+    on loopback: the request's server and llm_request spans arrive with its id."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            message = ExportTraceServiceRequest()
+            message.ParseFromString(body)
+            received.append(message)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{httpd.server_address[1]}/v1/traces"
+        server = start_server(
+            tiny_llama_dir, "--auth", "none", "--served-model-name", "tiny",
+            "--otlp-traces-endpoint", endpoint, env={"NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"},
+        )  # fmt: skip
+        import httpx
+
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+            headers={"X-Request-Id": "otlp-1"},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        server.stop()  # shutdown flushes the batch processor
+
+        def names() -> dict[str, dict]:
+            found = {}
+            for message in received:
+                for rs in message.resource_spans:
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            attrs = {a.key: a.value for a in span.attributes}
+                            if "gen_ai.request.id" in attrs:
+                                found[span.name] = attrs
+            return found
+
+        spans = names()
+        assert "POST /v1/completions" in spans and "llm_request" in spans, spans.keys()
+        llm = spans["llm_request"]
+        assert llm["gen_ai.request.id"].string_value == "otlp-1"
+        assert llm["gen_ai.usage.completion_tokens"].int_value == 2
+    finally:
+        httpd.shutdown()
+        thread.join(5)

@@ -71,16 +71,17 @@ class Principal:
     budget_period: str = "total"
     priority: int = 0
     is_admin: bool = False
-    # The key's tenant (api/services/tenants.py): the fair scheduler's share, the salt that
-    # keeps prefix-cache blocks apart (per key, or per tenant if it opted into sharing;
-    # never across tenants), whether the tenant has limits of its own (quotas then count
-    # its row too), and the tighter of the key's and tenant's maximum request duration.
+    # The key's tenant (api/services/tenants.py): the fair scheduler's unit and weight, the
+    # prefix-cache scope ("key": the key's own salt; "tenant": one salt for the tenant's
+    # keys; never across tenants), whether the tenant has limits of its own (quotas then
+    # count its row too), and the tighter of the key's and the tenant's maximum request
+    # duration in seconds (the API caps it with --request-timeout into the deadline).
     tenant_id: str | None = None
     tenant_name: str | None = None
     tenant_weight: float = 1.0
-    cache_salt: str | None = None
+    cache_scope: str = "key"
     tenant_limited: bool = False
-    max_request_seconds: float | None = None
+    request_timeout: float | None = None
 
     @property
     def has_limits(self) -> bool:
@@ -109,21 +110,10 @@ class Principal:
             tenant_id=record.tenant_id or None,
             tenant_name=tenant.name if tenant is not None else None,
             tenant_weight=tenant.weight if tenant is not None else 1.0,
-            cache_salt=cache_salt(record),
+            cache_scope=tenant.prefix_cache_scope if tenant is not None else "key",
             tenant_limited=tenant is not None and tenant.has_limits,
-            max_request_seconds=min(known) if known else None,
+            request_timeout=min(known) if known else None,
         )
-
-
-def cache_salt(record: KeyRecord) -> str:
-    """The prefix-cache salt of a key's requests: one per key, or one per tenant when the
-    tenant chose the `tenant` scope. A digest, so the engine never sees ids."""
-    tenant = record.tenant
-    if tenant is not None and tenant.prefix_cache_scope == "tenant":
-        scope = f"tenant:{tenant.id}"
-    else:
-        scope = f"key:{record.id}"
-    return hashlib.sha256(scope.encode()).hexdigest()[:32]
 
 
 ADMIN = Principal(key_id=None, key_name="admin", is_admin=True)

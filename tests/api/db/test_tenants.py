@@ -15,7 +15,7 @@ from litestar.di import NamedDependency
 from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 
-from api.auth import Principal, cache_salt
+from api.auth import Principal
 from api.db.models import Tenant
 from api.db.session import Database
 from api.errors import APIError
@@ -32,8 +32,8 @@ def whoami_tenant(principal: NamedDependency[Principal]) -> dict:
         "key_id": principal.key_id,
         "tenant_id": principal.tenant_id,
         "tenant_weight": principal.tenant_weight,
-        "cache_salt": principal.cache_salt,
-        "max_request_seconds": principal.max_request_seconds,
+        "cache_scope": principal.cache_scope,
+        "request_timeout": principal.request_timeout,
         "tenant_limited": principal.tenant_limited,
     }
 
@@ -77,12 +77,12 @@ async def test_tenant_crud_and_keys_in_it(client: AsyncTestClient) -> None:
     keys = (await client.get(f"/admin/v1/tenants/{tid}/keys", headers=AUTH)).json()["data"]
     assert sorted(k["name"] for k in keys) == ["a1", "a2"]
 
-    # The principal carries the tenant: weight, per-key salts (scope "key"), duration.
+    # The principal carries the tenant: weight, per-key cache scope, duration.
     a1 = await client.get("/v1/tenant", headers={"Authorization": f"Bearer {made[0]['key']}"})
     a2 = await client.get("/v1/tenant", headers={"Authorization": f"Bearer {made[1]['key']}"})
     p1, p2 = a1.json(), a2.json()
     assert p1["tenant_id"] == tid and p1["tenant_weight"] == 2.0 and p1["tenant_limited"]
-    assert p1["cache_salt"] != p2["cache_salt"]
+    assert p1["cache_scope"] == p2["cache_scope"] == "key"
 
     r = await client.patch(
         f"/admin/v1/tenants/{tid}",
@@ -100,12 +100,12 @@ async def test_tenant_crud_and_keys_in_it(client: AsyncTestClient) -> None:
     p2 = (
         await client.get("/v1/tenant", headers={"Authorization": f"Bearer {made[1]['key']}"})
     ).json()
-    assert p1["cache_salt"] == p2["cache_salt"]  # shared within the tenant...
+    assert p1["cache_scope"] == p2["cache_scope"] == "tenant"  # shared within the tenant...
     solo_p = (
         await client.get("/v1/tenant", headers={"Authorization": f"Bearer {solo['key']}"})
     ).json()
-    assert solo_p["cache_salt"] != p1["cache_salt"]  # ...never across tenants
-    assert (p1["max_request_seconds"], p2["max_request_seconds"]) == (10, 30)  # the tighter
+    assert solo_p["cache_scope"] == "key" and solo_p["tenant_id"] != p1["tenant_id"]
+    assert (p1["request_timeout"], p2["request_timeout"]) == (10, 30)  # the tighter
     assert p1["tenant_weight"] == 0.5 and not p1["tenant_limited"]
 
     # Moving a key to another tenant; unknown tenants are 404.
@@ -229,23 +229,33 @@ async def test_disabled_tenant_refused_at_admission(db: Database) -> None:
     assert err.value.status_code == 401
 
 
-def test_cache_salt_scope() -> None:
-    # Pure function of the record: per key unless the tenant shares.
+def test_principal_from_a_key_and_its_tenant() -> None:
+    """Scope and duration are pure functions of the records: the tenant's scope, and the
+    tighter of the two maximum durations."""
     from dataclasses import replace
+    from datetime import datetime
 
     from api.services.keys import KeyRecord
     from api.services.tenants import TenantRecord
 
-    now = __import__("datetime").datetime.now()
-    t = TenantRecord("t1", "t", 1.0, None, None, None, None, "total", 0, "key", None, now, None)
+    now = datetime.now()
+    t = TenantRecord("t1", "t", 2.0, None, None, None, None, "total", 0, "key", 60.0, now, None)
     k = KeyRecord("k1", "k", "tsr-", now, None, None, None, None, None, None, None, "total", 0,
                   0, {}, None, "t1", None, t)  # fmt: skip
-    k2 = replace(k, id="k2")
-    assert cache_salt(k) != cache_salt(k2)
-    shared = replace(t, prefix_cache_scope="tenant")
-    assert cache_salt(replace(k, tenant=shared)) == cache_salt(replace(k2, tenant=shared))
-    other = replace(shared, id="t2")
-    assert cache_salt(replace(k, tenant=shared)) != cache_salt(replace(k, tenant=other))
+    p = Principal.from_record(k)
+    assert (p.tenant_id, p.tenant_weight, p.cache_scope, p.request_timeout) == (
+        "t1",
+        2.0,
+        "key",
+        60,
+    )
+    assert not p.tenant_limited and not p.has_limits
+    shared = replace(t, prefix_cache_scope="tenant", token_budget=5)
+    p = Principal.from_record(replace(k, tenant=shared, max_request_seconds=5.0))
+    assert (p.cache_scope, p.request_timeout, p.tenant_limited, p.has_limits) == (
+        "tenant", 5.0, True, True)  # fmt: skip
+    p = Principal.from_record(replace(k, tenant=replace(t, max_request_seconds=None)))
+    assert p.request_timeout is None
 
 
 async def test_usage_by_tenant(client: AsyncTestClient, db: Database) -> None:

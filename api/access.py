@@ -35,6 +35,7 @@ from api.bootstrap import (
 from api.db.session import Database, redact
 from api.services.keys import KeyService
 from api.services.quotas import QuotaService
+from api.services.tenants import TenantService
 from api.services.usage import UsageRecorder
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Access:
             cache_ttl=KEY_CACHE_TTL_S,
         )
         self.keys = KeyService(self.db) if self.db is not None else None
+        self.tenants = TenantService(self.db) if self.db is not None else None
         self.recorder = UsageRecorder(self.db) if self.db is not None else None
         quotas = QuotaService(self.db) if self.db is not None else None
         self.accountant = Accountant(quotas, self.recorder, metrics)
@@ -79,6 +81,7 @@ class Access:
         }
         if self.keys is not None:
             entries["keys"] = self.keys
+            entries["tenants"] = self.tenants
             entries["usage_recorder"] = self.recorder
         return entries
 

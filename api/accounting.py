@@ -18,12 +18,14 @@ soon as the previous one completed never trips over its own parallel slot or res
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 from api.db.models import utcnow
+from api.request_context import bind_tenant, current_request_id
 from api.services.quotas import Lease, QuotaRefused
 from api.services.usage import UsageRecord
 
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from api.services.quotas import QuotaService
     from api.services.usage import UsageRecorder
     from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
 
 # Status recorded for a request whose client left before the response was complete.
 CLIENT_CLOSED = 499
@@ -51,6 +55,8 @@ class Ticket:
     submitted: float | None = None  # handed to the engine
     first_output: float | None = None  # the engine's first output for every prompt
     status_code: int | None = None  # set by the response path; None: derived from outputs
+    tenant_id: str | None = None
+    x_request_id: str | None = None  # the HTTP request's X-Request-Id (api/request_context.py)
     settled: bool = False
     release: asyncio.Future[None] | None = None
 
@@ -78,6 +84,7 @@ class Accountant:
         """Reserve the request's worst case against the key's limits; 429/503 otherwise."""
         arrived = time.monotonic() if arrived is None else arrived
         arrived_at = utcnow()
+        bind_tenant(principal.tenant_name)  # this request's log lines and spans name it
         if self.quotas is None:
             lease = Lease(principal.key_id, reserved_tokens)
         else:
@@ -87,7 +94,10 @@ class Accountant:
                 if self.metrics is not None:
                     self.metrics.rejected("quota", exc.reason)
                 raise
-        return Ticket(request_id, principal.key_id, model, lease, arrived, arrived_at)
+        ticket = Ticket(request_id, principal.key_id, model, lease, arrived, arrived_at)
+        ticket.tenant_id = principal.tenant_id
+        ticket.x_request_id = current_request_id()
+        return ticket
 
     def settle(
         self,
@@ -126,8 +136,14 @@ class Accountant:
                     queue_time=queue,
                     latency=now - ticket.arrived,
                     created_at=ticket.arrived_at,
+                    tenant_id=ticket.tenant_id,
+                    x_request_id=ticket.x_request_id,
                 )
             )
+        log.debug(
+            "request %s finished: status %s, %d prompt + %d completion tokens",
+            ticket.request_id, status, prompt_tokens, completion,
+        )  # fmt: skip
         self._release(ticket, prompt_tokens + completion)
 
     def _release(self, ticket: Ticket, used_tokens: int) -> None:

@@ -30,11 +30,13 @@ from api.affinity import AffinityHeaderMiddleware
 from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
+from api.request_context import RequestIdMiddleware
 from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.routes.openai import OpenAIController
 from api.routes.system import SystemController
 from api.settings import Settings
 from api.streaming import ClientDisconnected
+from api.tracing import Tracing
 from console import create_console_router
 from engine.errors import EngineDeadError, QueueFullError
 
@@ -57,13 +59,17 @@ def create_app(
     engine: Any | None = None,
     *,
     extra_route_handlers: Sequence[ControllerRouterHandler] = (),
+    tracing: Tracing | None = None,
 ) -> Litestar:
     """The app. Without `engine`, the lifespan loads one from `settings` and stops it on exit;
     a given engine is used as is and left running (its owner shuts it down).
 
-    `extra_route_handlers` mounts other parts."""
+    `extra_route_handlers` mounts other parts. `tracing` (api/tracing.py) adds OpenTelemetry
+    spans; it is shut down (flushed) with the app. Every response carries X-Request-Id
+    (api/request_context.py), 404s and errors included."""
     state = ServerState(settings, engine)
     metrics = Metrics(settings.model_name, max_model_len=settings.max_model_len or 1_000_000)
+    metrics.tracing = tracing
     access = Access(settings, metrics)
     handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
     if access.keys is not None:
@@ -71,7 +77,7 @@ def create_app(
     handlers.append(create_console_router())
     app_state = {"server": state, "engine_stats": lambda: engine_stats(state)}
     app_state.update(access.state_entries())
-    return Litestar(
+    app = Litestar(
         route_handlers=[*handlers, *extra_route_handlers],
         lifespan=[make_access_lifespan(access), make_lifespan(state)],
         state=State(app_state),
@@ -95,7 +101,12 @@ def create_app(
             components=Components(security_schemes={ADMIN_SECURITY_NAME: ADMIN_SECURITY_SCHEME}),
         ),
         debug=False,
+        logging_config=None,  # ours (api/logs.py); Litestar's would replace the root handler
+        on_shutdown=[tracing.shutdown] if tracing is not None else [],
     )
+    # Outermost, around Litestar's own exception handling, so that every response has it.
+    app.asgi_handler = RequestIdMiddleware(app.asgi_handler, tracing)
+    return app
 
 
 def engine_stats(state: ServerState) -> dict[str, Any]:

@@ -71,16 +71,32 @@ class Principal:
     budget_period: str = "total"
     priority: int = 0
     is_admin: bool = False
+    # The key's tenant (api/services/tenants.py): the fair scheduler's unit and weight, the
+    # prefix-cache scope ("key": the key's own salt; "tenant": one salt for the tenant's
+    # keys; never across tenants), whether the tenant has limits of its own (quotas then
+    # count its row too), and the tighter of the key's and the tenant's maximum request
+    # duration in seconds (the API caps it with --request-timeout into the deadline).
+    tenant_id: str | None = None
+    tenant_name: str | None = None
+    tenant_weight: float = 1.0
+    cache_scope: str = "key"
+    tenant_limited: bool = False
+    request_timeout: float | None = None
 
     @property
     def has_limits(self) -> bool:
-        return any(
+        return self.tenant_limited or any(
             v is not None
             for v in (self.rpm_limit, self.tpm_limit, self.max_parallel, self.token_budget)
         )
 
     @classmethod
     def from_record(cls, record: KeyRecord) -> Principal:
+        tenant = record.tenant
+        durations = [record.max_request_seconds]
+        if tenant is not None:
+            durations.append(tenant.max_request_seconds)
+        known = [d for d in durations if d is not None]
         return cls(
             key_id=record.id,
             key_name=record.name,
@@ -91,6 +107,12 @@ class Principal:
             token_budget=record.token_budget,
             budget_period=record.budget_period,
             priority=record.priority,
+            tenant_id=record.tenant_id or None,
+            tenant_name=tenant.name if tenant is not None else None,
+            tenant_weight=tenant.weight if tenant is not None else 1.0,
+            cache_scope=tenant.prefix_cache_scope if tenant is not None else "key",
+            tenant_limited=tenant is not None and tenant.has_limits,
+            request_timeout=min(known) if known else None,
         )
 
 
@@ -188,6 +210,8 @@ class Authenticator:
             raise invalid_api_key("This API key has expired.")
         if entry.grace_until is not None and entry.grace_until <= now:
             raise invalid_api_key("This API key was rotated and its grace period has ended.")
+        if record.tenant is not None and record.tenant.disabled_at is not None:
+            raise invalid_api_key("This API key's tenant has been disabled.")
         return Principal.from_record(record)
 
     async def _lookup(self, digest: str) -> _Entry:

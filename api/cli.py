@@ -3,6 +3,7 @@
     tessera serve [MODEL] [--host H] [--port P] [--api-key KEY] ...   (see --help)
     tessera bench serve --base-url http://127.0.0.1:8000 --num-prompts 100
     tessera keys ... / tessera db ...   (api/cli_db.py)
+    tessera tenants ...                 (api/cli_tenants.py)
 
 Shutdown: the first SIGTERM or SIGINT starts a drain (new requests get 503, in-flight ones
 may finish for --shutdown-timeout seconds, the rest are aborted), then the server stops the
@@ -63,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     try:  # keys/db subcommands live with the data layer; the CLI works without them
         from api.cli_db import add_db_parser, add_keys_parser
+        from api.cli_tenants import add_tenants_parser
     except ImportError:
         pass
     else:
         add_keys_parser(sub)
+        add_tenants_parser(sub)
         add_db_parser(sub)
     return parser
 
@@ -115,11 +118,15 @@ def serve(settings: Settings) -> int:
     """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
     database is not usable, the app failed to start, the engine failed to load or died."""
     from api.app import create_app
+    from api.logs import configure_logging
+    from api.tracing import TracingUnavailable, tracing_from_settings
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        tracing = tracing_from_settings(settings.otlp_traces_endpoint)
+    except TracingUnavailable as e:
+        print(f"tessera serve: {e}", file=sys.stderr)
+        return 1
     if not _database_ready(settings):
         return 1
     if settings.num_threads:
@@ -127,7 +134,7 @@ def serve(settings: Settings) -> int:
 
         torch.set_num_threads(settings.num_threads)
 
-    app = create_app(settings)
+    app = create_app(settings, tracing=tracing)
     state = app.state.server
     config = uvicorn.Config(
         app,
@@ -135,6 +142,7 @@ def serve(settings: Settings) -> int:
         port=settings.port,
         loop=_loop_name(),
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through ours (api/logs.py): one format
         timeout_graceful_shutdown=5,  # after our own drain, only idle connections remain
         lifespan="on",
     )

@@ -3,8 +3,9 @@
     tessera keys create NAME [--allowed-models a,b] [--rpm N] [--tpm N] [--max-parallel N]
                              [--token-budget N] [--budget-period day|month|total]
                              [--priority N] [--expires-at ISO | --expires-in-days D]
-                             [--metadata JSON] [--json]
-    tessera keys list [--active] [--json]
+                             [--metadata JSON] [--tenant ID] [--max-request-seconds S]
+                             [--json]
+    tessera keys list [--active] [--tenant ID] [--json]
     tessera keys revoke ID [ID ...]
     tessera keys rotate ID [--grace-seconds S] [--json]
     tessera db upgrade | current | check
@@ -17,7 +18,7 @@ database first and refuse an un-migrated Postgres, naming `tessera db upgrade`.
 The CLI module wires them in with:
 
     sub = parser.add_subparsers(dest="command")
-    add_subcommands(sub)            # adds "keys" and "db"
+    add_subcommands(sub)            # adds "keys", "tenants" (api/cli_tenants.py) and "db"
     args = parser.parse_args()
     return args.handler(args)       # (also set as args.func) exit status: 0 ok, 1 failure, 2 bad input
 """
@@ -41,6 +42,7 @@ from api.db.migrate import head_revisions, schema_drift
 from api.db.session import Database, SchemaOutOfDate, default_database_url, redact
 from api.schemas.admin import key_info
 from api.services.keys import BUDGET_PERIODS, KeyNotFound, KeyRecord, KeyService
+from api.services.tenants import TenantNotFound
 
 
 def default_data_dir() -> Path:
@@ -103,6 +105,16 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _models(text: str) -> list[str]:
     return [m.strip() for m in text.split(",") if m.strip()]
 
@@ -127,10 +139,17 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     expiry.add_argument("--expires-at", type=_datetime, help="ISO 8601 (UTC if no offset)")
     expiry.add_argument("--expires-in-days", type=float, help="expire this many days from now")
     create.add_argument("--metadata", type=_json_object, default=None, help="a JSON object")
+    create.add_argument(
+        "--tenant", dest="tenant_id", default=None, help="tenant id (default: one of its own)"
+    )
+    create.add_argument(
+        "--max-request-seconds", type=_seconds, default=None, help="longest a request may run"
+    )
     create.add_argument("--json", action="store_true", help="print the key as JSON")
 
     listing = actions.add_parser("list", help="list keys (never their secrets)")
     listing.add_argument("--active", action="store_true", help="hide revoked keys")
+    listing.add_argument("--tenant", dest="tenant_id", default=None, help="only this tenant's")
     listing.add_argument("--json", action="store_true", help="print JSON")
 
     revoke = actions.add_parser("revoke", help="revoke keys by id")
@@ -167,7 +186,10 @@ def add_db_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_subcommands(subparsers: Any) -> None:
+    from api.cli_tenants import add_tenants_parser  # it builds on this module's helpers
+
     add_keys_parser(subparsers)
+    add_tenants_parser(subparsers)
     add_db_parser(subparsers)
 
 
@@ -219,7 +241,7 @@ def _run(
 
     try:
         asyncio.run(main())
-    except (ValueError, KeyNotFound) as exc:
+    except (ValueError, KeyNotFound, TenantNotFound) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     except SchemaOutOfDate as exc:
@@ -268,6 +290,8 @@ async def _keys_create(keys: KeyService, args: argparse.Namespace, out: TextIO) 
         priority=args.priority,
         expires_at=expires,
         metadata=args.metadata,
+        tenant_id=args.tenant_id,
+        max_request_seconds=args.max_request_seconds,
     )
     _print_secret(record, plaintext, args.json, out, "Created")
 
@@ -302,18 +326,19 @@ def _when(value: datetime | None) -> str:
 
 
 async def _keys_list(keys: KeyService, args: argparse.Namespace, out: TextIO) -> None:
-    records = await keys.list(include_revoked=not args.active)
+    records = await keys.list(include_revoked=not args.active, tenant_id=args.tenant_id)
     if args.json:
         print(json.dumps([_info(r) for r in records], indent=2), file=out)
         return
     if not records:
         print("No API keys. Create one with `tessera keys create NAME`.", file=out)
         return
-    rows = [("ID", "NAME", "PREFIX", "CREATED", "EXPIRES", "REVOKED", "LIMITS")]
+    rows = [("ID", "NAME", "TENANT", "PREFIX", "CREATED", "EXPIRES", "REVOKED", "LIMITS")]
     rows += [
         (
             r.id,
             r.name,
+            r.tenant.name if r.tenant is not None else r.tenant_id,
             r.key_prefix + "…",
             _when(r.created_at),
             _when(r.expires_at),
@@ -322,6 +347,10 @@ async def _keys_list(keys: KeyService, args: argparse.Namespace, out: TextIO) ->
         )
         for r in records
     ]
+    print_table(rows, out)
+
+
+def print_table(rows: list[tuple[str, ...]], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(

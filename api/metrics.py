@@ -22,6 +22,7 @@ registry unless one is passed in.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from api.request_context import RequestRef, snapshot
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -80,6 +83,8 @@ class _Live:
 
     started: float  # time.monotonic()
     key_name: str | None
+    ref: RequestRef | None = None  # X-Request-Id, tenant, trace context (api/request_context.py)
+    first_token_at: float | None = None
     last_token: float | None = None
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -155,6 +160,7 @@ class Metrics:
         self._stats: Callable[[], EngineStats | None] = stats or (lambda: None)
         self.has_stats = stats is not None
         self._live: dict[str, _Live] = {}
+        self.tracing: Any = None  # api.tracing.Tracing: an llm_request span per finished request
         registry.register(_EngineCollector(model_name, lambda: self._stats()))
         m = ["model_name"]
 
@@ -224,13 +230,15 @@ class Metrics:
     # -- the request path -----------------------------------------------------------------------
 
     def request_started(self, request_id: str, key_name: str | None = None) -> None:
-        self._live[request_id] = _Live(started=time.monotonic(), key_name=key_name)
+        # Called in the HTTP request's task: its ids (and trace context) are the current ones.
+        trace_context = self.tracing.current_context() if self.tracing is not None else None
+        self._live[request_id] = _Live(time.monotonic(), key_name, snapshot(trace_context))
 
     def first_token(self, request_id: str) -> None:
         live = self._live.get(request_id)
         if live is None or live.last_token is not None:
             return
-        live.last_token = time.monotonic()
+        live.last_token = live.first_token_at = time.monotonic()
         self.ttft.labels(self.model_name).observe(live.last_token - live.started)
 
     def tokens(self, request_id: str, n: int) -> None:
@@ -268,7 +276,11 @@ class Metrics:
         live = self._live.pop(request_id, None)
         if live is not None:
             key_name = key_name or live.key_name
-            self.e2e.labels(self.model_name).observe(time.monotonic() - live.started)
+            finished = time.monotonic()
+            self.e2e.labels(self.model_name).observe(finished - live.started)
+            if self.tracing is not None and live.ref is not None:
+                self._trace(request_id, live, finished, finished_reason, prompt_tokens,
+                            generation_tokens, queue_time)  # fmt: skip
         self.request_success.labels(self.model_name, finished_reason).inc()
         self.prompt_len.labels(self.model_name).observe(prompt_tokens)
         self.generation_len.labels(self.model_name).observe(generation_tokens)
@@ -312,6 +324,26 @@ class Metrics:
 
     def http_request(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
+
+    def _trace(
+        self, request_id: str, live: _Live, finished: float, reason: str, prompt: int,
+        generated: int, queue_time: float | None,
+    ) -> None:  # fmt: skip
+        from api.tracing import FinishedRequest
+
+        assert live.ref is not None
+        done = FinishedRequest(request_id, live.ref, self.model_name, live.started,
+                               live.first_token_at, finished, queue_time, prompt, generated,
+                               reason)  # fmt: skip
+        try:
+            self.tracing.request_finished(done)
+        except Exception:  # noqa: BLE001 - a tracing failure must not fail the request
+            logging.getLogger(__name__).exception("could not record the span of %s", request_id)
+
+    def request_ref(self, request_id: str) -> RequestRef | None:
+        """The X-Request-Id and tenant of an engine request in flight (the console)."""
+        live = self._live.get(request_id)
+        return live.ref if live is not None else None
 
     def key_name(self, request_id: str) -> str | None:
         """The API key name of a request in flight, if the request path gave one."""

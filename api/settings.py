@@ -116,6 +116,16 @@ class Settings:
     log_level: str = _flag(
         "Log level.", "info", str, choices=("critical", "error", "warning", "info", "debug")
     )
+    log_format: str = _flag(
+        "Log lines as text, or as JSON objects (ts, level, logger, msg, request_id, tenant).",
+        "text",
+        str,
+        choices=("text", "json"),
+    )
+    otlp_traces_endpoint: str | None = _flag(
+        "Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. "
+        "http://localhost:4318/v1/traces); needs the `otel` extra."
+    )
     num_threads: int | None = _flag(
         "torch intra-op threads (default: torch's choice, usually one per core).", None, _opt_int
     )

@@ -1,4 +1,5 @@
-"""The requests page: what runs and what waits, with an abort button per request.
+"""The requests page: what runs and what waits (with each one's X-Request-Id and tenant),
+an abort button per request, and the queue counted by tenant.
 
 GET  /console/requests                     page; the table alone for htmx (polled every 2 s)
 POST /console/requests/{request_id}/abort  abort it (its blocks are freed), then the table
@@ -22,6 +23,8 @@ class RequestRow:
     request_id: str
     status: str
     key_name: str | None
+    x_request_id: str | None  # the HTTP request's X-Request-Id (logs, usage rows, traces)
+    tenant: str | None
     prompt_tokens: int
     output_tokens: int
     blocks: int
@@ -38,20 +41,40 @@ async def request_rows(app: Any) -> list[RequestRow] | None:
         return None
     metrics = metrics_of(app)
     now = time.monotonic()
-    rows = [
-        RequestRow(
+    rows = []
+    for i in infos:
+        ref = metrics.request_ref(i.request_id) if metrics is not None else None
+        row = RequestRow(
             request_id=i.request_id,
             status=i.status,
             key_name=metrics.key_name(i.request_id) if metrics is not None else None,
+            x_request_id=ref.x_request_id if ref is not None else None,
+            tenant=(ref.tenant if ref is not None else None) or i.tenant,
             prompt_tokens=i.num_prompt_tokens,
             output_tokens=i.num_output_tokens,
             blocks=i.num_blocks,
             age_s=now - i.arrival_time,
         )
-        for i in infos
-    ]
+        rows.append(row)
     rows.sort(key=lambda r: (r.status != "running", -r.age_s))
     return rows
+
+
+@dataclass(slots=True, frozen=True)
+class TenantQueue:
+    tenant: str
+    running: int
+    waiting: int
+
+
+def queue_by_tenant(rows: list[RequestRow]) -> list[TenantQueue]:
+    """Running and waiting requests per tenant, the most waiting first."""
+    counts: dict[str, list[int]] = {}
+    for r in rows:
+        c = counts.setdefault(r.tenant or "—", [0, 0])
+        c[0 if r.status == "running" else 1] += 1
+    queues = [TenantQueue(t, run, wait) for t, (run, wait) in counts.items()]
+    return sorted(queues, key=lambda q: (-q.waiting, -q.running, q.tenant))
 
 
 class RequestsController(Controller):
@@ -78,5 +101,6 @@ class RequestsController(Controller):
             "loading": engine_of(request.app) is None,
             "running": sum(r.status == "running" for r in rows or []),
             "waiting": sum(r.status == "waiting" for r in rows or []),
+            "by_tenant": queue_by_tenant(rows or []),
         }
         return page(request, "requests.html", "_requests.html", context)

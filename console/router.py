@@ -19,6 +19,7 @@ from console.keys import KeysController
 from console.render import STATIC_DIR
 from console.requests import RequestsController
 from console.settings_page import SettingsController
+from console.tenants import TenantsController
 from console.usage import UsageController
 
 
@@ -39,6 +40,7 @@ def create_console_router(path: str = "/console") -> Router:
             DashboardController,
             RequestsController,
             KeysController,
+            TenantsController,
             UsageController,
             SettingsController,
             static,

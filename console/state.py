@@ -2,7 +2,8 @@
 
 The app provides (api/app.py): `state.server` (api.lifespan.ServerState: settings, engine —
 None while the model loads), `state.keys` (api.services.keys.KeyService; absent without a
-database), `state.authenticator` (dropped caches after key edits), `state.metrics`
+database), `state.tenants` (api.services.tenants.TenantService; likewise),
+`state.authenticator` (dropped caches after key edits), `state.metrics`
 (api.metrics.Metrics: API-key names of requests in flight). A plain `state.engine` /
 `state.settings` works too, for apps without a ServerState.
 
@@ -115,6 +116,10 @@ def engine_of(app: Any) -> Any | None:
 
 def keys_of(app: Any) -> Any | None:
     return app.state.get("keys")
+
+
+def tenants_of(app: Any) -> Any | None:
+    return app.state.get("tenants")
 
 
 def metrics_of(app: Any) -> Any | None:

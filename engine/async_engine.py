@@ -256,6 +256,7 @@ class AsyncEngine:
                         if status == "running"
                         else 0,
                         arrival_time=r.arrival_time,
+                        tenant=getattr(r, "tenant", None),
                     )
                 )
         return infos

@@ -17,6 +17,7 @@ class RequestInfo:
     num_output_tokens: int
     num_blocks: int
     arrival_time: float  # time.monotonic() of arrival
+    tenant: str | None = None  # the tenant the request was submitted for, if any
 
 
 @dataclass(slots=True, frozen=True)

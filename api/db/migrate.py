@@ -58,6 +58,10 @@ def upgrade_to_head(url: URL) -> None:
     command.upgrade(alembic_config(url), "head")
 
 
+def upgrade_to(url: URL, revision: str) -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
 def downgrade_to(url: URL, revision: str) -> None:
     command.downgrade(alembic_config(url), revision)
 

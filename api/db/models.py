@@ -1,6 +1,11 @@
 """SQLAlchemy 2.0 models: API keys, quota leases and the usage ledger.
 
 Tables
+    tenants         one row per tenant (team): its scheduling weight, prefix-cache scope,
+                    maximum request duration and its own budget / rpm / tpm / parallel
+                    limits, counted like a key's (`budget_used`, `budget_period_start`).
+                    Every key belongs to exactly one tenant; a key created without one
+                    gets a tenant of its own (same id as the key).
     api_keys        one row per issued key. Only the SHA-256 hex digest of the secret and a
                     short display prefix are stored, never the secret. `previous_digest`
                     keeps the pre-rotation secret valid until `previous_valid_until`.
@@ -11,7 +16,10 @@ Tables
                     held while `released_at IS NULL AND expires_at > now`, so a process that
                     dies cannot leak it past the lease TTL. Times are epoch seconds (float)
                     so window arithmetic is identical on SQLite and Postgres.
-    usage_records   the append-only ledger, one row per request.
+                    `tenant_id` is set when the key's tenant has limits (its windows count
+                    the rows of all its keys).
+    usage_records   the append-only ledger, one row per request, with the tenant it was
+                    charged to and the client's X-Request-Id.
 
 Any change here needs a migration in migrations/versions (the test suite fails on drift).
 """
@@ -65,6 +73,26 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    weight: Mapped[float] = mapped_column(Double(), default=1.0)
+    rpm_limit: Mapped[int | None] = mapped_column(Integer())
+    tpm_limit: Mapped[int | None] = mapped_column(BigInteger())
+    max_parallel: Mapped[int | None] = mapped_column(Integer())
+    token_budget: Mapped[int | None] = mapped_column(BigInteger())
+    budget_period: Mapped[str] = mapped_column(String(8), default="total")
+    budget_used: Mapped[int] = mapped_column(BigInteger(), default=0)
+    budget_period_start: Mapped[float | None] = mapped_column(Double())
+    # "key": each key's prompts hash apart; "tenant": the tenant's keys share cached blocks.
+    prefix_cache_scope: Mapped[str] = mapped_column(String(8), default="key")
+    max_request_seconds: Mapped[float | None] = mapped_column(Double())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
 
@@ -86,16 +114,22 @@ class ApiKey(Base):
     budget_used: Mapped[int] = mapped_column(BigInteger(), default=0)
     budget_period_start: Mapped[float | None] = mapped_column(Double())
     priority: Mapped[int] = mapped_column(Integer(), default=0)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    max_request_seconds: Mapped[float | None] = mapped_column(Double())
     # `metadata` is reserved on declarative classes; the column keeps the public name.
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON())
 
 
 class QuotaLease(Base):
     __tablename__ = "quota_leases"
-    __table_args__ = (Index("ix_quota_leases_key_id_created_at", "key_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_quota_leases_key_id_created_at", "key_id", "created_at"),
+        Index("ix_quota_leases_tenant_id_created_at", "tenant_id", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[float] = mapped_column(Double())
     expires_at: Mapped[float] = mapped_column(Double())
     reserved_tokens: Mapped[int] = mapped_column(BigInteger())
@@ -105,12 +139,18 @@ class QuotaLease(Base):
 
 class UsageRow(Base):
     __tablename__ = "usage_records"
-    __table_args__ = (Index("ix_usage_records_key_id_created_at", "key_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_usage_records_key_id_created_at", "key_id", "created_at"),
+        Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     request_id: Mapped[str] = mapped_column(String(128), index=True)
+    # The client's X-Request-Id (or the one the server generated): logs and traces carry it.
+    x_request_id: Mapped[str | None] = mapped_column(String(128), index=True)
     # No foreign key: the ledger outlives keys and also records static/none-mode traffic.
     key_id: Mapped[str | None] = mapped_column(String(32))
+    tenant_id: Mapped[str | None] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(200))
     prompt_tokens: Mapped[int] = mapped_column(Integer())
     completion_tokens: Mapped[int] = mapped_column(Integer())

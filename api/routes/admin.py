@@ -2,15 +2,23 @@
 
     POST   /admin/v1/keys                 create -> 201 KeyWithSecret (the only time `key` shows)
     GET    /admin/v1/keys                 list (no secrets); ?include_revoked=false to hide revoked
+                                          (a key created with `tenant_id` joins that tenant,
+                                          else it gets a tenant of its own)
     GET    /admin/v1/keys/{id}            one key
     PATCH  /admin/v1/keys/{id}            change fields; null = unlimited
     DELETE /admin/v1/keys/{id}            revoke (200, the revoked key)
     POST   /admin/v1/keys/{id}/rotate     new secret -> 200 KeyWithSecret; old one valid for
                                           {"grace_seconds"} (default 3600)
-    GET    /admin/v1/usage                ?key_id=&since=&until=&group_by=day|hour
+    POST   /admin/v1/tenants              create -> 201 TenantInfo
+    GET    /admin/v1/tenants              list; ?include_disabled=false to hide disabled ones
+    GET    /admin/v1/tenants/{id}         one tenant
+    PATCH  /admin/v1/tenants/{id}         change weight, limits, scope, name; disabled: bool
+    DELETE /admin/v1/tenants/{id}         disable (200, the tenant): its keys are refused
+    GET    /admin/v1/tenants/{id}/keys    its keys (no secrets)
+    GET    /admin/v1/usage                ?key_id=&tenant_id=&since=&until=&group_by=day|hour
     GET    /admin/v1/engine               engine state (running/waiting, KV usage)
 
-Needs on app.state: `keys` (KeyService), `authenticator` (Authenticator; its cache is
+Needs on app.state: `keys` (KeyService), `tenants` (TenantService), `authenticator` (Authenticator; its cache is
 dropped after every change so this replica applies edits at once, other replicas within
 the cache TTL) and `engine_stats` (a zero-argument callable returning a dict). They are
 read as `state["keys"]`: `state.keys` is State's own Mapping method. Errors are
@@ -41,12 +49,18 @@ from api.schemas.admin import (
     KeyRotate,
     KeyUpdate,
     KeyWithSecret,
+    TenantCreate,
+    TenantInfo,
+    TenantList,
+    TenantUpdate,
     UsageReport,
     key_info,
     key_with_secret,
+    tenant_info,
     usage_item,
 )
 from api.services.keys import GROUP_BY, KeyNotFound, KeyService
+from api.services.tenants import TenantNotFound, TenantService
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +76,10 @@ def not_found(key_id: str) -> APIError:
     return APIError(404, f"No API key with id `{key_id}`.", code="not_found", param="id")
 
 
+def tenant_not_found(tenant_id: str, param: str = "id") -> APIError:
+    return APIError(404, f"No tenant with id `{tenant_id}`.", code="not_found", param=param)
+
+
 class AdminController(Controller):
     path = "/admin/v1"
     guards = [require_admin]
@@ -72,7 +90,7 @@ class AdminController(Controller):
     async def create_key(self, state: State, data: JSONBody[KeyCreate]) -> KeyWithSecret:
         fields = msgspec.structs.asdict(data)
         name = fields.pop("name")
-        record, plaintext = await _call(_keys(state).create(name, **fields))
+        record, plaintext = await _call(_keys(state).create(name, **fields), None, "tenant_id")
         return key_with_secret(record, plaintext)
 
     @get("/keys", summary="List API keys (never their secrets)")
@@ -91,7 +109,7 @@ class AdminController(Controller):
     async def update_key(
         self, state: State, key_id: FromPath[str], data: JSONBody[KeyUpdate]
     ) -> KeyInfo:
-        record = await _call(_keys(state).update(key_id, **data.changes()), key_id)
+        record = await _call(_keys(state).update(key_id, **data.changes()), key_id, "tenant_id")
         _changed(state)
         return key_info(record)
 
@@ -110,6 +128,47 @@ class AdminController(Controller):
         _changed(state)
         return key_with_secret(record, plaintext)
 
+    @post("/tenants", status_code=201, summary="Create a tenant")
+    async def create_tenant(self, state: State, data: JSONBody[TenantCreate]) -> TenantInfo:
+        fields = msgspec.structs.asdict(data)
+        name = fields.pop("name")
+        return tenant_info(await _call(_tenants(state).create(name, **fields)))
+
+    @get("/tenants", summary="List tenants")
+    async def list_tenants(
+        self, state: State, include_disabled: FromQuery[bool] = True
+    ) -> TenantList:
+        records = await _call(_tenants(state).list(include_disabled=include_disabled))
+        return TenantList(data=[tenant_info(r) for r in records])
+
+    @get("/tenants/{tenant_id:str}", summary="Get a tenant")
+    async def get_tenant(self, state: State, tenant_id: FromPath[str]) -> TenantInfo:
+        record = await _call(_tenants(state).get(tenant_id))
+        if record is None:
+            raise tenant_not_found(tenant_id)
+        return tenant_info(record)
+
+    @patch("/tenants/{tenant_id:str}", summary="Change a tenant's weight, limits or scope")
+    async def update_tenant(
+        self, state: State, tenant_id: FromPath[str], data: JSONBody[TenantUpdate]
+    ) -> TenantInfo:
+        record = await _call(_tenants(state).update(tenant_id, **data.changes()))
+        _changed(state)
+        return tenant_info(record)
+
+    @delete("/tenants/{tenant_id:str}", status_code=200, summary="Disable a tenant")
+    async def disable_tenant(self, state: State, tenant_id: FromPath[str]) -> TenantInfo:
+        record = await _call(_tenants(state).disable(tenant_id))
+        _changed(state)
+        return tenant_info(record)
+
+    @get("/tenants/{tenant_id:str}/keys", summary="A tenant's API keys (never their secrets)")
+    async def tenant_keys(self, state: State, tenant_id: FromPath[str]) -> KeyList:
+        if await _call(_tenants(state).get(tenant_id)) is None:
+            raise tenant_not_found(tenant_id)
+        records = await _call(_keys(state).list(tenant_id=tenant_id))
+        return KeyList(data=[key_info(r) for r in records])
+
     @get("/usage", summary="Usage per key and per day or hour (UTC)")
     async def usage(
         self,
@@ -118,11 +177,14 @@ class AdminController(Controller):
         since: Annotated[datetime | None, QueryParameter(description="inclusive, RFC 3339")] = None,
         until: Annotated[datetime | None, QueryParameter(description="exclusive, RFC 3339")] = None,
         group_by: Annotated[str, QueryParameter(description="day or hour (UTC)")] = "day",
+        tenant_id: FromQuery[str | None] = None,
     ) -> UsageReport:
         if group_by not in GROUP_BY:
             raise invalid_request("group_by must be `day` or `hour`.", param="group_by")
         buckets = await _call(
-            _keys(state).usage(key_id=key_id, since=since, until=until, group_by=group_by)
+            _keys(state).usage(
+                key_id=key_id, since=since, until=until, group_by=group_by, tenant_id=tenant_id
+            )
         )
         return UsageReport(
             group_by=group_by, since=since, until=until, data=[usage_item(b) for b in buckets]
@@ -138,18 +200,24 @@ def _keys(state: State) -> KeyService:
     return state["keys"]
 
 
+def _tenants(state: State) -> TenantService:
+    return state["tenants"]
+
+
 def _changed(state: State) -> None:
     authenticator = state.get("authenticator")
     if authenticator is not None:
         authenticator.invalidate()
 
 
-async def _call(awaitable: Any, key_id: str | None = None) -> Any:
+async def _call(awaitable: Any, key_id: str | None = None, tenant_param: str = "id") -> Any:
     """Service errors -> HTTP errors: unknown id 404, bad input 400, database down 503."""
     try:
         return await awaitable
     except KeyNotFound:
         raise not_found(key_id or "") from None
+    except TenantNotFound as exc:
+        raise tenant_not_found(exc.tenant_id, tenant_param) from None
     except ValueError as exc:
         raise invalid_request(str(exc)) from None
     except DB_ERRORS as exc:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from api.services.keys import KeyRecord, UsageBucket
+from api.services.tenants import TenantRecord
 
 Limit = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 BigLimit = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
@@ -19,6 +20,10 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Priority = Annotated[int, msgspec.Meta(ge=-1000, le=1000)]
 BudgetPeriod = Literal["day", "month", "total"]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+Weight = Annotated[float, msgspec.Meta(gt=0, le=1000)]
+CacheScope = Literal["key", "tenant"]
+TenantId = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
 UNSET = msgspec.UNSET
 
 
@@ -33,6 +38,8 @@ class KeyCreate(msgspec.Struct, forbid_unknown_fields=True):
     priority: Priority = 0
     expires_at: datetime | None = None
     metadata: dict[str, Any] | None = None
+    tenant_id: TenantId | None = None  # None: a tenant of the key's own
+    max_request_seconds: Seconds | None = None
 
 
 class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
@@ -48,13 +55,90 @@ class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
     priority: Priority | msgspec.UnsetType = UNSET
     expires_at: datetime | None | msgspec.UnsetType = UNSET
     metadata: dict[str, Any] | None | msgspec.UnsetType = UNSET
+    tenant_id: TenantId | msgspec.UnsetType = UNSET
+    max_request_seconds: Seconds | None | msgspec.UnsetType = UNSET
 
     def changes(self) -> dict[str, Any]:
-        return {
-            f: getattr(self, f)
-            for f in self.__struct_fields__
-            if getattr(self, f) is not msgspec.UNSET
-        }
+        return _changes(self)
+
+
+def _changes(body: msgspec.Struct) -> dict[str, Any]:
+    return {
+        f: getattr(body, f) for f in body.__struct_fields__ if getattr(body, f) is not msgspec.UNSET
+    }
+
+
+class TenantCreate(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    weight: Weight = 1.0
+    rpm_limit: Limit | None = None
+    tpm_limit: BigLimit | None = None
+    max_parallel: Limit | None = None
+    token_budget: BigLimit | None = None
+    budget_period: BudgetPeriod = "total"
+    prefix_cache_scope: CacheScope = "key"
+    max_request_seconds: Seconds | None = None
+
+
+class TenantUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    """PATCH body: only the fields present change; an explicit null means unlimited."""
+
+    name: Name | msgspec.UnsetType = UNSET
+    weight: Weight | msgspec.UnsetType = UNSET
+    rpm_limit: Limit | None | msgspec.UnsetType = UNSET
+    tpm_limit: BigLimit | None | msgspec.UnsetType = UNSET
+    max_parallel: Limit | None | msgspec.UnsetType = UNSET
+    token_budget: BigLimit | None | msgspec.UnsetType = UNSET
+    budget_period: BudgetPeriod | msgspec.UnsetType = UNSET
+    prefix_cache_scope: CacheScope | msgspec.UnsetType = UNSET
+    max_request_seconds: Seconds | None | msgspec.UnsetType = UNSET
+    disabled: bool | msgspec.UnsetType = UNSET
+
+    def changes(self) -> dict[str, Any]:
+        return _changes(self)
+
+
+class TenantInfo(msgspec.Struct):
+    id: str
+    object: str
+    name: str
+    weight: float
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel: int | None
+    token_budget: int | None
+    budget_period: str
+    budget_used: int
+    prefix_cache_scope: str
+    max_request_seconds: float | None
+    created_at: datetime
+    disabled_at: datetime | None
+    keys: int
+
+
+class TenantList(msgspec.Struct):
+    data: list[TenantInfo]
+    object: str = "list"
+
+
+def tenant_info(r: TenantRecord) -> TenantInfo:
+    return TenantInfo(
+        id=r.id,
+        object="tenant",
+        name=r.name,
+        weight=r.weight,
+        rpm_limit=r.rpm_limit,
+        tpm_limit=r.tpm_limit,
+        max_parallel=r.max_parallel,
+        token_budget=r.token_budget,
+        budget_period=r.budget_period,
+        budget_used=r.budget_used,
+        prefix_cache_scope=r.prefix_cache_scope,
+        max_request_seconds=r.max_request_seconds,
+        created_at=r.created_at,
+        disabled_at=r.disabled_at,
+        keys=r.keys,
+    )
 
 
 class KeyRotate(msgspec.Struct, forbid_unknown_fields=True):
@@ -80,6 +164,8 @@ class KeyInfo(msgspec.Struct):
     priority: int
     metadata: dict[str, Any]
     previous_key_valid_until: datetime | None
+    tenant_id: str
+    max_request_seconds: float | None
 
 
 class KeyWithSecret(KeyInfo):
@@ -140,6 +226,8 @@ def _key_fields(r: KeyRecord) -> dict[str, Any]:
         "priority": r.priority,
         "metadata": r.metadata,
         "previous_key_valid_until": r.previous_valid_until,
+        "tenant_id": r.tenant_id,
+        "max_request_seconds": r.max_request_seconds,
     }
 
 

@@ -1,18 +1,23 @@
-"""API key settings: what a caller may set on a key, its validation and budget periods.
+"""API key and tenant settings: what a caller may set, its validation and budget periods.
 
-validate_fields() is shared by the admin API, the CLI and KeyService: it raises ValueError
-with a message a user can act on, and returns the settings normalised.
+validate_fields() (keys) and validate_tenant_fields() (tenants) are shared by the admin API,
+the CLI and the services: they raise ValueError with a message a user can act on, and
+return the settings normalised.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 BUDGET_PERIODS = ("day", "month", "total")
 MAX_METADATA_BYTES = 16 * 1024
 MAX_PRIORITY = 1000
+MAX_WEIGHT = 1000.0
+MAX_REQUEST_SECONDS = 7 * 86400
+PREFIX_CACHE_SCOPES = ("key", "tenant")
 _INT32 = 2**31 - 1
 _INT63 = 2**63 - 1
 
@@ -27,6 +32,20 @@ KEY_FIELDS: dict[str, Any] = {
     "priority": 0,
     "expires_at": None,
     "metadata": None,
+    "tenant_id": None,  # None on create: a tenant of the key's own
+    "max_request_seconds": None,
+}
+
+# Fields a caller may set on a tenant, with their defaults.
+TENANT_FIELDS: dict[str, Any] = {
+    "weight": 1.0,
+    "rpm_limit": None,
+    "tpm_limit": None,
+    "max_parallel": None,
+    "token_budget": None,
+    "budget_period": "total",
+    "prefix_cache_scope": "key",
+    "max_request_seconds": None,
 }
 
 
@@ -76,7 +95,59 @@ def validate_fields(changes: dict[str, Any]) -> dict[str, Any]:
             out[field] = aware(value) if value is not None else None
         elif field == "metadata":
             out[field] = _metadata(value)
+        elif field == "tenant_id":
+            if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 32):
+                raise ValueError("tenant_id must be a tenant's id")
+            out[field] = value
+        elif field == "max_request_seconds":
+            out[field] = _duration(value)
     return out
+
+
+def validate_tenant_fields(changes: dict[str, Any]) -> dict[str, Any]:
+    """Check tenant settings; returns them normalised. Unknown fields are an error."""
+    unknown = sorted(set(changes) - set(TENANT_FIELDS) - {"name", "disabled"})
+    if unknown:
+        raise ValueError(f"unknown tenant field(s): {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for field, value in changes.items():
+        if field == "weight":
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or not 0 < value <= MAX_WEIGHT
+            ):
+                raise ValueError(f"weight must be a number above 0 and at most {MAX_WEIGHT:g}")
+            out[field] = float(value)
+        elif field == "prefix_cache_scope":
+            if value not in PREFIX_CACHE_SCOPES:
+                raise ValueError("prefix_cache_scope must be `key` or `tenant`")
+            out[field] = value
+        elif field == "disabled":
+            if not isinstance(value, bool):
+                raise ValueError("disabled must be true or false")
+            out[field] = value
+        elif field in ("name", "rpm_limit", "tpm_limit", "max_parallel", "token_budget",
+                       "budget_period", "max_request_seconds"):  # fmt: skip
+            out.update(validate_fields({field: value}))
+    return out
+
+
+def _duration(value: Any) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_REQUEST_SECONDS
+    ):
+        raise ValueError(
+            f"max_request_seconds must be a number of seconds above 0 and at most "
+            f"{MAX_REQUEST_SECONDS}, or null (no limit)"
+        )
+    return float(value)
 
 
 def aware(value: datetime) -> datetime:

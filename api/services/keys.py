@@ -10,6 +10,7 @@ Interface:
     await keys.revoke(key_id) -> KeyRecord                  # idempotent
     await keys.rotate(key_id, grace_seconds=3600) -> (KeyRecord, plaintext)
     await keys.find_by_digest(digest) -> (KeyRecord, grace_until | None) | None
+    await keys.list(tenant_id=...)                          # the keys of one tenant
     await keys.usage(key_id=, since=, until=, group_by="day"|"hour") -> list[UsageBucket]
     await keys.ensure_bootstrap(name="default") -> plaintext | None   # first key, once
 
@@ -18,6 +19,9 @@ for bad input. A key is `tsr-` + secrets.token_urlsafe(32) (43 url-safe characte
 bits); the database keeps only its SHA-256 hex digest and a 12-character display prefix.
 Rotation moves the current digest to `previous_digest`, valid until `grace_seconds` from
 now; rotating again inside the grace period ends the older secret's grace at once.
+Every key belongs to a tenant (api/services/tenants.py): `tenant_id` on create puts it in an
+existing one, else it gets a tenant of its own (same id as the key). Records carry their
+tenant (`record.tenant`), which is what authentication needs.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from api.db.models import ApiKey, utcnow
+from api.db.models import ApiKey, Tenant, utcnow
 from api.db.session import Database
 from api.services.key_fields import (
     BUDGET_PERIODS,
@@ -41,6 +45,13 @@ from api.services.key_fields import (
     period_start,
     validate_fields,
     validate_name,
+)
+from api.services.tenants import (
+    TenantNotFound,
+    TenantRecord,
+    insert_tenant,
+    own_tenant_name,
+    tenant_record,
 )
 from api.services.usage import GROUP_BY, UsageBucket, aggregate_usage
 
@@ -76,6 +87,9 @@ class KeyRecord:
     priority: int
     metadata: dict[str, Any]
     previous_valid_until: datetime | None
+    tenant_id: str = ""
+    max_request_seconds: float | None = None
+    tenant: TenantRecord | None = None
 
     def is_active(self, now: datetime) -> bool:
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
@@ -89,7 +103,7 @@ def digest_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def _record(row: ApiKey, now: datetime) -> KeyRecord:
+def _record(row: ApiKey, now: datetime, tenant: Tenant | None = None) -> KeyRecord:
     current = row.budget_period_start == period_start(row.budget_period, now)
     return KeyRecord(
         id=row.id,
@@ -108,6 +122,9 @@ def _record(row: ApiKey, now: datetime) -> KeyRecord:
         priority=row.priority,
         metadata=dict(row.metadata_ or {}),
         previous_valid_until=row.previous_valid_until,
+        tenant_id=row.tenant_id,
+        max_request_seconds=row.max_request_seconds,
+        tenant=tenant_record(tenant, now) if tenant is not None else None,
     )
 
 
@@ -130,8 +147,20 @@ class KeyService:
     async def _insert(self, session: AsyncSession, fields: dict[str, Any]) -> tuple[KeyRecord, str]:
         now = utcnow()
         plaintext = generate_key()
+        key_id = uuid.uuid4().hex
+        fields = dict(fields)
+        tenant_id = fields.pop("tenant_id", None)
+        if tenant_id is None:
+            tenant = await insert_tenant(
+                session, own_tenant_name(fields["name"], key_id), {}, tenant_id=key_id
+            )
+        else:
+            tenant = await _tenant(session, tenant_id)
+            if tenant.disabled_at is not None:
+                raise ValueError(f"tenant {tenant_id!r} is disabled")
         row = ApiKey(
-            id=uuid.uuid4().hex,
+            id=key_id,
+            tenant_id=tenant.id,
             key_digest=digest_key(plaintext),
             key_prefix=plaintext[:DISPLAY_PREFIX_LEN],
             created_at=now,
@@ -140,30 +169,44 @@ class KeyService:
         )
         session.add(row)
         await session.flush()
-        return _record(row, now), plaintext
+        return _record(row, now, tenant), plaintext
 
-    async def list(self, *, include_revoked: bool = True) -> list[KeyRecord]:
-        query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    async def list(
+        self, *, include_revoked: bool = True, tenant_id: str | None = None
+    ) -> list[KeyRecord]:
+        query = (
+            select(ApiKey, Tenant)
+            .join(Tenant, Tenant.id == ApiKey.tenant_id)
+            .order_by(ApiKey.created_at, ApiKey.id)
+        )
         if not include_revoked:
             query = query.where(ApiKey.revoked_at.is_(None))
+        if tenant_id is not None:
+            query = query.where(ApiKey.tenant_id == tenant_id)
         async with self.db.session() as session:
-            rows = (await session.scalars(query)).all()
+            rows = (await session.execute(query)).all()
         now = utcnow()
-        return [_record(row, now) for row in rows]
+        return [_record(row, now, tenant) for row, tenant in rows]
 
     async def get(self, key_id: str) -> KeyRecord | None:
         async with self.db.session() as session:
             row = await session.get(ApiKey, key_id)
-        return _record(row, utcnow()) if row is not None else None
+            tenant = await session.get(Tenant, row.tenant_id) if row is not None else None
+        return _record(row, utcnow(), tenant) if row is not None else None
 
     async def update(self, key_id: str, **changes: Any) -> KeyRecord:
         fields = validate_fields(changes)
         async with self.db.session(write=True) as session:
             row = await self._row(session, key_id)
+            if "tenant_id" in fields:
+                if fields["tenant_id"] is None:
+                    raise ValueError("tenant_id cannot be null: every key belongs to a tenant")
+                await _tenant(session, fields["tenant_id"])
             for attr, value in _column_values(fields).items():
                 setattr(row, attr, value)
             await session.commit()
-        return _record(row, utcnow())
+            tenant = await session.get(Tenant, row.tenant_id)
+        return _record(row, utcnow(), tenant)
 
     async def revoke(self, key_id: str) -> KeyRecord:
         async with self.db.session(write=True) as session:
@@ -206,17 +249,20 @@ class KeyService:
         The second element is None for the current secret, else the end of its grace period
         (the caller decides whether that is still in the future).
         """
-        query = select(ApiKey).where(
-            (ApiKey.key_digest == digest) | (ApiKey.previous_digest == digest)
+        query = (
+            select(ApiKey, Tenant)
+            .join(Tenant, Tenant.id == ApiKey.tenant_id)
+            .where((ApiKey.key_digest == digest) | (ApiKey.previous_digest == digest))
         )
         async with self.db.session() as session:
-            row = (await session.scalars(query.limit(1))).first()
-        if row is None:
+            found = (await session.execute(query.limit(1))).first()
+        if found is None:
             return None
+        row, tenant = found
         grace = None if row.key_digest == digest else row.previous_valid_until
         if row.key_digest != digest and grace is None:
             return None
-        return _record(row, utcnow()), grace
+        return _record(row, utcnow(), tenant), grace
 
     async def usage(
         self,
@@ -225,11 +271,13 @@ class KeyService:
         since: datetime | None = None,
         until: datetime | None = None,
         group_by: str = "day",
+        tenant_id: str | None = None,
     ) -> list[UsageBucket]:
         """Requests and tokens per key and per day/hour (UTC); see usage.aggregate_usage."""
         return await aggregate_usage(
-            self.db, key_id=key_id, since=since, until=until, group_by=group_by
-        )
+            self.db, key_id=key_id, since=since, until=until, group_by=group_by,
+            tenant_id=tenant_id,
+        )  # fmt: skip
 
     async def ensure_bootstrap(self, name: str = "default") -> str | None:
         """Create the first API key if there is none; its plaintext, or None."""
@@ -249,6 +297,13 @@ class KeyService:
         if row is None:
             raise KeyNotFound(key_id)
         return row
+
+
+async def _tenant(session: AsyncSession, tenant_id: str) -> Tenant:
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise TenantNotFound(tenant_id)
+    return tenant
 
 
 __all__ = [

@@ -168,3 +168,68 @@ ACQUIRE = """
 SELECT admitted, rpm, tpm, parallel, period_start, requests, tokens, oldest, running
 FROM pg_temp.tessera_quota_acquire_v1($1, $2, $3, $4, $5, $6, $7, $8)
 """
+
+# -- tenants: the same checks on the tenant's row and on the leases of all its keys ------------
+#
+# Used (on both databases) when the key's tenant has limits of its own: one transaction that
+# row-locks the tenant first, then the key (a fixed order, so two acquires cannot deadlock),
+# and counts the tenant's window after taking the lock. See QuotaService._acquire.
+
+# Reserve $2 tokens against tenant $1's budget ($3 / $4 = start of today / this month).
+TENANT_RESERVE = """
+UPDATE tenants
+SET budget_used = CASE WHEN budget_period_start = CASE budget_period
+            WHEN 'day' THEN CAST($3 AS DOUBLE PRECISION)
+            WHEN 'month' THEN CAST($4 AS DOUBLE PRECISION)
+            ELSE 0.0 END
+        THEN budget_used ELSE 0 END + $2,
+    budget_period_start = CASE budget_period
+            WHEN 'day' THEN CAST($3 AS DOUBLE PRECISION)
+            WHEN 'month' THEN CAST($4 AS DOUBLE PRECISION)
+            ELSE 0.0 END
+WHERE id = $1
+    AND disabled_at IS NULL
+    AND (token_budget IS NULL OR CASE WHEN budget_period_start = CASE budget_period
+            WHEN 'day' THEN CAST($3 AS DOUBLE PRECISION)
+            WHEN 'month' THEN CAST($4 AS DOUBLE PRECISION)
+            ELSE 0.0 END
+        THEN budget_used ELSE 0 END + $2 <= token_budget)
+RETURNING rpm_limit, tpm_limit, max_parallel, budget_period_start
+"""
+
+# Why TENANT_RESERVE matched no row.
+TENANT_STATE = """
+SELECT disabled_at, token_budget, budget_used, budget_period, budget_period_start
+FROM tenants WHERE id = $1
+"""
+
+TENANT_WINDOW_STATS = """
+SELECT
+    COALESCE(SUM(CASE WHEN created_at > $2 THEN 1 ELSE 0 END), 0),
+    COALESCE(SUM(CASE WHEN created_at > $2
+        THEN COALESCE(used_tokens, reserved_tokens) ELSE 0 END), 0),
+    MIN(CASE WHEN created_at > $2 THEN created_at END),
+    COALESCE(SUM(CASE WHEN released_at IS NULL AND expires_at > $3 THEN 1 ELSE 0 END), 0)
+FROM quota_leases
+WHERE tenant_id = $1 AND (created_at > $2 OR (released_at IS NULL AND expires_at > $3))
+"""
+
+TENANT_WINDOW_REQUESTS = """
+SELECT created_at, COALESCE(used_tokens, reserved_tokens)
+FROM quota_leases
+WHERE tenant_id = $1 AND created_at > $2
+ORDER BY created_at
+"""
+
+# A lease counted in both key $2's and tenant $3's windows.
+INSERT_TENANT_LEASE = """
+INSERT INTO quota_leases (id, key_id, tenant_id, created_at, expires_at, reserved_tokens)
+VALUES ($1, $2, $3, $4, $5, $6)
+"""
+
+# Give back (or charge) $2 tokens of tenant $1's budget, if still in the period $3.
+TENANT_RECONCILE = """
+UPDATE tenants
+SET budget_used = CASE WHEN budget_used + $2 < 0 THEN 0 ELSE budget_used + $2 END
+WHERE id = $1 AND budget_period_start = $3
+"""

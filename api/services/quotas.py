@@ -1,4 +1,4 @@
-"""Per-key quotas, enforced atomically under concurrency and across replicas.
+"""Per-key and per-tenant quotas, enforced atomically under concurrency and across replicas.
 
 Interface:
 
@@ -36,6 +36,15 @@ a session-local PL/pgSQL function (Postgres: one round trip, quota_sql.ACQUIRE_F
   3. if they leave room, a new lease row is inserted (expires_at = now + lease_ttl, so a
      process that dies cannot hold the slot longer than that).
 Any refusal undoes the budget reservation in the same transaction / statement.
+
+Tenants. When the key's tenant has limits of its own (principal.tenant_limited), the same
+steps run on the tenant's row and on the leases of all its keys, in one transaction on
+both databases: the tenant's conditional UPDATE first (it row-locks the tenant, so every
+acquire of that tenant is serialised after it; the key's row is locked second, in a fixed
+order, so acquires cannot deadlock), then the key's; then the tenant's window and the key's
+window are counted after the locks, and the lease row (carrying the tenant id) is inserted.
+A refusal at either level rolls back both reservations: the tighter limit wins. Release
+reconciles the tenant's budget before the key's (the same lock order).
 
 Windows. rpm counts requests admitted in the last 60 s; tpm counts their tokens, each
 request weighing its reservation until it is released and its used tokens after.
@@ -92,6 +101,8 @@ class Lease:
     budget_period_start: float | None = None  # budget period the reservation belongs to
     headers: dict[str, str] = field(default_factory=dict)
     released: bool = False
+    tenant_id: str | None = None  # set when the tenant's row was charged too
+    tenant_period_start: float | None = None
 
 
 def format_duration(seconds: float) -> str:
@@ -140,30 +151,51 @@ class QuotaService:
             raise ValueError("reserved_tokens must not be negative")
         if principal.key_id is None or not principal.has_limits:
             return Lease(principal.key_id, reserved_tokens)
+        tenant_id = principal.tenant_id if principal.tenant_limited else None
         try:
             async with asyncio.timeout(TX_TIMEOUT):
-                return await self._acquire(principal.key_id, reserved_tokens)
+                return await self._acquire(principal.key_id, tenant_id, reserved_tokens)
         except APIError:
             raise
         except STORE_ERRORS as exc:
             log.warning("quota check failed: database unavailable (%s)", type(exc).__name__)
             raise unavailable("The quota database is unavailable; try again shortly.") from None
 
-    async def _acquire(self, key_id: str, n: int) -> Lease:
+    async def _acquire(self, key_id: str, tenant_id: str | None, n: int) -> Lease:
         now = self._clock()
-        if isinstance(self.store, PostgresStore):
+        if tenant_id is None and isinstance(self.store, PostgresStore):
             return await self._acquire_in_one_statement(self.store, key_id, n, now)
         async with self.store.transaction() as tx:
+            tenant = None
+            if tenant_id is not None:  # the tenant's row first: the lock order
+                tenant = await self._reserve_tenant(tx, tenant_id, n, now)
             limits = await self._reserve(tx, key_id, n, now)
             headers: dict[str, str] = {}
             lease_id = None
-            if limits.rpm or limits.tpm or limits.parallel:
+            tenant_windows = tenant is not None and bool(
+                tenant.rpm or tenant.tpm or tenant.parallel
+            )
+            if limits.rpm or limits.tpm or limits.parallel or tenant_windows:
                 lease_id = uuid.uuid4().hex
-                stats = await self._insert_lease(tx, key_id, lease_id, n, now)
-                window = partial(tx.fetch, sql.WINDOW_REQUESTS, key_id, now - WINDOW)
-                headers = await self._check_windows(window, n, now, limits, stats)
+                tenant_stats = None
+                if tenant_windows:  # counted before this request's lease row exists
+                    tenant_stats = await tx.fetchrow(
+                        sql.TENANT_WINDOW_STATS, tenant_id, now - WINDOW, now
+                    )
+                stats = await self._insert_lease(tx, key_id, tenant_id, lease_id, n, now)
+                if tenant is not None and tenant_stats is not None:
+                    window = partial(tx.fetch, sql.TENANT_WINDOW_REQUESTS, tenant_id, now - WINDOW)
+                    who = "this API key's tenant"
+                    headers = await self._check_windows(window, n, now, tenant, tenant_stats, who)
+                if limits.rpm or limits.tpm or limits.parallel:
+                    window = partial(tx.fetch, sql.WINDOW_REQUESTS, key_id, now - WINDOW)
+                    key_headers = await self._check_windows(window, n, now, limits, stats)
+                    headers = _tighter(key_headers, headers)
                 await self._maybe_cleanup(tx, key_id, now)
-        return Lease(key_id, n, lease_id, limits.period_start, headers)
+        tenant_start = tenant.period_start if tenant is not None else None
+        return Lease(
+            key_id, n, lease_id, limits.period_start, headers, False, tenant_id, tenant_start
+        )
 
     async def _acquire_in_one_statement(
         self, store: PostgresStore, key_id: str, n: int, now: float
@@ -208,6 +240,36 @@ class QuotaService:
         rpm, tpm, parallel, start = row
         return _Limits(rpm, tpm, parallel, start)
 
+    async def _reserve_tenant(self, tx: Tx, tenant_id: str, n: int, now: float) -> _Limits:
+        now_dt = datetime.fromtimestamp(now, UTC)
+        day, month = period_start("day", now_dt), period_start("month", now_dt)
+        row = await tx.fetchrow(sql.TENANT_RESERVE, tenant_id, n, day, month)
+        if row is None:
+            await self._tenant_refusal(tx, tenant_id, n, now_dt)
+        rpm, tpm, parallel, start = row
+        return _Limits(rpm, tpm, parallel, start)
+
+    async def _tenant_refusal(self, tx: Tx, tenant_id: str, n: int, now: datetime) -> NoReturn:
+        """Why the tenant's reservation matched no row: disabled, or its budget is spent."""
+        tenant = await tx.fetchrow(sql.TENANT_STATE, tenant_id)
+        if tenant is None or tenant[0] is not None:
+            raise invalid_api_key("This API key's tenant has been disabled.")
+        _, token_budget, budget_used, period, start = tenant
+        budget = token_budget or 0
+        used = budget_used if start == period_start(period, now) else 0
+        scope = {"day": "today", "month": "this month", "total": "in total"}[period]
+        if n > budget:
+            message = (
+                f"This request needs up to {n} tokens, more than your tenant's whole token "
+                f"budget of {budget}. Lower max_tokens or ask for a larger budget."
+            )
+        else:
+            message = (
+                f"You exceeded your tenant's token budget: {used} of {budget} tokens are "
+                f"used or reserved {scope} by its keys, and this request needs up to {n} more."
+            )
+        raise _refused_because(insufficient_quota(message), "budget")
+
     async def _refusal(self, tx: Tx, key_id: str, n: int, now: datetime) -> NoReturn:
         """Why the reservation UPDATE matched no row: a dead key or a spent budget."""
         key = await tx.fetchrow(sql.KEY_STATE, key_id)
@@ -233,12 +295,16 @@ class QuotaService:
         raise _refused_because(insufficient_quota(message), "budget")
 
     async def _insert_lease(
-        self, tx: Tx, key_id: str, lease_id: str, n: int, now: float
+        self, tx: Tx, key_id: str, tenant_id: str | None, lease_id: str, n: int, now: float
     ) -> Sequence[Any]:
-        """Steps 2-3: the window's stats before this request, and this request's lease row
-        (rolled back with the transaction if the stats refuse it)."""
+        """Steps 2-3: the key window's stats before this request, and this request's lease
+        row (rolled back with the transaction if the stats refuse it)."""
         stats = await tx.fetchrow(sql.WINDOW_STATS, key_id, now - WINDOW, now)
-        await tx.execute(sql.INSERT_LEASE, lease_id, key_id, now, now + self.lease_ttl, n)
+        expires = now + self.lease_ttl
+        if tenant_id is None:
+            await tx.execute(sql.INSERT_LEASE, lease_id, key_id, now, expires, n)
+        else:
+            await tx.execute(sql.INSERT_TENANT_LEASE, lease_id, key_id, tenant_id, now, expires, n)
         assert stats is not None  # an aggregate always returns a row
         return stats
 
@@ -249,6 +315,7 @@ class QuotaService:
         now: float,
         limits: _Limits,
         stats: Sequence[Any],
+        who: str = "this API key",
     ) -> dict[str, str]:
         """Step 3: sliding-window rpm / tpm and the parallel-lease count."""
         requests, tokens, oldest, running = int(stats[0]), int(stats[1]), stats[2], int(stats[3])
@@ -267,7 +334,7 @@ class QuotaService:
             wait = await self._wait_for(window, now, requests + 1 - limits.rpm, None)
             raise _refused_because(
                 rate_limited(
-                    f"Rate limit reached: {limits.rpm} requests per minute for this API key.",
+                    f"Rate limit reached: {limits.rpm} requests per minute for {who}.",
                     wait,
                     _refused(headers, "requests"),
                 ),
@@ -276,7 +343,7 @@ class QuotaService:
         if limits.tpm and tokens + n > limits.tpm:
             if n > limits.tpm:
                 too_large = rate_limited(
-                    f"Request too large: it needs up to {n} tokens but this API key allows "
+                    f"Request too large: it needs up to {n} tokens but {who} allows "
                     f"{limits.tpm} tokens per minute. Lower max_tokens.",
                     WINDOW,
                     _refused(headers, "tokens"),
@@ -285,7 +352,7 @@ class QuotaService:
             wait = await self._wait_for(window, now, None, tokens + n - limits.tpm)
             raise _refused_because(
                 rate_limited(
-                    f"Rate limit reached: {limits.tpm} tokens per minute for this API key.",
+                    f"Rate limit reached: {limits.tpm} tokens per minute for {who}.",
                     wait,
                     _refused(headers, "tokens"),
                 ),
@@ -294,7 +361,7 @@ class QuotaService:
         if limits.parallel and running + 1 > limits.parallel:
             raise _refused_because(
                 rate_limited(
-                    f"Too many parallel requests: this API key allows {limits.parallel} at a time.",
+                    f"Too many parallel requests: {who} allows {limits.parallel} at a time.",
                     1.0,
                     headers,
                 ),
@@ -348,7 +415,9 @@ class QuotaService:
             now = self._clock()
             key, start = lease.key_id, lease.budget_period_start
             async with asyncio.timeout(TX_TIMEOUT):
-                if lease.lease_id is None:
+                if lease.tenant_id is not None:
+                    await self._release_with_tenant(lease, now, used, delta)
+                elif lease.lease_id is None:
                     await self.store.execute(sql.RECONCILE, key, delta, start)
                 elif isinstance(self.store, PostgresStore):
                     await self.store.execute(
@@ -364,10 +433,35 @@ class QuotaService:
                 "could not release quota lease %s of key %s", lease.lease_id, lease.key_id
             )
 
+    async def _release_with_tenant(self, lease: Lease, now: float, used: int, delta: int) -> None:
+        async with self.store.transaction() as tx:
+            if delta and lease.tenant_period_start is not None:  # tenant first: lock order
+                await tx.execute(
+                    sql.TENANT_RECONCILE, lease.tenant_id, delta, lease.tenant_period_start
+                )
+            if lease.lease_id is not None:
+                await tx.execute(sql.RELEASE_LEASE, lease.lease_id, now, used)
+            if delta:
+                await tx.execute(sql.RECONCILE, lease.key_id, delta, lease.budget_period_start)
+
     async def aclose(self) -> None:
         """Wait for releases still in flight (call at shutdown, before db.dispose())."""
         while self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+
+def _tighter(key: dict[str, str], tenant: dict[str, str]) -> dict[str, str]:
+    """x-ratelimit-* of whichever level (key or tenant) has less room left, per kind."""
+    out = dict(key)
+    for kind in ("requests", "tokens"):
+        remaining = f"x-ratelimit-remaining-{kind}"
+        if remaining in tenant and (
+            remaining not in key or int(tenant[remaining]) < int(key[remaining])
+        ):
+            for part in ("limit", "remaining", "reset"):
+                name = f"x-ratelimit-{part}-{kind}"
+                out[name] = tenant[name]
+    return out
 
 
 def _refused(headers: dict[str, str], kind: str) -> dict[str, str]:

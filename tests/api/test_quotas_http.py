@@ -95,6 +95,41 @@ def test_budget_edge_under_40_concurrent_requests(server, cost):
     assert rejections(scrape(server), "budget") - rejections(before, "budget") == 30
 
 
+async def multi_key_burst(server, keys: list[str], n: int) -> list[httpx.Response]:
+    payload = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as c:
+        return await asyncio.gather(
+            *(
+                c.post("/v1/completions", json=payload, headers=bearer(keys[i % len(keys)]))
+                for i in range(n)
+            )
+        )
+
+
+def test_tenant_budget_edge_under_40_concurrent_requests_from_4_keys(server, cost):
+    admin = Admin(server)
+    budget = 10 * cost + cost // 2  # the tenant has room for 10 requests, not 11
+    r = admin.request("POST", "/tenants", json={"name": f"edge-{server.port}",
+                                                "token_budget": budget})  # fmt: skip
+    assert r.status_code == 201, r.text
+    tenant_id = r.json()["id"]
+    # Each key alone could take all 40: only the tenant's budget stops them.
+    keys = [admin.create_key(tenant_id=tenant_id, token_budget=40 * cost) for _ in range(4)]
+
+    responses = asyncio.run(multi_key_burst(server, [k for _, k in keys], 40))
+
+    ok = [r for r in responses if r.status_code == 200]
+    assert len(ok) == 10, [r.status_code for r in responses]
+    for r in responses:
+        if r.status_code != 200:
+            assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+            assert "tenant's token budget" in r.json()["error"]["message"]
+    tenant = admin.request("GET", f"/tenants/{tenant_id}").json()
+    assert tenant["budget_used"] == 10 * cost <= budget
+    assert sum(admin.key(key_id)["budget_used"] for key_id, _ in keys) == 10 * cost
+
+
 async def _read_two_chunks_then_leave(server, key: str) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True}
     body["ignore_eos"] = True

@@ -16,6 +16,7 @@ from api.auth import Authenticator
 from api.db.session import Database
 from api.metrics import Metrics
 from api.services.keys import KeyService
+from api.services.tenants import TenantService
 from api.services.usage import UsageRecorder
 from api.settings import Settings
 from console import create_console_router
@@ -57,6 +58,7 @@ async def env(tiny_llama_dir, tmp_path_factory) -> AsyncIterator[Env]:
     keys = KeyService(db)
     recorder = UsageRecorder(db)
     app.state.keys = keys
+    app.state.tenants = TenantService(db)
     app.state.usage_recorder = recorder
     app.state.metrics = metrics
     app.state.authenticator = Authenticator(

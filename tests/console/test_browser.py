@@ -281,7 +281,63 @@ def test_usage_page_table_chart_and_filter(page, server):
     assert page.evaluate("window.__sameDocument") is True
 
 
-@pytest.mark.parametrize("path", ["/console", "/console/keys", "/console/usage"])
+def add_tenant_usage(database_url: str, tokens: dict[str, int]) -> None:
+    """One recent ledger row per tenant (by id) of that many prompt tokens."""
+    from api.db.session import Database
+    from api.services.usage import UsageRecord, UsageRecorder
+
+    async def write() -> None:
+        db = Database.from_url(database_url)
+        try:
+            recorder = UsageRecorder(db)
+            for tenant_id, n in tokens.items():
+                recorder.record(UsageRecord(request_id=f"t-{tenant_id}", key_id=None,
+                                            model=MODEL, prompt_tokens=n, tenant_id=tenant_id))  # fmt: skip
+            assert await recorder.flush()
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(write())).result(60)
+
+
+def _percent(row) -> tuple[int, int]:
+    cells = row.locator("td").all_inner_texts()
+    return int(cells[2].rstrip("%")), int(cells[3].rstrip("%"))  # weight share, token share
+
+
+def test_tenants_pages_show_weight_beside_share(page, server):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    made = {}
+    for name, weight in (("team-heavy", 1), ("team-light", 3)):
+        r = httpx.post(server.base_url + "/admin/v1/tenants", headers=admin, timeout=30,
+                       json={"name": name, "weight": weight, "rpm_limit": 100})  # fmt: skip
+        assert r.status_code == 201, r.text
+        made[name] = r.json()["id"]
+    r = httpx.post(server.base_url + "/admin/v1/keys", headers=admin, timeout=30,
+                   json={"name": "light-key", "tenant_id": made["team-light"]})  # fmt: skip
+    assert r.status_code == 201
+    # Millions of tokens, so earlier tests' real traffic is lost in the rounding.
+    add_tenant_usage(server.database_url, {made["team-heavy"]: 3_000_000,
+                                           made["team-light"]: 1_000_000})  # fmt: skip
+    page.goto(server.base_url + "/console/tenants?minutes=15")
+    rows = page.locator("#tenants-table tbody tr")
+    heavy = rows.filter(has_text="team-heavy")
+    light = rows.filter(has_text="team-light")
+    assert _percent(heavy)[1] == 75 and _percent(light)[1] == 25
+    assert abs(_percent(light)[0] - 3 * _percent(heavy)[0]) <= 3  # weights 3 : 1
+    assert "rpm 100" in heavy.inner_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "tenants.png"), full_page=True)
+    page.click("text=team-light")
+    page.wait_for_url(f"**/console/tenants/{made['team-light']}")
+    assert "light-key" in page.locator("#tenant-keys").inner_text()
+    assert "25%" in page.locator("#tenant-share").inner_text()
+
+
+@pytest.mark.parametrize(
+    "path", ["/console", "/console/keys", "/console/usage", "/console/tenants"]
+)
 def test_pages_fit_a_phone(page, server, path):
     page.set_viewport_size({"width": 390, "height": 844})
     page.goto(server.base_url + path)

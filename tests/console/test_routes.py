@@ -4,12 +4,14 @@ htmx partial, and what each page shows against the engine and the key database."
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import re
 from datetime import UTC, datetime
 
 import pytest
 from litestar.testing import AsyncTestClient
 
+from api import request_context
 from api.services.usage import UsageRecord
 from engine import SamplingParams
 from tests.console.conftest import ADMIN, NUM_BLOCKS, csrf_of, login
@@ -21,6 +23,7 @@ PAGES = [
     ("/console", "live"),
     ("/console/requests", "requests-table"),
     ("/console/keys", "keys-panel"),
+    ("/console/tenants", "tenants"),
     ("/console/usage", "usage"),
     ("/console/settings", "settings"),
 ]
@@ -185,7 +188,13 @@ async def test_dashboard_shows_running_requests_and_used_blocks(env, client):
 async def test_requests_page_lists_and_aborts(env, client):
     ids = env.engine.tokenizer.encode("Hello world")
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    env.metrics.request_started("req-abort-me", key_name="team-a")
+
+    def start() -> None:  # as the HTTP request's task would: its X-Request-Id and tenant set
+        request_context._request_id.set("client-rid-7")
+        request_context.bind_tenant("tenant-t")
+        env.metrics.request_started("req-abort-me", key_name="team-a")
+
+    contextvars.copy_context().run(start)
     outputs = []
 
     async def consume():
@@ -198,6 +207,9 @@ async def test_requests_page_lists_and_aborts(env, client):
     html = (await client.get("/console/requests", headers=HX)).text
     row = re.search(r"<tr>\s*<td><code class=\"rid\">req-abort-me</code>.*?</tr>", html, re.S)
     assert row and "running" in row.group(0) and "team-a" in row.group(0)
+    assert '<code class="xrid">client-rid-7</code>' in row.group(0) and "tenant-t" in row.group(0)
+    queue = re.search(r'<table id="queue-by-tenant".*?</table>', html, re.S).group(0)
+    assert re.search(r"<td>tenant-t</td><td class=\"num\">1</td><td class=\"num\">0</td>", queue)
     assert f">{len(ids)}<" in row.group(0)  # prompt tokens
     r = await client.post(
         "/console/requests/req-abort-me/abort", headers={**HX, "X-CSRF-Token": client.csrf}

@@ -21,6 +21,7 @@ from api.errors import APIError
 from api.guards import provide_principal, require_api_key
 from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.services.keys import KeyService
+from api.services.tenants import TenantService
 from api.services.usage import UsageRecord, UsageRecorder
 
 ADMIN = "admin-secret-token-0123456789abcdef"
@@ -48,7 +49,7 @@ def whoami(principal: NamedDependency[Principal]) -> dict:
     return {"key_id": principal.key_id, "rpm_limit": principal.rpm_limit}
 
 
-def make_app(database_url: str) -> Litestar:
+def make_app(database_url: str, extra_routes: tuple = ()) -> Litestar:
     # The test client serves the app on its own event loop: the app gets its own Database
     # (like another replica), created and disposed on that loop; `db` stays the test's.
     app_db = Database.from_url(database_url)
@@ -56,13 +57,14 @@ def make_app(database_url: str) -> Litestar:
         app_db, mode="keys", static_keys=[], admin_token=ADMIN, cache_ttl=2.0
     )
     return Litestar(
-        route_handlers=[AdminController, whoami],
+        route_handlers=[AdminController, whoami, *extra_routes],
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
         dependencies={"principal": Provide(provide_principal, sync_to_thread=False)},
         on_shutdown=[app_db.dispose],
         state=State(
             {
                 "keys": KeyService(app_db),
+                "tenants": TenantService(app_db),
                 "authenticator": authenticator,
                 "engine_stats": engine_stats,
             }

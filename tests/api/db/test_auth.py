@@ -72,6 +72,9 @@ async def test_valid_key_gives_its_principal(db: Database) -> None:
         token_budget=1000,
         budget_period="day",
         priority=7,
+        # A key created without a tenant is the only key of a tenant of its own.
+        tenant_id=record.id,
+        tenant_name=f"alice-{record.id[:8]}",
     )
     assert await _auth(db).authenticate(f"bearer   {key}  ") == principal  # scheme any case
 
@@ -138,9 +141,11 @@ async def test_revoked_key_refused_after_cache_ttl(db: Database) -> None:
 
 async def test_expiry_is_exact_even_while_cached(db: Database) -> None:
     keys = KeyService(db)
+    # The already-expired key first: creating a key (and its tenant) must not eat into the
+    # 0.3 s the other key has left on a loaded machine.
+    _, expired = await keys.create("old", expires_at=datetime.now(UTC) - timedelta(seconds=1))
     soon = datetime.now(UTC) + timedelta(seconds=0.3)
     _, key = await keys.create("k", expires_at=soon)
-    _, expired = await keys.create("old", expires_at=datetime.now(UTC) - timedelta(seconds=1))
     auth = _auth(db, cache_ttl=5)
     assert await auth.authenticate(f"Bearer {key}")
     await asyncio.sleep(0.35)

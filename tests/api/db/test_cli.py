@@ -44,10 +44,10 @@ def test_db_commands(database_url: str, capsys: pytest.CaptureFixture[str]) -> N
     code, _ = run(["db", "check", *url])
     assert code == 1 and "run `tessera db upgrade" in capsys.readouterr().err
     code, out = run(["db", "upgrade", *url])
-    assert code == 0 and "upgraded to revision 0001" in out
+    assert code == 0 and "upgraded to revision 0002" in out
     code, out = run(["db", "upgrade", *url])
-    assert code == 0 and "already at revision 0001" in out
-    assert run(["db", "current", *url]) == (0, "0001 (head)\n")
+    assert code == 0 and "already at revision 0002" in out
+    assert run(["db", "current", *url]) == (0, "0002 (head)\n")
     code, out = run(["db", "check", *url])
     assert code == 0 and "up to date" in out
 
@@ -142,3 +142,43 @@ def test_database_url_resolution(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("TESSERA_DATABASE_URL", "postgresql+asyncpg://h/db")
     assert resolve_database_url(None, None) == "postgresql+asyncpg://h/db"
     assert resolve_database_url("sqlite:///a.db", None) == "sqlite:///a.db"
+
+
+def test_tenants_create_list_update_delete(database_url: str, capsys) -> None:
+    url = ["--database-url", database_url]
+    if not database_url.startswith("sqlite"):
+        assert run(["db", "upgrade", *url])[0] == 0
+    code, out = run(["tenants", "create", "team-a", "--weight", "2", "--token-budget", "500",
+                     "--json", *url])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    tenant = json.loads(out)
+    assert (tenant["weight"], tenant["token_budget"]) == (2.0, 500)
+    assert run(["tenants", "create", "team-a", *url])[0] == 2
+    assert "already exists" in capsys.readouterr().err
+
+    code, out = run(["keys", "create", "k1", "--tenant", tenant["id"],
+                     "--max-request-seconds", "30", "--json", *url])  # fmt: skip
+    key = json.loads(out)
+    assert code == 0 and key["tenant_id"] == tenant["id"] and key["max_request_seconds"] == 30
+    assert run(["keys", "create", "k2", "--tenant", "nope", *url])[0] == 2
+    assert "no tenant with id 'nope'" in capsys.readouterr().err
+    code, out = run(["keys", "list", "--tenant", tenant["id"], *url])
+    assert code == 0 and "k1" in out and "team-a" in out
+
+    code, out = run(["tenants", "update", tenant["id"], "--token-budget", "none",
+                     "--prefix-cache-scope", "tenant", "--json", *url])  # fmt: skip
+    updated = json.loads(out)
+    assert updated["token_budget"] is None and updated["prefix_cache_scope"] == "tenant"
+    assert updated["weight"] == 2.0  # left alone
+    assert run(["tenants", "update", tenant["id"], *url])[0] == 2  # nothing to change
+
+    code, out = run(["tenants", "list", *url])
+    assert code == 0 and "team-a" in out and "unlimited" in out
+    assert authenticate(database_url, key["key"]) == "k1"
+    code, out = run(["tenants", "delete", tenant["id"], *url])
+    assert code == 0 and "Disabled" in out
+    assert authenticate(database_url, key["key"]) == 401
+    assert "team-a" not in run(["tenants", "list", "--active", *url])[1]
+    assert run(["tenants", "update", tenant["id"], "--enable", *url])[0] == 0
+    assert authenticate(database_url, key["key"]) == "k1"
+    assert run(["tenants", "delete", "nope", *url])[0] == 2

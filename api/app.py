@@ -29,6 +29,7 @@ from api.access import Access
 from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
+from api.offload import WorkerPool
 from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.routes.openai import OpenAIController
 from api.routes.system import SystemController
@@ -68,11 +69,17 @@ def create_app(
     if access.keys is not None:
         handlers.append(AdminController)
     handlers.append(create_console_router())
-    app_state = {"server": state, "engine_stats": lambda: engine_stats(state)}
+    cpu_pool = WorkerPool(settings.cpu_workers)  # CPU-heavy request steps (api/offload.py)
+    app_state = {
+        "server": state,
+        "engine_stats": lambda: engine_stats(state),
+        "cpu_pool": cpu_pool,
+    }
     app_state.update(access.state_entries())
     return Litestar(
         route_handlers=[*handlers, *extra_route_handlers],
         lifespan=[make_access_lifespan(access), make_lifespan(state)],
+        on_shutdown=[cpu_pool.shutdown],
         state=State(app_state),
         exception_handlers={
             APIError: _api_error,

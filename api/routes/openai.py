@@ -33,13 +33,13 @@ from api.lifespan import ServerState
 from api.openai_format import ChatFormatter, CompletionFormatter, sse_stream
 from api.openai_inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    chat_messages,
+    chat_prompt,
     check_model,
     check_stream_options,
+    checked_sampling_params,
     completion_prompts,
     fit_context,
     off_loop_if_long,
-    sampling_params,
 )
 from api.schemas.openai import (
     ChatCompletionRequest,
@@ -87,16 +87,8 @@ class OpenAIController(Controller):
         check_model_access(request, data.model)
         check_model(data.model, engine)
         check_stream_options(data)
-        messages = chat_messages(data.messages)
-        try:
-            prompt = await off_loop_if_long(
-                sum(len(m["content"]) for m in messages),
-                engine.tokenizer.apply_chat_template,
-                messages,
-                add_generation_prompt=True,
-            )
-        except ValueError as e:  # no chat template
-            raise invalid_request(f"{e} Use /v1/completions with a plain prompt.") from None
+        pool = _pool(request)
+        prompt = await chat_prompt(pool, engine.tokenizer, data.messages, True)
         max_tokens = data.max_completion_tokens
         if max_tokens is None:
             max_tokens = data.max_tokens
@@ -104,7 +96,8 @@ class OpenAIController(Controller):
         top = data.top_logprobs
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
-        params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
+        logprobs = (top or 0) if data.logprobs else None
+        params = await checked_sampling_params(pool, data, max_tokens, logprobs)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
@@ -140,13 +133,14 @@ class OpenAIController(Controller):
                 "computed); drop one of them.",
                 "echo",
             )
+        pool = _pool(request)
         prompts, texts = await completion_prompts(
-            data.prompt, engine.tokenizer, server.settings.max_prompts_per_request
+            data.prompt, engine.tokenizer, server.settings.max_prompts_per_request, pool
         )
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
-        params = sampling_params(data, max_tokens, data.logprobs)
+        params = await checked_sampling_params(pool, data, max_tokens, data.logprobs)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
@@ -198,21 +192,18 @@ class OpenAIController(Controller):
         tok = engine.tokenizer
         if (data.prompt is None) == (data.messages is None):
             raise invalid_request("Give exactly one of prompt and messages.", "prompt")
+        pool = _pool(request)
         if data.prompt is not None:
             ids = await off_loop_if_long(
                 len(data.prompt),
                 tok.encode,
                 data.prompt,
+                pool=pool,
                 add_special_tokens=data.add_special_tokens,
             )
         else:
-            messages = chat_messages(data.messages or [])
-            try:
-                ids = tok.apply_chat_template(
-                    messages, add_generation_prompt=data.add_generation_prompt
-                )
-            except ValueError as e:
-                raise invalid_request(str(e), "messages") from None
+            messages = data.messages or []
+            ids = await chat_prompt(pool, tok, messages, data.add_generation_prompt, "messages")
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @post("/detokenize", status_code=200)
@@ -243,6 +234,11 @@ class OpenAIController(Controller):
 
 def _accountant(request: Request) -> Accountant:
     return request.app.state.accountant
+
+
+def _pool(request: Request) -> Any:
+    """The bounded worker pool for CPU-heavy request steps (api/offload.py)."""
+    return request.app.state.cpu_pool
 
 
 async def _admit(

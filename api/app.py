@@ -23,6 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components
 from litestar.types import ControllerRouterHandler
+from sqlalchemy.exc import SQLAlchemyError
 
 import engine as engine_pkg
 from api.access import Access
@@ -30,6 +31,7 @@ from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
 from api.offload import WorkerPool
+from api.refusals import record_refusal
 from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.routes.openai import OpenAIController
 from api.routes.system import SystemController
@@ -87,6 +89,8 @@ def create_app(
             QueueFullError: _engine_unavailable,
             EngineDeadError: _engine_unavailable,
             ClientDisconnected: _client_gone,
+            TimeoutError: _database_unavailable,  # --db-timeout (admin REST, console)
+            SQLAlchemyError: _database_unavailable,
             Exception: _internal_error,
         },
         plugins=[MetricsPlugin(metrics)],  # GET /metrics, HTTP counters, app.state.metrics
@@ -124,7 +128,8 @@ def engine_stats(state: ServerState) -> dict[str, Any]:
     return body
 
 
-def _api_error(_request: Request, exc: APIError) -> Response:
+def _api_error(request: Request, exc: APIError) -> Response:
+    record_refusal(request, exc.status_code)  # a generation refused before admission
     return Response(exc.to_body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -144,6 +149,7 @@ def _http_exception(request: Request, exc: HTTPException) -> Response:
     elif status == 404:
         message = f"No route for {request.method} {request.url.path}."
     err = APIError(status, message, type_, code=code, param=param)
+    record_refusal(request, status)
     return Response(err.to_body(), status_code=status, headers=dict(exc.headers or {}))
 
 
@@ -155,6 +161,8 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
             continue
         key = item.get("key")
         msg = item.get("message", "invalid value")
+        if key == "data" and str(msg).strip("'") == "data":  # Litestar's: a missing body
+            return "The request body is empty: send a JSON object.", None
         if key and key != "body":
             param = param or key.removeprefix("$.")
             problems.append(f"`{key.removeprefix('$.')}`: {msg}")
@@ -168,6 +176,11 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
 def _engine_unavailable(_request: Request, exc: Exception) -> Response:
     err = unavailable(str(exc) or "The engine cannot take requests now; retry shortly.", 1)
     return _api_error(_request, err)
+
+
+def _database_unavailable(request: Request, exc: Exception) -> Response:
+    logger.warning("Database unavailable on %s (%s)", request.url.path, type(exc).__name__)
+    return _api_error(request, unavailable("The database is unavailable; try again shortly."))
 
 
 def _client_gone(_request: Request, _exc: Exception) -> Response:

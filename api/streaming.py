@@ -104,6 +104,7 @@ class Generation:
         self._observer = observer
         self._key_name = key_name
         self._observed = False  # the observer saw request_started (admitted requests only)
+        self.error: BaseException | None = None  # why start() failed, if it did
 
     @property
     def finished(self) -> bool:
@@ -126,7 +127,8 @@ class Generation:
                     self._observer.request_started(rid, self._key_name)
                 self._observed = True
             firsts = await asyncio.gather(*tasks)
-        except BaseException:
+        except BaseException as exc:
+            self.error = exc  # what on_close settles by: the refusal, not "aborted"
             for task in tasks:  # one prompt was refused: stop the others' first steps too
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

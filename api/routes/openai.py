@@ -14,6 +14,7 @@ reconciled to the tokens actually used before the response's last byte.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from litestar.response import Stream
 
 from api.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.auth import Principal
+from api.body import require_json_body
 from api.deps import check_model_access, provide_principal, provide_server, require_principal
 from api.errors import APIError, invalid_request, unavailable
 from api.lifespan import ServerState
@@ -41,6 +43,7 @@ from api.openai_inputs import (
     fit_context,
     off_loop_if_long,
 )
+from api.refusals import LEDGER_OWNED
 from api.schemas.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,7 +69,7 @@ from engine.sampling_params import SamplingParams
 
 
 class OpenAIController(Controller):
-    guards = [require_principal]
+    guards = [require_principal, require_json_body]  # auth first, then the body (api/body.py)
     dependencies = {
         "principal": Provide(provide_principal, sync_to_thread=False),
         "server": Provide(provide_server, sync_to_thread=False),
@@ -102,7 +105,7 @@ class OpenAIController(Controller):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
         reserved = len(prompt) + max_tokens * params.n
-        ticket = await _accountant(request).admit(principal, rid, data.model, reserved, arrived)
+        ticket = await _ticket(request, principal, rid, data.model, reserved, arrived)
         gen = await _admit(server, engine, request, principal, ticket, [rid], [prompt], params)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -152,7 +155,7 @@ class OpenAIController(Controller):
             ]
         fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
-        ticket = await _accountant(request).admit(principal, cid, data.model, reserved, arrived)
+        ticket = await _ticket(request, principal, cid, data.model, reserved, arrived)
         gen = await _admit(server, engine, request, principal, ticket, rids, prompts, params)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -236,6 +239,15 @@ def _accountant(request: Request) -> Accountant:
     return request.app.state.accountant
 
 
+async def _ticket(
+    request: Request, principal: Principal, rid: str, model: str, reserved: int, arrived: float
+) -> Ticket:
+    """accountant.admit; from here on the accountant writes the request's ledger row (before
+    it, a refusal's row comes from api/refusals.py)."""
+    request.state[LEDGER_OWNED] = True
+    return await _accountant(request).admit(principal, rid, model, reserved, arrived)
+
+
 def _pool(request: Request) -> Any:
     """The bounded worker pool for CPU-heavy request steps (api/offload.py)."""
     return request.app.state.cpu_pool
@@ -257,6 +269,8 @@ async def _admit(
     metrics = request.app.state.get("metrics")  # api/metrics.py's Metrics, when mounted
 
     def on_close(gen: Generation) -> None:
+        if ticket.status_code is None and gen.error is not None:  # refused, or client gone
+            ticket.status_code = _status_code(_engine_error(gen.error))
         accountant.settle(ticket, gen.latest, gen.prompts)
         server.untrack(gen)
 
@@ -292,6 +306,7 @@ async def _admit(
 
 
 _REJECTIONS = {QueueFullError: "queue_full", EngineDeadError: "engine_dead"}
+_ENGINE_PARAM = re.compile(r"(logit_bias|stop_token_ids) ")
 _PHASE_REJECTIONS = {"loading": "loading", "failed": "engine_dead"}
 
 
@@ -313,7 +328,9 @@ def _engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine is not running: {exc}", retry_after=5)
     if isinstance(exc, ValueError) and not isinstance(exc, APIError):
-        return invalid_request(str(exc))  # the engine's input checks: messages made for users
+        # The engine's input checks: messages made for users, naming the field first.
+        m = _ENGINE_PARAM.match(str(exc))
+        return invalid_request(str(exc), m.group(1) if m else None)
     return exc
 
 

@@ -65,7 +65,11 @@ def create_app(
 
     `extra_route_handlers` mounts other parts."""
     state = ServerState(settings, engine)
-    metrics = Metrics(settings.model_name, max_model_len=settings.max_model_len or 1_000_000)
+    metrics = Metrics(
+        settings.model_name,
+        max_model_len=settings.max_model_len or 1_000_000,
+        key_label=settings.metrics_key_label,
+    )
     access = Access(settings, metrics)
     handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
     if access.keys is not None:

@@ -80,6 +80,7 @@ class _Live:
 
     started: float  # time.monotonic()
     key_name: str | None
+    key_label: str | None = None  # the per-key series' label value: the name, or the id
     last_token: float | None = None
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -144,7 +145,12 @@ class Metrics:
         *,
         stats: Callable[[], EngineStats | None] | None = None,
         max_model_len: int = 1_000_000,
+        key_label: str = "name",
     ) -> None:
+        if key_label not in ("name", "id"):
+            raise ValueError(f"key_label must be name or id, got {key_label!r}")
+        self.key_label = key_label  # tessera:requests / tokens labelled key_name or key_id
+        key = "key_id" if key_label == "id" else "key_name"
         if registry is None:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)
@@ -188,13 +194,13 @@ class Metrics:
         self.key_requests = Counter(
             "tessera:requests",
             "Finished engine requests per API key (one per prompt).",
-            ["key_name"],
+            [key],
             registry=registry,
         )
         self.key_tokens = Counter(
             "tessera:tokens",
             "Tokens per API key; kind is prompt or generation.",
-            ["key_name", "kind"],
+            [key, "kind"],
             registry=registry,
         )
         self.quota_rejections = Counter(
@@ -223,8 +229,11 @@ class Metrics:
 
     # -- the request path -----------------------------------------------------------------------
 
-    def request_started(self, request_id: str, key_name: str | None = None) -> None:
-        self._live[request_id] = _Live(started=time.monotonic(), key_name=key_name)
+    def request_started(
+        self, request_id: str, key_name: str | None = None, key_id: str | None = None
+    ) -> None:
+        label = key_id if self.key_label == "id" else key_name
+        self._live[request_id] = _Live(time.monotonic(), key_name, label)
 
     def first_token(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -267,7 +276,7 @@ class Metrics:
             )
         live = self._live.pop(request_id, None)
         if live is not None:
-            key_name = key_name or live.key_name
+            key_name = key_name or live.key_label
             self.e2e.labels(self.model_name).observe(time.monotonic() - live.started)
         self.request_success.labels(self.model_name, finished_reason).inc()
         self.prompt_len.labels(self.model_name).observe(prompt_tokens)

@@ -124,9 +124,10 @@ class Settings:
         float,
     )
     limit_concurrency: int = _flag(
-        "Most concurrent connections (and tasks) the server holds; beyond it new requests "
-        "get 503 (uvicorn's limit_concurrency). 0: no cap.",
-        2048,
+        "Most open connections: one beyond it is closed at once, and requests beyond it get "
+        "503 (uvicorn's limit_concurrency). Keep it under the file-descriptor limit "
+        "(ulimit -n). 0: no cap.",
+        1000,
         int,
     )
     cpu_workers: int = _flag(
@@ -264,6 +265,12 @@ class Settings:
     data_dir: str | None = _flag(
         "Folder for the SQLite database and the admin token file "
         "(default: $XDG_DATA_HOME/tessera, i.e. ~/.local/share/tessera)."
+    )
+    metrics_key_label: str = _flag(
+        "Label of the per-key series (tessera:requests_total, tessera:tokens_total): name = "
+        "key_name, the key's name; id = key_id, its id (names can be personal or change).",
+        "name",
+        choices=("name", "id"),
     )
     metrics_require_admin: bool = _flag(
         "Serve /metrics only with the admin token.", False, parse_bool, kind="bool"

@@ -284,6 +284,7 @@ async def _admit(
             on_close=on_close,
             observer=metrics,
             key_name=principal.key_name,
+            key_id=principal.key_id,
         )
     except BaseException:
         ticket.status_code = 500

@@ -20,7 +20,6 @@ from litestar import Litestar, Request, Response
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components
 from litestar.types import ControllerRouterHandler
 from sqlalchemy.exc import SQLAlchemyError
@@ -31,6 +30,7 @@ from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
 from api.offload import WorkerPool
+from api.openapi import OfflineSwagger, document_errors_at_startup
 from api.refusals import record_refusal
 from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.routes.openai import OpenAIController
@@ -85,6 +85,7 @@ def create_app(
     return Litestar(
         route_handlers=[*handlers, *extra_route_handlers],
         lifespan=[make_access_lifespan(access), make_lifespan(state)],
+        on_startup=[document_errors_at_startup],  # the error envelope in the OpenAPI doc
         on_shutdown=[cpu_pool.shutdown],
         state=State(app_state),
         exception_handlers={
@@ -104,7 +105,7 @@ def create_app(
             version=engine_pkg.__version__,
             description="OpenAI-compatible LLM serving.",
             path="/docs",
-            render_plugins=[SwaggerRenderPlugin(path="/")],
+            render_plugins=[OfflineSwagger()],  # vendored Swagger UI + CSP (api/openapi.py)
             components=Components(security_schemes={ADMIN_SECURITY_NAME: ADMIN_SECURITY_SCHEME}),
         ),
         debug=False,

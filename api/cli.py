@@ -115,7 +115,7 @@ def serve(settings: Settings) -> int:
     """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
     database is not usable, the app failed to start, the engine failed to load or died."""
     from api.app import create_app
-    from api.http_protocol import GuardedH11Protocol
+    from api.http_protocol import guarded_protocol
 
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -138,7 +138,7 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,  # after our own drain, only idle connections remain
         lifespan="on",
-        http=GuardedH11Protocol,  # header-read deadline, connection cap (api/http_protocol.py)
+        http=guarded_protocol(),  # header-read deadline, connection cap (api/http_protocol.py)
         timeout_keep_alive=settings.timeout_keep_alive,
         limit_concurrency=settings.limit_concurrency or None,
     )

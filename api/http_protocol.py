@@ -1,4 +1,4 @@
-"""uvicorn's h11 protocol with the two guards it lacks: a header-read deadline and a cap on
+"""uvicorn's HTTP protocols (httptools, h11) with the two guards they lack: a header-read deadline and a cap on
 open connections (slowloris and idle-connection floods).
 
 uvicorn times out an idle keep-alive connection only after a first response; a connection
@@ -17,7 +17,14 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class GuardedH11Protocol(H11Protocol):
+class _Guards:
+    """Mixed into a uvicorn protocol class (which provides cycle, connections, transport)."""
+
+    cycle: Any
+    connections: Any
+    transport: Any
+    loop: Any
+
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self._header_timeout: float | None = getattr(config, "header_read_timeout", None)
@@ -55,3 +62,16 @@ class GuardedH11Protocol(H11Protocol):
         cycle = self.cycle
         if (cycle is None or cycle.response_complete) and not self.transport.is_closing():
             self.transport.close()
+
+
+class GuardedH11Protocol(_Guards, H11Protocol):
+    pass
+
+
+def guarded_protocol() -> type:
+    """httptools' parser where it is installed (less CPU per request), else h11."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return GuardedH11Protocol
+    return type("GuardedHttpToolsProtocol", (_Guards, HttpToolsProtocol), {})

@@ -33,6 +33,7 @@ from api.bootstrap import (
     warn_open_server,
 )
 from api.db.session import Database, redact
+from api.db_timeout import TimedService
 from api.services.keys import KeyService
 from api.services.quotas import QuotaService
 from api.services.tenants import TenantService
@@ -80,8 +81,9 @@ class Access:
             "accountant": self.accountant,
         }
         if self.keys is not None:
-            entries["keys"] = self.keys
-            entries["tenants"] = self.tenants
+            # The admin REST API and the console: every call under --db-timeout.
+            entries["keys"] = TimedService(self.keys, self.settings.db_timeout)
+            entries["tenants"] = TimedService(self.tenants, self.settings.db_timeout)
             entries["usage_recorder"] = self.recorder
         return entries
 

@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from api.db.models import utcnow
+from api.errors import APIError
 from api.request_context import bind_tenant, current_request_id
 from api.services.quotas import Lease, QuotaRefused
 from api.services.usage import UsageRecord
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # Status recorded for a request whose client left before the response was complete.
 CLIENT_CLOSED = 499
+# Statuses that mean "refused" when the engine produced nothing for the request.
+_REFUSALS = frozenset({400, 403, 404, 409, 413, 415, 422, 429, 503})
 
 
 @dataclass(slots=True)
@@ -90,9 +93,10 @@ class Accountant:
         else:
             try:
                 lease = await self.quotas.acquire(principal, reserved_tokens=reserved_tokens)
-            except QuotaRefused as exc:
-                if self.metrics is not None:
+            except APIError as exc:  # 429 over a limit, 503 with the database down
+                if isinstance(exc, QuotaRefused) and self.metrics is not None:
                     self.metrics.rejected("quota", exc.reason)
+                self.refused(principal, request_id, model, exc.status_code, arrived)
                 raise
         ticket = Ticket(request_id, principal.key_id, model, lease, arrived, arrived_at)
         ticket.tenant_id = principal.tenant_id
@@ -146,6 +150,38 @@ class Accountant:
         )  # fmt: skip
         self._release(ticket, prompt_tokens + completion)
 
+    def refused(
+        self,
+        principal: Principal | None,
+        request_id: str,
+        model: str,
+        status: int,
+        arrived: float | None = None,
+    ) -> None:
+        """The ledger row of a request refused before the engine ran it (400, 403, 404, 429,
+        503): no tokens, no finish reason, the status the client got."""
+        key_id = getattr(principal, "key_id", None)
+        if self.recorder is None or key_id is None:
+            return
+        now = time.monotonic()
+        self.recorder.record(
+            UsageRecord(
+                request_id=request_id,
+                key_id=key_id,
+                model=model,
+                prompt_tokens=0,
+                completion_tokens=0,
+                cached_tokens=0,
+                finish_reason=None,
+                status_code=status,
+                queue_time=None,
+                latency=now - (now if arrived is None else arrived),
+                created_at=utcnow(),
+                tenant_id=getattr(principal, "tenant_id", None),
+                x_request_id=current_request_id(),
+            )
+        )
+
     def _release(self, ticket: Ticket, used_tokens: int) -> None:
         if self.quotas is None or ticket.lease.released:
             return
@@ -177,9 +213,13 @@ def _status_of(outputs: list[RequestOutput | None]) -> int:
     return 503  # ended before the engine finished it, and not by the client: aborted
 
 
-def _finish_reason(outputs: list[RequestOutput | None], status: int) -> str:
+def _finish_reason(outputs: list[RequestOutput | None], status: int) -> str | None:
     """One reason per request, the most severe of its samples' (error > abort > length >
-    stop); a prompt the engine did not finish counts as aborted (or failed, on a 5xx)."""
+    stop); a prompt the engine did not finish counts as aborted (or failed, on a 5xx).
+    None for a request refused before the engine produced anything (a 4xx other than the
+    client leaving, a 503 at admission): it never ran."""
+    if status != CLIENT_CLOSED and status in _REFUSALS and all(o is None for o in outputs):
+        return None
     reasons = {c.finish_reason for o in outputs if o is not None for c in o.outputs}
     if any(o is None or not o.finished for o in outputs):
         reasons.add("error" if status in (500, 502) else "abort")

@@ -20,9 +20,9 @@ from litestar import Litestar, Request, Response
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components
 from litestar.types import ControllerRouterHandler
+from sqlalchemy.exc import SQLAlchemyError
 
 import engine as engine_pkg
 from api.access import Access
@@ -30,6 +30,9 @@ from api.affinity import AffinityHeaderMiddleware
 from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
+from api.offload import WorkerPool
+from api.openapi import OfflineSwagger, document_errors_at_startup
+from api.refusals import record_refusal
 from api.request_context import RequestIdMiddleware
 from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.routes.openai import OpenAIController
@@ -68,18 +71,29 @@ def create_app(
     spans; it is shut down (flushed) with the app. Every response carries X-Request-Id
     (api/request_context.py), 404s and errors included."""
     state = ServerState(settings, engine)
-    metrics = Metrics(settings.model_name, max_model_len=settings.max_model_len or 1_000_000)
+    metrics = Metrics(
+        settings.model_name,
+        max_model_len=settings.max_model_len or 1_000_000,
+        key_label=settings.metrics_key_label,
+    )
     metrics.tracing = tracing
     access = Access(settings, metrics)
     handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
     if access.keys is not None:
         handlers.append(AdminController)
     handlers.append(create_console_router())
-    app_state = {"server": state, "engine_stats": lambda: engine_stats(state)}
+    cpu_pool = WorkerPool(settings.cpu_workers)  # CPU-heavy request steps (api/offload.py)
+    app_state = {
+        "server": state,
+        "engine_stats": lambda: engine_stats(state),
+        "cpu_pool": cpu_pool,
+    }
     app_state.update(access.state_entries())
     app = Litestar(
         route_handlers=[*handlers, *extra_route_handlers],
         lifespan=[make_access_lifespan(access), make_lifespan(state)],
+        on_startup=[document_errors_at_startup],  # the error envelope in the OpenAPI doc
+        on_shutdown=[cpu_pool.shutdown, *([tracing.shutdown] if tracing is not None else [])],
         state=State(app_state),
         exception_handlers={
             APIError: _api_error,
@@ -87,6 +101,8 @@ def create_app(
             QueueFullError: _engine_unavailable,
             EngineDeadError: _engine_unavailable,
             ClientDisconnected: _client_gone,
+            TimeoutError: _database_unavailable,  # --db-timeout (admin REST, console)
+            SQLAlchemyError: _database_unavailable,
             Exception: _internal_error,
         },
         plugins=[MetricsPlugin(metrics)],  # GET /metrics, HTTP counters, app.state.metrics
@@ -97,12 +113,11 @@ def create_app(
             version=engine_pkg.__version__,
             description="OpenAI-compatible LLM serving.",
             path="/docs",
-            render_plugins=[SwaggerRenderPlugin(path="/")],
+            render_plugins=[OfflineSwagger()],  # vendored Swagger UI + CSP (api/openapi.py)
             components=Components(security_schemes={ADMIN_SECURITY_NAME: ADMIN_SECURITY_SCHEME}),
         ),
         debug=False,
         logging_config=None,  # ours (api/logs.py); Litestar's would replace the root handler
-        on_shutdown=[tracing.shutdown] if tracing is not None else [],
     )
     # Outermost, around Litestar's own exception handling, so that every response has it.
     app.asgi_handler = RequestIdMiddleware(app.asgi_handler, tracing)
@@ -130,7 +145,8 @@ def engine_stats(state: ServerState) -> dict[str, Any]:
     return body
 
 
-def _api_error(_request: Request, exc: APIError) -> Response:
+def _api_error(request: Request, exc: APIError) -> Response:
+    record_refusal(request, exc.status_code)  # a generation refused before admission
     return Response(exc.to_body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -150,6 +166,7 @@ def _http_exception(request: Request, exc: HTTPException) -> Response:
     elif status == 404:
         message = f"No route for {request.method} {request.url.path}."
     err = APIError(status, message, type_, code=code, param=param)
+    record_refusal(request, status)
     return Response(err.to_body(), status_code=status, headers=dict(exc.headers or {}))
 
 
@@ -161,6 +178,8 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
             continue
         key = item.get("key")
         msg = item.get("message", "invalid value")
+        if key == "data" and str(msg).strip("'") == "data":  # Litestar's: a missing body
+            return "The request body is empty: send a JSON object.", None
         if key and key != "body":
             param = param or key.removeprefix("$.")
             problems.append(f"`{key.removeprefix('$.')}`: {msg}")
@@ -174,6 +193,11 @@ def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
 def _engine_unavailable(_request: Request, exc: Exception) -> Response:
     err = unavailable(str(exc) or "The engine cannot take requests now; retry shortly.", 1)
     return _api_error(_request, err)
+
+
+def _database_unavailable(request: Request, exc: Exception) -> Response:
+    logger.warning("Database unavailable on %s (%s)", request.url.path, type(exc).__name__)
+    return _api_error(request, unavailable("The database is unavailable; try again shortly."))
 
 
 def _client_gone(_request: Request, _exc: Exception) -> Response:

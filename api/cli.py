@@ -118,6 +118,7 @@ def serve(settings: Settings) -> int:
     """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
     database is not usable, the app failed to start, the engine failed to load or died."""
     from api.app import create_app
+    from api.http_protocol import guarded_protocol
     from api.logs import configure_logging
     from api.tracing import TracingUnavailable, tracing_from_settings
 
@@ -145,7 +146,12 @@ def serve(settings: Settings) -> int:
         log_config=None,  # uvicorn's loggers go through ours (api/logs.py): one format
         timeout_graceful_shutdown=5,  # after our own drain, only idle connections remain
         lifespan="on",
+        http=guarded_protocol(),  # header-read deadline, connection cap (api/http_protocol.py)
+        timeout_keep_alive=settings.timeout_keep_alive,
+        limit_concurrency=settings.limit_concurrency or None,
     )
+    config.header_read_timeout = settings.header_read_timeout
+    config.max_connections = settings.limit_concurrency or None
     server = DrainingServer(config, state)
     state.on_fatal = server.request_exit
     server.run()

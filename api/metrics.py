@@ -85,6 +85,7 @@ class _Live:
     key_name: str | None
     ref: RequestRef | None = None  # X-Request-Id, tenant, trace context (api/request_context.py)
     first_token_at: float | None = None
+    key_label: str | None = None  # the per-key series' label value: the name, or the id
     last_token: float | None = None
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -149,7 +150,12 @@ class Metrics:
         *,
         stats: Callable[[], EngineStats | None] | None = None,
         max_model_len: int = 1_000_000,
+        key_label: str = "name",
     ) -> None:
+        if key_label not in ("name", "id"):
+            raise ValueError(f"key_label must be name or id, got {key_label!r}")
+        self.key_label = key_label  # tessera:requests / tokens labelled key_name or key_id
+        key = "key_id" if key_label == "id" else "key_name"
         if registry is None:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)
@@ -194,13 +200,13 @@ class Metrics:
         self.key_requests = Counter(
             "tessera:requests",
             "Finished engine requests per API key (one per prompt).",
-            ["key_name"],
+            [key],
             registry=registry,
         )
         self.key_tokens = Counter(
             "tessera:tokens",
             "Tokens per API key; kind is prompt or generation.",
-            ["key_name", "kind"],
+            [key, "kind"],
             registry=registry,
         )
         self.quota_rejections = Counter(
@@ -229,10 +235,15 @@ class Metrics:
 
     # -- the request path -----------------------------------------------------------------------
 
-    def request_started(self, request_id: str, key_name: str | None = None) -> None:
+    def request_started(
+        self, request_id: str, key_name: str | None = None, key_id: str | None = None
+    ) -> None:
         # Called in the HTTP request's task: its ids (and trace context) are the current ones.
         trace_context = self.tracing.current_context() if self.tracing is not None else None
-        self._live[request_id] = _Live(time.monotonic(), key_name, snapshot(trace_context))
+        label = key_id if self.key_label == "id" else key_name
+        self._live[request_id] = _Live(
+            time.monotonic(), key_name, ref=snapshot(trace_context), key_label=label
+        )
 
     def first_token(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -275,7 +286,7 @@ class Metrics:
             )
         live = self._live.pop(request_id, None)
         if live is not None:
-            key_name = key_name or live.key_name
+            key_name = key_name or live.key_label
             finished = time.monotonic()
             self.e2e.labels(self.model_name).observe(finished - live.started)
             if self.tracing is not None and live.ref is not None:

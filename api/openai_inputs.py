@@ -13,6 +13,7 @@ from dataclasses import fields as dc_fields
 from typing import Any
 
 from api.errors import invalid_request, model_not_found
+from api.offload import messages_cost, sampling_cost
 from api.schemas.openai import ChatMessage
 from engine.sampling_params import SamplingParams
 
@@ -66,7 +67,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 async def completion_prompts(
-    prompt: Any, tokenizer: Any, max_prompts: int
+    prompt: Any, tokenizer: Any, max_prompts: int, pool: Any = None
 ) -> tuple[list[list[int]], list[str | None]]:
     """The prompt field -> (token ids per prompt, text per prompt or None for token prompts)."""
     if isinstance(prompt, str):
@@ -105,7 +106,8 @@ async def completion_prompts(
         return token_prompts, [None] * len(token_prompts)
     assert texts is not None
     ids = [
-        await off_loop_if_long(len(t), tokenizer.encode, t, add_special_tokens=True) for t in texts
+        await off_loop_if_long(len(t), tokenizer.encode, t, pool=pool, add_special_tokens=True)
+        for t in texts
     ]
     return ids, list(texts)
 
@@ -173,8 +175,44 @@ def sampling_params(data: Any, max_tokens: int, logprobs: int | None) -> Samplin
         raise invalid_request(message, param) from None
 
 
-async def off_loop_if_long(size: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Tokenizing a long prompt takes milliseconds: do it off the event loop then."""
+async def off_loop_if_long(size: int, fn: Any, *args: Any, pool: Any = None, **kwargs: Any) -> Any:
+    """Tokenizing a long prompt takes milliseconds: do it off the event loop then, on the
+    app's bounded pool (api/offload.py) when given one."""
+    if pool is not None:
+        return await pool.run_if(size, fn, *args, **kwargs)
     if size > TOKENIZE_IN_THREAD_CHARS:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
+
+
+def render_chat(
+    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool, param: str | None
+) -> list[int]:
+    """chat_messages + the chat template -> prompt token ids (one step, for the worker pool)."""
+    try:
+        return tokenizer.apply_chat_template(
+            chat_messages(messages), add_generation_prompt=add_generation_prompt
+        )
+    except ValueError as e:  # no chat template, or messages it cannot render
+        hint = "" if param else " Use /v1/completions with a plain prompt."
+        raise invalid_request(f"{e}{hint}", param) from None
+
+
+async def chat_prompt(
+    pool: Any,
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    param: str | None = None,
+) -> list[int]:
+    """render_chat, on the worker pool once the messages are large (count + characters)."""
+    return await pool.run_if(
+        messages_cost(messages), render_chat, tokenizer, messages, add_generation_prompt, param
+    )
+
+
+async def checked_sampling_params(
+    pool: Any, data: Any, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """sampling_params, on the worker pool when logit_bias / stop lists are large."""
+    return await pool.run_if(sampling_cost(data), sampling_params, data, max_tokens, logprobs)

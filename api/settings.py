@@ -113,6 +113,34 @@ class Settings:
         30.0,
         float,
     )
+    # --- hardening (README "Limits"): timeouts, caps, off-loop work ---
+    timeout_keep_alive: float = _flag(
+        "Seconds an idle keep-alive connection is held open before it is closed.", 5.0, float
+    )
+    header_read_timeout: float = _flag(
+        "Seconds a new connection may take to send its request line and headers (slowloris "
+        "guard); a client that has not finished by then is disconnected.",
+        10.0,
+        float,
+    )
+    limit_concurrency: int = _flag(
+        "Most open connections: one beyond it is closed at once, and requests beyond it get "
+        "503 (uvicorn's limit_concurrency). Keep it under the file-descriptor limit "
+        "(ulimit -n). 0: no cap.",
+        1000,
+        int,
+    )
+    cpu_workers: int = _flag(
+        "Threads for CPU-heavy request steps (chat template, tokenization, large logit_bias or "
+        "stop lists); more such requests wait their turn instead of stalling the event loop.",
+        2,
+        int,
+    )
+    db_timeout: float = _flag(
+        "Seconds an admin REST or console database call may take before it answers 503.",
+        5.0,
+        float,
+    )
     log_level: str = _flag(
         "Log level.", "info", str, choices=("critical", "error", "warning", "info", "debug")
     )
@@ -248,6 +276,12 @@ class Settings:
         "Folder for the SQLite database and the admin token file "
         "(default: $XDG_DATA_HOME/tessera, i.e. ~/.local/share/tessera)."
     )
+    metrics_key_label: str = _flag(
+        "Label of the per-key series (tessera:requests_total, tessera:tokens_total): name = "
+        "key_name, the key's name; id = key_id, its id (names can be personal or change).",
+        "name",
+        choices=("name", "id"),
+    )
     metrics_require_admin: bool = _flag(
         "Serve /metrics only with the admin token.", False, parse_bool, kind="bool"
     )
@@ -271,6 +305,13 @@ class Settings:
             raise ValueError(
                 f"max_prompts_per_request must be at least 1, got {self.max_prompts_per_request}"
             )
+        for name in ("timeout_keep_alive", "header_read_timeout", "db_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.limit_concurrency < 0:
+            raise ValueError(f"limit_concurrency must be >= 0, got {self.limit_concurrency}")
+        if self.cpu_workers < 1:
+            raise ValueError(f"cpu_workers must be at least 1, got {self.cpu_workers}")
         if self.frontend_threads < 0:
             raise ValueError(f"frontend_threads must be at least 0, got {self.frontend_threads}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -35,7 +35,9 @@ def sse_event(obj: Any) -> bytes:
 class RequestObserver(Protocol):
     """Watches engine requests (api/metrics.py's Metrics is one): TTFT, ITL, finish reasons."""
 
-    def request_started(self, request_id: str, key_name: str | None = None) -> None: ...
+    def request_started(
+        self, request_id: str, key_name: str | None = None, key_id: str | None = None
+    ) -> None: ...
 
     def observe(self, request_id: str, output: RequestOutput) -> None: ...
 
@@ -89,6 +91,7 @@ class Generation:
         on_close: Callable[[Generation], None] | None = None,
         observer: RequestObserver | None = None,
         key_name: str | None = None,
+        key_id: str | None = None,
     ) -> None:
         assert len(request_ids) == len(prompts)
         self.engine = engine
@@ -103,7 +106,9 @@ class Generation:
         self._closing: asyncio.Future[None] | None = None
         self._observer = observer
         self._key_name = key_name
+        self._key_id = key_id
         self._observed = False  # the observer saw request_started (admitted requests only)
+        self.error: BaseException | None = None  # why start() failed, if it did
 
     @property
     def finished(self) -> bool:
@@ -123,10 +128,11 @@ class Generation:
                     raise task.exception()
             if self._observer is not None:
                 for rid in self.request_ids:
-                    self._observer.request_started(rid, self._key_name)
+                    self._observer.request_started(rid, self._key_name, self._key_id)
                 self._observed = True
             firsts = await asyncio.gather(*tasks)
-        except BaseException:
+        except BaseException as exc:
+            self.error = exc  # what on_close settles by: the refusal, not "aborted"
             for task in tasks:  # one prompt was refused: stop the others' first steps too
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
+from engine.dummy_tokenizer import load_tokenizer
 from engine.errors import QueueFullError
 from engine.models.hf_config import load_hf_config, max_model_len_for
 from engine.models.loader import resolve_model
@@ -19,7 +21,6 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from engine.worker.executor import Executor
 
 logger = logging.getLogger("tessera.engine")
@@ -37,7 +38,13 @@ class LLMEngine:
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.vocab_size = hf_config.vocab_size
-        self.tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or model_dir)
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer,
+            Path(model_dir),
+            config.model.load_format,
+            hf_config.vocab_size,
+            next(iter(hf_config.eos_token_ids), None),
+        )
         self.eos_token_id = self.tokenizer.eos_token_id
         # Models with several end tokens (Llama 3) stop on all of them.
         self.extra_eos_ids = [t for t in hf_config.eos_token_ids if t != self.eos_token_id]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, RequestOutput, RequestUpdate, TokenLogprobs
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.stop_matcher import StopMatcher
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -79,14 +80,15 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> None:
+        matcher = StopMatcher(params.stop)  # one automaton for the n samples
         samples = [
             _Sample(
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer,
                     prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    stop_matcher=matcher,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,

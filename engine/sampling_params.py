@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 MAX_N = 16  # cap on n: each sample holds its own KV blocks
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+# Stop strings: OpenAI accepts 4; these are generous but bound the automaton a request
+# builds (engine/stop_matcher.py) to 64 KiB of characters.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass(slots=True)
@@ -83,8 +87,18 @@ class SamplingParams:
                     f"logit_bias for token {tok} must be in [-100, 100], got {bias}",
                 )
         _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+        )
+        _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop strings must be non-empty strings",
+        )
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(
+            longest <= MAX_STOP_STRING_CHARS,
+            f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long, "
+            f"got one of {longest}",
         )
 
     @property

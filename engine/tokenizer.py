@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.stop_matcher import StopMatcher, StopText
+
 _REPLACEMENT = "\ufffd"
 _PROMPT_WINDOW = 5  # prompt tokens decoded with the first output tokens (leading-space context)
 
@@ -108,7 +110,9 @@ class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas, with stop strings.
 
     update(ids) -> the newly completed text; finish() -> whatever was held back, when the
-    request ends for another reason (length, stop token, abort).
+    request ends for another reason (length, stop token, abort). Stop strings are matched
+    incrementally (engine/stop_matcher.py); pass `stop_matcher` to share one automaton
+    between the samples of a request.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        stop_matcher: StopMatcher | None = None,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -126,43 +131,43 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(0, self._read_offset)
-        self._stop = [s for s in stop if s]
-        self._include_stop = include_stop_str_in_output
-        self._max_stop = max((len(s) for s in self._stop), default=0)
-        self.text = ""  # all output text so far (truncated at a stop string)
-        self._emitted = 0  # how much of self.text the deltas have returned
-        self.stop_reason: str | None = None
+        matcher = stop_matcher if stop_matcher is not None else StopMatcher(stop)
+        self._out = StopText(matcher, include_stop_str_in_output)
         self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All output text so far (truncated at a stop string)."""
+        return self._out.text
 
     @property
     def emitted_text(self) -> str:
         """The text the deltas have returned so far: `text` minus any held-back tail."""
-        return self.text[: self._emitted]
+        return self._out.emitted_text
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._out.stop_reason
 
     @property
     def stopped(self) -> bool:
-        return self.stop_reason is not None
+        return self._out.stop_reason is not None
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         if self.finished or self.stopped:
             return ""
-        start = len(self.text)
-        for token_id in new_token_ids:
-            self.text += self._step(token_id)
-        self._check_stop(start)
-        return self._take(hold_back=not self.stopped)
+        self._out.append("".join([self._step(t) for t in new_token_ids]))
+        return self._out.take(hold_back=not self.stopped)
 
     def finish(self) -> str:
         """Flush the held-back text (an incomplete character, a possible stop-string start)."""
         if self.finished or self.stopped:
             self.finished = True
-            return self._take(hold_back=False)
+            return self._out.take(hold_back=False)
         self.finished = True
-        start = len(self.text)
         full = self._decode(self._prefix_offset, len(self._ids))
-        self.text += full[len(self._prefix_text) :]
-        self._check_stop(start)
-        return self._take(hold_back=False)
+        self._out.append(full[len(self._prefix_text) :])
+        return self._out.take(hold_back=False)
 
     def _decode(self, start: int, end: int) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
@@ -183,35 +188,3 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return delta
-
-    def _check_stop(self, start: int) -> None:
-        """Truncate self.text at the earliest stop string that ends after `start`."""
-        if not self._stop or len(self.text) == start:
-            return
-        search_from = max(0, start - self._max_stop + 1)
-        best: tuple[int, str] | None = None
-        for s in self._stop:
-            i = self.text.find(s, search_from)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            i, s = best
-            self.text = self.text[: i + len(s)] if self._include_stop else self.text[:i]
-            self.stop_reason = s
-
-    def _take(self, hold_back: bool) -> str:
-        """The text not yet returned, less a tail that could still begin a stop string."""
-        end = len(self.text)
-        if hold_back and self._stop:
-            end -= self._stop_prefix_len()
-        delta = self.text[self._emitted : end]
-        self._emitted = max(self._emitted, end)
-        return delta
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of self.text that is a proper prefix of a stop string."""
-        tail = self.text[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
-        for n in range(len(tail), 0, -1):
-            if any(s.startswith(tail[-n:]) for s in self._stop):
-                return n
-        return 0

@@ -40,6 +40,7 @@ from litestar.openapi.spec import SecurityScheme
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from api.auth import DB_ERRORS
+from api.body import require_json_body
 from api.errors import APIError, invalid_request, unavailable
 from api.guards import require_admin
 from api.schemas.admin import (
@@ -82,7 +83,7 @@ def tenant_not_found(tenant_id: str, param: str = "id") -> APIError:
 
 class AdminController(Controller):
     path = "/admin/v1"
-    guards = [require_admin]
+    guards = [require_admin, require_json_body]  # auth first, then the body (api/body.py)
     tags = ["admin"]
     security = [{ADMIN_SECURITY_NAME: []}]
 

@@ -14,6 +14,7 @@ reconciled to the tokens actually used before the response's last byte.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,20 +28,22 @@ from litestar.response import Stream
 
 from api.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.auth import Principal
+from api.body import require_json_body
 from api.deps import check_model_access, provide_principal, provide_server, require_principal
 from api.errors import APIError, invalid_request, unavailable
 from api.lifespan import ServerState
 from api.openai_format import ChatFormatter, CompletionFormatter, sse_stream
 from api.openai_inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    chat_messages,
+    chat_prompt,
     check_model,
     check_stream_options,
+    checked_sampling_params,
     completion_prompts,
     fit_context,
     off_loop_if_long,
-    sampling_params,
 )
+from api.refusals import LEDGER_OWNED
 from api.schemas.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,7 +69,7 @@ from engine.sampling_params import SamplingParams
 
 
 class OpenAIController(Controller):
-    guards = [require_principal]
+    guards = [require_principal, require_json_body]  # auth first, then the body (api/body.py)
     dependencies = {
         "principal": Provide(provide_principal, sync_to_thread=False),
         "server": Provide(provide_server, sync_to_thread=False),
@@ -87,16 +90,8 @@ class OpenAIController(Controller):
         check_model_access(request, data.model)
         check_model(data.model, engine)
         check_stream_options(data)
-        messages = chat_messages(data.messages)
-        try:
-            prompt = await off_loop_if_long(
-                sum(len(m["content"]) for m in messages),
-                engine.tokenizer.apply_chat_template,
-                messages,
-                add_generation_prompt=True,
-            )
-        except ValueError as e:  # no chat template
-            raise invalid_request(f"{e} Use /v1/completions with a plain prompt.") from None
+        pool = _pool(request)
+        prompt = await chat_prompt(pool, engine.tokenizer, data.messages, True)
         max_tokens = data.max_completion_tokens
         if max_tokens is None:
             max_tokens = data.max_tokens
@@ -104,12 +99,13 @@ class OpenAIController(Controller):
         top = data.top_logprobs
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
-        params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
+        logprobs = (top or 0) if data.logprobs else None
+        params = await checked_sampling_params(pool, data, max_tokens, logprobs)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
         reserved = len(prompt) + max_tokens * params.n
-        ticket = await _accountant(request).admit(principal, rid, data.model, reserved, arrived)
+        ticket = await _ticket(request, principal, rid, data.model, reserved, arrived)
         gen = await _admit(server, engine, request, principal, ticket, [rid], [prompt], params)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -140,13 +136,14 @@ class OpenAIController(Controller):
                 "computed); drop one of them.",
                 "echo",
             )
+        pool = _pool(request)
         prompts, texts = await completion_prompts(
-            data.prompt, engine.tokenizer, server.settings.max_prompts_per_request
+            data.prompt, engine.tokenizer, server.settings.max_prompts_per_request, pool
         )
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
-        params = sampling_params(data, max_tokens, data.logprobs)
+        params = await checked_sampling_params(pool, data, max_tokens, data.logprobs)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
@@ -158,7 +155,7 @@ class OpenAIController(Controller):
             ]
         fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
-        ticket = await _accountant(request).admit(principal, cid, data.model, reserved, arrived)
+        ticket = await _ticket(request, principal, cid, data.model, reserved, arrived)
         gen = await _admit(server, engine, request, principal, ticket, rids, prompts, params)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -198,21 +195,18 @@ class OpenAIController(Controller):
         tok = engine.tokenizer
         if (data.prompt is None) == (data.messages is None):
             raise invalid_request("Give exactly one of prompt and messages.", "prompt")
+        pool = _pool(request)
         if data.prompt is not None:
             ids = await off_loop_if_long(
                 len(data.prompt),
                 tok.encode,
                 data.prompt,
+                pool=pool,
                 add_special_tokens=data.add_special_tokens,
             )
         else:
-            messages = chat_messages(data.messages or [])
-            try:
-                ids = tok.apply_chat_template(
-                    messages, add_generation_prompt=data.add_generation_prompt
-                )
-            except ValueError as e:
-                raise invalid_request(str(e), "messages") from None
+            messages = data.messages or []
+            ids = await chat_prompt(pool, tok, messages, data.add_generation_prompt, "messages")
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @post("/detokenize", status_code=200)
@@ -245,6 +239,20 @@ def _accountant(request: Request) -> Accountant:
     return request.app.state.accountant
 
 
+async def _ticket(
+    request: Request, principal: Principal, rid: str, model: str, reserved: int, arrived: float
+) -> Ticket:
+    """accountant.admit; from here on the accountant writes the request's ledger row (before
+    it, a refusal's row comes from api/refusals.py)."""
+    request.state[LEDGER_OWNED] = True
+    return await _accountant(request).admit(principal, rid, model, reserved, arrived)
+
+
+def _pool(request: Request) -> Any:
+    """The bounded worker pool for CPU-heavy request steps (api/offload.py)."""
+    return request.app.state.cpu_pool
+
+
 async def _admit(
     server: ServerState,
     engine: Any,
@@ -261,6 +269,8 @@ async def _admit(
     metrics = request.app.state.get("metrics")  # api/metrics.py's Metrics, when mounted
 
     def on_close(gen: Generation) -> None:
+        if ticket.status_code is None and gen.error is not None:  # refused, or client gone
+            ticket.status_code = _status_code(_engine_error(gen.error))
         accountant.settle(ticket, gen.latest, gen.prompts)
         server.untrack(gen)
 
@@ -274,6 +284,7 @@ async def _admit(
             on_close=on_close,
             observer=metrics,
             key_name=principal.key_name,
+            key_id=principal.key_id,
         )
     except BaseException:
         ticket.status_code = 500
@@ -296,6 +307,7 @@ async def _admit(
 
 
 _REJECTIONS = {QueueFullError: "queue_full", EngineDeadError: "engine_dead"}
+_ENGINE_PARAM = re.compile(r"(logit_bias|stop_token_ids) ")
 _PHASE_REJECTIONS = {"loading": "loading", "failed": "engine_dead"}
 
 
@@ -317,7 +329,9 @@ def _engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine is not running: {exc}", retry_after=5)
     if isinstance(exc, ValueError) and not isinstance(exc, APIError):
-        return invalid_request(str(exc))  # the engine's input checks: messages made for users
+        # The engine's input checks: messages made for users, naming the field first.
+        m = _ENGINE_PARAM.match(str(exc))
+        return invalid_request(str(exc), m.group(1) if m else None)
     return exc
 
 

@@ -100,7 +100,7 @@ def _check_folder(path: Path, weights: bool = True) -> None:
     if weights and not any(path.glob("*.safetensors")):
         raise ValueError(
             f"{path} has no *.safetensors weights (only safetensors are loaded; "
-            "use --load-format dummy for random weights)"
+            "load_format 'dummy' (--load-format dummy) draws random weights instead)"
         )
 
 

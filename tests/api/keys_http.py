@@ -78,7 +78,7 @@ class Admin:
 
     def __init__(self, server: Any, token: str = ADMIN_TOKEN) -> None:
         self.base = server.base_url + "/admin/v1"
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.request(method, self.base + path, headers=self.headers, timeout=30, **kwargs)

@@ -265,3 +265,22 @@ def test_http_traffic_gives_exact_counts(open_server):
     final = scrape(server)
     assert delta(after, final, "vllm:request_success_total", finished_reason="abort") == 1
     assert delta(after, final, "vllm:request_success_total", finished_reason="length") == 0
+
+
+def test_per_key_series_labelled_by_id_with_metrics_key_label_id():
+    """--metrics-key-label id: the key's id labels the series, never its name; the console
+    still sees the name of a request in flight."""
+    by_id = Metrics(MODEL, key_label="id")
+    by_id.request_started("r1", key_name="alice@example.com", key_id="key_123")
+    assert by_id.key_name("r1") == "alice@example.com"
+    by_id.request_finished("r1", "stop", prompt_tokens=3, generation_tokens=2)
+    text = by_id.render().decode()
+    assert value(text, "tessera:requests_total", key_id="key_123") == 1
+    assert value(text, "tessera:tokens_total", key_id="key_123", kind="generation") == 2
+    assert "alice@example.com" not in text and 'key_name="' not in text
+    by_name = Metrics(MODEL)
+    by_name.request_started("r1", key_name="alice", key_id="key_123")
+    by_name.request_finished("r1", "stop", prompt_tokens=3, generation_tokens=2)
+    assert value(by_name.render().decode(), "tessera:requests_total", key_name="alice") == 1
+    with pytest.raises(ValueError, match="key_label"):
+        Metrics(MODEL, key_label="secret")

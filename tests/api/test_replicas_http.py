@@ -72,7 +72,7 @@ def test_budget_is_shared_not_doubled(replicas):
     assert Admin(b).key(key_id)["budget_used"] == 4 * cost
     # Both replicas' ledgers land in the one database.
     usage = admin.usage(key_id)
-    assert usage["requests"] == 4
+    assert (usage["requests"], usage["errors"]) == (6, 2)  # the 429s have rows too
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 4 * cost
 
 

@@ -9,6 +9,7 @@ Matcher from it (forked samples copy theirs). Matchers fill one row of an int32 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +28,9 @@ class GrammarLimits:
     compile_timeout_s: float = 10.0  # a compile still running then is refused
     max_spec_bytes: int = 64 * 1024  # schema / regex / grammar text, all choices together
     max_enum_values: int = 1024  # choices, or enum/const values summed over a schema
+    # Counted repetitions multiply when nested (a{200}{200} is a{40000}): the lexer's work
+    # per token grows with the product, so it is capped (in regexes, grammars, patterns).
+    max_repetition: int = 10_000
 
 
 class Matcher(Protocol):
@@ -71,6 +75,8 @@ def spec_key(so: StructuredOutputsParams, limits: GrammarLimits) -> tuple[str, s
         # Key order kept: properties are generated in the order the schema lists them.
         text = json.dumps(schema, separators=(",", ":"))
         _check_size(len(text.encode()), limits, "the JSON schema")
+        for pattern in _patterns(schema):
+            _check_repetition(pattern, limits, "a pattern in the JSON schema")
         enums = _count_enum_values(schema)
         if enums > limits.max_enum_values:
             raise GrammarError(
@@ -92,6 +98,7 @@ def spec_key(so: StructuredOutputsParams, limits: GrammarLimits) -> tuple[str, s
     text = so.regex if kind == "regex" else so.grammar
     assert text is not None
     _check_size(len(text.encode()), limits, f"the {kind}")
+    _check_repetition(text, limits, f"the {kind}")
     return kind, text
 
 
@@ -112,3 +119,66 @@ def _count_enum_values(node: object) -> int:
     if isinstance(node, list):
         return sum(_count_enum_values(v) for v in node)
     return 0
+
+
+def _patterns(node: object):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            else:
+                yield from _patterns(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _patterns(value)
+
+
+def _check_repetition(text: str, limits: GrammarLimits, what: str) -> None:
+    n = max_repetition(text)
+    if n > limits.max_repetition:
+        raise GrammarError(
+            f"{what} repeats {n} times (counted repetitions such as {{n}} multiply when "
+            f"nested); at most {limits.max_repetition} are allowed"
+        )
+
+
+_QUANTIFIER = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def max_repetition(regex: str) -> int:
+    """The largest product of nested counted repetitions ({n}, {n,}, {n,m}) in a regex."""
+    stack = [1]  # per open group: the largest product inside it
+    last = 1  # the product of the atom just read
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if c == ")" and len(stack) > 1:
+            last = stack.pop()
+            stack[-1] = max(stack[-1], last)
+            i += 1
+            continue
+        if c == "{" and (m := _QUANTIFIER.match(regex, i)):
+            count = int(m.group(2)) if m.group(2) else int(m.group(1))
+            last *= max(count, 1)
+            stack[-1] = max(stack[-1], last)
+            i = m.end()
+            continue
+        if c == "\\":
+            i += 2
+        elif c == "[":  # a class is one atom: skip to its closing bracket
+            i += 1
+            if i < n and regex[i] == "^":
+                i += 1
+            if i < n and regex[i] == "]":
+                i += 1
+            while i < n and regex[i] != "]":
+                i += 2 if regex[i] == "\\" else 1
+            i += 1
+        else:
+            i += 1
+        last = 1
+    return max(stack)

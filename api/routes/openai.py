@@ -61,6 +61,7 @@ from api.streaming import (
     Generation,
     until_disconnect,
 )
+from api.structured_inputs import supported_structured_outputs, with_structured_outputs
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -105,6 +106,7 @@ class OpenAIController(Controller):
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
+        params = await with_structured_outputs(data, params, engine)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
@@ -147,6 +149,7 @@ class OpenAIController(Controller):
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         params = sampling_params(data, max_tokens, data.logprobs)
+        params = await with_structured_outputs(data, params, engine)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
@@ -179,6 +182,7 @@ class OpenAIController(Controller):
             created=int(server.started_at),
             root=server.settings.model,
             max_model_len=engine.max_model_len,
+            structured_outputs=supported_structured_outputs(),
         )
         return ModelList(data=[card])
 

@@ -168,3 +168,34 @@ def test_abort_while_waiting_for_the_grammar(llm):
         manager._compile = real
         release.set()
     _no_leak(llm)
+
+
+def test_a_compile_past_the_timeout_is_refused(llm):
+    import asyncio
+    import dataclasses
+
+    from engine.async_engine import AsyncEngine
+
+    engine = llm.engine
+    manager = engine.structured
+    release = threading.Event()
+    real, limits = manager._compile, manager.limits
+    manager._compile = lambda key: (release.wait(30), real(key))[1]
+    manager.limits = dataclasses.replace(limits, compile_timeout_s=0.2)
+    try:
+        # The HTTP path: refused in bounded time, the compile left running (and cached).
+        so = StructuredOutputsParams(regex=r"[rs]{5}")
+        with pytest.raises(GrammarError, match="longer than 0.2 s"):
+            asyncio.run(AsyncEngine(engine).compile_grammar(so))
+        # The offline path: the waiting request fails with "error" once the limit passes.
+        so2 = StructuredOutputsParams(regex=r"[tu]{5}")
+        engine.add_request("late", "Hello", SamplingParams(structured_outputs=so2))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        assert final.request_id == "late" and final.outputs[0].finish_reason == "error"
+    finally:
+        manager._compile, manager.limits = real, limits
+        release.set()
+    _no_leak(llm)

@@ -107,8 +107,14 @@ async def with_structured_outputs(data: Any, params: SamplingParams, engine: Any
     if found is None:
         return params
     so, param = found
+    await compile_or_400(engine, so, param)
+    return dataclasses.replace(params, structured_outputs=so)
+
+
+async def compile_or_400(engine: Any, so: StructuredOutputsParams, param: str) -> None:
+    """Compile so (off the event loop, bounded by the compile timeout) or raise a 400 naming
+    param. For any code that builds its own constraint (tool calling, say)."""
     try:
         await engine.compile_grammar(so)
     except ValueError as e:  # GrammarError: the message is for the user
         raise invalid_request(f"Invalid {param}: {e}", param) from None
-    return dataclasses.replace(params, structured_outputs=so)

@@ -214,3 +214,37 @@ def test_conflicting_or_malformed_constraints(client):
         "json_schema",
         response_format={"type": "json_schema"},
     )
+
+
+def test_sdk_parse_with_a_pydantic_model(client):
+    """The SDK's own structured-output helper: it sends a strict json_schema built from the
+    model and parses the reply into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        y: int = Field(ge=0, le=9)
+
+    class Shape(BaseModel):
+        kind: Literal["circle", "square"]
+        label: str = Field(max_length=5)
+        corners: list[Point] = Field(max_length=2)
+
+    parsed = []
+    for seed in range(4):
+        try:
+            r = client.chat.completions.parse(
+                model=MODEL,
+                messages=CHAT,
+                response_format=Shape,
+                max_tokens=120,
+                temperature=1.0,
+                seed=seed,
+            )
+        except openai.LengthFinishReasonError:
+            continue
+        assert r.choices[0].finish_reason == "stop"
+        parsed.append(r.choices[0].message.parsed)
+    assert len(parsed) >= 2 and all(isinstance(p, Shape) for p in parsed)

@@ -40,6 +40,10 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def failed(self) -> bool:
+        """Whether it ended in error (a token outside the mask, a limit hit mid-way)."""
+        ...
+
     def fork(self) -> Matcher: ...
 
 

@@ -45,6 +45,9 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self._m.is_stopped() or self._m.is_error()
 
+    def failed(self) -> bool:
+        return self._m.is_error()
+
     @property
     def error(self) -> str:
         return self._m.get_error()

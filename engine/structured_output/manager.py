@@ -74,6 +74,9 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def failed(self) -> bool:
+        return self.matcher.failed()
+
     def fork(self) -> RequestGrammar:
         """A copy for a forked sample: same grammar, its own matcher state."""
         return RequestGrammar(self.future, self.matcher.fork())

@@ -163,3 +163,24 @@ def test_bitmask_applies_to_the_given_rows_only():
     for row, r in ((2, 0), (0, 1)):
         assert torch.equal(x[row][allowed[r]], before[row][allowed[r]])
         assert torch.isinf(x[row][~allowed[r]]).all()
+
+
+def test_check_stop_stop_for_a_completed_grammar_error_for_a_failed_one(manager, tokenizer):
+    from engine.core.stop import check_stop
+    from engine.request import Request, RequestStatus
+    from engine.sampling_params import SamplingParams
+
+    def request(so):
+        r = Request("r", [1, 2], SamplingParams(max_tokens=50), eos_token_id=None)
+        r.grammar = manager.request_grammar(so)
+        r.grammar.future.result(timeout=30)
+        return r
+
+    done = request(S(choice=["ab"]))
+    for t in tokenizer.encode("ab", add_special_tokens=False):
+        done.append_output_token(t)
+    assert check_stop(done, 256) and done.status == RequestStatus.FINISHED_STOPPED
+
+    bad = request(S(regex="[0-9]+"))
+    bad.append_output_token(tokenizer.encode("x", add_special_tokens=False)[0])
+    assert check_stop(bad, 256) and bad.status == RequestStatus.FINISHED_ERROR

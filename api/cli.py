@@ -35,7 +35,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tessera.api")
 
-BENCHMARKS = ("serve", "throughput", "scheduler", "auth", "decode", "compare", "affinity")
+BENCHMARKS = (
+    "serve",
+    "throughput",
+    "scheduler",
+    "auth",
+    "decode",
+    "compare",
+    "affinity",
+    "structured",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,12 +1,13 @@
 """Tessera's engine: paged KV cache, continuous batching, Llama-family model runner.
 
-Public API: LLM (offline), LLMEngine, AsyncEngine, EngineConfig, SamplingParams.
+Public API: LLM (offline), LLMEngine, AsyncEngine, EngineConfig, SamplingParams,
+StructuredOutputsParams.
 The engine never imports the web layer (api/, console/).
 """
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -20,6 +21,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

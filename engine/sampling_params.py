@@ -17,6 +17,60 @@ MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names). Exactly one form must be set.
+
+    The engine compiles it into a grammar off the step loop; a request waits for its grammar
+    without holding up other requests.
+    """
+
+    json: dict | str | None = None  # a JSON schema (dict or JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF / Lark text
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        set_fields = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if self.json_object:
+            set_fields.append("json_object")
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(set_fields) if set_fields else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema object or JSON text")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None and not (
+            isinstance(self.choice, list)
+            and self.choice
+            and all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which form is set: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16  # None: up to max_model_len
@@ -36,6 +90,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

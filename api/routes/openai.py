@@ -64,6 +64,7 @@ from api.streaming import (
     Generation,
     until_disconnect,
 )
+from api.structured_inputs import supported_structured_outputs, with_structured_outputs
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -101,6 +102,7 @@ class OpenAIController(Controller):
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         logprobs = (top or 0) if data.logprobs else None
         params = await checked_sampling_params(pool, data, max_tokens, logprobs)
+        params = await with_structured_outputs(data, params, engine)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
@@ -144,6 +146,7 @@ class OpenAIController(Controller):
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         params = await checked_sampling_params(pool, data, max_tokens, data.logprobs)
+        params = await with_structured_outputs(data, params, engine)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
@@ -176,6 +179,7 @@ class OpenAIController(Controller):
             created=int(server.started_at),
             root=server.settings.model,
             max_model_len=engine.max_model_len,
+            structured_outputs=supported_structured_outputs(),
         )
         return ModelList(data=[card])
 

@@ -40,11 +40,15 @@ def make_child(parent: Request, index: int) -> Request:
         arrival_time=parent.arrival_time,
         priority=parent.priority,
         cache_salt=parent.cache_salt,
+        tenant=parent.tenant,
+        tenant_weight=parent.tenant_weight,
+        deadline=parent.deadline,
         parent_id=parent.request_id,
         sample_index=index,
     )
     child.num_cached_tokens = parent.num_cached_tokens
     child.first_scheduled_time = parent.first_scheduled_time
+    child.num_charged_prompt_tokens = parent.num_charged_prompt_tokens
     return child
 
 

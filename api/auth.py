@@ -71,6 +71,13 @@ class Principal:
     budget_period: str = "total"
     priority: int = 0
     is_admin: bool = False
+    # Tenancy (api/tenancy.py): the fair scheduler's tenant (for now each key is its own),
+    # its weight, the prefix-cache scope ("key": the key's own; "tenant": shared by the
+    # tenant's keys) and the longest a request may run, in seconds (None: no limit).
+    tenant_id: str | None = None
+    tenant_weight: float = 1.0
+    cache_scope: str = "key"
+    request_timeout: float | None = None
 
     @property
     def has_limits(self) -> bool:
@@ -91,6 +98,7 @@ class Principal:
             token_budget=record.token_budget,
             budget_period=record.budget_period,
             priority=record.priority,
+            tenant_id=record.id,
         )
 
 

@@ -35,6 +35,7 @@ from api.openai_inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_messages,
     check_model,
+    check_priority,
     check_stream_options,
     completion_prompts,
     fit_context,
@@ -61,6 +62,7 @@ from api.streaming import (
     Generation,
     until_disconnect,
 )
+from api.tenancy import engine_tenancy
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -105,12 +107,15 @@ class OpenAIController(Controller):
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
+        check_priority(data.priority)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
         reserved = len(prompt) + max_tokens * params.n
         ticket = await _accountant(request).admit(principal, rid, data.model, reserved, arrived)
-        gen = await _admit(server, engine, request, principal, ticket, [rid], [prompt], params)
+        gen = await _admit(
+            server, engine, request, principal, ticket, [rid], [prompt], params, data.priority
+        )
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
             return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
@@ -147,6 +152,7 @@ class OpenAIController(Controller):
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         params = sampling_params(data, max_tokens, data.logprobs)
+        check_priority(data.priority)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
@@ -159,7 +165,9 @@ class OpenAIController(Controller):
         fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
         ticket = await _accountant(request).admit(principal, cid, data.model, reserved, arrived)
-        gen = await _admit(server, engine, request, principal, ticket, rids, prompts, params)
+        gen = await _admit(
+            server, engine, request, principal, ticket, rids, prompts, params, data.priority
+        )
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
             return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
@@ -254,10 +262,19 @@ async def _admit(
     request_ids: list[str],
     prompts: list[list[int]],
     params: SamplingParams,
+    requested_priority: int | None = None,
 ) -> Generation:
     """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
-    closing the Generation settles the ticket, whatever happens."""
+    closing the Generation settles the ticket, whatever happens. The deadline counts from
+    the request's arrival (queueing and quota checks included)."""
     accountant = _accountant(request)
+    tenancy = engine_tenancy(
+        principal,
+        server.cache_salt_secret,
+        requested_priority,
+        ticket.arrived,
+        server.settings.request_timeout,
+    )
     metrics = request.app.state.get("metrics")  # api/metrics.py's Metrics, when mounted
 
     def on_close(gen: Generation) -> None:
@@ -270,7 +287,11 @@ async def _admit(
             request_ids,
             prompts,
             params,
-            priority=principal.priority,
+            priority=tenancy.priority,
+            cache_salt=tenancy.cache_salt,
+            tenant=tenancy.tenant,
+            tenant_weight=tenancy.tenant_weight,
+            deadline=tenancy.deadline,
             on_close=on_close,
             observer=metrics,
             key_name=principal.key_name,

@@ -56,6 +56,8 @@ class _SamplingFields(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's scheduling priority (lower runs first), never better than the key's own.
+    priority: int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -5,7 +5,9 @@ a counter of the service it received: PROMPT_WEIGHT per prompt token computed pl
 OUTPUT_WEIGHT per output token generated (the paper's w_p = 1, w_q = 2), divided by the
 tenant's weight, so a tenant of weight 2 is charged half as much and gets twice the tokens.
 The scheduler admits from the backlogged tenant (one with waiting requests) whose counter is
-smallest, and preempts from the tenant whose counter is largest.
+smallest, and preempts from the tenant whose counter is largest; when every seat is taken, a
+tenant below its weighted share of seats takes one from a tenant above it
+(Scheduler._seat_victim), so a light tenant does not wait for a heavy one's request to end.
 
 Work conservation comes for free: only backlogged tenants compete, so an idle tenant's
 share goes to the others. Bounded lag: a tenant that becomes backlogged again (its waiting
@@ -77,3 +79,7 @@ class TenantCounters:
 
     def is_backlogged(self, tenant: str) -> bool:
         return tenant in self._num_waiting
+
+    def backlogged(self):
+        """The tenants with waiting requests."""
+        return self._num_waiting.keys()

@@ -13,7 +13,8 @@ copied: the pair goes into the next SchedulerOutput.blocks_to_copy, which the ru
 before that step's forward.
 
 Tenants: under the "fair" policy the waiting queue admits by VTC (engine/core/fair.py) and the
-preemption victim is the newest request of the tenant most over its share; each step's
+preemption victim is the newest request of the tenant most over its share (and a tenant
+below its share of seats may take one from a tenant above it); each step's
 computed prompt tokens and sampled tokens are charged to the tenants' counters. Whatever the
 policy, each tenant's prompt and prefix-hit tokens are counted (stats().tenants), and a
 request with a deadline that passes is handed back by expired_requests() for the engine to
@@ -272,7 +273,7 @@ class Scheduler:
             break  # the request itself was preempted: no blocks for anything further
 
         if not preempted_ids:  # blocks are short: do not admit while preempting
-            budget = self._admit_waiting(budget, scheduled, new)
+            budget = self._admit_waiting(budget, scheduled, new, preempted_ids)
 
         # Copies for children forked last step, unless they were preempted or aborted since.
         copies = [
@@ -297,6 +298,7 @@ class Scheduler:
         budget: int,
         scheduled: dict[str, ScheduledRequest],
         new: dict[str, NewRequestData],
+        preempted_ids: list[str],
     ) -> int:
         manager = self.kv_cache_manager
         waiting = self.waiting
@@ -304,7 +306,17 @@ class Scheduler:
             request = waiting.peek_request()
             num_seats = seats(request)
             if self._num_seats + num_seats > self.config.max_num_seqs:
-                break
+                victim_index = self._seat_victim(request) if self.tenant_counters else None
+                if victim_index is None:
+                    break
+                victim = self.running.pop(victim_index)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                    new.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                continue
             hit_blocks, num_hit = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -386,6 +398,44 @@ class Scheduler:
                 ),
             )
         return len(running) - 1
+
+    def _seat_victim(self, request: Request) -> int | None:
+        """Under "fair", when every seat is taken: the running request to preempt so that
+        `request` gets a seat, or None. Only a tenant holding fewer seats than its weighted
+        share (of max_num_seqs, among the tenants with requests) takes one, only from a
+        tenant holding more than its share with a larger counter, and never from a better
+        priority class: the newest request of the most-served such tenant, whose recompute
+        costs least (its prompt blocks are usually still cached). Seat counts only move
+        toward the shares, so two tenants never trade seats back and forth."""
+        running = self.running
+        held: dict[str, int] = {}
+        for r in running:
+            t = tenant_of(r)
+            held[t] = held.get(t, 0) + seats(r)
+        counters = self.tenant_counters
+        weights = counters.weights
+        tenant = tenant_of(request)
+        active = held.keys() | counters.backlogged()
+        total = sum(weights.get(t, 1.0) for t in active)
+        limit = self.config.max_num_seqs
+
+        def share(t: str) -> float:
+            return limit * weights.get(t, 1.0) / total
+
+        if held.get(tenant, 0) + seats(request) > share(tenant):
+            return None
+        floor = counters.counter(tenant)
+        best, best_key = None, None
+        for j, r in enumerate(running):
+            t = tenant_of(r)
+            if t == tenant or r.priority < request.priority or held[t] <= share(t):
+                continue
+            if counters.counter(t) <= floor:
+                continue
+            key = (r.priority, counters.counter(t), r.arrival_time, j)
+            if best_key is None or key > best_key:
+                best, best_key = j, key
+        return best
 
     def _stats_of(self, tenant: str) -> TenantStats:
         self._tenant_snapshot = None

@@ -178,6 +178,36 @@ def test_preemption_takes_the_newest_request_of_the_tenant_most_over_its_share()
     assert transcript.tokens["hog-new"] == reference_generate(prompts["hog-new"], 20)[1:]
 
 
+def test_a_tenant_below_its_seat_share_takes_a_seat_from_one_above_it():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, policy="fair")
+    runner = FakeRunner(64, 16)
+    _submit(sched, "heavy", 40)
+    step(sched, runner)
+    step(sched, runner)
+    assert [r.tenant for r in sched.running] == ["heavy"] * 4
+    sched.add_request(make_request("light-0", [7, 8, 9], 4, tenant="light", arrival_time=99.0))
+    # Lifted to heavy's counter on arrival (a tie, which the older request wins); one step
+    # of heavy's decodes later it is behind, and takes a seat at once, not when a heavy
+    # request ends.
+    out, _ = step(sched, runner)
+    assert "light-0" not in {s.request_id for s in out.scheduled} and not out.preempted_request_ids
+    out, _ = step(sched, runner)
+    assert "light-0" in {s.request_id for s in out.scheduled}
+    assert out.preempted_request_ids == ["heavy-3"]  # heavy's newest
+    check_invariants(sched)
+
+
+def test_seat_shares_do_not_make_equal_tenants_trade_seats():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, policy="fair")
+    runner = FakeRunner(64, 16)
+    _submit(sched, "a", 60)
+    _submit(sched, "b", 60)
+    _serve(sched, runner)
+    # Seats move only toward the shares: a few preemptions while they settle, not one per
+    # request (120) or per step.
+    assert sched.num_preemptions <= 4
+
+
 def test_fair_without_tenants_is_one_shared_fifo():
     sched = make_scheduler(max_num_seqs=1, policy="fair")
     runner = FakeRunner(64, 16)

@@ -7,7 +7,7 @@ tenant's weight, so a tenant of weight 2 is charged half as much and gets twice 
 The scheduler admits from the backlogged tenant (one with waiting requests) whose counter is
 smallest, and preempts from the tenant whose counter is largest; when every seat is taken, a
 tenant below its weighted share of seats takes one from a tenant above it
-(Scheduler._seat_victim), so a light tenant does not wait for a heavy one's request to end.
+(seat_victim), so a light tenant does not wait for a heavy one's request to end.
 
 Work conservation comes for free: only backlogged tenants compete, so an idle tenant's
 share goes to the others. Bounded lag: a tenant that becomes backlogged again (its waiting
@@ -22,6 +22,9 @@ token. Requests with no tenant count under the tenant "" (one shared anonymous t
 """
 
 from __future__ import annotations
+
+from engine.core.forking import seats
+from engine.request import Request
 
 PROMPT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
@@ -83,3 +86,59 @@ class TenantCounters:
     def backlogged(self):
         """The tenants with waiting requests."""
         return self._num_waiting.keys()
+
+
+def tenant_of(request: Request) -> str:
+    return request.tenant or ""
+
+
+def fair_victim(running: list[Request], counters: TenantCounters) -> int:
+    """The preemption victim when blocks run out: the worst priority class, then the tenant
+    most over its share, then its newest request (the index into `running`)."""
+    counter = counters.counter
+    return max(
+        range(len(running)),
+        key=lambda j: (
+            running[j].priority,
+            counter(tenant_of(running[j])),
+            running[j].arrival_time,
+            j,
+        ),
+    )
+
+
+def seat_victim(
+    running: list[Request], request: Request, counters: TenantCounters, max_num_seqs: int
+) -> int | None:
+    """When every seat is taken: the running request to preempt so that `request` gets a
+    seat, or None. Only a tenant holding fewer seats than its weighted share (of
+    max_num_seqs, among the tenants with requests) takes one, only from a tenant holding
+    more than its share with a larger counter, and never from a better priority class: the
+    newest request of the most-served such tenant, whose recompute costs least (its prompt
+    blocks are usually still cached). Seat counts only move toward the shares, so two
+    tenants never trade seats back and forth."""
+    held: dict[str, int] = {}
+    for r in running:
+        t = tenant_of(r)
+        held[t] = held.get(t, 0) + seats(r)
+    weights = counters.weights
+    tenant = tenant_of(request)
+    total = sum(weights.get(t, 1.0) for t in held.keys() | counters.backlogged())
+
+    def share(t: str) -> float:
+        return max_num_seqs * weights.get(t, 1.0) / total
+
+    if held.get(tenant, 0) + seats(request) > share(tenant):
+        return None
+    floor = counters.counter(tenant)
+    best, best_key = None, None
+    for j, r in enumerate(running):
+        t = tenant_of(r)
+        if t == tenant or r.priority < request.priority or held[t] <= share(t):
+            continue
+        if counters.counter(t) <= floor:
+            continue
+        key = (r.priority, counters.counter(t), r.arrival_time, j)
+        if best_key is None or key > best_key:
+            best, best_key = j, key
+    return best

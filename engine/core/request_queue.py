@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from engine.core.fair import TenantCounters
+from engine.core.fair import TenantCounters, tenant_of
 from engine.request import Request
 
 
@@ -103,10 +103,6 @@ class PriorityRequestQueue(RequestQueue):
         return self._requests[index]
 
 
-def tenant_of(request: Request) -> str:
-    return request.tenant or ""
-
-
 class FairRequestQueue(RequestQueue):
     """One queue per tenant, in (priority, arrival) order; the next request comes from the
     tenant whose head has the lowest (priority, virtual counter, arrival). A pick is a scan
@@ -171,6 +167,7 @@ class FairRequestQueue(RequestQueue):
 
 
 POLICIES = ("fcfs", "priority", "fair")
+__all__ = ["POLICIES", "RequestQueue", "create_request_queue", "priority_key", "tenant_of"]
 
 
 def create_request_queue(policy: str, counters: TenantCounters | None = None) -> RequestQueue:

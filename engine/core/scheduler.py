@@ -14,7 +14,7 @@ before that step's forward.
 
 Tenants: under the "fair" policy the waiting queue admits by VTC (engine/core/fair.py) and the
 preemption victim is the newest request of the tenant most over its share (and a tenant
-below its share of seats may take one from a tenant above it); each step's
+below its share of seats may take one from a tenant above it: fair.seat_victim); each step's
 computed prompt tokens and sampled tokens are charged to the tenants' counters. Whatever the
 policy, each tenant's prompt and prefix-hit tokens are counted (stats().tenants), and a
 request with a deadline that passes is handed back by expired_requests() for the engine to
@@ -36,15 +36,10 @@ import time
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.fair import TenantCounters
+from engine.core.fair import TenantCounters, fair_victim, seat_victim, tenant_of
 from engine.core.forking import child_id, fork_samples, seats
 from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
-from engine.core.request_queue import (
-    RequestQueue,
-    create_request_queue,
-    priority_key,
-    tenant_of,
-)
+from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.core.stop import check_stop
 from engine.outputs import (
     ModelRunnerOutput,
@@ -306,7 +301,12 @@ class Scheduler:
             request = waiting.peek_request()
             num_seats = seats(request)
             if self._num_seats + num_seats > self.config.max_num_seqs:
-                victim_index = self._seat_victim(request) if self.tenant_counters else None
+                counters = self.tenant_counters
+                victim_index = (
+                    seat_victim(self.running, request, counters, self.config.max_num_seqs)
+                    if counters is not None
+                    else None
+                )
                 if victim_index is None:
                     break
                 victim = self.running.pop(victim_index)
@@ -386,56 +386,8 @@ class Scheduler:
         if policy == "priority":
             return max(range(len(running)), key=lambda j: priority_key(running[j]))
         if policy == "fair":
-            # The worst class, then the tenant most over its share, then its newest request.
-            counter = self.tenant_counters.counter
-            return max(
-                range(len(running)),
-                key=lambda j: (
-                    running[j].priority,
-                    counter(tenant_of(running[j])),
-                    running[j].arrival_time,
-                    j,
-                ),
-            )
+            return fair_victim(running, self.tenant_counters)
         return len(running) - 1
-
-    def _seat_victim(self, request: Request) -> int | None:
-        """Under "fair", when every seat is taken: the running request to preempt so that
-        `request` gets a seat, or None. Only a tenant holding fewer seats than its weighted
-        share (of max_num_seqs, among the tenants with requests) takes one, only from a
-        tenant holding more than its share with a larger counter, and never from a better
-        priority class: the newest request of the most-served such tenant, whose recompute
-        costs least (its prompt blocks are usually still cached). Seat counts only move
-        toward the shares, so two tenants never trade seats back and forth."""
-        running = self.running
-        held: dict[str, int] = {}
-        for r in running:
-            t = tenant_of(r)
-            held[t] = held.get(t, 0) + seats(r)
-        counters = self.tenant_counters
-        weights = counters.weights
-        tenant = tenant_of(request)
-        active = held.keys() | counters.backlogged()
-        total = sum(weights.get(t, 1.0) for t in active)
-        limit = self.config.max_num_seqs
-
-        def share(t: str) -> float:
-            return limit * weights.get(t, 1.0) / total
-
-        if held.get(tenant, 0) + seats(request) > share(tenant):
-            return None
-        floor = counters.counter(tenant)
-        best, best_key = None, None
-        for j, r in enumerate(running):
-            t = tenant_of(r)
-            if t == tenant or r.priority < request.priority or held[t] <= share(t):
-                continue
-            if counters.counter(t) <= floor:
-                continue
-            key = (r.priority, counters.counter(t), r.arrival_time, j)
-            if best_key is None or key > best_key:
-                best, best_key = j, key
-        return best
 
     def _stats_of(self, tenant: str) -> TenantStats:
         self._tenant_snapshot = None

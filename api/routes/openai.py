@@ -28,7 +28,7 @@ from litestar.response import Stream
 from api.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.auth import Principal
 from api.deps import check_model_access, provide_principal, provide_server, require_principal
-from api.errors import APIError, invalid_request, unavailable
+from api.errors import APIError, invalid_request, request_timed_out, unavailable
 from api.lifespan import ServerState
 from api.openai_format import ChatFormatter, CompletionFormatter, sse_stream
 from api.openai_inputs import (
@@ -304,6 +304,8 @@ async def _admit(
     ticket.submitted = time.monotonic()
     try:
         await until_disconnect(gen.start(), request.receive)
+        if _timed_out(gen):  # past its deadline before it started: 504, not a 200 stream
+            raise request_timed_out()
     except BaseException as exc:
         err = _engine_error(exc)
         ticket.status_code = _status_code(err)
@@ -314,6 +316,10 @@ async def _admit(
         raise err from None
     ticket.first_output = time.monotonic()
     return gen
+
+
+def _timed_out(gen: Generation) -> bool:
+    return any(c.finish_reason == "timeout" for o in gen.latest if o is not None for c in o.outputs)
 
 
 _REJECTIONS = {QueueFullError: "queue_full", EngineDeadError: "engine_dead"}

@@ -113,7 +113,7 @@ def seat_victim(
     """When every seat is taken: the running request to preempt so that `request` gets a
     seat, or None. Only a tenant holding fewer seats than its weighted share (of
     max_num_seqs, among the tenants with requests) takes one, only from a tenant holding
-    more than its share with a larger counter, and never from a better priority class: the
+    more than its share with no smaller a counter, and never from a better priority class: the
     newest request of the most-served such tenant, whose recompute costs least (its prompt
     blocks are usually still cached). Seat counts only move toward the shares, so two
     tenants never trade seats back and forth."""
@@ -136,7 +136,7 @@ def seat_victim(
         t = tenant_of(r)
         if t == tenant or r.priority < request.priority or held[t] <= share(t):
             continue
-        if counters.counter(t) <= floor:
+        if counters.counter(t) < floor:
             continue
         key = (r.priority, counters.counter(t), r.arrival_time, j)
         if best_key is None or key > best_key:

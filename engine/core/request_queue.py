@@ -105,7 +105,7 @@ class PriorityRequestQueue(RequestQueue):
 
 class FairRequestQueue(RequestQueue):
     """One queue per tenant, in (priority, arrival) order; the next request comes from the
-    tenant whose head has the lowest (priority, virtual counter, arrival). A pick is a scan
+    tenant whose head has the lowest (priority, virtual counter, backlog, arrival). A pick is a scan
     over the backlogged tenants, a handful even on a busy server."""
 
     def __init__(self, counters: TenantCounters) -> None:
@@ -129,7 +129,8 @@ class FairRequestQueue(RequestQueue):
         best, best_key = None, None
         for tenant, queue in self._queues.items():
             head = queue[0]
-            key = (head.priority, counter(tenant), head.arrival_time)
+            # Counter ties (a tenant just lifted to the floor) go to the shorter backlog.
+            key = (head.priority, counter(tenant), len(queue), head.arrival_time)
             if best_key is None or key < best_key:
                 best, best_key = queue, key
         if best is None:

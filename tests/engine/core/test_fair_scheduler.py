@@ -186,11 +186,9 @@ def test_a_tenant_below_its_seat_share_takes_a_seat_from_one_above_it():
     step(sched, runner)
     assert [r.tenant for r in sched.running] == ["heavy"] * 4
     sched.add_request(make_request("light-0", [7, 8, 9], 4, tenant="light", arrival_time=99.0))
-    # Lifted to heavy's counter on arrival (a tie, which the older request wins); one step
-    # of heavy's decodes later it is behind, and takes a seat at once, not when a heavy
-    # request ends.
-    out, _ = step(sched, runner)
-    assert "light-0" not in {s.request_id for s in out.scheduled} and not out.preempted_request_ids
+    # Lifted to heavy's counter on arrival (a tie, which the shorter backlog wins): it takes
+    # a seat at once, not when a heavy request ends.
+    assert sched.tenant_counters.counter("light") == sched.tenant_counters.counter("heavy")
     out, _ = step(sched, runner)
     assert "light-0" in {s.request_id for s in out.scheduled}
     assert out.preempted_request_ids == ["heavy-3"]  # heavy's newest

@@ -209,13 +209,15 @@ def _status_of(outputs: list[RequestOutput | None]) -> int:
         return 500
     if all(o is not None and o.finished for o in outputs):
         reasons = {c.finish_reason for o in outputs if o is not None for c in o.outputs}
-        return 503 if "abort" in reasons else 500 if "error" in reasons else 200
+        if "abort" in reasons or "error" in reasons:
+            return 503 if "abort" in reasons else 500
+        return 504 if "timeout" in reasons else 200  # api.errors.TIMEOUT_STATUS
     return 503  # ended before the engine finished it, and not by the client: aborted
 
 
 def _finish_reason(outputs: list[RequestOutput | None], status: int) -> str | None:
-    """One reason per request, the most severe of its samples' (error > abort > length >
-    stop); a prompt the engine did not finish counts as aborted (or failed, on a 5xx).
+    """One reason per request, the most severe of its samples' (error > timeout > abort >
+    length > stop); a prompt the engine did not finish counts as aborted (or failed, on a 5xx).
     None for a request refused before the engine produced anything (a 4xx other than the
     client leaving, a 503 at admission): it never ran."""
     if status != CLIENT_CLOSED and status in _REFUSALS and all(o is None for o in outputs):
@@ -223,7 +225,7 @@ def _finish_reason(outputs: list[RequestOutput | None], status: int) -> str | No
     reasons = {c.finish_reason for o in outputs if o is not None for c in o.outputs}
     if any(o is None or not o.finished for o in outputs):
         reasons.add("error" if status in (500, 502) else "abort")
-    for reason in ("error", "abort", "length", "stop"):
+    for reason in ("error", "timeout", "abort", "length", "stop"):
         if reason in reasons:
             return reason
     return "abort"

@@ -44,6 +44,7 @@ BENCHMARKS = (
     "compare",
     "affinity",
     "structured",
+    "fairness",
 )
 
 

@@ -70,6 +70,18 @@ def insufficient_quota(message: str, headers: dict[str, str] | None = None) -> A
     return APIError(429, message, "insufficient_quota", code="insufficient_quota", headers=h)
 
 
+# A request the engine ended at its deadline (--request-timeout or the key's limit): 504, as
+# a gateway whose upstream ran out of time answers (408 would blame the client's upload).
+TIMEOUT_STATUS = 504
+
+
+def request_timed_out(
+    message: str = "The request ran past its time limit and was stopped; ask for fewer tokens "
+    "or retry later.",
+) -> APIError:
+    return APIError(TIMEOUT_STATUS, message, "timeout", code="request_timeout")
+
+
 def unavailable(message: str, retry_after: int = 1) -> APIError:
     return APIError(
         503,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,8 @@ class ServerState:
         self.load_error: str | None = None
         self.engine_error: str | None = None  # why a running engine died; the server exits 1
         self.started_at = time.time()
+        # Keys the per-tenant prefix-cache salts (api/tenancy.py); never leaves the process.
+        self.cache_salt_secret = secrets.token_bytes(32)
         # Called when the server should exit on its own (the engine failed to load or died);
         # the CLI points it at uvicorn's should_exit.
         self.on_fatal: Callable[[], None] | None = None

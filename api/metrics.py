@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # The classic text format (0.0.4): what generate_latest writes and every Prometheus reads.
 # Litestar appends "; charset=utf-8" to text/* media types.
 CONTENT_TYPE = "text/plain; version=0.0.4"
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 REJECTION_KINDS = ("quota", "admission")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
@@ -137,9 +137,27 @@ class _EngineCollector(Collector):
         )
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield gauge("tessera:kv_cache_blocks", "KV-cache blocks in the pool.", s.num_blocks)
+        yield from _tenant_counters(label, s.tenants)
         yield gauge(
             "tessera:engine_loop_alive", "1 while the engine step loop runs.", int(s.loop_alive)
         )
+
+
+_TENANT_SERIES = (
+    ("tessera:prefix_cache_queries_by_tenant", "Prompt tokens looked up in the prefix cache."),
+    ("tessera:prefix_cache_hits_by_tenant", "Prompt tokens found in the prefix cache."),
+    ("tessera:generation_tokens_by_tenant", "Tokens generated."),
+)
+
+
+def _tenant_counters(label: list[str], tenants: dict[str, tuple[int, ...]]) -> Iterator[Metric]:
+    """Per tenant (the engine's tenant id; each key is its own tenant for now): a tenant's
+    hits stay within its own salted cache, so hits / queries is its own hit rate."""
+    for i, (name, doc) in enumerate(_TENANT_SERIES):
+        m = CounterMetricFamily(name, doc + " By tenant.", labels=["model_name", "tenant"])
+        for tenant, values in tenants.items():
+            m.add_metric([*label, tenant], values[i])
+        yield m
 
 
 class Metrics:
@@ -371,7 +389,7 @@ class Metrics:
 
 def _overall_reason(reasons: list[str]) -> str:
     """One reason for a request with n samples: the most severe one."""
-    for reason in ("error", "abort", "length", "stop"):
+    for reason in ("error", "timeout", "abort", "length", "stop"):
         if reason in reasons:
             return reason
     return "stop"

@@ -15,7 +15,7 @@ from typing import Any
 
 from msgspec import UNSET
 
-from api.errors import APIError, invalid_request, unavailable
+from api.errors import APIError, invalid_request, request_timed_out, unavailable
 from api.schemas.openai import (
     ChatChoice,
     ChatChunkChoice,
@@ -54,11 +54,13 @@ def usage_of(outputs: list[RequestOutput | None], prompts: list[list[int]]) -> U
 
 
 def _check_finish(c: CompletionOutput) -> None:
-    """finish_reason abort/error are not OpenAI's: they end the request with an error."""
+    """finish_reason abort/error/timeout are not OpenAI's: they end the request with an error."""
     if c.finish_reason == "abort":
         raise unavailable("The request was aborted (the server is shutting down); retry it.", 5)
     if c.finish_reason == "error":
         raise APIError(500, "The engine failed while running this request.", "server_error")
+    if c.finish_reason == "timeout":
+        raise request_timed_out()
 
 
 def _check_complete(outputs: list[RequestOutput | None]) -> None:

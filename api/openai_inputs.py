@@ -135,6 +135,18 @@ def fit_context(n_prompt: int, max_tokens: int | None, limit: int, param: str) -
     return max_tokens
 
 
+MAX_PRIORITY = 1000  # as a key's priority (api/services/key_fields.py)
+
+
+def check_priority(priority: int | None) -> None:
+    if priority is not None and (isinstance(priority, bool) or abs(priority) > MAX_PRIORITY):
+        raise invalid_request(
+            f"priority must be a whole number from -{MAX_PRIORITY} to {MAX_PRIORITY} "
+            "(lower runs first; a key's own priority is the best it may ask for).",
+            "priority",
+        )
+
+
 def sampling_params(data: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
     bias = None

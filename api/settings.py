@@ -77,6 +77,10 @@ def _opt_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def _opt_float(text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none") else float(text)
+
+
 def _flag(
     help: str,
     default: Any = None,
@@ -217,10 +221,21 @@ class Settings:
     max_num_queued_requests: int | None = _flag(
         "Longest waiting queue; beyond it requests get 503 with Retry-After.", 1024, _opt_int
     )
-    scheduling_policy: str = _flag(
-        "fcfs: first come, first served; priority: lower API-key priority runs first.",
-        "fcfs",
-        choices=("fcfs", "priority"),
+    scheduling_policy: str | None = _flag(
+        "fcfs: first come, first served; priority: lower priority (the key's, or a request's "
+        "`priority` no better than it) runs first; fair: each tenant (for now: each API key) "
+        "gets its weighted share of tokens (VTC), priority classes still on top. Default: "
+        "fair when requests carry API keys (--auth keys or static), else fcfs.",
+        None,
+        choices=("fcfs", "priority", "fair"),
+    )
+    request_timeout: float | None = _flag(
+        "Seconds a generation request may take from arrival to its last token (queueing "
+        "included); past it the engine stops it, frees its blocks and the client gets 504 "
+        "(code request_timeout), usage recorded. A key's own limit applies when tighter. "
+        "Default: none.",
+        None,
+        _opt_float,
     )
     block_size: int = _flag("KV cache block size in tokens.", 16, int)
     num_kv_blocks: int | None = _flag(
@@ -316,6 +331,10 @@ class Settings:
             raise ValueError(f"frontend_threads must be at least 0, got {self.frontend_threads}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(
+                f"request_timeout must be positive seconds, got {self.request_timeout}"
+            )
         if self.max_num_queued_requests is not None and self.max_num_queued_requests < 0:
             raise ValueError(
                 f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}"
@@ -325,6 +344,13 @@ class Settings:
     def model_name(self) -> str:
         """The name clients put in the `model` field."""
         return self.served_model_name or self.model
+
+    @property
+    def resolved_scheduling_policy(self) -> str:
+        """--scheduling-policy, else fair where keys tell tenants apart, else fcfs."""
+        if self.scheduling_policy is not None:
+            return self.scheduling_policy
+        return "fcfs" if self.auth == "none" else "fair"
 
     @property
     def uses_database(self) -> bool:
@@ -469,7 +495,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         kv_cache_dtype=s.kv_cache_dtype,
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        policy=s.scheduling_policy,
+        policy=s.resolved_scheduling_policy,
         tensor_parallel_size=s.tensor_parallel_size,
         frontend_threads=s.frontend_threads,
         collective_timeout_s=s.collective_timeout,

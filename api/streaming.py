@@ -88,6 +88,9 @@ class Generation:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+        deadline: float | None = None,
         on_close: Callable[[Generation], None] | None = None,
         observer: RequestObserver | None = None,
         key_name: str | None = None,
@@ -99,7 +102,16 @@ class Generation:
         self.prompts = prompts
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
         self._iters = [
-            engine.generate(rid, ids, params, priority=priority, cache_salt=cache_salt)
+            engine.generate(
+                rid,
+                ids,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
+                deadline=deadline,
+            )
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
         self._on_close = on_close

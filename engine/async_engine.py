@@ -84,10 +84,15 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+        deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after each step that changed it.
 
-        Stopping the iteration (cancellation, aclose) aborts the request at once."""
+        Stopping the iteration (cancellation, aclose) aborts the request at once. tenant,
+        tenant_weight and deadline as in LLMEngine.add_request: a request past its deadline
+        ends with finish_reason "timeout"."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         if self._thread is None:
@@ -100,7 +105,21 @@ class AsyncEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt_token_ids, params, priority, cache_salt))
+        if not tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
+        self._inbox.put(
+            (
+                "add",
+                request_id,
+                prompt_token_ids,
+                params,
+                priority,
+                cache_salt,
+                tenant,
+                tenant_weight,
+                deadline,
+            )
+        )
         finished = False
         try:
             while True:
@@ -243,10 +262,18 @@ class AsyncEngine:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, request_id, prompt_token_ids, params, priority, cache_salt = item
+            _, request_id, prompt_token_ids, params, priority, cache_salt, *tenancy = item
+            tenant, tenant_weight, deadline = tenancy
             try:
                 self.engine.add_request(
-                    request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    tenant=tenant,
+                    tenant_weight=tenant_weight,
+                    deadline=deadline,
                 )
             except Exception as exc:  # validated already; a race with the queue bound, say
                 self._call_in_loop(self._fail_one, request_id, exc)
@@ -278,7 +305,7 @@ class AsyncEngine:
                         if status == "running"
                         else 0,
                         arrival_time=r.arrival_time,
-                        tenant=getattr(r, "tenant", None),
+                        tenant=r.tenant,
                     )
                 )
         return infos
@@ -295,6 +322,7 @@ class AsyncEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            tenants=s.tenants,
             prompt_tokens_total=engine.prompt_tokens_total,
             generation_tokens_total=engine.generation_tokens_total,
             num_steps=engine.num_steps,

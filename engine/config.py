@@ -61,7 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    policy: str = "fcfs"  # or "priority"
+    policy: str = "fcfs"  # or "priority", or "fair" (engine.core.request_queue)
     enable_chunked_prefill: bool = True
     block_size: int = 16
 
@@ -82,8 +82,8 @@ class SchedulerConfig:
                 f"must be at least max_model_len ({self.max_model_len})",
             )
         _check(
-            self.policy in ("fcfs", "priority"),
-            f"policy must be 'fcfs' or 'priority', got {self.policy!r}",
+            self.policy in ("fcfs", "priority", "fair"),
+            f"policy must be 'fcfs', 'priority' or 'fair', got {self.policy!r}",
         )
 
 

@@ -119,8 +119,14 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
+        deadline: float | None = None,
         arrival_time: float | None = None,
     ) -> None:
+        """Queue a request. tenant/tenant_weight: whose share it draws on under the "fair"
+        policy (the tenant's latest weight wins); deadline: a time.monotonic() value past
+        which the engine ends it with finish_reason "timeout", its blocks freed."""
         params = params or SamplingParams()
         if request_id in self.output_processor.states:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -129,6 +135,8 @@ class LLMEngine:
         else:
             prompt_text, prompt_token_ids = None, list(prompt)
         params = self.validate_request(prompt_token_ids, params)
+        if not tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
         limit = self.config.max_num_queued_requests
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
@@ -150,6 +158,9 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
             grammar=grammar,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
+            deadline=deadline,
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -169,12 +180,18 @@ class LLMEngine:
 
     def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Finish requests with finish_reason "error" (the step that held them failed)."""
+        return self._end(request_ids, RequestStatus.FINISHED_ERROR, FinishReason.ERROR)
+
+    def _end(
+        self, request_ids: list[str], status: RequestStatus, reason: FinishReason
+    ) -> list[RequestOutput]:
+        """Finish requests and all their samples now; their final outputs."""
         outputs = []
         for request_id in request_ids:
             ids = self.output_processor.sample_ids(request_id)
             self._awaiting_grammar.pop(request_id, None)
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            out = self.output_processor.abort(request_id, FinishReason.ERROR)
+            self.scheduler.finish_requests(ids, status)
+            out = self.output_processor.abort(request_id, reason)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -186,6 +203,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self._awaiting_grammar else []
+        # Deadlines next: an expired request is neither scheduled nor admitted again.
+        expired = self.scheduler.expired_requests(time.monotonic())
+        if expired:
+            failed += self._end(expired, RequestStatus.FINISHED_TIMEOUT, FinishReason.TIMEOUT)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.drops_requests:  # the runners forget them (no forward)

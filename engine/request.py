@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_TIMEOUT = 7  # past its deadline: ended by the engine
 
     @property
     def finished(self) -> bool:
@@ -32,6 +33,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TIMEOUT = "timeout"
 
 
 _FINISH_REASONS = {
@@ -39,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_TIMEOUT: FinishReason.TIMEOUT,
 }
 
 
@@ -51,6 +54,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first under the "priority" policy
     cache_salt: str | None = None  # mixed into the first block hash: isolates tenants' caches
+    tenant: str | None = None  # whose service this is, under the "fair" policy
+    tenant_weight: float = 1.0  # the tenant's share relative to others (the latest one wins)
+    deadline: float | None = None  # time.monotonic() past which the engine ends it ("timeout")
     # n > 1: children are forked from the parent once the prompt is computed.
     parent_id: str | None = None
     sample_index: int = 0
@@ -66,6 +72,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     first_scheduled_time: float | None = None
+    num_charged_prompt_tokens: int = 0  # prompt tokens its tenant was charged for (fair)
     # Full-block hashes of all_token_ids, extended as blocks fill (see kv_cache_utils).
     block_hashes: list = field(default_factory=list)
     # Structured output: the grammar's state, advanced by every output token. It lives here,

@@ -30,6 +30,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0
+    # tenant -> (prefix-cache queries, prefix-cache hits, generated tokens), cumulative
+    # tokens, for the requests that named a tenant. Shared with the engine: never mutate.
+    tenants: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     prompt_tokens_total: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0

@@ -30,13 +30,14 @@ from api.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.auth import Principal
 from api.body import require_json_body
 from api.deps import check_model_access, provide_principal, provide_server, require_principal
-from api.errors import APIError, invalid_request, unavailable
+from api.errors import APIError, invalid_request, request_timed_out, unavailable
 from api.lifespan import ServerState
 from api.openai_format import ChatFormatter, CompletionFormatter, sse_stream
 from api.openai_inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_prompt,
     check_model,
+    check_priority,
     check_stream_options,
     checked_sampling_params,
     completion_prompts,
@@ -65,6 +66,7 @@ from api.streaming import (
     until_disconnect,
 )
 from api.structured_inputs import supported_structured_outputs, with_structured_outputs
+from api.tenancy import engine_tenancy
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -100,6 +102,7 @@ class OpenAIController(Controller):
         top = data.top_logprobs
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
+        check_priority(data.priority)
         logprobs = (top or 0) if data.logprobs else None
         params = await checked_sampling_params(pool, data, max_tokens, logprobs)
         params = await with_structured_outputs(data, params, engine)
@@ -108,7 +111,9 @@ class OpenAIController(Controller):
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
         reserved = len(prompt) + max_tokens * params.n
         ticket = await _ticket(request, principal, rid, data.model, reserved, arrived)
-        gen = await _admit(server, engine, request, principal, ticket, [rid], [prompt], params)
+        gen = await _admit(
+            server, engine, request, principal, ticket, [rid], [prompt], params, data.priority
+        )
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
             return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
@@ -145,6 +150,7 @@ class OpenAIController(Controller):
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
+        check_priority(data.priority)
         params = await checked_sampling_params(pool, data, max_tokens, data.logprobs)
         params = await with_structured_outputs(data, params, engine)
 
@@ -159,7 +165,9 @@ class OpenAIController(Controller):
         fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
         ticket = await _ticket(request, principal, cid, data.model, reserved, arrived)
-        gen = await _admit(server, engine, request, principal, ticket, rids, prompts, params)
+        gen = await _admit(
+            server, engine, request, principal, ticket, rids, prompts, params, data.priority
+        )
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
             return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
@@ -266,10 +274,19 @@ async def _admit(
     request_ids: list[str],
     prompts: list[list[int]],
     params: SamplingParams,
+    requested_priority: int | None = None,
 ) -> Generation:
     """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
-    closing the Generation settles the ticket, whatever happens."""
+    closing the Generation settles the ticket, whatever happens. The deadline counts from
+    the request's arrival (queueing and quota checks included)."""
     accountant = _accountant(request)
+    tenancy = engine_tenancy(
+        principal,
+        server.cache_salt_secret,
+        requested_priority,
+        ticket.arrived,
+        server.settings.request_timeout,
+    )
     metrics = request.app.state.get("metrics")  # api/metrics.py's Metrics, when mounted
 
     def on_close(gen: Generation) -> None:
@@ -284,7 +301,11 @@ async def _admit(
             request_ids,
             prompts,
             params,
-            priority=principal.priority,
+            priority=tenancy.priority,
+            cache_salt=tenancy.cache_salt,
+            tenant=tenancy.tenant,
+            tenant_weight=tenancy.tenant_weight,
+            deadline=tenancy.deadline,
             on_close=on_close,
             observer=metrics,
             key_name=principal.key_name,
@@ -298,6 +319,8 @@ async def _admit(
     ticket.submitted = time.monotonic()
     try:
         await until_disconnect(gen.start(), request.receive)
+        if _timed_out(gen):  # past its deadline before it started: 504, not a 200 stream
+            raise request_timed_out()
     except BaseException as exc:
         err = _engine_error(exc)
         ticket.status_code = _status_code(err)
@@ -308,6 +331,10 @@ async def _admit(
         raise err from None
     ticket.first_output = time.monotonic()
     return gen
+
+
+def _timed_out(gen: Generation) -> bool:
+    return any(c.finish_reason == "timeout" for o in gen.latest if o is not None for c in o.outputs)
 
 
 _REJECTIONS = {QueueFullError: "queue_full", EngineDeadError: "engine_dead"}

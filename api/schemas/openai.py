@@ -86,6 +86,8 @@ class _SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's scheduling priority (lower runs first), never better than the key's own.
+    priority: int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -41,6 +41,9 @@ def make_child(parent: Request, index: int) -> Request:
         arrival_time=parent.arrival_time,
         priority=parent.priority,
         cache_salt=parent.cache_salt,
+        tenant=parent.tenant,
+        tenant_weight=parent.tenant_weight,
+        deadline=parent.deadline,
         parent_id=parent.request_id,
         sample_index=index,
     )
@@ -48,6 +51,7 @@ def make_child(parent: Request, index: int) -> Request:
     child.first_scheduled_time = parent.first_scheduled_time
     if parent.grammar is not None:  # its own matcher, from the parent's (pre-token) state
         child.grammar = parent.grammar.fork()
+    child.num_charged_prompt_tokens = parent.num_charged_prompt_tokens
     return child
 
 

@@ -12,6 +12,14 @@ computed; each child shares the prompt's full blocks, and a partially filled las
 copied: the pair goes into the next SchedulerOutput.blocks_to_copy, which the runner applies
 before that step's forward.
 
+Tenants: under the "fair" policy the waiting queue admits by VTC (engine/core/fair.py) and the
+preemption victim is the newest request of the tenant most over its share (and a tenant
+below its share of seats may take one from a tenant above it: fair.seat_victim); each step's
+computed prompt tokens and sampled tokens are charged to the tenants' counters. Whatever the
+policy, each tenant's prompt and prefix-hit tokens are counted (stats().tenants), and a
+request with a deadline that passes is handed back by expired_requests() for the engine to
+end as "timeout" (a heap by deadline, so the per-step check is a peek).
+
 Step inputs are incremental (vLLM v1's NewRequestData / CachedRequestData): a request's
 prompt, sampling params and eos id go to the runner once (NewRequestData, when it is first
 scheduled, again after a preemption, and for each forked sample); each step then carries only
@@ -22,10 +30,13 @@ keeps the rest (engine.worker.input_batch) and appends the tokens it samples its
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import time
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.fair import TenantCounters, fair_victim, seat_victim, tenant_of
 from engine.core.forking import child_id, fork_samples, seats
 from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
 from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
@@ -44,6 +55,15 @@ _RUNNING = RequestStatus.RUNNING
 
 
 @dataclasses.dataclass(slots=True)
+class TenantStats:
+    """Cumulative token counts of one tenant's requests (those that named a tenant)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    generation_tokens: int = 0  # tokens sampled
+
+
+@dataclasses.dataclass(slots=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -51,6 +71,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int
     num_preemptions: int
+    # tenant -> (prefix_cache_queries, prefix_cache_hits, generation_tokens), cumulative
+    tenants: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
 
 class Scheduler:
@@ -75,7 +97,16 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        # VTC counters, under the "fair" policy only (None: nothing is charged).
+        self.tenant_counters = TenantCounters() if scheduler_config.policy == "fair" else None
+        self.waiting: RequestQueue = create_request_queue(
+            scheduler_config.policy, self.tenant_counters
+        )
+        self.tenant_stats: dict[str, TenantStats] = {}
+        self._tenant_snapshot: dict[str, tuple[int, int, int]] | None = {}
+        self._has_tenants = False  # some request named a tenant: count per tenant
+        self._deadlines: list[tuple[float, int, Request]] = []  # a heap
+        self._deadline_seq = itertools.count()
         self.running: list[Request] = []  # oldest first
         self.num_preemptions = 0
         self._num_seats = 0  # sum of seats() over running
@@ -110,7 +141,18 @@ class Scheduler:
             m.prefix_cache_queries,
             m.prefix_cache_hits,
             self.num_preemptions,
+            self._tenants_snapshot(),
         )
+
+    def _tenants_snapshot(self) -> dict[str, tuple[int, int, int]]:
+        # Rebuilt only after a change: stats() runs after every step.
+        snap = self._tenant_snapshot
+        if snap is None:
+            snap = self._tenant_snapshot = {
+                t: (s.prefix_cache_queries, s.prefix_cache_hits, s.generation_tokens)
+                for t, s in self.tenant_stats.items()
+            }
+        return snap
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -133,6 +175,23 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.add_request(request)
+        if request.tenant is not None:
+            self._has_tenants = True
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
+
+    def expired_requests(self, now: float) -> list[str]:
+        """Ids of the unfinished requests (a parent or any of its samples) whose deadline
+        is at or before `now`; each is returned once. The caller finishes them."""
+        heap, expired = self._deadlines, []
+        while heap and heap[0][0] <= now:
+            request = heapq.heappop(heap)[2]
+            rid = request.request_id
+            if self.requests.get(rid) is request or any(
+                child_id(rid, i) in self.requests for i in range(1, request.sampling_params.n)
+            ):
+                expired.append(rid)
+        return expired
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from any state, freeing their blocks now. Aborting a parent also
@@ -144,7 +203,7 @@ class Scheduler:
         victims = []
         for rid in request_ids:
             ids = [rid]
-            if status == RequestStatus.FINISHED_ABORTED:
+            if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TIMEOUT):
                 ids += [child_id(rid, i) for i in range(1, MAX_N)]
             for vid in ids:
                 req = self.requests.get(vid)
@@ -209,7 +268,7 @@ class Scheduler:
             break  # the request itself was preempted: no blocks for anything further
 
         if not preempted_ids:  # blocks are short: do not admit while preempting
-            budget = self._admit_waiting(budget, scheduled, new)
+            budget = self._admit_waiting(budget, scheduled, new, preempted_ids)
 
         # Copies for children forked last step, unless they were preempted or aborted since.
         copies = [
@@ -234,6 +293,7 @@ class Scheduler:
         budget: int,
         scheduled: dict[str, ScheduledRequest],
         new: dict[str, NewRequestData],
+        preempted_ids: list[str],
     ) -> int:
         manager = self.kv_cache_manager
         waiting = self.waiting
@@ -241,7 +301,22 @@ class Scheduler:
             request = waiting.peek_request()
             num_seats = seats(request)
             if self._num_seats + num_seats > self.config.max_num_seqs:
-                break
+                counters = self.tenant_counters
+                victim_index = (
+                    seat_victim(self.running, request, counters, self.config.max_num_seqs)
+                    if counters is not None
+                    else None
+                )
+                if victim_index is None:
+                    break
+                victim = self.running.pop(victim_index)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                    new.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                continue
             hit_blocks, num_hit = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -253,6 +328,10 @@ class Scheduler:
             if request.num_cached_tokens < 0:  # first admission, not a recompute
                 request.num_cached_tokens = num_hit
                 manager.record_prefix_lookup(request.num_tokens, num_hit)
+                if request.tenant is not None:
+                    stats = self._stats_of(request.tenant)
+                    stats.prefix_cache_queries += request.num_tokens
+                    stats.prefix_cache_hits += num_hit
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = _RUNNING
@@ -270,6 +349,14 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
+        counters = self.tenant_counters
+        if counters is not None and end > request.num_charged_prompt_tokens:
+            # Prompt tokens computed for the first time (not hits, not a recompute).
+            n_prompt = min(end, request.num_prompt_tokens)
+            first = max(start, request.num_charged_prompt_tokens)
+            if n_prompt > first:
+                counters.charge(tenant_of(request), prompt_tokens=n_prompt - first)
+                request.num_charged_prompt_tokens = n_prompt
         sample = end == len(request.all_token_ids)
         params = request.sampling_params
         table = self.kv_cache_manager.req_to_block_ids[rid]
@@ -295,9 +382,25 @@ class Scheduler:
 
     def _pick_victim(self) -> int:
         running = self.running
-        if self.config.policy != "priority":
-            return len(running) - 1
-        return max(range(len(running)), key=lambda j: priority_key(running[j]))
+        policy = self.config.policy
+        if policy == "priority":
+            return max(range(len(running)), key=lambda j: priority_key(running[j]))
+        if policy == "fair":
+            return fair_victim(running, self.tenant_counters)
+        return len(running) - 1
+
+    def _stats_of(self, tenant: str) -> TenantStats:
+        self._tenant_snapshot = None
+        stats = self.tenant_stats.get(tenant)
+        if stats is None:
+            stats = self.tenant_stats[tenant] = TenantStats()
+        return stats
+
+    def _charge_output(self, request: Request, num_tokens: int) -> None:
+        if self.tenant_counters is not None:
+            self.tenant_counters.charge(tenant_of(request), output_tokens=num_tokens)
+        if request.tenant is not None:
+            self._stats_of(request.tenant).generation_tokens += num_tokens
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, start over later from the waiting front."""
@@ -323,6 +426,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         updates: list[RequestUpdate] = []
         num_finished = 0
+        charging = self._has_tenants or self.tenant_counters is not None
         for sr in scheduler_output.scheduled:
             rid = sr.request_id
             request = requests.get(rid)
@@ -335,6 +439,8 @@ class Scheduler:
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue
             lps = logprobs.get(rid) if logprobs else None
+            if charging:
+                self._charge_output(request, len(tokens))
             if sr.num_samples > 1:
                 self._num_seats -= sr.num_samples - 1  # the children take over the seats
                 children, child_updates = fork_samples(

@@ -46,9 +46,22 @@ def test_data_dir_defaults_agree_with_the_db_commands(monkeypatch, tmp_path):
 
 
 def test_scheduling_policy_reaches_the_engine_config():
-    assert to_engine_config(settings([])).scheduler.policy == "fcfs"
+    # fair where API keys tell tenants apart, fcfs on an open server; a flag always wins.
+    assert to_engine_config(settings([])).scheduler.policy == "fair"
+    assert to_engine_config(settings(["--api-key", "k"])).scheduler.policy == "fair"
+    assert to_engine_config(settings(["--auth", "none"])).scheduler.policy == "fcfs"
     s = settings(["--scheduling-policy", "priority"])
     assert to_engine_config(s).scheduler.policy == "priority"
+    s = settings(["--auth", "none"], {"TESSERA_SCHEDULING_POLICY": "fair"})
+    assert to_engine_config(s).scheduler.policy == "fair"
+
+
+def test_request_timeout_is_positive_seconds_or_none():
+    assert settings([]).request_timeout is None
+    assert settings(["--request-timeout", "2.5"]).request_timeout == 2.5
+    assert settings([], {"TESSERA_REQUEST_TIMEOUT": "none"}).request_timeout is None
+    with pytest.raises(ValueError, match="request_timeout must be positive"):
+        settings(["--request-timeout", "0"])
 
 
 def test_admin_token_is_created_once_and_kept_private(tmp_path):

@@ -121,3 +121,57 @@ async def test_queue_time_is_reported(tiny_llama_dir):
         assert second.queue_time > first.queue_time >= 0.0
     finally:
         await engine.shutdown()
+
+
+async def collect_dated(engine, request_id, ids, params, deadline):
+    outs = [o async for o in engine.generate(request_id, ids, params, deadline=deadline)]
+    return outs[-1]
+
+
+async def test_a_request_past_its_deadline_ends_as_timeout_and_frees_its_blocks(tiny_llama_dir):
+    engine = await AsyncEngine.create(make_config(tiny_llama_dir))
+    try:
+        ids = engine.tokenizer.encode("Hello world")
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        seen = []
+        deadline = time.monotonic() + 0.3
+        async for out in engine.generate("slow", ids, long, tenant="t1", deadline=deadline):
+            seen.append(out)
+        last = seen[-1]
+        assert last.finished and last.outputs[0].finish_reason == "timeout"
+        assert 0 < len(last.outputs[0].token_ids) < 200
+        await wait_until(lambda: engine.stats().num_running == 0)
+        assert engine.stats().kv_cache_usage == 0.0
+        undated = await collect(engine, "undated", ids, long)  # no deadline: runs to the end
+        assert undated.outputs[0].finish_reason == "length"
+        # Already past its deadline when it arrives: ended before it computes anything.
+        out = await collect_dated(engine, "dead", ids, long, time.monotonic() - 1)
+        assert out.outputs[0].finish_reason == "timeout" and out.outputs[0].token_ids == []
+        assert engine.stats().tenants["t1"][0] == len(ids)  # one lookup for tenant t1
+    finally:
+        await engine.shutdown()
+
+
+async def test_fair_policy_serves_tenants_and_rejects_a_bad_weight(tiny_llama_dir):
+    config = make_config(tiny_llama_dir)
+    config.scheduler.policy = "fair"
+    engine = await AsyncEngine.create(config)
+    try:
+        ids = engine.tokenizer.encode("Hello world")
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+        async def one(rid, tenant):
+            last = None
+            async for out in engine.generate(rid, ids, params, tenant=tenant, tenant_weight=2.0):
+                last = out
+            return last
+
+        outs = await asyncio.gather(*(one(f"r{i}", f"t{i % 2}") for i in range(6)))
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        tenants = engine.stats().tenants
+        assert sorted(tenants) == ["t0", "t1"] and tenants["t0"][2] == 12
+        with pytest.raises(ValueError, match="tenant_weight"):
+            async for _ in engine.generate("bad", ids, params, tenant="t0", tenant_weight=0):
+                pass
+    finally:
+        await engine.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.request_queue import tenant_of
 from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -125,6 +126,9 @@ def make_request(
     priority: int = 0,
     arrival_time: float | None = None,
     cache_salt: str | None = None,
+    tenant: str | None = None,
+    tenant_weight: float = 1.0,
+    deadline: float | None = None,
     **params,
 ) -> Request:
     req = Request(
@@ -134,6 +138,9 @@ def make_request(
         eos_token_id=eos_token_id,
         priority=priority,
         cache_salt=cache_salt,
+        tenant=tenant,
+        tenant_weight=tenant_weight,
+        deadline=deadline,
     )
     if arrival_time is not None:
         req.arrival_time = arrival_time
@@ -198,6 +205,10 @@ def check_invariants(scheduler: Scheduler) -> None:
     for r in scheduler.waiting:
         assert r.num_computed_tokens == 0
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    counters = scheduler.tenant_counters
+    if counters is not None:  # "fair": the backlog counts are the waiting queue's
+        backlog = Counter(tenant_of(r) for r in scheduler.waiting)
+        assert counters._num_waiting == dict(backlog)
 
 
 class Transcript:

@@ -56,7 +56,7 @@ configs = st.fixed_dictionaries(
         "extra_blocks": st.integers(0, 6),
         "max_num_batched_tokens": st.sampled_from([16, 24, 64]),
         "max_num_seqs": st.integers(3, 6),
-        "policy": st.sampled_from(["fcfs", "priority"]),
+        "policy": st.sampled_from(["fcfs", "priority", "fair"]),
         "enable_chunked_prefill": st.booleans(),
         "enable_prefix_caching": st.booleans(),
     }
@@ -125,6 +125,7 @@ def test_random_workloads_keep_the_books_straight(config, operations):
             rid = f"r{len(specs)}"
             clock += 1.0
             params = dict(n=n, priority=priority, arrival_time=clock, cache_salt=salt)
+            params["tenant"] = salt  # "fair": the salt's owner is the tenant (None: shared)
             eos = EOS if use_eos else None
             sched.add_request(make_request(rid, prompt, max_tokens, eos_token_id=eos, **params))
             specs[rid] = dict(prompt=prompt, max_tokens=max_tokens, n=n, eos=eos)

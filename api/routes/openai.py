@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jinja2 import TemplateError
 from litestar import Controller, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency, Provide
@@ -40,7 +41,9 @@ from api.openai_inputs import (
     fit_context,
     off_loop_if_long,
     sampling_params,
+    template_extras,
 )
+from api.request_fields import check_fields
 from api.schemas.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -61,6 +64,7 @@ from api.streaming import (
     Generation,
     until_disconnect,
 )
+from api.tool_calls import active_parser, constrain, plan_tools, template_input
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -83,20 +87,29 @@ class OpenAIController(Controller):
     ) -> ChatCompletionResponse:
         """Chat completion; with `stream: true` an SSE stream of chat.completion.chunk events."""
         arrived = time.monotonic()
+        check_fields(await request.body(), "chat", lenient=server.settings.lenient_request_fields)
         engine = _require_engine(server, request)
         check_model_access(request, data.model)
         check_model(data.model, engine)
         check_stream_options(data)
-        messages = chat_messages(data.messages)
+        parser = active_parser(server.settings.tool_call_parser, engine.tokenizer)
+        tools = plan_tools(data, parser)
+        messages, template_kwargs = template_input(chat_messages(data.messages), tools, parser)
         try:
             prompt = await off_loop_if_long(
                 sum(len(m["content"]) for m in messages),
                 engine.tokenizer.apply_chat_template,
                 messages,
-                add_generation_prompt=True,
+                add_generation_prompt=data.add_generation_prompt,
+                **template_extras(data),
+                **template_kwargs,
             )
         except ValueError as e:  # no chat template
             raise invalid_request(f"{e} Use /v1/completions with a plain prompt.") from None
+        except TemplateError as e:  # the template refused the conversation (raise_exception)
+            raise invalid_request(
+                f"The chat template refused the messages: {e}", "messages"
+            ) from None
         max_tokens = data.max_completion_tokens
         if max_tokens is None:
             max_tokens = data.max_tokens
@@ -105,9 +118,10 @@ class OpenAIController(Controller):
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
+        constrain(params, tools)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
+        fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs, tools)
         reserved = len(prompt) + max_tokens * params.n
         ticket = await _accountant(request).admit(principal, rid, data.model, reserved, arrived)
         gen = await _admit(server, engine, request, principal, ticket, [rid], [prompt], params)
@@ -126,6 +140,8 @@ class OpenAIController(Controller):
     ) -> CompletionResponse:
         """Text completion; with `stream: true` an SSE stream of text_completion events."""
         arrived = time.monotonic()
+        lenient = server.settings.lenient_request_fields
+        check_fields(await request.body(), "completion", lenient=lenient)
         engine = _require_engine(server, request)
         check_model_access(request, data.model)
         check_model(data.model, engine)
@@ -179,6 +195,8 @@ class OpenAIController(Controller):
             created=int(server.started_at),
             root=server.settings.model,
             max_model_len=engine.max_model_len,
+            tool_call_parser=active_parser(server.settings.tool_call_parser, engine.tokenizer)
+            or "none",
         )
         return ModelList(data=[card])
 

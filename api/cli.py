@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tessera.api")
 
-BENCHMARKS = ("serve", "throughput", "scheduler", "auth", "decode", "compare")
+BENCHMARKS = ("serve", "throughput", "scheduler", "auth", "decode", "compare", "structured")
 
 
 def build_parser() -> argparse.ArgumentParser:

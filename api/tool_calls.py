@@ -2,7 +2,7 @@
 
     plan = plan_tools(data, parser)           # 400s name the field; None: no tools asked for
     messages, kwargs = template_input(messages, plan, parser)   # what the chat template gets
-    constrain(params, plan)                   # required / named / generic: the grammar
+    params = await constrain(params, plan, engine)   # required / named / generic: grammar
     plan.streamer()                           # reads the calls out of each choice's output
 
 With a template that renders tools itself (hermes, llama3_json) the tools go to the template
@@ -17,12 +17,14 @@ arguments always parse and match.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import invalid_request
+from api.structured_inputs import compile_or_400
 from api.tool_parsers import PARSERS, EnvelopeParser, ToolStreamer, resolve_parser
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -191,17 +193,20 @@ def _describe(plan: ToolPlan) -> str:
 # --- grammar ---------------------------------------------------------------------------------
 
 
-def constrain(params: SamplingParams, plan: ToolPlan | None) -> None:
-    """Hold the output to the envelope's JSON schema where the plan needs it."""
+async def constrain(params: SamplingParams, plan: ToolPlan | None, engine: Any) -> SamplingParams:
+    """params held to the envelope's JSON schema (compiled, or a 400 naming `tools`) where
+    the plan needs it; unchanged otherwise."""
     if plan is None or not plan.uses_envelope:
-        return
+        return params
     if params.structured_outputs is not None:
         raise invalid_request(
             f"tool_choice {plan.choice!r} constrains the output itself; it cannot be combined "
             "with response_format or structured outputs.",
             "tool_choice",
         )
-    params.structured_outputs = StructuredOutputsParams(json=envelope_schema(plan))
+    so = StructuredOutputsParams(json=envelope_schema(plan))
+    await compile_or_400(engine, so, "tools")
+    return dataclasses.replace(params, structured_outputs=so)
 
 
 def envelope_schema(plan: ToolPlan) -> dict[str, Any]:

@@ -11,6 +11,10 @@ output tokens/s and TTFT, TPOT, ITL and end-to-end latency (mean, median, p99).
 
 Datasets: `random` (distinct random prompts) and `prefix` (a shared prefix of
 --prefix-len words before each random prompt: exercises prefix caching).
+
+--json-schema FILE|JSON puts a JSON schema on every request (structured output: chat gets
+OpenAI's response_format, completions vLLM's structured_outputs); `tessera bench structured`
+runs with and without it, interleaved.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -88,7 +93,27 @@ def _payload(args: argparse.Namespace, prompt: str, chat: bool) -> dict:
         body["prompt"] = prompt
     if args.ignore_eos:
         body["ignore_eos"] = True
+    schema = getattr(args, "json_schema", None)
+    if schema is not None:
+        if chat:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": schema, "strict": True},
+            }
+        else:
+            body["structured_outputs"] = {"json": schema}
     return body
+
+
+def load_schema(value: str | None) -> dict | None:
+    """--json-schema: inline JSON text, or the path of a file holding it."""
+    if value is None:
+        return None
+    text = value if value.lstrip().startswith("{") else Path(value).read_text()
+    schema = json.loads(text)
+    if not isinstance(schema, dict):
+        raise SystemExit("--json-schema must be a JSON object")
+    return schema
 
 
 async def send_request(
@@ -282,6 +307,7 @@ async def run(args: argparse.Namespace) -> dict:
             "dataset_name": args.dataset_name,
             "random_input_len": args.random_input_len,
             "random_output_len": args.random_output_len,
+            "json_schema": getattr(args, "json_schema", None) is not None,
         }
     )
     return summary
@@ -317,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ask for exactly max_tokens (sends ignore_eos, a vLLM/llama.cpp extra)",
     )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        help="a JSON schema (inline JSON or a file) every response must follow",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--result-json", default=None, help="also write the results to this file")
@@ -332,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--max-concurrency must be at least 1")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be positive (inf for all at once)")
+    args.json_schema = load_schema(args.json_schema)
     summary = _run_loop(run(args))
     print_summary(summary)
     if args.result_json:

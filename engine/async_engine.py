@@ -25,8 +25,9 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.stats import EngineStats, RequestInfo
+from engine.structured_output import GrammarError
 
 logger = logging.getLogger("tessera.engine")
 
@@ -118,6 +119,27 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._inbox.put(("abort", request_id))
+
+    async def compile_grammar(self, so: StructuredOutputsParams) -> None:
+        """Compile a structured-output spec (or find it in the cache) off the event loop.
+
+        Raises GrammarError, with a message for the user, for an invalid spec, one over the
+        size limits, or one still compiling after the compile timeout (the compile goes on
+        in its thread and stays cached, but this request is refused in bounded time)."""
+        manager = self.engine.structured
+        future = manager.compile(so)
+        if not future.done():
+            limit = manager.limits.compile_timeout_s
+            try:
+                # shield: a timeout here must not cancel the cached compile
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+            except TimeoutError:
+                raise GrammarError(
+                    f"the grammar took longer than {limit:g} s to compile; simplify it"
+                ) from None
+        error = future.exception()
+        if error is not None:
+            raise GrammarError(str(error))
 
     def _num_queued(self) -> int:
         """Requests waiting for a seat. The engine's count lags a step behind; the streams

@@ -1,11 +1,13 @@
 """LLMEngine: the synchronous engine. step() is schedule -> execute -> update.
 
-It validates requests, owns the scheduler, the executor (model runners) and the output
-processor, and is used directly by LLM (offline) and from a thread by AsyncEngine.
+It validates requests, owns the scheduler, the executor (model runners), the output
+processor and the structured-output manager, and is used directly by LLM (offline) and from
+a thread by AsyncEngine.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -19,6 +21,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarError, StructuredOutputManager
 from engine.tokenizer import Tokenizer
 from engine.worker.executor import Executor
 
@@ -47,6 +50,12 @@ class LLMEngine:
         self.executor.init_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured output: grammars compile on the manager's threads; a request whose grammar
+        # is not ready yet waits here, outside the scheduler, so nothing else waits for it.
+        self.structured = StructuredOutputManager(
+            self.tokenizer.hf, self.vocab_size, [self.eos_token_id, *self.extra_eos_ids]
+        )
+        self._awaiting_grammar: dict[str, Request] = {}
         # Cumulative counters for metrics (read by AsyncEngine's stats snapshot).
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -120,6 +129,12 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_ids]
             )
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.request_grammar(params.structured_outputs)
+            error = grammar.error()
+            if error is not None:
+                raise GrammarError(str(error))
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -127,15 +142,21 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             priority=priority,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if grammar is not None and not grammar.ready():
+            self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+            self._awaiting_grammar[request_id] = request
+            return
+        self.scheduler.add_request(request)  # its checks first: a refusal leaves no state
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
-        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request and all its samples; returns its final output (None if unknown)."""
         ids = self.output_processor.sample_ids(request_id)
+        self._awaiting_grammar.pop(request_id, None)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
@@ -144,6 +165,7 @@ class LLMEngine:
         outputs = []
         for request_id in request_ids:
             ids = self.output_processor.sample_ids(request_id)
+            self._awaiting_grammar.pop(request_id, None)
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             out = self.output_processor.abort(request_id, FinishReason.ERROR)
             if out is not None:
@@ -156,18 +178,68 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if self._awaiting_grammar else []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.drops_requests:  # the runners forget them (no forward)
                 self.executor.execute_model(scheduler_output)
-            return []
-        runner_output = self.executor.execute_model(scheduler_output)
+            elif self._awaiting_grammar and not failed:
+                self._wait_for_grammars()  # nothing else to do: don't spin
+            return failed
+        scheduler_output.grammar_bitmask = self._start_bitmask(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        finally:
+            if scheduler_output.grammar_bitmask is not None:  # the fill reads the matchers
+                concurrent.futures.wait([scheduler_output.grammar_bitmask.future])
         self._count_tokens(scheduler_output, runner_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return failed + outputs
+
+    # -- structured output ------------------------------------------------------------------
+
+    def _start_bitmask(self, so):
+        """Start filling the bitmask of the step's constrained rows (on the manager's thread,
+        while the forward runs); None when no row is constrained."""
+        requests = self.scheduler.requests
+        rows = []
+        for sr in so.scheduled:
+            if sr.sample:
+                request = requests.get(sr.request_id)
+                if request is not None and request.grammar is not None:
+                    rows.append((sr.request_id, request.grammar))
+        return self.structured.start_bitmask(rows)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar is ready into the scheduler; fail those whose grammar
+        failed or took longer than the compile limit."""
+        failed = []
+        limit = self.structured.limits.compile_timeout_s
+        now = time.monotonic()
+        for rid, request in list(self._awaiting_grammar.items()):
+            grammar = request.grammar
+            assert grammar is not None
+            if not grammar.ready():
+                if now - grammar.submitted < limit:
+                    continue
+                logger.warning("request %s: grammar not compiled after %.0f s", rid, limit)
+            del self._awaiting_grammar[rid]
+            if grammar.ready() and grammar.error() is None:
+                self.scheduler.add_request(request)
+                continue
+            if grammar.error() is not None:
+                logger.warning("request %s: grammar failed: %s", rid, grammar.error())
+            out = self.output_processor.abort(rid, FinishReason.ERROR)
+            if out is not None:
+                failed.append(out)
+        return failed
+
+    def _wait_for_grammars(self, timeout: float = 0.05) -> None:
+        futures = [r.grammar.future for r in self._awaiting_grammar.values() if r.grammar]
+        concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def _count_tokens(self, scheduler_output, runner_output) -> None:
         self.num_steps += 1
@@ -185,4 +257,5 @@ class LLMEngine:
         self.executor.check_alive()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

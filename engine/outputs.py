@@ -7,6 +7,7 @@ LLMEngine --RequestOutput--> users (LLM.generate, AsyncEngine, the HTTP layer)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -62,6 +63,10 @@ class SchedulerOutput:
     # their state (a preempted request comes back later as a new request).
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Structured output: the bitmask of this step's constrained rows, being filled on a thread
+    # while the forward runs (engine.structured_output.manager.GrammarBitmask). Read by the
+    # sampling rank only; never sent to tensor-parallel workers.
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

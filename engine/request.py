@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +68,9 @@ class Request:
     first_scheduled_time: float | None = None
     # Full-block hashes of all_token_ids, extended as blocks fill (see kv_cache_utils).
     block_hashes: list = field(default_factory=list)
+    # Structured output: the grammar's state, advanced by every output token. It lives here,
+    # not in the runner, so preemption (recompute) and forking keep it.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -91,3 +98,5 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)

@@ -64,6 +64,7 @@ from api.streaming import (
     Generation,
     until_disconnect,
 )
+from api.structured_inputs import supported_structured_outputs, with_structured_outputs
 from api.tool_calls import active_parser, constrain, plan_tools, template_input
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
@@ -118,7 +119,8 @@ class OpenAIController(Controller):
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         params = sampling_params(data, max_tokens, (top or 0) if data.logprobs else None)
-        constrain(params, tools)
+        params = await with_structured_outputs(data, params, engine)
+        params = await constrain(params, tools, engine)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs, tools)
@@ -163,6 +165,7 @@ class OpenAIController(Controller):
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         params = sampling_params(data, max_tokens, data.logprobs)
+        params = await with_structured_outputs(data, params, engine)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [cid] if len(prompts) == 1 else [f"{cid}-{i}" for i in range(len(prompts))]
@@ -197,6 +200,7 @@ class OpenAIController(Controller):
             max_model_len=engine.max_model_len,
             tool_call_parser=active_parser(server.settings.tool_call_parser, engine.tokenizer)
             or "none",
+            structured_outputs=supported_structured_outputs(),
         )
         return ModelList(data=[card])
 

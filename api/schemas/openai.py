@@ -70,6 +70,29 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+# Structured output (api/structured_inputs.py turns these into StructuredOutputsParams).
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None  # accepted; the grammar enforces the schema either way
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Struct, kw_only=True):
+    """vLLM's `structured_outputs` extra: exactly one of the forms."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(Struct, kw_only=True):
     """Parameters shared by chat and completions (OpenAI's and vLLM's extras)."""
 
@@ -95,6 +118,13 @@ class _SamplingFields(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -282,6 +312,8 @@ class ModelCard(Struct):
     owned_by: str = "tessera"
     parent: str | None = None
     tool_call_parser: str | UnsetType = UNSET  # how tool calls are read from the output
+    # the structured-output forms requests may use (api/structured_inputs.py)
+    structured_outputs: list[str] = msgspec.field(default_factory=list)
 
 
 class ModelList(Struct):

@@ -5,7 +5,8 @@ tokens from it (ScheduledRequest.num_samples) and samples 1..n-1 become child re
 "<id>#<i>". The scheduler gives each child the parent's blocks (KVCacheManager.fork). The
 runner keeps the parent's first token; each child reaches it as a new request (NewRequestData
 with the shared prompt and its own first token as output), its table the shared full blocks
-plus the copied partial one.
+plus the copied partial one. A structured-output child copies the parent's grammar state
+before either takes its token: the n first tokens were drawn from one masked row.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def make_child(parent: Request, index: int) -> Request:
     )
     child.num_cached_tokens = parent.num_cached_tokens
     child.first_scheduled_time = parent.first_scheduled_time
+    if parent.grammar is not None:  # its own matcher, from the parent's (pre-token) state
+        child.grammar = parent.grammar.fork()
     return child
 
 

@@ -7,7 +7,8 @@ from engine.request import Request, RequestStatus
 
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set a finished status if the last token ends the request. EOS and stop token ids
-    win over length; neither counts before min_tokens."""
+    win over length; neither counts before min_tokens. A completed grammar (structured
+    output) stops too: nothing more could be generated."""
     params = request.sampling_params
     num_output = len(request.output_token_ids)
     if num_output >= params.min_tokens:
@@ -19,6 +20,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True
+    if request.grammar is not None and request.grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
     if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
         request.all_token_ids
     ) >= max_model_len:

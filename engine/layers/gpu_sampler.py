@@ -13,7 +13,7 @@ reach the host through one asynchronous copy into a pinned buffer, read once aft
 (PendingTokens.tolist).
 
 Order and semantics as in the CPU sampler: logit_bias and the min_tokens mask, penalties,
-greedy rows' argmax, random rows' temperature -> min_p -> top_k -> top_p (renormalised after
+the grammar's token bitmask on structured-output rows, greedy rows' argmax, random rows' temperature -> min_p -> top_k -> top_p (renormalised after
 top_k) -> an inverse-CDF draw with one float64 uniform per sample. The uniforms come from a
 counter-based hash (splitmix64) of (seed, number of output tokens, sample index) for seeded
 requests, of (sampler seed, step, row) otherwise: a seeded request's tokens depend on its seed
@@ -41,6 +41,7 @@ from engine.layers.sampler import (
     bias_and_mask_entries,
 )
 from engine.outputs import TokenLogprobs
+from engine.structured_output.bitmask import RowMask, apply_token_bitmask
 
 if TYPE_CHECKING:
     from engine.worker.input_batch import SamplingTensors
@@ -154,11 +155,16 @@ class GpuSampler:
         requests: Sequence[SamplingRequest],
         rows: StepRows,
         greedy: torch.Tensor | None = None,
+        grammar_mask: RowMask | None = None,
     ) -> PendingTokens:
         """Tokens for each request (num_samples each), copied towards the host. greedy: the
         step's argmax ids when every request is plain greedy and the LM head gave them
-        without logits (then logits may be None)."""
-        tokens = greedy[:, None] if greedy is not None else self.draw(logits, requests, rows)
+        without logits (then logits may be None). grammar_mask: the structured-output rows'
+        token bitmask."""
+        if greedy is not None:
+            tokens = greedy[:, None]
+        else:
+            tokens = self.draw(logits, requests, rows, grammar_mask)
         self._step += 1
         s, m = tokens.shape
         if self._read is not None:
@@ -171,7 +177,11 @@ class GpuSampler:
         return PendingTokens(host, self._read, [r.num_samples for r in requests])
 
     def draw(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], rows: StepRows
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplingRequest],
+        rows: StepRows,
+        grammar_mask: RowMask | None = None,
     ) -> torch.Tensor:
         """int64 [S, max num_samples] on the device; every stage sync-free. The logits are
         modified in place unless a request asks for logprobs (then they stay raw)."""
@@ -181,10 +191,15 @@ class GpuSampler:
         sps = [r.sampling_params for r in requests]
         floats = self.params.floats.index_select(1, rows.columns)  # [F, S]
         ints = self.params.ints.index_select(1, rows.columns)  # [I, S]
-        if _needs_changes(requests):
+        changes = _needs_changes(requests)
+        if changes or grammar_mask is not None:
             if x is logits and any(p.logprobs is not None for p in sps):
                 x = x.clone()  # logprobs are of the raw distribution
-            _apply_changes(x, requests, floats)
+            if changes:
+                _apply_changes(x, requests, floats)
+            if grammar_mask is not None:  # host rows and bits in, no sync
+                masked = _on(grammar_mask.rows, torch.int64, x.device)
+                apply_token_bitmask(x, masked, grammar_mask.bitmask)
         greedy_tok = x.argmax(-1)
         if all(_is_greedy(r) for r in requests):
             return greedy_tok[:, None].expand(s, m)

@@ -4,6 +4,7 @@ Per step, in vLLM v1's order:
   logprobs of the raw model distribution (log_softmax of the logits as given, vLLM's default
   "raw_logprobs": what the model thinks, before any penalty, bias or truncation)
   -> logit_bias, min_tokens mask -> repetition / presence / frequency penalties
+  -> the grammar's token bitmask on constrained rows (structured output)
   -> greedy rows: argmax
   -> random rows: temperature -> min_p -> top_k -> top_p (renormalised after top_k) -> draw.
 
@@ -29,6 +30,7 @@ import torch
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output.bitmask import RowMask, apply_token_bitmask
 
 _B = 64  # block width
 _CANDIDATE_BLOCKS = (16, 128)  # top-p/top-k rank the tokens of this many best blocks first
@@ -79,25 +81,36 @@ class Sampler:
     @staticmethod
     def plain_greedy(requests: list[SamplingRequest]) -> bool:
         """Whether every row's token is the argmax of its raw logits (temperature 0, one
-        sample, no logprobs, penalties, bias or masks): then the logits need not exist."""
+        sample, no logprobs, penalties, bias, masks or grammar): then the logits need not
+        exist. It reads only the requests' parameters, which every tensor-parallel rank
+        holds, so all ranks take the same path (and run the same collectives)."""
         return all(_plain_greedy(r) for r in requests)
 
     # Always in inference mode: the kept buffers are then inference tensors in every call.
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, requests: list[SamplingRequest]
+        self,
+        logits: torch.Tensor,
+        requests: list[SamplingRequest],
+        grammar_mask: RowMask | None = None,
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """grammar_mask: the token bitmask of the structured-output rows (only those)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests)
         if logits.dtype != torch.float32 or not logits.is_contiguous():
             logits = logits.float().contiguous()
-        if self.plain_greedy(requests):  # the common case: one argmax, no copies
+        if grammar_mask is None and self.plain_greedy(requests):  # one argmax, no copies
             return [[t] for t in _argmax(logits).tolist()], [None] * len(requests)
 
         s, v = logits.shape
         x = logits
-        if _needs_changes(requests):
+        changes = _needs_changes(requests)
+        if changes or grammar_mask is not None:
             x = self._buffer("changed", s, v, logits).copy_(logits)
-            _apply_changes(x, requests)
+            if changes:
+                _apply_changes(x, requests)
+            if grammar_mask is not None:
+                rows = _tensor(grammar_mask.rows, x, torch.long)
+                apply_token_bitmask(x, rows, grammar_mask.bitmask)
         greedy = [i for i, r in enumerate(requests) if _is_greedy(r)]
         rand = [i for i, r in enumerate(requests) if not _is_greedy(r)]
         tokens: list[list[int]] = [[] for _ in requests]
@@ -240,6 +253,7 @@ def _plain_greedy(r: SamplingRequest) -> bool:
         r.num_samples == 1
         and sp.temperature < _GREEDY_BELOW
         and sp.logprobs is None
+        and sp.structured_outputs is None
         and not _needs_changes((r,))
     )
 

@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,10 +32,14 @@ from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.structured_output.bitmask import RowMask
 from engine.worker.cpu_graph import DecodePlan
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.step_threads import StepThreads
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger("tessera.engine")
 
@@ -83,6 +88,21 @@ def tune_malloc() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
     except (OSError, AttributeError):
         pass
+
+
+def _row_mask(grammar_bitmask: GrammarBitmask | None, to_sample: list[str]) -> RowMask | None:
+    """The step's grammar bitmask (filled by the engine while the forward ran; this waits for
+    it) as rows of the sampling list. Only the driver samples, so only it reads the mask."""
+    if grammar_bitmask is None:
+        return None
+    bitmask = grammar_bitmask.result()
+    position = {rid: i for i, rid in enumerate(to_sample)}
+    keep = [j for j, rid in enumerate(grammar_bitmask.request_ids) if rid in position]
+    if not keep:
+        return None
+    if len(keep) < len(grammar_bitmask.request_ids):
+        bitmask = bitmask[keep]
+    return RowMask([position[grammar_bitmask.request_ids[j]] for j in keep], bitmask)
 
 
 def mem_available_bytes() -> int:
@@ -365,7 +385,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids=sampled)
         states = [batch[rid] for rid in to_sample]
         if self.gpu_sampler is not None:
-            drawn = self._sample_on_device(hidden, last_row, to_sample, states)
+            drawn = self._sample_on_device(hidden, last_row, to_sample, states, so.grammar_bitmask)
             if drawn is None:  # not the driver: it ran the LM head's collectives, no more
                 return ModelRunnerOutput(sampled_token_ids=sampled)
             tokens, logprobs = drawn
@@ -379,7 +399,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(last)
                 if self.rank != 0:  # only the driver samples; the others ran the collectives
                     return ModelRunnerOutput(sampled_token_ids=sampled)
-                tokens, logprobs = self.sampler(logits, states)
+                mask = _row_mask(so.grammar_bitmask, to_sample)
+                tokens, logprobs = self.sampler(logits, states, mask)
         out = ModelRunnerOutput(sampled_token_ids=sampled)
         for rid, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
             sampled[rid] = toks
@@ -395,6 +416,7 @@ class ModelRunner:
         last_row: dict[str, int],
         to_sample: list[str],
         states: list[CachedRequestState],
+        grammar_bitmask: GrammarBitmask | None = None,
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]] | None:
         """The GPU sampler's tokens and logprobs (None on ranks other than the driver): the
         step's rows in one copy, the LM head (its argmax alone for plain greedy steps), the
@@ -413,7 +435,8 @@ class ModelRunner:
             logits = self.model.compute_logits(last)
             if self.rank != 0:
                 return None
-        tokens = self.gpu_sampler.sample(logits, states, rows, greedy).tolist()
+        mask = _row_mask(grammar_bitmask, to_sample) if logits is not None else None
+        tokens = self.gpu_sampler.sample(logits, states, rows, greedy, mask).tolist()
         if logits is None or all(s.sampling_params.logprobs is None for s in states):
             return tokens, [None] * len(states)
         return tokens, self.gpu_sampler.logprobs(logits, states, tokens)

@@ -3,6 +3,8 @@ server (any OpenAI-compatible server must do; ours is covered in test_server.py)
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import bench_serve
@@ -23,6 +25,25 @@ def test_prefix_dataset_shares_its_prefix():
     assert len(prefixes) == 1 and len(set(prompts)) == 5
     with pytest.raises(ValueError, match="dataset"):
         make_prompts(1, 1, seed=0, dataset="sharegpt")
+
+
+def test_json_schema_goes_on_every_request(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for value in (json.dumps(schema), str(path)):
+        args = bench_serve.build_parser().parse_args(["--json-schema", value])
+        args.json_schema = bench_serve.load_schema(args.json_schema)
+        args.model = "m"
+        chat = bench_serve._payload(args, "hi", chat=True)
+        assert chat["response_format"]["json_schema"]["schema"] == schema
+        assert bench_serve._payload(args, "hi", chat=False)["structured_outputs"] == {
+            "json": schema
+        }
+    args = bench_serve.build_parser().parse_args([])
+    args.model = "m"
+    body = bench_serve._payload(args, "hi", chat=True)
+    assert "response_format" not in body and "structured_outputs" not in body
 
 
 def test_summary_statistics():

@@ -1,0 +1,178 @@
+"""StructuredOutputManager: compiles grammars off the engine step and fills bitmasks.
+
+Compiles run on a small thread pool and are cached by (kind, canonical spec): the first
+request with a schema pays the compile, later ones find the finished future. A request
+whose grammar is still compiling waits outside the scheduler (LLMEngine) without holding up
+the others (vLLM v1's WAITING_FOR_FSM).
+
+A step's bitmask depends on the token sampled the step before, so it cannot be filled
+earlier than the step itself; it is filled on a thread while that step's forward runs (the
+forward releases the GIL), and the runner waits for it only when it samples.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarLimits,
+    Matcher,
+    spec_key,
+)
+
+logger = logging.getLogger("tessera.engine")
+
+_CACHE_SIZE = 256  # compiled grammars kept (LRU)
+_COMPILE_THREADS = 2
+
+SUPPORTED_FORMS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+class RequestGrammar:
+    """One request's grammar state: the compile future, then its own matcher."""
+
+    __slots__ = ("future", "_matcher", "submitted")
+
+    def __init__(self, future: concurrent.futures.Future, matcher: Matcher | None = None):
+        self.future = future
+        self._matcher = matcher
+        self.submitted = time.monotonic()
+
+    def ready(self) -> bool:
+        """Whether the grammar is compiled (or failed: see error())."""
+        return self._matcher is not None or self.future.done()
+
+    def error(self) -> BaseException | None:
+        if self._matcher is not None or not self.future.done():
+            return None
+        return self.future.exception()
+
+    @property
+    def matcher(self) -> Matcher:
+        if self._matcher is None:
+            compiled: CompiledGrammar = self.future.result()
+            self._matcher = compiled.matcher()
+        return self._matcher
+
+    def accept_token(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            # Only a token outside the mask gets here (the mask was not applied): the matcher
+            # is now in its error state, which is_terminated() reports.
+            logger.warning("structured output: token %d rejected by the grammar", token)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fork(self) -> RequestGrammar:
+        """A copy for a forked sample: same grammar, its own matcher state."""
+        return RequestGrammar(self.future, self.matcher.fork())
+
+
+@dataclass(slots=True)
+class GrammarBitmask:
+    """A step's bitmask being filled: row i of the tensor belongs to request_ids[i]."""
+
+    request_ids: list[str]
+    future: concurrent.futures.Future  # -> int32 [len(request_ids), ceil(vocab / 32)]
+
+    def result(self) -> torch.Tensor:
+        return self.future.result()
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        limits: GrammarLimits | None = None,
+    ) -> None:
+        self.limits = limits or GrammarLimits()
+        self.vocab_size = vocab_size
+        self._tokenizer_args = (hf_tokenizer, vocab_size, eos_token_ids)
+        self._backend: GrammarBackend | None = None  # built by the first compile (~1 s)
+        self._backend_lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            _COMPILE_THREADS, thread_name_prefix="tessera-grammar"
+        )
+        self._fill = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tessera-mask")
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+
+    # -- compiling --------------------------------------------------------------------------
+
+    def compile(self, so: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The future of the compiled grammar (from the cache when the spec was seen).
+        Size limits are checked here and raise GrammarError at once."""
+        key = spec_key(so, self.limits)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return future
+            future = self._pool.submit(self._compile, key)
+            self._cache[key] = future
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            self.num_compiles += 1
+            return future
+
+    def request_grammar(self, so: StructuredOutputsParams) -> RequestGrammar:
+        return RequestGrammar(self.compile(so))
+
+    def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
+        return self.backend.compile(*key)
+
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                from engine.structured_output.llguidance_backend import LLGuidanceBackend
+
+                self._backend = LLGuidanceBackend(*self._tokenizer_args)
+            return self._backend
+
+    def warm_up(self) -> concurrent.futures.Future:
+        """Build the backend's tokenizer tables on the pool now, not on the first request."""
+        return self._pool.submit(lambda: self.backend)
+
+    # -- bitmasks ---------------------------------------------------------------------------
+
+    def start_bitmask(self, rows: list[tuple[str, RequestGrammar]]) -> GrammarBitmask | None:
+        """Begin filling the bitmask of the step's constrained rows on the fill thread."""
+        if not rows:
+            return None
+        ids = [rid for rid, _ in rows]
+        matchers = [(g.matcher, i) for i, (_, g) in enumerate(rows)]
+        words = -(-self.vocab_size // 32)
+        backend = self.backend
+
+        def fill() -> torch.Tensor:
+            bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+            backend.fill_bitmasks(matchers, bitmask)
+            return bitmask
+
+        return GrammarBitmask(ids, self._fill.submit(fill))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["GrammarBitmask", "GrammarError", "RequestGrammar", "StructuredOutputManager"]

@@ -1,0 +1,165 @@
+"""The llguidance backend, the spec limits and the bitmask, on the tiny test tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engine.sampling_params import StructuredOutputsParams as S
+from engine.structured_output import GrammarError, GrammarLimits, StructuredOutputManager
+from engine.structured_output.backend import max_repetition, spec_key
+from engine.structured_output.bitmask import apply_token_bitmask, unpack_bitmask
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    yield m
+    m.shutdown()
+
+
+def _allowed(manager, matcher) -> set[int]:
+    bm = torch.zeros(1, -(-manager.vocab_size // 32), dtype=torch.int32)
+    matcher.fill_bitmask(bm, 0)
+    return set(unpack_bitmask(bm, manager.vocab_size)[0].nonzero().view(-1).tolist())
+
+
+def _walk(manager, tokenizer, so, choose) -> str:
+    """Generate under the grammar, picking with choose(allowed ids); return the text."""
+    m = manager.compile(so).result(timeout=30).matcher()
+    out: list[int] = []
+    for _ in range(200):
+        allowed = _allowed(manager, m)
+        assert allowed, "a live grammar always allows some token"
+        tok = choose(sorted(allowed))
+        assert m.accept_token(tok)
+        if tok == tokenizer.eos_token_id:
+            break
+        out.append(tok)
+        if m.is_terminated():
+            break
+    assert m.is_terminated()
+    return tokenizer.decode(out)
+
+
+@pytest.mark.parametrize(
+    "so, check",
+    [
+        (S(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+        (S(choice=["yes", "no", "maybe so"]), lambda t: t in ("yes", "no", "maybe so")),
+        (
+            S(
+                json={
+                    "type": "object",
+                    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            ),
+            lambda t: 0 <= json.loads(t)["a"] <= 99,
+        ),
+        (S(grammar='start: "x" NUM\nNUM: /[0-9]{2}/'), lambda t: re.fullmatch(r"x[0-9]{2}", t)),
+    ],
+)
+def test_walks_under_the_mask_match_the_spec(manager, tokenizer, so, check):
+    for pick in (lambda a: a[0], lambda a: a[-1], lambda a: a[len(a) // 2]):
+        text = _walk(manager, tokenizer, so, pick)
+        assert check(text), text
+
+
+def test_json_object(manager, tokenizer):
+    (close,) = tokenizer.encode("}", add_special_tokens=False)
+    text = _walk(manager, tokenizer, S(json_object=True), lambda a: close if close in a else a[0])
+    assert isinstance(json.loads(text), dict)
+
+
+def test_a_token_outside_the_mask_ends_the_matcher(manager, tokenizer):
+    m = manager.compile(S(regex="[0-9]+")).result(timeout=30).matcher()
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert letter not in _allowed(manager, m)
+    assert not m.accept_token(letter)
+    assert m.is_terminated()
+
+
+def test_fork_copies_state(manager, tokenizer):
+    m = manager.compile(S(choice=["ab", "cd"])).result(timeout=30).matcher()
+    (a,) = tokenizer.encode("a", add_special_tokens=False)[:1]
+    child = m.fork()
+    assert m.accept_token(a)
+    assert _allowed(manager, child) != _allowed(manager, m)  # the child has not moved
+
+
+@pytest.mark.parametrize(
+    "so, words",
+    [
+        (S(json='{"type": "object"'), "not valid JSON"),
+        (S(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "nonsense"),
+        (S(regex="("), "regex"),
+        (S(grammar="start: undefined_rule"), "undefined_rule"),
+    ],
+)
+def test_invalid_specs_raise(manager, so, words):
+    with pytest.raises(GrammarError, match=words):
+        manager.compile(so).result(timeout=30)
+
+
+def test_limits_refuse_at_once():
+    limits = GrammarLimits()
+    huge_enum = {"enum": [f"v{i}" for i in range(limits.max_enum_values + 1)]}
+    with pytest.raises(GrammarError, match="enum"):
+        spec_key(S(json=huge_enum), limits)
+    with pytest.raises(GrammarError, match="choices"):
+        spec_key(S(choice=[str(i) for i in range(limits.max_enum_values + 1)]), limits)
+    with pytest.raises(GrammarError, match="bytes"):
+        spec_key(S(regex="a" * (limits.max_spec_bytes + 1)), limits)
+    with pytest.raises(GrammarError, match="repeats 40000"):
+        spec_key(S(regex="a{200}{200}"), limits)
+    with pytest.raises(GrammarError, match="pattern"):
+        spec_key(S(json={"type": "string", "pattern": "(x{500}){500}"}), limits)
+
+
+def test_max_repetition():
+    assert max_repetition("a{200}{200}") == 40_000
+    assert max_repetition("(a{10}){20}b{3}") == 200
+    assert max_repetition(r"\{5\}[{]{9}") == 9
+    assert max_repetition("[0-9]+") == 1
+
+
+def test_compile_cache(manager):
+    so = S(regex="[ab]{4}")
+    first = manager.compile(so)
+    hits = manager.num_cache_hits
+    assert manager.compile(S(regex="[ab]{4}")) is first
+    assert manager.num_cache_hits == hits + 1
+    # dict and JSON text of the same schema share an entry
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}}
+    assert manager.compile(S(json=schema)) is manager.compile(S(json=json.dumps(schema)))
+
+
+def test_bitmask_applies_to_the_given_rows_only():
+    torch.manual_seed(0)
+    x = torch.randn(4, 70)
+    before = x.clone()
+    allowed = torch.zeros(2, 70, dtype=torch.bool)
+    allowed[0, [1, 5, 69]] = True
+    allowed[1, 33:40] = True
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for r in range(2):
+        for t in allowed[r].nonzero().view(-1).tolist():
+            words[r, t // 32] |= 1 << (t % 32)
+    bitmask = words.to(torch.int32)  # wraps bit 31 to the sign, as the engines write it
+    apply_token_bitmask(x, torch.tensor([2, 0]), bitmask)
+    assert torch.equal(x[1], before[1]) and torch.equal(x[3], before[3])
+    for row, r in ((2, 0), (0, 1)):
+        assert torch.equal(x[row][allowed[r]], before[row][allowed[r]])
+        assert torch.isinf(x[row][~allowed[r]]).all()

@@ -45,10 +45,10 @@ def create(client, messages, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
 
 
-def raw_stream(server, body: dict) -> list[dict]:
+def raw_stream(server, body: dict, key: str = KEY) -> list[dict]:
     """The chunks of a streamed chat completion, as JSON (no SDK in between)."""
     body = {"model": MODEL, "temperature": 0, "max_tokens": 120, "stream": True, **body}
-    headers = {"Authorization": f"Bearer {KEY}"}
+    headers = {"Authorization": f"Bearer {key}"}
     url = server.base_url + "/v1/chat/completions"
     chunks = []
     with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:

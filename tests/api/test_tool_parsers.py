@@ -233,3 +233,22 @@ def test_plan_refusals_name_the_field():
         plan("auto", parser=None)
     assert e.value.param == "tools"
     assert plan("none", parser=None).active is False
+
+
+def test_readme_parameter_table_names_every_field():
+    """The README's Request parameters table lists every field the policy knows."""
+    from pathlib import Path
+
+    from api.request_fields import known_fields
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    text = readme.read_text()
+    table = text[text.index("## Request parameters") :]
+    table = table[: table.index("\n## ")]
+    missing = {
+        name
+        for endpoint in ("chat", "completion")
+        for name in known_fields(endpoint)
+        if f"`{name}`" not in table and f"`{name}:" not in table
+    }
+    assert not missing, f"README's Request parameters table lacks {sorted(missing)}"

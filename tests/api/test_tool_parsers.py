@@ -252,3 +252,57 @@ def test_readme_parameter_table_names_every_field():
         if f"`{name}`" not in table and f"`{name}:" not in table
     }
     assert not missing, f"README's Request parameters table lacks {sorted(missing)}"
+
+
+def test_chat_formatter_streams_calls_per_choice_and_matches_the_whole_response():
+    """Two samples (n=2) streamed token by token: one replies with text, one with two calls;
+    the chunks follow OpenAI's shape and add up to the non-streaming message."""
+    import msgspec
+
+    from api.openai_format import ChatFormatter
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.sampling_params import SamplingParams
+
+    texts = ["Just text.", HERMES[HERMES.index("<tool_call>") :]]
+    tool_plan = plan("auto", parser="hermes")
+    params = SamplingParams(n=2, max_tokens=300)
+
+    def outputs(upto: int) -> RequestOutput:
+        done = upto >= max(len(t) for t in texts)
+        cs = [
+            CompletionOutput(i, t[:upto], list(range(min(upto, len(t)))), "stop" if done else None)
+            for i, t in enumerate(texts)
+        ]
+        return RequestOutput("r", None, [1], cs, done)
+
+    fmt = ChatFormatter("r", "m", None, params, False, tool_plan)
+    chunks = []
+    for upto in range(1, max(len(t) for t in texts) + 1, 5):
+        chunks += fmt.update_events(0, outputs(upto), msgspec.UNSET)
+    chunks += fmt.update_events(0, outputs(10_000), msgspec.UNSET)
+    chunks = [msgspec.json.decode(msgspec.json.encode(c)) for c in chunks]
+    per_choice: dict[int, list] = {0: [], 1: []}
+    for c in chunks:
+        (choice,) = c["choices"]
+        per_choice[choice["index"]].append(choice)
+    assert "".join(ch["delta"].get("content", "") for ch in per_choice[0]) == "Just text."
+    assert per_choice[0][-1]["finish_reason"] == "stop"
+    assert per_choice[1][-1]["finish_reason"] == "tool_calls"
+    streamed: dict[int, list] = {}
+    for ch in per_choice[1]:
+        for call in ch["delta"].get("tool_calls", []):
+            if "id" in call:
+                assert call["type"] == "function" and call["function"]["arguments"] == ""
+                streamed[call["index"]] = [call["id"], call["function"]["name"], ""]
+            else:
+                streamed[call["index"]][2] += call["function"]["arguments"]
+        assert "content" not in ch["delta"]
+    whole = ChatFormatter("r", "m", None, params, False, tool_plan).response(
+        [outputs(10_000)], [[1]]
+    )
+    message = whole.choices[1].message
+    assert message.content is None and whole.choices[1].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (name, args) for _, name, args in (streamed[0], streamed[1])
+    ]
+    assert whole.choices[0].message.content == "Just text."

@@ -8,29 +8,26 @@ never raises: a malformed or unfinished text just yields fewer complete spans.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
-_WS = " \t\r\n"
+# The scans jump with regexes (C speed) from one structural character to the next: a parser
+# re-reads the whole output at every streamed delta, so a Python loop per character would
+# cost seconds on a few-kilobyte call.
+_WS = re.compile(r"[ \t\r\n]*")
+_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.S)
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_PRIMITIVE_END = re.compile(r"[,}\] \t\r\n]")
 
 
 def skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
-        i += 1
-    return i
+    return _WS.match(s, i).end()
 
 
 def string_end(s: str, i: int) -> int | None:
     """s[i] is '"': the index just past the closing quote, or None if it has not come yet."""
-    j = i + 1
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    m = _STRING.match(s, i)
+    return m.end() if m else None
 
 
 def value_end(s: str, i: int) -> int | None:
@@ -43,27 +40,22 @@ def value_end(s: str, i: int) -> int | None:
         return string_end(s, i)
     if c in "{[":
         depth, j = 0, i
-        while j < len(s):
-            c = s[j]
+        while (m := _STRUCTURE.search(s, j)) is not None:
+            c, j = m.group(), m.start()
             if c == '"':
                 end = string_end(s, j)
                 if end is None:
                     return None
                 j = end
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
+            depth += 1 if c in "{[" else -1
             j += 1
+            if depth == 0:
+                return j
         return None
     # A number or a literal: complete only once a delimiter follows (digits may continue).
-    j = i
-    while j < len(s) and s[j] not in ",}] \t\r\n":
-        j += 1
-    return j if j < len(s) else None
+    m = _PRIMITIVE_END.search(s, i)
+    return m.start() if m else None
 
 
 @dataclass(slots=True)

@@ -3,7 +3,9 @@
 The engine's RequestOutputs are cumulative; a formatter remembers how much of each choice it
 has sent and turns the rest into deltas. Streams follow OpenAI's order: (chat) a role delta
 per choice, content deltas, a finish chunk per choice, the usage chunk if asked, [DONE]. An
-error after the first byte is an SSE `data: {"error": ...}` event, then [DONE].
+error after the first byte is an SSE `data: {"error": ...}` event, then [DONE]. With tools
+(api/tool_calls.py) each chat choice's text goes through a ToolStreamer: calls become
+`tool_calls` (whole) or OpenAI's tool-call deltas (streamed), the same either way.
 """
 
 from __future__ import annotations

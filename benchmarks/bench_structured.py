@@ -123,6 +123,86 @@ def compile_times(model: str, repeats: int) -> dict:
     }
 
 
+def compare_engines(model: str, repeats: int = 5, steps: int = 60) -> dict:
+    """llguidance vs xgrammar (when installed; it is not a dependency) on COMPILE_SCHEMAS:
+    compile + first mask (ms, median of distinct specs) and the per-token mask (us, median
+    and max along a random walk through the grammar). How the engine was picked."""
+    import random
+
+    import torch
+
+    from engine.models.hf_config import load_hf_config
+    from engine.models.loader import resolve_model
+    from engine.structured_output.bitmask import unpack_bitmask
+    from engine.tokenizer import Tokenizer
+
+    folder = resolve_model(model)
+    tok = Tokenizer.from_pretrained(folder)
+    vocab = load_hf_config(folder).vocab_size
+    engines = {}
+    import llguidance
+    import llguidance.hf
+
+    llt = llguidance.hf.from_tokenizer(tok.hf, n_vocab=vocab, eos_token=tok.eos_token_id)
+
+    def llg(schema):
+        g = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}
+        )
+        m = llguidance.LLMatcher(llt, g, log_level=0)
+        return (
+            lambda bm: m.unsafe_compute_mask_ptr(bm.data_ptr(), bm.numel() * 4),
+            m.consume_token,
+            m.is_stopped,
+        )
+
+    engines["llguidance"] = llg
+    try:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            tok.hf, vocab_size=vocab, stop_token_ids=[tok.eos_token_id]
+        )
+        compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+        def xg(schema):
+            m = xgr.GrammarMatcher(
+                compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+            )
+            return (lambda bm: m.fill_next_token_bitmask(bm, 0), m.accept_token, m.is_terminated)
+
+        engines["xgrammar"] = xg
+    except ImportError:
+        pass
+    out: dict = {}
+    rng = random.Random(0)
+    for name, make in engines.items():
+        for kind, schema in COMPILE_SCHEMAS.items():
+            compile_ms, mask_us = [], []
+            for i in range(repeats):
+                bm = torch.zeros(1, -(-vocab // 32), dtype=torch.int32)
+                t = time.perf_counter()
+                fill, accept, done = make({**schema, "title": f"{kind}-{i}"})
+                fill(bm)
+                compile_ms.append((time.perf_counter() - t) * 1000)
+            for _ in range(steps):
+                if done():
+                    break
+                t = time.perf_counter()
+                fill(bm)
+                mask_us.append((time.perf_counter() - t) * 1e6)
+                allowed = unpack_bitmask(bm, vocab)[0].nonzero().view(-1).tolist()
+                if not allowed or not accept(rng.choice(allowed)):
+                    break
+            out[f"{name}/{kind}"] = {
+                "compile_ms_p50": statistics.median(compile_ms),
+                "mask_us_p50": statistics.median(mask_us) if mask_us else float("nan"),
+                "mask_us_max": max(mask_us, default=float("nan")),
+                "steps": len(mask_us),
+            }
+    return out
+
+
 def serve_level(base_url: str, args: argparse.Namespace, concurrency: int, schema: bool, seed: int):
     argv = [
         "--base-url", base_url,
@@ -153,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile-repeats", type=int, default=25)
     p.add_argument("--skip-serve", action="store_true", help="only the compile times")
+    p.add_argument(
+        "--compare-engines",
+        action="store_true",
+        help="also time llguidance against xgrammar (if installed) on the compile schemas",
+    )
     p.add_argument("--result-json", default=None)
     return p
 
@@ -160,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     result: dict = {"levels": {}, "compile": compile_times(args.model, args.compile_repeats)}
+    if args.compare_engines:
+        result["engines"] = compare_engines(args.model)
     if not args.skip_serve:
         with (
             sigterm_as_interrupt(),
@@ -199,6 +286,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"p99 {comp['cold_p99_ms']:.2f} ms; cached p50 {comp['cached_p50_ms']:.4f} ms "
         f"p99 {comp['cached_p99_ms']:.4f} ms"
     )
+    for key, e in result.get("engines", {}).items():
+        print(
+            f"{key:<26} compile+first mask {e['compile_ms_p50']:7.2f} ms  mask p50 "
+            f"{e['mask_us_p50']:8.1f} us  max {e['mask_us_max']:8.1f} us ({e['steps']} steps)"
+        )
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=2, default=str)

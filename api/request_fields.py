@@ -119,6 +119,8 @@ _REJECTED_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_unset, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (_only(False), "return_tokens_as_token_ids is not supported"),
     "return_token_ids": (_only(False), "return_token_ids is not supported; use /tokenize"),
+    # When the `fair` branch (a request priority, never better than the key's) is merged,
+    # "priority" moves to _SAMPLING.
     "priority": (_only(0), "priority comes from the API key, not from the request"),
     "cache_salt": (_unset, "cache_salt is not supported"),
     "kv_transfer_params": (_unset, "disaggregated serving is not supported"),

@@ -306,3 +306,18 @@ def test_chat_formatter_streams_calls_per_choice_and_matches_the_whole_response(
         (name, args) for _, name, args in (streamed[0], streamed[1])
     ]
     assert whole.choices[0].message.content == "Just text."
+
+
+def test_every_schema_field_is_in_the_policy():
+    """A field added to the wire schema but not to api/request_fields.py would get 400 as
+    unknown: the decoded fields must be exactly the implemented ones."""
+    import msgspec
+
+    from api.request_fields import CHAT_IMPLEMENTED, COMPLETION_IMPLEMENTED
+    from api.schemas.openai import CompletionRequest
+
+    def names(struct) -> set[str]:
+        return {f.name for f in msgspec.structs.fields(struct)}
+
+    assert names(ChatCompletionRequest) == CHAT_IMPLEMENTED
+    assert names(CompletionRequest) == COMPLETION_IMPLEMENTED

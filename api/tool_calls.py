@@ -230,6 +230,33 @@ def envelope_schema(plan: ToolPlan) -> dict[str, Any]:
     return schema
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def _close_objects(schema: Any) -> Any:
+    """Objects that list their properties but leave additionalProperties open get it false
+    (as xgrammar's strict mode does): a call's arguments then hold the schema's keys only,
+    and a small model cannot ramble on with invented ones until max_tokens. An object
+    schema without `properties` stays free-form."""
+    if not isinstance(schema, dict):
+        return schema
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _close_objects(sub)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                _close_objects(sub)
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(schema.get(key), dict):
+            _close_objects(schema[key])
+    return schema
+
+
 def _closed(properties: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
@@ -240,7 +267,7 @@ def _closed(properties: dict[str, Any]) -> dict[str, Any]:
 
 
 def _call_schema(spec: dict[str, Any], defs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    parameters = copy.deepcopy(spec["parameters"])
+    parameters = _close_objects(copy.deepcopy(spec["parameters"]))
     for key in ("$defs", "definitions"):  # '#/$defs/X' refs resolve against the root
         for name, sub in (parameters.pop(key, None) or {}).items():
             known = defs.setdefault(key, {})

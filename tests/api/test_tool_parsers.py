@@ -3,6 +3,7 @@ deltas must add up to exactly the whole-text answer), plus the envelope's JSON s
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -321,3 +322,24 @@ def test_every_schema_field_is_in_the_policy():
 
     assert names(ChatCompletionRequest) == CHAT_IMPLEMENTED
     assert names(CompletionRequest) == COMPLETION_IMPLEMENTED
+
+
+def test_envelope_closes_open_argument_objects():
+    """Arguments hold the schema's keys only (additionalProperties false where unset), also
+    in nested objects and $defs; an explicit additionalProperties is kept."""
+    required = envelope_schema(plan("required"))
+    extra = {"name": "get_weather", "arguments": {"city": "P", "unit": "C", "type": "object"}}
+    assert not valid(required, {"tool_calls": [extra]})
+    assert not valid(required, {"tool_calls": [{"name": "get_time", "arguments": {"x": 1}}]})
+    assert WEATHER["function"]["parameters"].get("additionalProperties") is None  # not mutated
+    from api.tool_calls import _close_objects
+
+    nested = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    free = {"type": "object"}
+    mapping = {"type": "object", "additionalProperties": nested}
+    root = {"type": "object", "properties": {"n": nested, "f": free, "m": mapping}}
+    closed = _close_objects(copy.deepcopy(root))
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["n"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["f"]  # free-form stays open
+    assert closed["properties"]["m"]["additionalProperties"]["additionalProperties"] is False

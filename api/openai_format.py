@@ -3,7 +3,9 @@
 The engine's RequestOutputs are cumulative; a formatter remembers how much of each choice it
 has sent and turns the rest into deltas. Streams follow OpenAI's order: (chat) a role delta
 per choice, content deltas, a finish chunk per choice, the usage chunk if asked, [DONE]. An
-error after the first byte is an SSE `data: {"error": ...}` event, then [DONE].
+error after the first byte is an SSE `data: {"error": ...}` event, then [DONE]. With tools
+(api/tool_calls.py) each chat choice's text goes through a ToolStreamer: calls become
+`tool_calls` (whole) or OpenAI's tool-call deltas (streamed), the same either way.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ from api.schemas.openai import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
     TopLogprob,
     Usage,
 )
 from api.streaming import SSE_DONE, Generation, sse_event
+from api.tool_calls import ToolPlan
+from api.tool_parsers import ToolStreamer
+from api.tool_parsers.base import Delta
 from engine.errors import EngineDeadError, QueueFullError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -106,11 +115,38 @@ class _Formatter:
 
 
 class ChatFormatter(_Formatter):
+    """`tools`: the request's ToolPlan; each choice's text is then read for tool calls (as
+    it streams, too) and a reply that calls tools ends with finish_reason "tool_calls"."""
+
     def __init__(
-        self, rid: str, model: str, tokenizer: Any, params: SamplingParams, logprobs: bool
+        self,
+        rid: str,
+        model: str,
+        tokenizer: Any,
+        params: SamplingParams,
+        logprobs: bool,
+        tools: ToolPlan | None = None,
     ) -> None:
         super().__init__(rid, model, tokenizer, params)
         self.want_logprobs = logprobs
+        self.tools = tools if tools is not None and tools.active else None
+        self._streamers: dict[int, ToolStreamer] = {}
+
+    def _streamer(self, index: int) -> ToolStreamer:
+        streamer = self._streamers.get(index)
+        if streamer is None:
+            assert self.tools is not None
+            streamer = self._streamers[index] = self.tools.streamer()
+        return streamer
+
+    def _message(self, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+        if self.tools is None:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        content, calls = self._streamer(c.index).parse(c.text)
+        if not calls:
+            return ChatResponseMessage(content=content), c.finish_reason
+        tool_calls = [ToolCall(id=t.id, function=FunctionCall(t.name, t.arguments)) for t in calls]
+        return ChatResponseMessage(content=content, tool_calls=tool_calls), _finish(c, True)
 
     def _logprobs(self, lps: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         if not self.want_logprobs or lps is None:
@@ -138,11 +174,12 @@ class ChatFormatter(_Formatter):
         choices = [
             ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=message,
                 logprobs=self._logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
+            for message, finish in [self._message(c)]
         ]
         return ChatCompletionResponse(
             id=self.id,
@@ -170,21 +207,24 @@ class ChatFormatter(_Formatter):
                 continue
             _check_finish(c)
             delta, lps = self._new(c.index, c)
-            if delta or lps:
-                events.append(
-                    self._chunk(
-                        ChatChunkChoice(
-                            c.index, DeltaMessage(content=delta), logprobs=self._logprobs(lps)
-                        ),
-                        usage,
-                    )
-                )
-            if c.finish_reason is not None:
+            finish = c.finish_reason
+            if self.tools is not None:
+                streamer = self._streamer(c.index)
+                deltas = [_delta(d) for d in streamer.update(c.text, final=finish is not None)]
+                if finish is not None:
+                    finish = _finish(c, streamer.called)
+            else:
+                deltas = [DeltaMessage(content=delta)] if delta else []
+            if lps and not deltas:
+                deltas = [DeltaMessage()]
+            for k, d in enumerate(deltas):
+                logprobs = self._logprobs(lps) if k == 0 else None
+                events.append(self._chunk(ChatChunkChoice(c.index, d, logprobs=logprobs), usage))
+            if finish is not None:
                 self._done.add(c.index)
                 events.append(
                     self._chunk(
-                        ChatChunkChoice(c.index, DeltaMessage(), finish_reason=c.finish_reason),
-                        usage,
+                        ChatChunkChoice(c.index, DeltaMessage(), finish_reason=finish), usage
                     )
                 )
         return events
@@ -193,6 +233,25 @@ class ChatFormatter(_Formatter):
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
         )
+
+
+def _finish(c: CompletionOutput, called: bool) -> str | None:
+    """A reply that called tools and ended by itself finishes with "tool_calls"."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
+def _delta(d: Delta) -> DeltaMessage:
+    if not d.calls:
+        return DeltaMessage(content=d.content)
+    calls = []
+    for call in d.calls:
+        if call.id is not None:  # a call's first delta: id, type, name and arguments ""
+            fn = DeltaFunctionCall(name=call.name, arguments=call.arguments)
+            calls.append(DeltaToolCall(index=call.index, id=call.id, type="function", function=fn))
+        else:
+            fn = DeltaFunctionCall(arguments=call.arguments)
+            calls.append(DeltaToolCall(index=call.index, function=fn))
+    return DeltaMessage(tool_calls=calls)
 
 
 class CompletionFormatter(_Formatter):

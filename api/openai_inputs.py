@@ -8,9 +8,13 @@ max_tokens asks for 256 more (2356 in total). Shorten the prompt or lower max_to
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+from collections.abc import Callable
 from dataclasses import fields as dc_fields
 from typing import Any
+
+from jinja2 import TemplateError
 
 from api.errors import invalid_request, model_not_found
 from api.offload import messages_cost, sampling_cost
@@ -21,7 +25,13 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Prompts longer than this (characters) are tokenized off the event loop.
 TOKENIZE_IN_THREAD_CHARS = 16_384
 _PARAM_NAMES = {f.name for f in dc_fields(SamplingParams)}
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 def check_model(requested: str, engine: Any) -> None:
@@ -34,8 +44,10 @@ def check_stream_options(data: Any) -> None:
         raise invalid_request("stream_options is only allowed with stream: true.", "stream_options")
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages -> [{"role", "content": str}] for the chat template."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the chat template's (Hugging Face) form: {"role", "content": str},
+    plus "tool_calls" (arguments as objects, as templates expect) on assistant turns and
+    "tool_call_id" on tool results."""
     if not messages:
         raise invalid_request("messages must contain at least one message.", "messages")
     out = []
@@ -43,27 +55,92 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         role = _CHAT_ROLES.get(m.role)
         if role is None:
             raise invalid_request(
-                f"messages[{i}].role must be system, developer, user or assistant; got {m.role!r}.",
+                f"messages[{i}].role must be system, developer, user, assistant or tool; "
+                f"got {m.role!r}.",
                 f"messages[{i}].role",
             )
-        content = m.content
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        else:
-            parts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise invalid_request(
-                        f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts "
-                        "are supported.",
-                        f"messages[{i}].content",
-                    )
-                parts.append(part.text)
-            text = "\n".join(parts)
-        out.append({"role": role, "content": text})
+        message: dict[str, Any] = {"role": role, "content": _text(i, m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            if role != "assistant":
+                raise invalid_request(
+                    f"messages[{i}]: only assistant messages carry tool_calls.",
+                    f"messages[{i}].tool_calls",
+                )
+            message["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            if not m.tool_call_id:
+                raise invalid_request(
+                    f"messages[{i}] is a tool result without tool_call_id.",
+                    f"messages[{i}].tool_call_id",
+                )
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _text(i: int, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise invalid_request(
+                f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts "
+                "are supported.",
+                f"messages[{i}].content",
+            )
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _tool_call(i: int, j: int, call: Any) -> dict[str, Any]:
+    if call.type != "function":
+        raise invalid_request(
+            f"messages[{i}].tool_calls[{j}].type must be 'function'.",
+            f"messages[{i}].tool_calls",
+        )
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:  # templates render the arguments object (`| tojson`): give them one
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    return {
+        "id": call.id or f"call_{i}_{j}",
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+# Names the chat template call sets itself: chat_template_kwargs may not override them.
+_TEMPLATE_RESERVED = {
+    "messages",
+    "conversation",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "tokenize",
+    "chat_template",
+    "continue_final_message",
+}
+
+
+def template_extras(data: Any) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs and documents, as variables for the chat template."""
+    extras = dict(data.chat_template_kwargs or {})
+    clash = sorted(_TEMPLATE_RESERVED & extras.keys())
+    if clash:
+        raise invalid_request(
+            f"chat_template_kwargs may not set {', '.join(clash)}.", "chat_template_kwargs"
+        )
+    if data.documents is not None:
+        extras["documents"] = data.documents
+    return extras
 
 
 async def completion_prompts(
@@ -198,16 +275,33 @@ async def off_loop_if_long(size: int, fn: Any, *args: Any, pool: Any = None, **k
 
 
 def render_chat(
-    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool, param: str | None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    param: str | None,
+    template_kwargs: dict[str, Any] | None = None,
+    prepare: Callable[[list[dict[str, Any]]], tuple[list[dict[str, Any]], dict[str, Any]]]
+    | None = None,
 ) -> list[int]:
-    """chat_messages + the chat template -> prompt token ids (one step, for the worker pool)."""
+    """chat_messages + the chat template -> prompt token ids (one step, for the worker pool).
+    `prepare` rewrites the template's messages and adds variables (tool calling's
+    api/tool_calls.template_input); `template_kwargs` are further template variables."""
+    hf_messages = chat_messages(messages)
+    kwargs = dict(template_kwargs or {})
+    if prepare is not None:
+        hf_messages, extra = prepare(hf_messages)
+        kwargs.update(extra)
     try:
         return tokenizer.apply_chat_template(
-            chat_messages(messages), add_generation_prompt=add_generation_prompt
+            hf_messages, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except ValueError as e:  # no chat template, or messages it cannot render
         hint = "" if param else " Use /v1/completions with a plain prompt."
         raise invalid_request(f"{e}{hint}", param) from None
+    except TemplateError as e:  # the template refused the conversation (raise_exception)
+        raise invalid_request(
+            f"The chat template refused the messages: {e}", param or "messages"
+        ) from None
 
 
 async def chat_prompt(
@@ -216,10 +310,19 @@ async def chat_prompt(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     param: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    prepare: Any = None,
 ) -> list[int]:
     """render_chat, on the worker pool once the messages are large (count + characters)."""
     return await pool.run_if(
-        messages_cost(messages), render_chat, tokenizer, messages, add_generation_prompt, param
+        messages_cost(messages),
+        render_chat,
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        param,
+        template_kwargs,
+        prepare,
     )
 
 

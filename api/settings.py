@@ -213,6 +213,21 @@ class Settings:
     max_model_len: int | None = _flag(
         "Context length: prompt + output tokens (default: the model's).", None, _opt_int
     )
+    tool_call_parser: str = _flag(
+        "How tool calls are read from the output: auto = from the chat template (hermes for "
+        "<tool_call> templates such as Qwen2's, llama3_json for Llama 3.1/3.2's, generic for a "
+        "template that cannot render tools: the tools are described in the prompt and the "
+        "reply is held to a JSON envelope); none = tool calling off (tools get 400).",
+        "auto",
+        choices=("auto", "hermes", "llama3_json", "generic", "none"),
+    )
+    lenient_request_fields: bool = _flag(
+        "Ignore request fields outside OpenAI's and vLLM's documented sets (logged) instead "
+        "of refusing them with 400.",
+        False,
+        parse_bool,
+        kind="bool",
+    )
     # --- scheduler and KV cache ---
     max_num_seqs: int = _flag("Most sequences in one batch.", 256, int)
     max_num_batched_tokens: int | None = _flag(

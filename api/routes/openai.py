@@ -43,8 +43,10 @@ from api.openai_inputs import (
     completion_prompts,
     fit_context,
     off_loop_if_long,
+    template_extras,
 )
 from api.refusals import LEDGER_OWNED
+from api.request_fields import check_fields
 from api.schemas.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -67,6 +69,7 @@ from api.streaming import (
 )
 from api.structured_inputs import supported_structured_outputs, with_structured_outputs
 from api.tenancy import engine_tenancy
+from api.tool_calls import active_parser, constrain, plan_tools, template_input
 from engine.errors import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParams
 
@@ -89,12 +92,22 @@ class OpenAIController(Controller):
     ) -> ChatCompletionResponse:
         """Chat completion; with `stream: true` an SSE stream of chat.completion.chunk events."""
         arrived = time.monotonic()
+        check_fields(await request.body(), "chat", lenient=server.settings.lenient_request_fields)
         engine = _require_engine(server, request)
         check_model_access(request, data.model)
         check_model(data.model, engine)
         check_stream_options(data)
+        parser = active_parser(server.settings.tool_call_parser, engine.tokenizer)
+        tools = plan_tools(data, parser)
         pool = _pool(request)
-        prompt = await chat_prompt(pool, engine.tokenizer, data.messages, True)
+        prompt = await chat_prompt(
+            pool,
+            engine.tokenizer,
+            data.messages,
+            data.add_generation_prompt,
+            template_kwargs=template_extras(data),
+            prepare=lambda messages: template_input(messages, tools, parser),
+        )
         max_tokens = data.max_completion_tokens
         if max_tokens is None:
             max_tokens = data.max_tokens
@@ -106,9 +119,10 @@ class OpenAIController(Controller):
         logprobs = (top or 0) if data.logprobs else None
         params = await checked_sampling_params(pool, data, max_tokens, logprobs)
         params = await with_structured_outputs(data, params, engine)
+        params = await constrain(params, tools, engine)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs)
+        fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs, tools)
         reserved = len(prompt) + max_tokens * params.n
         ticket = await _ticket(request, principal, rid, data.model, reserved, arrived)
         gen = await _admit(
@@ -129,6 +143,8 @@ class OpenAIController(Controller):
     ) -> CompletionResponse:
         """Text completion; with `stream: true` an SSE stream of text_completion events."""
         arrived = time.monotonic()
+        lenient = server.settings.lenient_request_fields
+        check_fields(await request.body(), "completion", lenient=lenient)
         engine = _require_engine(server, request)
         check_model_access(request, data.model)
         check_model(data.model, engine)
@@ -187,6 +203,8 @@ class OpenAIController(Controller):
             created=int(server.started_at),
             root=server.settings.model,
             max_model_len=engine.max_model_len,
+            tool_call_parser=active_parser(server.settings.tool_call_parser, engine.tokenizer)
+            or "none",
             structured_outputs=supported_structured_outputs(),
         )
         return ModelList(data=[card])

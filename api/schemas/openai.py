@@ -2,13 +2,15 @@
 
 Field names, defaults and nesting follow OpenAI's API (and vLLM's extras: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, ...).
-Unknown request fields are ignored, as OpenAI-compatible servers do. Optional response
-fields that OpenAI omits are UNSET (msgspec leaves them out); ones it sends as null are None.
+Which top-level request fields are accepted, ignored or refused is api/request_fields.py's
+call (it sees the raw body first); these Structs decode the ones Tessera acts on. Optional
+response fields that OpenAI omits are UNSET (msgspec leaves them out); ones it sends as null
+are None.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -21,10 +23,47 @@ class ContentPart(Struct):
     text: str | None = None
 
 
-class ChatMessage(Struct):
+class FunctionCallIn(Struct):
+    name: str
+    # OpenAI sends a JSON string; some clients send the object itself.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(Struct, kw_only=True):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(Struct, kw_only=True):
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    function: NamedFunction
+    type: str = "function"
 
 
 class StreamOptions(Struct):
@@ -95,6 +134,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # tool calling (api/tool_calls.py)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # none | auto | required | a function
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat-template extras
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -151,9 +198,21 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatResponseMessage(Struct):
     content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -173,9 +232,25 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct, kw_only=True):
+    """OpenAI's streamed call: the first delta of a call carries id, type and name (and
+    arguments ""), later ones only index and an arguments fragment."""
+
+    index: int
+    function: DeltaFunctionCall
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class DeltaMessage(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):
@@ -238,6 +313,7 @@ class ModelCard(Struct):
     object: Literal["model"] = "model"
     owned_by: str = "tessera"
     parent: str | None = None
+    tool_call_parser: str | UnsetType = UNSET  # how tool calls are read from the output
     # the structured-output forms requests may use (api/structured_inputs.py)
     structured_outputs: list[str] = msgspec.field(default_factory=list)
 

@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument(
         "--quantization",
-        choices=("int8", "w8a8", "w4a8"),
+        choices=("int8", "w8a8", "w4a8", "gguf"),
         default=None,
         help="Tessera's weights (not HF's)",
     )

@@ -30,6 +30,9 @@ int gguf_isa_max(void) { return ISA_MAX; }
 static inline float h2f(const uint8_t* p) {  /* an IEEE half, possibly unaligned */
   uint16_t h;
   memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
   const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
   union { uint32_t u; float f; } v;
   if (e == 0) {

@@ -127,7 +127,8 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
     num_blocks = 1 + max(sum(tables_len), -(-max_model_len // bs) + 1)  # block 0 is reserved
     config = EngineConfig(
         model=ModelConfig(
-            model=str(model_dir),
+            # gguf reads the blocks from the model's .gguf source, named as the user gave it
+            model=args.model if args.quantization == "gguf" else str(model_dir),
             dtype=args.dtype,
             max_model_len=max_model_len,
             load_format=args.load_format,

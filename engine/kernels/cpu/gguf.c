@@ -137,82 +137,113 @@ static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnn
   return dot_avx2(u, s);
 }
 
-static inline __attribute__((always_inline)) float dot_vec(int type, int vnni,
-    const uint8_t* w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t nb) {
+/* R rows of x (row m at xq + m * K, xd/xs + m * nb) against one weight row: each weight
+   block is decoded once for all R; out[m] = the dot product. */
+static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, int R,
+    const uint8_t* w, const int8_t* xq, int64_t K, const float* xd, const int32_t* xs,
+    int64_t nb, float* out) {
   const int bs = block_bytes(type);
-  __m256 acc = _mm256_setzero_ps();
-  float extra = 0.f;  /* the per-block offsets: Q4_0's -8, Q4_1's minimum, times sum(x) */
+  __m256 acc[4];
+  float extra[4];  /* the per-block offsets: Q4_0's -8, Q4_1's minimum, times sum(x) */
+  for (int m = 0; m < R; ++m) { acc[m] = _mm256_setzero_ps(); extra[m] = 0.f; }
   int64_t b = 0;
 #if ISA_MAX >= GGUF_ISA_VNNI
   if (vnni) {  /* two blocks a 512-bit dpbusd */
-    __m512 acc2 = _mm512_setzero_ps();
+    __m512 acc2[4];
+    for (int m = 0; m < R; ++m) acc2[m] = _mm512_setzero_ps();
     for (; b + 2 <= nb; b += 2) {
       const uint8_t* b0 = w + b * bs, *b1 = b0 + bs;
-      __m512i u, s = _mm512_loadu_si512((const void*)(xq + b * 32));
+      __m512i u;
+      __mmask64 neg = 0;
       if (type == GGUF_Q8_0) {
         const __m512i q = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
             _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1);
-        u = _mm512_abs_epi8(q);
-        s = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(q), _mm512_setzero_si512(), s);
+        u = _mm512_abs_epi8(q);  /* |w| as unsigned, w's sign moved onto x */
+        neg = _mm512_movepi8_mask(q);
       } else {
         const int off = type == GGUF_Q4_1 ? 4 : 2;
         u = _mm512_inserti64x4(_mm512_castsi256_si512(q4_bytes(b0 + off)), q4_bytes(b1 + off), 1);
       }
-      const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-      const float d0 = h2f(b0) * xd[b], d1 = h2f(b1) * xd[b + 1];
-      const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-      acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), scale, acc2);
-      if (type == GGUF_Q4_0) extra -= 8.f * (d0 * xs[b] + d1 * xs[b + 1]);
-      else if (type == GGUF_Q4_1)
-        extra += h2f(b0 + 2) * xd[b] * xs[b] + h2f(b1 + 2) * xd[b + 1] * xs[b + 1];
+      const float w0 = h2f(b0), w1 = h2f(b1);
+      const float m0 = type == GGUF_Q4_1 ? h2f(b0 + 2) : 0.f, m1 = type == GGUF_Q4_1 ? h2f(b1 + 2) : 0.f;
+      for (int m = 0; m < R; ++m) {
+        const float* d = xd + m * nb;
+        const int32_t* sx = xs + m * nb;
+        __m512i s = _mm512_loadu_si512((const void*)(xq + m * K + b * 32));
+        if (type == GGUF_Q8_0) s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+        const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+        const float d0 = w0 * d[b], d1 = w1 * d[b + 1];
+        const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+        acc2[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), scale, acc2[m]);
+        if (type == GGUF_Q4_0) extra[m] -= 8.f * (d0 * sx[b] + d1 * sx[b + 1]);
+        else if (type == GGUF_Q4_1) extra[m] += m0 * d[b] * sx[b] + m1 * d[b + 1] * sx[b + 1];
+      }
     }
-    acc = _mm256_add_ps(_mm512_castps512_ps256(acc2),
-                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc2), 1)));
+    for (int m = 0; m < R; ++m)
+      acc[m] = _mm256_add_ps(_mm512_castps512_ps256(acc2[m]),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc2[m]), 1)));
   }
 #endif
   for (; b < nb; ++b) {
     const uint8_t* blk = w + b * bs;
-    const float d = h2f(blk) * xd[b];
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(type, vnni, blk, xq + b * 32)),
-                          _mm256_set1_ps(d), acc);
-    if (type == GGUF_Q4_0) extra -= 8.f * d * xs[b];
-    else if (type == GGUF_Q4_1) extra += h2f(blk + 2) * xd[b] * xs[b];
+    const float wd = h2f(blk), wm = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
+    for (int m = 0; m < R; ++m) {
+      const float d = wd * xd[m * nb + b];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(type, vnni, blk, xq + m * K + b * 32)),
+                               _mm256_set1_ps(d), acc[m]);
+      if (type == GGUF_Q4_0) extra[m] -= 8.f * d * xs[m * nb + b];
+      else if (type == GGUF_Q4_1) extra[m] += wm * xd[m * nb + b] * xs[m * nb + b];
+    }
   }
-  return hsum8(acc) + extra;
+  for (int m = 0; m < R; ++m) out[m] = hsum8(acc[m]) + extra[m];
 }
 #endif
 
-typedef float (*dot_fn)(const uint8_t*, const int8_t*, const float*, const int32_t*, int64_t);
-#define DEFINE_DOT(NAME, TYPE, BODY)                                                        \
-  static float NAME(const uint8_t* w, const int8_t* xq, const float* xd, const int32_t* xs, \
-      int64_t nb) { return BODY; }
-DEFINE_DOT(dot_q4_0_s, GGUF_Q4_0, dot_scalar(GGUF_Q4_0, w, xq, xd, xs, nb))
-DEFINE_DOT(dot_q4_1_s, GGUF_Q4_1, dot_scalar(GGUF_Q4_1, w, xq, xd, xs, nb))
-DEFINE_DOT(dot_q8_0_s, GGUF_Q8_0, dot_scalar(GGUF_Q8_0, w, xq, xd, xs, nb))
+#define MAX_R 4  /* rows of x a weight row's blocks are decoded for at once */
+typedef void (*dot_fn)(const uint8_t*, const int8_t*, int64_t, const float*, const int32_t*,
+    int64_t, float*);
+static inline __attribute__((always_inline)) void dot_scalar_rows(int type, int R,
+    const uint8_t* w, const int8_t* xq, int64_t K, const float* xd, const int32_t* xs,
+    int64_t nb, float* out) {
+  for (int m = 0; m < R; ++m) out[m] = dot_scalar(type, w, xq + m * K, xd + m * nb, xs + m * nb, nb);
+}
+#define DEFINE_DOT(NAME, CALL)                                                              \
+  static void NAME(const uint8_t* w, const int8_t* xq, int64_t K, const float* xd,          \
+      const int32_t* xs, int64_t nb, float* out) { CALL; }
+#define DEFINE_ROWS(SUFFIX, TYPE, CALLER, ...)                                              \
+  DEFINE_DOT(dot_##SUFFIX##_1, CALLER(TYPE, __VA_ARGS__ 1, w, xq, K, xd, xs, nb, out))      \
+  DEFINE_DOT(dot_##SUFFIX##_2, CALLER(TYPE, __VA_ARGS__ 2, w, xq, K, xd, xs, nb, out))      \
+  DEFINE_DOT(dot_##SUFFIX##_3, CALLER(TYPE, __VA_ARGS__ 3, w, xq, K, xd, xs, nb, out))      \
+  DEFINE_DOT(dot_##SUFFIX##_4, CALLER(TYPE, __VA_ARGS__ 4, w, xq, K, xd, xs, nb, out))      \
+  static const dot_fn DOT_##SUFFIX[MAX_R] = {dot_##SUFFIX##_1, dot_##SUFFIX##_2,            \
+      dot_##SUFFIX##_3, dot_##SUFFIX##_4};
+DEFINE_ROWS(q4_0_s, GGUF_Q4_0, dot_scalar_rows, )
+DEFINE_ROWS(q4_1_s, GGUF_Q4_1, dot_scalar_rows, )
+DEFINE_ROWS(q8_0_s, GGUF_Q8_0, dot_scalar_rows, )
 #if ISA_MAX >= GGUF_ISA_AVX2
-DEFINE_DOT(dot_q4_0_a, GGUF_Q4_0, dot_vec(GGUF_Q4_0, 0, w, xq, xd, xs, nb))
-DEFINE_DOT(dot_q4_1_a, GGUF_Q4_1, dot_vec(GGUF_Q4_1, 0, w, xq, xd, xs, nb))
-DEFINE_DOT(dot_q8_0_a, GGUF_Q8_0, dot_vec(GGUF_Q8_0, 0, w, xq, xd, xs, nb))
+DEFINE_ROWS(q4_0_a, GGUF_Q4_0, dot_vec, 0,)
+DEFINE_ROWS(q4_1_a, GGUF_Q4_1, dot_vec, 0,)
+DEFINE_ROWS(q8_0_a, GGUF_Q8_0, dot_vec, 0,)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
-DEFINE_DOT(dot_q4_0_v, GGUF_Q4_0, dot_vec(GGUF_Q4_0, 1, w, xq, xd, xs, nb))
-DEFINE_DOT(dot_q4_1_v, GGUF_Q4_1, dot_vec(GGUF_Q4_1, 1, w, xq, xd, xs, nb))
-DEFINE_DOT(dot_q8_0_v, GGUF_Q8_0, dot_vec(GGUF_Q8_0, 1, w, xq, xd, xs, nb))
+DEFINE_ROWS(q4_0_v, GGUF_Q4_0, dot_vec, 1,)
+DEFINE_ROWS(q4_1_v, GGUF_Q4_1, dot_vec, 1,)
+DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
 #endif
 
-static dot_fn pick(int type, int isa) {
+static const dot_fn* pick(int type, int isa) {
   if (isa > ISA_MAX) isa = ISA_MAX;
 #if ISA_MAX >= GGUF_ISA_VNNI
   if (isa >= GGUF_ISA_VNNI)
-    return type == GGUF_Q4_0 ? dot_q4_0_v : type == GGUF_Q4_1 ? dot_q4_1_v : dot_q8_0_v;
+    return type == GGUF_Q4_0 ? DOT_q4_0_v : type == GGUF_Q4_1 ? DOT_q4_1_v : DOT_q8_0_v;
 #endif
 #if ISA_MAX >= GGUF_ISA_AVX2
   if (isa >= GGUF_ISA_AVX2)
-    return type == GGUF_Q4_0 ? dot_q4_0_a : type == GGUF_Q4_1 ? dot_q4_1_a : dot_q8_0_a;
+    return type == GGUF_Q4_0 ? DOT_q4_0_a : type == GGUF_Q4_1 ? DOT_q4_1_a : DOT_q8_0_a;
 #endif
   (void)isa;
-  return type == GGUF_Q4_0 ? dot_q4_0_s : type == GGUF_Q4_1 ? dot_q4_1_s : dot_q8_0_s;
+  return type == GGUF_Q4_0 ? DOT_q4_0_s : type == GGUF_Q4_1 ? DOT_q4_1_s : DOT_q8_0_s;
 }
 
 #define ROWS_PER_TASK 16  /* output rows a parallel task takes */
@@ -229,7 +260,7 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
   const size_t esize = bf16 ? 2 : 4;
   for (int64_t m = 0; m < M; ++m)
     quantize_row((const char*)x + m * ldx * esize, bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
-  const dot_fn dot = pick(type, gguf_isa);
+  const dot_fn* dot = pick(type, gguf_isa);
   const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t t = 0; t < tasks; ++t) {
@@ -237,10 +268,14 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
     for (int64_t n = t * ROWS_PER_TASK; n < n1; ++n) {
       const uint8_t* row = w + n * nb * bs;
       const float b = bias ? (bf16 ? bf2f(((const uint16_t*)bias)[n]) : ((const float*)bias)[n]) : 0.f;
-      for (int64_t m = 0; m < M; ++m) {
-        const float v = dot(row, xq + m * K, xd + m * nb, xs + m * nb, nb) + b;
-        if (bf16) ((uint16_t*)y)[m * ldy + n] = f2bf(v);
-        else ((float*)y)[m * ldy + n] = v;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
+        const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
+        float v[MAX_R];
+        dot[R - 1](row, xq + m0 * K, K, xd + m0 * nb, xs + m0 * nb, nb, v);
+        for (int r = 0; r < R; ++r) {
+          if (bf16) ((uint16_t*)y)[(m0 + r) * ldy + n] = f2bf(v[r] + b);
+          else ((float*)y)[(m0 + r) * ldy + n] = v[r] + b;
+        }
       }
     }
   }

@@ -49,7 +49,7 @@ def test_linear_matches_dequantized_reference(isa, name, dtype):
     w = torch.randn(n, k) * 0.1
     raw, ref_w = _blocks(w, name)
     bias = torch.randn(n).to(dtype)
-    for m in (1, 3, 16):  # odd rows of x, up to the dot kernel's limit
+    for m in (1, 2, 7, 16):  # every remainder of the 4-row tiles, up to the dot limit
         x = torch.randn(m, k).to(dtype)
         ref = F.linear(x.float(), ref_w, bias.float())
         with cpu_gguf.forced_isa(isa):

@@ -50,8 +50,8 @@ METHODS = (*_METHODS, "gguf")
 
 
 def _check_method(method: str) -> None:
-    if method not in _METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {method!r}")
+    if method not in _METHODS:  # gguf is per model (quantize_model), not per layer
+        raise ValueError(f"quantization must be one of {', '.join(_METHODS)}; got {method!r}")
 
 
 def quantize_layer(layer: nn.Module, method: str) -> None:

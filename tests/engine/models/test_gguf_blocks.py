@@ -127,3 +127,14 @@ def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp
     assert not any(
         isinstance(getattr(m, "quant_method", None), GGUFLinearMethod) for m in model.modules()
     )
+
+
+def test_a_model_without_a_gguf_source_is_refused(tiny_llama_dir):
+    from engine.config import ModelConfig
+    from engine.models.gguf_blocks import gguf_source
+
+    assert ModelConfig(model=str(tiny_llama_dir), quantization="gguf").quantization == "gguf"
+    assert gguf_source(tiny_llama_dir) is None  # an HF folder has no blocks to keep
+    model = load_model(tiny_llama_dir, dtype="float32")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        quantize_model(model, "gguf", gguf_path=gguf_source(tiny_llama_dir))

@@ -190,10 +190,11 @@ class Settings:
         "bytes of bf16 per decode step, at some accuracy cost); w8a8 = the same weights and "
         "int8 activations from 13 rows (the CPU's int8 dot products: more throughput under "
         "load, at about the accuracy of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups "
-        "for steps of 1-12 rows (CPUs with AVX512-VNNI, bfloat16: the fastest single stream). "
-        "Default: none.",
+        "for steps of 1-12 rows (CPUs with AVX512-VNNI, bfloat16: the fastest single stream); "
+        "gguf = a .gguf model's linear weights in the file's own Q4_0/Q4_1/Q8_0 blocks (other "
+        "types stay dequantized). Default: none.",
         None,
-        choices=("int8", "w8a8", "w4a8"),
+        choices=("int8", "w8a8", "w4a8", "gguf"),
     )
     device: str = _flag("Device.", "auto", choices=("auto", "cpu", "cuda"))
     attention_backend: str = _flag(

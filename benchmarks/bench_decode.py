@@ -127,7 +127,8 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
     num_blocks = 1 + max(sum(tables_len), -(-max_model_len // bs) + 1)  # block 0 is reserved
     config = EngineConfig(
         model=ModelConfig(
-            model=str(model_dir),
+            # gguf reads the blocks from the model's .gguf source, named as the user gave it
+            model=args.model if args.quantization == "gguf" else str(model_dir),
             dtype=args.dtype,
             max_model_len=max_model_len,
             load_format=args.load_format,
@@ -387,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument(
         "--quantization",
-        choices=("int8", "w8a8", "w4a8"),
+        choices=("int8", "w8a8", "w4a8", "gguf"),
         default=None,
         help="Tessera's weights (not HF's)",
     )

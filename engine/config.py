@@ -118,7 +118,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own context length
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    quantization: str | None = None  # None | int8 (weight-only) | w8a8 | w4a8 (CPU)
+    # None | int8 (weight-only) | w8a8 | w4a8 | gguf (a GGUF file's own blocks) (CPU)
+    quantization: str | None = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     # auto: triton on CUDA where it imports, the C kernels on the CPU where they run, else
@@ -137,8 +138,8 @@ class ModelConfig:
             f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}",
         )
         _check(
-            self.quantization in (None, "int8", "w8a8", "w4a8"),
-            f"quantization must be int8, w8a8, w4a8 or unset; got {self.quantization!r}",
+            self.quantization in (None, "int8", "w8a8", "w4a8", "gguf"),
+            f"quantization must be int8, w8a8, w4a8, gguf or unset; got {self.quantization!r}",
         )
         _check(
             self.device in ("auto", "cpu", "cuda"),

@@ -30,6 +30,7 @@ from engine.distributed import get_tp_size
 from engine.layers.gpu_sampler import GpuSampler
 from engine.layers.quantization import quantize_model
 from engine.layers.sampler import Sampler
+from engine.models.gguf_blocks import gguf_source
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.structured_output.bitmask import RowMask
@@ -175,7 +176,8 @@ class ModelRunner:
             seed=m.seed,
         )
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        quantize_model(self.model, m.quantization)
+        gguf = gguf_source(m.model) if m.quantization == "gguf" else None
+        quantize_model(self.model, m.quantization, gguf_path=gguf)
         head_dim = self.hf_config.head_dim
         choice = select_backend(
             m.attention_backend,

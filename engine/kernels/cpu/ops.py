@@ -68,6 +68,12 @@ SIGNATURES: dict[str, Signature] = {
     "linear_i8_bf16_dp": (_LINEAR, _INT),
     # w4.c: x, ldx, M, K, weight tiles, N, bias, y, ldy, threads
     "linear_q4_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT], _INT),
+    # gguf.c: x, ldx, M, K, blocks, type, N, bias, y, ldy, bf16, threads
+    "gguf_linear": ([_P, _I64, _I64, _I64, _P, _INT, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    # blocks, type, N, K, out, bf16, threads
+    "gguf_dequantize": ([_P, _INT, _I64, _I64, _P, _INT, _INT], _INT),
+    "gguf_block_bytes": ([_INT], _INT),
+    "gguf_isa_max": ([], _INT),
     # w8a8.c
     "quantize_rows_f32": (_QUANT, None),
     "quantize_rows_bf16": (_QUANT, None),
@@ -115,7 +121,7 @@ OPTIONAL = frozenset(
     }
 )  # fmt: skip
 # Exported variables (`extern` in the header), with their ctypes type.
-VARIABLES: dict[str, Any] = {"use_amx": ctypes.c_int}
+VARIABLES: dict[str, Any] = {"use_amx": ctypes.c_int, "gguf_isa": ctypes.c_int}
 
 _lock = threading.Lock()
 _bound: list[ctypes.CDLL | None] = []  # the library with its signatures set, or None

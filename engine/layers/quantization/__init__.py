@@ -3,17 +3,21 @@
 One class per weight format, chosen once after loading for `--quantization` (vLLM's
 `quant_method`): unquantized (the default: oneDNN or the C GEMM), int8 (weight-only), w8a8
 (int8 activations too, from a few rows) and w4a8 (w8a8 plus 4-bit weights for small
-batches). Every quantized format runs on the CPU kernels; the per-format modules say why
-each exists and where it pays. A CUDA backend adds its methods here.
+batches); gguf serves a GGUF file's linear weights in the file's own blocks (its module).
+Every quantized format runs on the CPU kernels; the per-format modules say why each exists
+and where it pays. A CUDA backend adds its methods here.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.layers import cpu_gemm, cpu_w4
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+from engine.layers.quantization.gguf import GGUFLinearMethod, apply_gguf_blocks
 from engine.layers.quantization.int8 import Int8LinearMethod, Int8LMHeadMethod, quantize_rows_int8
 from engine.layers.quantization.unquantized import UnquantizedLinearMethod, UnquantizedLMHeadMethod
 from engine.layers.quantization.w4a8 import W4A8LinearMethod
@@ -21,6 +25,7 @@ from engine.layers.quantization.w8a8 import W8A8LinearMethod, W8A8LMHeadMethod
 
 __all__ = [
     "METHODS",
+    "GGUFLinearMethod",
     "Int8LMHeadMethod",
     "Int8LinearMethod",
     "LMHeadMethodBase",
@@ -41,12 +46,12 @@ _METHODS: dict[str, tuple[type[LinearMethodBase], type[LMHeadMethodBase]]] = {
     "w8a8": (W8A8LinearMethod, W8A8LMHeadMethod),
     "w4a8": (W4A8LinearMethod, W8A8LMHeadMethod),
 }
-METHODS = tuple(_METHODS)
+METHODS = (*_METHODS, "gguf")
 
 
 def _check_method(method: str) -> None:
-    if method not in _METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)}; got {method!r}")
+    if method not in _METHODS:  # gguf is per model (quantize_model), not per layer
+        raise ValueError(f"quantization must be one of {', '.join(_METHODS)}; got {method!r}")
 
 
 def quantize_layer(layer: nn.Module, method: str) -> None:
@@ -83,12 +88,21 @@ def _check_supported(method: str, weights: list[torch.Tensor]) -> None:
         )
 
 
-def quantize_model(model: nn.Module, method: str | None) -> int:
+def quantize_model(
+    model: nn.Module, method: str | None, gguf_path: str | Path | None = None
+) -> int:
     """After loading: give every linear layer and the LM head the method for `--quantization
     method` (None: they keep the unquantized one) and convert their weights; returns how
-    many layers were quantized."""
+    many layers were quantized. "gguf" takes the blocks of gguf_path, the model's source."""
     if method is None:
         return 0
+    if method == "gguf":
+        if gguf_path is None:
+            raise ValueError("--quantization gguf needs a .gguf model (a file or the default)")
+        return sum(
+            n for c in apply_gguf_blocks(model, gguf_path).values()
+            for why, n in c.items() if why.endswith("blocks")
+        )  # fmt: skip
     _check_method(method)
     layers = [
         m

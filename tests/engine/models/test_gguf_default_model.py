@@ -160,3 +160,42 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir):
     assert "Paris" in answer, answer
     assert 0 < kl["int8"] < kl["w8a8"] < 0.15, kl
     assert 0 < kl["kv_int8"] < 0.02, kl
+
+
+def test_file_blocks_answer_paris(default_model_dir):
+    """--quantization gguf: every linear layer on the bundled file's own Q4_1 blocks (its
+    weights' bytes are the file tensors'), prompt and one-row decode steps, still answers."""
+    from transformers import AutoTokenizer
+
+    from engine.layers.quantization import GGUFLinearMethod, quantize_model
+    from engine.models.loader import default_gguf_path
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    model = load_model(default_model_dir, dtype="bfloat16")
+    assert quantize_model(model, "gguf", gguf_path=default_gguf_path()) == 30 * 4
+    linears = [
+        m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
+    ]
+    assert sum(m.weight.nbytes for m in linears) < 0.7 * 135e6  # ~0.625 bytes a weight
+    bs, nb = 16, 16
+    backend = TorchAttentionBackend(bs, 9, 3, 64, torch.bfloat16)
+    for attn in model.attention_layers():
+        attn.kv_cache = torch.zeros(2, nb, bs, 3, 64, dtype=torch.bfloat16)
+        attn.backend = backend
+    blocks = list(range(1, nb))
+    with torch.inference_mode():
+        meta = backend.build_metadata(common_metadata_from_seqs([(0, len(prompt), blocks)], bs))
+        h = model(torch.tensor(prompt), torch.arange(len(prompt)), meta)
+        out = [int(model.compute_logits(h)[-1].argmax())]
+        while len(out) < 12 and out[-1] != tok.eos_token_id:
+            pos = len(prompt) + len(out) - 1
+            meta = backend.build_metadata(common_metadata_from_seqs([(pos, 1, blocks)], bs))
+            h = model(torch.tensor([out[-1]]), torch.tensor([pos]), meta)
+            out.append(int(model.compute_logits(h)[-1].argmax()))
+    assert "Paris" in tok.decode(out), tok.decode(out)

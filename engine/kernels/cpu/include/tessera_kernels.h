@@ -20,6 +20,12 @@
 #define W4_GROUP_BYTES 320    /* w4: a tile's group: 16 x 32 codes, 16 float16 scales, 16 minimums */
 #define W8A8_BLOCK_COLS 48    /* w8a8: the packed GEMM's column blocks (16 * GEMM_NV) */
 #define ATTN_MAX_ROW 1024     /* attention: floats in the per-token row buffer (Hkv * D) */
+#define GGUF_Q4_0 2           /* gguf: ggml's type ids of the block formats gguf.c reads */
+#define GGUF_Q4_1 3
+#define GGUF_Q8_0 8
+#define GGUF_ISA_SCALAR 0     /* gguf: the kernel variants, gguf_isa's values */
+#define GGUF_ISA_AVX2 1
+#define GGUF_ISA_VNNI 2
 
 /* ---- gemm.c: y = x W^T (+ b), bf16 / float32 / int8 weights (engine.layers.cpu_gemm) ---- */
 int linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
@@ -32,6 +38,13 @@ int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, cons
 
 /* ---- w4.c: 4-bit weight groups (engine.layers.cpu_w4); only with AVX512-F, -BW, -VNNI and F16C ---- */
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+
+/* ---- gguf.c: GGUF blocks as in the file, int8 activations per block (engine.layers.quantization.gguf) ---- */
+int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
+int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+int gguf_block_bytes(int type);
+int gguf_isa_max(void);
+extern int gguf_isa;  /* the variant gguf_linear runs, capped at gguf_isa_max() (set from Python) */
 
 /* ---- w8a8.c: int8 activations (engine.layers.cpu_w8a8) ---- */
 void quantize_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);

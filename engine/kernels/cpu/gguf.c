@@ -1,0 +1,315 @@
+/* GGUF weight blocks as they are in the file (engine/layers/quantization/gguf.py has the why):
+   y = x W^T with W in Q4_0, Q4_1 or Q8_0 blocks of 32 weights along K. x is quantized per
+   block of 32 to int8 with a float scale (llama.cpp's Q8_0/Q8_1 activations), each block's
+   integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
+   AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
+   run time (capped at what this build has), so the tests can force the slower ones. */
+#include "tessera_kernels.h"
+#include "bf16_convert.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define ISA_MAX GGUF_ISA_VNNI
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA_MAX GGUF_ISA_AVX2
+#else
+#define ISA_MAX GGUF_ISA_SCALAR
+#endif
+
+int gguf_isa = ISA_MAX;
+int gguf_isa_max(void) { return ISA_MAX; }
+
+static inline float h2f(const uint8_t* p) {  /* an IEEE half, possibly unaligned */
+  uint16_t h;
+  memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  union { uint32_t u; float f; } v;
+  if (e == 0) {
+    v.f = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
+    v.u |= s;
+  } else {
+    v.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  }
+  return v.f;
+}
+
+static int block_bytes(int type) {
+  switch (type) {
+    case GGUF_Q4_0: return 18;
+    case GGUF_Q4_1: return 20;
+    case GGUF_Q8_0: return 34;
+    default: return 0;
+  }
+}
+int gguf_block_bytes(int type) { return block_bytes(type); }
+
+/* One row of x -> int8 blocks q, a scale per block (d) and each block's sum of q. */
+static void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, int32_t* sum) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float v[32], amax = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = bf16 ? bf2f(((const uint16_t*)x)[b * 32 + j]) : ((const float*)x)[b * 32 + j];
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int r = (int)nearbyintf(v[j] * inv);
+      q[b * 32 + j] = (int8_t)r;
+      s += r;
+    }
+    d[b] = amax / 127.f;
+    sum[b] = s;
+  }
+}
+
+/* ---- scalar ---- */
+static float dot_scalar(int type, const uint8_t* w, const int8_t* xq, const float* xd,
+    const int32_t* xs, int64_t nb) {
+  float acc = 0.f;
+  const int bs = block_bytes(type);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bs;
+    const int8_t* x = xq + b * 32;
+    int32_t s = 0;
+    if (type == GGUF_Q8_0) {
+      const int8_t* q = (const int8_t*)(blk + 2);
+      for (int j = 0; j < 32; ++j) s += q[j] * x[j];
+      acc += h2f(blk) * xd[b] * (float)s;
+    } else {
+      const uint8_t* q = blk + (type == GGUF_Q4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) s += (q[j] & 15) * x[j] + (q[j] >> 4) * x[j + 16];
+      if (type == GGUF_Q4_0) acc += h2f(blk) * xd[b] * (float)(s - 8 * xs[b]);
+      else acc += xd[b] * (h2f(blk) * (float)s + h2f(blk + 2) * (float)xs[b]);
+    }
+  }
+  return acc;
+}
+
+#if ISA_MAX >= GGUF_ISA_AVX2
+/* the 32 weights of a block as bytes: Q4 codes 0..15 (unsigned), Q8 as they are */
+static inline __m256i q4_bytes(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)qs), m4 = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+}
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+/* sum of u8 * s8 in 8 int32 lanes (pairs of int16 products cannot overflow: |u| <= 128) */
+static inline __m256i dot_avx2(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#if ISA_MAX >= GGUF_ISA_VNNI
+static inline __m256i dot_vnni256(__m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#endif
+
+/* One block's integer dot product in 8 lanes; vnni selects the instruction. */
+static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnni,
+    const uint8_t* blk, const int8_t* x) {
+  __m256i u, s = _mm256_loadu_si256((const __m256i*)x);
+  if (type == GGUF_Q8_0) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + 2));
+    u = _mm256_sign_epi8(q, q);  /* |w| as unsigned, w's sign moved onto x */
+    s = _mm256_sign_epi8(s, q);
+  } else {
+    u = q4_bytes(blk + (type == GGUF_Q4_1 ? 4 : 2));
+  }
+#if ISA_MAX >= GGUF_ISA_VNNI
+  if (vnni) return dot_vnni256(u, s);
+#endif
+  (void)vnni;
+  return dot_avx2(u, s);
+}
+
+/* R rows of x (row m at xq + m * K, xd/xs + m * nb) against one weight row: each weight
+   block is decoded once for all R; out[m] = the dot product. */
+static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, int R,
+    const uint8_t* w, const int8_t* xq, int64_t K, const float* xd, const int32_t* xs,
+    int64_t nb, float* out) {
+  const int bs = block_bytes(type);
+  __m256 acc[4];
+  float extra[4];  /* the per-block offsets: Q4_0's -8, Q4_1's minimum, times sum(x) */
+  for (int m = 0; m < R; ++m) { acc[m] = _mm256_setzero_ps(); extra[m] = 0.f; }
+  int64_t b = 0;
+#if ISA_MAX >= GGUF_ISA_VNNI
+  if (vnni) {  /* two blocks a 512-bit dpbusd */
+    __m512 acc2[4];
+    for (int m = 0; m < R; ++m) acc2[m] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+      const uint8_t* b0 = w + b * bs, *b1 = b0 + bs;
+      __m512i u;
+      __mmask64 neg = 0;
+      if (type == GGUF_Q8_0) {
+        const __m512i q = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
+            _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1);
+        u = _mm512_abs_epi8(q);  /* |w| as unsigned, w's sign moved onto x */
+        neg = _mm512_movepi8_mask(q);
+      } else {
+        const int off = type == GGUF_Q4_1 ? 4 : 2;
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(q4_bytes(b0 + off)), q4_bytes(b1 + off), 1);
+      }
+      const float w0 = h2f(b0), w1 = h2f(b1);
+      const float m0 = type == GGUF_Q4_1 ? h2f(b0 + 2) : 0.f, m1 = type == GGUF_Q4_1 ? h2f(b1 + 2) : 0.f;
+      for (int m = 0; m < R; ++m) {
+        const float* d = xd + m * nb;
+        const int32_t* sx = xs + m * nb;
+        __m512i s = _mm512_loadu_si512((const void*)(xq + m * K + b * 32));
+        if (type == GGUF_Q8_0) s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+        const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+        const float d0 = w0 * d[b], d1 = w1 * d[b + 1];
+        const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+        acc2[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), scale, acc2[m]);
+        if (type == GGUF_Q4_0) extra[m] -= 8.f * (d0 * sx[b] + d1 * sx[b + 1]);
+        else if (type == GGUF_Q4_1) extra[m] += m0 * d[b] * sx[b] + m1 * d[b + 1] * sx[b + 1];
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      acc[m] = _mm256_add_ps(_mm512_castps512_ps256(acc2[m]),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc2[m]), 1)));
+  }
+#endif
+  for (; b < nb; ++b) {
+    const uint8_t* blk = w + b * bs;
+    const float wd = h2f(blk), wm = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
+    for (int m = 0; m < R; ++m) {
+      const float d = wd * xd[m * nb + b];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(type, vnni, blk, xq + m * K + b * 32)),
+                               _mm256_set1_ps(d), acc[m]);
+      if (type == GGUF_Q4_0) extra[m] -= 8.f * d * xs[m * nb + b];
+      else if (type == GGUF_Q4_1) extra[m] += wm * xd[m * nb + b] * xs[m * nb + b];
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m] = hsum8(acc[m]) + extra[m];
+}
+#endif
+
+#define MAX_R 4  /* rows of x a weight row's blocks are decoded for at once */
+typedef void (*dot_fn)(const uint8_t*, const int8_t*, int64_t, const float*, const int32_t*,
+    int64_t, float*);
+static inline __attribute__((always_inline)) void dot_scalar_rows(int type, int R,
+    const uint8_t* w, const int8_t* xq, int64_t K, const float* xd, const int32_t* xs,
+    int64_t nb, float* out) {
+  for (int m = 0; m < R; ++m) out[m] = dot_scalar(type, w, xq + m * K, xd + m * nb, xs + m * nb, nb);
+}
+#define DEFINE_DOT(NAME, CALL)                                                              \
+  static void NAME(const uint8_t* w, const int8_t* xq, int64_t K, const float* xd,          \
+      const int32_t* xs, int64_t nb, float* out) { CALL; }
+#define DEFINE_ROWS(SUFFIX, TYPE, CALLER, ...)                                              \
+  DEFINE_DOT(dot_##SUFFIX##_1, CALLER(TYPE, __VA_ARGS__ 1, w, xq, K, xd, xs, nb, out))      \
+  DEFINE_DOT(dot_##SUFFIX##_2, CALLER(TYPE, __VA_ARGS__ 2, w, xq, K, xd, xs, nb, out))      \
+  DEFINE_DOT(dot_##SUFFIX##_3, CALLER(TYPE, __VA_ARGS__ 3, w, xq, K, xd, xs, nb, out))      \
+  DEFINE_DOT(dot_##SUFFIX##_4, CALLER(TYPE, __VA_ARGS__ 4, w, xq, K, xd, xs, nb, out))      \
+  static const dot_fn DOT_##SUFFIX[MAX_R] = {dot_##SUFFIX##_1, dot_##SUFFIX##_2,            \
+      dot_##SUFFIX##_3, dot_##SUFFIX##_4};
+DEFINE_ROWS(q4_0_s, GGUF_Q4_0, dot_scalar_rows, )
+DEFINE_ROWS(q4_1_s, GGUF_Q4_1, dot_scalar_rows, )
+DEFINE_ROWS(q8_0_s, GGUF_Q8_0, dot_scalar_rows, )
+#if ISA_MAX >= GGUF_ISA_AVX2
+DEFINE_ROWS(q4_0_a, GGUF_Q4_0, dot_vec, 0,)
+DEFINE_ROWS(q4_1_a, GGUF_Q4_1, dot_vec, 0,)
+DEFINE_ROWS(q8_0_a, GGUF_Q8_0, dot_vec, 0,)
+#endif
+#if ISA_MAX >= GGUF_ISA_VNNI
+DEFINE_ROWS(q4_0_v, GGUF_Q4_0, dot_vec, 1,)
+DEFINE_ROWS(q4_1_v, GGUF_Q4_1, dot_vec, 1,)
+DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
+#endif
+
+static const dot_fn* pick(int type, int isa) {
+  if (isa > ISA_MAX) isa = ISA_MAX;
+#if ISA_MAX >= GGUF_ISA_VNNI
+  if (isa >= GGUF_ISA_VNNI)
+    return type == GGUF_Q4_0 ? DOT_q4_0_v : type == GGUF_Q4_1 ? DOT_q4_1_v : DOT_q8_0_v;
+#endif
+#if ISA_MAX >= GGUF_ISA_AVX2
+  if (isa >= GGUF_ISA_AVX2)
+    return type == GGUF_Q4_0 ? DOT_q4_0_a : type == GGUF_Q4_1 ? DOT_q4_1_a : DOT_q8_0_a;
+#endif
+  (void)isa;
+  return type == GGUF_Q4_0 ? DOT_q4_0_s : type == GGUF_Q4_1 ? DOT_q4_1_s : DOT_q8_0_s;
+}
+
+#define ROWS_PER_TASK 16  /* output rows a parallel task takes */
+
+int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type,
+    int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads) {
+  const int bs = block_bytes(type);
+  if (!bs || K % 32 || M < 1) return -1;
+  const int64_t nb = K / 32;
+  int8_t* xq = (int8_t*)malloc((size_t)M * K + (size_t)M * nb * 8);
+  if (!xq) return -1;
+  float* xd = (float*)(xq + M * K);  /* K % 32 == 0: aligned enough for floats */
+  int32_t* xs = (int32_t*)(xd + M * nb);
+  const size_t esize = bf16 ? 2 : 4;
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row((const char*)x + m * ldx * esize, bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
+  const dot_fn* dot = pick(type, gguf_isa);
+  const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
+    for (int64_t n = t * ROWS_PER_TASK; n < n1; ++n) {
+      const uint8_t* row = w + n * nb * bs;
+      const float b = bias ? (bf16 ? bf2f(((const uint16_t*)bias)[n]) : ((const float*)bias)[n]) : 0.f;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
+        const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
+        float v[MAX_R];
+        dot[R - 1](row, xq + m0 * K, K, xd + m0 * nb, xs + m0 * nb, nb, v);
+        for (int r = 0; r < R; ++r) {
+          if (bf16) ((uint16_t*)y)[(m0 + r) * ldy + n] = f2bf(v[r] + b);
+          else ((float*)y)[(m0 + r) * ldy + n] = v[r] + b;
+        }
+      }
+    }
+  }
+  free(xq);
+  return 0;
+}
+
+int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
+    int nthreads) {
+  const int bs = block_bytes(type);
+  if (!bs || K % 32) return -1;
+  const int64_t nb = K / 32;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (n * nb + b) * bs;
+      const float d = h2f(blk), mn = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
+      float v[32];
+      if (type == GGUF_Q8_0) {
+        for (int j = 0; j < 32; ++j) v[j] = d * (float)((const int8_t*)(blk + 2))[j];
+      } else {
+        const uint8_t* q = blk + (type == GGUF_Q4_1 ? 4 : 2);
+        const int off = type == GGUF_Q4_0 ? 8 : 0;
+        for (int j = 0; j < 16; ++j) {
+          v[j] = d * (float)((q[j] & 15) - off) + mn;
+          v[j + 16] = d * (float)((q[j] >> 4) - off) + mn;
+        }
+      }
+      const int64_t o = n * K + b * 32;
+      for (int j = 0; j < 32; ++j) {
+        if (bf16) ((uint16_t*)out)[o + j] = f2bf(v[j]);
+        else ((float*)out)[o + j] = v[j];
+      }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,89 @@
+"""GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q8_0.
+
+The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
+does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
+Above DOT_MAX_ROWS rows (prefill) one dequantized copy of the weight in x's dtype feeds the
+GEMM instead: a dot kernel's cost grows with the rows, dequantizing once does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import ops
+
+TYPES = {"Q4_0": ops.CONSTANTS["GGUF_Q4_0"], "Q4_1": ops.CONSTANTS["GGUF_Q4_1"]}
+TYPES["Q8_0"] = ops.CONSTANTS["GGUF_Q8_0"]
+ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}  # gguf_isa's values (GGUF_ISA_* in the header)
+DOT_MAX_ROWS = 16  # more rows: dequantize once and use the GEMM
+
+
+def available() -> bool:
+    return ops.function("gguf_linear") is not None
+
+
+def isa_names() -> list[str]:
+    """The variants this build has, slowest first."""
+    fn = ops.function("gguf_isa_max")
+    top = -1 if fn is None else fn()
+    return [n for n, v in ISAS.items() if v <= top]
+
+
+@contextlib.contextmanager
+def forced_isa(name: str) -> Iterator[None]:
+    """Run gguf_linear's `name` variant inside the block (the tests' way to reach them all)."""
+    var = ops.variable("gguf_isa")
+    old = var.value
+    var.value = ISAS[name]
+    try:
+        yield
+    finally:
+        var.value = old
+
+
+def row_bytes(type_id: int, in_features: int) -> int:
+    return ops.function("gguf_block_bytes")(type_id) * (in_features // 32)
+
+
+def dequantize(blocks: torch.Tensor, type_id: int, in_features: int, dtype) -> torch.Tensor:
+    """[N, row bytes] uint8 -> the weight [N, in_features] in dtype (bf16 or float32)."""
+    out = torch.empty(blocks.shape[0], in_features, dtype=dtype)
+    rc = ops.function("gguf_dequantize")(
+        blocks.data_ptr(), type_id, blocks.shape[0], in_features, out.data_ptr(),
+        int(dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"gguf type {type_id} with K={in_features} is not supported")
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    type_id: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16 or float32, CPU) @ W^T (+ bias) for W in the file's blocks."""
+    k, n = in_features, blocks.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > DOT_MAX_ROWS:
+        w = dequantize(blocks, type_id, k, x.dtype)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    rc = ops.function("gguf_linear")(
+        x2.data_ptr(), x2.stride(0), x2.shape[0], k, blocks.data_ptr(), type_id, n,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+        int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"gguf_linear refused type {type_id}, K={k}")
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,81 @@
+"""GGUF blocks on the CPU kernels (engine.layers.cpu_gguf): blocks made by gguf-py's own
+quantizers, the kernel's dequantizer against gguf-py's, and every kernel variant this build
+has (the faster ones forced down to the slower) against F.linear on the dequantized weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.layers import cpu_gguf
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
+
+TYPES = sorted(cpu_gguf.TYPES)
+
+
+def _blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (file blocks uint8 [N, row bytes], their float32 weight)."""
+    qtype = GGMLQuantizationType[name]
+    raw = quantize(w.numpy().astype(np.float32), qtype)
+    ref = dequantize(raw, qtype).reshape(w.shape)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_matches_gguf_py(name):
+    torch.manual_seed(0)
+    w = torch.randn(7, 96) * torch.logspace(-3, 1, 7)[:, None]
+    raw, ref = _blocks(w, name)
+    assert raw.shape[1] == cpu_gguf.row_bytes(cpu_gguf.TYPES[name], 96)
+    back = cpu_gguf.dequantize(raw, cpu_gguf.TYPES[name], 96, torch.float32)
+    assert torch.equal(back, ref)
+
+
+# int8 activations per block of 32: relative error ~ 1/254 per element, averaging down over K
+_TOL = {torch.float32: 1.5e-2, torch.bfloat16: 2.5e-2}
+
+
+@pytest.mark.parametrize("isa", cpu_gguf.isa_names())
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_dequantized_reference(isa, name, dtype):
+    torch.manual_seed(1)
+    n, k = 37, 160  # odd output rows, an odd count of blocks (the VNNI pairs' tail)
+    w = torch.randn(n, k) * 0.1
+    raw, ref_w = _blocks(w, name)
+    bias = torch.randn(n).to(dtype)
+    for m in (1, 2, 7, 16):  # every remainder of the 4-row tiles, up to the dot limit
+        x = torch.randn(m, k).to(dtype)
+        ref = F.linear(x.float(), ref_w, bias.float())
+        with cpu_gguf.forced_isa(isa):
+            y = cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], k, bias)
+        assert y.dtype == dtype and y.shape == (m, n)
+        err = (y.float() - ref).norm() / ref.norm()
+        assert err < _TOL[dtype], (m, float(err))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_variants_agree_and_large_batches_dequantize(name):
+    torch.manual_seed(2)
+    n, k = 24, 96
+    raw, ref_w = _blocks(torch.randn(n, k), name)
+    x = torch.randn(5, k)
+    outs = []
+    for isa in cpu_gguf.isa_names():
+        with cpu_gguf.forced_isa(isa):
+            outs.append(cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], k))
+    for y in outs[1:]:  # the same integer sums, scaled in a different order
+        torch.testing.assert_close(y, outs[0], rtol=1e-4, atol=1e-4)
+    big = torch.randn(cpu_gguf.DOT_MAX_ROWS + 3, k)  # the dequantize-then-GEMM path: exact
+    torch.testing.assert_close(cpu_gguf.linear(big, raw, cpu_gguf.TYPES[name], k), big @ ref_w.T)
+
+
+def test_refuses_what_it_cannot_read():
+    raw = torch.zeros(4, 18, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        cpu_gguf.linear(torch.randn(1, 40), raw, cpu_gguf.TYPES["Q4_0"], 40)  # K % 32

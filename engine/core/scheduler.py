@@ -297,25 +297,36 @@ class Scheduler:
     ) -> int:
         manager = self.kv_cache_manager
         waiting = self.waiting
+        # Seat preemptions (the fair policy) are bounded per step, and a request preempted
+        # in this step waits for the next one: re-admitting it here would hand back the
+        # budget its undone chunk returned, and two tenants could swap a seat forever.
+        seat_preemptions_left = len(self.running)
+        preempted_now: set[str] = set()
+        seated: Request | None = None  # the request a seat is being made for, kept as next
         while waiting and budget > 0:
-            request = waiting.peek_request()
+            request = seated if seated is not None else waiting.peek_request()
+            if request.request_id in preempted_now:
+                break
             num_seats = seats(request)
             if self._num_seats + num_seats > self.config.max_num_seqs:
                 counters = self.tenant_counters
-                victim_index = (
-                    seat_victim(self.running, request, counters, self.config.max_num_seqs)
-                    if counters is not None
-                    else None
+                if counters is None or seat_preemptions_left <= 0:
+                    break
+                victim_index = seat_victim(
+                    self.running, request, counters, self.config.max_num_seqs
                 )
                 if victim_index is None:
                     break
+                seat_preemptions_left -= 1
                 victim = self.running.pop(victim_index)
+                preempted_now.add(victim.request_id)
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     budget += undone.num_tokens
                     new.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
+                seated = request  # the victim may now head the queue: the seat is this one's
                 continue
             hit_blocks, num_hit = manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
@@ -324,7 +335,11 @@ class Scheduler:
             num_new = min(num_new, budget)
             if manager.allocate_slots(request, num_new, hit_blocks) is None:
                 break  # waiting requests never preempt running ones
-            waiting.pop_request()
+            if seated is not None:
+                waiting.remove_request(request)
+                seated = None
+            else:
+                waiting.pop_request()
             if request.num_cached_tokens < 0:  # first admission, not a recompute
                 request.num_cached_tokens = num_hit
                 manager.record_prefix_lookup(request.num_tokens, num_hit)

@@ -195,6 +195,27 @@ def test_a_tenant_below_its_seat_share_takes_a_seat_from_one_above_it():
     check_invariants(sched)
 
 
+def test_a_request_preempted_for_a_seat_waits_for_the_next_step():
+    # heavy holds every seat with nothing waiting; light arrives with two requests, tied on
+    # the counter. heavy's newest gives light a seat and is then the head of the queue
+    # (a tie, and its backlog is the shorter): it must not take a seat back in the same step
+    # (which handed back its undone chunk's budget, and the two swapped the seat forever).
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, policy="fair")
+    runner = FakeRunner(64, 16)
+    _submit(sched, "heavy", 4)
+    step(sched, runner)
+    assert [r.tenant for r in sched.running] == ["heavy"] * 4 and not sched.waiting
+    for i in range(2):
+        sched.add_request(make_request(f"light-{i}", [7, 8, 9 + i], 4, tenant="light"))
+    out, _ = step(sched, runner)
+    scheduled = {s.request_id for s in out.scheduled}
+    assert out.preempted_request_ids and not scheduled & set(out.preempted_request_ids)
+    assert "light-0" in scheduled
+    check_invariants(sched)
+    run_until_done(sched, runner)
+    check_invariants(sched)
+
+
 def test_seat_shares_do_not_make_equal_tenants_trade_seats():
     sched = make_scheduler(num_blocks=64, max_num_seqs=4, policy="fair")
     runner = FakeRunner(64, 16)

@@ -60,6 +60,7 @@ class Ticket:
     status_code: int | None = None  # set by the response path; None: derived from outputs
     tenant_id: str | None = None
     x_request_id: str | None = None  # the HTTP request's X-Request-Id (api/request_context.py)
+    end_user: str | None = None  # the body's `user` (OpenAI's end-user id)
     settled: bool = False
     release: asyncio.Future[None] | None = None
 
@@ -142,6 +143,7 @@ class Accountant:
                     created_at=ticket.arrived_at,
                     tenant_id=ticket.tenant_id,
                     x_request_id=ticket.x_request_id,
+                    end_user=ticket.end_user,
                 )
             )
         log.debug(

@@ -158,7 +158,6 @@ def serve(settings: Settings) -> int:
         lifespan="on",
         http=guarded_protocol(),  # header-read deadline, connection cap (api/http_protocol.py)
         timeout_keep_alive=settings.timeout_keep_alive,
-        limit_concurrency=settings.limit_concurrency or None,
     )
     config.header_read_timeout = settings.header_read_timeout
     config.max_connections = settings.limit_concurrency or None

@@ -5,16 +5,35 @@ uvicorn times out an idle keep-alive connection only after a first response; a c
 that never finishes its request line and headers is held forever, so a client dribbling
 bytes can hold file descriptors without limit. Here every connection must complete its
 request headers within `header_read_timeout` seconds of connecting (or of its previous
-response), and a connection beyond `max_connections` is closed as soon as it is accepted.
-Both are read from the uvicorn Config (set by api/cli.py `serve`).
+response), and a connection beyond `max_connections` is answered at once with a 503 in the
+OpenAI error envelope (with Retry-After) and closed, before a byte of it is read. Both are
+read from the uvicorn Config (set by api/cli.py `serve`). uvicorn's own limit_concurrency is
+left off: its 503 is plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+_OVER_CAP_BODY = json.dumps(
+    {
+        "error": {
+            "message": "The server has too many open connections; retry shortly.",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "too_many_connections",
+        }
+    }
+).encode()
+OVER_CAP_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: 1\r\nconnection: close\r\n"
+    b"content-length: " + str(len(_OVER_CAP_BODY)).encode() + b"\r\n\r\n" + _OVER_CAP_BODY
+)
 
 
 class _Guards:
@@ -34,7 +53,8 @@ class _Guards:
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self._max_connections and len(self.connections) > self._max_connections:
-            transport.close()  # over the cap: refuse before reading a byte
+            transport.write(OVER_CAP_RESPONSE)  # over the cap: refuse before reading a byte
+            transport.close()
             return
         self._arm()
 

@@ -128,9 +128,9 @@ class Settings:
         float,
     )
     limit_concurrency: int = _flag(
-        "Most open connections: one beyond it is closed at once, and requests beyond it get "
-        "503 (uvicorn's limit_concurrency). Keep it under the file-descriptor limit "
-        "(ulimit -n). 0: no cap.",
+        "Most open connections: one beyond it gets a 503 (OpenAI error envelope, Retry-After) "
+        "at once and is closed. Keep it under the file-descriptor limit (ulimit -n). "
+        "0: no cap.",
         1000,
         int,
     )

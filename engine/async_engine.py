@@ -293,7 +293,11 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         manager = scheduler.kv_cache_manager
         infos = []
-        for status, requests in (("running", scheduler.running), ("waiting", scheduler.waiting)):
+        for status, requests in (
+            ("running", scheduler.running),
+            ("waiting", scheduler.waiting),
+            ("waiting", self.engine.awaiting_grammar),  # their grammar still compiling
+        ):
             for r in list(requests):
                 infos.append(
                     RequestInfo(
@@ -315,7 +319,7 @@ class AsyncEngine:
         s = engine.scheduler.stats()
         self._stats = EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_waiting=engine.num_waiting,
             kv_cache_usage=s.kv_usage,
             num_blocks=engine.num_blocks,
             block_size=engine.config.cache.block_size,

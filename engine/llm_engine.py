@@ -138,7 +138,7 @@ class LLMEngine:
         if not tenant_weight > 0:
             raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
         limit = self.config.max_num_queued_requests
-        if limit is not None and self.scheduler.num_waiting >= limit:
+        if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
@@ -170,6 +170,15 @@ class LLMEngine:
             return
         self.scheduler.add_request(request)  # its checks first: a refusal leaves no state
         self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: in the scheduler's queue or waiting for their grammar."""
+        return self.scheduler.num_waiting + len(self._awaiting_grammar)
+
+    @property
+    def awaiting_grammar(self) -> list[Request]:
+        return list(self._awaiting_grammar.values())
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request and all its samples; returns its final output (None if unknown)."""

@@ -14,6 +14,10 @@ MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 # builds (engine/stop_matcher.py) to 64 KiB of characters.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# Token-id lists: generous, but they bound what validation walks per request (the range
+# check against the vocabulary runs on the caller's thread, the HTTP event loop included).
+MAX_LOGIT_BIAS_ENTRIES = 4096
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(slots=True)
@@ -135,6 +139,16 @@ class SamplingParams:
                 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
             )
+        _check(
+            len(self.logit_bias or ()) <= MAX_LOGIT_BIAS_ENTRIES,
+            f"logit_bias holds {len(self.logit_bias or ())} entries; at most "
+            f"{MAX_LOGIT_BIAS_ENTRIES} are allowed",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+            f"{MAX_STOP_TOKEN_IDS} are allowed",
+        )
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 _check(

@@ -17,6 +17,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine.url import URL
 
@@ -31,7 +32,7 @@ def take_migration_lock(conn: Connection) -> None:
     rollback, or the connection dying), so no replica can leave it held. Other dialects: none
     needed (SQLite is one file that one server migrates under its own write lock)."""
     if conn.dialect.name == "postgresql":
-        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
 
 
 def migrations_dir() -> Path:

@@ -148,6 +148,8 @@ class UsageRow(Base):
     request_id: Mapped[str] = mapped_column(String(128), index=True)
     # The client's X-Request-Id (or the one the server generated): logs and traces carry it.
     x_request_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    # The request body's `user` (OpenAI's end-user id), as the client sent it.
+    end_user: Mapped[str | None] = mapped_column(String(256))
     # No foreign key: the ledger outlives keys and also records static/none-mode traffic.
     key_id: Mapped[str | None] = mapped_column(String(32))
     tenant_id: Mapped[str | None] = mapped_column(String(32))

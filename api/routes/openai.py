@@ -124,7 +124,7 @@ class OpenAIController(Controller):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs, tools)
         reserved = len(prompt) + max_tokens * params.n
-        ticket = await _ticket(request, principal, rid, data.model, reserved, arrived)
+        ticket = await _ticket(request, principal, rid, data, reserved, arrived)
         gen = await _admit(
             server, engine, request, principal, ticket, [rid], [prompt], params, data.priority
         )
@@ -180,7 +180,7 @@ class OpenAIController(Controller):
             ]
         fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
-        ticket = await _ticket(request, principal, cid, data.model, reserved, arrived)
+        ticket = await _ticket(request, principal, cid, data, reserved, arrived)
         gen = await _admit(
             server, engine, request, principal, ticket, rids, prompts, params, data.priority
         )
@@ -270,12 +270,14 @@ def _accountant(request: Request) -> Accountant:
 
 
 async def _ticket(
-    request: Request, principal: Principal, rid: str, model: str, reserved: int, arrived: float
+    request: Request, principal: Principal, rid: str, data: Any, reserved: int, arrived: float
 ) -> Ticket:
     """accountant.admit; from here on the accountant writes the request's ledger row (before
-    it, a refusal's row comes from api/refusals.py)."""
+    it, a refusal's row comes from api/refusals.py). The body's `user` goes on the row."""
     request.state[LEDGER_OWNED] = True
-    return await _accountant(request).admit(principal, rid, model, reserved, arrived)
+    ticket = await _accountant(request).admit(principal, rid, data.model, reserved, arrived)
+    ticket.end_user = data.user
+    return ticket
 
 
 def _pool(request: Request) -> Any:

@@ -10,7 +10,7 @@ are None.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -108,7 +108,8 @@ class _SamplingFields(Struct, kw_only=True):
     frequency_penalty: float | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    # OpenAI's end-user id: recorded on the usage row (usage_records.end_user)
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None

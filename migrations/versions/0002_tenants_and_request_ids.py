@@ -1,5 +1,6 @@
 """Tenants (every existing key in a tenant of its own), per-key/tenant request durations,
-tenant ids on quota leases and usage rows, and the client's X-Request-Id on usage rows.
+tenant ids on quota leases and usage rows, and the client's X-Request-Id and `user` on usage
+rows.
 
 Revision ID: 0002
 Revises: 0001
@@ -71,6 +72,7 @@ def upgrade() -> None:
     with op.batch_alter_table("usage_records", schema=None) as batch_op:
         batch_op.add_column(sa.Column("tenant_id", sa.String(length=32), nullable=True))
         batch_op.add_column(sa.Column("x_request_id", sa.String(length=128), nullable=True))
+        batch_op.add_column(sa.Column("end_user", sa.String(length=256), nullable=True))
         batch_op.create_index(
             "ix_usage_records_tenant_id_created_at", ["tenant_id", "created_at"], unique=False
         )
@@ -87,6 +89,7 @@ def downgrade() -> None:
     with op.batch_alter_table("usage_records", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_usage_records_x_request_id"))
         batch_op.drop_index("ix_usage_records_tenant_id_created_at")
+        batch_op.drop_column("end_user")
         batch_op.drop_column("x_request_id")
         batch_op.drop_column("tenant_id")
     with op.batch_alter_table("quota_leases", schema=None) as batch_op:

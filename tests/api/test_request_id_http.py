@@ -152,3 +152,46 @@ def test_usage_rows_select(server) -> None:
     Admin(server).usage(r.json()["id"])  # any key: waits for the ledger batch
     rows = asyncio.run(find("two-prompts"))
     assert len(rows) == 1 and rows[0].request_id == r.json()["id"]
+
+
+def test_user_field_on_the_usage_row(server) -> None:
+    # OpenAI's `user` (the caller's end-user id) is recorded on the row, on both routes;
+    # one over 256 characters is a 400 naming it, and writes no row with it.
+    key_id, key = Admin(server).create_key()
+    completion = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "user": "end-user-42"},
+        headers=bearer(key),
+        timeout=60,
+    )
+    chat = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "user": "end-user-43",
+        },
+        headers=bearer(key),
+        timeout=60,
+    )
+    plain = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        headers=bearer(key),
+        timeout=60,
+    )
+    assert completion.status_code == chat.status_code == plain.status_code == 200
+    too_long = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "user": "u" * 257},
+        headers=bearer(key),
+        timeout=60,
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "user"
+    Admin(server).usage(key_id)  # waits for the ledger's batch
+    rows = ledger(server.db_url)
+    assert rows[completion.json()["id"]].end_user == "end-user-42"
+    assert rows[chat.json()["id"]].end_user == "end-user-43"
+    assert rows[plain.json()["id"]].end_user is None
+    assert not any(r.end_user == "u" * 257 for r in rows.values())

@@ -128,15 +128,34 @@ async def collect_dated(engine, request_id, ids, params, deadline):
     return outs[-1]
 
 
-async def test_a_request_past_its_deadline_ends_as_timeout_and_frees_its_blocks(tiny_llama_dir):
+class _EngineClock:
+    """The engine's view of time.monotonic(), moved forward by the test: a deadline passes
+    mid-generation however fast the machine is."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+
+async def test_a_request_past_its_deadline_ends_as_timeout_and_frees_its_blocks(
+    tiny_llama_dir, monkeypatch
+):
+    import engine.llm_engine as llm_engine_module
+
+    clock = _EngineClock()
+    monkeypatch.setattr(llm_engine_module, "time", clock)
     engine = await AsyncEngine.create(make_config(tiny_llama_dir))
     try:
         ids = engine.tokenizer.encode("Hello world")
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         seen = []
-        deadline = time.monotonic() + 0.3
+        deadline = time.monotonic() + 600
         async for out in engine.generate("slow", ids, long, tenant="t1", deadline=deadline):
             seen.append(out)
+            if len(seen) == 3:
+                clock.offset = 1200  # from the engine's next step on, the deadline has passed
         last = seen[-1]
         assert last.finished and last.outputs[0].finish_reason == "timeout"
         assert 0 < len(last.outputs[0].token_ids) < 200

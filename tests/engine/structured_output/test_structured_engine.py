@@ -133,6 +133,9 @@ def test_a_request_waits_for_its_grammar_without_stalling_others(llm):
     try:
         so = StructuredOutputsParams(regex=r"[xyz]{4}")  # not compiled yet by any test
         engine.add_request("slow", "Hello", SamplingParams(max_tokens=8, structured_outputs=so))
+        # Compiling, it is waiting all the same: in the queue depth and the queue-full check.
+        assert engine.num_waiting == 1 and engine.scheduler.num_waiting == 0
+        assert [r.request_id for r in engine.awaiting_grammar] == ["slow"]
         engine.add_request("plain", "Hello", SamplingParams(max_tokens=4, ignore_eos=True))
         finished = {}
         while "plain" not in finished:

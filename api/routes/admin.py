@@ -78,7 +78,11 @@ def not_found(key_id: str) -> APIError:
 
 
 def tenant_not_found(tenant_id: str, param: str = "id") -> APIError:
-    return APIError(404, f"No tenant with id `{tenant_id}`.", code="not_found", param=param)
+    """404 for the tenant a path names; 400 for one a body field names (the route exists,
+    the request is what is wrong)."""
+    if param == "id":
+        return APIError(404, f"No tenant with id `{tenant_id}`.", code="not_found", param=param)
+    return invalid_request(f"No tenant with id `{tenant_id}`.", param)
 
 
 class AdminController(Controller):

@@ -69,7 +69,7 @@ async def test_tenant_crud_and_keys_in_it(client: AsyncTestClient) -> None:
     solo = (await client.post("/admin/v1/keys", headers=AUTH, json={"name": "solo"})).json()
     assert solo["tenant_id"] == solo["id"]
     r = await client.post("/admin/v1/keys", headers=AUTH, json={"name": "x", "tenant_id": "nope"})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "tenant_id"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tenant_id"  # a body field
 
     listed = (await client.get("/admin/v1/tenants", headers=AUTH)).json()["data"]
     by_name = {t["name"]: t for t in listed}

@@ -2,8 +2,8 @@
 
     X-Tessera-Affinity: 3f9c0a51e2d47b18      (every authenticated response)
 
-Stable and not secret: 16 hex digits of SHA-256 over the tenant's id, or the key's id (a key
-is its own tenant until tenants exist), or the name of a static --api-key key. It names no
+Stable and not secret: 16 hex digits of SHA-256 over the key's tenant id (or the key's id
+where it has none), or the name of a static --api-key key. It names no
 secret and survives a key rotation (the id stays). A gateway that authenticates clients itself
 can send it back as a request header (deploy/nginx hashes on it first, then X-Tenant, then the
 Authorization header); see README's *Deployment*.

@@ -151,7 +151,7 @@ _TENANT_SERIES = (
 
 
 def _tenant_counters(label: list[str], tenants: dict[str, tuple[int, ...]]) -> Iterator[Metric]:
-    """Per tenant (the engine's tenant id; each key is its own tenant for now): a tenant's
+    """Per tenant (the engine's tenant id: the key's tenant): a tenant's
     hits stay within its own salted cache, so hits / queries is its own hit rate."""
     for i, (name, doc) in enumerate(_TENANT_SERIES):
         m = CounterMetricFamily(name, doc + " By tenant.", labels=["model_name", "tenant"])

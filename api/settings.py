@@ -239,7 +239,7 @@ class Settings:
     )
     scheduling_policy: str | None = _flag(
         "fcfs: first come, first served; priority: lower priority (the key's, or a request's "
-        "`priority` no better than it) runs first; fair: each tenant (for now: each API key) "
+        "`priority` no better than it) runs first; fair: each tenant (a team of keys) "
         "gets its weighted share of tokens (VTC), priority classes still on top. Default: "
         "fair when requests carry API keys (--auth keys or static), else fcfs.",
         None,

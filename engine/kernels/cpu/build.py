@@ -33,10 +33,12 @@ logger = logging.getLogger("tessera.engine")
 PACKAGE = "engine.kernels.cpu"
 HEADER = "tessera_kernels.h"
 LIBRARY = "tessera_kernels"
-# Each object compiles with these, and the link repeats them (with -shared): -ffast-math at
-# link time is part of what the single-file builds did.
+# Each object compiles with these. The link leaves -ffast-math out: with it, GCC links
+# crtfastmath.o into the library, whose constructor turns on flush-to-zero and
+# denormals-are-zero for the whole process that loads it (every float in the user's Python
+# process, torch's and numpy's included), not just for these kernels.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-LINK_FLAGS = [*FLAGS, "-shared"]
+LINK_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # the library, or None; decided once per process

@@ -131,7 +131,9 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
                 runner.model.compute_logits(eager).argmax(-1),
             )
         for cache, w in zip(runner.kv_caches, written, strict=True):
-            torch.testing.assert_close(cache[:, 1:], w, rtol=1e-6, atol=1e-6)
+            # As close as the hidden states: a padded batch changes the GEMM's blocking (and
+            # float32 rounding) on some CPUs; outside block 0 nothing else may differ.
+            torch.testing.assert_close(cache[:, 1:], w, rtol=1e-5, atol=1e-5)
     assert graphs.runs == {1: 1, 4: 1, 8: 3}
     # A step with a prefill chunk and one above the ladder are left to the eager forward.
     ids, positions, seqs = _decode_step(rng, 9, runner.num_blocks)

@@ -45,6 +45,7 @@ BENCHMARKS = (
     "affinity",
     "structured",
     "fairness",
+    "stop",
 )
 
 

@@ -2,15 +2,19 @@
 IncrementalDetokenizer used to run (kept as the reference in tests/engine/test_stop_matcher.py)
 against the Aho-Corasick matcher (engine/stop_matcher.py), interleaved, best of 3.
 
-    python -m benchmarks.bench_stop
+    tessera bench stop
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 from engine.stop_matcher import StopMatcher, StopText
-from tests.engine.test_stop_matcher import NaiveStopText, _worst_stop_set
+
+# The naive reference lives with its property test: this needs the repository checkout.
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 TOKEN_CHARS = 4
 
@@ -23,7 +27,14 @@ def _run(out, text: str) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    del argv  # no options: the stop set is the largest the limits allow
+    if not (CHECKOUT / "tests" / "engine" / "test_stop_matcher.py").is_file():
+        raise SystemExit("tessera bench stop: run from a checkout of the repository (tests/)")
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+    from tests.engine.test_stop_matcher import NaiveStopText, _worst_stop_set
+
     stops = _worst_stop_set()  # 64 strings of ~1,000 characters, all near-misses
     text = ("a" * 50 + "c") * 40  # 2,040 characters: 510 tokens of 4
     tokens = len(text) // TOKEN_CHARS
@@ -39,6 +50,7 @@ def main() -> None:
         f"automaton: {min(fast) / tokens * 1e6:.2f} us per token, built in {min(build) * 1e3:.1f} ms"
     )
     print(f"ratio: {min(naive) / min(fast):,.0f}x")
+    return 0
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ BENCHMARKS = (
     "structured",
     "fairness",
     "stop",
+    "gguf_memory",
 )
 
 

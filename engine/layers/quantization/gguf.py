@@ -8,8 +8,8 @@ parts the file stores in different types (Q4_K_M: q/k Q4_K, v Q6_K) holds them a
 segments of their own types, one kernel call per segment (GGUFSegmentsLinearMethod). Layers
 of other types (float parts, types without a kernel, K the blocks do not divide) keep
 today's dequantized weights on the unquantized method; the log says which layer kinds took
-which path. The
-embedding and the LM head stay dequantized (a gather, and the sampler's argmax paths).
+which path. The embedding and the LM head stay dequantized (a gather, and the sampler's
+argmax paths).
 """
 
 from __future__ import annotations

@@ -168,6 +168,8 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
         assert (c - r).abs().max() < 4 * GAP_TOL  # and the logits themselves stay close
         tokens.append(int(r.argmax()))
     assert compared >= 6
+    prompt = list(range(5, 5 + cpu_gguf.DOT_MAX_ROWS + 4))  # prefill: the dequantized weights'
+    torch.testing.assert_close(_logits(model, prompt), _logits(ref, prompt), rtol=1e-4, atol=1e-4)
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):

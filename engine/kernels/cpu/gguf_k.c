@@ -13,9 +13,12 @@
    minimum takes x's block sum; Q6_K's sub-blocks of 16 take x's sums per 16 for the -32.
    Variants: scalar, AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two sub-blocks of 32 an
    instruction), picked by gguf.c's gguf_isa, so the tests can force the slower ones.
-   Each superblock's codes are decoded once for up to MAX_R rows of x. */
+   Each superblock's codes are decoded once for up to MAX_R rows of x. The dequantizer
+   (gguf_k_dequant_row: the large-batch path's rows) has the same three variants, equal to
+   the bit. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
+#include "avx512_math.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -123,37 +126,6 @@ static void dequant_sb(int type, const uint8_t* b, float* out) {
     const float ds = d * (float)sm[j], dm = dmin * (float)sm[8 + j];
     for (int l = 0; l < 32; ++l) out[32 * j + l] = ds * (float)q[32 * j + l] - dm;
   }
-}
-
-int gguf_k_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
-  const int bs = sb_bytes(type);
-  if (!bs || K % QK) return -1;
-  for (int64_t s = 0; s < K / QK; ++s) dequant_sb(type, row + s * bs, out + s * QK);
-  return 0;
-}
-
-int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* out) {
-  const int bs = sb_bytes(type);
-  if (!bs || K % QK) return -1;
-  float v[QK];
-  for (int64_t s = 0; s < K / QK; ++s) {
-    dequant_sb(type, row + s * bs, v);
-    for (int j = 0; j < QK; ++j) out[s * QK + j] = f2bf(v[j]);
-  }
-  return 0;
-}
-
-int gguf_k_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
-    int nthreads) {
-  const int bs = sb_bytes(type);
-  if (!bs || K % QK) return -1;
-  const int64_t rb = K / QK * bs;
-  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
-  for (int64_t n = 0; n < N; ++n) {
-    if (bf16) gguf_k_dequant_row_bf16(type, w + n * rb, K, (uint16_t*)out + n * K);
-    else gguf_k_dequant_row(type, w + n * rb, K, (float*)out + n * K);
-  }
-  return 0;
 }
 
 /* ---- x, quantized: per row q[K], and per block of 32 its scale d and d * sum(q) (the
@@ -299,6 +271,47 @@ static inline void k6_scales_vec(const uint8_t* b, __m256* lo, __m256* hi) {
   *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
 }
 
+/* 8 floats to out (float32) or outb (bf16, rounded as f2bf: to nearest even) */
+static inline void store8(float* out, uint16_t* outb, int64_t o, __m256 v) {
+  if (!outb) {
+    _mm256_storeu_ps(out + o, v);
+    return;
+  }
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+  _mm_storeu_si128((__m128i*)(outb + o), _mm256_castsi256_si128(packed));
+}
+
+/* dequant_sb in vectors, 8 weights an instruction: the same products, each exact (so the
+   same bits whether or not the compiler fuses the subtraction) */
+static void dequant_sb_vec(int type, const uint8_t* b, float* out, uint16_t* outb) {
+  __m256i u[8];
+  decode_vec(type, b, u);
+  __m256 s0, s1;  /* Q6_K: d * sc of sub-blocks 0-7, 8-15; else d * sc, dmin * m */
+  if (type == GGUF_Q6_K) k6_scales_vec(b, &s0, &s1);
+  else k4_scales_vec(b, &s0, &s1);
+  for (int j = 0; j < 8; ++j) {
+    const __m128i h[2] = {_mm256_castsi256_si128(u[j]), _mm256_extracti128_si256(u[j], 1)};
+    for (int t = 0; t < 4; ++t) {
+      const __m128i c = t & 1 ? _mm_srli_si128(h[t / 2], 8) : h[t / 2];
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+      __m256 v;
+      if (type == GGUF_Q6_K) {  /* sub-block of 16: 2j + t / 2 */
+        const int i = 2 * j + t / 2;
+        const __m256 ds = _mm256_permutevar8x32_ps(i < 8 ? s0 : s1, _mm256_set1_epi32(i & 7));
+        v = _mm256_mul_ps(ds, _mm256_sub_ps(q, _mm256_set1_ps(32.f)));
+      } else {
+        const __m256i jj = _mm256_set1_epi32(j);
+        v = _mm256_sub_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(s0, jj), q),
+                          _mm256_permutevar8x32_ps(s1, jj));
+      }
+      store8(out, outb, 32 * j + 8 * t, v);
+    }
+  }
+}
+
 /* ---- AVX2: a sub-block of 32 an instruction; the per-lane scales are lanes of the
    per-superblock scale vector, spread with permutevar8x32 ---- */
 static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
@@ -389,6 +402,32 @@ static inline __attribute__((always_inline)) void decode_vec512(int type, const 
   }
 }
 
+/* dequant_sb_vec 16 weights an instruction */
+static void dequant_sb_512(int type, const uint8_t* b, float* out, uint16_t* outb) {
+  __m512i u[4];
+  decode_vec512(type, b, u);
+  __m256 s0, s1;
+  if (type == GGUF_Q6_K) k6_scales_vec(b, &s0, &s1);
+  else k4_scales_vec(b, &s0, &s1);
+  float sc[16];  /* Q6_K: d * sc of the 16 sub-blocks; else 8 of d * sc, then 8 of dmin * m */
+  _mm256_storeu_ps(sc, s0);
+  _mm256_storeu_ps(sc + 8, s1);
+  for (int p = 0; p < 4; ++p)
+    for (int g = 0; g < 4; ++g) {  /* 16 codes: Q6_K's sub-block 4p + g, else 2p + g / 2 */
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u[p], g)));
+      __m512 v;
+      if (type == GGUF_Q6_K) {
+        v = _mm512_mul_ps(_mm512_set1_ps(sc[4 * p + g]), _mm512_sub_ps(q, _mm512_set1_ps(32.f)));
+      } else {
+        const int j = 2 * p + g / 2;
+        v = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sc[j]), q), _mm512_set1_ps(sc[8 + j]));
+      }
+      const int64_t o = 64 * p + 16 * g;
+      if (outb) _mm256_storeu_si256((__m256i*)(outb + o), f2bf512(v));
+      else _mm512_storeu_ps(out + o, v);
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
     const uint8_t* w, int64_t nsb, const xrows* X, float* out) {
   const int bs = sb_bytes(type);
@@ -447,6 +486,59 @@ static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
              (type == GGUF_Q6_K ? 32.f * _mm512_reduce_add_ps(off6[r]) : hsum8(off4[r]));
 }
 #endif
+
+/* ---- dequantization: vectors where gguf_isa allows (the scalar code stays reachable for
+   the tests), the same bits either way ---- */
+static void dequant_row(int type, const uint8_t* row, int64_t K, float* out, uint16_t* outb) {
+  const int bs = sb_bytes(type);
+  for (int64_t s = 0; s < K / QK; ++s) {
+    float* o = out ? out + s * QK : NULL;
+    uint16_t* ob = outb ? outb + s * QK : NULL;
+#if ISA_MAX >= GGUF_ISA_VNNI
+    if (gguf_isa >= GGUF_ISA_VNNI) {
+      dequant_sb_512(type, row + s * bs, o, ob);
+      continue;
+    }
+#endif
+#if ISA_MAX >= GGUF_ISA_AVX2
+    if (gguf_isa >= GGUF_ISA_AVX2) {
+      dequant_sb_vec(type, row + s * bs, o, ob);
+      continue;
+    }
+#endif
+    if (o) {
+      dequant_sb(type, row + s * bs, o);
+    } else {
+      float v[QK];
+      dequant_sb(type, row + s * bs, v);
+      for (int j = 0; j < QK; ++j) ob[j] = f2bf(v[j]);
+    }
+  }
+}
+
+int gguf_k_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
+  if (!sb_bytes(type) || K % QK) return -1;
+  dequant_row(type, row, K, out, NULL);
+  return 0;
+}
+
+int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* out) {
+  if (!sb_bytes(type) || K % QK) return -1;
+  dequant_row(type, row, K, NULL, out);
+  return 0;
+}
+
+int gguf_k_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
+    int nthreads) {
+  const int bs = sb_bytes(type);
+  if (!bs || K % QK) return -1;
+  const int64_t rb = K / QK * bs;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t n = 0; n < N; ++n)
+    dequant_row(type, w + n * rb, K, bf16 ? NULL : (float*)out + n * K,
+                bf16 ? (uint16_t*)out + n * K : NULL);
+  return 0;
+}
 
 typedef void (*dot_fn)(const uint8_t*, int64_t, const xrows*, float*);
 #define DEFINE_DOT(NAME, CALL) \

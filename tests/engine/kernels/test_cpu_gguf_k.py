@@ -45,21 +45,25 @@ def _quantized_x(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
 
 
+@pytest.mark.parametrize("isa", cpu_gguf.isa_names())  # scalar, and the vectors' (AVX2)
 @pytest.mark.parametrize("encoded", [False, True], ids=["random", "encoded"])
 @pytest.mark.parametrize("k", [256, 512])
 @pytest.mark.parametrize("name", K_TYPES)
-def test_dequantize_matches_gguf_py(name, k, encoded):
+def test_dequantize_matches_gguf_py(name, k, encoded, isa):
     raw, ref = _blocks(name, 7, k, 0, encoded)
     type_id = cpu_gguf.TYPES[name]
     assert raw.shape[1] == cpu_gguf.row_bytes(type_id, k)
-    assert torch.equal(cpu_gguf.dequantize(raw, type_id, k, torch.float32), ref)
-    assert torch.equal(cpu_gguf.dequantize(raw, type_id, k, torch.bfloat16), ref.bfloat16())
-    row, row16 = torch.empty(k), torch.empty(k, dtype=torch.bfloat16)  # the per-row entry
-    assert ops.function("gguf_k_dequant_row")(type_id, raw[3].data_ptr(), k, row.data_ptr()) == 0
-    assert (
-        ops.function("gguf_k_dequant_row_bf16")(type_id, raw[3].data_ptr(), k, row16.data_ptr())
-        == 0
-    )
+    row, row16 = torch.empty(k), torch.empty(k, dtype=torch.bfloat16)  # the per-row entries
+    with cpu_gguf.forced_isa(isa):
+        assert torch.equal(cpu_gguf.dequantize(raw, type_id, k, torch.float32), ref)
+        assert torch.equal(cpu_gguf.dequantize(raw, type_id, k, torch.bfloat16), ref.bfloat16())
+        assert (
+            ops.function("gguf_k_dequant_row")(type_id, raw[3].data_ptr(), k, row.data_ptr()) == 0
+        )
+        assert (
+            ops.function("gguf_k_dequant_row_bf16")(type_id, raw[3].data_ptr(), k, row16.data_ptr())
+            == 0
+        )
     assert torch.equal(row, ref[3]) and torch.equal(row16, ref[3].bfloat16())
 
 

@@ -128,8 +128,9 @@ static void dequant_sb(int type, const uint8_t* b, float* out) {
   }
 }
 
-/* ---- x, quantized: per row q[K], and per block of 32 its scale d and d * sum(q) (the
-   Q4_K/Q5_K minimums' term); per 16, the block's scale again and sum(q) (Q6_K's -32) ---- */
+/* ---- x, quantized as gguf.c's quantize_row does (the same codes and scales), with more
+   per block: per row q[K], and per block of 32 its scale d and d * sum(q) (the Q4_K/Q5_K
+   minimums' term); per 16, the block's scale again and sum(q) (Q6_K's -32) ---- */
 typedef struct {
   const int8_t* q;
   const float *d, *dsum, *d16, *sum16;

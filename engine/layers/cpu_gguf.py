@@ -1,4 +1,5 @@
-"""GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q8_0.
+"""GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q8_0, and
+the K-quants Q4_K, Q5_K, Q6_K (gguf_k.c: superblocks of 256 weights, so K % 256 == 0).
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
 does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
@@ -18,6 +19,8 @@ from engine.kernels.cpu import ops
 
 TYPES = {"Q4_0": ops.CONSTANTS["GGUF_Q4_0"], "Q4_1": ops.CONSTANTS["GGUF_Q4_1"]}
 TYPES["Q8_0"] = ops.CONSTANTS["GGUF_Q8_0"]
+K_TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_K", "Q5_K", "Q6_K")}
+TYPES.update(K_TYPES)
 ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}  # gguf_isa's values (GGUF_ISA_* in the header)
 DOT_MAX_ROWS = 16  # more rows: dequantize once and use the GEMM
 
@@ -45,8 +48,23 @@ def forced_isa(name: str) -> Iterator[None]:
         var.value = old
 
 
+def block_weights(type_id: int) -> int:
+    """Weights along K a block of this type holds (a K-quant's superblock: 256)."""
+    return 256 if type_id in K_TYPES.values() else 32
+
+
 def row_bytes(type_id: int, in_features: int) -> int:
-    return ops.function("gguf_block_bytes")(type_id) * (in_features // 32)
+    return ops.function("gguf_block_bytes")(type_id) * (in_features // block_weights(type_id))
+
+
+def refusal(type_id: int, in_features: int) -> str | None:
+    """Why the kernels cannot take this type at this K (the caller keeps floats), or None."""
+    if type_id not in TYPES.values():
+        return f"ggml type {type_id} has no kernel"
+    qk = block_weights(type_id)
+    if in_features % qk:
+        return f"in_features {in_features} is not a multiple of its blocks' {qk}"
+    return None
 
 
 def dequantize(blocks: torch.Tensor, type_id: int, in_features: int, dtype) -> torch.Tensor:
@@ -86,4 +104,39 @@ def linear(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"gguf_linear refused type {type_id}, K={k}")
+    return y.view(*x.shape[:-1], n)
+
+
+def linear_segments(
+    x: torch.Tensor,
+    segments: tuple[tuple[int, torch.Tensor], ...],
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ W^T for W as consecutive row segments of different types ((type id, uint8 [rows,
+    row bytes]) each, a merged projection whose parts the file stores in different types):
+    one kernel per segment into its columns of one output (the C call's ldy)."""
+    k = in_features
+    n = sum(b.shape[0] for _, b in segments)
+    x2 = x.reshape(-1, k)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    col = 0
+    for type_id, blocks in segments:
+        rows = blocks.shape[0]
+        b = None if bias is None else bias[col : col + rows]
+        if x2.shape[0] > DOT_MAX_ROWS:  # linear()'s large-batch path, a segment at a time
+            y[:, col : col + rows] = linear(x2, blocks, type_id, k, b)
+        else:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            rc = ops.function("gguf_linear")(
+                x2.data_ptr(), x2.stride(0), x2.shape[0], k, blocks.data_ptr(), type_id, rows,
+                None if b is None else b.data_ptr(), y.data_ptr() + col * y.element_size(), n,
+                int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+            )  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"gguf_linear refused type {type_id}, K={k}")
+        col += rows
     return y.view(*x.shape[:-1], n)

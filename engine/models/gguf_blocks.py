@@ -3,8 +3,10 @@ gguf`): raw blocks per output row, merged the way the model merges its projectio
 
 q and k rows are reordered as gguf_convert does (llama.cpp interleaves the rotary halves); a
 row is whole blocks along the input features, so reordering rows moves bytes, never
-requantizes. A projection group whose parts differ in type (q_proj Q4_K, v_proj Q6_K...) is
-left out: the caller keeps its dequantized weights.
+requantizes. A projection group whose parts differ in type (Q4_K_M files: attn_q/attn_k Q4_K,
+attn_v Q6_K) keeps each run of same-typed parts as a row segment of its own type, all in one
+buffer; a group with a float part (F16, BF16, F32) is left out, the caller keeps its
+dequantized weights.
 """
 
 from __future__ import annotations
@@ -18,15 +20,53 @@ import torch
 from engine.config import DEFAULT_MODEL
 from engine.models.gguf_convert import _unpermute
 
+_FLOATS = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive output rows of one type."""
+
+    type_name: str  # ggml's name: "Q4_K"
+    type_id: int  # ggml's id
+    data: torch.Tensor  # uint8 [rows, bytes per row]
+
 
 @dataclass(frozen=True)
 class Blocks:
     """One layer's weight [out_features, in_features] as rows of file blocks."""
 
-    type_name: str  # ggml's name: "Q4_1"
-    type_id: int  # ggml's id
-    data: torch.Tensor  # uint8 [out_features, bytes per row]
+    type_name: str  # ggml's name: "Q4_1"; a mixed group's, joined: "Q4_K/Q6_K"
+    type_id: int  # ggml's id; -1 for a mixed group
+    data: torch.Tensor  # uint8 [out_features, bytes per row]; a mixed group's: 1-D, every byte
     in_features: int
+    segments: tuple[Segment, ...]  # in row order, views of data (one for a single type)
+
+    @property
+    def out_features(self) -> int:
+        return sum(s.data.shape[0] for s in self.segments)
+
+
+def _merge(parts: list[tuple[str, int, np.ndarray]], in_features: int) -> Blocks:
+    """[(type name, id, rows [n, bytes])] in row order -> Blocks, runs of a type merged."""
+    runs: list[tuple[str, int, list[np.ndarray]]] = []
+    for name, type_id, rows in parts:
+        if runs and runs[-1][0] == name:
+            runs[-1][2].append(rows)
+        else:
+            runs.append((name, type_id, [rows]))
+    if len(runs) == 1:
+        name, type_id, rows = runs[0]
+        data = torch.from_numpy(np.ascontiguousarray(np.concatenate(rows)))  # own copy
+        return Blocks(name, type_id, data, in_features, (Segment(name, type_id, data),))
+    arrays = [np.concatenate(rows) for _, _, rows in runs]
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))  # own copy
+    segments, offset = [], 0
+    for (name, type_id, _), a in zip(runs, arrays, strict=True):
+        view = flat[offset : offset + a.size].view(a.shape[0], a.shape[1])
+        segments.append(Segment(name, type_id, view))
+        offset += a.size
+    return Blocks("/".join(r[0] for r in runs), -1, flat, in_features, tuple(segments))
 
 
 # model module -> (its GGUF tensors in shard order, the unpermute head-count key or None)
@@ -67,20 +107,16 @@ def read_linear_blocks(
             if any(t is None for t in ts):
                 skipped[name] = "missing from the file"
                 continue
-            types = {t.tensor_type for t in ts}
-            if len(types) != 1:
-                skipped[name] = "parts of mixed types " + "/".join(t.tensor_type.name for t in ts)
-                continue
-            (qtype,) = types
-            if qtype.name in ("F32", "F16", "BF16"):
-                skipped[name] = f"{qtype.name} (not a block type)"
+            names = [t.tensor_type.name for t in ts]
+            if any(n in _FLOATS for n in names):
+                why = "/".join(names) if len(set(names)) > 1 else names[0]
+                skipped[name] = f"{why} (a float part: not a block type)"
                 continue
             rows = []
             for p, t in zip(parts, ts, strict=True):
                 data = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [out, bytes]
                 if p in heads:
                     data = _unpermute(data, heads[p])
-                rows.append(data)
-            merged = torch.from_numpy(np.ascontiguousarray(np.concatenate(rows)))  # own copy
-            found[name] = Blocks(qtype.name, int(qtype), merged, int(ts[0].shape[0]))
+                rows.append((t.tensor_type.name, int(t.tensor_type), data))
+            found[name] = _merge(rows, int(ts[0].shape[0]))
     return found, skipped

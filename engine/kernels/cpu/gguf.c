@@ -3,7 +3,8 @@
    block of 32 to int8 with a float scale (llama.cpp's Q8_0/Q8_1 activations), each block's
    integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
    AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
-   run time (capped at what this build has), so the tests can force the slower ones. */
+   run time (capped at what this build has), so the tests can force the slower ones. The
+   K-quants' superblocks of 256 (Q4_K, Q5_K, Q6_K) go to gguf_k.c from the entry points. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 
@@ -49,6 +50,9 @@ static int block_bytes(int type) {
     case GGUF_Q4_0: return 18;
     case GGUF_Q4_1: return 20;
     case GGUF_Q8_0: return 34;
+    case GGUF_Q4_K: return 144;  /* superblocks of 256 weights: gguf_k.c */
+    case GGUF_Q5_K: return 176;
+    case GGUF_Q6_K: return 210;
     default: return 0;
   }
 }
@@ -250,6 +254,8 @@ static const dot_fn* pick(int type, int isa) {
 
 int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type,
     int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads) {
+  if (type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K)
+    return gguf_k_linear(x, ldx, M, K, w, type, N, bias, y, ldy, bf16, nthreads);
   const int bs = block_bytes(type);
   if (!bs || K % 32 || M < 1) return -1;
   const int64_t nb = K / 32;
@@ -285,6 +291,8 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
 
 int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
     int nthreads) {
+  if (type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K)
+    return gguf_k_dequantize(w, type, N, K, out, bf16, nthreads);
   const int bs = block_bytes(type);
   if (!bs || K % 32) return -1;
   const int64_t nb = K / 32;

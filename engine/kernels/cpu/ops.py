@@ -74,6 +74,11 @@ SIGNATURES: dict[str, Signature] = {
     "gguf_dequantize": ([_P, _INT, _I64, _I64, _P, _INT, _INT], _INT),
     "gguf_block_bytes": ([_INT], _INT),
     "gguf_isa_max": ([], _INT),
+    # gguf_k.c: gguf_linear's and gguf_dequantize's arguments; type, row, K, out
+    "gguf_k_linear": ([_P, _I64, _I64, _I64, _P, _INT, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    "gguf_k_dequantize": ([_P, _INT, _I64, _I64, _P, _INT, _INT], _INT),
+    "gguf_k_dequant_row": ([_INT, _P, _I64, _P], _INT),
+    "gguf_k_dequant_row_bf16": ([_INT, _P, _I64, _P], _INT),
     # w8a8.c
     "quantize_rows_f32": (_QUANT, None),
     "quantize_rows_bf16": (_QUANT, None),

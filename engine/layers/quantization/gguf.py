@@ -1,11 +1,15 @@
 """GGUF weights served in the file's own blocks (`--quantization gguf`).
 
-Each linear layer whose GGUF tensors are of a type the CPU kernels read (Q4_0, Q4_1, Q8_0:
-engine.layers.cpu_gguf) gets the file's bytes as its weight, so the weights in memory are
-about the file's size and nothing is requantized: the loaded (dequantized) float weight is
-dropped. Layers of other types (K-quants, mixed projections, float) keep today's dequantized
-weights on the unquantized method; the log says which layer kinds took which path. The
-embedding and the LM head stay dequantized (a gather, and the sampler's argmax paths).
+Each linear layer whose GGUF tensors are of a type the CPU kernels read (Q4_0, Q4_1, Q8_0,
+and the K-quants Q4_K, Q5_K, Q6_K where K % 256 == 0: engine.layers.cpu_gguf) gets the file's
+bytes as its weight, so the weights in memory are about the file's size and nothing is
+requantized: the loaded (dequantized) float weight is dropped. A merged projection whose
+parts the file stores in different types (Q4_K_M: q/k Q4_K, v Q6_K) holds them as row
+segments of their own types, one kernel call per segment (GGUFSegmentsLinearMethod). Layers
+of other types (float parts, types without a kernel, K the blocks do not divide) keep
+today's dequantized weights on the unquantized method; the log says which layer kinds took
+which path. The embedding and the LM head stay dequantized (a gather, and the sampler's
+argmax paths).
 """
 
 from __future__ import annotations
@@ -33,6 +37,34 @@ class GGUFLinearMethod(LinearMethodBase):
         return cpu_gguf.linear(x, layer.weight, layer.gguf_type, layer.in_features, bias)
 
 
+class GGUFSegmentsLinearMethod(LinearMethodBase):
+    """A merged projection of parts in different types: layer.weight is uint8, every byte of
+    the segments (1-D, the only copy); layer.gguf_segments ((ggml id, uint8 [rows, row bytes])
+    views of it, in row order) and layer.in_features tell the kernel how to read them."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return cpu_gguf.linear_segments(x, layer.gguf_segments, layer.in_features, bias)
+
+
+def _refusal(module: nn.Module, b) -> str | None:
+    """Why this layer keeps its dequantized weights, or None."""
+    if module.weight.device.type != "cpu":
+        return "runs on the CPU kernels only"
+    if getattr(module, "tp_size", 1) != 1:
+        return "tensor parallel shards keep the float weights"
+    for s in b.segments:
+        if s.type_name not in cpu_gguf.TYPES:
+            return f"{s.type_name} has no kernel"
+        why = cpu_gguf.refusal(s.type_id, b.in_features)
+        if why is not None:
+            return f"{s.type_name}: {why}"
+    if tuple(module.weight.shape) != (b.out_features, b.in_features):
+        return "shape differs from the model's"
+    return None
+
+
 def _kind(name: str) -> str:
     return name.rsplit(".", 1)[-1]  # "model.layers.3.mlp.down_proj" -> "down_proj"
 
@@ -55,25 +87,23 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         if not isinstance(getattr(module, "quant_method", None), LinearMethodBase):
             continue
         b = blocks.get(name)
-        if b is None:
-            why = skipped.get(name, "not in the file's block tensors")
-        elif module.weight.device.type != "cpu":
-            why = "runs on the CPU kernels only"
-        elif getattr(module, "tp_size", 1) != 1:
-            why = "tensor parallel shards keep the float weights"
-        elif b.type_name not in cpu_gguf.TYPES:
-            why = f"{b.type_name} has no kernel"
-        elif tuple(module.weight.shape) != (b.data.shape[0], b.in_features):
-            why = "shape differs from the model's"
-        else:
-            why = None
+        why = (
+            skipped.get(name, "not in the file's block tensors")
+            if b is None
+            else _refusal(module, b)
+        )
         kind = _kind(name)
         if why is not None:
             paths.setdefault(kind, Counter())[f"dequantized ({why})"] += 1
             continue
         module.weight = nn.Parameter(b.data, requires_grad=False)
-        module.gguf_type, module.in_features = b.type_id, b.in_features
-        module.quant_method = GGUFLinearMethod()
+        module.in_features = b.in_features
+        if len(b.segments) == 1:
+            module.gguf_type = b.type_id
+            module.quant_method = GGUFLinearMethod()
+        else:
+            module.gguf_segments = tuple((s.type_id, s.data) for s in b.segments)
+            module.quant_method = GGUFSegmentsLinearMethod()
         paths.setdefault(kind, Counter())[f"{b.type_name} blocks"] += 1
     for kind, c in paths.items():
         logger.info(

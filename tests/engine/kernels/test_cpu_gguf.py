@@ -15,7 +15,7 @@ from engine.layers import cpu_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
-TYPES = sorted(cpu_gguf.TYPES)
+TYPES = sorted(set(cpu_gguf.TYPES) - set(cpu_gguf.K_TYPES))  # K-quants: test_cpu_gguf_k.py
 
 
 def _blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,10 @@
 """`--quantization gguf` on tiny random Llamas written as GGUF files by gguf-py's writer, one
-per block type: the linear layers hold the file's bytes (their nbytes are the file tensors'),
-and greedy tokens equal those of the same model on the dequantized float weights wherever
-the reference's top-2 logit gap exceeds GAP_TOL."""
+per block type, and one of mixed K-quants (Q4_K_M's pattern: q/k Q4_K, v and down Q6_K, so
+qkv_proj holds two segments): the linear layers hold the file's bytes (their nbytes are the
+file tensors'), and greedy tokens equal those of the same model on the dequantized float
+weights wherever the reference's top-2 logit gap exceeds GAP_TOL. K-quants need K % 256 == 0:
+their files are of a wider tiny Llama (hidden 256, intermediate 512); their blocks come from
+the tests' numpy encoder (gguf-py has none for them)."""
 
 from __future__ import annotations
 
@@ -18,14 +21,24 @@ from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.layers import cpu_gguf
 from engine.layers.quantization import GGUFLinearMethod, quantize_model
+from engine.layers.quantization.gguf import GGUFSegmentsLinearMethod, apply_gguf_blocks
 from engine.models.gguf_convert import _read_tensors
 from engine.models.loader import load_model
+from tests.engine.kernels import kquant_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
 # logits of the tiny model are O(1); int8 activations per block move them by ~1e-2
 GAP_TOL = 0.05
+# the wide one's (weights drawn at half the std, as wide layers sum 4x the terms) reach ~3,
+# and x's int8 rounding moves them by up to ~0.065, the Q8_0 kernel's as the K-quants'
+# (measured): a gap over twice the largest move keeps the argmax
+WIDE_GAP_TOL = 0.15
 HEADS, KV_HEADS = 4, 2  # tests/conftest.py's tiny Llama
+BLOCK_TYPES = sorted(set(cpu_gguf.TYPES) - set(cpu_gguf.K_TYPES))  # gguf-py quantizes these
+# Q4_K_M's pattern, and layer 1's ffn_up Q5_K (a gate_up of two segments too)
+MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K", (1, "ffn_up"): "Q5_K"}
+_METHODS = (GGUFLinearMethod, GGUFSegmentsLinearMethod)
 _NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -38,9 +51,16 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_h
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(hf_dir, path, type_name: str) -> None:
+def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
+    if type_name in cpu_gguf.K_TYPES:
+        return kquant_blocks.quantize(w, type_name)
+    return quantize(w, GGMLQuantizationType[type_name])
+
+
+def _write_gguf(hf_dir, path, type_name: str, overrides: dict | None = None) -> None:
+    """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name}."""
     state = load_file(str(hf_dir / "model.safetensors"))
-    qtype = GGMLQuantizationType[type_name]
+    overrides = overrides or {}
     writer = GGUFWriter(str(path), "llama")
     for name, t in state.items():
         w = t.float().numpy()
@@ -55,10 +75,19 @@ def _write_gguf(hf_dir, path, type_name: str) -> None:
             module = rest.removesuffix(".weight")
             if module.endswith(("q_proj", "k_proj")):
                 w = _permute(w, HEADS if module.endswith("q_proj") else KV_HEADS)
+            part = _NAMES[module]
             if w.ndim == 2:
-                q = quantize(np.ascontiguousarray(w), qtype)
+                t = overrides.get((int(layer), part), overrides.get(part, type_name))
+                if t in ("F16", "F32"):  # a float tensor, as the writer stores numpy's
+                    dtype = np.float16 if t == "F16" else np.float32
+                    writer.add_tensor(f"blk.{layer}.{part}.weight", w.astype(dtype))
+                    continue
+                q = _quantize(np.ascontiguousarray(w), t)
                 writer.add_tensor(
-                    f"blk.{layer}.{_NAMES[module]}.weight", q, raw_shape=q.shape, raw_dtype=qtype
+                    f"blk.{layer}.{part}.weight",
+                    q,
+                    raw_shape=q.shape,
+                    raw_dtype=GGMLQuantizationType[t],
                 )
             else:
                 writer.add_tensor(f"blk.{layer}.{_NAMES[module]}.weight", w)
@@ -68,14 +97,26 @@ def _write_gguf(hf_dir, path, type_name: str) -> None:
     writer.close()
 
 
-@pytest.fixture(scope="module", params=sorted(cpu_gguf.TYPES))
-def gguf_model(request, tiny_llama_dir, tmp_path_factory):
-    """(the .gguf file, an HF folder holding its dequantized float weights)."""
+@pytest.fixture(scope="session")
+def wide_llama_dir(make_tiny_model):
+    """The tiny Llama with K % 256 == 0 in every linear layer (head_dim 64)."""
+    return make_tiny_model(
+        "tiny-llama-256", hidden_size=256, intermediate_size=512, initializer_range=0.05
+    )
+
+
+@pytest.fixture(scope="module", params=[*BLOCK_TYPES, *sorted(cpu_gguf.K_TYPES), "mixed"])
+def gguf_model(request, tiny_llama_dir, wide_llama_dir, tmp_path_factory):
+    """(type name, the .gguf file, an HF folder holding its dequantized float weights)."""
     tmp = tmp_path_factory.mktemp(f"gguf-{request.param}")
     path = tmp / "tiny.gguf"
-    _write_gguf(tiny_llama_dir, path, request.param)
+    hf_dir = tiny_llama_dir if request.param in BLOCK_TYPES else wide_llama_dir
+    if request.param == "mixed":
+        _write_gguf(hf_dir, path, "Q4_K", MIXED)
+    else:
+        _write_gguf(hf_dir, path, request.param)
     folder = tmp / "dequantized"
-    shutil.copytree(tiny_llama_dir, folder)
+    shutil.copytree(hf_dir, folder)
     tensors = _read_tensors(
         GGUFReader(str(path)), {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
     )
@@ -84,9 +125,10 @@ def gguf_model(request, tiny_llama_dir, tmp_path_factory):
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:
-    backend = TorchAttentionBackend(16, HEADS, KV_HEADS, 16, torch.float32)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    backend = TorchAttentionBackend(16, HEADS, KV_HEADS, head_dim, torch.float32)
     for attn in model.attention_layers():
-        attn.kv_cache = torch.zeros(2, 4, 16, KV_HEADS, 16)
+        attn.kv_cache = torch.zeros(2, 4, 16, KV_HEADS, head_dim)
         attn.backend = backend
     meta = backend.build_metadata(common_metadata_from_seqs([(0, len(tokens), [1, 2, 3])], 16))
     with torch.inference_mode():
@@ -96,27 +138,38 @@ def _logits(model, tokens: list[int]) -> torch.Tensor:
 
 def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
     type_name, path, folder = gguf_model
+    gap_tol = GAP_TOL if type_name in BLOCK_TYPES else WIDE_GAP_TOL
     ref = load_model(folder, dtype="float32")
     model = load_model(folder, dtype="float32")
-    assert quantize_model(model, "gguf", gguf_path=path) == 3 * 4  # every linear layer
-    linears = [
-        m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
-    ]
-    assert all(m.weight.dtype == torch.uint8 for m in linears)
+    paths = apply_gguf_blocks(model, path)
+    assert all(why.endswith(" blocks") for c in paths.values() for why in c), paths
+    assert sum(n for c in paths.values() for n in c.values()) == 3 * 4  # every linear layer
+    linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
+    assert len(linears) == 3 * 4 and all(m.weight.dtype == torch.uint8 for m in linears)
+    if type_name == "mixed":  # q/k Q4_K + v Q6_K in every qkv_proj, one layer's gate Q4_K + up Q5_K
+        assert paths["qkv_proj"] == {"Q4_K/Q6_K blocks": 3}
+        assert paths["gate_up_proj"] == {"Q4_K blocks": 2, "Q4_K/Q5_K blocks": 1}
+        assert paths["down_proj"] == {"Q6_K blocks": 3}
+    else:
+        assert not any(isinstance(m.quant_method, GGUFSegmentsLinearMethod) for m in linears)
     file_bytes = sum(
-        t.data.nbytes for t in GGUFReader(str(path)).tensors if t.tensor_type.name == type_name
+        t.data.nbytes
+        for t in GGUFReader(str(path)).tensors
+        if t.name.startswith("blk.") and t.data.ndim > 1
     )
     assert sum(m.weight.nbytes for m in linears) == file_bytes  # the file's blocks, as they are
     tokens, compared = [5, 9, 17, 3], 0
     while len(tokens) < 16:  # prefixes up to 16 rows: the kernel's dot-product path
         r, c = _logits(ref, tokens), _logits(model, tokens)
         top2 = r.topk(2).values
-        if top2[0] - top2[1] > GAP_TOL:
+        if top2[0] - top2[1] > gap_tol:
             assert int(c.argmax()) == int(r.argmax()), (type_name, tokens)
             compared += 1
         assert (c - r).abs().max() < 4 * GAP_TOL  # and the logits themselves stay close
         tokens.append(int(r.argmax()))
     assert compared >= 6
+    prompt = list(range(5, 5 + cpu_gguf.DOT_MAX_ROWS + 4))  # prefill: the dequantized weights'
+    torch.testing.assert_close(_logits(model, prompt), _logits(ref, prompt), rtol=1e-4, atol=1e-4)
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):
@@ -138,3 +191,14 @@ def test_a_model_without_a_gguf_source_is_refused(tiny_llama_dir):
     model = load_model(tiny_llama_dir, dtype="float32")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         quantize_model(model, "gguf", gguf_path=gguf_source(tiny_llama_dir))
+
+
+def test_a_group_with_a_float_part_keeps_the_dequantized_weights(wide_llama_dir, tmp_path):
+    path = tmp_path / "v-f16.gguf"
+    _write_gguf(wide_llama_dir, path, "Q4_K", {"attn_v": "F16"})
+    model = load_model(wide_llama_dir, dtype="float32")
+    paths = apply_gguf_blocks(model, path)
+    assert paths["qkv_proj"] == {"dequantized (Q4_K/Q4_K/F16 (a float part: not a block type))": 3}
+    assert all(paths[k] == {"Q4_K blocks": 3} for k in ("o_proj", "gate_up_proj", "down_proj"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32 and not isinstance(qkv.quant_method, _METHODS)

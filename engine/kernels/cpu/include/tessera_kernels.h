@@ -23,6 +23,9 @@
 #define GGUF_Q4_0 2           /* gguf: ggml's type ids of the block formats gguf.c reads */
 #define GGUF_Q4_1 3
 #define GGUF_Q8_0 8
+#define GGUF_Q4_K 12          /* gguf: the K-quants gguf_k.c reads (superblocks of 256 weights) */
+#define GGUF_Q5_K 13
+#define GGUF_Q6_K 14
 #define GGUF_ISA_SCALAR 0     /* gguf: the kernel variants, gguf_isa's values */
 #define GGUF_ISA_AVX2 1
 #define GGUF_ISA_VNNI 2
@@ -45,6 +48,12 @@ int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out,
 int gguf_block_bytes(int type);
 int gguf_isa_max(void);
 extern int gguf_isa;  /* the variant gguf_linear runs, capped at gguf_isa_max() (set from Python) */
+/* ---- gguf_k.c: the K-quants (Q4_K, Q5_K, Q6_K; K % 256 == 0), reached through gguf.c's entry points ---- */
+int gguf_k_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
+int gguf_k_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+/* one row of K weights (K / 256 superblocks) to float32 / bf16: the large-batch path's panels */
+int gguf_k_dequant_row(int type, const uint8_t* row, int64_t K, float* out);
+int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* out);
 
 /* ---- w8a8.c: int8 activations (engine.layers.cpu_w8a8) ---- */
 void quantize_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);

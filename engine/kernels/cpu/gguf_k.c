@@ -1,0 +1,618 @@
+/* GGUF's K-quants as they are in the file: Q4_K, Q5_K and Q6_K, superblocks of 256 weights
+   along K in ggml's layouts (gguf-py's numpy dequantizers are the reference):
+     Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks
+       of 32, 128 bytes of 4-bit codes (a 32-byte run holds sub-block 2j's low nibbles and
+       2j+1's high ones); w = d * sc_j * q - dmin * m_j.
+     Q5_K (176 bytes): Q4_K's head, 32 bytes qh (bit j of byte l: sub-block j's 5th bit of
+       weight l), then the 128 bytes of low nibbles.
+     Q6_K (210 bytes): 128 bytes ql (low nibbles), 64 bytes qh (2 bits each), 16 int8 scales
+       of sub-blocks of 16, fp16 d; w = d * sc_i * (q - 32).
+   gguf.c's entry points dispatch here for these types. The arithmetic is gguf.c's: x is
+   quantized per block of 32 to int8 with a float scale, and each block's integer dot product
+   with the codes is scaled in float. Q4_K/Q5_K sub-blocks line up with x's blocks, their
+   minimum takes x's block sum; Q6_K's sub-blocks of 16 take x's sums per 16 for the -32.
+   Variants: scalar, AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two sub-blocks of 32 an
+   instruction), picked by gguf.c's gguf_isa, so the tests can force the slower ones.
+   Each superblock's codes are decoded once for up to MAX_R rows of x. The dequantizer
+   (gguf_k_dequant_row: the large-batch path's rows) has the same three variants, equal to
+   the bit. */
+#include "tessera_kernels.h"
+#include "bf16_convert.h"
+#include "avx512_math.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define ISA_MAX GGUF_ISA_VNNI
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA_MAX GGUF_ISA_AVX2
+#else
+#define ISA_MAX GGUF_ISA_SCALAR
+#endif
+
+#define QK 256     /* weights a superblock */
+#define MAX_R 4    /* rows of x a superblock's codes are decoded for at once */
+#define ROWS_PER_TASK 16
+
+static int sb_bytes(int type) {
+  switch (type) {
+    case GGUF_Q4_K: return 144;
+    case GGUF_Q5_K: return 176;
+    case GGUF_Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+static inline float h2f(const uint8_t* p) {  /* an IEEE half, possibly unaligned (as gguf.c) */
+  uint16_t h;
+  memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  union { uint32_t u; float f; } v;
+  if (e == 0) {
+    v.f = (float)m * 5.9604644775390625e-8f;
+    v.u |= s;
+  } else {
+    v.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  }
+  return v.f;
+}
+
+/* Q4_K/Q5_K's 12 scale bytes -> out[0..7] the sub-blocks' scales, out[8..15] their mins */
+static inline void k4_scales(const uint8_t* s, uint8_t out[16]) {
+  uint32_t u[4];
+  memcpy(u, s, 12);
+  const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_lo = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_lo;
+  u[0] &= k1;
+  memcpy(out, u, 16);
+}
+
+/* One superblock's codes in weight order: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before -32) */
+static void decode_codes(int type, const uint8_t* b, uint8_t q[QK]) {
+  if (type == GGUF_Q6_K) {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h, *qh = b + 128 + 32 * h;
+      uint8_t* o = q + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        o[l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+        o[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+        o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+    return;
+  }
+  const uint8_t* qs = b + (type == GGUF_Q5_K ? 48 : 16), *qh = b + 16;
+  for (int j = 0; j < 8; ++j)
+    for (int l = 0; l < 32; ++l) {
+      uint8_t c = (qs[(j / 2) * 32 + l] >> (4 * (j & 1))) & 15;
+      if (type == GGUF_Q5_K) c |= ((qh[l] >> j) & 1) << 4;
+      q[j * 32 + l] = c;
+    }
+}
+
+/* The float weights, each as gguf-py computes it ((d * sc) * q - dmin * m): every product of
+   an fp16 and these small integers is exact in float32, so FMA contraction or reassociation
+   under -ffast-math cannot change a bit. */
+static void dequant_sb(int type, const uint8_t* b, float* out) {
+  uint8_t q[QK];
+  decode_codes(type, b, q);
+  if (type == GGUF_Q6_K) {
+    const float d = h2f(b + 208);
+    const int8_t* sc = (const int8_t*)(b + 192);
+    for (int i = 0; i < 16; ++i) {
+      const float ds = d * (float)sc[i];
+      for (int l = 0; l < 16; ++l) out[16 * i + l] = ds * (float)((int)q[16 * i + l] - 32);
+    }
+    return;
+  }
+  const float d = h2f(b), dmin = h2f(b + 2);
+  uint8_t sm[16];
+  k4_scales(b + 4, sm);
+  for (int j = 0; j < 8; ++j) {
+    const float ds = d * (float)sm[j], dm = dmin * (float)sm[8 + j];
+    for (int l = 0; l < 32; ++l) out[32 * j + l] = ds * (float)q[32 * j + l] - dm;
+  }
+}
+
+/* ---- x, quantized as gguf.c's quantize_row does (the same codes and scales), with more
+   per block: per row q[K], and per block of 32 its scale d and d * sum(q) (the Q4_K/Q5_K
+   minimums' term); per 16, the block's scale again and sum(q) (Q6_K's -32) ---- */
+typedef struct {
+  const int8_t* q;
+  const float *d, *dsum, *d16, *sum16;
+  int64_t K, nb;  /* row strides: q K, d/dsum nb, d16/sum16 2 nb */
+} xrows;
+
+static void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, float* dsum,
+    float* d16, float* sum16) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float v[32], amax = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = bf16 ? bf2f(((const uint16_t*)x)[b * 32 + j]) : ((const float*)x)[b * 32 + j];
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t s[2] = {0, 0};
+    for (int j = 0; j < 32; ++j) {
+      const int r = (int)nearbyintf(v[j] * inv);
+      q[b * 32 + j] = (int8_t)r;
+      s[j / 16] += r;
+    }
+    d[b] = amax / 127.f;
+    dsum[b] = d[b] * (float)(s[0] + s[1]);
+    d16[2 * b] = d16[2 * b + 1] = d[b];
+    sum16[2 * b] = (float)s[0];
+    sum16[2 * b + 1] = (float)s[1];
+  }
+}
+
+/* ---- scalar ---- */
+static inline __attribute__((always_inline)) void dot_scalar(int type, int R, const uint8_t* w,
+    int64_t nsb, const xrows* X, float* out) {
+  const int bs = sb_bytes(type);
+  float acc[MAX_R] = {0.f};
+  uint8_t q[QK];
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* b = w + s * bs;
+    decode_codes(type, b, q);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = X->q + r * X->K + s * QK;
+      if (type == GGUF_Q6_K) {
+        const float d = h2f(b + 208);
+        const int8_t* sc = (const int8_t*)(b + 192);
+        const float* d16 = X->d16 + r * 2 * X->nb + s * 16, *s16 = X->sum16 + r * 2 * X->nb + s * 16;
+        for (int i = 0; i < 16; ++i) {
+          int32_t isum = 0;
+          for (int l = 0; l < 16; ++l) isum += q[16 * i + l] * x[16 * i + l];
+          acc[r] += d * (float)sc[i] * d16[i] * ((float)isum - 32.f * s16[i]);
+        }
+      } else {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        uint8_t sm[16];
+        k4_scales(b + 4, sm);
+        const float* xd = X->d + r * X->nb + s * 8, *xds = X->dsum + r * X->nb + s * 8;
+        for (int j = 0; j < 8; ++j) {
+          int32_t isum = 0;
+          for (int l = 0; l < 32; ++l) isum += q[32 * j + l] * x[32 * j + l];
+          acc[r] += d * (float)sm[j] * xd[j] * (float)isum - dmin * (float)sm[8 + j] * xds[j];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+#if ISA_MAX >= GGUF_ISA_AVX2
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+/* sum of u8 * s8 in 8 int32 lanes of 4 neighbours each (codes <= 63, |x| <= 127: the int16
+   pair sums of maddubs cannot saturate) */
+static inline __m256i dot_avx2(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* One superblock's codes as 8 runs of 32 bytes (sub-blocks of 32, weight order). */
+static inline __attribute__((always_inline)) void decode_vec(int type, const uint8_t* b,
+    __m256i u[8]) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if (type == GGUF_Q6_K) {
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qa = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+      const __m256i qb = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+      /* 16-bit shifts move bits within each byte's 2-bit field here (masked after) */
+      u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(qa, m4),
+                                     _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+      u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(qb, m4),
+                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+      u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                                     _mm256_and_si256(qh, m30));
+      u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+    }
+    return;
+  }
+  const uint8_t* qs = b + (type == GGUF_Q5_K ? 48 : 16);
+  __m256i qh = type == GGUF_Q5_K ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
+  const __m256i bit4 = _mm256_set1_epi8(16);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (type == GGUF_Q5_K) {  /* bits 2j and 2j+1 of qh, moved to bit 4 (qh shifts by 2 a pair) */
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+      qh = _mm256_srli_epi16(qh, 2);
+    }
+    u[2 * j] = lo;
+    u[2 * j + 1] = hi;
+  }
+}
+
+/* Q4_K/Q5_K: d * sc and dmin * m per sub-block as floats. k4_scales in SSE registers (its
+   dword lanes L0 L1 L2 = the 12 bytes): a scalar unpack stored to memory and loaded back as
+   one vector stalls on store forwarding, about half of a 1-row superblock's time. */
+static inline void k4_scales_vec(const uint8_t* b, __m256* dsc, __m256* dm) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)(b + 4));  /* 12 bytes + 4 of the codes */
+  const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  /* L0 L2 L1 L2 */
+  const __m128i c = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  /* L0 L0 L1 L1 */
+  const __m128i as = _mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i lo = _mm_and_si128(as, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i hi = _mm_and_si128(_mm_slli_epi32(_mm_srli_epi32(c, 6), 4),
+                                   _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i sm = _mm_or_si128(lo, hi);  /* bytes 0-7 the scales, 8-15 the mins */
+  *dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+  *dm = _mm256_mul_ps(_mm256_set1_ps(h2f(b + 2)),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
+/* Q6_K: d * sc for the 16 sub-blocks, as two vectors of 8 */
+static inline void k6_scales_vec(const uint8_t* b, __m256* lo, __m256* hi) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)(b + 192));
+  const __m256 d = _mm256_set1_ps(h2f(b + 208));
+  *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+  *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+}
+
+/* 8 floats to out (float32) or outb (bf16, rounded as f2bf: to nearest even) */
+static inline void store8(float* out, uint16_t* outb, int64_t o, __m256 v) {
+  if (!outb) {
+    _mm256_storeu_ps(out + o, v);
+    return;
+  }
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+  _mm_storeu_si128((__m128i*)(outb + o), _mm256_castsi256_si128(packed));
+}
+
+/* dequant_sb in vectors, 8 weights an instruction: the same products, each exact (so the
+   same bits whether or not the compiler fuses the subtraction) */
+static void dequant_sb_vec(int type, const uint8_t* b, float* out, uint16_t* outb) {
+  __m256i u[8];
+  decode_vec(type, b, u);
+  __m256 s0, s1;  /* Q6_K: d * sc of sub-blocks 0-7, 8-15; else d * sc, dmin * m */
+  if (type == GGUF_Q6_K) k6_scales_vec(b, &s0, &s1);
+  else k4_scales_vec(b, &s0, &s1);
+  for (int j = 0; j < 8; ++j) {
+    const __m128i h[2] = {_mm256_castsi256_si128(u[j]), _mm256_extracti128_si256(u[j], 1)};
+    for (int t = 0; t < 4; ++t) {
+      const __m128i c = t & 1 ? _mm_srli_si128(h[t / 2], 8) : h[t / 2];
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+      __m256 v;
+      if (type == GGUF_Q6_K) {  /* sub-block of 16: 2j + t / 2 */
+        const int i = 2 * j + t / 2;
+        const __m256 ds = _mm256_permutevar8x32_ps(i < 8 ? s0 : s1, _mm256_set1_epi32(i & 7));
+        v = _mm256_mul_ps(ds, _mm256_sub_ps(q, _mm256_set1_ps(32.f)));
+      } else {
+        const __m256i jj = _mm256_set1_epi32(j);
+        v = _mm256_sub_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(s0, jj), q),
+                          _mm256_permutevar8x32_ps(s1, jj));
+      }
+      store8(out, outb, 32 * j + 8 * t, v);
+    }
+  }
+}
+
+/* ---- AVX2: a sub-block of 32 an instruction; the per-lane scales are lanes of the
+   per-superblock scale vector, spread with permutevar8x32 ---- */
+static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
+    const uint8_t* w, int64_t nsb, const xrows* X, float* out) {
+  const int bs = sb_bytes(type);
+  __m256 acc[MAX_R], off[MAX_R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); off[r] = _mm256_setzero_ps(); }
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* b = w + s * bs;
+    __m256i u[8];
+    decode_vec(type, b, u);
+    if (type == GGUF_Q6_K) {
+      __m256 slo, shi;
+      k6_scales_vec(b, &slo, &shi);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = X->q + r * X->K + s * QK;
+        const float* d16 = X->d16 + r * 2 * X->nb + s * 16, *s16 = X->sum16 + r * 2 * X->nb + s * 16;
+        const __m256 lo = _mm256_mul_ps(slo, _mm256_loadu_ps(d16));
+        const __m256 hi = _mm256_mul_ps(shi, _mm256_loadu_ps(d16 + 8));
+        off[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s16), off[r]);
+        off[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s16 + 8), off[r]);
+        for (int k = 0; k < 8; ++k) {  /* lanes 0-3: sub-block 2k of 16, 4-7: 2k+1 */
+          const int i = 2 * (k & 3);
+          const __m256i idx = _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1);
+          const __m256 sc = _mm256_permutevar8x32_ps(k < 4 ? lo : hi, idx);
+          const __m256i dp = dot_avx2(u[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc, acc[r]);
+        }
+      }
+    } else {
+      __m256 dsc, dm;
+      k4_scales_vec(b, &dsc, &dm);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = X->q + r * X->K + s * QK;
+        const __m256 sc8 = _mm256_mul_ps(dsc, _mm256_loadu_ps(X->d + r * X->nb + s * 8));
+        off[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(X->dsum + r * X->nb + s * 8), off[r]);
+        for (int j = 0; j < 8; ++j) {
+          const __m256 sc = _mm256_permutevar8x32_ps(sc8, _mm256_set1_epi32(j));
+          const __m256i dp = dot_avx2(u[j], _mm256_loadu_si256((const __m256i*)(x + 32 * j)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc, acc[r]);
+        }
+      }
+    }
+  }
+  const float k = type == GGUF_Q6_K ? 32.f : 1.f;
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - k * hsum8(off[r]);
+}
+#endif
+
+#if ISA_MAX >= GGUF_ISA_VNNI
+/* ---- AVX-512 VNNI: two sub-blocks of 32 a dpbusd; each lane's float scale is picked from
+   the superblock's scales (d * sc * x's scale, one vector per row) with permutexvar ---- */
+/* One superblock's codes as 4 pairs of sub-blocks of 32 (decode_vec's runs 2p, 2p+1), built
+   in 512-bit registers: a run of 32 bytes broadcast to both halves and shifted per half
+   takes fewer instructions than two 256-bit halves joined. */
+static inline __attribute__((always_inline)) void decode_vec512(int type, const uint8_t* b,
+    __m512i u[4]) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  if (type == GGUF_Q6_K) {
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_loadu_si512((const void*)(b + 64 * h));  /* ql runs a | b */
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
+      u[2 * h] = _mm512_or_si512(_mm512_and_si512(q, m4),
+                                 _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
+      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                     _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
+    }
+    return;
+  }
+  const uint8_t* qs = b + (type == GGUF_Q5_K ? 48 : 16);
+  const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  __m512i qh = type == GGUF_Q5_K
+      ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16))) : _mm512_setzero_si512();
+  /* Q5_K: sub-block 2p's 5th bits are qh's bit 2p, 2p+1's bit 2p+1 */
+  const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
+  for (int p = 0; p < 4; ++p) {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * p)));
+    __m512i c = _mm512_and_si512(_mm512_srlv_epi16(v, sh), m4);
+    if (type == GGUF_Q5_K) {
+      const __mmask64 k = _mm512_test_epi8_mask(qh, bit);
+      c = _mm512_mask_add_epi8(c, k, c, _mm512_set1_epi8(16));
+      qh = _mm512_srli_epi16(qh, 2);
+    }
+    u[p] = c;
+  }
+}
+
+/* dequant_sb_vec 16 weights an instruction */
+static void dequant_sb_512(int type, const uint8_t* b, float* out, uint16_t* outb) {
+  __m512i u[4];
+  decode_vec512(type, b, u);
+  __m256 s0, s1;
+  if (type == GGUF_Q6_K) k6_scales_vec(b, &s0, &s1);
+  else k4_scales_vec(b, &s0, &s1);
+  float sc[16];  /* Q6_K: d * sc of the 16 sub-blocks; else 8 of d * sc, then 8 of dmin * m */
+  _mm256_storeu_ps(sc, s0);
+  _mm256_storeu_ps(sc + 8, s1);
+  for (int p = 0; p < 4; ++p)
+    for (int g = 0; g < 4; ++g) {  /* 16 codes: Q6_K's sub-block 4p + g, else 2p + g / 2 */
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u[p], g)));
+      __m512 v;
+      if (type == GGUF_Q6_K) {
+        v = _mm512_mul_ps(_mm512_set1_ps(sc[4 * p + g]), _mm512_sub_ps(q, _mm512_set1_ps(32.f)));
+      } else {
+        const int j = 2 * p + g / 2;
+        v = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sc[j]), q), _mm512_set1_ps(sc[8 + j]));
+      }
+      const int64_t o = 64 * p + 16 * g;
+      if (outb) _mm256_storeu_si256((__m256i*)(outb + o), f2bf512(v));
+      else _mm512_storeu_ps(out + o, v);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
+    const uint8_t* w, int64_t nsb, const xrows* X, float* out) {
+  const int bs = sb_bytes(type);
+  __m512 acc[MAX_R];
+  __m512 off6[MAX_R];  /* Q6_K: sum of scale * x's sums per 16 (the -32) */
+  __m256 off4[MAX_R];  /* Q4_K/Q5_K: sum of dmin * m * x's scaled block sums */
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    off6[r] = _mm512_setzero_ps();
+    off4[r] = _mm256_setzero_ps();
+  }
+  /* pair p's lanes: Q4/5 [2p x8, 2p+1 x8] of 8 scales; Q6 [4p x4 .. 4p+3 x4] of 16 */
+  __m512i idx[4];
+  for (int p = 0; p < 4; ++p)
+    idx[p] = type == GGUF_Q6_K
+        ? _mm512_setr_epi32(4 * p, 4 * p, 4 * p, 4 * p, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1,
+              4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3)
+        : _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
+              2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* b = w + s * bs;
+    __m512i u[4];
+    decode_vec512(type, b, u);
+    if (type == GGUF_Q6_K) {
+      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(h2f(b + 208)),
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = X->q + r * X->K + s * QK;
+        const int64_t o = r * 2 * X->nb + s * 16;
+        const __m512 sc16 = _mm512_mul_ps(dsc, _mm512_loadu_ps(X->d16 + o));
+        off6[r] = _mm512_fmadd_ps(sc16, _mm512_loadu_ps(X->sum16 + o), off6[r]);
+        for (int p = 0; p < 4; ++p) {
+          const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p],
+                                                 _mm512_loadu_si512((const void*)(x + 64 * p)));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(idx[p], sc16), acc[r]);
+        }
+      }
+    } else {
+      __m256 dsc, dm;
+      k4_scales_vec(b, &dsc, &dm);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = X->q + r * X->K + s * QK;
+        const __m512 sc8 = _mm512_castps256_ps512(
+            _mm256_mul_ps(dsc, _mm256_loadu_ps(X->d + r * X->nb + s * 8)));
+        off4[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(X->dsum + r * X->nb + s * 8), off4[r]);
+        for (int p = 0; p < 4; ++p) {
+          const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p],
+                                                 _mm512_loadu_si512((const void*)(x + 64 * p)));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(idx[p], sc8), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm512_reduce_add_ps(acc[r]) -
+             (type == GGUF_Q6_K ? 32.f * _mm512_reduce_add_ps(off6[r]) : hsum8(off4[r]));
+}
+#endif
+
+/* ---- dequantization: vectors where gguf_isa allows (the scalar code stays reachable for
+   the tests), the same bits either way ---- */
+static void dequant_row(int type, const uint8_t* row, int64_t K, float* out, uint16_t* outb) {
+  const int bs = sb_bytes(type);
+  for (int64_t s = 0; s < K / QK; ++s) {
+    float* o = out ? out + s * QK : NULL;
+    uint16_t* ob = outb ? outb + s * QK : NULL;
+#if ISA_MAX >= GGUF_ISA_VNNI
+    if (gguf_isa >= GGUF_ISA_VNNI) {
+      dequant_sb_512(type, row + s * bs, o, ob);
+      continue;
+    }
+#endif
+#if ISA_MAX >= GGUF_ISA_AVX2
+    if (gguf_isa >= GGUF_ISA_AVX2) {
+      dequant_sb_vec(type, row + s * bs, o, ob);
+      continue;
+    }
+#endif
+    if (o) {
+      dequant_sb(type, row + s * bs, o);
+    } else {
+      float v[QK];
+      dequant_sb(type, row + s * bs, v);
+      for (int j = 0; j < QK; ++j) ob[j] = f2bf(v[j]);
+    }
+  }
+}
+
+int gguf_k_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
+  if (!sb_bytes(type) || K % QK) return -1;
+  dequant_row(type, row, K, out, NULL);
+  return 0;
+}
+
+int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* out) {
+  if (!sb_bytes(type) || K % QK) return -1;
+  dequant_row(type, row, K, NULL, out);
+  return 0;
+}
+
+int gguf_k_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
+    int nthreads) {
+  const int bs = sb_bytes(type);
+  if (!bs || K % QK) return -1;
+  const int64_t rb = K / QK * bs;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t n = 0; n < N; ++n)
+    dequant_row(type, w + n * rb, K, bf16 ? NULL : (float*)out + n * K,
+                bf16 ? (uint16_t*)out + n * K : NULL);
+  return 0;
+}
+
+typedef void (*dot_fn)(const uint8_t*, int64_t, const xrows*, float*);
+#define DEFINE_DOT(NAME, CALL) \
+  static void NAME(const uint8_t* w, int64_t nsb, const xrows* X, float* out) { CALL; }
+#define DEFINE_ROWS(SUFFIX, TYPE, CALLER)                                                     \
+  DEFINE_DOT(dot_##SUFFIX##_1, CALLER(TYPE, 1, w, nsb, X, out))                               \
+  DEFINE_DOT(dot_##SUFFIX##_2, CALLER(TYPE, 2, w, nsb, X, out))                               \
+  DEFINE_DOT(dot_##SUFFIX##_3, CALLER(TYPE, 3, w, nsb, X, out))                               \
+  DEFINE_DOT(dot_##SUFFIX##_4, CALLER(TYPE, 4, w, nsb, X, out))                               \
+  static const dot_fn DOT_##SUFFIX[MAX_R] = {dot_##SUFFIX##_1, dot_##SUFFIX##_2,              \
+      dot_##SUFFIX##_3, dot_##SUFFIX##_4};
+DEFINE_ROWS(q4k_s, GGUF_Q4_K, dot_scalar)
+DEFINE_ROWS(q5k_s, GGUF_Q5_K, dot_scalar)
+DEFINE_ROWS(q6k_s, GGUF_Q6_K, dot_scalar)
+#if ISA_MAX >= GGUF_ISA_AVX2
+DEFINE_ROWS(q4k_a, GGUF_Q4_K, dot_avx2_rows)
+DEFINE_ROWS(q5k_a, GGUF_Q5_K, dot_avx2_rows)
+DEFINE_ROWS(q6k_a, GGUF_Q6_K, dot_avx2_rows)
+#endif
+#if ISA_MAX >= GGUF_ISA_VNNI
+DEFINE_ROWS(q4k_v, GGUF_Q4_K, dot_vnni_rows)
+DEFINE_ROWS(q5k_v, GGUF_Q5_K, dot_vnni_rows)
+DEFINE_ROWS(q6k_v, GGUF_Q6_K, dot_vnni_rows)
+#endif
+
+static const dot_fn* pick(int type, int isa) {
+  if (isa > ISA_MAX) isa = ISA_MAX;
+#if ISA_MAX >= GGUF_ISA_VNNI
+  if (isa >= GGUF_ISA_VNNI)
+    return type == GGUF_Q4_K ? DOT_q4k_v : type == GGUF_Q5_K ? DOT_q5k_v : DOT_q6k_v;
+#endif
+#if ISA_MAX >= GGUF_ISA_AVX2
+  if (isa >= GGUF_ISA_AVX2)
+    return type == GGUF_Q4_K ? DOT_q4k_a : type == GGUF_Q5_K ? DOT_q5k_a : DOT_q6k_a;
+#endif
+  (void)isa;
+  return type == GGUF_Q4_K ? DOT_q4k_s : type == GGUF_Q5_K ? DOT_q5k_s : DOT_q6k_s;
+}
+
+int gguf_k_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type,
+    int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads) {
+  const int bs = sb_bytes(type);
+  if (!bs || K % QK || M < 1) return -1;
+  const int64_t nb = K / 32, nsb = K / QK;
+  /* q [M K] int8, then floats: d, dsum [M nb], d16, sum16 [M 2nb] (K % 256: aligned) */
+  int8_t* xq = (int8_t*)malloc((size_t)M * K + (size_t)M * nb * 6 * sizeof(float));
+  if (!xq) return -1;
+  float* xd = (float*)(xq + M * K);
+  float* xds = xd + M * nb, *xd16 = xds + M * nb, *xs16 = xd16 + 2 * M * nb;
+  const size_t esize = bf16 ? 2 : 4;
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row((const char*)x + m * ldx * esize, bf16, K, xq + m * K, xd + m * nb,
+                 xds + m * nb, xd16 + 2 * m * nb, xs16 + 2 * m * nb);
+  const dot_fn* dot = pick(type, gguf_isa);
+  const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rb = nsb * bs;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
+    for (int64_t n = t * ROWS_PER_TASK; n < n1; ++n) {
+      const float bn = bias ? (bf16 ? bf2f(((const uint16_t*)bias)[n]) : ((const float*)bias)[n]) : 0.f;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
+        const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
+        const xrows X = {xq + m0 * K, xd + m0 * nb, xds + m0 * nb, xd16 + 2 * m0 * nb,
+                         xs16 + 2 * m0 * nb, K, nb};
+        float v[MAX_R];
+        dot[R - 1](w + n * rb, nsb, &X, v);
+        for (int r = 0; r < R; ++r) {
+          if (bf16) ((uint16_t*)y)[(m0 + r) * ldy + n] = f2bf(v[r] + bn);
+          else ((float*)y)[(m0 + r) * ldy + n] = v[r] + bn;
+        }
+      }
+    }
+  }
+  free(xq);
+  return 0;
+}

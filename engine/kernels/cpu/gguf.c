@@ -283,33 +283,46 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
   return 0;
 }
 
-int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
-    int nthreads) {
+/* One row of K weights (K / 32 blocks) -> float32; -1 for a type this file does not read. */
+int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   const int bs = block_bytes(type);
   if (!bs || K % 32) return -1;
-  const int64_t nb = K / 32;
-  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + (n * nb + b) * bs;
-      const float d = h2f(blk), mn = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
-      float v[32];
-      if (type == GGUF_Q8_0) {
-        for (int j = 0; j < 32; ++j) v[j] = d * (float)((const int8_t*)(blk + 2))[j];
-      } else {
-        const uint8_t* q = blk + (type == GGUF_Q4_1 ? 4 : 2);
-        const int off = type == GGUF_Q4_0 ? 8 : 0;
-        for (int j = 0; j < 16; ++j) {
-          v[j] = d * (float)((q[j] & 15) - off) + mn;
-          v[j + 16] = d * (float)((q[j] >> 4) - off) + mn;
-        }
-      }
-      const int64_t o = n * K + b * 32;
-      for (int j = 0; j < 32; ++j) {
-        if (bf16) ((uint16_t*)out)[o + j] = f2bf(v[j]);
-        else ((float*)out)[o + j] = v[j];
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * bs;
+    const float d = h2f(blk), mn = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
+    float* v = out + b * 32;
+    if (type == GGUF_Q8_0) {
+      for (int j = 0; j < 32; ++j) v[j] = d * (float)((const int8_t*)(blk + 2))[j];
+    } else {
+      const uint8_t* q = blk + (type == GGUF_Q4_1 ? 4 : 2);
+      const int off = type == GGUF_Q4_0 ? 8 : 0;
+      for (int j = 0; j < 16; ++j) {
+        v[j] = d * (float)((q[j] & 15) - off) + mn;
+        v[j + 16] = d * (float)((q[j] >> 4) - off) + mn;
       }
     }
   }
   return 0;
+}
+
+int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
+    int nthreads) {
+  const int bs = block_bytes(type);
+  if (!bs || K % 32) return -1;
+  const int64_t rb = K / 32 * bs;
+  int failed = 0;
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(|:failed)")
+  {
+    float* v = bf16 ? (float*)malloc(sizeof(float) * K) : NULL;  /* a row, then rounded */
+    if (bf16 && !v) failed = 1;
+    _Pragma("omp for schedule(static)")
+    for (int64_t n = 0; n < N; ++n) {
+      if (failed) continue;
+      float* row = bf16 ? v : (float*)out + n * K;
+      if (gguf_dequant_row(type, w + n * rb, K, row)) { failed = 1; continue; }
+      if (bf16) for (int64_t k = 0; k < K; ++k) ((uint16_t*)out)[n * K + k] = f2bf(v[k]);
+    }
+    free(v);
+  }
+  return failed ? -1 : 0;
 }

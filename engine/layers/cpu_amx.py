@@ -1,0 +1,147 @@
+"""y = x W^T (+ b) on AMX-bf16 tiles (engine/kernels/cpu/amx_bf16.c), for batches of bf16 rows.
+
+Why: on CPUs with AMX (Intel Sapphire Rapids and later) one tdpbf16ps multiplies 16 rows x 32
+k of x with 32 k x 16 columns of W (8,192 bf16 products, float32 sums) in 16 cycles: 16x an
+AVX512-BF16 vdpbf16ps's work. From a few rows up that beats the `_dp` kernels (cpu_gemm), whose
+cost grows with the rows, and oneDNN's F.linear, which has a fixed cost per call that the
+small matrices of a model like SmolLM2-135M never amortize. One-row decode stays on the dot
+kernels (cpu_gemm, cpu_w4, cpu_gguf): the tile setup and the 16-row tiles are wasted there.
+engine.layers.cpu_isa picks the rows where each kernel takes over, per instruction set.
+
+One GEMM, three weight sources, each brought into the B-tile layout (pairs of k interleaved,
+16 output columns a tile) once per call and panel, then reused by every 16-row tile of x:
+  - linear: bf16 weights packed once at load (pack: the same bytes, reordered; the layer
+    keeps both copies, see engine.layers.quantization.unquantized);
+  - linear_w4: cpu_w4's 4-bit tiles (16 rows, groups of 32: one group is one B tile), each
+    thread decoding its panel into a buffer in L1/L2 (GGUF Q4_0/Q4_1 repacked into w4 tiles,
+    w4a8);
+  - linear_gguf: GGUF rows of any type gguf_dequant_row reads (cpu_gguf's large batches),
+    decoded row by row into the panel's buffer instead of the whole weight into memory.
+The weights are rounded to bf16 where they are not bf16 already (as cpu_gguf's dequantized
+copy was). Column pairs (32 outputs) are split over the threads; tiles of 32 x 32 outputs
+keep four sum tiles. K not a multiple of 32 and the last rows' tile go through a zero-padded
+copy of x; columns past N are padding in the B tiles, masked on the way out.
+
+Without AMX-bf16 (the build's -march=native, or Linux refusing the tile state: arch_prctl),
+or with TESSERA_AMX=0, available() is False and every function answers None: the callers keep
+their other paths. torch's F.linear on the same bf16 values in float32 is the tests' reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels.cpu import ops
+
+PANEL = 16  # output columns per B tile
+K_CHUNK = 32  # k per B tile
+
+_on: list[bool] = []  # decided once per process
+
+
+def available() -> bool:
+    """Whether the AMX-bf16 GEMMs run here (built, permitted, not turned off by TESSERA_AMX=0)."""
+    if not _on:
+        fn = ops.function("amx_bf16_enabled")
+        _on.append(os.environ.get("TESSERA_AMX") != "0" and fn is not None and bool(fn()))
+    return _on[0]
+
+
+@dataclass(frozen=True)
+class PackedBF16:
+    """A bf16 weight [out_features, in_features] in the B-tile layout (bf16, padded to whole
+    panels of 16 columns and chunks of 32 k)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack(weight: torch.Tensor) -> PackedBF16 | None:
+    """bf16 [N, K] -> its packed copy, or None where AMX does not run."""
+    if not available() or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    w = weight.contiguous()
+    size = -(-n // PANEL) * PANEL * (-(-k // K_CHUNK) * K_CHUNK)
+    out = torch.empty(size, dtype=torch.bfloat16)
+    ops.function("amx_bf16_pack")(w.data_ptr(), n, k, out.data_ptr())
+    return PackedBF16(out, n, k)
+
+
+def _rows(x: torch.Tensor, k: int, bias: torch.Tensor | None):
+    """x as [M, K] bf16 rows with unit stride and bias as bf16, or None where AMX cannot take
+    the call."""
+    if not available() or x.dtype != torch.bfloat16 or x.shape[-1] != k or x.device.type != "cpu":
+        return None
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    return x2, bias
+
+
+def _call(fn_name: str, x: torch.Tensor, x2, bias, n: int, out_dtype, *weight_args):
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return None
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype)
+    rc = ops.function(fn_name)(
+        x2.data_ptr(), x2.stride(0), m, x2.shape[1], *weight_args, n,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+        int(out_dtype == torch.float32), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc != 0 else y.view(*x.shape[:-1], n)
+
+
+def linear(
+    x: torch.Tensor,
+    packed: PackedBF16,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """x [..., K] bf16 @ W^T (+ bias) on the packed weight, out_dtype bf16 (default) or
+    float32; None where AMX cannot take the call."""
+    r = _rows(x, packed.in_features, bias)
+    if r is None:
+        return None
+    return _call("amx_bf16_linear", x, r[0], r[1], packed.out_features, out_dtype,
+                 packed.data.data_ptr())  # fmt: skip
+
+
+def linear_w4(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    out_features: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """x [..., K] bf16 against 4-bit w4 tiles (cpu_w4.Q4Weight.data: uint8 [tiles, K / 32 *
+    320]); None where AMX cannot take the call (K % 32, no AMX)."""
+    r = _rows(x, in_features, bias)
+    if r is None or in_features % K_CHUNK or not tiles.is_contiguous():
+        return None
+    return _call("amx_bf16_linear_w4", x, r[0], r[1], out_features, out_dtype, tiles.data_ptr())
+
+
+def linear_gguf(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    type_id: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """x [..., K] bf16 against GGUF rows (uint8 [N, row bytes], a type gguf_dequant_row
+    reads); None where AMX cannot take the call."""
+    r = _rows(x, in_features, bias)
+    if r is None or not blocks.is_contiguous():
+        return None
+    return _call("amx_bf16_linear_gguf", x, r[0], r[1], blocks.shape[0], out_dtype,
+                 blocks.data_ptr(), blocks.shape[1], type_id)  # fmt: skip

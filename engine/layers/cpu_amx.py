@@ -8,19 +8,23 @@ small matrices of a model like SmolLM2-135M never amortize. One-row decode stays
 kernels (cpu_gemm, cpu_w4, cpu_gguf): the tile setup and the 16-row tiles are wasted there.
 engine.layers.cpu_isa picks the rows where each kernel takes over, per instruction set.
 
-One GEMM, three weight sources, each brought into the B-tile layout (pairs of k interleaved,
-16 output columns a tile) once per call and panel, then reused by every 16-row tile of x:
-  - linear: bf16 weights packed once at load (pack: the same bytes, reordered; the layer
-    keeps both copies, see engine.layers.quantization.unquantized);
-  - linear_w4: cpu_w4's 4-bit tiles (16 rows, groups of 32: one group is one B tile), each
-    thread decoding its panel into a buffer in L1/L2 (GGUF Q4_0/Q4_1 repacked into w4 tiles,
-    w4a8);
-  - linear_gguf: GGUF rows of any type gguf_dequant_row reads (cpu_gguf's large batches),
-    decoded row by row into the panel's buffer instead of the whole weight into memory.
-The weights are rounded to bf16 where they are not bf16 already (as cpu_gguf's dequantized
-copy was). Column pairs (32 outputs) are split over the threads; tiles of 32 x 32 outputs
-keep four sum tiles. K not a multiple of 32 and the last rows' tile go through a zero-padded
-copy of x; columns past N are padding in the B tiles, masked on the way out.
+One GEMM, three weight sources. Pairs of 16-output tiles (32 outputs) are split over the
+threads; each thread brings its pair's weights into tile form once and runs every 32 rows of
+x over them, in four 16 x 16 float32 sum tiles:
+  - linear: bf16 weights [N, K] as they are (no second copy): 16 weight rows are the A operand
+    of tdpbf16ps as they lie in memory, and x, rearranged once per call into B tiles (pairs
+    of k interleaved, 16 rows of x a tile), the other; the sums come out transposed and are
+    turned back on the way out. Measured against a packed copy of W in the B layout (x as A):
+    equal within noise at 1-32 rows, 3-7% slower at 64-128, so no packed copy is kept;
+  - linear_gguf: GGUF rows of any type gguf_dequant_row reads (cpu_gguf's large batches), the
+    same A operand decoded 16 rows at a time into a buffer in L1/L2, instead of the whole
+    weight into memory then F.linear;
+  - linear_w4: cpu_w4's 4-bit tiles (16 rows, groups of 32: one group is exactly one B tile of
+    W, codes already in its order), decoded into a buffer in L2 (GGUF Q4_0/Q4_1 repacked into
+    w4 tiles, w4a8); here x is the A operand as it lies.
+Weights are rounded to bf16 where they are not bf16 already (as cpu_gguf's dequantized copy
+was). K not a multiple of 32 and the last tiles of rows go through zero-padded copies;
+outputs past N are masked on the way out.
 
 Without AMX-bf16 (the build's -march=native, or Linux refusing the tile state: arch_prctl),
 or with TESSERA_AMX=0, available() is False and every function answers None: the callers keep
@@ -30,13 +34,11 @@ their other paths. torch's F.linear on the same bf16 values in float32 is the te
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from engine.kernels.cpu import ops
 
-PANEL = 16  # output columns per B tile
 K_CHUNK = 32  # k per B tile
 
 _on: list[bool] = []  # decided once per process
@@ -48,28 +50,6 @@ def available() -> bool:
         fn = ops.function("amx_bf16_enabled")
         _on.append(os.environ.get("TESSERA_AMX") != "0" and fn is not None and bool(fn()))
     return _on[0]
-
-
-@dataclass(frozen=True)
-class PackedBF16:
-    """A bf16 weight [out_features, in_features] in the B-tile layout (bf16, padded to whole
-    panels of 16 columns and chunks of 32 k)."""
-
-    data: torch.Tensor
-    out_features: int
-    in_features: int
-
-
-def pack(weight: torch.Tensor) -> PackedBF16 | None:
-    """bf16 [N, K] -> its packed copy, or None where AMX does not run."""
-    if not available() or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return None
-    n, k = weight.shape
-    w = weight.contiguous()
-    size = -(-n // PANEL) * PANEL * (-(-k // K_CHUNK) * K_CHUNK)
-    out = torch.empty(size, dtype=torch.bfloat16)
-    ops.function("amx_bf16_pack")(w.data_ptr(), n, k, out.data_ptr())
-    return PackedBF16(out, n, k)
 
 
 def _rows(x: torch.Tensor, k: int, bias: torch.Tensor | None):
@@ -101,17 +81,18 @@ def _call(fn_name: str, x: torch.Tensor, x2, bias, n: int, out_dtype, *weight_ar
 
 def linear(
     x: torch.Tensor,
-    packed: PackedBF16,
+    weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
-    """x [..., K] bf16 @ W^T (+ bias) on the packed weight, out_dtype bf16 (default) or
-    float32; None where AMX cannot take the call."""
-    r = _rows(x, packed.in_features, bias)
+    """x [..., K] bf16 @ weight^T (+ bias) for a bf16 weight [N, K] (contiguous), out_dtype bf16
+    (default) or float32; None where AMX cannot take the call."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    r = _rows(x, weight.shape[1], bias)
     if r is None:
         return None
-    return _call("amx_bf16_linear", x, r[0], r[1], packed.out_features, out_dtype,
-                 packed.data.data_ptr())  # fmt: skip
+    return _call("amx_bf16_linear", x, r[0], r[1], weight.shape[0], out_dtype, weight.data_ptr())
 
 
 def linear_w4(

@@ -1,6 +1,6 @@
 /* y = x W^T (+ b) on AMX-bf16 tiles (tdpbf16ps), bf16 x, float32 sums, bf16 or float32 y; W
-   from one of three sources: bf16 prepacked into the B-tile layout, 4-bit w4 tiles, or GGUF
-   rows through gguf_dequant_row. engine/layers/cpu_amx.py says why and when. */
+   from one of three sources: bf16 rows as they are, 4-bit w4 tiles, or GGUF rows through
+   gguf_dequant_row. engine/layers/cpu_amx.py says why and when. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 
@@ -9,21 +9,11 @@
 #include <string.h>
 #include <omp.h>
 
-/* A B tile: 16 pairs of k (32 k) x 16 output columns, each pair two adjacent bf16 (64 bytes
-   a pair row): 512 bf16. A column panel of 16 outputs is its K / 32 tiles one after another. */
+/* A B tile: 16 pairs of k (32 k) x 16 columns, each pair two adjacent bf16 (64 bytes a pair
+   row): 512 bf16. */
 #define AMX_PANEL 16
 #define AMX_KCHUNK 32
 #define BTILE (AMX_PANEL * AMX_KCHUNK)
-
-/* w [N][K] bf16 -> the B tiles of each 16-column panel (columns past N and k past K zero):
-   (N rounded up to 16) x (K rounded up to 32) bf16. Portable: it only moves bytes. */
-void amx_bf16_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
-  const int64_t Kp = (K + 31) / 32 * 32, KC = Kp / 32, panels = (N + 15) / 16;
-  memset(out, 0, (size_t)panels * KC * BTILE * 2);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k)
-      out[((n / 16) * KC + k / 32) * BTILE + ((k % 32) / 2) * 32 + (n % 16) * 2 + (k % 2)] = w[n * K + k];
-}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
@@ -41,6 +31,15 @@ int amx_bf16_enabled(void) {
 typedef struct {
   uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
 } tile_config;
+/* The weight sources. */
+typedef struct {
+  int kind;
+  const void* w;
+  int64_t N, K, Kp, row_bytes;  /* row_bytes: GGUF rows' stride */
+  int type;                     /* GGUF: ggml's type id */
+} source;
+enum { SRC_W4, SRC_GGUF, SRC_ROWS_BF16 };
+
 /* Every tile 16 rows x 64 bytes: sums C00 C01 C10 C11 in 0-3 (row tile, column panel), x's two
    row tiles in 4-5, the two panels' B tiles in 6-7. The shapes are per thread. */
 static void tiles_begin(void) {
@@ -152,16 +151,6 @@ static void rows_against(const x_tiles* xt, int64_t M, int64_t Kp, const uint16_
   }
 }
 
-/* The weight sources: each fills the B tiles of panel p (16 output columns) into dst, or (the
-   prepacked one) hands out where they already are. */
-typedef struct {
-  int kind;  /* 0: prepacked bf16, 1: w4 tiles, 2: GGUF rows */
-  const void* w;
-  int64_t N, K, Kp, row_bytes;
-  int type;
-} source;
-enum { SRC_PACKED, SRC_W4, SRC_GGUF };
-
 /* w4 tile p: per group of 32 k, 8 chunks of 32 bytes (chunk c: byte 2r + j = row r's code for
    k = 4c + j in its low nibble, 4c + 2 + j in its high one), then 16 float16 scales and 16
    minimums (w4.c). A chunk's low nibbles, in byte order, are B row 2c (pairs k = 4c, 4c + 1 of
@@ -190,33 +179,10 @@ static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
   }
 }
 
-/* GGUF rows n0.. (up to 16, the rest zero): each row decoded to float32, rounded to bf16 pairs
-   and scattered down its column of every B tile (pair p of row r at dword p * 16 + r). */
-static int fill_rows(const source* s, int64_t n0, float* row, uint16_t* dst) {
-  const int64_t KC = s->Kp / AMX_KCHUNK;
-  const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-      11, 12, 13, 14, 15), _mm512_set1_epi32(16));
-  for (int r = 0; r < AMX_PANEL; ++r) {
-    const int64_t n = n0 + r;
-    if (n >= s->N) {
-      memset(row, 0, (size_t)s->Kp * 4);
-    } else {
-      if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
-      for (int64_t k = s->K; k < s->Kp; ++k) row[k] = 0.f;
-    }
-    for (int64_t kc = 0; kc < KC; ++kc) {
-      const float* f = row + kc * AMX_KCHUNK;
-      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 16), _mm512_loadu_ps(f));
-      _mm512_i32scatter_epi32((int*)(dst + kc * BTILE) + r, down, (__m512i)w, 4);
-    }
-  }
-  return 0;
-}
-
-/* The shared driver: column pairs (32 outputs) over the threads; each thread brings its pair's
-   B tiles into its own buffer once (or reads the prepacked ones) and runs every row tile of x
-   over them. */
-static int amx_run(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
+/* w4 tiles as B: column pairs (32 outputs) over the threads; each thread decodes its pair's
+   B tiles into its own buffer (K * 64 bytes: in L2) once and runs every row tile of x over
+   them. */
+static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
     const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
   if (M < 1) return 0;
   if (!amx_bf16_enabled()) return -1;
@@ -227,13 +193,8 @@ static int amx_run(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
   int failed = 0;
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
   {
-    uint16_t* buf = NULL;
-    float* row = NULL;
-    if (s->kind != SRC_PACKED) {
-      buf = (uint16_t*)aligned_alloc(64, (size_t)2 * KC * BTILE * 2);
-      row = s->kind == SRC_GGUF ? (float*)aligned_alloc(64, (size_t)(Kp * 4 + 63) / 64 * 64) : NULL;
-      if (!buf || (s->kind == SRC_GGUF && !row)) failed = 1;
-    }
+    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * KC * BTILE * 2);
+    if (!buf) failed = 1;
     tiles_begin();
     _Pragma("omp for schedule(static)")
     for (int64_t p = 0; p < pairs; ++p) {
@@ -241,53 +202,215 @@ static int amx_run(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
       const int64_t n0 = p * 32;
       const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
       const int two = nc > 16;
-      const uint16_t *b0, *b1;
-      if (s->kind == SRC_PACKED) {
-        b0 = (const uint16_t*)s->w + 2 * p * KC * BTILE;
-        b1 = b0 + KC * BTILE;
-      } else {
-        for (int h = 0; h <= two; ++h) {
-          uint16_t* d = buf + h * KC * BTILE;
-          if (s->kind == SRC_W4)
-            fill_w4((const uint8_t*)s->w + (2 * p + h) * KC * W4_GROUP_BYTES, KC, d);
-          else if (fill_rows(s, n0 + 16 * h, row, d)) failed = 1;
-        }
-        b0 = buf; b1 = buf + KC * BTILE;
-      }
-      if (!failed) rows_against(&xt, M, Kp, b0, b1, nc, n0, bias, y, ldy, out_f32);
+      for (int h = 0; h <= two; ++h)
+        fill_w4((const uint8_t*)s->w + (2 * p + h) * KC * W4_GROUP_BYTES, KC, buf + h * KC * BTILE);
+      rows_against(&xt, M, Kp, buf, buf + KC * BTILE, nc, n0, bias, y, ldy, out_f32);
     }
     _tile_release();
     free(buf);
-    free(row);
   }
   free(xt.buf);
   return failed ? -1 : 0;
 }
 
 
-int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed,
+/* ---- W as the A operand: row-major weights (bf16 as they are, or GGUF rows decoded) ----
+   tdpbf16ps's A tiles are 16 rows of 32 k as they lie in memory, so 16 weight rows load
+   straight from W; x (small at these batches) is the one rearranged, once per call, into B
+   tiles (16 pairs of k x 16 rows of x). The sums come out transposed (16 outputs x 16 rows of
+   x) and are turned back on the way out. */
+
+/* r[i] (16 dwords each) -> r[j] lane i = old r[i] lane j. */
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  /* u[4g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c */
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  /* a 4 x 4 transpose of 128-bit lanes across u[c], u[4 + c], ... */
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+/* x [M][K] -> xb: per 16 rows of x, K / 32 B tiles (pair p of row m at dword p * 16 + m);
+   rows past M and k past K zero. */
+static void x_to_b(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, uint16_t* xb) {
+  const int64_t KC = Kp / AMX_KCHUNK;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      const int64_t k0 = kc * AMX_KCHUNK;
+      const __mmask32 kmask = K - k0 >= 32 ? (__mmask32)~0u : (__mmask32)((1ull << (K - k0)) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_maskz_loadu_epi16(kmask, x + (m0 + i) * ldx + k0) : _mm512_setzero_si512();
+      transpose16(r);
+      uint16_t* d = xb + ((m0 / 16) * KC + kc) * BTILE;
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(d + p * 32, r[p]);
+    }
+  }
+}
+
+/* C tiles as A0/A1 (weight rows n0.., n0 + 16..) x B0/B1 (x rows m0.., m0 + 16..). */
+static inline __attribute__((always_inline)) void block_t(const int TN, const int TM,
+    const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0,
+    const uint16_t* b1, int64_t KC, float* out) {
+  _tile_zero(0);
+  if (TM > 1) _tile_zero(1);
+  if (TN > 1) { _tile_zero(2); if (TM > 1) _tile_zero(3); }
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    _tile_loadd(6, b0 + kc * BTILE, 64);
+    if (TM > 1) _tile_loadd(7, b1 + kc * BTILE, 64);
+    _tile_loadd(4, a0 + kc * AMX_KCHUNK, lda * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TM > 1) _tile_dpbf16ps(1, 4, 7);
+    if (TN > 1) {
+      _tile_loadd(5, a1 + kc * AMX_KCHUNK, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TM > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 128);
+  if (TM > 1) _tile_stored(1, out + 16, 128);
+  if (TN > 1) { _tile_stored(2, out + 16 * 32, 128); if (TM > 1) _tile_stored(3, out + 16 * 32 + 16, 128); }
+}
+
+/* out [32 outputs][32 rows of x] -> y rows m0.. (mr), columns n0.. (nc) (+ bias). */
+static void epilogue_t(const float* out, int mr, int nc, int64_t m0, int64_t n0,
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32) {
+  for (int hn = 0; hn < nc; hn += 16) {
+    const int cnt = nc - hn < 16 ? nc - hn : 16;
+    const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0 + hn)), 16));
+    for (int hm = 0; hm < mr; hm += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(out + (hn + i) * 32 + hm);
+      transpose16(r);
+      const int rows = mr - hm < 16 ? mr - hm : 16;
+      for (int i = 0; i < rows; ++i) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), b);
+        const int64_t at = (m0 + hm + i) * ldy + n0 + hn;
+        if (out_f32) _mm512_mask_storeu_ps((float*)y + at, keep, v);
+        else _mm256_mask_storeu_epi16((uint16_t*)y + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+/* Weight rows n0.. (up to 16; the rest zero) into buf [16][Kp] bf16: copied (bf16 weights) or
+   decoded (GGUF rows, through row: Kp floats). */
+static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
+  for (int r = 0; r < AMX_PANEL; ++r) {
+    const int64_t n = n0 + r;
+    uint16_t* d = buf + r * s->Kp;
+    if (n >= s->N) { memset(d, 0, (size_t)s->Kp * 2); continue; }
+    if (s->kind == SRC_ROWS_BF16) {
+      memcpy(d, (const uint16_t*)s->w + n * s->K, (size_t)s->K * 2);
+      memset(d + s->K, 0, (size_t)(s->Kp - s->K) * 2);
+      continue;
+    }
+    if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
+    int64_t k = 0;
+    for (; k + 32 <= s->K; k += 32)
+      _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
+    for (; k < s->K; ++k) d[k] = f2bf(row[k]);
+    for (; k < s->Kp; ++k) d[k] = 0;
+  }
+  return 0;
+}
+
+static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+  if (M < 1) return 0;
+  if (!amx_bf16_enabled()) return -1;
+  const int64_t N = s->N, K = s->K, Kp = s->Kp, KC = Kp / AMX_KCHUNK, Mp = (M + 15) / 16 * 16;
+  uint16_t* xb = (uint16_t*)aligned_alloc(64, (size_t)Mp * Kp * 2);
+  if (!xb) return -1;
+  x_to_b(x, ldx, M, K, Kp, xb);
+  const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
+  /* bf16 rows are read in place where whole tiles of 16 rows and 32 k exist */
+  const int direct = s->kind == SRC_ROWS_BF16 && K == Kp;
+  int failed = 0;
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
+  {
+    float out[32 * 32] __attribute__((aligned(64)));
+    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * 16 * Kp * 2);
+    float* row = s->kind == SRC_GGUF ? (float*)aligned_alloc(64, (size_t)(Kp * 4 + 63) / 64 * 64) : NULL;
+    if (!buf || (s->kind == SRC_GGUF && !row)) failed = 1;
+    tiles_begin();
+    _Pragma("omp for schedule(static)")
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (failed) continue;
+      const int64_t n0 = p * 32;
+      const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
+      const uint16_t* a[2];
+      int64_t lda = Kp;
+      if (direct && nc == 32) {
+        a[0] = (const uint16_t*)s->w + n0 * K; a[1] = a[0] + 16 * K; lda = K;
+      } else {
+        for (int h = 0; h < 2 && 16 * h < nc; ++h)
+          if (rows_to_buf(s, n0 + 16 * h, row, buf + h * 16 * Kp)) failed = 1;
+        a[0] = buf; a[1] = buf + 16 * Kp;
+      }
+      if (failed) continue;
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
+        const uint16_t* b0 = xb + (m0 / 16) * KC * BTILE, *b1 = b0 + KC * BTILE;
+        if (nc > 16) {
+          if (mr > 16) block_t(2, 2, a[0], a[1], lda, b0, b1, KC, out);
+          else block_t(2, 1, a[0], a[1], lda, b0, b0, KC, out);
+        } else {
+          if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out);
+          else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out);
+        }
+        epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+      }
+    }
+    _tile_release();
+    free(buf);
+    free(row);
+  }
+  free(xb);
+  return failed ? -1 : 0;
+}
+
+int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
-  const source s = {SRC_PACKED, packed, N, K, (K + 31) / 32 * 32, 0, 0};
-  return amx_run(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0};
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
 }
 
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
   if (K % 32) return -1;
   const source s = {SRC_W4, tiles, N, K, K, 0, 0};
-  return amx_run(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+  return amx_run_w4(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
 }
 
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,
     int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy,
     int out_f32, int nthreads) {
   const source s = {SRC_GGUF, rows, N, K, (K + 31) / 32 * 32, row_bytes, type};
-  return amx_run(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
 }
 #else
 /* Built without AMX-bf16: nothing runs here, the callers keep their other paths. */
 int amx_bf16_enabled(void) { return 0; }
-int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed,
+int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }

@@ -99,9 +99,7 @@ SIGNATURES: dict[str, Signature] = {
     "amx_enabled": ([], _INT),
     # amx_bf16.c
     "amx_bf16_enabled": ([], _INT),
-    # w, N, K, out
-    "amx_bf16_pack": ([_P, _I64, _I64, _P], None),
-    # x, ldx, M, K, packed, N, bias, y, ldy, out_f32, threads
+    # x, ldx, M, K, w, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
     # x, ldx, M, K, w4 tiles, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear_w4": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),

@@ -63,11 +63,10 @@ int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
 int amx_enabled(void);
 extern int use_amx;  /* 0: the packed GEMMs keep to VNNI tiles (set from Python) */
 
-/* ---- amx_bf16.c: y = x W^T on AMX-bf16 tiles, W prepacked bf16, w4 tiles or GGUF rows (engine.layers.cpu_amx) ----
+/* ---- amx_bf16.c: y = x W^T on AMX-bf16 tiles, W bf16 rows, w4 tiles or GGUF rows (engine.layers.cpu_amx) ----
    Everywhere: without AMX-bf16 amx_bf16_enabled() is 0 and the GEMMs return -1. */
 int amx_bf16_enabled(void);
-void amx_bf16_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* out);
-int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
+int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows, int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 

@@ -11,8 +11,9 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
                 (SmolLM2-135M's 120 per-layer GEMMs, weights streaming from memory, sum of
                 per-GEMM best of 7): AMX / `_dp` time 1.01 at 1 row, 0.90 at 2, 0.83 at 4,
                 0.57 at 8, 0.31 at 16, 0.24 at 32; oneDNN takes 1.3-2.2x AMX's time at 1-128
-                rows. GGUF Q4_1 / Q8_0: AMX on rows decoded 16 at a time beats the dot kernels
-                from GGUF_AMX_ROWS rows.
+                rows. GGUF: AMX on rows decoded 16 at a time (same 120 GEMMs) against the dot
+                kernels: Q4_1 1.27x their time at 1 row, 0.64x at 4, 0.25x at 16; Q8_0 1.48x
+                at 1, 0.97x at 4, 0.42x at 16: the dot kernels up to GGUF_AMX_ROWS rows.
   amx_off:      the same CPU with TESSERA_AMX=0: `_dp` up to 8 rows, where oneDNN (which uses
                 the tiles itself) gets faster (same measurement: `_dp` 0.59x oneDNN's time at 4
                 rows, 0.87x at 8, 1.6x at 16).
@@ -63,7 +64,7 @@ class RowPlan:
         )
 
 
-GGUF_AMX_ROWS = 8  # GGUF with AMX: the dot kernels up to this many rows (measured: see below)
+GGUF_AMX_ROWS = 2  # GGUF with AMX: the dot kernels up to this many rows (see above)
 PLANS = {
     "amx": RowPlan("amx_bf16 present", 1, True, GGUF_AMX_ROWS),
     "amx_off": RowPlan("amx_bf16 present, TESSERA_AMX=0", 8, False, 16),

@@ -17,7 +17,9 @@ per call into a per-thread buffer.
 On CPUs with AVX512-BF16, bf16 activations take the `_dp` kernels instead: bf16 pairs
 multiplied with vdpbf16ps, no widening; batches of up to ROWS_MAX_M rows read the weight rows
 one after another (one sequential stream: decode is bound by reading the weights), larger ones
-run 4 x 6 register tiles.
+run 4 x 6 register tiles. Up to how many rows they run is the instruction set's
+(engine.layers.cpu_isa): on CPUs with AMX-bf16 the tiles (engine.layers.cpu_amx) take every
+batch of more than one row.
 
 torch's F.linear stays the reference: tests check this kernel against it. The kernel is
 built with the other CPU kernels (engine/kernels/cpu/gemm.c); TESSERA_CPU_KERNELS=0 disables it.

@@ -3,10 +3,11 @@
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
 does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
 A dot kernel's cost grows with the rows, so above dot_max_rows() rows (engine.layers.cpu_isa:
-the instruction set's) bf16 activations run on AMX-bf16 tiles where the CPU has them, the
-weight decoded 16 rows at a time into a buffer in cache (engine.layers.cpu_amx.linear_gguf,
-through gguf_dequant_row: any type it reads); elsewhere, and for float32 activations, one
-dequantized copy of the weight in x's dtype feeds F.linear.
+the instruction set's) bf16 activations run on AMX-bf16 tiles where the CPU has them, up to
+cpu_isa's amx_max_rows, the weight decoded 16 rows at a time into a buffer in cache
+(engine.layers.cpu_amx.linear_gguf, through gguf_dequant_row: any type it reads). Elsewhere,
+for prefill chunks and for float32 activations, one dequantized copy of the weight in x's
+dtype feeds F.linear.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def linear(
     k, n = in_features, blocks.shape[0]
     x2 = x.reshape(-1, k)
     if x2.shape[0] > dot_max_rows():
-        y = cpu_amx.linear_gguf(x, blocks, type_id, k, bias)
+        y = None
+        if cpu_isa.plan().amx_rows(x2.shape[0]):
+            y = cpu_amx.linear_gguf(x, blocks, type_id, k, bias)
         if y is not None:
             return y
         w = dequantize(blocks, type_id, k, x.dtype)

@@ -10,8 +10,10 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
   amx:          AMX-bf16 (Intel Sapphire Rapids and later). Measured on a 2-core Xeon slice
                 (SmolLM2-135M's 120 per-layer GEMMs, weights streaming from memory, sum of
                 per-GEMM best of 7): AMX / `_dp` time 1.01 at 1 row, 0.90 at 2, 0.83 at 4,
-                0.57 at 8, 0.31 at 16, 0.24 at 32; oneDNN takes 1.3-2.2x AMX's time at 1-128
-                rows. GGUF: AMX on rows decoded 16 at a time (same 120 GEMMs) against the dot
+                0.57 at 8, 0.31 at 16, 0.24 at 32; oneDNN takes 1.2-2.2x AMX's time at 1-128
+                rows, but from 256 rows (prefill) oneDNN's blocking wins (one core, the model's
+                shapes: oneDNN / AMX time 1.2-1.8 at 64-128 rows, 0.85-1.04 at 256, 0.7-0.96
+                at 512, 0.36-0.73 at 2,048): AMX up to AMX_MAX_ROWS rows. GGUF: AMX on rows decoded 16 at a time (same 120 GEMMs) against the dot
                 kernels: Q4_1 1.27x their time at 1 row, 0.64x at 4, 0.25x at 16; Q8_0 1.48x
                 at 1, 0.97x at 4, 0.42x at 16: the dot kernels up to GGUF_AMX_ROWS rows.
   amx_off:      the same CPU with TESSERA_AMX=0: `_dp` up to 8 rows, where oneDNN (which uses
@@ -21,7 +23,8 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
                 5: 1.1-3x faster than oneDNN at 1-32 rows, 0.85-0.95x from 64), oneDNN above.
   other:        no native bf16 (AVX2): cpu_gemm's widening kernel at every batch; torch's bf16
                 matmul is slow there.
-GGUF without AMX: the dot kernels up to 16 rows, then one dequantized copy and the GEMM.
+GGUF without AMX (and above AMX_MAX_ROWS): the dot kernels up to 16 rows, then one
+dequantized copy and the GEMM.
 
 A calibration at start was not worth its start-up time: the order of the kernels is the
 instruction set's, and the crossovers are flat (a row or two either way costs a few percent).
@@ -50,14 +53,27 @@ class RowPlan:
     dp_max_rows: int  # bf16 layers: cpu_gemm's kernel up to this many rows of x
     amx: bool  # above them: AMX-bf16 tiles (cpu_amx.linear), else oneDNN's F.linear
     gguf_dot_max_rows: int  # GGUF layers: the dot kernels up to this; above, AMX or dequantize
+    amx_max_rows: int = 0  # AMX up to this many rows; more (prefill): oneDNN / dequantize
+
+    def amx_rows(self, rows: int) -> bool:
+        """Whether a call of this many rows above the dot kernels' goes to AMX tiles."""
+        return self.amx and rows <= self.amx_max_rows
 
     def describe(self) -> str:
         if self.dp_max_rows == ALWAYS:
             bf16 = "the C widening kernel at every batch (no native bf16)"
         else:
-            above = "AMX-bf16 tiles" if self.amx else "oneDNN F.linear"
+            above = (
+                f"AMX-bf16 tiles up to {self.amx_max_rows}, oneDNN F.linear"
+                if self.amx
+                else "oneDNN F.linear"
+            )
             bf16 = f"AVX512-BF16 dot kernel up to {self.dp_max_rows} rows, {above} above"
-        gguf = "AMX-bf16 tiles on decoded rows" if self.amx else "dequantize + F.linear"
+        gguf = (
+            f"AMX-bf16 tiles on decoded rows up to {self.amx_max_rows}, dequantize + F.linear"
+            if self.amx
+            else "dequantize + F.linear"
+        )
         return (
             f"bf16 linear: {bf16} ({self.isa}); GGUF linear: dot kernels up to "
             f"{self.gguf_dot_max_rows} rows, {gguf} above"
@@ -65,8 +81,9 @@ class RowPlan:
 
 
 GGUF_AMX_ROWS = 2  # GGUF with AMX: the dot kernels up to this many rows (see above)
+AMX_MAX_ROWS = 128  # AMX tiles up to this many rows; prefill chunks: oneDNN (see above)
 PLANS = {
-    "amx": RowPlan("amx_bf16 present", 1, True, GGUF_AMX_ROWS),
+    "amx": RowPlan("amx_bf16 present", 1, True, GGUF_AMX_ROWS, AMX_MAX_ROWS),
     "amx_off": RowPlan("amx_bf16 present, TESSERA_AMX=0", 8, False, 16),
     "avx512_bf16": RowPlan("avx512_bf16, no AMX", 32, False, 16),
     "other": RowPlan("no native bf16", ALWAYS, False, 16),

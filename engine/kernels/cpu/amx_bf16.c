@@ -333,6 +333,9 @@ static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
   return 0;
 }
 
+/* Rows of x per pass over the weights: their B tiles (AMX_M_BLOCK x K bf16) stay in L2 while
+   every weight pair runs over them; a prefill chunk of 2,048 rows x K = 1,536 would not. */
+#define AMX_M_BLOCK 256
 static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
     const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
   if (M < 1) return 0;
@@ -352,32 +355,35 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
     float* row = s->kind == SRC_GGUF ? (float*)aligned_alloc(64, (size_t)(Kp * 4 + 63) / 64 * 64) : NULL;
     if (!buf || (s->kind == SRC_GGUF && !row)) failed = 1;
     tiles_begin();
-    _Pragma("omp for schedule(static)")
-    for (int64_t p = 0; p < pairs; ++p) {
-      if (failed) continue;
-      const int64_t n0 = p * 32;
-      const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
-      const uint16_t* a[2];
-      int64_t lda = Kp;
-      if (direct && nc == 32) {
-        a[0] = (const uint16_t*)s->w + n0 * K; a[1] = a[0] + 16 * K; lda = K;
-      } else {
-        for (int h = 0; h < 2 && 16 * h < nc; ++h)
-          if (rows_to_buf(s, n0 + 16 * h, row, buf + h * 16 * Kp)) failed = 1;
-        a[0] = buf; a[1] = buf + 16 * Kp;
-      }
-      if (failed) continue;
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
-        const uint16_t* b0 = xb + (m0 / 16) * KC * BTILE, *b1 = b0 + KC * BTILE;
-        if (nc > 16) {
-          if (mr > 16) block_t(2, 2, a[0], a[1], lda, b0, b1, KC, out);
-          else block_t(2, 1, a[0], a[1], lda, b0, b0, KC, out);
+    for (int64_t mb = 0; mb < M; mb += AMX_M_BLOCK) {
+      const int64_t mb_end = M - mb < AMX_M_BLOCK ? M : mb + AMX_M_BLOCK;
+      _Pragma("omp for schedule(static)")
+      for (int64_t p = 0; p < pairs; ++p) {
+        if (failed) continue;
+        const int64_t n0 = p * 32;
+        const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
+        const uint16_t* a[2];
+        int64_t lda = Kp;
+        if (direct && nc == 32) {
+          a[0] = (const uint16_t*)s->w + n0 * K; a[1] = a[0] + 16 * K; lda = K;
         } else {
-          if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out);
-          else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out);
+          for (int h = 0; h < 2 && 16 * h < nc; ++h)
+            if (rows_to_buf(s, n0 + 16 * h, row, buf + h * 16 * Kp)) failed = 1;
+          a[0] = buf; a[1] = buf + 16 * Kp;
         }
-        epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+        if (failed) continue;
+        for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
+          const int mr = mb_end - m0 < 32 ? (int)(mb_end - m0) : 32;
+          const uint16_t* b0 = xb + (m0 / 16) * KC * BTILE, *b1 = b0 + KC * BTILE;
+          if (nc > 16) {
+            if (mr > 16) block_t(2, 2, a[0], a[1], lda, b0, b1, KC, out);
+            else block_t(2, 1, a[0], a[1], lda, b0, b0, KC, out);
+          } else {
+            if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out);
+            else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out);
+          }
+          epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+        }
       }
     }
     _tile_release();

@@ -1,7 +1,7 @@
 """Unquantized weights (the default): the C GEMM (engine.layers.cpu_gemm) up to the rows it is
 the fastest for (`cpu_gemm.max_rows_for`), above them AMX-bf16 tiles on the same weight where
-the CPU has them (engine.layers.cpu_amx: no second copy), else oneDNN's F.linear. The rows are
-the instruction set's (engine.layers.cpu_isa)."""
+the CPU has them (engine.layers.cpu_amx: no second copy) up to prefill sizes, else oneDNN's
+F.linear. The rows are the instruction set's (engine.layers.cpu_isa)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_amx, cpu_gemm
+from engine.layers import cpu_amx, cpu_gemm, cpu_isa
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 
 
@@ -42,7 +42,7 @@ def linear_by_rows(
     amx = getattr(layer, "cpu_amx", None)
     if amx is None:
         amx = layer.cpu_amx = _amx_for(weight)
-    if amx:
+    if amx and cpu_isa.plan().amx_rows(x.numel() // x.shape[-1]):
         y = cpu_amx.linear(x, weight, bias)
         if y is not None:
             return y

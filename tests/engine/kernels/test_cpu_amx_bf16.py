@@ -123,7 +123,8 @@ def test_gguf_large_batches_take_the_tiles():
 
 
 def test_unquantized_layer_routes_dot_then_tiles(monkeypatch):
-    """A bf16 layer: the dot kernel up to the plan's rows, AMX above, on the same weight."""
+    """A bf16 layer: the dot kernel up to the plan's rows, AMX above on the same weight, and
+    oneDNN from prefill sizes."""
     from engine.layers import cpu_gemm
     from engine.layers.linear import ReplicatedLinear
 
@@ -133,10 +134,13 @@ def test_unquantized_layer_routes_dot_then_tiles(monkeypatch):
     layer.bias.data = torch.randn(40).bfloat16()
     top = cpu_isa.plan().dp_max_rows
     assert cpu_isa.plan().amx
-    for rows in (1, top, top + 1, 40):
+    for rows in (1, top, top + 1, 40, cpu_isa.plan().amx_max_rows + 1):
         x = torch.randn(rows, 64).bfloat16()
         y = layer(x)
-        want = (cpu_gemm.linear if rows <= top else cpu_amx.linear)(x, layer.weight, layer.bias)
+        kernel = cpu_gemm.linear if rows <= top else cpu_amx.linear
+        if rows > cpu_isa.plan().amx_max_rows:
+            kernel = F.linear  # prefill sizes: oneDNN
+        want = kernel(x, layer.weight, layer.bias)
         assert torch.equal(y, want), rows
         _close(y, x, layer.weight, layer.bias, 1e-5)
     assert layer.cpu_amx is True

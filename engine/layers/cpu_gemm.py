@@ -17,7 +17,9 @@ per call into a per-thread buffer.
 On CPUs with AVX512-BF16, bf16 activations take the `_dp` kernels instead: bf16 pairs
 multiplied with vdpbf16ps, no widening; batches of up to ROWS_MAX_M rows read the weight rows
 one after another (one sequential stream: decode is bound by reading the weights), larger ones
-run 4 x 6 register tiles.
+run 4 x 6 register tiles. Up to how many rows they run is the instruction set's
+(engine.layers.cpu_isa): on CPUs with AMX-bf16 the tiles (engine.layers.cpu_amx) take every
+batch of more than one row.
 
 torch's F.linear stays the reference: tests check this kernel against it. The kernel is
 built with the other CPU kernels (engine/kernels/cpu/gemm.c); TESSERA_CPU_KERNELS=0 disables it.
@@ -33,6 +35,7 @@ import torch
 
 from engine.kernels.cpu import ops
 from engine.kernels.cpu.build import cpu_flags
+from engine.layers import cpu_isa
 
 # Batches of up to this many rows stream the weights row by row (DEFINE_ROWS_DP).
 ROWS_MAX_M = ops.ROWS_MAX_M
@@ -70,9 +73,6 @@ def _native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-# With native bf16, the AVX512-BF16 kernel beats oneDNN up to this many rows (measured on a
-# Zen 5: 1.1-3x at 1-32 rows, 0.85-0.95x from 64), so larger batches stay with torch.
-DP_MAX_ROWS = 32
 _ALWAYS = sys.maxsize
 
 
@@ -90,7 +90,8 @@ def _max_rows_for_policy(policy: str, dtype: torch.dtype) -> int:
         return 0
     if not _native_bf16():
         return _ALWAYS
-    return DP_MAX_ROWS if _dp_fn() is not None else 0
+    # how far the AVX512-BF16 kernel beats what runs above it is the CPU's: cpu_isa
+    return cpu_isa.plan().dp_max_rows if _dp_fn() is not None else 0
 
 
 def max_rows_for(weight: torch.Tensor) -> int:

@@ -3,8 +3,12 @@ the K-quants Q4_K, Q5_K, Q6_K (gguf_k.c: superblocks of 256 weights, so K % 256 
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
 does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
-Above DOT_MAX_ROWS rows (prefill) one dequantized copy of the weight in x's dtype feeds the
-GEMM instead: a dot kernel's cost grows with the rows, dequantizing once does not.
+A dot kernel's cost grows with the rows, so above dot_max_rows() rows (engine.layers.cpu_isa:
+the instruction set's) bf16 activations run on AMX-bf16 tiles where the CPU has them, up to
+cpu_isa's amx_max_rows, the weight decoded 16 rows at a time into a buffer in cache
+(engine.layers.cpu_amx.linear_gguf, through gguf_dequant_row: any type it reads). Elsewhere,
+for prefill chunks and for float32 activations, one dequantized copy of the weight in x's
+dtype feeds F.linear.
 """
 
 from __future__ import annotations
@@ -16,13 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import ops
+from engine.layers import cpu_amx, cpu_isa
 
 TYPES = {"Q4_0": ops.CONSTANTS["GGUF_Q4_0"], "Q4_1": ops.CONSTANTS["GGUF_Q4_1"]}
 TYPES["Q8_0"] = ops.CONSTANTS["GGUF_Q8_0"]
 K_TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_K", "Q5_K", "Q6_K")}
 TYPES.update(K_TYPES)
 ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}  # gguf_isa's values (GGUF_ISA_* in the header)
-DOT_MAX_ROWS = 16  # more rows: dequantize once and use the GEMM
+
+
+def dot_max_rows() -> int:
+    """The most rows of x the dot kernels take; more go to AMX tiles or dequantize + GEMM."""
+    return cpu_isa.plan().gguf_dot_max_rows
 
 
 def available() -> bool:
@@ -89,7 +98,12 @@ def linear(
     """x [..., K] (bf16 or float32, CPU) @ W^T (+ bias) for W in the file's blocks."""
     k, n = in_features, blocks.shape[0]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] > DOT_MAX_ROWS:
+    if x2.shape[0] > dot_max_rows():
+        y = None
+        if cpu_isa.plan().amx_rows(x2.shape[0]):
+            y = cpu_amx.linear_gguf(x, blocks, type_id, k, bias)
+        if y is not None:
+            return y
         w = dequantize(blocks, type_id, k, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     if x2.stride(-1) != 1:
@@ -126,7 +140,7 @@ def linear_segments(
     for type_id, blocks in segments:
         rows = blocks.shape[0]
         b = None if bias is None else bias[col : col + rows]
-        if x2.shape[0] > DOT_MAX_ROWS:  # linear()'s large-batch path, a segment at a time
+        if x2.shape[0] > dot_max_rows():  # linear()'s large-batch path, a segment at a time
             y[:, col : col + rows] = linear(x2, blocks, type_id, k, b)
         else:
             if x2.stride(-1) != 1:

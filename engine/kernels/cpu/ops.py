@@ -72,6 +72,8 @@ SIGNATURES: dict[str, Signature] = {
     "gguf_linear": ([_P, _I64, _I64, _I64, _P, _INT, _I64, _P, _P, _I64, _INT, _INT], _INT),
     # blocks, type, N, K, out, bf16, threads
     "gguf_dequantize": ([_P, _INT, _I64, _I64, _P, _INT, _INT], _INT),
+    # type, row, K, out
+    "gguf_dequant_row": ([_INT, _P, _I64, _P], _INT),
     "gguf_block_bytes": ([_INT], _INT),
     "gguf_isa_max": ([], _INT),
     # gguf_k.c: gguf_linear's and gguf_dequantize's arguments; type, row, K, out
@@ -100,6 +102,17 @@ SIGNATURES: dict[str, Signature] = {
         _INT,
     ),
     "amx_enabled": ([], _INT),
+    # amx_bf16.c
+    "amx_bf16_enabled": ([], _INT),
+    # x, ldx, M, K, w, N, bias, y, ldy, out_f32, threads
+    "amx_bf16_linear": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    # x, ldx, M, K, w4 tiles, N, bias, y, ldy, out_f32, threads
+    "amx_bf16_linear_w4": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    # x, ldx, M, K, rows, row_bytes, type, N, bias, y, ldy, out_f32, threads
+    "amx_bf16_linear_gguf": (
+        [_P, _I64, _I64, _I64, _P, _I64, _INT, _I64, _P, _P, _I64, _INT, _INT],
+        _INT,
+    ),
     # fused_ops.c
     "rmsnorm_f32": (_RMSNORM, None),
     "rmsnorm_bf16": (_RMSNORM, None),

@@ -1,27 +1,51 @@
-"""Unquantized weights (the default): oneDNN's F.linear, or the C GEMM (engine.layers.cpu_gemm)
-for the batches where it is the faster of the two (`cpu_gemm.max_rows_for`)."""
+"""Unquantized weights (the default): the C GEMM (engine.layers.cpu_gemm) up to the rows it is
+the fastest for (`cpu_gemm.max_rows_for`), above them AMX-bf16 tiles on the same weight where
+the CPU has them (engine.layers.cpu_amx: no second copy) up to prefill sizes, else oneDNN's
+F.linear. The rows are the instruction set's (engine.layers.cpu_isa)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_gemm
+from engine.layers import cpu_amx, cpu_gemm, cpu_isa
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+
+
+def _amx_for(weight: torch.Tensor) -> bool:
+    """Whether calls above the C GEMM's rows run on AMX tiles: bf16 weights on a CPU with AMX,
+    the C GEMM's policy auto (TESSERA_CPU_GEMM=0 or 1 keep today's choice)."""
+    return (
+        os.environ.get("TESSERA_CPU_GEMM", "auto") == "auto"
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and cpu_amx.available()
+    )
 
 
 def linear_by_rows(
     layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) on the C GEMM up to the rows it is faster for, else F.linear.
-    The row limit is decided once per layer, at its first call, on the loaded weight
-    (`layer.cpu_gemm_max_rows`: tests set it)."""
+    """x @ weight.T (+ bias) on the C GEMM up to the rows it is faster for, above them on AMX
+    tiles or F.linear. Both are decided once per layer, at its first call, on the loaded
+    weight (`layer.cpu_gemm_max_rows`, `layer.cpu_amx`: tests set them)."""
     max_rows = getattr(layer, "cpu_gemm_max_rows", None)
     if max_rows is None:
         max_rows = layer.cpu_gemm_max_rows = cpu_gemm.max_rows_for(weight)
     if x.numel() <= max_rows * x.shape[-1]:
         return cpu_gemm.linear(x, weight, bias)
+    amx = getattr(layer, "cpu_amx", None)
+    if amx is None:
+        amx = layer.cpu_amx = _amx_for(weight)
+    if amx and cpu_isa.plan().amx_rows(x.numel() // x.shape[-1]):
+        y = cpu_amx.linear(x, weight, bias)
+        if y is not None:
+            return y
     return F.linear(x, weight, bias)
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine.layers import cpu_gemm
+from engine.layers import cpu_gemm, cpu_isa
 from engine.layers.quantization import quantize_rows_int8
 from tests.engine.test_llm_exactness import engine_greedy, hf_greedy, make_prompts
 
@@ -99,7 +99,7 @@ def test_policy(monkeypatch):
     if not cpu_gemm._native_bf16():
         expected = always
     else:
-        expected = cpu_gemm.DP_MAX_ROWS if cpu_gemm._dp_fn() is not None else 0
+        expected = cpu_isa.plan().dp_max_rows if cpu_gemm._dp_fn() is not None else 0
     assert cpu_gemm.max_rows_for(w16) == expected
     monkeypatch.setenv("TESSERA_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="TESSERA_CPU_GEMM"):

@@ -71,7 +71,7 @@ def test_variants_agree_and_large_batches_dequantize(name):
             outs.append(cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], k))
     for y in outs[1:]:  # the same integer sums, scaled in a different order
         torch.testing.assert_close(y, outs[0], rtol=1e-4, atol=1e-4)
-    big = torch.randn(cpu_gguf.DOT_MAX_ROWS + 3, k)  # the dequantize-then-GEMM path: exact
+    big = torch.randn(cpu_gguf.dot_max_rows() + 3, k)  # float32: dequantize + GEMM: exact
     torch.testing.assert_close(cpu_gguf.linear(big, raw, cpu_gguf.TYPES[name], k), big @ ref_w.T)
 
 

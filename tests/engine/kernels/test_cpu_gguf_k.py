@@ -85,7 +85,7 @@ def test_linear_matches_dequantized_reference(isa, name, k, dtype):
     n = 37  # odd output rows (the tasks' tail)
     raw, ref_w = _blocks(name, n, k, 1, encoded=True)
     bias = torch.randn(n).to(dtype)
-    for m in (1, 3, 5, 17):  # 4-row tiles' remainders; 17 > DOT_MAX_ROWS dequantizes
+    for m in (1, 3, 5, 17):  # 4-row tiles' remainders; 17 > dot_max_rows(): the large-batch path
         x = torch.randn(m, k).to(dtype)
         ref = F.linear(x.float(), ref_w, bias.float())
         with cpu_gguf.forced_isa(isa):
@@ -93,7 +93,7 @@ def test_linear_matches_dequantized_reference(isa, name, k, dtype):
         assert y.dtype == dtype and y.shape == (m, n)
         err = (y.float() - ref).norm() / ref.norm()
         assert err < _TOL[dtype], (m, float(err))
-        if m <= cpu_gguf.DOT_MAX_ROWS:
+        if m <= cpu_gguf.dot_max_rows():
             ref_q = F.linear(_quantized_x(x).double(), ref_w.double(), bias.double())
             err_q = (y.double() - ref_q).norm() / ref_q.norm()
             assert err_q < _TOL_QX[dtype], (m, float(err_q))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_gemm, cpu_w4, cpu_w8a8
+from engine.layers import cpu_amx, cpu_gemm, cpu_w4, cpu_w8a8
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -69,8 +69,9 @@ def _within_one_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls", [ReplicatedLinear, ColumnParallelLinear, RowParallelLinear])
 def test_unquantized_layers_run_the_c_gemm_or_onednn_by_rows(dtype, cls):
-    """Up to cpu_gemm_max_rows rows the C GEMM, beyond it F.linear (oneDNN): each equal to its
-    own kernel's output, and both the float product rounded once."""
+    """Up to cpu_gemm_max_rows rows the C GEMM, beyond it AMX-bf16 tiles (bf16 on a CPU with
+    AMX) or F.linear (oneDNN): each equal to its own kernel's output, and all the float product
+    rounded once."""
     layer = _layer(cls, dtype=dtype)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
     layer.cpu_gemm_max_rows = 4
@@ -79,6 +80,9 @@ def test_unquantized_layers_run_the_c_gemm_or_onednn_by_rows(dtype, cls):
         y = layer(x)
         if rows <= 4:
             assert torch.equal(y, cpu_gemm.linear(x, layer.weight, layer.bias)), rows
+        elif layer.cpu_amx:
+            assert dtype == torch.bfloat16 and cpu_amx.available()
+            assert torch.equal(y, cpu_amx.linear(x, layer.weight, layer.bias)), rows
         else:
             assert torch.equal(y, F.linear(x, layer.weight, layer.bias)), rows
         want = F.linear(x.double(), layer.weight.double(), layer.bias.double())

@@ -45,6 +45,7 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
 /* ---- gguf.c: GGUF blocks as in the file, int8 activations per block (engine.layers.quantization.gguf) ---- */
 int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
 int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out);
 int gguf_block_bytes(int type);
 int gguf_isa_max(void);
 extern int gguf_isa;  /* the variant gguf_linear runs, capped at gguf_isa_max() (set from Python) */
@@ -70,6 +71,13 @@ int gemm_i8_argmax(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uin
 int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t I, const float* xs, const float* ws, const void* bias, int bias_bf16, float* h, float* hmax, int8_t* q, float* qs, int nthreads);
 int amx_enabled(void);
 extern int use_amx;  /* 0: the packed GEMMs keep to VNNI tiles (set from Python) */
+
+/* ---- amx_bf16.c: y = x W^T on AMX-bf16 tiles, W bf16 rows, w4 tiles or GGUF rows (engine.layers.cpu_amx) ----
+   Everywhere: without AMX-bf16 amx_bf16_enabled() is 0 and the GEMMs return -1. */
+int amx_bf16_enabled(void);
+int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
+int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
+int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows, int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 
 /* ---- fused_ops.c: RMSNorm (+ residual), SiLU-and-mul, rotary (engine.layers.cpu_fused) ---- */
 void rmsnorm_f32(const float* x, int64_t ldx, float* residual, int64_t ldr, const float* w, float* out, int64_t ldo, int64_t rows, int64_t H, float eps, int nthreads);

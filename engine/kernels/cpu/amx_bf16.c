@@ -1,0 +1,426 @@
+/* y = x W^T (+ b) on AMX-bf16 tiles (tdpbf16ps), bf16 x, float32 sums, bf16 or float32 y; W
+   from one of three sources: bf16 rows as they are, 4-bit w4 tiles, or GGUF rows through
+   gguf_dequant_row. engine/layers/cpu_amx.py says why and when. */
+#include "tessera_kernels.h"
+#include "bf16_convert.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+/* A B tile: 16 pairs of k (32 k) x 16 columns, each pair two adjacent bf16 (64 bytes a pair
+   row): 512 bf16. */
+#define AMX_PANEL 16
+#define AMX_KCHUNK 32
+#define BTILE (AMX_PANEL * AMX_KCHUNK)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int permitted = 0;  /* 0: not asked yet, 1: granted, -1: refused */
+int amx_bf16_enabled(void) {
+  if (!permitted)  /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: Linux hands out the tiles on request */
+    permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+  return permitted > 0;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
+} tile_config;
+/* The weight sources. */
+typedef struct {
+  int kind;
+  const void* w;
+  int64_t N, K, Kp, row_bytes;  /* row_bytes: GGUF rows' stride */
+  int type;                     /* GGUF: ggml's type id */
+} source;
+enum { SRC_W4, SRC_GGUF, SRC_ROWS_BF16 };
+
+/* Every tile 16 rows x 64 bytes: sums C00 C01 C10 C11 in 0-3 (row tile, column panel), x's two
+   row tiles in 4-5, the two panels' B tiles in 6-7. The shapes are per thread. */
+static void tiles_begin(void) {
+  tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int i = 0; i < 8; ++i) { c.rows[i] = 16; c.colsb[i] = 64; }
+  _tile_loadconfig(&c);
+}
+
+/* Up to 32 rows (a0, a1: two row tiles, lda apart) x up to 32 columns (b0, b1: two panels of
+   KC B tiles) -> out [32][32] float32. TM, TN (1 or 2): constants after inlining. */
+static inline __attribute__((always_inline)) void block(const int TM, const int TN,
+    const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0,
+    const uint16_t* b1, int64_t KC, float* out) {
+  _tile_zero(0);
+  if (TN > 1) _tile_zero(1);
+  if (TM > 1) { _tile_zero(2); if (TN > 1) _tile_zero(3); }
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    _tile_loadd(4, a0 + kc * AMX_KCHUNK, lda * 2);
+    _tile_loadd(6, b0 + kc * BTILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TN > 1) { _tile_loadd(7, b1 + kc * BTILE, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (TM > 1) {
+      _tile_loadd(5, a1 + kc * AMX_KCHUNK, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TN > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 128);
+  if (TN > 1) _tile_stored(1, out + 16, 128);
+  if (TM > 1) { _tile_stored(2, out + 16 * 32, 128); if (TN > 1) _tile_stored(3, out + 16 * 32 + 16, 128); }
+}
+
+/* out's rows [0, mr) and columns [0, nc) (+ bias) -> y at (m0, n0). */
+static void epilogue(const float* out, int mr, int nc, int64_t m0, int64_t n0,
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32) {
+  for (int h = 0; h < nc; h += 16) {
+    const int cnt = nc - h < 16 ? nc - h : 16;
+    const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0 + h)), 16));
+    for (int i = 0; i < mr; ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(out + i * 32 + h), b);
+      const int64_t at = (m0 + i) * ldy + n0 + h;
+      if (out_f32) _mm512_mask_storeu_ps((float*)y + at, keep, v);
+      else _mm256_mask_storeu_epi16((uint16_t*)y + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+/* x as the A tiles read it: rows of a whole number of k chunks, 16 rows a tile. Full row tiles
+   read x itself where K % 32 == 0; otherwise (and for the last, partial row tile) a zero-padded
+   copy. */
+typedef struct { const uint16_t* x; int64_t ldx; const uint16_t* tail; int64_t full; uint16_t* buf; } x_tiles;
+static int x_prepare(x_tiles* t, const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  const int copy_all = K != Kp;
+  t->full = copy_all ? 0 : M / 16 * 16;
+  const int64_t rows = Mp - t->full;
+  t->buf = NULL;
+  if (rows) {
+    t->buf = (uint16_t*)aligned_alloc(64, (size_t)(rows * Kp * 2 + 63) / 64 * 64);
+    if (!t->buf) return -1;
+    memset(t->buf, 0, (size_t)rows * Kp * 2);
+    for (int64_t m = t->full; m < M; ++m)
+      memcpy(t->buf + (m - t->full) * Kp, x + m * ldx, (size_t)K * 2);
+  }
+  t->x = x; t->ldx = ldx; t->tail = t->buf;
+  return 0;
+}
+static inline const uint16_t* x_rows(const x_tiles* t, int64_t m0, int64_t Kp, int64_t* ld) {
+  if (m0 < t->full) { *ld = t->ldx; return t->x + m0 * t->ldx; }
+  *ld = Kp;
+  return t->tail + (m0 - t->full) * Kp;
+}
+
+/* Every row of x against the column pair at b0 (and b1 when nc > 16): out -> y. */
+static void rows_against(const x_tiles* xt, int64_t M, int64_t Kp, const uint16_t* b0,
+    const uint16_t* b1, int nc, int64_t n0, const uint16_t* bias, void* y, int64_t ldy,
+    int out_f32) {
+  float out[32 * 32] __attribute__((aligned(64)));
+  const int64_t KC = Kp / AMX_KCHUNK;
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
+    int64_t lda0, lda1 = 0;
+    const uint16_t* a0 = x_rows(xt, m0, Kp, &lda0);
+    const uint16_t* a1 = mr > 16 ? x_rows(xt, m0 + 16, Kp, &lda1) : NULL;
+    if (a1 && lda1 != lda0) {  /* the two tiles come from x and the tail copy: one at a time */
+      for (int h = 0; h < 2; ++h) {
+        const uint16_t* a = h ? a1 : a0;
+        const int64_t lda = h ? lda1 : lda0;
+        if (nc > 16) block(1, 2, a, a, lda, b0, b1, KC, out);
+        else block(1, 1, a, a, lda, b0, b0, KC, out);
+        epilogue(out, h ? mr - 16 : 16, nc, m0 + 16 * h, n0, bias, y, ldy, out_f32);
+      }
+      continue;
+    }
+    if (a1) {
+      if (nc > 16) block(2, 2, a0, a1, lda0, b0, b1, KC, out);
+      else block(2, 1, a0, a1, lda0, b0, b0, KC, out);
+    } else {
+      if (nc > 16) block(1, 2, a0, a0, lda0, b0, b1, KC, out);
+      else block(1, 1, a0, a0, lda0, b0, b0, KC, out);
+    }
+    epilogue(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+  }
+}
+
+/* w4 tile p: per group of 32 k, 8 chunks of 32 bytes (chunk c: byte 2r + j = row r's code for
+   k = 4c + j in its low nibble, 4c + 2 + j in its high one), then 16 float16 scales and 16
+   minimums (w4.c). A chunk's low nibbles, in byte order, are B row 2c (pairs k = 4c, 4c + 1 of
+   the 16 columns), its high nibbles B row 2c + 1: the codes are already in the tile's order. */
+static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
+  const __m512i pair_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = tile + g * W4_GROUP_BYTES;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 256)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 288)));
+    const __m512 s0 = _mm512_permutexvar_ps(pair_lo, s), s1 = _mm512_permutexvar_ps(pair_hi, s);
+    const __m512 m0 = _mm512_permutexvar_ps(pair_lo, mn), m1 = _mm512_permutexvar_ps(pair_hi, mn);
+    uint16_t* d = dst + g * BTILE;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
+      const __m512i q[2] = {_mm512_and_si512(v, low4), _mm512_srli_epi16(v, 4)};
+      for (int h = 0; h < 2; ++h) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q[h])));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q[h], 1)));
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s1, m1), _mm512_fmadd_ps(lo, s0, m0));
+        _mm512_store_si512(d + (2 * c + h) * 32, (__m512i)w);
+      }
+    }
+  }
+}
+
+/* w4 tiles as B: column pairs (32 outputs) over the threads; each thread decodes its pair's
+   B tiles into its own buffer (K * 64 bytes: in L2) once and runs every row tile of x over
+   them. */
+static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+  if (M < 1) return 0;
+  if (!amx_bf16_enabled()) return -1;
+  const int64_t N = s->N, Kp = s->Kp, KC = Kp / AMX_KCHUNK;
+  x_tiles xt;
+  if (x_prepare(&xt, x, ldx, M, s->K, Kp)) return -1;
+  const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2;
+  int failed = 0;
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
+  {
+    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * KC * BTILE * 2);
+    if (!buf) failed = 1;
+    tiles_begin();
+    _Pragma("omp for schedule(static)")
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (failed) continue;
+      const int64_t n0 = p * 32;
+      const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
+      const int two = nc > 16;
+      for (int h = 0; h <= two; ++h)
+        fill_w4((const uint8_t*)s->w + (2 * p + h) * KC * W4_GROUP_BYTES, KC, buf + h * KC * BTILE);
+      rows_against(&xt, M, Kp, buf, buf + KC * BTILE, nc, n0, bias, y, ldy, out_f32);
+    }
+    _tile_release();
+    free(buf);
+  }
+  free(xt.buf);
+  return failed ? -1 : 0;
+}
+
+
+/* ---- W as the A operand: row-major weights (bf16 as they are, or GGUF rows decoded) ----
+   tdpbf16ps's A tiles are 16 rows of 32 k as they lie in memory, so 16 weight rows load
+   straight from W; x (small at these batches) is the one rearranged, once per call, into B
+   tiles (16 pairs of k x 16 rows of x). The sums come out transposed (16 outputs x 16 rows of
+   x) and are turned back on the way out. */
+
+/* r[i] (16 dwords each) -> r[j] lane i = old r[i] lane j. */
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  /* u[4g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c */
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  /* a 4 x 4 transpose of 128-bit lanes across u[c], u[4 + c], ... */
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+/* x [M][K] -> xb: per 16 rows of x, K / 32 B tiles (pair p of row m at dword p * 16 + m);
+   rows past M and k past K zero. */
+static void x_to_b(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, uint16_t* xb) {
+  const int64_t KC = Kp / AMX_KCHUNK;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      const int64_t k0 = kc * AMX_KCHUNK;
+      const __mmask32 kmask = K - k0 >= 32 ? (__mmask32)~0u : (__mmask32)((1ull << (K - k0)) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_maskz_loadu_epi16(kmask, x + (m0 + i) * ldx + k0) : _mm512_setzero_si512();
+      transpose16(r);
+      uint16_t* d = xb + ((m0 / 16) * KC + kc) * BTILE;
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(d + p * 32, r[p]);
+    }
+  }
+}
+
+/* C tiles as A0/A1 (weight rows n0.., n0 + 16..) x B0/B1 (x rows m0.., m0 + 16..). */
+static inline __attribute__((always_inline)) void block_t(const int TN, const int TM,
+    const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0,
+    const uint16_t* b1, int64_t KC, float* out) {
+  _tile_zero(0);
+  if (TM > 1) _tile_zero(1);
+  if (TN > 1) { _tile_zero(2); if (TM > 1) _tile_zero(3); }
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    _tile_loadd(6, b0 + kc * BTILE, 64);
+    if (TM > 1) _tile_loadd(7, b1 + kc * BTILE, 64);
+    _tile_loadd(4, a0 + kc * AMX_KCHUNK, lda * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TM > 1) _tile_dpbf16ps(1, 4, 7);
+    if (TN > 1) {
+      _tile_loadd(5, a1 + kc * AMX_KCHUNK, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TM > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 128);
+  if (TM > 1) _tile_stored(1, out + 16, 128);
+  if (TN > 1) { _tile_stored(2, out + 16 * 32, 128); if (TM > 1) _tile_stored(3, out + 16 * 32 + 16, 128); }
+}
+
+/* out [32 outputs][32 rows of x] -> y rows m0.. (mr), columns n0.. (nc) (+ bias). */
+static void epilogue_t(const float* out, int mr, int nc, int64_t m0, int64_t n0,
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32) {
+  for (int hn = 0; hn < nc; hn += 16) {
+    const int cnt = nc - hn < 16 ? nc - hn : 16;
+    const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0 + hn)), 16));
+    for (int hm = 0; hm < mr; hm += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(out + (hn + i) * 32 + hm);
+      transpose16(r);
+      const int rows = mr - hm < 16 ? mr - hm : 16;
+      for (int i = 0; i < rows; ++i) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), b);
+        const int64_t at = (m0 + hm + i) * ldy + n0 + hn;
+        if (out_f32) _mm512_mask_storeu_ps((float*)y + at, keep, v);
+        else _mm256_mask_storeu_epi16((uint16_t*)y + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+/* Weight rows n0.. (up to 16; the rest zero) into buf [16][Kp] bf16: copied (bf16 weights) or
+   decoded (GGUF rows, through row: Kp floats). */
+static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
+  for (int r = 0; r < AMX_PANEL; ++r) {
+    const int64_t n = n0 + r;
+    uint16_t* d = buf + r * s->Kp;
+    if (n >= s->N) { memset(d, 0, (size_t)s->Kp * 2); continue; }
+    if (s->kind == SRC_ROWS_BF16) {
+      memcpy(d, (const uint16_t*)s->w + n * s->K, (size_t)s->K * 2);
+      memset(d + s->K, 0, (size_t)(s->Kp - s->K) * 2);
+      continue;
+    }
+    if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
+    int64_t k = 0;
+    for (; k + 32 <= s->K; k += 32)
+      _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
+    for (; k < s->K; ++k) d[k] = f2bf(row[k]);
+    for (; k < s->Kp; ++k) d[k] = 0;
+  }
+  return 0;
+}
+
+/* Rows of x per pass over the weights: their B tiles (AMX_M_BLOCK x K bf16) stay in L2 while
+   every weight pair runs over them; a prefill chunk of 2,048 rows x K = 1,536 would not. */
+#define AMX_M_BLOCK 256
+static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+  if (M < 1) return 0;
+  if (!amx_bf16_enabled()) return -1;
+  const int64_t N = s->N, K = s->K, Kp = s->Kp, KC = Kp / AMX_KCHUNK, Mp = (M + 15) / 16 * 16;
+  uint16_t* xb = (uint16_t*)aligned_alloc(64, (size_t)Mp * Kp * 2);
+  if (!xb) return -1;
+  x_to_b(x, ldx, M, K, Kp, xb);
+  const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
+  /* bf16 rows are read in place where whole tiles of 16 rows and 32 k exist */
+  const int direct = s->kind == SRC_ROWS_BF16 && K == Kp;
+  int failed = 0;
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
+  {
+    float out[32 * 32] __attribute__((aligned(64)));
+    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * 16 * Kp * 2);
+    float* row = s->kind == SRC_GGUF ? (float*)aligned_alloc(64, (size_t)(Kp * 4 + 63) / 64 * 64) : NULL;
+    if (!buf || (s->kind == SRC_GGUF && !row)) failed = 1;
+    tiles_begin();
+    for (int64_t mb = 0; mb < M; mb += AMX_M_BLOCK) {
+      const int64_t mb_end = M - mb < AMX_M_BLOCK ? M : mb + AMX_M_BLOCK;
+      _Pragma("omp for schedule(static)")
+      for (int64_t p = 0; p < pairs; ++p) {
+        if (failed) continue;
+        const int64_t n0 = p * 32;
+        const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
+        const uint16_t* a[2];
+        int64_t lda = Kp;
+        if (direct && nc == 32) {
+          a[0] = (const uint16_t*)s->w + n0 * K; a[1] = a[0] + 16 * K; lda = K;
+        } else {
+          for (int h = 0; h < 2 && 16 * h < nc; ++h)
+            if (rows_to_buf(s, n0 + 16 * h, row, buf + h * 16 * Kp)) failed = 1;
+          a[0] = buf; a[1] = buf + 16 * Kp;
+        }
+        if (failed) continue;
+        for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
+          const int mr = mb_end - m0 < 32 ? (int)(mb_end - m0) : 32;
+          const uint16_t* b0 = xb + (m0 / 16) * KC * BTILE, *b1 = b0 + KC * BTILE;
+          if (nc > 16) {
+            if (mr > 16) block_t(2, 2, a[0], a[1], lda, b0, b1, KC, out);
+            else block_t(2, 1, a[0], a[1], lda, b0, b0, KC, out);
+          } else {
+            if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out);
+            else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out);
+          }
+          epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+        }
+      }
+    }
+    _tile_release();
+    free(buf);
+    free(row);
+  }
+  free(xb);
+  return failed ? -1 : 0;
+}
+
+int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+    int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0};
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+}
+
+int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
+    int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+  if (K % 32) return -1;
+  const source s = {SRC_W4, tiles, N, K, K, 0, 0};
+  return amx_run_w4(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+}
+
+int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,
+    int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy,
+    int out_f32, int nthreads) {
+  const source s = {SRC_GGUF, rows, N, K, (K + 31) / 32 * 32, row_bytes, type};
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+}
+#else
+/* Built without AMX-bf16: nothing runs here, the callers keep their other paths. */
+int amx_bf16_enabled(void) { return 0; }
+int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
+    int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }
+int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
+    int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }
+int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,
+    int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy,
+    int out_f32, int nthreads) { return -1; }
+#endif

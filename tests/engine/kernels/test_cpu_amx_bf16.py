@@ -1,0 +1,183 @@
+"""The AMX-bf16 GEMM (engine.layers.cpu_amx) against F.linear in float32 on the same bf16
+values, for each weight source: bf16 rows, 4-bit w4 tiles, GGUF rows. Then the layers that take
+it above their dot kernels' rows (unquantized bf16, cpu_gguf's large batches) and a tiny
+Llama's greedy tokens with it on against the torch path.
+
+Tolerances: x and W are bf16 (or decoded to bf16) and the products are summed in float32, in
+another order than torch's: a float32 output is within 1e-5 of sum |x| |w| of the reference,
+a bf16 one within one bf16 rounding (2^-8 relative) more. Decoded weights (w4, GGUF) are
+rounded to bf16 once more than the float reference: 2^-8 of sum |x| |w|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import cpu_amx, cpu_gguf, cpu_isa, cpu_w4
+
+pytestmark = pytest.mark.skipif(
+    not cpu_amx.available(),
+    reason="needs AMX-bf16 (Intel Sapphire Rapids or later; the kernels built; TESSERA_AMX "
+    "not 0): elsewhere cpu_amx answers None and the layers keep their other paths",
+)
+
+ROWS = (1, 5, 16, 17, 33)  # one tile, a partial one, exactly one, one more, past two
+
+
+def _close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b, rel: float) -> None:
+    """y (bf16 or float32) against F.linear in float32 on x, w (float), b."""
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    mag = x.float().abs() @ w.float().abs().T + (0 if b is None else b.float().abs())
+    tol = rel * mag + 1e-6
+    if y.dtype == torch.bfloat16:
+        tol = tol + ref.abs() * 2.0**-8
+    err = (y.float() - ref).abs()
+    assert y.shape == ref.shape
+    assert bool((err <= tol).all()), float((err / tol).max())
+
+
+@pytest.mark.parametrize("n, k", [(40, 64), (37, 96), (24, 50), (64, 576)])  # N % 16, K % 32
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+def test_bf16_rows_match_f_linear(n, k, bias, out):
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    for m in ROWS:
+        x = torch.randn(m, k).bfloat16()
+        y = cpu_amx.linear(x, w, b, out)
+        assert y is not None and y.dtype == out
+        _close(y, x, w, b, 1e-5)
+
+
+def test_bf16_batched_and_strided_inputs():
+    torch.manual_seed(1)
+    w = torch.randn(48, 64).bfloat16()
+    x3 = torch.randn(2, 9, 64).bfloat16()
+    y = cpu_amx.linear(x3, w)
+    assert y.shape == (2, 9, 48)
+    _close(y.reshape(18, 48), x3.reshape(18, 64), w, None, 1e-5)
+    wide = torch.randn(20, 100).bfloat16()
+    view = wide[:, 10:74]  # rows 100 apart
+    _close(cpu_amx.linear(view, w), view, w, None, 1e-5)
+    assert cpu_amx.linear(torch.randn(0, 64).bfloat16(), w).shape == (0, 48)
+    assert cpu_amx.linear(torch.randn(3, 64), w) is None  # float32 x: not this kernel's
+
+
+@pytest.mark.parametrize("n, k", [(40, 64), (16, 128), (33, 192)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+def test_w4_tiles_match_f_linear_on_their_weights(n, k, bias, out):
+    torch.manual_seed(2)
+    q4 = cpu_w4.quantize_groups(torch.randn(n, k))
+    w = cpu_w4.dequantize(q4)
+    b = torch.randn(n).bfloat16() if bias else None
+    for m in ROWS:
+        x = torch.randn(m, k).bfloat16()
+        y = cpu_amx.linear_w4(x, q4.data, n, k, b, out)
+        assert y is not None and y.dtype == out
+        _close(y, x, w, b, 2.0**-8)
+
+
+def _gguf_blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[name]
+    raw = quantize(w.numpy().astype(np.float32), qtype)
+    ref = dequantize(raw, qtype).reshape(w.shape)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(cpu_gguf.TYPES))
+@pytest.mark.parametrize("n, k", [(37, 96), (48, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gguf_rows_match_f_linear_on_their_weights(name, n, k, bias):
+    torch.manual_seed(3)
+    raw, w = _gguf_blocks(torch.randn(n, k), name)
+    b = torch.randn(n).bfloat16() if bias else None
+    for m in ROWS:
+        x = torch.randn(m, k).bfloat16()
+        for out in (torch.bfloat16, torch.float32):
+            y = cpu_amx.linear_gguf(x, raw, cpu_gguf.TYPES[name], k, b, out)
+            assert y is not None and y.dtype == out
+            _close(y, x, w, b, 2.0**-8)
+
+
+def test_gguf_refuses_a_type_it_cannot_decode():
+    raw = torch.zeros(4, 18, dtype=torch.uint8)
+    assert cpu_amx.linear_gguf(torch.randn(20, 32).bfloat16(), raw, 99, 32) is None
+
+
+def test_gguf_large_batches_take_the_tiles():
+    """cpu_gguf.linear above its dot rows: bf16 rows on AMX (not the dequantized copy)."""
+    torch.manual_seed(4)
+    raw, w = _gguf_blocks(torch.randn(40, 96), "Q4_1")
+    x = torch.randn(cpu_gguf.dot_max_rows() + 3, 96).bfloat16()
+    y = cpu_gguf.linear(x, raw, cpu_gguf.TYPES["Q4_1"], 96)
+    assert torch.equal(y, cpu_amx.linear_gguf(x, raw, cpu_gguf.TYPES["Q4_1"], 96))
+    _close(y, x, w, None, 2.0**-8)
+
+
+def test_unquantized_layer_routes_dot_then_tiles(monkeypatch):
+    """A bf16 layer: the dot kernel up to the plan's rows, AMX above on the same weight, and
+    oneDNN from prefill sizes."""
+    from engine.layers import cpu_gemm
+    from engine.layers.linear import ReplicatedLinear
+
+    monkeypatch.setenv("TESSERA_CPU_GEMM", "auto")
+    layer = ReplicatedLinear(64, 40, bias=True)
+    layer.weight.data = torch.randn(40, 64).bfloat16()
+    layer.bias.data = torch.randn(40).bfloat16()
+    top = cpu_isa.plan().dp_max_rows
+    assert cpu_isa.plan().amx
+    for rows in (1, top, top + 1, 40, cpu_isa.plan().amx_max_rows + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        y = layer(x)
+        kernel = cpu_gemm.linear if rows <= top else cpu_amx.linear
+        if rows > cpu_isa.plan().amx_max_rows:
+            kernel = F.linear  # prefill sizes: oneDNN
+        want = kernel(x, layer.weight, layer.bias)
+        assert torch.equal(y, want), rows
+        _close(y, x, layer.weight, layer.bias, 1e-5)
+    assert layer.cpu_amx is True
+
+
+def test_amx_off_keeps_the_other_paths(monkeypatch):
+    """Where AMX does not run (here: forced off) every function answers None."""
+    monkeypatch.setattr(cpu_amx, "_on", [False])
+    x = torch.randn(20, 64).bfloat16()
+    assert cpu_amx.linear(x, torch.randn(8, 64).bfloat16()) is None
+    q4 = cpu_w4.quantize_groups(torch.randn(16, 64))
+    assert cpu_amx.linear_w4(x, q4.data, 16, 64) is None
+
+
+def _greedy_bf16(model_dir, prompts) -> list[list[int]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", seed=0)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_tiny_llama_greedy_tokens_unchanged(tiny_llama_dir, monkeypatch):
+    """bf16 tiny Llama: greedy tokens with AMX on (prefill and multi-row decode) equal the
+    torch path's (TESSERA_CPU_GEMM=0: every linear layer on F.linear)."""
+    from engine.models.loader import load_hf_config
+
+    g = torch.Generator().manual_seed(5)
+    vocab = load_hf_config(tiny_llama_dir).vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 48)]
+    monkeypatch.setenv("TESSERA_CPU_GEMM", "0")
+    expected = _greedy_bf16(tiny_llama_dir, prompts)
+    monkeypatch.setenv("TESSERA_CPU_GEMM", "auto")
+    calls = []
+    real = cpu_amx.linear
+    monkeypatch.setattr(cpu_amx, "linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert _greedy_bf16(tiny_llama_dir, prompts) == expected
+    assert len(calls) > 50, "the layers did not run on AMX"

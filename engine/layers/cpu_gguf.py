@@ -30,8 +30,21 @@ ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}  # gguf_isa's values (GGUF_ISA_* in t
 
 
 def dot_max_rows() -> int:
-    """The most rows of x the dot kernels take; more go to AMX tiles or dequantize + GEMM."""
-    return cpu_isa.plan().gguf_dot_max_rows
+    """Rows up to which the dot kernels run (this CPU's plan, or forced_dot_rows's)."""
+    return _forced_dot_rows[-1] if _forced_dot_rows else cpu_isa.plan().gguf_dot_max_rows
+
+
+_forced_dot_rows: list[int] = []
+
+
+@contextlib.contextmanager
+def forced_dot_rows(rows: int) -> Iterator[None]:
+    """Run the dot kernels up to `rows` rows inside the block (tests reach them at any batch)."""
+    _forced_dot_rows.append(rows)
+    try:
+        yield
+    finally:
+        _forced_dot_rows.pop()
 
 
 def available() -> bool:

@@ -16,6 +16,7 @@ from engine.layers import cpu_gguf
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
 TYPES = sorted(set(cpu_gguf.TYPES) - set(cpu_gguf.K_TYPES))  # K-quants: test_cpu_gguf_k.py
+DOT_ROWS = 16  # the dot kernels forced up to this many rows (this CPU may hand fewer to them)
 
 
 def _blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +53,7 @@ def test_linear_matches_dequantized_reference(isa, name, dtype):
     for m in (1, 2, 7, 16):  # every remainder of the 4-row tiles, up to the dot limit
         x = torch.randn(m, k).to(dtype)
         ref = F.linear(x.float(), ref_w, bias.float())
-        with cpu_gguf.forced_isa(isa):
+        with cpu_gguf.forced_isa(isa), cpu_gguf.forced_dot_rows(DOT_ROWS):
             y = cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], k, bias)
         assert y.dtype == dtype and y.shape == (m, n)
         err = (y.float() - ref).norm() / ref.norm()
@@ -67,7 +68,7 @@ def test_variants_agree_and_large_batches_dequantize(name):
     x = torch.randn(5, k)
     outs = []
     for isa in cpu_gguf.isa_names():
-        with cpu_gguf.forced_isa(isa):
+        with cpu_gguf.forced_isa(isa), cpu_gguf.forced_dot_rows(DOT_ROWS):
             outs.append(cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], k))
     for y in outs[1:]:  # the same integer sums, scaled in a different order
         torch.testing.assert_close(y, outs[0], rtol=1e-4, atol=1e-4)

@@ -21,6 +21,7 @@ from tests.engine.kernels.kquant_blocks import quantize, random_blocks
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
 K_TYPES = sorted(cpu_gguf.K_TYPES)
+DOT_ROWS = 16  # the dot kernels forced up to this many rows (this CPU may hand fewer to them)
 
 
 def _ref(raw: np.ndarray, name: str, k: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ def test_dequantize_matches_gguf_py(name, k, encoded, isa):
     type_id = cpu_gguf.TYPES[name]
     assert raw.shape[1] == cpu_gguf.row_bytes(type_id, k)
     row, row16 = torch.empty(k), torch.empty(k, dtype=torch.bfloat16)  # the per-row entries
-    with cpu_gguf.forced_isa(isa):
+    with cpu_gguf.forced_isa(isa), cpu_gguf.forced_dot_rows(DOT_ROWS):
         assert torch.equal(cpu_gguf.dequantize(raw, type_id, k, torch.float32), ref)
         assert torch.equal(cpu_gguf.dequantize(raw, type_id, k, torch.bfloat16), ref.bfloat16())
         assert (
@@ -85,15 +86,15 @@ def test_linear_matches_dequantized_reference(isa, name, k, dtype):
     n = 37  # odd output rows (the tasks' tail)
     raw, ref_w = _blocks(name, n, k, 1, encoded=True)
     bias = torch.randn(n).to(dtype)
-    for m in (1, 3, 5, 17):  # 4-row tiles' remainders; 17 > dot_max_rows(): the large-batch path
+    for m in (1, 3, 5, 17):  # 4-row tiles' remainders; 17 > DOT_ROWS: the large-batch path
         x = torch.randn(m, k).to(dtype)
         ref = F.linear(x.float(), ref_w, bias.float())
-        with cpu_gguf.forced_isa(isa):
+        with cpu_gguf.forced_isa(isa), cpu_gguf.forced_dot_rows(DOT_ROWS):
             y = cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], k, bias)
         assert y.dtype == dtype and y.shape == (m, n)
         err = (y.float() - ref).norm() / ref.norm()
         assert err < _TOL[dtype], (m, float(err))
-        if m <= cpu_gguf.dot_max_rows():
+        if m <= DOT_ROWS:
             ref_q = F.linear(_quantized_x(x).double(), ref_w.double(), bias.double())
             err_q = (y.double() - ref_q).norm() / ref_q.norm()
             assert err_q < _TOL_QX[dtype], (m, float(err_q))
@@ -105,7 +106,7 @@ def test_variants_agree_on_random_blocks(name):
     x = torch.randn(7, 512)
     outs = []
     for isa in cpu_gguf.isa_names():
-        with cpu_gguf.forced_isa(isa):
+        with cpu_gguf.forced_isa(isa), cpu_gguf.forced_dot_rows(DOT_ROWS):
             outs.append(cpu_gguf.linear(x, raw, cpu_gguf.TYPES[name], 512))
     for y in outs[1:]:  # the same integer sums, scaled in a different order
         torch.testing.assert_close(y, outs[0], rtol=1e-4, atol=1e-4 * float(outs[0].abs().max()))
@@ -131,7 +132,7 @@ def test_segments_of_mixed_types_fill_their_columns():
     for isa in cpu_gguf.isa_names():
         for m in (1, 5, 17):
             x = torch.randn(m, k)
-            with cpu_gguf.forced_isa(isa):
+            with cpu_gguf.forced_isa(isa), cpu_gguf.forced_dot_rows(DOT_ROWS):
                 y = cpu_gguf.linear_segments(x, tuple(segments), k, bias)
             assert y.shape == (m, bias.shape[0])
             ref = F.linear(x, torch.cat(weights), bias)

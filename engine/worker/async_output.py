@@ -28,7 +28,23 @@ PLACEHOLDER = -1  # a sampled id not on the host yet (never a valid token id)
 
 
 class AsyncGpuSampler(GpuSampler):
-    """The GPU sampler whose ids stay on the device: the runner copies them itself."""
+    """The GPU sampler whose ids stay on the device (the runner copies them itself), with two
+    staging buffers used in turn: with a step in flight, the last step's staging copy is
+    queued behind its forward, and one buffer would make the host wait for that forward."""
+
+    def __init__(self, params, seed: int = 0):
+        super().__init__(params, seed)
+        self._stagings = [self._staging, torch.zeros(0, dtype=torch.int64)]
+        self._stage_events = [self._staged, torch.cuda.Event() if self._pin else None]
+        self._turn = 0
+
+    def stage(self, hidden_rows, columns, num_outputs):
+        i = self._turn
+        self._turn ^= 1
+        self._staging, self._staged = self._stagings[i], self._stage_events[i]
+        rows = super().stage(hidden_rows, columns, num_outputs)  # waits for i's last copy
+        self._stagings[i] = self._staging  # (grown)
+        return rows
 
     @torch.inference_mode()
     def sample_on_device(

@@ -462,7 +462,10 @@ class ModelRunner:
             )
             tokens = self._copies.start(device_ids)
             if logits is not None and any(s.sampling_params.logprobs is not None for s in states):
-                rows = tokens.tolist()  # logprobs need the ids on the host: this step waits
+                rows = [
+                    row[: s.num_samples] for row, s in zip(tokens.tolist(), states, strict=True)
+                ]
+                # (logprobs need the ids on the host: this step waits for them)
                 lps = self.gpu_sampler.logprobs(logits, states, rows)
                 logprobs = {rid: lp for rid, lp in zip(to_sample, lps, strict=True) if lp}
             first = device_ids[:, 0]

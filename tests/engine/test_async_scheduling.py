@@ -1,6 +1,7 @@
 """Async scheduling (engine.async_scheduling) against the synchronous loop: the same tokens,
 texts, finish reasons and usage for a mixed batch (lengths, max_tokens, stop token ids, stop
-strings, seeded sampling, n=2, penalties, min_tokens, an abort mid-run, prefix-cache hits),
+strings, seeded sampling, n=2, penalties, min_tokens, logprobs, an abort mid-run, prefix-cache
+hits),
 with preemption and chunked prefill, and no KV block leaked."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def workload(tiny_llama_dir):
     stop = more[len(head) :].strip()[:3] or more[-2:]
     llm.shutdown()
     params = [
-        SamplingParams(max_tokens=3, temperature=0.0),
+        SamplingParams(max_tokens=3, temperature=0.0, logprobs=2),
         SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=7),
         SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[ref[0][5]]),
         SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]),
@@ -74,7 +75,10 @@ def run(model_dir, workload, async_scheduling: bool, **kwargs):
                 if out.finished:
                     results[out.request_id] = out
     samples = {
-        rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+        rid: [
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason, len(c.logprobs or ()))
+            for c in out.outputs
+        ]
         for rid, out in results.items()
     }
     pool = engine.scheduler.kv_cache_manager.block_pool
@@ -106,7 +110,7 @@ def test_async_matches_sync(tiny_llama_dir, workload, kwargs):
     assert sync["0-2"][0][2] == "stop" and sync["0-2"][0][3] is not None
     assert sync["0-3"][0][2] == "stop" and isinstance(sync["0-3"][0][3], str)
     assert sync["0-6"][0][2] == "abort" and len(sync["0-6"][0][0]) == ABORT_AT
-    assert len(sync["0-4"]) == 2
+    assert len(sync["0-4"]) == 2 and sync["0-0"][0][4] == 3  # n=2; a logprob per token
     assert asyn_stats.prefix_cache_hits >= 16
     if kwargs:
         assert sync_stats.num_preemptions > 0 and asyn_stats.num_preemptions > 0

@@ -140,3 +140,28 @@ def test_needs_sync_for_host_dependent_requests():
     assert needs_sync(so(("plain", True, 1), ("pen", True, 1)), requests)
     assert needs_sync(so(("fork", True, 2)), requests)
     assert not needs_sync(so(("gone", True, 1)), requests)  # finished since
+
+
+def test_structured_output_matches_sync(tiny_llama_dir):
+    """Constrained requests force synchronous steps (their bitmask needs the last token);
+    their unconstrained neighbours still run ahead: the same outputs either way."""
+    from engine import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=regex),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=5, structured_outputs=choice),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=2, ignore_eos=True),
+    ]
+    prompts = ["Hello", "The capital of France", "Numbers: 1 2 3", "abc"]
+    texts = {}
+    for mode in (False, True):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", async_scheduling=mode)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        texts[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        assert llm.engine.scheduler.stats().kv_usage == 0.0
+        llm.shutdown()
+    assert texts[True] == texts[False]
+    assert texts[False][0][1] == texts[False][1][1] == "stop"

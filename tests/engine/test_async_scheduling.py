@@ -165,3 +165,50 @@ def test_structured_output_matches_sync(tiny_llama_dir):
         llm.shutdown()
     assert texts[True] == texts[False]
     assert texts[False][0][1] == texts[False][1][1] == "stop"
+
+
+async def test_async_engine_streams_and_cancels(tiny_llama_dir):
+    """The serving loop (AsyncEngine's thread) with async scheduling: streams complete and
+    equal, cancelled requests free their blocks, and the engine goes on serving."""
+    import asyncio
+
+    from engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.async_engine import AsyncEngine
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=256, async_scheduling=True),
+    )
+    engine = await AsyncEngine.create(config)
+    try:
+        assert engine.engine.async_scheduling
+        ids = engine.tokenizer.encode("Hello world")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+        async def last(rid, p):
+            result = None
+            async for out in engine.generate(rid, ids, p):
+                result = out
+            return result
+
+        outs = await asyncio.gather(*(last(f"s{i}", params) for i in range(4)))
+        assert all(list(o.outputs[0].token_ids) == list(outs[0].outputs[0].token_ids) for o in outs)
+        assert len(outs[0].outputs[0].token_ids) == 6
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        tasks = [asyncio.create_task(last(f"c{i}", long)) for i in range(4)]
+        while engine.stats().generation_tokens_total < 24 + 8:
+            await asyncio.sleep(0.01)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(500):
+            stats = engine.stats()
+            if stats.kv_cache_usage == 0.0 and stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats.kv_cache_usage == 0.0 and stats.num_running == 0
+        again = await last("after", params)
+        assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    finally:
+        await engine.shutdown()

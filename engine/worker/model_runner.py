@@ -389,19 +389,24 @@ class ModelRunner:
             return self._execute_async(scheduler_output)
         return self._execute(scheduler_output)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _begin_step(self, so: SchedulerOutput) -> bool:
+        """Apply the step's changes to the input batch and the cache; whether it runs."""
         assert self.model is not None and self.attn_backend is not None and self.kv_caches
-        so = scheduler_output
         if so.finished_request_ids or so.preempted_request_ids:
             self.sampler.drop([*so.finished_request_ids, *so.preempted_request_ids])
-        batch = self.input_batch
-        batch.update(so)
+        self.input_batch.update(so)
         if so.blocks_to_copy:
             self.copy_blocks(so.blocks_to_copy)
         if not so.scheduled:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return False
         if self._threads is not None:
             self._threads.apply(so.num_batched_tokens)
+        return True
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if not self._begin_step(so):
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
         to_sample = [r.request_id for r in so.scheduled if r.sample]
@@ -438,17 +443,10 @@ class ModelRunner:
         """The step without waiting for its ids: each sampled request gets a placeholder in
         the input batch, the ids stay on the device for the next step (self._prev) and go to
         the host in the background (engine.worker.async_output)."""
-        assert self.model is not None and self.rank == 0, "async scheduling runs on one rank"
-        if so.finished_request_ids or so.preempted_request_ids:
-            self.sampler.drop([*so.finished_request_ids, *so.preempted_request_ids])
-        batch = self.input_batch
-        batch.update(so)
-        if so.blocks_to_copy:
-            self.copy_blocks(so.blocks_to_copy)
-        if not so.scheduled:
+        assert self.rank == 0, "async scheduling runs on one rank"
+        if not self._begin_step(so):
             return ModelRunnerOutput(sampled_token_ids={})
-        if self._threads is not None:
-            self._threads.apply(so.num_batched_tokens)
+        batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         scheduled = [r.request_id for r in so.scheduled]
         to_sample = [r.request_id for r in so.scheduled if r.sample]
@@ -468,18 +466,18 @@ class ModelRunner:
                 # (logprobs need the ids on the host: this step waits for them)
                 lps = self.gpu_sampler.logprobs(logits, states, rows)
                 logprobs = {rid: lp for rid, lp in zip(to_sample, lps, strict=True) if lp}
-            first = device_ids[:, 0]
+            first = device_ids[:, 0].long()  # (an argmax kernel's ids may be int32)
         else:
             rows_t = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
             last = hidden.index_select(0, rows_t)
             greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
             if greedy is not None:
-                tokens = [[t] for t in greedy.tolist()]
+                tokens, first = [[t] for t in greedy.tolist()], greedy.long()
             else:
                 mask = _row_mask(so.grammar_bitmask, to_sample)
                 tokens, lps = self.sampler(self.model.compute_logits(last), states, mask)
                 logprobs = {rid: lp for rid, lp in zip(to_sample, lps, strict=True) if lp}
-            first = torch.tensor([t[0] for t in tokens], dtype=torch.long)
+                first = torch.tensor([t[0] for t in tokens], dtype=torch.long)
         self._prev = PrevTokens(first, {rid: i for i, rid in enumerate(to_sample)})
         slots = []
         for state in states:  # one placeholder each (a parent's first keeps only its first)

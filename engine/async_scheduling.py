@@ -18,6 +18,9 @@ step's ids from the driver's next payload).
 
 On the CPU the forward runs on the cores that run the Python, so there is no device time to
 hide it in: off by default there (the same code runs when asked, which is how it is tested).
+Measured on 2 shared cores, default model, batch 1 and 32: scheduling plus applying the
+outputs is 0.3-0.4% of a synchronous step, and on/off throughput is within the noise (the
+sign of a few % follows which engine runs second).
 """
 
 from __future__ import annotations

@@ -264,10 +264,7 @@ class Scheduler:
                 victim = running.pop(victim_index)
                 if victim_index < i:
                     i -= 1
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_tokens
-                    new.pop(victim.request_id, None)
+                budget += self._unschedule(victim, scheduled, new)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -332,10 +329,7 @@ class Scheduler:
                 seat_preemptions_left -= 1
                 victim = self.running.pop(victim_index)
                 preempted_now.add(victim.request_id)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_tokens
-                    new.pop(victim.request_id, None)
+                budget += self._unschedule(victim, scheduled, new)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 seated = request  # the victim may now head the queue: the seat is this one's
@@ -409,6 +403,22 @@ class Scheduler:
             seats(request) if sample and params.n > 1 else 1,
         )
 
+    def _unschedule(
+        self,
+        request: Request,
+        scheduled: dict[str, ScheduledRequest],
+        new: dict[str, NewRequestData],
+    ) -> int:
+        """Take a request out of the step being built (it is being preempted); the budget
+        its chunk returns."""
+        undone = scheduled.pop(request.request_id, None)
+        if undone is None:
+            return 0
+        new.pop(request.request_id, None)
+        if undone.sample and self.async_scheduling:
+            request.num_output_placeholders -= 1  # this step's: it will not be sampled
+        return undone.num_tokens
+
     def _ends_on_placeholder(self, request: Request) -> bool:
         """Whether a request's pending token is its last by length (async scheduling)."""
         num_output = len(request.output_token_ids) + request.num_output_placeholders
@@ -477,8 +487,9 @@ class Scheduler:
             if request.status != _RUNNING:
                 continue
             start = sr.start_pos
-            if caching and (start + sr.num_tokens) // bs > start // bs:
-                manager.cache_blocks(request)  # this step completed a block's K/V
+            end = start + sr.num_tokens
+            if caching and end // bs > start // bs:
+                manager.cache_blocks(request, end)  # this step completed a block's K/V
             tokens = sampled.get(rid)
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue

@@ -210,6 +210,13 @@ class Settings:
         parse_bool,
         kind="bool",
     )
+    async_scheduling: bool | None = _flag(
+        "Schedule the next step while the device computes this one (vLLM's async "
+        "scheduling): default on for CUDA with one rank, off on the CPU.",
+        None,
+        parse_bool,
+        kind="bool",
+    )
     seed: int = _flag("Seed for weights (dummy) and for unseeded sampling.", 0, int)
     max_model_len: int | None = _flag(
         "Context length: prompt + output tokens (default: the model's).", None, _opt_int
@@ -503,6 +510,7 @@ def to_engine_config(s: Settings) -> EngineConfig:
         device=s.device,
         attention_backend=s.attention_backend,
         enforce_eager=s.enforce_eager,
+        async_scheduling=s.async_scheduling,
         block_size=s.block_size,
         num_blocks=s.num_kv_blocks,
         kv_cache_memory=s.kv_cache_memory,

@@ -64,6 +64,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority", or "fair" (engine.core.request_queue)
     enable_chunked_prefill: bool = True
     block_size: int = 16
+    # Schedule step t+1 while step t computes (engine.async_scheduling): None = auto, on for
+    # CUDA with one rank; the engine replaces it with the resolved value (vLLM's name).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
@@ -205,6 +208,7 @@ class EngineConfig:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         policy: str = "fcfs",
+        async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         frontend_threads: int = 0,
         collective_timeout_s: float = 300.0,
@@ -242,6 +246,7 @@ class EngineConfig:
                 enable_chunked_prefill=enable_chunked_prefill,
                 block_size=block_size,
                 policy=policy,
+                async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,

@@ -46,6 +46,7 @@ class LLM:
         quantization: str | None = None,
         tokenizer: str | None = None,
         policy: str = "fcfs",
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig.from_options(
             model,
@@ -67,6 +68,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             policy=policy,
+            async_scheduling=async_scheduling,
             tensor_parallel_size=tensor_parallel_size,
             collective_timeout_s=collective_timeout_s,
         )

@@ -1,5 +1,9 @@
 """LLMEngine: the synchronous engine. step() is schedule -> execute -> update.
 
+With async scheduling (engine.async_scheduling) one step stays in flight: step() schedules
+and launches step t+1, then applies step t's output (update), so the device computes while
+the host schedules and detokenizes.
+
 It validates requests, owns the scheduler, the executor (model runners), the output
 processor and the structured-output manager, and is used directly by LLM (offline) and from
 a thread by AsyncEngine.
@@ -13,6 +17,7 @@ import logging
 import time
 from pathlib import Path
 
+from engine.async_scheduling import needs_sync, resolve_async_scheduling
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.dummy_tokenizer import load_tokenizer
@@ -20,11 +25,13 @@ from engine.errors import QueueFullError
 from engine.models.hf_config import load_hf_config, max_model_len_for
 from engine.models.loader import resolve_model
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarError, StructuredOutputManager
+from engine.worker.async_output import PendingOutput
 from engine.worker.executor import Executor
+from engine.worker.model_runner import resolve_device
 
 logger = logging.getLogger("tessera.engine")
 
@@ -36,7 +43,13 @@ class LLMEngine:
         hf_config = load_hf_config(model_dir)
         max_model_len = max_model_len_for(hf_config, config.model.max_model_len)
         config.model.max_model_len = max_model_len
-        config.scheduler = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        tp = config.parallel.tensor_parallel_size
+        self.async_scheduling = resolve_async_scheduling(
+            config.scheduler.async_scheduling, resolve_device(config.model.device).type, tp
+        )
+        config.scheduler = dataclasses.replace(
+            config.scheduler, max_model_len=max_model_len, async_scheduling=self.async_scheduling
+        )
         self.config = config
         self.model_dir = model_dir
         self.max_model_len = max_model_len
@@ -63,6 +76,8 @@ class LLMEngine:
             self.tokenizer.hf, self.vocab_size, [self.eos_token_id, *self.extra_eos_ids]
         )
         self._awaiting_grammar: dict[str, Request] = {}
+        # Async scheduling: the step in flight (its SchedulerOutput and pending output).
+        self._in_flight: tuple[SchedulerOutput, PendingOutput | ModelRunnerOutput] | None = None
         # Cumulative counters for metrics (read by AsyncEngine's stats snapshot).
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -206,7 +221,11 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.output_processor.has_unfinished()
+            or self._in_flight is not None  # async scheduling: a step to apply still
+        )
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -216,6 +235,12 @@ class LLMEngine:
         expired = self.scheduler.expired_requests(time.monotonic())
         if expired:
             failed += self._end(expired, RequestStatus.FINISHED_TIMEOUT, FinishReason.TIMEOUT)
+        if self.async_scheduling:
+            try:
+                return failed + self._step_async()
+            except BaseException:
+                self._in_flight = None  # its requests are failed or aborted by the caller
+                raise
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.drops_requests:  # the runners forget them (no forward)
@@ -229,12 +254,50 @@ class LLMEngine:
         finally:
             if scheduler_output.grammar_bitmask is not None:  # the fill reads the matchers
                 concurrent.futures.wait([scheduler_output.grammar_bitmask.future])
-        self._count_tokens(scheduler_output, runner_output)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._count_prompt_tokens(scheduler_output)
+        return failed + self._apply(scheduler_output, runner_output)
+
+    def _apply(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """A step's output into the requests: stop checks, detokenization, stop strings."""
+        updates = self.scheduler.update_from_output(so, runner_output)
+        self.generation_tokens_total += sum(len(u.new_token_ids) for u in updates)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return failed + outputs
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step t+1, then apply step t (engine.async_scheduling)."""
+        outputs = []
+        if self._in_flight is not None and needs_sync(self._in_flight[0], self.scheduler.requests):
+            outputs = self._apply_in_flight()  # the next step needs its tokens on the host
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            if so.drops_requests:  # the runner forgets them (no forward)
+                self.executor.execute_model(so)
+            if self._in_flight is not None:
+                return outputs + self._apply_in_flight()
+            if self._awaiting_grammar and not outputs:
+                self._wait_for_grammars()  # nothing else to do: don't spin
+            return outputs
+        so.grammar_bitmask = self._start_bitmask(so)
+        try:
+            pending = self.executor.execute_model(so)
+        finally:
+            if so.grammar_bitmask is not None:  # the fill reads the matchers
+                concurrent.futures.wait([so.grammar_bitmask.future])
+        self._count_prompt_tokens(so)
+        if self._in_flight is not None:
+            outputs += self._apply_in_flight()
+        self._in_flight = (so, pending)
+        return outputs
+
+    def _apply_in_flight(self) -> list[RequestOutput]:
+        assert self._in_flight is not None
+        so, pending = self._in_flight
+        self._in_flight = None
+        result = pending.result() if isinstance(pending, PendingOutput) else pending
+        return self._apply(so, result)
 
     # -- structured output ------------------------------------------------------------------
 
@@ -278,7 +341,9 @@ class LLMEngine:
         futures = [r.grammar.future for r in self._awaiting_grammar.values() if r.grammar]
         concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
-    def _count_tokens(self, scheduler_output, runner_output) -> None:
+    def _count_prompt_tokens(self, scheduler_output) -> None:
+        """Count a launched step and its prompt tokens (its sampled ones count when applied,
+        in _apply: a dropped placeholder never does)."""
         self.num_steps += 1
         prompt = 0
         for sr in scheduler_output.scheduled:
@@ -287,7 +352,6 @@ class LLMEngine:
             if sr.start_pos < n_prompt:
                 prompt += min(sr.num_tokens, n_prompt - sr.start_pos)
         self.prompt_tokens_total += prompt
-        self.generation_tokens_total += sum(map(len, runner_output.sampled_token_ids.values()))
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if the engine can step no more (a tensor-parallel worker died)."""

@@ -66,6 +66,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Async scheduling: tokens scheduled to be sampled whose values have not come back yet
+    # (each one step ahead at most; see engine.async_scheduling).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = (
         -1
     )  # prompt tokens served from the prefix cache; -1 = not yet looked up

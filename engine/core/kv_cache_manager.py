@@ -131,12 +131,16 @@ class KVCacheManager:
         self.cache_blocks(request)
         return new_blocks
 
-    def cache_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose K/V is computed (incremental, cheap)."""
+    def cache_blocks(self, request: Request, num_computed: int | None = None) -> None:
+        """Register the request's full blocks whose K/V is computed (incremental, cheap):
+        those in its first num_computed tokens (default: num_computed_tokens; with async
+        scheduling that counts a step still in flight, whose tokens may not be known)."""
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_full = num_computed // self.block_size
         num_cached = self.num_cached_blocks.get(rid)
         if num_cached is None or num_full <= num_cached:
             return

@@ -25,6 +25,13 @@ prompt, sampling params and eos id go to the runner once (NewRequestData, when i
 scheduled, again after a preemption, and for each forked sample); each step then carries only
 its position, token count and the block ids appended since the runner last saw it. The runner
 keeps the rest (engine.worker.input_batch) and appends the tokens it samples itself.
+
+Async scheduling (engine.async_scheduling): schedule() runs while the previous step still
+computes, so each request that step samples counts one placeholder token
+(num_output_placeholders): it is scheduled as if the token were known, and the runner feeds it
+from the device. update_from_output turns a placeholder into the real token; a request that
+finished on it had one more token computed, which is dropped with the request. A request sure
+to end on its placeholder (max_tokens, max_model_len) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
+        self.async_scheduling = bool(scheduler_config.async_scheduling)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -241,7 +249,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            pending = request.num_output_placeholders
+            if pending and self._ends_on_placeholder(request):
+                i += 1  # its last token is being sampled: nothing more to compute
+                continue
+            num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:  # nothing to compute (the runner returned no token for it)
@@ -252,10 +264,7 @@ class Scheduler:
                 victim = running.pop(victim_index)
                 if victim_index < i:
                     i -= 1
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_tokens
-                    new.pop(victim.request_id, None)
+                budget += self._unschedule(victim, scheduled, new)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 if victim is request:
@@ -320,10 +329,7 @@ class Scheduler:
                 seat_preemptions_left -= 1
                 victim = self.running.pop(victim_index)
                 preempted_now.add(victim.request_id)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_tokens
-                    new.pop(victim.request_id, None)
+                budget += self._unschedule(victim, scheduled, new)
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
                 seated = request  # the victim may now head the queue: the seat is this one's
@@ -372,7 +378,9 @@ class Scheduler:
             if n_prompt > first:
                 counters.charge(tenant_of(request), prompt_tokens=n_prompt - first)
                 request.num_charged_prompt_tokens = n_prompt
-        sample = end == len(request.all_token_ids)
+        sample = end == len(request.all_token_ids) + request.num_output_placeholders
+        if sample and self.async_scheduling:
+            request.num_output_placeholders += 1
         params = request.sampling_params
         table = self.kv_cache_manager.req_to_block_ids[rid]
         num_sent = self._num_sent_blocks.get(rid)
@@ -393,6 +401,30 @@ class Scheduler:
             table[num_sent:],
             sample,
             seats(request) if sample and params.n > 1 else 1,
+        )
+
+    def _unschedule(
+        self,
+        request: Request,
+        scheduled: dict[str, ScheduledRequest],
+        new: dict[str, NewRequestData],
+    ) -> int:
+        """Take a request out of the step being built (it is being preempted); the budget
+        its chunk returns."""
+        undone = scheduled.pop(request.request_id, None)
+        if undone is None:
+            return 0
+        new.pop(request.request_id, None)
+        if undone.sample and self.async_scheduling:
+            request.num_output_placeholders -= 1  # this step's: it will not be sampled
+        return undone.num_tokens
+
+    def _ends_on_placeholder(self, request: Request) -> bool:
+        """Whether a request's pending token is its last by length (async scheduling)."""
+        num_output = len(request.output_token_ids) + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) or (
+            len(request.all_token_ids) + request.num_output_placeholders >= self.max_model_len
         )
 
     def _pick_victim(self) -> int:
@@ -445,11 +477,19 @@ class Scheduler:
         for sr in scheduler_output.scheduled:
             rid = sr.request_id
             request = requests.get(rid)
-            if request is None or request.status != _RUNNING:
+            if request is None:
                 continue  # finished or aborted since schedule()
+            if sr.sample and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+                if request.status == RequestStatus.PREEMPTED:  # since this step: keep the token
+                    self._apply_to_preempted(request, sampled.get(rid), logprobs, updates)
+                    continue
+            if request.status != _RUNNING:
+                continue
             start = sr.start_pos
-            if caching and (start + sr.num_tokens) // bs > start // bs:
-                manager.cache_blocks(request)  # this step completed a block's K/V
+            end = start + sr.num_tokens
+            if caching and end // bs > start // bs:
+                manager.cache_blocks(request, end)  # this step completed a block's K/V
             tokens = sampled.get(rid)
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue
@@ -493,6 +533,40 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
+
+    def _apply_to_preempted(
+        self,
+        request: Request,
+        tokens: list[int] | None,
+        logprobs: dict,
+        updates: list[RequestUpdate],
+    ) -> None:
+        """Async scheduling: a step sampled a token for a request that the next schedule()
+        preempted. The token is valid (its context was computed): keep it, as a synchronous
+        step would have before that preemption, so the recompute resumes after it."""
+        if not tokens:
+            return
+        token = tokens[0]  # never a fork: those steps run synchronously
+        if self._has_tenants or self.tenant_counters is not None:
+            self._charge_output(request, 1)
+        request.append_output_token(token)
+        if check_stop(request, self.max_model_len):
+            self.waiting.remove_request(request)  # its seats went with the preemption
+            self._finish(request, request.status)
+        lps = logprobs.get(request.request_id) if logprobs else None
+        updates.append(
+            RequestUpdate(
+                request.request_id,
+                request.parent_id,
+                request.sample_index,
+                [token],
+                lps[:1] if lps else None,
+                request.finish_reason,
+                request.stop_reason,
+                request.num_cached_tokens,
+                _queue_time(request),
+            )
+        )
 
     def _start_child(self, parent: Request, child: Request) -> None:
         """Give a forked sample the parent's blocks (copy-on-write of a partial last one)."""

@@ -329,13 +329,21 @@ class CudaGraphRunner:
         return bucket_for(common.num_reqs, self.ladder)
 
     def run(
-        self, input_ids: Sequence[int], positions: Sequence[int], meta: CommonAttentionMetadata
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        meta: CommonAttentionMetadata,
+        fed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
+        """fed: (rows, values on the device) replacing those rows' input ids after the host
+        copy: async scheduling's placeholders, the last step's sampled ids."""
         rows = self.bucket(meta)
         if rows is None:
             return None
         n = meta.num_reqs
         self.inputs.fill(input_ids, positions, rows)
+        if fed is not None:  # the step's rows come after rows - n padding rows
+            self.inputs.ids(rows).index_copy_(0, fed[0] + (rows - n), fed[1])
         attn_meta = self.backend.fill_static_metadata(
             self.static_meta, pad_decode_metadata(meta, rows)
         )

@@ -71,6 +71,11 @@ class CachedRequestState:
         self.output_token_ids.extend(tokens)
         self.token_ids.extend(tokens)
 
+    def set_output_token(self, index: int, token: int) -> None:
+        """Write output token `index` (async scheduling: the real id over its placeholder)."""
+        self.output_token_ids[index] = token
+        self.token_ids[len(self.prompt_token_ids) + index] = token
+
 
 # SamplingTensors' rows: float32 parameters, then the int64 ones (seed -1: unseeded).
 FLOAT_PARAMS = (

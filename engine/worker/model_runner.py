@@ -8,6 +8,10 @@ or on CUDA the captured decode graphs, engine.worker.cuda_graph; else the eager 
 logits of each sampling request's last token -> Sampler (on CUDA the sync-free GpuSampler,
 engine.layers.gpu_sampler, unless a request asks for logprobs) -> the sampled tokens appended
 to the input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
+
+With async scheduling (engine.async_scheduling, one rank) execute_model returns a
+PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
+input batch and the next step feeds them from the device (engine.worker.async_output).
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ from engine.models.gguf_blocks import gguf_source
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.structured_output.bitmask import RowMask
+from engine.worker.async_output import (
+    PLACEHOLDER,
+    AsyncGpuSampler,
+    PendingOutput,
+    PrevTokens,
+    TokenCopies,
+)
 from engine.worker.cpu_graph import DecodePlan
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
@@ -152,7 +163,12 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         params = SamplingTensors(self.device) if on_gpu else None
         self.input_batch = InputBatch(params)  # the requests this rank holds, across steps
-        self.gpu_sampler = GpuSampler(params, seed=config.model.seed) if params else None
+        # Async scheduling: the engine resolved the option (engine.async_scheduling).
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
+        sampler_cls = AsyncGpuSampler if self.async_scheduling else GpuSampler
+        self.gpu_sampler = sampler_cls(params, seed=config.model.seed) if params else None
+        self._prev: PrevTokens | None = None  # the last step's ids, on the device
+        self._copies = TokenCopies(self.device)
         self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
         # A planned or captured step over static buffers, built once the KV cache is bound:
@@ -367,19 +383,30 @@ class ModelRunner:
             t.index_copy_(1, dst, t.index_select(1, src))
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        """The step's output; with async scheduling a PendingOutput for a step that samples."""
+        if self.async_scheduling:
+            return self._execute_async(scheduler_output)
+        return self._execute(scheduler_output)
+
+    def _begin_step(self, so: SchedulerOutput) -> bool:
+        """Apply the step's changes to the input batch and the cache; whether it runs."""
         assert self.model is not None and self.attn_backend is not None and self.kv_caches
-        so = scheduler_output
         if so.finished_request_ids or so.preempted_request_ids:
             self.sampler.drop([*so.finished_request_ids, *so.preempted_request_ids])
-        batch = self.input_batch
-        batch.update(so)
+        self.input_batch.update(so)
         if so.blocks_to_copy:
             self.copy_blocks(so.blocks_to_copy)
         if not so.scheduled:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return False
         if self._threads is not None:
             self._threads.apply(so.num_batched_tokens)
+        return True
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if not self._begin_step(so):
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
         to_sample = [r.request_id for r in so.scheduled if r.sample]
@@ -411,6 +438,84 @@ class ModelRunner:
         if self.rank == 0:
             batch.append_sampled(sampled)
         return out
+
+    def _execute_async(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        """The step without waiting for its ids: each sampled request gets a placeholder in
+        the input batch, the ids stay on the device for the next step (self._prev) and go to
+        the host in the background (engine.worker.async_output)."""
+        assert self.rank == 0, "async scheduling runs on one rank"
+        if not self._begin_step(so):
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self.input_batch
+        hidden, last_row = self._forward(so.scheduled)
+        scheduled = [r.request_id for r in so.scheduled]
+        to_sample = [r.request_id for r in so.scheduled if r.sample]
+        if not to_sample:
+            return ModelRunnerOutput(sampled_token_ids={rid: [] for rid in scheduled})
+        states = [batch[rid] for rid in to_sample]
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if self.gpu_sampler is not None:
+            device_ids, logits = self._draw_on_device(
+                hidden, last_row, to_sample, states, so.grammar_bitmask
+            )
+            tokens = self._copies.start(device_ids)
+            if logits is not None and any(s.sampling_params.logprobs is not None for s in states):
+                rows = [
+                    row[: s.num_samples] for row, s in zip(tokens.tolist(), states, strict=True)
+                ]
+                # (logprobs need the ids on the host: this step waits for them)
+                lps = self.gpu_sampler.logprobs(logits, states, rows)
+                logprobs = {rid: lp for rid, lp in zip(to_sample, lps, strict=True) if lp}
+            first = device_ids[:, 0].long()  # (an argmax kernel's ids may be int32)
+        else:
+            rows_t = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
+            last = hidden.index_select(0, rows_t)
+            greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
+            if greedy is not None:
+                tokens, first = [[t] for t in greedy.tolist()], greedy.long()
+            else:
+                mask = _row_mask(so.grammar_bitmask, to_sample)
+                tokens, lps = self.sampler(self.model.compute_logits(last), states, mask)
+                logprobs = {rid: lp for rid, lp in zip(to_sample, lps, strict=True) if lp}
+                first = torch.tensor([t[0] for t in tokens], dtype=torch.long)
+        self._prev = PrevTokens(first, {rid: i for i, rid in enumerate(to_sample)})
+        slots = []
+        for state in states:  # one placeholder each (a parent's first keeps only its first)
+            slots.append(len(state.output_token_ids))
+            state.append_tokens([PLACEHOLDER])
+        return PendingOutput(
+            batch,
+            scheduled,
+            to_sample,
+            states,
+            slots,
+            tokens,
+            [s.num_samples for s in states],
+            logprobs,
+        )
+
+    def _draw_on_device(
+        self,
+        hidden: torch.Tensor,
+        last_row: dict[str, int],
+        to_sample: list[str],
+        states: list[CachedRequestState],
+        grammar_bitmask: GrammarBitmask | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids [S, m] on the device, and the logits (None for plain greedy)."""
+        sampler = self.gpu_sampler
+        assert isinstance(sampler, AsyncGpuSampler) and self.input_batch.sampling is not None
+        columns = self.input_batch.sampling.column
+        rows = sampler.stage(
+            [last_row[rid] for rid in to_sample],
+            [columns[rid] for rid in to_sample],
+            [len(s.output_token_ids) for s in states],
+        )
+        last = hidden.index_select(0, rows.hidden_rows)
+        greedy = self.model.greedy_tokens(last) if Sampler.plain_greedy(states) else None
+        logits = self.model.compute_logits(last) if greedy is None else None
+        mask = _row_mask(grammar_bitmask, to_sample) if logits is not None else None
+        return sampler.sample_on_device(logits, states, rows, greedy, mask), logits
 
     def _sample_on_device(
         self,
@@ -450,16 +555,22 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, int]]:
         """Run the flattened batch; return hidden [T, H] and each request's last row."""
         ids, positions, seqs, last_row = self.input_batch.step_inputs(scheduled)
+        fed = self._prev.feed(ids, last_row, self.device) if self._prev is not None else None
         common = common_metadata_from_seqs(seqs, self.block_size)
-        return self._run_model(ids, positions, common), last_row
+        return self._run_model(ids, positions, common, fed), last_row
 
     def _run_model(
-        self, ids: list[int], positions: list[int], common: CommonAttentionMetadata
+        self,
+        ids: list[int],
+        positions: list[int],
+        common: CommonAttentionMetadata,
+        fed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The step graph's output where it takes this step, else the eager forward's."""
+        """The step graph's output where it takes this step, else the eager forward's.
+        fed: (rows, device values) of input ids that are placeholders (async scheduling)."""
         graph = self._step_graph
         if isinstance(graph, CudaGraphRunner):  # host inputs go straight to its static buffers
-            hidden = graph.run(ids, positions, common)
+            hidden = graph.run(ids, positions, common, fed)
             if hidden is not None:
                 return hidden
             graph = None
@@ -470,6 +581,8 @@ class ModelRunner:
         else:  # a blocking host-to-device copy would wait for the device's queue
             input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
             pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        if fed is not None:  # the last step's ids, without a trip through the host
+            input_ids.index_copy_(0, *fed)
         if graph is not None:
             hidden = graph.run(input_ids, pos, meta)
             if hidden is not None:

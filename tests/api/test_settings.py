@@ -211,6 +211,16 @@ def test_attention_backend_flag_reaches_the_engine_config():
         settings(["--attention-backend", "flash"])
 
 
+def test_async_scheduling_flag_reaches_the_engine_config():
+    assert to_engine_config(settings(["m"])).scheduler.async_scheduling is None  # auto
+    on = to_engine_config(settings(["m", "--async-scheduling"]))
+    assert on.scheduler.async_scheduling is True
+    off = to_engine_config(settings(["m", "--no-async-scheduling"]))
+    assert off.scheduler.async_scheduling is False
+    env = {"TESSERA_ASYNC_SCHEDULING": "0"}
+    assert to_engine_config(settings([], env)).scheduler.async_scheduling is False
+
+
 def test_enforce_eager_flag_reaches_the_engine_config():
     assert to_engine_config(settings(["m"])).model.enforce_eager is False
     assert to_engine_config(settings(["m", "--enforce-eager"])).model.enforce_eager is True

@@ -6,10 +6,15 @@ reads back exactly the request's tokens, and that the runner's input batch, fed 
 incremental SchedulerOutputs, holds the scheduler's tokens and block tables; at the end every request has finished or been
 aborted, and every sample's tokens are a prefix of what the fake model generates for it
 alone (preemption, prefix hits and forks never change a token).
+
+With async scheduling the driver runs the engine's loop: each step is scheduled before the
+previous one's output is applied (on placeholders), except after a step that forks samples
+(engine.async_scheduling.needs_sync); the fake runner is then one token ahead of the scheduler.
 """
 
 from __future__ import annotations
 
+import pytest
 from core_testing import (
     FakeRunner,
     Transcript,
@@ -22,6 +27,7 @@ from core_testing import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.async_scheduling import needs_sync
 from engine.request import RequestStatus
 
 EOS = 3
@@ -69,7 +75,8 @@ configs = st.fixed_dictionaries(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(config=configs, operations=ops)
-def test_random_workloads_keep_the_books_straight(config, operations):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_workloads_keep_the_books_straight(config, operations, async_scheduling):
     bs = config["block_size"]
     budget = config["max_num_batched_tokens"]
     chunked = config["enable_chunked_prefill"]
@@ -87,7 +94,9 @@ def test_random_workloads_keep_the_books_straight(config, operations):
         enable_prefix_caching=config["enable_prefix_caching"],
         policy=config["policy"],
     )
+    sched.async_scheduling = async_scheduling  # what the engine's resolved option sets
     runner = FakeRunner(num_blocks, bs)
+    in_flight = []  # async scheduling: the step whose output is not applied yet
     transcript = Transcript()
     specs: dict[str, dict] = {}  # user request id -> what it asked for
     ended: set[str] = set()  # every scheduler request id (samples included) that ended
@@ -110,12 +119,19 @@ def test_random_workloads_keep_the_books_straight(config, operations):
         ended.update(samples)
 
     def do_step(abort_index: int | None = None) -> None:
+        if in_flight and needs_sync(in_flight[0][0], sched.requests):
+            transcript.add(sched.update_from_output(*in_flight.pop()))
         out = sched.schedule()
         result = runner(out)
         if abort_index is not None and sched.requests:  # an abort while the step runs
             finish(live_ids()[abort_index % len(sched.requests)], RequestStatus.FINISHED_ABORTED)
-        transcript.add(sched.update_from_output(out, result))
-        check_runner_state(sched, runner)
+        if not async_scheduling:
+            transcript.add(sched.update_from_output(out, result))
+            check_runner_state(sched, runner)
+            return
+        if in_flight:
+            transcript.add(sched.update_from_output(*in_flight.pop()))
+        in_flight.append((out, result))
 
     for op in operations:
         kind = op[0]
@@ -142,7 +158,7 @@ def test_random_workloads_keep_the_books_straight(config, operations):
         check_invariants(sched)
 
     for _ in range(3000):  # drain
-        if not sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and not in_flight:
             break
         do_step()
         check_invariants(sched)

@@ -68,10 +68,18 @@ def quantize_groups(weight: torch.Tensor) -> Q4Weight:
     scales, mins = ((hi - lo) / 15).half(), lo.half()
     s, m = scales.float()[..., None], mins.float()[..., None]  # the stored values
     codes = torch.where(s > 0, torch.round((g - m) / s.clamp_min(1e-30)), 0).clamp_(0, 15)
-    pad = -n % TILE  # padded rows: codes, scales and minimums 0
-    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, 0, 0, pad))
+    return pack_groups(codes.to(torch.uint8), scales, mins)
+
+
+def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Q4Weight:
+    """Codes uint8 [N, G, 32] (0..15), float16 scales and minimums [N, G] -> the kernel's
+    tiles of 16 rows (padded rows: codes, scales and minimums 0), bytes as they are: the
+    weight stands for w = s * q + m of exactly these values."""
+    n, groups = scales.shape
+    pad = -n % TILE
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, 0, 0, pad))
     scales, mins = (torch.nn.functional.pad(v, (0, 0, 0, pad)) for v in (scales, mins))
-    t, groups = (n + pad) // TILE, k // GROUP
+    t = (n + pad) // TILE
     # [tile, row, group, chunk, 4 k] -> bytes [tile, group, chunk, row, 2]: k = 4c + j low,
     # 4c + 2 + j high
     c = codes.view(t, TILE, groups, 8, 4)
@@ -81,7 +89,7 @@ def quantize_groups(weight: torch.Tensor) -> Q4Weight:
         return v.view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
     data = torch.cat([chunks, per_group(scales), per_group(mins)], dim=2)
-    return Q4Weight(data.reshape(t, groups * GROUP_BYTES).contiguous(), n, k)
+    return Q4Weight(data.reshape(t, groups * GROUP_BYTES).contiguous(), n, groups * GROUP)
 
 
 def dequantize(q4: Q4Weight) -> torch.Tensor:

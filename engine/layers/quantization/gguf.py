@@ -1,10 +1,14 @@
-"""GGUF weights served in the file's own blocks (`--quantization gguf`).
+"""GGUF weights served in the file's own quantization (`--quantization gguf`, the default for
+a .gguf model on the CPU).
 
-Each linear layer whose GGUF tensors are of a type the CPU kernels read (Q4_0, Q4_1, Q8_0:
-engine.layers.cpu_gguf) gets the file's bytes as its weight, so the weights in memory are
-about the file's size and nothing is requantized: the loaded (dequantized) float weight is
-dropped. Layers of other types (K-quants, mixed projections, float) keep today's dequantized
-weights on the unquantized method; the log says which layer kinds took which path. The
+Each linear layer whose GGUF tensors are of a type the CPU kernels read keeps the file's
+values, so the weights in memory are about the file's size and nothing is requantized: the
+loaded (dequantized) float weight is dropped. Q4_0 and Q4_1 blocks are repacked bit for bit
+into the w4 kernel's tiles (engine.layers.gguf_w4: 1.3-2x the per-row dot kernel at 1-12
+rows); Q8_0, and Q4 layers the w4 kernel cannot take (K not a multiple of 64, a float32
+model, no AVX512-VNNI), keep the file's blocks on the GGUF dot kernel (engine.layers.
+cpu_gguf). Layers of other types (K-quants, mixed projections, float) keep today's
+dequantized weights on the unquantized method; the log says which layer kinds took which path. The
 embedding and the LM head stay dequantized (a gather, and the sampler's argmax paths).
 """
 
@@ -15,9 +19,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_gguf
+from engine.layers import cpu_gguf, cpu_w4, gguf_w4
 from engine.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger("tessera.engine")
@@ -33,13 +38,65 @@ class GGUFLinearMethod(LinearMethodBase):
         return cpu_gguf.linear(x, layer.weight, layer.gguf_type, layer.in_features, bias)
 
 
+# Up to this many rows the w4 kernel in calls of MAX_ROWS beats dequantizing the tiles for
+# a GEMM (two cores, SmolLM2's gate_up at 32 rows: 0.29 ms against 0.69 for the GGUF path's
+# C dequantization + GEMM; at 128 rows 1.2 against the torch dequantization's ~3).
+W4_CHUNKED_MAX_ROWS = 256
+
+
+def w4_large_batch_linear(
+    x: torch.Tensor, q4: cpu_w4.Q4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] of more than cpu_w4.MAX_ROWS rows (or calls the w4 kernel refuses) against
+    w4 tiles. A stopgap the lead swaps for the AMX kernel reading the tiles (cpu_amx) at
+    merge: the w4 kernel MAX_ROWS rows at a time up to W4_CHUNKED_MAX_ROWS, beyond it the
+    tiles dequantized (torch, per call) for F.linear."""
+    k, n = x.shape[-1], q4.out_features
+    x2 = x.reshape(-1, k)
+    if x.dtype == torch.bfloat16 and x2.shape[0] <= W4_CHUNKED_MAX_ROWS:
+        parts = [cpu_w4.linear(c, q4, bias) for c in x2.split(cpu_w4.MAX_ROWS)]
+        if all(p is not None for p in parts):
+            return torch.cat(parts).view(*x.shape[:-1], n)
+    w = cpu_w4.dequantize(q4).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+class GGUFW4LinearMethod(GGUFLinearMethod):
+    """A Q4_0/Q4_1 layer repacked into w4 tiles: layer.w4 (a cpu_w4.Q4Weight; layer.weight is
+    its uint8 data, the only copy). 1-MAX_ROWS rows on the w4 kernel, more on
+    w4_large_batch_linear."""
+
+    @staticmethod
+    def w8a8_min_rows(layer: nn.Module, k: int) -> int:
+        """Rows from which a call leaves the w4 kernel (the decode plan's W4 steps end here)."""
+        return cpu_w4.MAX_ROWS + 1
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = cpu_w4.linear(x, layer.w4, bias)
+        return y if y is not None else w4_large_batch_linear(x, layer.w4, bias)
+
+
+def _w4_refusal(module: nn.Module, type_name: str, in_features: int) -> str | None:
+    """Why a Q4 layer stays on the GGUF dot kernel instead of w4 tiles, or None."""
+    why = gguf_w4.supports(type_name, in_features)
+    if why is None and module.weight.dtype != torch.bfloat16:
+        why = f"a {str(module.weight.dtype).removeprefix('torch.')} model: the w4 kernel takes bf16"
+    if why is None and not cpu_w4.available():
+        why = "no w4 kernel on this CPU (AVX512-VNNI)"
+    return why
+
+
 def _kind(name: str) -> str:
     return name.rsplit(".", 1)[-1]  # "model.layers.3.mlp.down_proj" -> "down_proj"
 
 
 def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Counter]:
-    """Give every linear layer whose file type has a kernel the file's blocks and
-    GGUFLinearMethod; returns {layer kind: Counter(path taken)} (also logged)."""
+    """Give every linear layer whose file type has a kernel the file's values: Q4_0/Q4_1 as
+    w4 tiles (GGUFW4LinearMethod) where the w4 kernel takes them, else the file's blocks
+    (GGUFLinearMethod); returns {layer kind: Counter(path taken)}, also logged. Paths other
+    than "dequantized (why)" hold the file's values."""
     from engine.models.gguf_blocks import read_linear_blocks
 
     if not cpu_gguf.available():
@@ -71,10 +128,20 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         if why is not None:
             paths.setdefault(kind, Counter())[f"dequantized ({why})"] += 1
             continue
-        module.weight = nn.Parameter(b.data, requires_grad=False)
+        dot_why = _w4_refusal(module, b.type_name, b.in_features)
+        if b.type_name in gguf_w4.TYPES and dot_why is None:
+            module.w4 = gguf_w4.repack(b.data, b.type_name, b.in_features)
+            module.weight = nn.Parameter(module.w4.data, requires_grad=False)
+            module.quant_method = GGUFW4LinearMethod()
+            path = f"{b.type_name} as w4 tiles"
+        else:
+            module.weight = nn.Parameter(b.data, requires_grad=False)
+            module.quant_method = GGUFLinearMethod()
+            path = f"{b.type_name} blocks on the gguf dot kernel"
+            if b.type_name in gguf_w4.TYPES:
+                path += f" ({dot_why})"
         module.gguf_type, module.in_features = b.type_id, b.in_features
-        module.quant_method = GGUFLinearMethod()
-        paths.setdefault(kind, Counter())[f"{b.type_name} blocks"] += 1
+        paths.setdefault(kind, Counter())[path] += 1
     for kind, c in paths.items():
         logger.info(
             "GGUF %s: %s", kind, ", ".join(f"{n} layers {why}" for why, n in sorted(c.items()))

@@ -1,7 +1,7 @@
 """`--quantization gguf` on tiny random Llamas written as GGUF files by gguf-py's writer, one
-per block type: the linear layers hold the file's bytes (their nbytes are the file tensors'),
-and greedy tokens equal those of the same model on the dequantized float weights wherever
-the reference's top-2 logit gap exceeds GAP_TOL."""
+per block type: the linear layers hold the file's bytes (their nbytes are the file tensors';
+in a bf16 model Q4_0/Q4_1 as w4 tiles), and greedy tokens equal those of the same model on
+the dequantized float weights wherever the reference's top-2 logit gap exceeds GAP_TOL."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
-from engine.layers import cpu_gguf
-from engine.layers.quantization import GGUFLinearMethod, quantize_model
+from engine.layers import cpu_gguf, cpu_w4
+from engine.layers.quantization import (
+    GGUFLinearMethod,
+    GGUFW4LinearMethod,
+    apply_gguf_blocks,
+    quantize_model,
+)
 from engine.models.gguf_convert import _read_tensors
 from engine.models.loader import load_model
 
@@ -84,9 +89,10 @@ def gguf_model(request, tiny_llama_dir, tmp_path_factory):
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:
-    backend = TorchAttentionBackend(16, HEADS, KV_HEADS, 16, torch.float32)
+    dtype = model.model.embed_tokens.weight.dtype
+    backend = TorchAttentionBackend(16, HEADS, KV_HEADS, 16, dtype)
     for attn in model.attention_layers():
-        attn.kv_cache = torch.zeros(2, 4, 16, KV_HEADS, 16)
+        attn.kv_cache = torch.zeros(2, 4, 16, KV_HEADS, 16, dtype=dtype)
         attn.backend = backend
     meta = backend.build_metadata(common_metadata_from_seqs([(0, len(tokens), [1, 2, 3])], 16))
     with torch.inference_mode():
@@ -103,6 +109,8 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
         m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
     ]
     assert all(m.weight.dtype == torch.uint8 for m in linears)
+    # a float32 model: Q4 blocks too stay on the dot kernel (the w4 kernel takes bf16)
+    assert not any(isinstance(m.quant_method, GGUFW4LinearMethod) for m in linears)
     file_bytes = sum(
         t.data.nbytes for t in GGUFReader(str(path)).tensors if t.tensor_type.name == type_name
     )
@@ -117,6 +125,38 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
         assert (c - r).abs().max() < 4 * GAP_TOL  # and the logits themselves stay close
         tokens.append(int(r.argmax()))
     assert compared >= 6
+
+
+def test_q4_blocks_of_a_bf16_model_are_w4_tiles(gguf_model):
+    """bf16: Q4_0/Q4_1 layers repacked into w4 tiles (no other copy: 20 bytes a block of 32),
+    Q8_0 on the dot kernel; prefixes of 1-15 rows cross the w4 kernel's MAX_ROWS."""
+    type_name, path, folder = gguf_model
+    ref = load_model(folder, dtype="bfloat16")
+    model = load_model(folder, dtype="bfloat16")
+    paths = apply_gguf_blocks(model, path)
+    linears = [
+        m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
+    ]
+    assert len(linears) == 3 * 4
+    if type_name == "Q8_0" or not cpu_w4.available():
+        assert not any(isinstance(m.quant_method, GGUFW4LinearMethod) for m in linears)
+        assert all("gguf dot kernel" in why for c in paths.values() for why in c)
+        return
+    assert all(isinstance(m.quant_method, GGUFW4LinearMethod) for m in linears)
+    assert paths["down_proj"] == {f"{type_name} as w4 tiles": 3}
+    weights = sum(m.weight.numel() // 20 * 32 for m in linears)  # every row a multiple of 16
+    assert weights == sum(m.w4.out_features * m.w4.in_features for m in linears)
+    assert all(m.weight.data_ptr() == m.w4.data.data_ptr() for m in linears)  # one copy
+    tokens, compared = [5, 9, 17, 3], 0
+    while len(tokens) < 16:
+        r, c = _logits(ref, tokens).float(), _logits(model, tokens).float()
+        top2 = r.topk(2).values
+        if top2[0] - top2[1] > 4 * GAP_TOL:  # bf16 activations on both sides
+            assert int(c.argmax()) == int(r.argmax()), (type_name, tokens)
+            compared += 1
+        assert (c - r).abs().max() < 8 * GAP_TOL
+        tokens.append(int(r.argmax()))
+    assert compared >= 4
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):

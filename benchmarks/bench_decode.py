@@ -459,6 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["paths"][path] = {"error": str(e), "rows": []}
             print(f"bench decode: {e}", file=sys.stderr)
     add_agreement(result["paths"])
+    if result["quantization"] is None:  # unset: what the Tessera path resolved it to
+        result["quantization"] = result["paths"].get("kernel", {}).get("quantization")
     print_table(result)
     print(json.dumps(result, default=str))
     if args.json:

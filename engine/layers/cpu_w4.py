@@ -108,6 +108,22 @@ def dequantize(q4: Q4Weight) -> torch.Tensor:
     return w.reshape(t * TILE, -1)[: q4.out_features]
 
 
+def unpack(q4: Q4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight [N, K] in dtype (bf16 or float32) for a GEMM: the C pass where the kernels
+    are built (engine/kernels/cpu/w4_tiles.c, any CPU), else dequantize(); the same values."""
+    fn = ops.function("w4_dequantize")
+    if fn is None or dtype not in (torch.bfloat16, torch.float32):
+        return dequantize(q4).to(dtype)
+    out = torch.empty(q4.out_features, q4.in_features, dtype=dtype)
+    rc = fn(
+        q4.data.data_ptr(), q4.out_features, q4.in_features, out.data_ptr(),
+        int(dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"w4 tiles of K={q4.in_features} are not groups of {GROUP}")
+    return out
+
+
 def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 (at most MAX_ROWS rows) against the 4-bit weight; None where the kernel
     cannot take the call (the caller uses its int8 weights)."""

@@ -38,10 +38,11 @@ class GGUFLinearMethod(LinearMethodBase):
         return cpu_gguf.linear(x, layer.weight, layer.gguf_type, layer.in_features, bias)
 
 
-# Up to this many rows the w4 kernel in calls of MAX_ROWS beats dequantizing the tiles for
-# a GEMM (two cores, SmolLM2's gate_up at 32 rows: 0.29 ms against 0.69 for the GGUF path's
-# C dequantization + GEMM; at 128 rows 1.2 against the torch dequantization's ~3).
-W4_CHUNKED_MAX_ROWS = 256
+# Up to this many rows the w4 kernel in calls of MAX_ROWS beats dequantizing the tiles (C,
+# cpu_w4.unpack) for a bf16 GEMM: two shared cores, SmolLM2's gate_up 3072x576 at 32 / 64
+# rows 0.29 / 0.60 ms against 0.79 / 0.90; its down_proj 576x1536 at 64 / 128 rows 0.40 /
+# 0.74 against 0.45 / 0.51.
+W4_CHUNKED_MAX_ROWS = 96
 
 
 def w4_large_batch_linear(
@@ -50,14 +51,14 @@ def w4_large_batch_linear(
     """x [..., K] of more than cpu_w4.MAX_ROWS rows (or calls the w4 kernel refuses) against
     w4 tiles. A stopgap the lead swaps for the AMX kernel reading the tiles (cpu_amx) at
     merge: the w4 kernel MAX_ROWS rows at a time up to W4_CHUNKED_MAX_ROWS, beyond it the
-    tiles dequantized (torch, per call) for F.linear."""
+    tiles dequantized per call (cpu_w4.unpack, one C pass) for F.linear."""
     k, n = x.shape[-1], q4.out_features
     x2 = x.reshape(-1, k)
     if x.dtype == torch.bfloat16 and x2.shape[0] <= W4_CHUNKED_MAX_ROWS:
         parts = [cpu_w4.linear(c, q4, bias) for c in x2.split(cpu_w4.MAX_ROWS)]
         if all(p is not None for p in parts):
             return torch.cat(parts).view(*x.shape[:-1], n)
-    w = cpu_w4.dequantize(q4).to(x.dtype)
+    w = cpu_w4.unpack(q4, x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
@@ -111,7 +112,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
     for name, module in modules.items():
         if not isinstance(getattr(module, "quant_method", None), LinearMethodBase):
             continue
-        b = blocks.get(name)
+        b = blocks.pop(name, None)  # each layer's blocks freed once it holds its weights
         if b is None:
             why = skipped.get(name, "not in the file's block tensors")
         elif module.weight.device.type != "cpu":
@@ -128,9 +129,14 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         if why is not None:
             paths.setdefault(kind, Counter())[f"dequantized ({why})"] += 1
             continue
-        dot_why = _w4_refusal(module, b.type_name, b.in_features)
+        w4, dot_why = None, _w4_refusal(module, b.type_name, b.in_features)
         if b.type_name in gguf_w4.TYPES and dot_why is None:
-            module.w4 = gguf_w4.repack(b.data, b.type_name, b.in_features)
+            try:
+                w4 = gguf_w4.repack(b.data, b.type_name, b.in_features)
+            except ValueError as e:  # a Q4_0 scale whose -8d overflows float16
+                dot_why = str(e)
+        if w4 is not None:
+            module.w4 = w4
             module.weight = nn.Parameter(module.w4.data, requires_grad=False)
             module.quant_method = GGUFW4LinearMethod()
             path = f"{b.type_name} as w4 tiles"

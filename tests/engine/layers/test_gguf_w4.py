@@ -46,6 +46,16 @@ def test_repacked_tiles_dequantize_to_exactly_the_file_values(type_name, n, k):
     assert not scales[n:].any() and not mins[n:].any()  # padded rows: zeros
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpack_is_the_reference_dequantization(dtype):
+    """cpu_w4.unpack (C, the large-batch path's weight) and the Python dequantize() both give
+    the file's values exactly, padding rows cut."""
+    blocks, ref = _blocks("Q4_1", 37, 192)
+    q4 = gguf_w4.repack(blocks, "Q4_1", 192)
+    assert torch.equal(cpu_w4.unpack(q4, dtype), torch.from_numpy(ref).to(dtype))
+    assert torch.equal(cpu_w4.dequantize(q4).to(dtype), torch.from_numpy(ref).to(dtype))
+
+
 def test_what_the_repack_refuses():
     assert gguf_w4.supports("Q4_1", 96) is not None  # K not a multiple of 64: the dot kernel
     assert gguf_w4.supports("Q8_0", 64) is not None

@@ -64,6 +64,10 @@ def test_what_the_repack_refuses():
         gguf_w4.repack(blocks, "Q4_1", 96)
     with pytest.raises(ValueError, match="bytes"):
         gguf_w4.repack(blocks[:, :30], "Q4_1", 64)
+    big, _ = _blocks("Q4_0", 3, 64)
+    big.view(3, 2, 18)[0, 0, :2] = torch.tensor([10000.0]).half().view(torch.uint8)
+    with pytest.raises(ValueError, match="overflows"):  # -8d past float16: not lossless
+        gguf_w4.repack(big, "Q4_0", 64)
 
 
 @pytest.mark.parametrize("type_name", gguf_w4.TYPES)

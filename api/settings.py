@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, EngineConfig
 
 ENV_PREFIX = "TESSERA_"
 
@@ -186,15 +186,17 @@ class Settings:
         choices=("auto", "safetensors", "gguf", "dummy"),
     )
     quantization: str | None = _flag(
-        "Weight quantization: int8 = weight-only int8 with a scale per row (CPU; half the "
-        "bytes of bf16 per decode step, at some accuracy cost); w8a8 = the same weights and "
-        "int8 activations from 13 rows (the CPU's int8 dot products: more throughput under "
-        "load, at about the accuracy of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups "
-        "for steps of 1-12 rows (CPUs with AVX512-VNNI, bfloat16: the fastest single stream); "
-        "gguf = a .gguf model's linear weights in the file's own Q4_0/Q4_1/Q8_0 blocks (other "
-        "types stay dequantized). Default: none.",
+        "Weight quantization: none = float weights (a .gguf model dequantized to --dtype); "
+        "int8 = weight-only int8 with a scale per row (CPU; half the bytes of bf16 per decode "
+        "step, at some accuracy cost); w8a8 = the same weights and int8 activations from 13 "
+        "rows (the CPU's int8 dot products: more throughput under load, at about the accuracy "
+        "of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups for steps of 1-12 rows (CPUs "
+        "with AVX512-VNNI, bfloat16: the fastest single stream); gguf = a .gguf model's linear "
+        "weights in the file's own quantization (Q4_0/Q4_1 as the 4-bit kernel's tiles, bit for "
+        "bit; Q8_0 blocks; other types stay dequantized). Default: gguf for a .gguf model (the "
+        "default model too) on the CPU, else none.",
         None,
-        choices=("int8", "w8a8", "w4a8", "gguf"),
+        choices=QUANTIZATION_CHOICES,
     )
     device: str = _flag("Device.", "auto", choices=("auto", "cpu", "cuda"))
     attention_backend: str = _flag(

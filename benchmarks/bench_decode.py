@@ -127,8 +127,9 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
     num_blocks = 1 + max(sum(tables_len), -(-max_model_len // bs) + 1)  # block 0 is reserved
     config = EngineConfig(
         model=ModelConfig(
-            # gguf reads the blocks from the model's .gguf source, named as the user gave it
-            model=args.model if args.quantization == "gguf" else str(model_dir),
+            # gguf (the default for a .gguf model) reads the blocks from the model's .gguf
+            # source, named as the user gave it
+            model=args.model if args.quantization in (None, "gguf") else str(model_dir),
             dtype=args.dtype,
             max_model_len=max_model_len,
             load_format=args.load_format,
@@ -192,6 +193,7 @@ def run_tessera(args: argparse.Namespace, model_dir: Path) -> dict:
     return {
         "attention": "compiled CPU kernel" if kernel else "torch",
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.quantization,  # what an unset --quantization resolved to
         "fill_s": round(fill_s, 2),
         "rows": rows,
     }
@@ -380,7 +382,7 @@ def _agree(row: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.config import DEFAULT_MODEL
+    from engine.config import DEFAULT_MODEL, QUANTIZATION_CHOICES
 
     p = argparse.ArgumentParser(prog="tessera bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder, .gguf or the default")
@@ -388,9 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument(
         "--quantization",
-        choices=("int8", "w8a8", "w4a8", "gguf"),
+        choices=QUANTIZATION_CHOICES,
         default=None,
-        help="Tessera's weights (not HF's)",
+        help="Tessera's weights (not HF's; default: gguf for a .gguf model, else none)",
     )
     p.add_argument(
         "--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="Tessera's KV cache"
@@ -457,6 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["paths"][path] = {"error": str(e), "rows": []}
             print(f"bench decode: {e}", file=sys.stderr)
     add_agreement(result["paths"])
+    if result["quantization"] is None:  # unset: what the Tessera path resolved it to
+        result["quantization"] = result["paths"].get("kernel", {}).get("quantization")
     print_table(result)
     print(json.dumps(result, default=str))
     if args.json:

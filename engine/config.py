@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.models.loader to the bundled GGUF
+# --quantization's values; unset picks gguf or none (engine.layers.quantization.resolve_method)
+QUANTIZATION_CHOICES = ("none", "int8", "w8a8", "w4a8", "gguf")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -121,7 +123,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own context length
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    # None | int8 (weight-only) | w8a8 | w4a8 | gguf (a GGUF file's own blocks) (CPU)
+    # None (unset: gguf for a .gguf model on the CPU, else none) | none (float weights: a
+    # .gguf model dequantized) | int8 (weight-only) | w8a8 | w4a8 | gguf (a GGUF file's own
+    # quantization) (CPU); engine.layers.quantization.resolve_method decides an unset one
     quantization: str | None = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -141,8 +145,9 @@ class ModelConfig:
             f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}",
         )
         _check(
-            self.quantization in (None, "int8", "w8a8", "w4a8", "gguf"),
-            f"quantization must be int8, w8a8, w4a8, gguf or unset; got {self.quantization!r}",
+            self.quantization in (None, *QUANTIZATION_CHOICES),
+            f"quantization must be {', '.join(QUANTIZATION_CHOICES)} or unset; "
+            f"got {self.quantization!r}",
         )
         _check(
             self.device in ("auto", "cpu", "cuda"),

@@ -17,6 +17,8 @@ minimums meet per-group sums of x:
 y = xs * (sum_g s_g * (q_g . xq_g) + sum_g m_g * sum(xq_g)). Needs AVX512-VNNI, BW and F16C,
 and K a multiple of 64; other layers and larger batches use the int8 weights the layer
 keeps too (w8a8). Built once per machine like the other CPU kernels (engine/kernels/cpu/w4.c).
+A GGUF file's Q4_0/Q4_1 layers (engine.layers.gguf_w4) hold nothing but tiles: pack_groups
+takes their codes and scales as they are, unpack gives larger batches' GEMMs their weight.
 """
 
 from __future__ import annotations
@@ -68,10 +70,18 @@ def quantize_groups(weight: torch.Tensor) -> Q4Weight:
     scales, mins = ((hi - lo) / 15).half(), lo.half()
     s, m = scales.float()[..., None], mins.float()[..., None]  # the stored values
     codes = torch.where(s > 0, torch.round((g - m) / s.clamp_min(1e-30)), 0).clamp_(0, 15)
-    pad = -n % TILE  # padded rows: codes, scales and minimums 0
-    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, 0, 0, pad))
+    return pack_groups(codes.to(torch.uint8), scales, mins)
+
+
+def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Q4Weight:
+    """Codes uint8 [N, G, 32] (0..15), float16 scales and minimums [N, G] -> the kernel's
+    tiles of 16 rows (padded rows: codes, scales and minimums 0), bytes as they are: the
+    weight stands for w = s * q + m of exactly these values."""
+    n, groups = scales.shape
+    pad = -n % TILE
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, 0, 0, pad))
     scales, mins = (torch.nn.functional.pad(v, (0, 0, 0, pad)) for v in (scales, mins))
-    t, groups = (n + pad) // TILE, k // GROUP
+    t = (n + pad) // TILE
     # [tile, row, group, chunk, 4 k] -> bytes [tile, group, chunk, row, 2]: k = 4c + j low,
     # 4c + 2 + j high
     c = codes.view(t, TILE, groups, 8, 4)
@@ -81,7 +91,7 @@ def quantize_groups(weight: torch.Tensor) -> Q4Weight:
         return v.view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
     data = torch.cat([chunks, per_group(scales), per_group(mins)], dim=2)
-    return Q4Weight(data.reshape(t, groups * GROUP_BYTES).contiguous(), n, k)
+    return Q4Weight(data.reshape(t, groups * GROUP_BYTES).contiguous(), n, groups * GROUP)
 
 
 def dequantize(q4: Q4Weight) -> torch.Tensor:
@@ -98,6 +108,22 @@ def dequantize(q4: Q4Weight) -> torch.Tensor:
     scales, mins = per_row(d[..., 256:288]), per_row(d[..., 288:])
     w = codes * scales[..., None] + mins[..., None]
     return w.reshape(t * TILE, -1)[: q4.out_features]
+
+
+def unpack(q4: Q4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight [N, K] in dtype (bf16 or float32) for a GEMM: the C pass where the kernels
+    are built (engine/kernels/cpu/w4_tiles.c, any CPU), else dequantize(); the same values."""
+    fn = ops.function("w4_dequantize")
+    if fn is None or dtype not in (torch.bfloat16, torch.float32):
+        return dequantize(q4).to(dtype)
+    out = torch.empty(q4.out_features, q4.in_features, dtype=dtype)
+    rc = fn(
+        q4.data.data_ptr(), q4.out_features, q4.in_features, out.data_ptr(),
+        int(dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"w4 tiles of K={q4.in_features} are not groups of {GROUP}")
+    return out
 
 
 def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:

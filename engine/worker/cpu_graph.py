@@ -11,8 +11,9 @@ the HTTP thread's per-token work; now it does once a step (Zen 4, w4a8 + int8 KV
 stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
 Two kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the 4-bit
-copies (`--quantization w4a8`, engine.layers.cpu_w4); W8A8, 13-1,024 rows on int8 activations
-and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8); where that GEMM runs on
+copies (`--quantization w4a8`, engine.layers.cpu_w4, or a GGUF file's Q4_0/Q4_1 blocks as the
+same tiles: `--quantization gguf`, the CPU's default for a .gguf model); W8A8, 13-1,024 rows
+on int8 activations and the packed int8 GEMM (w8a8 and w4a8, engine.layers.cpu_w8a8); where that GEMM runs on
 AMX tiles the boundary is 8 rows (w8a8.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
 rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
 attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it
@@ -31,7 +32,7 @@ from engine.attention.backends.base import AttentionMetadata
 from engine.attention.backends.cpu import CpuAttentionMetadata
 from engine.kernels.cpu import ops
 from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
-from engine.layers.quantization import W4A8LinearMethod, W8A8LinearMethod
+from engine.layers.quantization import GGUFW4LinearMethod, W4A8LinearMethod, W8A8LinearMethod
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -79,8 +80,12 @@ def _linears(layer: torch.nn.Module) -> tuple:
     return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 
-def _has_w4(m) -> bool:
-    return isinstance(m.quant_method, W4A8LinearMethod) and m.w4 is not None
+def _has_w4(m) -> bool:  # w4a8's 4-bit copy, or a GGUF layer's repacked Q4 blocks
+    return isinstance(m.quant_method, (W4A8LinearMethod, GGUFW4LinearMethod)) and m.w4 is not None
+
+
+def _in_features(m) -> int:  # a GGUF w4 layer's weight is its tiles' bytes
+    return m.w4.in_features if _has_w4(m) else m.weight.shape[1]
 
 
 def _has_w8a8(m) -> bool:  # w8a8 or w4a8: int8 activations, on the packed weight
@@ -98,7 +103,7 @@ class DecodePlan:
         self._first_linears = _linears(layers[0])  # their row thresholds are every layer's
         self._shape = _Shape(
             hidden=model.norm.weight.shape[0], heads=a0.num_heads, kv_heads=a0.num_kv_heads,
-            head_dim=a0.head_dim, inter=layers[0].mlp.down_proj.weight.shape[1],
+            head_dim=a0.head_dim, inter=_in_features(layers[0].mlp.down_proj),
             block_size=a0.attn.kv_cache.shape[2], kv_int8=int(a0.attn.kv_scales is not None),
             eps=layers[0].input_layernorm.eps, scale=a0.attn.scale,
         )  # fmt: skip
@@ -142,7 +147,7 @@ class DecodePlan:
         linears = [m for layer in model.layers for m in _linears(layer)]
         w4 = all(_has_w4(m) for m in linears)
         # the MLP's SiLU pass inside gate_up's GEMM (mlp_w8a8's path) needs I % 16 == 0
-        inter = model.layers[0].mlp.down_proj.weight.shape[1]
+        inter = _in_features(model.layers[0].mlp.down_proj)
         w8a8 = all(_has_w8a8(m) for m in linears) and inter % 16 == 0
         if not (w4 or w8a8):
             return None
@@ -184,7 +189,7 @@ class DecodePlan:
             return None
         # where the layers' thresholds differ (AMX for some K only), the rows between them
         # mix both paths: the modules run those steps
-        firsts = [m.quant_method.w8a8_min_rows(m, m.weight.shape[1]) for m in self._first_linears]
+        firsts = [m.quant_method.w8a8_min_rows(m, _in_features(m)) for m in self._first_linears]
         if self.w4 and 1 <= rows < min(firsts):
             return W4
         if self.w8a8 and max(firsts) <= rows <= cpu_w8a8.PACKED_MAX_ROWS:

@@ -32,7 +32,7 @@ from engine.attention.metadata import CommonAttentionMetadata, common_metadata_f
 from engine.config import EngineConfig
 from engine.distributed import get_tp_size
 from engine.layers.gpu_sampler import GpuSampler
-from engine.layers.quantization import quantize_model
+from engine.layers.quantization import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
 from engine.models.gguf_blocks import gguf_source
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
@@ -154,6 +154,7 @@ class ModelRunner:
             )
         self.num_kv_heads = self.hf_config.num_key_value_heads // tp
         self.model: torch.nn.Module | None = None
+        self.quantization: str | None = None  # the method the model loaded with (resolve_method)
         self.dtype: torch.dtype | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] = []  # with an int8 cache: one per layer
@@ -192,8 +193,11 @@ class ModelRunner:
             seed=m.seed,
         )
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        gguf = gguf_source(m.model) if m.quantization == "gguf" else None
-        quantize_model(self.model, m.quantization, gguf_path=gguf)
+        gguf = gguf_source(m.model)
+        self.quantization, why = resolve_method(
+            m.quantization, gguf, self.device, m.load_format, get_tp_size()
+        )
+        quantize_model(self.model, self.quantization, gguf_path=gguf)
         head_dim = self.hf_config.head_dim
         choice = select_backend(
             m.attention_backend,
@@ -215,10 +219,11 @@ class ModelRunner:
             attn.backend = self.attn_backend
         if self.rank == 0:
             logger.info(
-                "Model %s loaded: %s%s on %s; attention backend: %s (%s)",
+                "Model %s loaded: %s%s (%s) on %s; attention backend: %s (%s)",
                 self.model_dir.name,
                 str(self.dtype).removeprefix("torch."),
-                f" with {m.quantization} weights" if m.quantization else "",
+                f" with {self.quantization} weights" if self.quantization else "",
+                why,
                 self.device,
                 self.attn_backend.name,
                 choice.reason,

@@ -68,6 +68,8 @@ SIGNATURES: dict[str, Signature] = {
     "linear_i8_bf16_dp": (_LINEAR, _INT),
     # w4.c: x, ldx, M, K, weight tiles, N, bias, y, ldy, threads
     "linear_q4_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT], _INT),
+    # w4_tiles.c: tiles, N, K, out, bf16, threads
+    "w4_dequantize": ([_P, _I64, _I64, _P, _INT, _INT], _INT),
     # gguf.c: x, ldx, M, K, blocks, type, N, bias, y, ldy, bf16, threads
     "gguf_linear": ([_P, _I64, _I64, _I64, _P, _INT, _I64, _P, _P, _I64, _INT, _INT], _INT),
     # blocks, type, N, K, out, bf16, threads

@@ -3,7 +3,8 @@
 One class per weight format, chosen once after loading for `--quantization` (vLLM's
 `quant_method`): unquantized (the default: oneDNN or the C GEMM), int8 (weight-only), w8a8
 (int8 activations too, from a few rows) and w4a8 (w8a8 plus 4-bit weights for small
-batches); gguf serves a GGUF file's linear weights in the file's own blocks (its module).
+batches); gguf serves a GGUF file's linear weights in the file's own quantization (its
+module; the default for a .gguf model on the CPU, engine.config.resolve_quantization).
 Every quantized format runs on the CPU kernels; the per-format modules say why each exists
 and where it pays. A CUDA backend adds its methods here.
 """
@@ -15,9 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.layers import cpu_gemm, cpu_w4
+from engine.layers import cpu_gemm, cpu_gguf, cpu_w4
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
-from engine.layers.quantization.gguf import GGUFLinearMethod, apply_gguf_blocks
+from engine.layers.quantization.gguf import (
+    GGUFLinearMethod,
+    GGUFW4LinearMethod,
+    apply_gguf_blocks,
+)
 from engine.layers.quantization.int8 import Int8LinearMethod, Int8LMHeadMethod, quantize_rows_int8
 from engine.layers.quantization.unquantized import UnquantizedLinearMethod, UnquantizedLMHeadMethod
 from engine.layers.quantization.w4a8 import W4A8LinearMethod
@@ -26,6 +31,7 @@ from engine.layers.quantization.w8a8 import W8A8LinearMethod, W8A8LMHeadMethod
 __all__ = [
     "METHODS",
     "GGUFLinearMethod",
+    "GGUFW4LinearMethod",
     "Int8LMHeadMethod",
     "Int8LinearMethod",
     "LMHeadMethodBase",
@@ -38,6 +44,7 @@ __all__ = [
     "quantize_layer",
     "quantize_model",
     "quantize_rows_int8",
+    "resolve_method",
 ]
 
 # --quantization -> (the linear layers' method, the LM head's); w4a8's LM head stays int8
@@ -88,20 +95,49 @@ def _check_supported(method: str, weights: list[torch.Tensor]) -> None:
         )
 
 
+def resolve_method(
+    requested: str | None,
+    gguf_path: str | Path | None,
+    device: str | torch.device,
+    load_format: str = "auto",
+    tp_size: int = 1,
+) -> tuple[str | None, str]:
+    """(the method quantize_model gets, None for the float weights; why) for `--quantization
+    requested`: given, as asked ("none": the float weights, a .gguf model dequantized);
+    unset, gguf for a GGUF model (gguf_path, its file) served on the CPU kernels, where the
+    file's own 4-bit weights are the fast path, else the float weights."""
+    if requested == "none":
+        return None, "--quantization none: float weights"
+    if requested is not None:
+        return requested, f"--quantization {requested}"
+    if gguf_path is None:
+        return None, "not a GGUF model"
+    if load_format == "dummy":
+        return None, "dummy weights"
+    if torch.device(device).type != "cpu":
+        return None, f"GGUF blocks run on the CPU kernels only, not {torch.device(device).type}"
+    if tp_size != 1:
+        return None, "tensor parallel shards keep the float weights"
+    if not cpu_gguf.available():
+        return None, "no compiled CPU kernels (a C compiler, TESSERA_CPU_KERNELS not 0)"
+    return "gguf", "a GGUF model on the CPU: the file's own quantization"
+
+
 def quantize_model(
     model: nn.Module, method: str | None, gguf_path: str | Path | None = None
 ) -> int:
     """After loading: give every linear layer and the LM head the method for `--quantization
-    method` (None: they keep the unquantized one) and convert their weights; returns how
-    many layers were quantized. "gguf" takes the blocks of gguf_path, the model's source."""
-    if method is None:
+    method` (None or "none": they keep the unquantized one) and convert their weights;
+    returns how many layers were quantized. "gguf" takes the blocks of gguf_path, the model's
+    source."""
+    if method in (None, "none"):
         return 0
     if method == "gguf":
         if gguf_path is None:
             raise ValueError("--quantization gguf needs a .gguf model (a file or the default)")
         return sum(
             n for c in apply_gguf_blocks(model, gguf_path).values()
-            for why, n in c.items() if why.endswith("blocks")
+            for why, n in c.items() if not why.startswith("dequantized")
         )  # fmt: skip
     _check_method(method)
     layers = [

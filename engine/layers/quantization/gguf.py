@@ -1,15 +1,22 @@
-"""GGUF weights served in the file's own blocks (`--quantization gguf`).
+"""GGUF weights served in the file's own quantization (`--quantization gguf`, the default for
+a .gguf model on the CPU).
 
-Each linear layer whose GGUF tensors are of a type the CPU kernels read (Q4_0, Q4_1, Q8_0,
-and the K-quants Q4_K, Q5_K, Q6_K where K % 256 == 0: engine.layers.cpu_gguf) gets the file's
-bytes as its weight, so the weights in memory are about the file's size and nothing is
-requantized: the loaded (dequantized) float weight is dropped. A merged projection whose
-parts the file stores in different types (Q4_K_M: q/k Q4_K, v Q6_K) holds them as row
-segments of their own types, one kernel call per segment (GGUFSegmentsLinearMethod). Layers
-of other types (float parts, types without a kernel, K the blocks do not divide) keep
-today's dequantized weights on the unquantized method; the log says which layer kinds took
-which path. The embedding and the LM head stay dequantized (a gather, and the sampler's
-argmax paths).
+Each linear layer whose GGUF tensors are of a type the CPU kernels read keeps the file's
+values, so the weights in memory are about the file's size and nothing is requantized: the
+loaded (dequantized) float weight is dropped.
+- Q4_0 and Q4_1 blocks are repacked bit for bit into the w4 kernel's tiles (engine.layers.
+  gguf_w4: 1.3-2x the per-row dot kernel at 1-12 rows); larger batches read the same tiles
+  in AMX-bf16 tiles (engine.layers.cpu_amx) where the CPU has them.
+- Q8_0, the K-quants Q4_K, Q5_K, Q6_K (K % 256 == 0), and Q4 layers the w4 kernel cannot take
+  (K not a multiple of 64, a float32 model, no AVX512-VNNI) keep the file's blocks on the GGUF
+  dot kernels (engine.layers.cpu_gguf), AMX on decoded rows for larger batches.
+- A merged projection whose parts the file stores in different types (Q4_K_M: q/k Q4_K, v
+  Q6_K) holds them as row segments of their own types, one kernel call per segment
+  (GGUFSegmentsLinearMethod).
+Layers of other types (float parts, types without a kernel, K the blocks do not divide) keep
+the dequantized weights on the unquantized method; the log says which layer kinds took which
+path. The embedding and the LM head stay dequantized (a gather, and the sampler's argmax
+paths).
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_gguf
+from engine.layers import cpu_amx, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
 from engine.layers.quantization.base import LinearMethodBase
 
 logger = logging.getLogger("tessera.engine")
@@ -35,6 +43,52 @@ class GGUFLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return cpu_gguf.linear(x, layer.weight, layer.gguf_type, layer.in_features, bias)
+
+
+# Up to this many rows the w4 kernel in calls of MAX_ROWS beats dequantizing the tiles (C,
+# cpu_w4.unpack) for a bf16 GEMM: two shared cores, SmolLM2's gate_up 3072x576 at 32 / 64
+# rows 0.29 / 0.60 ms against 0.79 / 0.90; its down_proj 576x1536 at 64 / 128 rows 0.40 /
+# 0.74 against 0.45 / 0.51. In whole decode steps the gap is wider: `bench decode` at 16
+# rows, 36 ms a step in chunks against 120-2,000 with every layer unpacked (two shared cores).
+W4_CHUNKED_MAX_ROWS = 96
+
+
+def w4_large_batch_linear(
+    x: torch.Tensor, q4: cpu_w4.Q4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] of more than cpu_w4.MAX_ROWS rows (or calls the w4 kernel refuses) against
+    w4 tiles: AMX-bf16 tiles reading them (cpu_amx) up to the plan's AMX rows; elsewhere the
+    w4 kernel MAX_ROWS rows at a time up to W4_CHUNKED_MAX_ROWS, beyond it the tiles
+    dequantized per call (cpu_w4.unpack, one C pass) for F.linear."""
+    k, n = x.shape[-1], q4.out_features
+    x2 = x.reshape(-1, k)
+    if cpu_isa.plan().amx_rows(x2.shape[0]):
+        y = cpu_amx.linear_w4(x, q4.data, n, k, bias)
+        if y is not None:
+            return y
+    if x.dtype == torch.bfloat16 and x2.shape[0] <= W4_CHUNKED_MAX_ROWS:
+        parts = [cpu_w4.linear(c, q4, bias) for c in x2.split(cpu_w4.MAX_ROWS)]
+        if all(p is not None for p in parts):
+            return torch.cat(parts).view(*x.shape[:-1], n)
+    w = cpu_w4.unpack(q4, x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+class GGUFW4LinearMethod(GGUFLinearMethod):
+    """A Q4_0/Q4_1 layer repacked into w4 tiles: layer.w4 (a cpu_w4.Q4Weight; layer.weight is
+    its uint8 data, the only copy). 1-MAX_ROWS rows on the w4 kernel, more on
+    w4_large_batch_linear."""
+
+    @staticmethod
+    def w8a8_min_rows(layer: nn.Module, k: int) -> int:
+        """Rows from which a call leaves the w4 kernel (the decode plan's W4 steps end here)."""
+        return cpu_w4.MAX_ROWS + 1
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = cpu_w4.linear(x, layer.w4, bias)
+        return y if y is not None else w4_large_batch_linear(x, layer.w4, bias)
 
 
 class GGUFSegmentsLinearMethod(LinearMethodBase):
@@ -65,13 +119,51 @@ def _refusal(module: nn.Module, b) -> str | None:
     return None
 
 
+def _w4_refusal(module: nn.Module, type_name: str, in_features: int) -> str | None:
+    """Why a Q4 layer stays on the GGUF dot kernel instead of w4 tiles, or None."""
+    why = gguf_w4.supports(type_name, in_features)
+    if why is None and module.weight.dtype != torch.bfloat16:
+        why = f"a {str(module.weight.dtype).removeprefix('torch.')} model: the w4 kernel takes bf16"
+    if why is None and not cpu_w4.available():
+        why = "no w4 kernel on this CPU (AVX512-VNNI)"
+    return why
+
+
 def _kind(name: str) -> str:
     return name.rsplit(".", 1)[-1]  # "model.layers.3.mlp.down_proj" -> "down_proj"
 
 
+def _take_blocks(module: nn.Module, b) -> str:
+    """Give one layer the file's values and the method that reads them; returns the path."""
+    module.in_features = b.in_features
+    if len(b.segments) > 1:
+        module.weight = nn.Parameter(b.data, requires_grad=False)
+        module.gguf_segments = tuple((s.type_id, s.data) for s in b.segments)
+        module.quant_method = GGUFSegmentsLinearMethod()
+        return f"{b.type_name} row segments on the gguf dot kernels"
+    module.gguf_type = b.type_id
+    w4, dot_why = None, _w4_refusal(module, b.type_name, b.in_features)
+    if b.type_name in gguf_w4.TYPES and dot_why is None:
+        try:
+            w4 = gguf_w4.repack(b.data, b.type_name, b.in_features)
+        except ValueError as e:  # a Q4_0 scale whose -8d overflows float16
+            dot_why = str(e)
+    if w4 is not None:
+        module.w4 = w4
+        module.weight = nn.Parameter(w4.data, requires_grad=False)
+        module.quant_method = GGUFW4LinearMethod()
+        return f"{b.type_name} as w4 tiles"
+    module.weight = nn.Parameter(b.data, requires_grad=False)
+    module.quant_method = GGUFLinearMethod()
+    path = f"{b.type_name} blocks on the gguf dot kernel"
+    return path + f" ({dot_why})" if b.type_name in gguf_w4.TYPES else path
+
+
 def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Counter]:
-    """Give every linear layer whose file type has a kernel the file's blocks and
-    GGUFLinearMethod; returns {layer kind: Counter(path taken)} (also logged)."""
+    """Give every linear layer whose file type has a kernel the file's values: Q4_0/Q4_1 as
+    w4 tiles (GGUFW4LinearMethod) where the w4 kernel takes them, else the file's blocks
+    (GGUFLinearMethod); returns {layer kind: Counter(path taken)}, also logged. Paths other
+    than "dequantized (why)" hold the file's values."""
     from engine.models.gguf_blocks import read_linear_blocks
 
     if not cpu_gguf.available():
@@ -86,7 +178,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
     for name, module in modules.items():
         if not isinstance(getattr(module, "quant_method", None), LinearMethodBase):
             continue
-        b = blocks.get(name)
+        b = blocks.pop(name, None)  # each layer's blocks freed once it holds its weights
         why = (
             skipped.get(name, "not in the file's block tensors")
             if b is None
@@ -96,15 +188,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         if why is not None:
             paths.setdefault(kind, Counter())[f"dequantized ({why})"] += 1
             continue
-        module.weight = nn.Parameter(b.data, requires_grad=False)
-        module.in_features = b.in_features
-        if len(b.segments) == 1:
-            module.gguf_type = b.type_id
-            module.quant_method = GGUFLinearMethod()
-        else:
-            module.gguf_segments = tuple((s.type_id, s.data) for s in b.segments)
-            module.quant_method = GGUFSegmentsLinearMethod()
-        paths.setdefault(kind, Counter())[f"{b.type_name} blocks"] += 1
+        paths.setdefault(kind, Counter())[_take_blocks(module, b)] += 1
     for kind, c in paths.items():
         logger.info(
             "GGUF %s: %s", kind, ", ".join(f"{n} layers {why}" for why, n in sorted(c.items()))

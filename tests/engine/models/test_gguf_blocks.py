@@ -1,10 +1,11 @@
 """`--quantization gguf` on tiny random Llamas written as GGUF files by gguf-py's writer, one
 per block type, and one of mixed K-quants (Q4_K_M's pattern: q/k Q4_K, v and down Q6_K, so
 qkv_proj holds two segments): the linear layers hold the file's bytes (their nbytes are the
-file tensors'), and greedy tokens equal those of the same model on the dequantized float
-weights wherever the reference's top-2 logit gap exceeds GAP_TOL. K-quants need K % 256 == 0:
-their files are of a wider tiny Llama (hidden 256, intermediate 512); their blocks come from
-the tests' numpy encoder (gguf-py has none for them)."""
+file tensors'; in a bf16 model Q4_0/Q4_1 as w4 tiles), and greedy tokens equal those of the
+same model on the dequantized float weights wherever the reference's top-2 logit gap exceeds
+GAP_TOL. K-quants need K % 256 == 0: their files are of a wider tiny Llama (hidden 256,
+intermediate 512); their blocks come from the tests' numpy encoder (gguf-py has none for
+them)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
-from engine.layers import cpu_gguf
-from engine.layers.quantization import GGUFLinearMethod, quantize_model
+from engine.layers import cpu_gguf, cpu_w4
+from engine.layers.quantization import GGUFLinearMethod, GGUFW4LinearMethod, quantize_model
 from engine.layers.quantization.gguf import GGUFSegmentsLinearMethod, apply_gguf_blocks
 from engine.models.gguf_convert import _read_tensors
 from engine.models.loader import load_model
@@ -126,9 +127,10 @@ def gguf_model(request, tiny_llama_dir, wide_llama_dir, tmp_path_factory):
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:
     head_dim = model.model.layers[0].self_attn.head_dim
-    backend = TorchAttentionBackend(16, HEADS, KV_HEADS, head_dim, torch.float32)
+    dtype = model.model.embed_tokens.weight.dtype
+    backend = TorchAttentionBackend(16, HEADS, KV_HEADS, head_dim, dtype)
     for attn in model.attention_layers():
-        attn.kv_cache = torch.zeros(2, 4, 16, KV_HEADS, head_dim)
+        attn.kv_cache = torch.zeros(2, 4, 16, KV_HEADS, head_dim, dtype=dtype)
         attn.backend = backend
     meta = backend.build_metadata(common_metadata_from_seqs([(0, len(tokens), [1, 2, 3])], 16))
     with torch.inference_mode():
@@ -142,14 +144,18 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
     ref = load_model(folder, dtype="float32")
     model = load_model(folder, dtype="float32")
     paths = apply_gguf_blocks(model, path)
-    assert all(why.endswith(" blocks") for c in paths.values() for why in c), paths
+    assert not any(why.startswith("dequantized") for c in paths.values() for why in c), paths
     assert sum(n for c in paths.values() for n in c.values()) == 3 * 4  # every linear layer
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
     assert len(linears) == 3 * 4 and all(m.weight.dtype == torch.uint8 for m in linears)
+    # a float32 model: Q4 blocks too stay on the dot kernel (the w4 kernel takes bf16)
+    assert not any(isinstance(m.quant_method, GGUFW4LinearMethod) for m in linears)
     if type_name == "mixed":  # q/k Q4_K + v Q6_K in every qkv_proj, one layer's gate Q4_K + up Q5_K
-        assert paths["qkv_proj"] == {"Q4_K/Q6_K blocks": 3}
-        assert paths["gate_up_proj"] == {"Q4_K blocks": 2, "Q4_K/Q5_K blocks": 1}
-        assert paths["down_proj"] == {"Q6_K blocks": 3}
+        seg = "row segments on the gguf dot kernels"
+        assert paths["qkv_proj"] == {f"Q4_K/Q6_K {seg}": 3}
+        dot = "blocks on the gguf dot kernel"
+        assert paths["gate_up_proj"] == {f"Q4_K {dot}": 2, f"Q4_K/Q5_K {seg}": 1}
+        assert paths["down_proj"] == {f"Q6_K {dot}": 3}
     else:
         assert not any(isinstance(m.quant_method, GGUFSegmentsLinearMethod) for m in linears)
     file_bytes = sum(
@@ -171,6 +177,36 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
     # a prefill above every dot-kernel limit: the large-batch path's weights
     prompt = list(range(5, 5 + max(16, cpu_gguf.dot_max_rows()) + 4))
     torch.testing.assert_close(_logits(model, prompt), _logits(ref, prompt), rtol=1e-4, atol=1e-4)
+
+
+def test_q4_blocks_of_a_bf16_model_are_w4_tiles(gguf_model):
+    """bf16: Q4_0/Q4_1 layers repacked into w4 tiles (no other copy: 20 bytes a block of 32),
+    the other types on the dot kernels; prefixes of 1-15 rows cross the w4 kernel's MAX_ROWS."""
+    type_name, path, folder = gguf_model
+    ref = load_model(folder, dtype="bfloat16")
+    model = load_model(folder, dtype="bfloat16")
+    paths = apply_gguf_blocks(model, path)
+    linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
+    assert len(linears) == 3 * 4
+    if type_name not in ("Q4_0", "Q4_1") or not cpu_w4.available():  # Q8_0, the K-quants
+        assert not any(isinstance(m.quant_method, GGUFW4LinearMethod) for m in linears)
+        assert all("gguf dot kernel" in why for c in paths.values() for why in c), paths
+        return
+    assert all(isinstance(m.quant_method, GGUFW4LinearMethod) for m in linears)
+    assert paths["down_proj"] == {f"{type_name} as w4 tiles": 3}
+    weights = sum(m.weight.numel() // 20 * 32 for m in linears)  # every row a multiple of 16
+    assert weights == sum(m.w4.out_features * m.w4.in_features for m in linears)
+    assert all(m.weight.data_ptr() == m.w4.data.data_ptr() for m in linears)  # one copy
+    tokens, compared = [5, 9, 17, 3], 0
+    while len(tokens) < 16:
+        r, c = _logits(ref, tokens).float(), _logits(model, tokens).float()
+        top2 = r.topk(2).values
+        if top2[0] - top2[1] > 4 * GAP_TOL:  # bf16 activations on both sides
+            assert int(c.argmax()) == int(r.argmax()), (type_name, tokens)
+            compared += 1
+        assert (c - r).abs().max() < 8 * GAP_TOL
+        tokens.append(int(r.argmax()))
+    assert compared >= 4
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):
@@ -200,6 +236,9 @@ def test_a_group_with_a_float_part_keeps_the_dequantized_weights(wide_llama_dir,
     model = load_model(wide_llama_dir, dtype="float32")
     paths = apply_gguf_blocks(model, path)
     assert paths["qkv_proj"] == {"dequantized (Q4_K/Q4_K/F16 (a float part: not a block type))": 3}
-    assert all(paths[k] == {"Q4_K blocks": 3} for k in ("o_proj", "gate_up_proj", "down_proj"))
+    assert all(
+        paths[k] == {"Q4_K blocks on the gguf dot kernel": 3}
+        for k in ("o_proj", "gate_up_proj", "down_proj")
+    )
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float32 and not isinstance(qkv.quant_method, _METHODS)

@@ -199,3 +199,50 @@ def test_file_blocks_answer_paris(default_model_dir):
             h = model(torch.tensor([out[-1]]), torch.tensor([pos]), meta)
             out.append(int(model.compute_logits(h)[-1].argmax()))
     assert "Paris" in tok.decode(out), tok.decode(out)
+
+
+def _default_llm(**kw):
+    from engine import LLM
+
+    return LLM(max_model_len=256, num_blocks=64, enable_prefix_caching=False, **kw)
+
+
+def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkeypatch):
+    """No --quantization: the bundled Q4_1 file's blocks as w4 tiles (one-row decode steps on
+    the decode plan's W4 kind, the same tokens as the modules), greedy "Paris"; the explicit
+    `none` override gives the old path, the dequantized bf16 weights."""
+    from engine import SamplingParams
+    from engine.layers import cpu_w4
+    from engine.layers.quantization import GGUFW4LinearMethod, UnquantizedLinearMethod
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompt = "The capital of France is"
+    runs = {}
+    for plan in ("1", "0"):
+        monkeypatch.setenv("TESSERA_DECODE_PLAN", plan)
+        llm = _default_llm()
+        runner = llm.engine.executor.runner
+        assert runner.quantization == "gguf"
+        linears = [m for layer in runner.model.model.layers for m in layer.modules()]
+        methods = [m.quant_method for m in linears if hasattr(m, "quant_method")]
+        if cpu_w4.available():
+            assert len(methods) == 30 * 4 and all(
+                isinstance(q, GGUFW4LinearMethod) for q in methods
+            )
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        runs[plan] = (out.token_ids, runner._step_graph)
+        llm.shutdown()
+        assert "Paris" in out.text, out.text
+    if cpu_w4.available():
+        assert runs["1"][1] is not None and runs["1"][1].runs.get(1, 0) > 0  # the plan's W4
+        assert runs["0"][1] is None
+    assert runs["1"][0] == runs["0"][0]
+
+    llm = _default_llm(quantization="none")
+    runner = llm.engine.executor.runner
+    assert runner.quantization is None and runner.dtype == torch.bfloat16
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj.quant_method, UnquantizedLinearMethod)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm.shutdown()
+    assert "Paris" in out.text, out.text

@@ -42,6 +42,9 @@ int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, cons
 /* ---- w4.c: 4-bit weight groups (engine.layers.cpu_w4); only with AVX512-F, -BW, -VNNI and F16C ---- */
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 
+/* ---- w4_tiles.c: w4 tiles back to bf16 / float32 rows, any CPU (engine.layers.cpu_w4.unpack) ---- */
+int w4_dequantize(const uint8_t* w, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+
 /* ---- gguf.c: GGUF blocks as in the file, int8 activations per block (engine.layers.quantization.gguf) ---- */
 int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
 int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16, int nthreads);

@@ -47,6 +47,7 @@ BENCHMARKS = (
     "fairness",
     "stop",
     "gguf_memory",
+    "gguf_kl",
 )
 
 

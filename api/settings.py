@@ -193,7 +193,7 @@ class Settings:
         "of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups for steps of 1-12 rows (CPUs "
         "with AVX512-VNNI, bfloat16: the fastest single stream); gguf = a .gguf model's linear "
         "weights in the file's own quantization (Q4_0/Q4_1 as the 4-bit kernel's tiles, bit for "
-        "bit; Q8_0 blocks; other types stay dequantized). Default: gguf for a .gguf model (the "
+        "bit; Q8_0, Q4_K, Q5_K, Q6_K as the file's blocks; other types stay dequantized). Default: gguf for a .gguf model (the "
         "default model too) on the CPU, else none.",
         None,
         choices=QUANTIZATION_CHOICES,

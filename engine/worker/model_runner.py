@@ -16,6 +16,7 @@ input batch and the next step feeds them from the device (engine.worker.async_ou
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -100,6 +101,16 @@ def tune_malloc() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
     except (OSError, AttributeError):
         pass
+
+
+def release_freed_heap() -> None:
+    """Return the heap's free pages to the OS once, after loading: tune_malloc keeps freed
+    blocks of up to 512 MiB in the heap, which at load are the float weights a quantized
+    model dropped (the bundled model: ~200 MiB of 410 MiB resident). glibc only."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _row_mask(grammar_bitmask: GrammarBitmask | None, to_sample: list[str]) -> RowMask | None:
@@ -198,6 +209,8 @@ class ModelRunner:
             m.quantization, gguf, self.device, m.load_format, get_tp_size()
         )
         quantize_model(self.model, self.quantization, gguf_path=gguf)
+        if self.device.type == "cpu":
+            release_freed_heap()
         head_dim = self.hf_config.head_dim
         choice = select_backend(
             m.attention_backend,

@@ -49,6 +49,9 @@ _MIB = 1 << 20
 # one) and the instantiated graph keeps its own device memory (kernel parameters); a 2 MiB
 # allowance per size of the ladder covers both for the models served here.
 GRAPH_OVERHEAD_BYTES = 2 * _MIB
+# Once for the capture: torch.cuda.graph captures on a side stream, whose cuBLAS and cuBLASLt
+# workspaces (up to 32 MiB each on Hopper) are new memory; mem_get_info counts them.
+CAPTURE_WORKSPACE_BYTES = 64 * _MIB
 
 
 def graph_reserve_bytes(
@@ -74,6 +77,7 @@ def graph_reserve_bytes(
                   (residual, normed input, layer output; qkv; attention output; gate_up 2I and
                   the activation I: a whole layer's tensors live at once, an upper bound)
         reserve = rows x per row + sum(ladder) x H x act_bytes + len(ladder) x 2 MiB
+                  + 64 MiB (the capture stream's cuBLAS workspaces)
 
     The logits are not in the graphs (computed eagerly after the replay): the profiled
     step's peak already counts them.
@@ -88,7 +92,8 @@ def graph_reserve_bytes(
         + 3 * intermediate_size
     ) * act_bytes
     outputs = sum(ladder) * hidden_size * act_bytes
-    return rows * per_row + outputs + len(ladder) * GRAPH_OVERHEAD_BYTES
+    overhead = len(ladder) * GRAPH_OVERHEAD_BYTES + CAPTURE_WORKSPACE_BYTES
+    return rows * per_row + outputs + overhead
 
 
 def kv_cache_budget(

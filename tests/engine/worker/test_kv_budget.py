@@ -9,6 +9,7 @@ import torch
 from engine.distributed import backend_for
 from engine.worker.cuda_graph import batch_ladder
 from engine.worker.kv_budget import (
+    CAPTURE_WORKSPACE_BYTES,
     GRAPH_OVERHEAD_BYTES,
     GpuMemoryProfile,
     graph_reserve_bytes,
@@ -88,10 +89,11 @@ def test_graph_reserve_is_the_largest_batch_activations_plus_every_output():
     ladder = batch_ladder(256)
     r = graph_reserve_bytes(ladder, **LLAMA_8B)
     per_row = (3 * 4096 + (32 + 16) * 128 + 32 * 128 + 3 * 14336) * 2
-    want = 256 * per_row + sum(ladder) * 4096 * 2 + len(ladder) * GRAPH_OVERHEAD_BYTES
+    overhead = len(ladder) * GRAPH_OVERHEAD_BYTES + CAPTURE_WORKSPACE_BYTES
+    want = 256 * per_row + sum(ladder) * 4096 * 2 + overhead
     assert r == want
-    # Llama-8B at 256 sequences in bf16: tens of MiB of activations, well under a GiB.
-    assert 50 << 20 < r < GIB
+    # Llama-8B at 256 sequences in bf16: ~90 MiB of activations and outputs, under a GiB.
+    assert 150 << 20 < r < GIB
     assert graph_reserve_bytes((), **LLAMA_8B) == 0
 
 

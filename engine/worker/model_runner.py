@@ -312,7 +312,7 @@ class ModelRunner:
         ):
             return 0
         c = self.hf_config
-        inter = c.intermediate_size
+        inter = getattr(c, "intermediate_size", 0)
         moe = getattr(c, "moe_intermediate_size", None)  # routed experts' rows, if any
         if moe:
             inter = max(inter, moe * getattr(c, "num_experts_per_tok", 1))

@@ -59,6 +59,22 @@ def batch_ladder(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> tuple[int, .
     return tuple(sorted(sizes))
 
 
+def graphs_off_reason(
+    device: torch.device, backend: AttentionBackend, enforce_eager: bool, tp_size: int
+) -> str | None:
+    """Why no graphs are captured, or None where CudaGraphRunner.build captures them (the KV
+    budget reserves their pool on the same condition)."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if enforce_eager:
+        return "--enforce-eager"
+    if not backend.cuda_graph_capturable:
+        return f"the {backend.name} attention backend's launches follow each step's contexts"
+    if tp_size > 1:
+        return "tensor parallelism (collectives are not captured yet)"
+    return None
+
+
 def bucket_for(num_rows: int, ladder: Sequence[int]) -> int | None:
     """The smallest captured size that holds num_rows, or None above the ladder."""
     i = bisect.bisect_left(ladder, num_rows)
@@ -261,15 +277,7 @@ class CudaGraphRunner:
     ) -> CudaGraphRunner | None:
         """Graphs captured for the ladder on CUDA, or None (with the reason logged) where
         every step runs eagerly."""
-        why_not = None
-        if device.type != "cuda":
-            why_not = "not a CUDA device"
-        elif enforce_eager:
-            why_not = "--enforce-eager"
-        elif not backend.cuda_graph_capturable:
-            why_not = f"the {backend.name} attention backend's launches follow each step's contexts"
-        elif tp_size > 1:
-            why_not = "tensor parallelism (collectives are not captured yet)"
+        why_not = graphs_off_reason(device, backend, enforce_eager, tp_size)
         if why_not is not None:
             if log and device.type == "cuda":
                 logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)

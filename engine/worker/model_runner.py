@@ -47,7 +47,7 @@ from engine.worker.async_output import (
     TokenCopies,
 )
 from engine.worker.cpu_graph import DecodePlan
-from engine.worker.cuda_graph import CudaGraphRunner
+from engine.worker.cuda_graph import CudaGraphRunner, batch_ladder, graphs_off_reason
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.step_threads import StepThreads
 
@@ -187,6 +187,7 @@ class ModelRunner:
         # run(input_ids, positions, meta) -> hidden, or None for the steps it does not take
         # (the CPU's plan takes the eager forward's inputs; CUDA graphs the host-side ones).
         self._step_graph: DecodePlan | CudaGraphRunner | None = None
+        self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -293,19 +294,50 @@ class ModelRunner:
             peak_growth=max(0, peak - before),
         )
         blocks = -(-self.max_model_len // self.block_size) + 1  # one request + block 0
+        self._graph_reserve = self.graph_reserve_bytes()
         budget = kv_cache_budget(
-            profile, self.config.cache.gpu_memory_utilization, blocks * self.kv_block_bytes()
+            profile,
+            self.config.cache.gpu_memory_utilization,
+            blocks * self.kv_block_bytes(),
+            graph_reserve=self._graph_reserve,
         )
         if self.rank == 0:
             logger.info(
                 "GPU memory: %.2f GiB total, %.2f GiB in use after loading, activation peak "
-                "%.2f GiB: %.2f GiB for the KV cache",
+                "%.2f GiB, CUDA graphs reserve %.2f GiB: %.2f GiB for the KV cache",
                 total / 2**30,
                 profile.in_use / 2**30,
                 profile.peak_growth / 2**30,
+                self._graph_reserve / 2**30,
                 budget / 2**30,
             )
         return budget
+
+    def graph_reserve_bytes(self) -> int:
+        """The decode graphs' pool, reserved before the cache is sized (they are captured
+        after it): kv_budget.graph_reserve_bytes where graphs will be captured, else 0."""
+        from engine.worker.kv_budget import graph_reserve_bytes
+
+        assert self.attn_backend is not None and self.dtype is not None
+        cfg = self.config
+        if graphs_off_reason(
+            self.device, self.attn_backend, cfg.model.enforce_eager, get_tp_size()
+        ):
+            return 0
+        c = self.hf_config
+        inter = getattr(c, "intermediate_size", 0)
+        moe = getattr(c, "moe_intermediate_size", None)  # routed experts' rows, if any
+        if moe:
+            inter = max(inter, moe * getattr(c, "num_experts_per_tok", 1))
+        return graph_reserve_bytes(
+            batch_ladder(cfg.scheduler.max_num_seqs),
+            hidden_size=c.hidden_size,
+            num_heads=c.num_attention_heads // get_tp_size(),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=c.head_dim,
+            intermediate_size=inter,
+            act_bytes=torch.empty((), dtype=self.dtype).element_size(),
+        )
 
     @torch.inference_mode()
     def _profile_step(self) -> torch.Tensor:
@@ -362,6 +394,7 @@ class ModelRunner:
             attn.kv_scales = self.kv_scales[i] if int8 else None
         self.num_blocks = num_blocks
         self._step_graph = self._build_step_graph()
+        self._log_graph_pool()
         tokens = (num_blocks - 1) * self.block_size
         if self.rank == 0:
             logger.info(
@@ -371,6 +404,26 @@ class ModelRunner:
                 str(kv_fp8.FP8_DTYPE if fp8 else dtype).removeprefix("torch."),
                 self.max_model_len,
                 tokens / self.max_model_len,
+            )
+
+    def _log_graph_pool(self) -> None:
+        """The captured graphs' measured pool against what the KV budget reserved for it."""
+        graph, reserve = self._step_graph, self._graph_reserve
+        if not isinstance(graph, CudaGraphRunner) or reserve is None or self.rank != 0:
+            return
+        measured = graph.graph_bytes
+        if measured > reserve:
+            logger.warning(
+                "CUDA graphs took %.0f MiB, over the %.0f MiB the KV budget reserved: the "
+                "device may run out of memory under load; lower --gpu-memory-utilization",
+                measured / 2**20,
+                reserve / 2**20,
+            )
+        else:
+            logger.info(
+                "CUDA graphs took %.0f MiB of the %.0f MiB reserved",
+                measured / 2**20,
+                reserve / 2**20,
             )
 
     def _build_step_graph(self) -> DecodePlan | CudaGraphRunner | None:

@@ -21,6 +21,7 @@ from engine.worker.cuda_graph import (
     bucket_for,
     capture_metadata,
     graph_takes,
+    graphs_off_reason,
     pad_decode_metadata,
 )
 from engine.worker.model_runner import ModelRunner
@@ -181,6 +182,15 @@ def test_no_graphs_off_cuda_or_under_enforce_eager(tiny_llama_dir) -> None:
     assert not runner.attn_backend.cuda_graph_capturable  # the CPU's C kernels
 
 
+def test_the_kv_budget_reserves_for_graphs_only_where_they_are_captured(tiny_llama_dir) -> None:
+    runner = _runner(tiny_llama_dir)
+    assert runner.graph_reserve_bytes() == 0  # the CPU: no CUDA graphs, nothing reserved
+    b, gpu = runner.attn_backend, torch.device("cuda")
+    assert graphs_off_reason(torch.device("cpu"), b, False, 1) == "not a CUDA device"
+    assert graphs_off_reason(gpu, b, True, 1) == "--enforce-eager"
+    assert "attention backend" in graphs_off_reason(gpu, b, False, 1)  # the CPU's C kernels
+
+
 def test_enforce_eager_reaches_the_engine_config() -> None:
     assert not EngineConfig.from_options("m").model.enforce_eager
     assert EngineConfig.from_options("m", enforce_eager=True).model.enforce_eager
@@ -222,6 +232,18 @@ def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
                 runner.model.compute_logits(eager).argmax(-1),
             )
     graphs.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_captured_graphs_fit_the_kv_budgets_reserve(tiny_llama_dir) -> None:
+    """The graphs init_kv_cache captures take no more than graph_reserve_bytes kept for them."""
+    runner = _runner(tiny_llama_dir, device="cuda")
+    graphs = runner._step_graph
+    if not isinstance(graphs, CudaGraphRunner):
+        pytest.skip(f"the {runner.attn_backend.name} backend is not capturable")
+    reserve = runner.graph_reserve_bytes()
+    assert graphs.graph_bytes <= reserve, (graphs.graph_bytes, reserve)
 
 
 @pytest.mark.cuda

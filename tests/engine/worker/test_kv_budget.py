@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from engine.distributed import backend_for
-from engine.worker.kv_budget import GpuMemoryProfile, kv_cache_budget
+from engine.worker.cuda_graph import batch_ladder
+from engine.worker.kv_budget import (
+    CAPTURE_WORKSPACE_BYTES,
+    GRAPH_OVERHEAD_BYTES,
+    GpuMemoryProfile,
+    graph_reserve_bytes,
+    kv_cache_budget,
+)
 from engine.worker.model_runner import check_visible_gpus, resolve_device
 
 GIB = 1 << 30
@@ -43,6 +50,7 @@ def test_a_model_that_does_not_fit_names_the_numbers_and_what_to_change():
         "peak at 2.00 GiB",
         "leaves 3.60 GiB",
         "needs 4.00 GiB",
+        "CUDA graphs reserve 0.00 GiB",
         "--gpu-memory-utilization",
         "--max-num-batched-tokens",
         "--max-model-len",
@@ -53,6 +61,51 @@ def test_a_model_that_does_not_fit_names_the_numbers_and_what_to_change():
     full = GpuMemoryProfile(total=24 * GIB, free=GIB, torch_allocated=22 * GIB, peak_growth=GIB)
     with pytest.raises(ValueError, match="leaves nothing for the KV cache"):
         kv_cache_budget(full, 0.9, need_bytes=1)
+
+
+def test_the_graph_reserve_shrinks_the_budget_and_is_named_when_it_does_not_fit():
+    p = GpuMemoryProfile(80 * GIB, 62 * GIB, 16 * GIB, 3 * GIB)
+    plain = kv_cache_budget(p, 0.9, GIB)
+    assert kv_cache_budget(p, 0.9, GIB, graph_reserve=GIB // 2) == plain - GIB // 2
+    # It fits without the reserve, not with it: the error names the reserve.
+    with pytest.raises(ValueError) as err:
+        kv_cache_budget(p, 0.9, need_bytes=plain, graph_reserve=GIB)
+    msg = str(err.value)
+    assert "CUDA graphs reserve 1.00 GiB" in msg and "--enforce-eager" in msg, msg
+    assert f"leaves {(plain - GIB) / GIB:.2f} GiB" in msg, msg
+
+
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    act_bytes=2,
+)
+
+
+def test_graph_reserve_is_the_largest_batch_activations_plus_every_output():
+    ladder = batch_ladder(256)
+    r = graph_reserve_bytes(ladder, **LLAMA_8B)
+    per_row = (3 * 4096 + (32 + 16) * 128 + 32 * 128 + 3 * 14336) * 2
+    overhead = len(ladder) * GRAPH_OVERHEAD_BYTES + CAPTURE_WORKSPACE_BYTES
+    want = 256 * per_row + sum(ladder) * 4096 * 2 + overhead
+    assert r == want
+    # Llama-8B at 256 sequences in bf16: ~90 MiB of activations and outputs, under a GiB.
+    assert 150 << 20 < r < GIB
+    assert graph_reserve_bytes((), **LLAMA_8B) == 0
+
+
+def test_graph_reserve_grows_with_max_num_seqs_and_the_model_width():
+    by_seqs = [graph_reserve_bytes(batch_ladder(n), **LLAMA_8B) for n in (1, 8, 64, 256, 512)]
+    assert by_seqs == sorted(by_seqs) and len(set(by_seqs)) == len(by_seqs)
+    # The ladder stops at 512: more sequences capture no more graphs.
+    assert graph_reserve_bytes(batch_ladder(1024), **LLAMA_8B) == by_seqs[-1]
+    wider = {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672}
+    assert graph_reserve_bytes(batch_ladder(256), **wider) > by_seqs[3]
+    fp32 = {**LLAMA_8B, "act_bytes": 4}
+    assert graph_reserve_bytes(batch_ladder(256), **fp32) > by_seqs[3]
 
 
 def test_backend_follows_the_resolved_device():

@@ -223,7 +223,7 @@ def test_health_and_a_chat_completion_with_a_key_from_the_installed_cli(
     assert models.status_code == 200
     body = {
         "model": models.json()["data"][0]["id"],
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "messages": [{"role": "user", "content": "Name the capital of France."}],
         "max_tokens": 12,
         "temperature": 0,
     }

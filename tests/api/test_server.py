@@ -75,7 +75,7 @@ def assert_serves(client) -> None:
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "user", "content": "Name the capital of France."},
 ]
 
 

@@ -129,7 +129,7 @@ def test_bad_params_in_a_batch_queue_nothing(llm):
 def test_default_model_knows_paris():
     llm = LLM(max_model_len=512)
     out = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name the capital of France."}],
         SamplingParams(max_tokens=32, temperature=0),
         use_tqdm=False,
     )

@@ -57,7 +57,7 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name the capital of France."}],
         tokenize=True,
         add_generation_prompt=True,
     )
@@ -172,7 +172,7 @@ def test_file_blocks_answer_paris(default_model_dir):
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name the capital of France."}],
         tokenize=True,
         add_generation_prompt=True,
     )

@@ -7,6 +7,7 @@
    K-quants' superblocks of 256 (Q4_K, Q5_K, Q6_K) go to gguf_k.c from the entry points. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
+#include "f16_convert.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,23 +28,6 @@
 
 int gguf_isa = ISA_MAX;
 int gguf_isa_max(void) { return ISA_MAX; }
-
-static inline float h2f(const uint8_t* p) {  /* an IEEE half, possibly unaligned */
-  uint16_t h;
-  memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#endif
-  const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  union { uint32_t u; float f; } v;
-  if (e == 0) {
-    v.f = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
-    v.u |= s;
-  } else {
-    v.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-  }
-  return v.f;
-}
 
 static int block_bytes(int type) {
   switch (type) {

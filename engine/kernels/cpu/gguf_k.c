@@ -18,6 +18,7 @@
    the bit. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
+#include "f16_convert.h"
 #include "avx512_math.h"
 
 #include <stdint.h>
@@ -48,23 +49,6 @@ static int sb_bytes(int type) {
     case GGUF_Q6_K: return 210;
     default: return 0;
   }
-}
-
-static inline float h2f(const uint8_t* p) {  /* an IEEE half, possibly unaligned (as gguf.c) */
-  uint16_t h;
-  memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#endif
-  const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  union { uint32_t u; float f; } v;
-  if (e == 0) {
-    v.f = (float)m * 5.9604644775390625e-8f;
-    v.u |= s;
-  } else {
-    v.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-  }
-  return v.f;
 }
 
 /* Q4_K/Q5_K's 12 scale bytes -> out[0..7] the sub-blocks' scales, out[8..15] their mins */

@@ -4,6 +4,7 @@
    compiler vectorizes the inner loops. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
+#include "f16_convert.h"
 
 #include <stdint.h>
 #include <string.h>
@@ -11,24 +12,6 @@
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
-
-static inline float half_to_float(const uint8_t* p) {  /* an IEEE half, possibly unaligned */
-  uint16_t h;
-  memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  union { uint32_t u; float f; } v;
-  if (e == 0) {
-    v.f = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
-    v.u |= s;
-  } else {
-    v.u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-  }
-  return v.f;
-#endif
-}
 
 /* Each group of a tile: 8 chunks of 32 bytes (chunk c, byte 2r + j: row r's code for
    k = 4c + j in the low nibble, 4c + 2 + j in the high one), 16 float16 scales, 16 minimums.
@@ -44,7 +27,7 @@ int w4_dequantize(const uint8_t* w, int64_t N, int64_t K, void* out, int bf16, i
       for (int r = 0; r < W4_TILE; ++r) {
         const int64_t n = t * W4_TILE + r;
         if (n >= N) break;
-        const float s = half_to_float(p + 256 + 2 * r), m = half_to_float(p + 288 + 2 * r);
+        const float s = h2f(p + 256 + 2 * r), m = h2f(p + 288 + 2 * r);
         float v[32];
         for (int c = 0; c < 8; ++c) {
           for (int j = 0; j < 2; ++j) {

@@ -248,14 +248,20 @@ class LLMEngine:
             elif self._awaiting_grammar and not failed:
                 self._wait_for_grammars()  # nothing else to do: don't spin
             return failed
-        scheduler_output.grammar_bitmask = self._start_bitmask(scheduler_output)
-        try:
-            runner_output = self.executor.execute_model(scheduler_output)
-        finally:
-            if scheduler_output.grammar_bitmask is not None:  # the fill reads the matchers
-                concurrent.futures.wait([scheduler_output.grammar_bitmask.future])
-        self._count_prompt_tokens(scheduler_output)
+        runner_output = self._launch(scheduler_output)
         return failed + self._apply(scheduler_output, runner_output)
+
+    def _launch(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        """Run a scheduled step (with async scheduling its pending output), its grammar bitmask
+        filled while the forward runs."""
+        so.grammar_bitmask = self._start_bitmask(so)
+        try:
+            runner_output = self.executor.execute_model(so)
+        finally:
+            if so.grammar_bitmask is not None:  # the fill reads the matchers
+                concurrent.futures.wait([so.grammar_bitmask.future])
+        self._count_prompt_tokens(so)
+        return runner_output
 
     def _apply(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """A step's output into the requests: stop checks, detokenization, stop strings."""
@@ -280,13 +286,7 @@ class LLMEngine:
             if self._awaiting_grammar and not outputs:
                 self._wait_for_grammars()  # nothing else to do: don't spin
             return outputs
-        so.grammar_bitmask = self._start_bitmask(so)
-        try:
-            pending = self.executor.execute_model(so)
-        finally:
-            if so.grammar_bitmask is not None:  # the fill reads the matchers
-                concurrent.futures.wait([so.grammar_bitmask.future])
-        self._count_prompt_tokens(so)
+        pending = self._launch(so)
         if self._in_flight is not None:
             outputs += self._apply_in_flight()
         self._in_flight = (so, pending)

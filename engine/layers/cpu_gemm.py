@@ -155,6 +155,17 @@ def linear(
     return y.view(*x.shape[:-1], n)
 
 
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a weight made for this call (a quantized layer's large batch
+    on its dequantized copy): the kernel where the policy takes this many rows (every batch on
+    CPUs without native bf16, whose torch bf16 matmul is ~10x slower), else F.linear."""
+    if x.numel() <= max_rows_for(weight) * x.shape[-1]:
+        return linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def _torch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

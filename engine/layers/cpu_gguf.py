@@ -8,7 +8,7 @@ the instruction set's) bf16 activations run on AMX-bf16 tiles where the CPU has 
 cpu_isa's amx_max_rows, the weight decoded 16 rows at a time into a buffer in cache
 (engine.layers.cpu_amx.linear_gguf, through gguf_dequant_row: any type it reads). Elsewhere,
 for prefill chunks and for float32 activations, one dequantized copy of the weight in x's
-dtype feeds F.linear.
+dtype feeds cpu_gemm.dense_linear (oneDNN, or the C GEMM where the CPU has no native bf16).
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.cpu import ops
-from engine.layers import cpu_amx, cpu_isa
+from engine.layers import cpu_amx, cpu_gemm, cpu_isa
 
 TYPES = {"Q4_0": ops.CONSTANTS["GGUF_Q4_0"], "Q4_1": ops.CONSTANTS["GGUF_Q4_1"]}
 TYPES["Q8_0"] = ops.CONSTANTS["GGUF_Q8_0"]
@@ -118,7 +117,7 @@ def linear(
         if y is not None:
             return y
         w = dequantize(blocks, type_id, k, x.dtype)
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+        return cpu_gemm.dense_linear(x, w, None if bias is None else bias.to(x.dtype))
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if bias is not None and bias.dtype != x.dtype:

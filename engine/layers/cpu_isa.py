@@ -22,7 +22,9 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
   avx512_bf16:  AVX512-BF16 without AMX (AMD Zen 4/5): `_dp` up to 32 rows (measured on a Zen
                 5: 1.1-3x faster than oneDNN at 1-32 rows, 0.85-0.95x from 64), oneDNN above.
   other:        no native bf16 (AVX2): cpu_gemm's widening kernel at every batch; torch's bf16
-                matmul is slow there.
+                matmul is slow there (also for GGUF layers' dequantized large batches). The w4
+                kernel (Q4_0/Q4_1 tiles) takes every batch there: int8 products on
+                vpmaddubsw, 1.4-1.7x the widening kernel's speed at 8-512 rows (Zen 3).
 GGUF without AMX (and above AMX_MAX_ROWS): the dot kernels up to 16 rows, then one
 dequantized copy and the GEMM.
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 from engine.kernels.cpu import ops
 from engine.kernels.cpu.build import cpu_flags
-from engine.layers import cpu_amx
+from engine.layers import cpu_amx, cpu_w4
 
 logger = logging.getLogger("tessera.engine")
 
@@ -61,7 +63,7 @@ class RowPlan:
 
     def describe(self) -> str:
         if self.dp_max_rows == ALWAYS:
-            bf16 = "the C widening kernel at every batch (no native bf16)"
+            bf16 = "the C widening kernel at every batch"
         else:
             above = (
                 f"AMX-bf16 tiles up to {self.amx_max_rows}, oneDNN F.linear"
@@ -69,17 +71,27 @@ class RowPlan:
                 else "oneDNN F.linear"
             )
             bf16 = f"AVX512-BF16 dot kernel up to {self.dp_max_rows} rows, {above} above"
+        dense = "oneDNN" if self.dp_max_rows != ALWAYS else "the C widening kernel"
         gguf = (
-            f"AMX-bf16 tiles on decoded rows up to {self.amx_max_rows}, dequantize + F.linear"
+            f"AMX-bf16 tiles on decoded rows up to {self.amx_max_rows}, dequantize + {dense}"
             if self.amx
-            else "dequantize + F.linear"
+            else f"dequantize + {dense}"
         )
+        w4_rows = cpu_w4.max_rows()
+        if not w4_rows:
+            w4 = "no w4 kernel: on the dot kernels"
+        elif w4_rows >= ALWAYS_W4:
+            w4 = "the w4 kernel at every batch (AVX2: int8 activations per 32)"
+        else:
+            above = f"AMX-bf16 tiles up to {self.amx_max_rows}" if self.amx else "chunks"
+            w4 = f"the w4 kernel up to {w4_rows} rows, {above} above"
         return (
-            f"bf16 linear: {bf16} ({self.isa}); GGUF linear: dot kernels up to "
-            f"{self.gguf_dot_max_rows} rows, {gguf} above"
+            f"bf16 linear: {bf16} ({self.isa}); GGUF Q4_0/Q4_1 as w4 tiles: {w4}; other GGUF "
+            f"linear: dot kernels up to {self.gguf_dot_max_rows} rows, {gguf} above"
         )
 
 
+ALWAYS_W4 = 1 << 20  # cpu_w4.max_rows() from here: the AVX2 kernel, which takes any batch
 GGUF_AMX_ROWS = 2  # GGUF with AMX: the dot kernels up to this many rows (see above)
 AMX_MAX_ROWS = 128  # AMX tiles up to this many rows; prefill chunks: oneDNN (see above)
 PLANS = {

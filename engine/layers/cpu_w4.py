@@ -1,4 +1,5 @@
-"""4-bit weights for decode steps of up to 12 rows (`--quantization w4a8`).
+"""4-bit weights in tiles of 16 rows (`--quantization w4a8`'s small batches, and a GGUF file's
+Q4_0/Q4_1 layers).
 
 A one-stream decode step reads every weight once, so its time is weight bytes over memory
 bandwidth. Here each group of 32 consecutive weights of a row keeps 4-bit codes q in 0..15,
@@ -7,15 +8,17 @@ scales that is 0.625 bytes a weight against int8's 1.0. Groups of 32 follow outl
 better than one int8 scale per row: on SmolLM2-135M, 4-bit groups on every linear layer
 cost a mean next-token KL of 0.002 from bf16 (int8 rows on them and the LM head: 0.006).
 
-The kernel takes 1-12 rows of x, quantized to int16 with one scale per row (as
-cpu_gemm's `rows_i16`). Rows are stored in tiles of 16 so that each float lane of the kernel
+With AVX512-VNNI (w4.c) the kernel takes 1-12 rows of x, quantized to int16 with one scale
+per row (as cpu_gemm's `rows_i16`); with AVX2 only (w4_avx2.c) it takes any number of rows,
+x quantized to int8 per group of 32 (llama.cpp's Q8_1 activations, vpmaddubsw on the same
+tiles): max_rows() says which. Rows are stored in tiles of 16 so that each float lane of the kernel
 accumulates one output row: 32 bytes hold 16 rows x 4 codes, widened to int16 they are the
 operands of two vpdpwssd against pairs of x broadcast from memory, and no horizontal sums
 are left (a row-wise layout spent a third of its instructions on them: 120 one-row GEMMs of
 SmolLM2 on a Zen 4 core, 7.1 -> 3.5-4.0 ms). Each group's sum is scaled in float, and the
 minimums meet per-group sums of x:
-y = xs * (sum_g s_g * (q_g . xq_g) + sum_g m_g * sum(xq_g)). Needs AVX512-VNNI, BW and F16C,
-and K a multiple of 64; other layers and larger batches use the int8 weights the layer
+y = xs * (sum_g s_g * (q_g . xq_g) + sum_g m_g * sum(xq_g)). Needs AVX512-VNNI (or AVX2),
+F16C, and K a multiple of 64; other layers and larger batches use the int8 weights the layer
 keeps too (w8a8). Built once per machine like the other CPU kernels (engine/kernels/cpu/w4.c).
 A GGUF file's Q4_0/Q4_1 layers (engine.layers.gguf_w4) hold nothing but tiles: pack_groups
 takes their codes and scales as they are, unpack gives larger batches' GEMMs their weight.
@@ -30,7 +33,6 @@ import torch
 from engine.kernels.cpu import ops
 
 GROUP = 32
-MAX_ROWS = ops.W4_MAX_ROWS  # rows of x the kernel takes; larger batches use the int8 weights
 K_MULTIPLE = 64  # in features must be a multiple of this (the x quantizer's step)
 TILE = ops.W4_TILE  # output rows per tile, one per float lane of the kernel
 GROUP_BYTES = TILE * GROUP // 2 + 2 * TILE * 2  # a tile's group: codes, scales, minimums
@@ -39,14 +41,27 @@ _fn: list = []  # the kernel's function, or None where it is not built; resolved
 
 
 def _kernel():
-    """linear_q4_bf16 with its signature set, or None (no compiler, no AVX512-VNNI)."""
+    """linear_q4_bf16 with its signature set, or None (no compiler, neither AVX512-VNNI nor
+    AVX2)."""
     if not _fn:
-        _fn.append(ops.function("linear_q4_bf16"))
+        fn = ops.function("linear_q4_bf16")
+        _fn.append(fn)
+        _max_rows.append(0 if fn is None else ops.function("w4_max_rows")())
     return _fn[0]
+
+
+_max_rows: list[int] = []
 
 
 def available() -> bool:
     return _kernel() is not None
+
+
+def max_rows() -> int:
+    """Rows of x the kernel takes in one call (12 with AVX512-VNNI, any with AVX2; 0 without
+    a kernel); larger batches go elsewhere (w8a8's int8 weights, or the large-batch paths)."""
+    _kernel()
+    return _max_rows[0]
 
 
 @dataclass(frozen=True)
@@ -127,7 +142,7 @@ def unpack(q4: Q4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] bf16 (at most MAX_ROWS rows) against the 4-bit weight; None where the kernel
+    """x [..., K] bf16 (at most max_rows() rows) against the 4-bit weight; None where the kernel
     cannot take the call (the caller uses its int8 weights)."""
     fn = _kernel()
     k = x.shape[-1]
@@ -136,7 +151,7 @@ def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> t
     if (
         fn is None
         or x.dtype != torch.bfloat16
-        or not 1 <= m <= MAX_ROWS
+        or not 1 <= m <= _max_rows[0]
         or x2.stride(-1) != 1
         or q4.in_features != k
         or (bias is not None and bias.dtype != x.dtype)

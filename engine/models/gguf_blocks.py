@@ -91,7 +91,9 @@ def gguf_source(model: str | Path) -> Path | None:
 def read_linear_blocks(
     path: str | Path, num_heads: int, num_kv_heads: int
 ) -> tuple[dict[str, Blocks], dict[str, str]]:
-    """({"model.layers.0.self_attn.qkv_proj": Blocks, ...}, {module: why it was left out})."""
+    """({"model.layers.0.self_attn.qkv_proj": Blocks, ..., "lm_head": Blocks}, {module: why it
+    was left out}). The LM head's rows are output.weight, or token_embd.weight where the
+    model ties them."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -119,4 +121,14 @@ def read_linear_blocks(
                     data = _unpermute(data, heads[p])
                 rows.append((t.tensor_type.name, int(t.tensor_type), data))
             found[name] = _merge(rows, int(ts[0].shape[0]))
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))  # tied: the embedding
+    if head is None:
+        skipped["lm_head"] = "missing from the file"
+    elif head.tensor_type.name in _FLOATS:
+        skipped["lm_head"] = f"{head.tensor_type.name} (a float tensor: not a block type)"
+    else:
+        data = np.asarray(head.data).reshape(int(head.shape[1]), -1)
+        found["lm_head"] = _merge(
+            [(head.tensor_type.name, int(head.tensor_type), data)], int(head.shape[0])
+        )
     return found, skipped

@@ -1,5 +1,6 @@
 /* 4-bit weight groups (w ~ s * q + m per 32 weights) for decode steps of up to W4_MAX_ROWS
-   rows: engine/layers/cpu_w4.py has the format and why. */
+   rows on CPUs with AVX512-VNNI (w4_avx2.c: the AVX2 variant): engine/layers/cpu_w4.py has
+   the format and why. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "avx512_math.h"
@@ -119,6 +120,8 @@ typedef void (*tiles_fn)(const int16_t*, const float*, const float*, int64_t, co
 static const tiles_fn TILES[W4_MAX_ROWS] = {tiles_q4_m1, tiles_q4_m2, tiles_q4_m3, tiles_q4_m4,
     tiles_q4_m5, tiles_q4_m6, tiles_q4_m7, tiles_q4_m8, tiles_q4_m9, tiles_q4_m10, tiles_q4_m11,
     tiles_q4_m12};
+
+int w4_max_rows(void) { return W4_MAX_ROWS; }
 
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
     int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {

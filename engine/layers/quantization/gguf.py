@@ -6,17 +6,19 @@ values, so the weights in memory are about the file's size and nothing is requan
 loaded (dequantized) float weight is dropped.
 - Q4_0 and Q4_1 blocks are repacked bit for bit into the w4 kernel's tiles (engine.layers.
   gguf_w4: 1.3-2x the per-row dot kernel at 1-12 rows); larger batches read the same tiles
-  in AMX-bf16 tiles (engine.layers.cpu_amx) where the CPU has them.
+  in AMX-bf16 tiles (engine.layers.cpu_amx) where the CPU has them. With AVX2 only, the w4
+  kernel takes every batch (int8 activations per 32: 2.2-2.6x the dot kernel, 1.4-1.7x the
+  C GEMM on the bf16 weight at 8-128 rows).
 - Q8_0, the K-quants Q4_K, Q5_K, Q6_K (K % 256 == 0), and Q4 layers the w4 kernel cannot take
-  (K not a multiple of 64, a float32 model, no AVX512-VNNI) keep the file's blocks on the GGUF
+  (K not a multiple of 64, a float32 model, neither AVX512-VNNI nor AVX2) keep the file's blocks on the GGUF
   dot kernels (engine.layers.cpu_gguf), AMX on decoded rows for larger batches.
 - A merged projection whose parts the file stores in different types (Q4_K_M: q/k Q4_K, v
   Q6_K) holds them as row segments of their own types, one kernel call per segment
   (GGUFSegmentsLinearMethod).
 Layers of other types (float parts, types without a kernel, K the blocks do not divide) keep
 the dequantized weights on the unquantized method; the log says which layer kinds took which
-path. The embedding and the LM head stay dequantized (a gather, and the sampler's argmax
-paths).
+path. The embedding stays dequantized (a gather); the LM head keeps that weight for large
+batches and reads the file's rows (output.weight, or the tied token_embd) in small ones.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_amx, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
-from engine.layers.quantization.base import LinearMethodBase
+from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
+from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+from engine.layers.quantization.unquantized import linear_by_rows
 
 logger = logging.getLogger("tessera.engine")
 
@@ -45,7 +47,7 @@ class GGUFLinearMethod(LinearMethodBase):
         return cpu_gguf.linear(x, layer.weight, layer.gguf_type, layer.in_features, bias)
 
 
-# Up to this many rows the w4 kernel in calls of MAX_ROWS beats dequantizing the tiles (C,
+# Up to this many rows the w4 kernel in calls of max_rows() beats dequantizing the tiles (C,
 # cpu_w4.unpack) for a bf16 GEMM: two shared cores, SmolLM2's gate_up 3072x576 at 32 / 64
 # rows 0.29 / 0.60 ms against 0.79 / 0.90; its down_proj 576x1536 at 64 / 128 rows 0.40 /
 # 0.74 against 0.45 / 0.51. In whole decode steps the gap is wider: `bench decode` at 16
@@ -56,10 +58,11 @@ W4_CHUNKED_MAX_ROWS = 96
 def w4_large_batch_linear(
     x: torch.Tensor, q4: cpu_w4.Q4Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] of more than cpu_w4.MAX_ROWS rows (or calls the w4 kernel refuses) against
+    """x [..., K] of more than cpu_w4.max_rows() rows (or calls the w4 kernel refuses) against
     w4 tiles: AMX-bf16 tiles reading them (cpu_amx) up to the plan's AMX rows; elsewhere the
-    w4 kernel MAX_ROWS rows at a time up to W4_CHUNKED_MAX_ROWS, beyond it the tiles
-    dequantized per call (cpu_w4.unpack, one C pass) for F.linear."""
+    w4 kernel max_rows() rows at a time up to W4_CHUNKED_MAX_ROWS, beyond it the tiles
+    dequantized per call (cpu_w4.unpack, one C pass) for cpu_gemm.dense_linear. (With AVX2
+    the w4 kernel takes every batch: none of this runs.)"""
     k, n = x.shape[-1], q4.out_features
     x2 = x.reshape(-1, k)
     if cpu_isa.plan().amx_rows(x2.shape[0]):
@@ -67,22 +70,22 @@ def w4_large_batch_linear(
         if y is not None:
             return y
     if x.dtype == torch.bfloat16 and x2.shape[0] <= W4_CHUNKED_MAX_ROWS:
-        parts = [cpu_w4.linear(c, q4, bias) for c in x2.split(cpu_w4.MAX_ROWS)]
+        parts = [cpu_w4.linear(c, q4, bias) for c in x2.split(cpu_w4.max_rows())]
         if all(p is not None for p in parts):
             return torch.cat(parts).view(*x.shape[:-1], n)
     w = cpu_w4.unpack(q4, x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return cpu_gemm.dense_linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 class GGUFW4LinearMethod(GGUFLinearMethod):
     """A Q4_0/Q4_1 layer repacked into w4 tiles: layer.w4 (a cpu_w4.Q4Weight; layer.weight is
-    its uint8 data, the only copy). 1-MAX_ROWS rows on the w4 kernel, more on
-    w4_large_batch_linear."""
+    its uint8 data, the only copy). 1-cpu_w4.max_rows() rows on the w4 kernel (any with AVX2),
+    more on w4_large_batch_linear."""
 
     @staticmethod
     def w8a8_min_rows(layer: nn.Module, k: int) -> int:
         """Rows from which a call leaves the w4 kernel (the decode plan's W4 steps end here)."""
-        return cpu_w4.MAX_ROWS + 1
+        return cpu_w4.max_rows() + 1
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -100,6 +103,23 @@ class GGUFSegmentsLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return cpu_gguf.linear_segments(x, layer.gguf_segments, layer.in_features, bias)
+
+
+class GGUFLMHeadMethod(LMHeadMethodBase):
+    """The LM head's rows as the file stores them (head.gguf_blocks: uint8 [vocab, row bytes],
+    head.gguf_type, head.gguf_in_features) for calls of up to cpu_gguf.dot_max_rows() rows,
+    the float weight (the tied embedding's, or the dequantized output.weight) above. A decode
+    step reads the file's bytes instead of the bf16 weight's (Q8_0: 0.53x; SmolLM2-135M's
+    head, Zen 3: 1.6 vs 4.2 ms at 1 row, 8.9 vs 11.8 at 8), and its logits are the file's
+    values against x rounded to int8 per 32 (llama.cpp's arithmetic), summed in float32;
+    larger batches run the GEMM paths, faster there, on the weight the embedding keeps."""
+
+    def apply(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]:
+            return cpu_gguf.linear(
+                hidden.float(), head.gguf_blocks, head.gguf_type, head.gguf_in_features
+            )
+        return linear_by_rows(head, hidden, head.weight, None)
 
 
 def _refusal(module: nn.Module, b) -> str | None:
@@ -125,8 +145,37 @@ def _w4_refusal(module: nn.Module, type_name: str, in_features: int) -> str | No
     if why is None and module.weight.dtype != torch.bfloat16:
         why = f"a {str(module.weight.dtype).removeprefix('torch.')} model: the w4 kernel takes bf16"
     if why is None and not cpu_w4.available():
-        why = "no w4 kernel on this CPU (AVX512-VNNI)"
+        why = "no w4 kernel on this CPU (AVX512-VNNI or AVX2)"
     return why
+
+
+def _head_refusal(head: nn.Module, b) -> str | None:
+    """Why the LM head keeps only its float weight, or None."""
+    if head.weight.device.type != "cpu":
+        return "runs on the CPU kernels only"
+    if head.tp_size != 1:
+        return "tensor parallel shards keep the float weights"
+    if b.type_name not in cpu_gguf.TYPES:
+        return f"{b.type_name} has no kernel"
+    why = cpu_gguf.refusal(b.type_id, b.in_features)
+    if why is not None:
+        return f"{b.type_name}: {why}"
+    if (b.out_features, b.in_features) != (head.num_embeddings, head.weight.shape[1]):
+        return "shape differs from the model's"
+    return None
+
+
+def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
+    """The LM head's path: the file's blocks for small batches (GGUFLMHeadMethod), or why not."""
+    dtype = str(head.weight.dtype).removeprefix("torch.")
+    if why is not None:
+        return f"dequantized ({why})"
+    head.gguf_blocks, head.gguf_type, head.gguf_in_features = b.data, b.type_id, b.in_features
+    head.quant_method = GGUFLMHeadMethod()
+    return (
+        f"{b.type_name} blocks on the gguf dot kernel up to {cpu_gguf.dot_max_rows()} rows, "
+        f"the {dtype} weight above"
+    )
 
 
 def _kind(name: str) -> str:
@@ -162,8 +211,9 @@ def _take_blocks(module: nn.Module, b) -> str:
 def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Counter]:
     """Give every linear layer whose file type has a kernel the file's values: Q4_0/Q4_1 as
     w4 tiles (GGUFW4LinearMethod) where the w4 kernel takes them, else the file's blocks
-    (GGUFLinearMethod); returns {layer kind: Counter(path taken)}, also logged. Paths other
-    than "dequantized (why)" hold the file's values."""
+    (GGUFLinearMethod); and the LM head its rows' blocks for small batches (GGUFLMHeadMethod).
+    Returns {layer kind: Counter(path taken)}, also logged. Linear layers' paths other than
+    "dequantized (why)" hold the file's values."""
     from engine.models.gguf_blocks import read_linear_blocks
 
     if not cpu_gguf.available():
@@ -189,6 +239,11 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
             paths.setdefault(kind, Counter())[f"dequantized ({why})"] += 1
             continue
         paths.setdefault(kind, Counter())[_take_blocks(module, b)] += 1
+    head = getattr(model, "lm_head", None)
+    if head is not None and not isinstance(head.quant_method, GGUFLMHeadMethod):
+        b = blocks.pop("lm_head", None)
+        why = skipped.get("lm_head", "not in the file") if b is None else _head_refusal(head, b)
+        paths["lm_head"] = Counter({_take_head_blocks(head, b, why): 1})
     for kind, c in paths.items():
         logger.info(
             "GGUF %s: %s", kind, ", ".join(f"{n} layers {why}" for why, n in sorted(c.items()))

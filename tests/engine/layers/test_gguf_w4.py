@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.layers import cpu_amx, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
+from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
 from engine.layers.quantization import gguf as gguf_method
 from engine.layers.quantization import resolve_method
+from tests.engine.kernels.w4_testing import x_as_the_kernel_reads_it
 
 
 def _blocks(type_name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -71,17 +72,20 @@ def test_what_the_repack_refuses():
 
 
 @pytest.mark.parametrize("type_name", gguf_w4.TYPES)
-@pytest.mark.parametrize("m, n, k", [(1, 70, 576), (5, 48, 128), (12, 33, 1536)])
+@pytest.mark.parametrize("m, n, k", [(1, 70, 576), (5, 48, 128), (12, 33, 1536), (45, 20, 64)])
 def test_w4_kernel_on_repacked_tiles_matches_f_linear_on_the_file_values(type_name, m, n, k):
-    """The kernel's stated tolerance (bf16 output, x quantized to int16 per row)."""
+    """The kernel's stated tolerance (bf16 output, x quantized to int16 per row, or with AVX2
+    to int8 per group of 32: the reference rounds x the kernel's way)."""
     if not cpu_w4.available():
-        pytest.skip("the 4-bit kernel needs a C compiler and AVX512-VNNI")
+        pytest.skip("the 4-bit kernel needs a C compiler and AVX512-VNNI or AVX2")
+    if m > cpu_w4.max_rows():
+        pytest.skip(f"the kernel takes {cpu_w4.max_rows()} rows")
     blocks, ref_w = _blocks(type_name, n, k, seed=m)
     q4 = gguf_w4.repack(blocks, type_name, k)
     x = torch.randn(m, k).to(torch.bfloat16)
     y = cpu_w4.linear(x, q4)
     assert y is not None
-    ref = F.linear(x.double(), torch.from_numpy(ref_w).double())
+    ref = F.linear(x_as_the_kernel_reads_it(x), torch.from_numpy(ref_w).double())
     torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
 
 
@@ -100,26 +104,30 @@ def _layer(type_name: str, n: int, k: int) -> tuple[torch.nn.Module, torch.Tenso
 
 def test_layers_take_the_w4_kernel_up_to_its_rows_and_the_large_batch_path_beyond(monkeypatch):
     if not cpu_w4.available():
-        pytest.skip("the 4-bit kernel needs a C compiler and AVX512-VNNI")
+        pytest.skip("the 4-bit kernel needs a C compiler and AVX512-VNNI or AVX2")
     layer, w = _layer("Q4_1", 40, 128)
-    assert layer.quant_method.w8a8_min_rows(layer, 128) == cpu_w4.MAX_ROWS + 1  # the plan's bound
-    for rows in (1, cpu_w4.MAX_ROWS, cpu_w4.MAX_ROWS + 1, 40):
+    top = cpu_w4.max_rows()  # 12 (VNNI), or any batch (AVX2)
+    assert layer.quant_method.w8a8_min_rows(layer, 128) == top + 1  # the plan's bound
+    for rows in (1, 12, 13, 40, 300):
         x = torch.randn(rows, 128).bfloat16()
         y = layer(x)
-        if rows <= cpu_w4.MAX_ROWS:  # the kernel itself
+        if rows <= top:  # the kernel itself
             assert torch.equal(y, cpu_w4.linear(x, layer.w4, layer.bias))
         elif cpu_isa.plan().amx_rows(rows):  # AMX-bf16 tiles reading the w4 tiles
             assert torch.equal(y, cpu_amx.linear_w4(x, layer.w4.data, 40, 128, layer.bias))
-        else:  # MAX_ROWS at a time: each chunk the kernel's own rows
-            assert torch.equal(y[: cpu_w4.MAX_ROWS], cpu_w4.linear(x[:12], layer.w4, layer.bias))
-        ref = F.linear(x.double(), w.double(), layer.bias.double())
+        elif rows <= gguf_method.W4_CHUNKED_MAX_ROWS:  # 12 at a time: the kernel's own rows
+            assert torch.equal(y[:top], cpu_w4.linear(x[:top], layer.w4, layer.bias))
+        ref = F.linear(x_as_the_kernel_reads_it(x), w.double(), layer.bias.double())
         torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
-    monkeypatch.setattr(cpu_isa, "plan", lambda: cpu_isa.PLANS["other"])  # a CPU without AMX
-    x = torch.randn(cpu_w4.MAX_ROWS + 1, 128).bfloat16()
-    assert torch.equal(layer(x)[: cpu_w4.MAX_ROWS], cpu_w4.linear(x[:12], layer.w4, layer.bias))
+    # the large-batch path, as a CPU whose kernel stops at 12 rows and has no AMX takes it
+    monkeypatch.setattr(cpu_w4, "max_rows", lambda: 12)
+    monkeypatch.setattr(cpu_w4, "_max_rows", [12])
+    monkeypatch.setattr(cpu_isa, "plan", lambda: cpu_isa.PLANS["other"])
+    x = torch.randn(13, 128).bfloat16()
+    assert torch.equal(layer(x)[:12], cpu_w4.linear(x[:12], layer.w4, layer.bias))
     monkeypatch.setattr(gguf_method, "W4_CHUNKED_MAX_ROWS", 16)  # past it: dequantized tiles
     x = torch.randn(20, 128).bfloat16()
-    ref = F.linear(x, w.bfloat16(), layer.bias)  # the same bf16 weight, the same GEMM
+    ref = cpu_gemm.dense_linear(x, w.bfloat16(), layer.bias)  # the same bf16 weight and GEMM
     assert torch.equal(layer(x), ref)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from engine.attention.backends.torch import TorchAttentionBackend
@@ -23,6 +23,7 @@ from engine.attention.metadata import common_metadata_from_seqs
 from engine.layers import cpu_gguf, cpu_w4
 from engine.layers.quantization import GGUFLinearMethod, GGUFW4LinearMethod, quantize_model
 from engine.layers.quantization.gguf import GGUFSegmentsLinearMethod, apply_gguf_blocks
+from engine.layers.quantization.unquantized import linear_by_rows
 from engine.models.gguf_convert import _read_tensors
 from engine.models.loader import load_model
 from tests.engine.kernels import kquant_blocks
@@ -58,8 +59,11 @@ def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
     return quantize(w, GGMLQuantizationType[type_name])
 
 
-def _write_gguf(hf_dir, path, type_name: str, overrides: dict | None = None) -> None:
-    """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name}."""
+def _write_gguf(
+    hf_dir, path, type_name: str, overrides: dict | None = None, head_type: str | None = None
+) -> None:
+    """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name};
+    the LM head (output.weight) in head_type, float32 without one."""
     state = load_file(str(hf_dir / "model.safetensors"))
     overrides = overrides or {}
     writer = GGUFWriter(str(path), "llama")
@@ -69,8 +73,13 @@ def _write_gguf(hf_dir, path, type_name: str, overrides: dict | None = None) -> 
             writer.add_tensor("token_embd.weight", w)
         elif name == "model.norm.weight":
             writer.add_tensor("output_norm.weight", w)
-        elif name == "lm_head.weight":
+        elif name == "lm_head.weight" and head_type is None:
             writer.add_tensor("output.weight", w)
+        elif name == "lm_head.weight":
+            q = _quantize(np.ascontiguousarray(w), head_type)
+            writer.add_tensor(
+                "output.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[head_type]
+            )
         else:
             _, _, layer, rest = name.split(".", 3)
             module = rest.removesuffix(".weight")
@@ -144,6 +153,8 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
     ref = load_model(folder, dtype="float32")
     model = load_model(folder, dtype="float32")
     paths = apply_gguf_blocks(model, path)
+    # the file's output.weight is float32 here: the LM head keeps the model's float weight
+    assert paths.pop("lm_head") == {"dequantized (F32 (a float tensor: not a block type))": 1}
     assert not any(why.startswith("dequantized") for c in paths.values() for why in c), paths
     assert sum(n for c in paths.values() for n in c.values()) == 3 * 4  # every linear layer
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
@@ -186,6 +197,7 @@ def test_q4_blocks_of_a_bf16_model_are_w4_tiles(gguf_model):
     ref = load_model(folder, dtype="bfloat16")
     model = load_model(folder, dtype="bfloat16")
     paths = apply_gguf_blocks(model, path)
+    del paths["lm_head"]  # float32 in these files
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
     assert len(linears) == 3 * 4
     if type_name not in ("Q4_0", "Q4_1") or not cpu_w4.available():  # Q8_0, the K-quants
@@ -207,6 +219,44 @@ def test_q4_blocks_of_a_bf16_model_are_w4_tiles(gguf_model):
         assert (c - r).abs().max() < 8 * GAP_TOL
         tokens.append(int(r.argmax()))
     assert compared >= 4
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_path, name):
+    """output.weight in Q8_0 (the bundled model's tied token_embd type): up to the dot
+    kernels' rows the head multiplies the file's blocks (float32 logits, x rounded to int8
+    per 32), above them its float weight, exactly as the unquantized head does."""
+    from engine.layers.quantization.gguf import GGUFLMHeadMethod
+
+    path = tmp_path / "head-q8.gguf"
+    _write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
+    model = load_model(tiny_llama_dir, dtype=name)
+    dtype = getattr(torch, name)
+    head = model.lm_head
+    weight = head.weight.clone()
+    paths = apply_gguf_blocks(model, path)
+    rows = cpu_gguf.dot_max_rows()
+    assert paths["lm_head"] == {
+        f"Q8_0 blocks on the gguf dot kernel up to {rows} rows, the {name} weight above": 1
+    }
+    assert isinstance(head.quant_method, GGUFLMHeadMethod)
+    (out,) = [t for t in GGUFReader(str(path)).tensors if t.name == "output.weight"]
+    assert head.gguf_blocks.nbytes == out.data.nbytes  # the file's rows, as they are
+    assert torch.equal(head.weight, weight)  # the float weight stays for large batches
+    file_w = torch.from_numpy(
+        dequantize(np.asarray(out.data), GGMLQuantizationType.Q8_0).reshape(weight.shape)
+    )
+    torch.manual_seed(0)
+    for m in sorted({1, 3, rows}):
+        hidden = torch.randn(m, weight.shape[1]).to(dtype)
+        logits = head(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (m, head.num_embeddings)
+        ref = hidden.float() @ file_w.T
+        assert (logits - ref).norm() / ref.norm() < 1.5e-2  # x's int8 rounding (test_cpu_gguf)
+    big = torch.randn(rows + 1, weight.shape[1]).to(dtype)
+    with torch.no_grad():
+        expected = linear_by_rows(head, big, head.weight, None).float()
+    assert torch.equal(head(big), expected)
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):

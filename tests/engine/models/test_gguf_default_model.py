@@ -178,7 +178,9 @@ def test_file_blocks_answer_paris(default_model_dir):
     )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     model = load_model(default_model_dir, dtype="bfloat16")
-    assert quantize_model(model, "gguf", gguf_path=default_gguf_path()) == 30 * 4
+    # every linear layer, and the LM head on the file's Q8_0 token_embd rows (tied)
+    assert quantize_model(model, "gguf", gguf_path=default_gguf_path()) == 30 * 4 + 1
+    assert model.lm_head.gguf_blocks.nbytes == 49152 * 576 // 32 * 34
     linears = [
         m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
     ]
@@ -214,6 +216,7 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
     from engine import SamplingParams
     from engine.layers import cpu_w4
     from engine.layers.quantization import GGUFW4LinearMethod, UnquantizedLinearMethod
+    from engine.layers.quantization.gguf import GGUFLMHeadMethod
 
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"
@@ -229,6 +232,7 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
             assert len(methods) == 30 * 4 and all(
                 isinstance(q, GGUFW4LinearMethod) for q in methods
             )
+        assert isinstance(runner.model.lm_head.quant_method, GGUFLMHeadMethod)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         runs[plan] = (out.token_ids, runner._step_graph)
         llm.shutdown()

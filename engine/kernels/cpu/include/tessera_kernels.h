@@ -15,7 +15,7 @@
 
 /* ---- constants shared with Python ---- */
 #define ROWS_MAX_M 8          /* gemm: bf16 batches of up to this many rows stream the weights */
-#define W4_MAX_ROWS 12        /* w4: rows of x linear_q4_bf16 takes (cpu_w4.MAX_ROWS) */
+#define W4_MAX_ROWS 12        /* w4.c: rows of x its linear_q4_bf16 takes (w4_max_rows) */
 #define W4_TILE 16            /* w4: output rows per tile, one per float lane */
 #define W4_GROUP_BYTES 320    /* w4: a tile's group: 16 x 32 codes, 16 float16 scales, 16 minimums */
 #define W8A8_BLOCK_COLS 48    /* w8a8: the packed GEMM's column blocks (16 * GEMM_NV) */
@@ -39,8 +39,11 @@ int linear_i8_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_
 int linear_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 
-/* ---- w4.c: 4-bit weight groups (engine.layers.cpu_w4); only with AVX512-F, -BW, -VNNI and F16C ---- */
+/* ---- w4.c (AVX512-F, -BW, -VNNI and F16C: x as int16 per row, up to W4_MAX_ROWS rows) or
+   w4_avx2.c (AVX2, FMA and F16C without the former: x as int8 per group of 32, any rows):
+   4-bit weight tiles (engine.layers.cpu_w4); absent on other CPUs ---- */
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+int w4_max_rows(void);
 
 /* ---- w4_tiles.c: w4 tiles back to bf16 / float32 rows, any CPU (engine.layers.cpu_w4.unpack) ---- */
 int w4_dequantize(const uint8_t* w, int64_t N, int64_t K, void* out, int bf16, int nthreads);

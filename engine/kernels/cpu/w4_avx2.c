@@ -1,0 +1,189 @@
+/* The w4 tiles' kernel on CPUs with AVX2 but without AVX512-VNNI (AMD Zen 2/3, Intel before
+   Ice Lake): linear_q4_bf16 for any number of rows. w4.c is the AVX512-VNNI one; a build has
+   exactly one of the two. engine/layers/cpu_w4.py has the tiles' format.
+
+   x is quantized per group of 32 to int8 with a float scale (llama.cpp's Q8_1 activations, as
+   gguf.c's dot kernels do), so a chunk of a tile (16 rows x 4 codes, the low and the high
+   nibbles) meets x in vpmaddubsw: unsigned codes times signed x, adjacent pairs summed into
+   16 int16 lanes, one per output row. Eight such products per lane stay below 2^15
+   (8 * 2 * 15 * 127 = 30,480), so half a group sums in int16, then is widened and scaled in
+   float (summing the halves in int32 first kept more registers live: 20% slower). No horizontal sums, and the scale and minimum of
+   16 rows are one vector each: y_r = sum_g d_g (s_gr * (q_gr . xq_g) + m_gr * sum(xq_g)).
+
+   x is stored with each pair of values twice ("dup"): chunk c of group g as 8 bytes
+   x0 x1 x0 x1 x2 x3 x2 x3 (k = 4c..4c+3), so one dword broadcast gives vpmaddubsw the pair
+   for every row. R rows of x share each decoded chunk (R <= 4: the accumulators and the
+   codes fill the 16 vector registers); the tile's weights stay in L1 across the rows. */
+#include "tessera_kernels.h"
+#include "bf16_convert.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+      defined(__F16C__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define TILE W4_TILE
+#define GROUP_BYTES W4_GROUP_BYTES
+#define DUP_BYTES 64    /* a group of x in the dup layout */
+#define MAX_R 4         /* rows of x a pass over a tile's weights takes */
+#define TASK_TILES 2    /* tiles per parallel task */
+#define PF_BYTES 2048   /* the weight stream is prefetched this far ahead (small batches) */
+
+int w4_max_rows(void) { return 1 << 30; }
+
+/* One row of bf16 x [K] -> int8 groups in the dup layout (xq [K / 32][64]), each group's scale
+   d (xd) and d * sum(q) (xm). amax / 127 maps the group onto -127..127, rounded to nearest
+   even like gguf.c's quantize_row. */
+static void prep_row(const uint16_t* x, int64_t K, int8_t* xq, float* xd, float* xm) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i b = _mm_loadu_si128((const __m128i*)(x + g * 32 + 8 * i));
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float a = _mm_cvtss_f32(m4);
+    const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    /* int32 x 32 -> int8 x 32 in order: packs work per 128-bit lane, the permute restores it */
+    const __m256i w16a = _mm256_packs_epi32(r[0], r[1]), w16b = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    xd[g] = a / 127.f;
+    xm[g] = xd[g] * (float)_mm_cvtsi128_si32(s4);
+    /* pairs (words) doubled: w0 w0 w1 w1 ... within each 128-bit lane, then lanes in order */
+    const __m256i lo = _mm256_unpacklo_epi16(q, q), hi = _mm256_unpackhi_epi16(q, q);
+    _mm256_storeu_si256((__m256i*)(xq + g * DUP_BYTES), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256((__m256i*)(xq + g * DUP_BYTES + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
+/* 8 floats -> bf16, rounded to nearest even (f2bf's rule) */
+static inline __m128i f2bf256(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb,
+                                      _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* Tile wt's 16 output rows (from n0) for R rows of x. */
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int8_t* xq,
+    const float* xd, const float* xm, int64_t G, const uint8_t* wt, const uint16_t* bias,
+    uint16_t* y, int64_t ldy, int64_t n0, int64_t N, int prefetch) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int64_t xstride = G * DUP_BYTES;
+  __m256 acc[MAX_R][2];
+  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = wt + g * GROUP_BYTES;
+    if (prefetch)
+      for (int l = 0; l < GROUP_BYTES; l += 64) _mm_prefetch((const char*)wg + PF_BYTES + l, _MM_HINT_T0);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 256)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 272)));
+    __m256 sd[MAX_R][2];
+    for (int m = 0; m < R; ++m) {
+      const __m256 d = _mm256_set1_ps(xd[m * G + g]);
+      sd[m][0] = _mm256_mul_ps(s0, d); sd[m][1] = _mm256_mul_ps(s1, d);
+    }
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i a[MAX_R];
+      for (int m = 0; m < R; ++m) a[m] = _mm256_setzero_si256();
+      #pragma GCC unroll 2
+      for (int c = 4 * h; c < 4 * h + 4; c += 2) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wg + 32 * c));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wg + 32 * c + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, low4);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        const __m256i lo1 = _mm256_and_si256(v1, low4);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        for (int m = 0; m < R; ++m) {
+          const __m256i xv = _mm256_broadcastsi128_si256(
+              _mm_loadu_si128((const __m128i*)(xq + m * xstride + g * DUP_BYTES + 8 * c)));
+          a[m] = _mm256_add_epi16(a[m], _mm256_maddubs_epi16(lo0, _mm256_shuffle_epi32(xv, 0x00)));
+          a[m] = _mm256_add_epi16(a[m], _mm256_maddubs_epi16(hi0, _mm256_shuffle_epi32(xv, 0x55)));
+          a[m] = _mm256_add_epi16(a[m], _mm256_maddubs_epi16(lo1, _mm256_shuffle_epi32(xv, 0xAA)));
+          a[m] = _mm256_add_epi16(a[m], _mm256_maddubs_epi16(hi1, _mm256_shuffle_epi32(xv, 0xFF)));
+        }
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m256i l = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a[m]));
+        const __m256i u = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a[m], 1));
+        acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), sd[m][0], acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), sd[m][1], acc[m][1]);
+      }
+    }
+    const __m256 mn0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 288)));
+    const __m256 mn1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 304)));
+    for (int m = 0; m < R; ++m) {
+      const __m256 xs = _mm256_set1_ps(xm[m * G + g]);
+      acc[m][0] = _mm256_fmadd_ps(mn0, xs, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(mn1, xs, acc[m][1]);
+    }
+  }
+  const int64_t n = N - n0 < TILE ? N - n0 : TILE;
+  float b[TILE] = {0};
+  if (bias)
+    for (int64_t i = 0; i < n; ++i) b[i] = bf2f(bias[n0 + i]);
+  for (int m = 0; m < R; ++m) {
+    uint16_t out[TILE];
+    _mm_storeu_si128((__m128i*)out, f2bf256(_mm256_add_ps(acc[m][0], _mm256_loadu_ps(b))));
+    _mm_storeu_si128((__m128i*)(out + 8), f2bf256(_mm256_add_ps(acc[m][1], _mm256_loadu_ps(b + 8))));
+    memcpy(y + m * ldy + n0, out, sizeof(uint16_t) * n);
+  }
+}
+
+/* R is a constant in each copy, so the accumulators stay in registers. */
+#define DEFINE_ROWS(R) static void tile_rows_##R(const int8_t* xq, const float* xd,            \
+    const float* xm, int64_t G, const uint8_t* wt, const uint16_t* bias, uint16_t* y,         \
+    int64_t ldy, int64_t n0, int64_t N, int prefetch) {                                       \
+  tile_rows(R, xq, xd, xm, G, wt, bias, y, ldy, n0, N, prefetch); }
+DEFINE_ROWS(1) DEFINE_ROWS(2) DEFINE_ROWS(3) DEFINE_ROWS(4)
+typedef void (*rows_fn)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
+    const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, int);
+static const rows_fn ROWS[MAX_R] = {tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4};
+
+int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+    int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
+  if (M < 1 || K % 64 || K < 64) return -1;
+  const int64_t G = K / 32;
+  /* xq: M rows of G * 64 bytes (a multiple of 32, so the floats after it are aligned) */
+  int8_t* xq = (int8_t*)malloc((size_t)M * G * DUP_BYTES + sizeof(float) * 2 * M * G);
+  if (!xq) return -1;
+  float* xd = (float*)(xq + M * G * DUP_BYTES);
+  float* xm = xd + M * G;
+  for (int64_t m = 0; m < M; ++m)
+    prep_row(x + m * ldx, K, xq + m * G * DUP_BYTES, xd + m * G, xm + m * G);
+  const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
+  const int prefetch = M <= MAX_R;  /* larger batches spend long enough on each tile */
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t b = 0; b < tasks; ++b) {
+    const int64_t t1 = (b + 1) * TASK_TILES < tiles ? (b + 1) * TASK_TILES : tiles;
+    for (int64_t t = b * TASK_TILES; t < t1; ++t) {
+      const uint8_t* wt = w + t * G * GROUP_BYTES;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
+        const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
+        ROWS[R - 1](xq + m0 * G * DUP_BYTES, xd + m0 * G, xm + m0 * G, G, wt, bias,
+                    y + m0 * ldy, ldy, t * TILE, N, prefetch);
+      }
+    }
+  }
+  free(xq);
+  return 0;
+}
+#endif

@@ -1,6 +1,6 @@
-"""The app in-process (Litestar's TestClient), for what needs no loaded engine: the error
-envelope for Litestar's own errors, auth before body parsing, and 503 when the engine is not
-there (failed to load)."""
+"""The app in-process (Litestar's TestClient): the error envelope for Litestar's own errors,
+auth before body parsing, 503 when the engine is not there (failed to load), and what the
+lifespan does around a loaded engine (the collector's freeze)."""
 
 from __future__ import annotations
 
@@ -102,3 +102,19 @@ def test_serve_exits_1_when_the_model_cannot_load(tmp_path):
     )
     assert proc.returncode == 1
     assert "not found" in proc.stderr + proc.stdout
+
+
+def test_the_loaded_engine_is_frozen_out_of_the_collector_until_stop(tiny_llama_dir):
+    """After the engine loads, the objects alive then (model, tokenizer, imports) are frozen:
+    a full collection no longer walks them with the GIL held; stopping the server unfreezes."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    settings = Settings(model=str(tiny_llama_dir), auth="none", served_model_name="tiny")
+    app = create_app(settings)
+    with TestClient(app) as client:
+        assert wait_for_status(client, "ok")["status"] == "ok"
+        assert gc.get_freeze_count() > 10_000
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert gc.get_freeze_count() == 0

@@ -19,6 +19,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL
 from engine.models.gguf_convert import _unpermute
+from engine.models.gguf_tensors import tensor_table
 
 _FLOATS = ("F32", "F16", "BF16")
 
@@ -94,10 +95,7 @@ def read_linear_blocks(
     """({"model.layers.0.self_attn.qkv_proj": Blocks, ..., "lm_head": Blocks}, {module: why it
     was left out}). The LM head's rows are output.weight, or token_embd.weight where the
     model ties them."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = tensor_table(path)
     n_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
     heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
     found: dict[str, Blocks] = {}
@@ -109,26 +107,23 @@ def read_linear_blocks(
             if any(t is None for t in ts):
                 skipped[name] = "missing from the file"
                 continue
-            names = [t.tensor_type.name for t in ts]
+            names = [t.type_name for t in ts]
             if any(n in _FLOATS for n in names):
                 why = "/".join(names) if len(set(names)) > 1 else names[0]
                 skipped[name] = f"{why} (a float part: not a block type)"
                 continue
             rows = []
             for p, t in zip(parts, ts, strict=True):
-                data = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [out, bytes]
+                data = t.data  # [out, bytes]
                 if p in heads:
                     data = _unpermute(data, heads[p])
-                rows.append((t.tensor_type.name, int(t.tensor_type), data))
+                rows.append((t.type_name, t.type_id, data))
             found[name] = _merge(rows, int(ts[0].shape[0]))
     head = tensors.get("output.weight", tensors.get("token_embd.weight"))  # tied: the embedding
     if head is None:
         skipped["lm_head"] = "missing from the file"
-    elif head.tensor_type.name in _FLOATS:
-        skipped["lm_head"] = f"{head.tensor_type.name} (a float tensor: not a block type)"
+    elif head.type_name in _FLOATS:
+        skipped["lm_head"] = f"{head.type_name} (a float tensor: not a block type)"
     else:
-        data = np.asarray(head.data).reshape(int(head.shape[1]), -1)
-        found["lm_head"] = _merge(
-            [(head.tensor_type.name, int(head.tensor_type), data)], int(head.shape[0])
-        )
+        found["lm_head"] = _merge([(head.type_name, head.type_id, head.data)], head.shape[0])
     return found, skipped

@@ -12,7 +12,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -138,10 +138,15 @@ def load_model(
     device: str | torch.device = "cpu",
     max_position: int | None = None,
     seed: int = 0,
+    prepare: Callable[[nn.Module], set[str]] | None = None,
 ) -> nn.Module:
     """Build the model for model_dir/config.json and fill its weights; returns it in eval mode.
 
     max_position: the longest context to serve, if beyond max_position_embeddings (rope cache).
+    prepare: called on the built model before its weights load; returns the names of the
+    parameters it filled itself (a GGUF's blocks), which the checkpoint then does not fill: their
+    float copies are never read (the built parameters are allocated, never written, so they
+    cost no resident memory).
     """
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(
@@ -153,11 +158,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with _default_dtype(torch_dtype), torch.device(device):
         model = cls(cfg, max_position=max_position)
+    held = prepare(model) if prepare is not None else set()
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
         _check_folder(model_dir)
-        _load_safetensors(model, model_dir)
+        _load_safetensors(model, model_dir, held)
     return model.eval()
 
 
@@ -183,7 +189,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
+def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozenset()) -> None:
+    """Every parameter from the checkpoint, but those in held (already filled: not read)."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding
@@ -202,6 +209,8 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
                     if f".{src}." in ckpt_name:
                         target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
                         break
+                if target in held:
+                    continue
                 param = params.get(target)
                 if param is None:
                     if ckpt_name == "lm_head.weight":  # tied: the embedding already serves
@@ -215,7 +224,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
                     loader(param, tensor, shard)
                 loaded.setdefault(target, set()).add(shard)
     missing = []
-    for name in params:
+    for name in (n for n in params if n not in held):
         want = next((ids for frag, ids in expected.items() if f".{frag}." in name), {None})
         if loaded.get(name, set()) != want:
             missing.append(name)

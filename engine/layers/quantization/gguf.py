@@ -208,12 +208,24 @@ def _take_blocks(module: nn.Module, b) -> str:
     return path + f" ({dot_why})" if b.type_name in gguf_w4.TYPES else path
 
 
+def block_parameters(model: nn.Module) -> set[str]:
+    """Names of the parameters that hold a GGUF file's blocks (w4 tiles included): what a
+    loader must not fill from the float checkpoint after apply_gguf_blocks."""
+    methods = (GGUFLinearMethod, GGUFSegmentsLinearMethod)
+    return {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "quant_method", None), methods)
+    }
+
+
 def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Counter]:
     """Give every linear layer whose file type has a kernel the file's values: Q4_0/Q4_1 as
     w4 tiles (GGUFW4LinearMethod) where the w4 kernel takes them, else the file's blocks
     (GGUFLinearMethod); and the LM head its rows' blocks for small batches (GGUFLMHeadMethod).
     Returns {layer kind: Counter(path taken)}, also logged. Linear layers' paths other than
-    "dequantized (why)" hold the file's values."""
+    "dequantized (why)" hold the file's values. Runs on a loaded model, or on a built one
+    before its float weights load (ModelRunner: they then skip block_parameters(model))."""
     from engine.models.gguf_blocks import read_linear_blocks
 
     if not cpu_gguf.available():

@@ -11,8 +11,8 @@ cost a mean next-token KL of 0.002 from bf16 (int8 rows on them and the LM head:
 With AVX512-VNNI (w4.c) the kernel takes 1-12 rows of x, quantized to int16 with one scale
 per row (as cpu_gemm's `rows_i16`); with AVX2 only (w4_avx2.c) it takes any number of rows,
 x quantized to int8 per group of 32 (llama.cpp's Q8_1 activations, vpmaddubsw on the same
-tiles): max_rows() says which. Rows are stored in tiles of 16 so that each float lane of the kernel
-accumulates one output row: 32 bytes hold 16 rows x 4 codes, widened to int16 they are the
+tiles): max_rows() says which. Rows are stored in tiles of 16 so that each float lane of the
+kernel accumulates one output row: 32 bytes hold 16 rows x 4 codes, widened to int16 they are the
 operands of two vpdpwssd against pairs of x broadcast from memory, and no horizontal sums
 are left (a row-wise layout spent a third of its instructions on them: 120 one-row GEMMs of
 SmolLM2 on a Zen 4 core, 7.1 -> 3.5-4.0 ms). Each group's sum is scaled in float, and the

@@ -10,8 +10,9 @@ loaded (dequantized) float weight is dropped.
   kernel takes every batch (int8 activations per 32: 2.2-2.6x the dot kernel, 1.4-1.7x the
   C GEMM on the bf16 weight at 8-128 rows).
 - Q8_0, the K-quants Q4_K, Q5_K, Q6_K (K % 256 == 0), and Q4 layers the w4 kernel cannot take
-  (K not a multiple of 64, a float32 model, neither AVX512-VNNI nor AVX2) keep the file's blocks on the GGUF
-  dot kernels (engine.layers.cpu_gguf), AMX on decoded rows for larger batches.
+  (K not a multiple of 64, a float32 model, neither AVX512-VNNI nor AVX2) keep the file's
+  blocks on the GGUF dot kernels (engine.layers.cpu_gguf), AMX on decoded rows for larger
+  batches.
 - A merged projection whose parts the file stores in different types (Q4_K_M: q/k Q4_K, v
   Q6_K) holds them as row segments of their own types, one kernel call per segment
   (GGUFSegmentsLinearMethod).
@@ -123,7 +124,7 @@ class GGUFLMHeadMethod(LMHeadMethodBase):
 
 
 def _refusal(module: nn.Module, b) -> str | None:
-    """Why this layer keeps its dequantized weights, or None."""
+    """Why this layer (or the LM head) keeps its dequantized weights, or None."""
     if module.weight.device.type != "cpu":
         return "runs on the CPU kernels only"
     if getattr(module, "tp_size", 1) != 1:
@@ -147,22 +148,6 @@ def _w4_refusal(module: nn.Module, type_name: str, in_features: int) -> str | No
     if why is None and not cpu_w4.available():
         why = "no w4 kernel on this CPU (AVX512-VNNI or AVX2)"
     return why
-
-
-def _head_refusal(head: nn.Module, b) -> str | None:
-    """Why the LM head keeps only its float weight, or None."""
-    if head.weight.device.type != "cpu":
-        return "runs on the CPU kernels only"
-    if head.tp_size != 1:
-        return "tensor parallel shards keep the float weights"
-    if b.type_name not in cpu_gguf.TYPES:
-        return f"{b.type_name} has no kernel"
-    why = cpu_gguf.refusal(b.type_id, b.in_features)
-    if why is not None:
-        return f"{b.type_name}: {why}"
-    if (b.out_features, b.in_features) != (head.num_embeddings, head.weight.shape[1]):
-        return "shape differs from the model's"
-    return None
 
 
 def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
@@ -254,7 +239,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
     head = getattr(model, "lm_head", None)
     if head is not None and not isinstance(head.quant_method, GGUFLMHeadMethod):
         b = blocks.pop("lm_head", None)
-        why = skipped.get("lm_head", "not in the file") if b is None else _head_refusal(head, b)
+        why = skipped.get("lm_head", "not in the file") if b is None else _refusal(head, b)
         paths["lm_head"] = Counter({_take_head_blocks(head, b, why): 1})
     for kind, c in paths.items():
         logger.info(

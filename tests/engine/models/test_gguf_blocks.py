@@ -14,9 +14,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file, save_file
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
 
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
@@ -26,7 +26,7 @@ from engine.layers.quantization.gguf import GGUFSegmentsLinearMethod, apply_gguf
 from engine.layers.quantization.unquantized import linear_by_rows
 from engine.models.gguf_convert import _read_tensors
 from engine.models.loader import load_model
-from tests.engine.kernels import kquant_blocks
+from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
@@ -36,75 +36,10 @@ GAP_TOL = 0.05
 # and x's int8 rounding moves them by up to ~0.065, the Q8_0 kernel's as the K-quants'
 # (measured): a gap over twice the largest move keeps the argmax
 WIDE_GAP_TOL = 0.15
-HEADS, KV_HEADS = 4, 2  # tests/conftest.py's tiny Llama
 BLOCK_TYPES = sorted(set(cpu_gguf.TYPES) - set(cpu_gguf.K_TYPES))  # gguf-py quantizes these
 # Q4_K_M's pattern, and layer 1's ffn_up Q5_K (a gate_up of two segments too)
 MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K", (1, "ffn_up"): "Q5_K"}
 _METHODS = (GGUFLinearMethod, GGUFSegmentsLinearMethod)
-_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}  # fmt: skip
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
-    if type_name in cpu_gguf.K_TYPES:
-        return kquant_blocks.quantize(w, type_name)
-    return quantize(w, GGMLQuantizationType[type_name])
-
-
-def _write_gguf(
-    hf_dir, path, type_name: str, overrides: dict | None = None, head_type: str | None = None
-) -> None:
-    """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name};
-    the LM head (output.weight) in head_type, float32 without one."""
-    state = load_file(str(hf_dir / "model.safetensors"))
-    overrides = overrides or {}
-    writer = GGUFWriter(str(path), "llama")
-    for name, t in state.items():
-        w = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", w)
-        elif name == "model.norm.weight":
-            writer.add_tensor("output_norm.weight", w)
-        elif name == "lm_head.weight" and head_type is None:
-            writer.add_tensor("output.weight", w)
-        elif name == "lm_head.weight":
-            q = _quantize(np.ascontiguousarray(w), head_type)
-            writer.add_tensor(
-                "output.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[head_type]
-            )
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module = rest.removesuffix(".weight")
-            if module.endswith(("q_proj", "k_proj")):
-                w = _permute(w, HEADS if module.endswith("q_proj") else KV_HEADS)
-            part = _NAMES[module]
-            if w.ndim == 2:
-                t = overrides.get((int(layer), part), overrides.get(part, type_name))
-                if t in ("F16", "F32"):  # a float tensor, as the writer stores numpy's
-                    dtype = np.float16 if t == "F16" else np.float32
-                    writer.add_tensor(f"blk.{layer}.{part}.weight", w.astype(dtype))
-                    continue
-                q = _quantize(np.ascontiguousarray(w), t)
-                writer.add_tensor(
-                    f"blk.{layer}.{part}.weight",
-                    q,
-                    raw_shape=q.shape,
-                    raw_dtype=GGMLQuantizationType[t],
-                )
-            else:
-                writer.add_tensor(f"blk.{layer}.{_NAMES[module]}.weight", w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="session")
@@ -122,9 +57,9 @@ def gguf_model(request, tiny_llama_dir, wide_llama_dir, tmp_path_factory):
     path = tmp / "tiny.gguf"
     hf_dir = tiny_llama_dir if request.param in BLOCK_TYPES else wide_llama_dir
     if request.param == "mixed":
-        _write_gguf(hf_dir, path, "Q4_K", MIXED)
+        write_gguf(hf_dir, path, "Q4_K", MIXED)
     else:
-        _write_gguf(hf_dir, path, request.param)
+        write_gguf(hf_dir, path, request.param)
     folder = tmp / "dequantized"
     shutil.copytree(hf_dir, folder)
     tensors = _read_tensors(
@@ -229,7 +164,7 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
     from engine.layers.quantization.gguf import GGUFLMHeadMethod
 
     path = tmp_path / "head-q8.gguf"
-    _write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
+    write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
     model = load_model(tiny_llama_dir, dtype=name)
     dtype = getattr(torch, name)
     head = model.lm_head
@@ -261,7 +196,7 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):
     path = tmp_path / "f16.gguf"
-    _write_gguf(tiny_llama_dir, path, "F16")  # float tensors: nothing to keep as blocks
+    write_gguf(tiny_llama_dir, path, "F16")  # float tensors: nothing to keep as blocks
     model = load_model(tiny_llama_dir, dtype="float32")
     assert quantize_model(model, "gguf", gguf_path=path) == 0
     assert not any(
@@ -282,7 +217,7 @@ def test_a_model_without_a_gguf_source_is_refused(tiny_llama_dir):
 
 def test_a_group_with_a_float_part_keeps_the_dequantized_weights(wide_llama_dir, tmp_path):
     path = tmp_path / "v-f16.gguf"
-    _write_gguf(wide_llama_dir, path, "Q4_K", {"attn_v": "F16"})
+    write_gguf(wide_llama_dir, path, "Q4_K", {"attn_v": "F16"})
     model = load_model(wide_llama_dir, dtype="float32")
     paths = apply_gguf_blocks(model, path)
     assert paths["qkv_proj"] == {"dequantized (Q4_K/Q4_K/F16 (a float part: not a block type))": 3}

@@ -53,17 +53,64 @@ def test_plan_writes_what_the_modules_write(
 ):
     """Greedy tokens and every logprob equal with and without the plan (qwen2: q/k/v biases);
     w8a8 has no 4-bit weights, so its steps of up to 12 rows stay with the modules."""
-    if not cpu_w4.available() or cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is None:
-        pytest.skip("the plan runs the 4-bit and packed int8 kernels: AVX512-VNNI, a C compiler")
+    packed = cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is not None
+    if not cpu_w4.available() or (quantization == "w8a8" and not packed):
+        pytest.skip("the plan runs the 4-bit (AVX512-VNNI or AVX2) and packed int8 kernels")
     path = make_tiny_model(f"tiny-{arch}-plan", arch=arch, seed=3)
     with_plan, runs, firsts = _generate(path, quantization, kv_cache_dtype, True, monkeypatch)
     without, no_runs, _ = _generate(path, quantization, kv_cache_dtype, False, monkeypatch)
     assert no_runs is None  # switched off: never built
     (first,) = firsts  # 13, or 8 where the packed GEMMs run on AMX tiles: one for all layers
-    taken = (1, 2, 5, 10, 14, 640) if quantization == "w4a8" else (14, 640)
+    # without the packed int8 GEMM (AVX2) w4a8's steps of 13 rows and more stay with the modules
+    taken = ((1, 2, 5, 10) + ((14, 640) if packed else ())) if quantization == "w4a8" else (14, 640)
     if quantization == "w8a8" and first <= 10:
         taken += (10,)
     assert runs is not None and all(runs.get(rows, 0) > 0 for rows in taken), runs
     if quantization == "w8a8":
         assert min(runs) >= first, runs  # fewer rows: int8 weights alone, the modules' path
     assert with_plan == without
+
+
+def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir, tmp_path):
+    """A Q4_1 file's blocks as w4 tiles (the default for a .gguf): the plan's W4 steps take
+    exactly the rows the layers' w4 kernel takes (every batch with AVX2, 1-12 rows with
+    VNNI), with the same tokens and logprobs as the modules on the same weights."""
+    if not cpu_w4.available():
+        pytest.skip("the w4 kernel needs AVX512-VNNI or AVX2 and a C compiler")
+    from engine import LLM, SamplingParams
+    from engine.layers.quantization import GGUFW4LinearMethod
+    from engine.layers.quantization.gguf import apply_gguf_blocks
+    from tests.engine.models.gguf_files import write_gguf
+
+    path = tmp_path / "tiny-q4_1.gguf"
+    write_gguf(tiny_llama_dir, path, "Q4_1")
+    llm = LLM(
+        str(tiny_llama_dir), dtype="bfloat16", num_blocks=128, enable_prefix_caching=False,
+        max_num_seqs=16,
+    )  # fmt: skip
+    runner = llm.engine.executor.runner
+    apply_gguf_blocks(runner.model, path)  # what a .gguf model loads with (test: an HF folder)
+    layers = [m for m in runner.model.modules() if hasattr(m, "quant_method")]
+    assert sum(isinstance(m.quant_method, GGUFW4LinearMethod) for m in layers) == 3 * 4
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, logprobs=3)
+    batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 5, 14)]
+
+    def run() -> list:
+        outs = []
+        for prompts in batches:
+            outs += llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+
+    runner._step_graph = runner._build_step_graph()
+    plan = runner._step_graph
+    assert plan is not None and plan.w4
+    with_plan = run()
+    runner._step_graph = None  # the modules, on the same weights and KV cache
+    without = run()
+    llm.shutdown()
+    assert with_plan == without
+    assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
+    if cpu_w4.max_rows() >= 14:  # AVX2: the W4 steps take every batch
+        assert plan.runs.get(14, 0) > 0 and max(plan.runs) > 14, plan.runs
+    else:
+        assert max(plan.runs) <= cpu_w4.max_rows(), plan.runs

@@ -37,20 +37,20 @@ K_MULTIPLE = 64  # in features must be a multiple of this (the x quantizer's ste
 TILE = ops.W4_TILE  # output rows per tile, one per float lane of the kernel
 GROUP_BYTES = TILE * GROUP // 2 + 2 * TILE * 2  # a tile's group: codes, scales, minimums
 
-_fn: list = []  # the kernel's function, or None where it is not built; resolved once
+_resolved: list[tuple] = []  # (the kernel's function or None, its max rows); resolved once
+
+
+def _resolve() -> tuple:
+    if not _resolved:
+        fn = ops.function("linear_q4_bf16")
+        _resolved.append((fn, 0 if fn is None else ops.function("w4_max_rows")()))
+    return _resolved[0]
 
 
 def _kernel():
     """linear_q4_bf16 with its signature set, or None (no compiler, neither AVX512-VNNI nor
     AVX2)."""
-    if not _fn:
-        fn = ops.function("linear_q4_bf16")
-        _fn.append(fn)
-        _max_rows.append(0 if fn is None else ops.function("w4_max_rows")())
-    return _fn[0]
-
-
-_max_rows: list[int] = []
+    return _resolve()[0]
 
 
 def available() -> bool:
@@ -60,8 +60,7 @@ def available() -> bool:
 def max_rows() -> int:
     """Rows of x the kernel takes in one call (12 with AVX512-VNNI, any with AVX2; 0 without
     a kernel); larger batches go elsewhere (w8a8's int8 weights, or the large-batch paths)."""
-    _kernel()
-    return _max_rows[0]
+    return _resolve()[1]
 
 
 @dataclass(frozen=True)
@@ -144,14 +143,14 @@ def unpack(q4: Q4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 (at most max_rows() rows) against the 4-bit weight; None where the kernel
     cannot take the call (the caller uses its int8 weights)."""
-    fn = _kernel()
+    fn, top = _resolve()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], q4.out_features
     if (
         fn is None
         or x.dtype != torch.bfloat16
-        or not 1 <= m <= _max_rows[0]
+        or not 1 <= m <= top
         or x2.stride(-1) != 1
         or q4.in_features != k
         or (bias is not None and bias.dtype != x.dtype)

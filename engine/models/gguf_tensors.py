@@ -5,8 +5,8 @@ strings included: on the bundled SmolLM2 file that took 5.5 s and 160 MiB at eve
 (the blocks themselves are 63 MiB). Loading a model's blocks needs only the tensor table:
 this reads the header, steps over the metadata (the lengths of its strings and arrays, and
 `general.alignment`), and views each tensor's bytes in one read-only mapping of the file
-(nothing is copied until used). Little-endian GGUF version 2 or 3 (what llama.cpp writes since 2023);
-anything else raises Unsupported, and tensor_table uses GGUFReader for it.
+(nothing is copied until used). Little-endian GGUF version 2 or 3 (what llama.cpp writes
+since 2023); anything else raises Unsupported, and tensor_table uses GGUFReader for it.
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ SIGNATURES: dict[str, Signature] = {
 # the library elsewhere, and function() answers None for them.
 OPTIONAL = frozenset(
     {
-        "linear_bf16_dp", "linear_i8_bf16_dp", "linear_q4_bf16", "w4_max_rows", "pack_i8", "gemm_i8",
-        "gemm_i8_scaled", "gemm_i8_argmax", "gemm_i8_silu_quant", "amx_enabled",
+        "linear_bf16_dp", "linear_i8_bf16_dp", "linear_q4_bf16", "w4_max_rows", "pack_i8",
+        "gemm_i8", "gemm_i8_scaled", "gemm_i8_argmax", "gemm_i8_silu_quant", "amx_enabled",
     }
 )  # fmt: skip
 # Exported variables (`extern` in the header), with their ctypes type.

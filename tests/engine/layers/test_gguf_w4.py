@@ -120,8 +120,7 @@ def test_layers_take_the_w4_kernel_up_to_its_rows_and_the_large_batch_path_beyon
         ref = F.linear(x_as_the_kernel_reads_it(x), w.double(), layer.bias.double())
         torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
     # the large-batch path, as a CPU whose kernel stops at 12 rows and has no AMX takes it
-    monkeypatch.setattr(cpu_w4, "max_rows", lambda: 12)
-    monkeypatch.setattr(cpu_w4, "_max_rows", [12])
+    monkeypatch.setattr(cpu_w4, "_resolved", [(cpu_w4._kernel(), 12)])
     monkeypatch.setattr(cpu_isa, "plan", lambda: cpu_isa.PLANS["other"])
     x = torch.randn(13, 128).bfloat16()
     assert torch.equal(layer(x)[:12], cpu_w4.linear(x[:12], layer.w4, layer.bias))

@@ -87,25 +87,94 @@ def quantize_groups(weight: torch.Tensor) -> Q4Weight:
     return pack_groups(codes.to(torch.uint8), scales, mins)
 
 
+def _tile_chunks(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [N, G, 32] (0..15, N a multiple of 16) -> the tiles' code bytes
+    [tile, group, 256]: [tile, row, group, chunk, 4 k] -> [tile, group, chunk, row, 2] with
+    k = 4c + j in the low nibble of byte 2r + j, 4c + 2 + j in its high one."""
+    n, groups = codes.shape[:2]
+    c = codes.view(n // TILE, TILE, groups, 8, 4)
+    return (c[..., :2] | (c[..., 2:] << 4)).permute(0, 2, 3, 1, 4).reshape(n // TILE, groups, 256)
+
+
+def _per_group(v: torch.Tensor) -> torch.Tensor:
+    """float16 [N, G] (N a multiple of 16) -> [tile, group, 32 bytes]: a tile's 16 rows."""
+    n, groups = v.shape
+    return v.view(n // TILE, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _pad_rows(v: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, pad))
+
+
 def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Q4Weight:
     """Codes uint8 [N, G, 32] (0..15), float16 scales and minimums [N, G] -> the kernel's
     tiles of 16 rows (padded rows: codes, scales and minimums 0), bytes as they are: the
     weight stands for w = s * q + m of exactly these values."""
     n, groups = scales.shape
     pad = -n % TILE
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, 0, 0, pad))
-    scales, mins = (torch.nn.functional.pad(v, (0, 0, 0, pad)) for v in (scales, mins))
-    t = (n + pad) // TILE
-    # [tile, row, group, chunk, 4 k] -> bytes [tile, group, chunk, row, 2]: k = 4c + j low,
-    # 4c + 2 + j high
-    c = codes.view(t, TILE, groups, 8, 4)
-    chunks = (c[..., :2] | (c[..., 2:] << 4)).permute(0, 2, 3, 1, 4).reshape(t, groups, 256)
+    codes, scales, mins = (_pad_rows(v, pad) for v in (codes, scales, mins))
+    data = torch.cat([_tile_chunks(codes), _per_group(scales), _per_group(mins)], dim=2)
+    return Q4Weight(data.reshape(-1, groups * GROUP_BYTES).contiguous(), n, groups * GROUP)
 
-    def per_group(v: torch.Tensor) -> torch.Tensor:  # [N, G] float16 -> [tile, group, 32 bytes]
-        return v.view(t, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
-    data = torch.cat([chunks, per_group(scales), per_group(mins)], dim=2)
-    return Q4Weight(data.reshape(t, groups * GROUP_BYTES).contiguous(), n, groups * GROUP)
+Q8_GROUP_BYTES = 2 * 256 + 2 * TILE * 2  # a Q8 tile's group: two planes of codes, scales, minimums
+Q8_0_BLOCK_BYTES = 34  # ggml's block_q8_0: float16 d, 32 int8 codes
+
+
+@dataclass(frozen=True)
+class Q8Tiles:
+    """Q8_0 rows as two nibble planes of w4 tiles (w4_avx2.c's linear_q8w4_f32): a weight
+    d * q is d * (16 * hi + lo) - 128 * d with q + 128 = 16 * hi + lo. `data` is uint8
+    [tiles, G * Q8_GROUP_BYTES]."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def q8_available() -> bool:
+    """Whether this build has the two-plane Q8 kernel (AVX2 builds without AVX512-VNNI)."""
+    return ops.function("linear_q8w4_f32") is not None
+
+
+def pack_q8_0(blocks: torch.Tensor, in_features: int) -> Q8Tiles:
+    """uint8 [N, G * 34] Q8_0 rows (a GGUF file's) -> Q8Tiles standing for exactly the file's
+    values. Raises ValueError where K is not a multiple of 64 or a -128 * d overflows float16."""
+    n = blocks.shape[0]
+    if in_features % K_MULTIPLE:
+        raise ValueError(f"Q8 tiles need K a multiple of {K_MULTIPLE}, got {in_features}")
+    groups = in_features // GROUP
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (n, groups * Q8_0_BLOCK_BYTES):
+        raise ValueError(f"Q8_0 rows of K={in_features} are {groups * Q8_0_BLOCK_BYTES} bytes")
+    b = blocks.view(n, groups, Q8_0_BLOCK_BYTES)
+    scales = b[..., :2].contiguous().view(torch.float16).view(n, groups)
+    mins = (scales.float() * -128).half()
+    if not torch.isfinite(mins).all():
+        raise ValueError("a Q8_0 scale's -128d overflows float16")
+    u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    pad = -n % TILE
+    u, scales, mins = (_pad_rows(v, pad) for v in (u, scales, mins))
+    data = torch.cat(
+        [_tile_chunks(u >> 4), _tile_chunks(u & 15), _per_group(scales), _per_group(mins)], dim=2
+    )
+    return Q8Tiles(data.reshape(-1, groups * Q8_GROUP_BYTES).contiguous(), n, in_features)
+
+
+def linear_q8(x: torch.Tensor, w: Q8Tiles) -> torch.Tensor | None:
+    """x [..., K] bf16 against Q8 tiles -> float32 [..., N] (x as int8 per group of 32, float32
+    sums); None where the kernel is absent or cannot take the call."""
+    fn = ops.function("linear_q8w4_f32")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if fn is None or x.dtype != torch.bfloat16 or x2.stride(-1) != 1 or w.in_features != k:
+        return None
+    m, n = x2.shape[0], w.out_features
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = fn(
+        x2.data_ptr(), x2.stride(0), m, k, w.data.data_ptr(), n, y.data_ptr(), n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc != 0 else y.view(*x.shape[:-1], n)
 
 
 def dequantize(q4: Q4Weight) -> torch.Tensor:

@@ -182,4 +182,100 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
   free(xq);
   return 0;
 }
+
+/* ---- Q8_0 rows as two planes of the same tiles (engine/layers/cpu_w4.py: pack_q8_0) ----
+   A Q8_0 weight d * q (q in -128..127) is d * (16 * hi + lo) - 128 * d with u = q + 128 =
+   16 * hi + lo: each nibble plane is a w4 tile's codes, summed in int16 like them and
+   widened by vpmaddwd against 16 and 1; the scale is d and the minimum -128 * d. A group:
+   the high plane's 256 code bytes, the low plane's, 16 float16 scales, 16 minimums. The LM
+   head's file rows (the bundled model's tied Q8_0 embedding) at any batch, float32 out. */
+#define Q8_GROUP_BYTES (2 * 256 + 2 * TILE * 2)
+#define Q8_R 2  /* rows of x a pass takes: 4 int16 sums a row, both planes' halves and x */
+
+static inline __attribute__((always_inline)) void tile_rows_q8(const int R, const int8_t* xq,
+    const float* xd, const float* xm, int64_t G, const uint8_t* wt, float* y, int64_t ldy,
+    int64_t n0, int64_t N) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  const int64_t K = G * 32;
+  __m256 acc[Q8_R][2];
+  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = wt + g * Q8_GROUP_BYTES;
+    __m256i a[Q8_R][4];  /* [m][high A, high B, low A, low B] */
+    for (int m = 0; m < R; ++m) a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m256i w[4];
+      for (int p = 0; p < 2; ++p) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 256 * p + 32 * c));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        w[2 * p] = _mm256_unpacklo_epi16(lo, hi); w[2 * p + 1] = _mm256_unpackhi_epi16(lo, hi);
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m256i xb = _mm256_set1_epi32(*(const int32_t*)(xq + m * K + g * 32 + 4 * c));
+        for (int i = 0; i < 4; ++i) a[m][i] = _mm256_add_epi16(a[m][i], _mm256_maddubs_epi16(w[i], xb));
+        __asm__("" : "+x"(a[m][0]), "+x"(a[m][1]), "+x"(a[m][2]), "+x"(a[m][3]));
+      }
+    }
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 512)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 528)));
+    const __m256 sa = _mm256_permute2f128_ps(s0, s1, 0x20), sb = _mm256_permute2f128_ps(s0, s1, 0x31);
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 544)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wg + 560)));
+    const __m256 ma = _mm256_permute2f128_ps(m0, m1, 0x20), mb = _mm256_permute2f128_ps(m0, m1, 0x31);
+    for (int m = 0; m < R; ++m) {
+      const __m256 d = _mm256_set1_ps(xd[m * G + g]), xs = _mm256_set1_ps(xm[m * G + g]);
+      const __m256i ia = _mm256_add_epi32(_mm256_madd_epi16(a[m][0], sixteen), _mm256_madd_epi16(a[m][2], ones));
+      const __m256i ib = _mm256_add_epi32(_mm256_madd_epi16(a[m][1], sixteen), _mm256_madd_epi16(a[m][3], ones));
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(sa, d), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(sb, d), acc[m][1]);
+      acc[m][0] = _mm256_fmadd_ps(ma, xs, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(mb, xs, acc[m][1]);
+    }
+  }
+  const int64_t n = N - n0 < TILE ? N - n0 : TILE;
+  for (int m = 0; m < R; ++m) {
+    float out[TILE];
+    _mm256_storeu_ps(out, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x20));
+    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x31));
+    memcpy(y + m * ldy + n0, out, sizeof(float) * n);
+  }
+}
+
+static void tile_rows_q8_1(const int8_t* xq, const float* xd, const float* xm, int64_t G,
+    const uint8_t* wt, float* y, int64_t ldy, int64_t n0, int64_t N) {
+  tile_rows_q8(1, xq, xd, xm, G, wt, y, ldy, n0, N);
+}
+static void tile_rows_q8_2(const int8_t* xq, const float* xd, const float* xm, int64_t G,
+    const uint8_t* wt, float* y, int64_t ldy, int64_t n0, int64_t N) {
+  tile_rows_q8(2, xq, xd, xm, G, wt, y, ldy, n0, N);
+}
+
+int linear_q8w4_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+    int64_t N, float* y, int64_t ldy, int nthreads) {
+  if (M < 1 || K % 64 || K < 64) return -1;
+  const int64_t G = K / 32;
+  int8_t* xq = (int8_t*)malloc((size_t)M * K + sizeof(float) * 2 * M * G);
+  if (!xq) return -1;
+  float* xd = (float*)(xq + M * K);
+  float* xm = xd + M * G;
+  for (int64_t m = 0; m < M; ++m)
+    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xm + m * G);
+  const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t b = 0; b < tasks; ++b) {
+    const int64_t t1 = (b + 1) * TASK_TILES < tiles ? (b + 1) * TASK_TILES : tiles;
+    for (int64_t t = b * TASK_TILES; t < t1; ++t) {
+      const uint8_t* wt = w + t * G * Q8_GROUP_BYTES;
+      for (int64_t m0 = 0; m0 < M; m0 += Q8_R) {
+        if (M - m0 >= 2) tile_rows_q8_2(xq + m0 * K, xd + m0 * G, xm + m0 * G, G, wt, y + m0 * ldy, ldy, t * TILE, N);
+        else tile_rows_q8_1(xq + m0 * K, xd + m0 * G, xm + m0 * G, G, wt, y + m0 * ldy, ldy, t * TILE, N);
+      }
+    }
+  }
+  free(xq);
+  return 0;
+}
 #endif

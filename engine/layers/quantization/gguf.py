@@ -19,7 +19,8 @@ loaded (dequantized) float weight is dropped.
 Layers of other types (float parts, types without a kernel, K the blocks do not divide) keep
 the dequantized weights on the unquantized method; the log says which layer kinds took which
 path. The embedding stays dequantized (a gather); the LM head keeps that weight for large
-batches and reads the file's rows (output.weight, or the tied token_embd) in small ones.
+batches and reads the file's rows (output.weight, or the tied token_embd) in small ones; with
+AVX2 (no AVX512-VNNI) Q8_0 rows become two planes of w4 tiles read at every batch.
 """
 
 from __future__ import annotations
@@ -123,6 +124,19 @@ class GGUFLMHeadMethod(LMHeadMethodBase):
         return linear_by_rows(head, hidden, head.weight, None)
 
 
+class GGUFQ8TilesHeadMethod(LMHeadMethodBase):
+    """The LM head's Q8_0 rows repacked, bit for bit, into two nibble planes of w4 tiles
+    (head.q8_tiles: cpu_w4.pack_q8_0) on AVX2 builds, whose kernel takes every batch: float32
+    logits, x rounded to int8 per 32 as the dot kernel does (the same logits to float
+    rounding). SmolLM2-135M's head (49,152 x 576) on two Zen 3 cores, ms: 1 row 1.07 against
+    the dot kernel's 1.22, 16 rows 6.0 / 9.1, 32 rows 11.3 against the C GEMM on the bf16
+    weight's 17.1, 128 rows 43.8 / 57.7. The tiles (1.06x the rows' bytes) replace the rows."""
+
+    def apply(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        y = cpu_w4.linear_q8(hidden, head.q8_tiles)
+        return y if y is not None else linear_by_rows(head, hidden, head.weight, None)
+
+
 def _refusal(module: nn.Module, b) -> str | None:
     """Why this layer (or the LM head) keeps its dequantized weights, or None."""
     if module.weight.device.type != "cpu":
@@ -155,6 +169,19 @@ def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
     dtype = str(head.weight.dtype).removeprefix("torch.")
     if why is not None:
         return f"dequantized ({why})"
+    if (
+        b.type_name == "Q8_0"
+        and head.weight.dtype == torch.bfloat16
+        and b.in_features % cpu_w4.K_MULTIPLE == 0
+        and cpu_w4.q8_available()
+    ):
+        try:
+            head.q8_tiles = cpu_w4.pack_q8_0(b.data, b.in_features)
+        except ValueError as e:
+            logger.info("The LM head's Q8_0 rows stay rows: %s", e)
+        else:
+            head.quant_method = GGUFQ8TilesHeadMethod()
+            return "Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)"
     head.gguf_blocks, head.gguf_type, head.gguf_in_features = b.data, b.type_id, b.in_features
     head.quant_method = GGUFLMHeadMethod()
     return (
@@ -237,7 +264,9 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
             continue
         paths.setdefault(kind, Counter())[_take_blocks(module, b)] += 1
     head = getattr(model, "lm_head", None)
-    if head is not None and not isinstance(head.quant_method, GGUFLMHeadMethod):
+    if head is not None and not isinstance(
+        head.quant_method, (GGUFLMHeadMethod, GGUFQ8TilesHeadMethod)
+    ):
         b = blocks.pop("lm_head", None)
         why = skipped.get("lm_head", "not in the file") if b is None else _refusal(head, b)
         paths["lm_head"] = Counter({_take_head_blocks(head, b, why): 1})

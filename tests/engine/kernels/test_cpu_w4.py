@@ -85,6 +85,47 @@ def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
         assert cpu_w4.linear(x[:, :64], q4) is None  # another K
 
 
+def _q8_0_rows(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 rows (ggml's block_q8_0: float16 d, 32 int8 codes) and their float values."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    q = torch.randint(-128, 128, (n, k // 32, 32), generator=g, dtype=torch.int8)
+    q[0, 0, :2] = torch.tensor([-128, 127], dtype=torch.int8)  # both ends of the codes
+    rows = torch.cat([d.view(torch.uint8).view(n, k // 32, 2), q.view(torch.uint8)], dim=2)
+    return rows.reshape(n, -1).contiguous(), (d.float()[..., None] * q.float()).reshape(n, k)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 70, 576), (2, 16, 64), (3, 33, 128), (17, 200, 576)])
+def test_q8_tiles_stand_for_the_q8_0_rows(m, n, k):
+    """Q8_0 rows as two nibble planes of tiles (the AVX2 build's LM head): the file's values
+    exactly, float32 out, x rounded as the dot kernel rounds it (so its logits to float
+    rounding)."""
+    from engine.layers import cpu_gguf
+
+    if not cpu_w4.q8_available():
+        pytest.skip("the two-plane Q8 kernel is in AVX2 builds without AVX512-VNNI")
+    rows, w = _q8_0_rows(n, k, seed=m * 1000 + n + k)
+    tiles = cpu_w4.pack_q8_0(rows, k)
+    groups = k // 32
+    assert tiles.data.shape == ((n + 15) // 16, groups * cpu_w4.Q8_GROUP_BYTES)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    y = cpu_w4.linear_q8(x, tiles)
+    assert y is not None and y.dtype == torch.float32 and y.shape == (m, n)
+    ref = x_as_the_kernel_reads_it(x) @ w.double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+    if m <= cpu_gguf.dot_max_rows():  # above them cpu_gguf dequantizes for a GEMM
+        dot = cpu_gguf.linear(x.float(), rows, 8, k)  # ggml's Q8_0 is type 8
+        torch.testing.assert_close(y, dot, rtol=1e-5, atol=1e-5 * dot.abs().max().item())
+    assert cpu_w4.linear_q8(x.float(), tiles) is None  # bf16 x only
+    assert cpu_w4.linear_q8(x[:, :32], tiles) is None  # another K
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_w4.pack_q8_0(rows[:, : 3 * 34].contiguous(), 96)
+    huge = rows.clone()
+    huge[0, :2] = torch.tensor([0.0], dtype=torch.float16).fill_(1024).view(torch.uint8)
+    with pytest.raises(ValueError, match="overflows"):  # -128 * 1024 is past float16's range
+        cpu_w4.pack_q8_0(huge, k)
+
+
 def test_layers_read_4_bits_below_their_int8_activation_rows_only(tiles):
     """A w4a8 layer reads its 4-bit copy for fewer rows than its int8-activation threshold
     (13, or 8 where its packed GEMM runs on AMX tiles) and the int8 path from there."""

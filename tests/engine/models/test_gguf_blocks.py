@@ -169,6 +169,8 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
     dtype = getattr(torch, name)
     head = model.lm_head
     weight = head.weight.clone()
+    if name == "bfloat16" and cpu_w4.q8_available():
+        pytest.skip("AVX2 builds read a bf16 model's Q8_0 head as tiles (the test below)")
     paths = apply_gguf_blocks(model, path)
     rows = cpu_gguf.dot_max_rows()
     assert paths["lm_head"] == {
@@ -192,6 +194,39 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
     with torch.no_grad():
         expected = linear_by_rows(head, big, head.weight, None).float()
     assert torch.equal(head(big), expected)
+
+
+def test_the_lm_head_reads_q8_tiles_at_every_batch_with_avx2(tiny_llama_dir, tmp_path):
+    """A bf16 model's Q8_0 head on an AVX2 build: two planes of w4 tiles, the file's values,
+    float32 logits at every batch (x rounded to int8 per 32, as the dot kernel)."""
+    from engine.layers.quantization.gguf import GGUFQ8TilesHeadMethod
+
+    if not cpu_w4.q8_available():
+        pytest.skip("the two-plane Q8 kernel is in AVX2 builds without AVX512-VNNI")
+    path = tmp_path / "head-q8.gguf"
+    write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
+    model = load_model(tiny_llama_dir, dtype="bfloat16")
+    head = model.lm_head
+    paths = apply_gguf_blocks(model, path)
+    assert paths["lm_head"] == {"Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)": 1}
+    assert isinstance(head.quant_method, GGUFQ8TilesHeadMethod)
+    assert not hasattr(head, "gguf_blocks")  # the tiles replace the rows
+    (out,) = [t for t in GGUFReader(str(path)).tensors if t.name == "output.weight"]
+    rows = torch.from_numpy(np.asarray(out.data).copy()).view(torch.uint8)
+    rows = rows.reshape(head.num_embeddings, -1)
+    file_w = torch.from_numpy(
+        dequantize(np.asarray(out.data), GGMLQuantizationType.Q8_0).reshape(head.weight.shape)
+    )
+    torch.manual_seed(0)
+    for m in (1, 3, cpu_gguf.dot_max_rows() + 1, 40):
+        hidden = torch.randn(m, head.weight.shape[1]).bfloat16()
+        logits = head(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (m, head.num_embeddings)
+        ref = hidden.float() @ file_w.T
+        assert (logits - ref).norm() / ref.norm() < 1.5e-2  # x's int8 rounding
+        if m <= cpu_gguf.dot_max_rows():  # the dot kernel on the file's rows: the same sums
+            dot = cpu_gguf.linear(hidden.float(), rows, out.tensor_type, head.weight.shape[1])
+            torch.testing.assert_close(logits, dot, rtol=1e-5, atol=1e-5 * dot.abs().max())
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):

@@ -167,6 +167,7 @@ def test_file_blocks_answer_paris(default_model_dir):
     weights' bytes are the file tensors'), prompt and one-row decode steps, still answers."""
     from transformers import AutoTokenizer
 
+    from engine.layers import cpu_w4
     from engine.layers.quantization import GGUFLinearMethod, quantize_model
     from engine.models.loader import default_gguf_path
 
@@ -180,7 +181,11 @@ def test_file_blocks_answer_paris(default_model_dir):
     model = load_model(default_model_dir, dtype="bfloat16")
     # every linear layer, and the LM head on the file's Q8_0 token_embd rows (tied)
     assert quantize_model(model, "gguf", gguf_path=default_gguf_path()) == 30 * 4 + 1
-    assert model.lm_head.gguf_blocks.nbytes == 49152 * 576 // 32 * 34
+    head = model.lm_head
+    if cpu_w4.q8_available():  # AVX2: the rows as two planes of w4 tiles, 32 bytes a group more
+        assert head.q8_tiles.data.nbytes == 49152 // 16 * 576 // 32 * cpu_w4.Q8_GROUP_BYTES
+    else:
+        assert head.gguf_blocks.nbytes == 49152 * 576 // 32 * 34
     linears = [
         m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)
     ]
@@ -216,7 +221,7 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
     from engine import SamplingParams
     from engine.layers import cpu_w4
     from engine.layers.quantization import GGUFW4LinearMethod, UnquantizedLinearMethod
-    from engine.layers.quantization.gguf import GGUFLMHeadMethod
+    from engine.layers.quantization.gguf import GGUFLMHeadMethod, GGUFQ8TilesHeadMethod
 
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"
@@ -232,7 +237,8 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
             assert len(methods) == 30 * 4 and all(
                 isinstance(q, GGUFW4LinearMethod) for q in methods
             )
-        assert isinstance(runner.model.lm_head.quant_method, GGUFLMHeadMethod)
+        head_method = GGUFQ8TilesHeadMethod if cpu_w4.q8_available() else GGUFLMHeadMethod
+        assert isinstance(runner.model.lm_head.quant_method, head_method)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         runs[plan] = (out.token_ids, runner._step_graph)
         llm.shutdown()

@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = Tokenizer.from_pretrained(folder).encode(TEXT)[: LONG + 1]
     if len(tokens) < LONG:
         raise SystemExit(f"the text has only {len(tokens)} tokens")
+    if not 1 <= args.windows <= len(tokens) // SHORT:
+        raise SystemExit(
+            f"--windows: 1 to {len(tokens) // SHORT} (the text's {SHORT}-token windows)"
+        )
     windows = [tokens[i * SHORT : (i + 1) * SHORT] for i in range(args.windows)]
 
     def measure(model) -> dict[str, tuple[float, float]]:

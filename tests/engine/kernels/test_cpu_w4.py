@@ -50,6 +50,7 @@ def test_groups_round_trip():
         (8, 33, 576),
         (12, 40, 576),
         (13, 17, 192),  # from here: the AVX2 kernel only (every remainder of its 4-row passes)
+        (16, 33, 576),  # from 16 rows: tiles unpacked once, passes of 6 rows
         (70, 50, 128),
         (129, 40, 1536),
     ],
@@ -95,7 +96,9 @@ def _q8_0_rows(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows.reshape(n, -1).contiguous(), (d.float()[..., None] * q.float()).reshape(n, k)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 70, 576), (2, 16, 64), (3, 33, 128), (17, 200, 576)])
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 70, 576), (2, 16, 64), (3, 33, 128), (17, 200, 576), (70, 40, 128)]
+)
 def test_q8_tiles_stand_for_the_q8_0_rows(m, n, k):
     """Q8_0 rows as two nibble planes of tiles (the AVX2 build's LM head): the file's values
     exactly, float32 out, x rounded as the dot kernel rounds it (so its logits to float

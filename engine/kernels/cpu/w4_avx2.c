@@ -87,9 +87,7 @@ static inline __m128i f2bf256(__m256 v) {
    vectors, then the scales and minimums as floats in the A and B lanes' order. */
 #define UNPACKED_GROUP_BYTES (8 * 64 + 4 * 32)
 #define MAX_UR 6  /* rows of x a pass over an unpacked tile takes: 12 int16 sums, A, B, x */
-#ifndef UNPACK_MIN_ROWS
 #define UNPACK_MIN_ROWS 16  /* from here tiles are unpacked once for all passes */
-#endif
 
 /* A chunk's codes as the A (rows 0-3, 8-11) and B (rows 4-7, 12-15) vectors of 8 rows x 4
    consecutive codes. */

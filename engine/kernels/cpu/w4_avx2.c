@@ -85,7 +85,8 @@ static inline __m128i f2bf256(__m256 v) {
 
 /* A tile's group unpacked once for many rows of x (unpack_tile): the 8 chunks' A and B
    vectors, then the scales and minimums as floats in the A and B lanes' order. */
-#define UNPACKED_GROUP_BYTES (8 * 64 + 4 * 32)
+#define UNPACKED_BYTES(planes) ((planes) * 8 * 64 + 4 * 32)  /* a group of `planes` code planes */
+#define UNPACKED_GROUP_BYTES UNPACKED_BYTES(1)
 #define MAX_UR 6  /* rows of x a pass over an unpacked tile takes: 12 int16 sums, A, B, x */
 #define UNPACK_MIN_ROWS 16  /* from here tiles are unpacked once for all passes */
 
@@ -106,21 +107,43 @@ static inline void halves_ab(const uint8_t* p, __m256* a, __m256* b) {
   *a = _mm256_permute2f128_ps(v0, v1, 0x20); *b = _mm256_permute2f128_ps(v0, v1, 0x31);
 }
 
-static void unpack_tile(const uint8_t* wt, int64_t G, uint8_t* out) {
+/* A tile of `planes` code planes (w4: 1, Q8: 2; group_bytes a group) unpacked: per group,
+   each plane's 8 chunks as A and B vectors, then the scales and minimums as floats. */
+static void unpack_tile(const uint8_t* wt, int64_t G, int planes, int64_t group_bytes,
+    uint8_t* out) {
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = wt + g * GROUP_BYTES;
-    uint8_t* u = out + g * UNPACKED_GROUP_BYTES;
-    for (int c = 0; c < 8; ++c) {
-      __m256i wa, wb;
-      unpack_chunk(wg + 32 * c, &wa, &wb);
-      _mm256_store_si256((__m256i*)(u + 64 * c), wa);
-      _mm256_store_si256((__m256i*)(u + 64 * c + 32), wb);
-    }
+    const uint8_t* wg = wt + g * group_bytes;
+    uint8_t* u = out + g * UNPACKED_BYTES(planes);
+    for (int p = 0; p < planes; ++p)
+      for (int c = 0; c < 8; ++c) {
+        __m256i wa, wb;
+        unpack_chunk(wg + 256 * p + 32 * c, &wa, &wb);
+        _mm256_store_si256((__m256i*)(u + 512 * p + 64 * c), wa);
+        _mm256_store_si256((__m256i*)(u + 512 * p + 64 * c + 32), wb);
+      }
     __m256 f[4];
-    halves_ab(wg + 256, &f[0], &f[1]);
-    halves_ab(wg + 288, &f[2], &f[3]);
-    for (int i = 0; i < 4; ++i) _mm256_store_ps((float*)(u + 512 + 32 * i), f[i]);
+    halves_ab(wg + 256 * planes, &f[0], &f[1]);
+    halves_ab(wg + 256 * planes + 32, &f[2], &f[3]);
+    for (int i = 0; i < 4; ++i) _mm256_store_ps((float*)(u + 512 * planes + 32 * i), f[i]);
   }
+}
+
+/* x [M][K] bf16 quantized by prep_row into one allocation: xq int8 [M][K], then xd and xm
+   float [M][K / 32] (K a multiple of 64, so the floats are aligned); NULL where malloc
+   fails. */
+static int8_t* quantize_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  int8_t* xq = (int8_t*)malloc((size_t)M * K + sizeof(float) * 2 * M * G);
+  if (!xq) return NULL;
+  float* xd = (float*)(xq + M * K);
+  for (int64_t m = 0; m < M; ++m)
+    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xd + M * G + m * G);
+  return xq;
+}
+
+/* One buffer of `bytes` per thread (unpacked tiles), 64-byte aligned. */
+static uint8_t* thread_buffers(int64_t bytes, int nthreads) {
+  return (uint8_t*)aligned_alloc(64, (size_t)bytes * (nthreads > 1 ? nthreads : 1));
 }
 
 /* Tile wt's 16 output rows (from n0) for R rows of x; UNPACKED: wt is unpack_tile's. */
@@ -213,20 +236,17 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
     int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
   if (M < 1 || K % 64 || K < 64) return -1;
   const int64_t G = K / 32;
-  /* xq: M rows of K bytes (a multiple of 64, so the floats after it are aligned) */
-  int8_t* xq = (int8_t*)malloc((size_t)M * K + sizeof(float) * 2 * M * G);
+  int8_t* xq = quantize_x(x, ldx, M, K);
   if (!xq) return -1;
-  float* xd = (float*)(xq + M * K);
-  float* xm = xd + M * G;
-  for (int64_t m = 0; m < M; ++m)
-    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xm + m * G);
+  const float* xd = (const float*)(xq + M * K);
+  const float* xm = xd + M * G;
   const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
   /* More rows than one pass takes: each tile is unpacked once into the thread's buffer and
      read by passes of MAX_UR rows (the codes' unpacking and the scales' conversion are then
      paid once a tile, not once a pass). */
   const int unpack = M >= UNPACK_MIN_ROWS;
   const int64_t ubytes = G * UNPACKED_GROUP_BYTES;
-  uint8_t* ubuf = unpack ? (uint8_t*)aligned_alloc(64, (size_t)ubytes * (nthreads > 1 ? nthreads : 1)) : NULL;
+  uint8_t* ubuf = unpack ? thread_buffers(ubytes, nthreads) : NULL;
   if (unpack && !ubuf) { free(xq); return -1; }
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t b = 0; b < tasks; ++b) {
@@ -242,7 +262,7 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
         }
         continue;
       }
-      unpack_tile(wt, G, u);
+      unpack_tile(wt, G, 1, GROUP_BYTES, u);
       for (int64_t m0 = 0; m0 < M; m0 += MAX_UR) {
         const int R = M - m0 < MAX_UR ? (int)(M - m0) : MAX_UR;
         UROWS[R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, bias, y + m0 * ldy, ldy,
@@ -264,28 +284,10 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
 #define Q8_GROUP_BYTES (2 * 256 + 2 * TILE * 2)
 #define Q8_R 2   /* rows of x a pass takes: 4 int16 sums a row, a plane's halves, x */
 #define Q8_UR 3  /* the same over an unpacked tile (no decoding registers) */
-#define Q8_UNPACKED_GROUP_BYTES (2 * 8 * 64 + 4 * 32)  /* both planes' A, B; scales; minimums */
+#define Q8_UNPACKED_GROUP_BYTES UNPACKED_BYTES(2)
 /* an unpacked Q8 tile is twice a w4 tile's: with K = 576 it and 16-32 rows of x outgrow L1
    (16 / 32 rows: 0.78x / 0.83x the packed passes; 128: 1.15x) */
 #define Q8_UNPACK_MIN_ROWS 64
-
-static void unpack_q8_tile(const uint8_t* wt, int64_t G, uint8_t* out) {
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = wt + g * Q8_GROUP_BYTES;
-    uint8_t* u = out + g * Q8_UNPACKED_GROUP_BYTES;
-    for (int p = 0; p < 2; ++p)
-      for (int c = 0; c < 8; ++c) {
-        __m256i wa, wb;
-        unpack_chunk(wg + 256 * p + 32 * c, &wa, &wb);
-        _mm256_store_si256((__m256i*)(u + 512 * p + 64 * c), wa);
-        _mm256_store_si256((__m256i*)(u + 512 * p + 64 * c + 32), wb);
-      }
-    __m256 f[4];
-    halves_ab(wg + 512, &f[0], &f[1]);
-    halves_ab(wg + 544, &f[2], &f[3]);
-    for (int i = 0; i < 4; ++i) _mm256_store_ps((float*)(u + 1024 + 32 * i), f[i]);
-  }
-}
 
 static inline __attribute__((always_inline)) void tile_rows_q8(const int R, const int UNPACKED,
     const int8_t* xq, const float* xd, const float* xm, int64_t G, const uint8_t* wt, float* y,
@@ -357,16 +359,14 @@ int linear_q8w4_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const 
     int64_t N, float* y, int64_t ldy, int nthreads) {
   if (M < 1 || K % 64 || K < 64) return -1;
   const int64_t G = K / 32;
-  int8_t* xq = (int8_t*)malloc((size_t)M * K + sizeof(float) * 2 * M * G);
+  int8_t* xq = quantize_x(x, ldx, M, K);
   if (!xq) return -1;
-  float* xd = (float*)(xq + M * K);
-  float* xm = xd + M * G;
-  for (int64_t m = 0; m < M; ++m)
-    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xm + m * G);
+  const float* xd = (const float*)(xq + M * K);
+  const float* xm = xd + M * G;
   const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
   const int unpack = M >= Q8_UNPACK_MIN_ROWS;
   const int64_t ubytes = G * Q8_UNPACKED_GROUP_BYTES;
-  uint8_t* ubuf = unpack ? (uint8_t*)aligned_alloc(64, (size_t)ubytes * (nthreads > 1 ? nthreads : 1)) : NULL;
+  uint8_t* ubuf = unpack ? thread_buffers(ubytes, nthreads) : NULL;
   if (unpack && !ubuf) { free(xq); return -1; }
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t b = 0; b < tasks; ++b) {
@@ -374,7 +374,7 @@ int linear_q8w4_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const 
     uint8_t* u = unpack ? ubuf + ubytes * omp_get_thread_num() : NULL;
     for (int64_t t = b * TASK_TILES; t < t1; ++t) {
       const uint8_t* wt = w + t * G * Q8_GROUP_BYTES;
-      if (unpack) unpack_q8_tile(wt, G, u);
+      if (unpack) unpack_tile(wt, G, 2, Q8_GROUP_BYTES, u);
       const int step = unpack ? Q8_UR : Q8_R;
       for (int64_t m0 = 0; m0 < M; m0 += step) {
         const int R = M - m0 < step ? (int)(M - m0) : step;

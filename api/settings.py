@@ -77,6 +77,10 @@ def _opt_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def _auto_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "auto", "none") else int(text)
+
+
 def _opt_float(text: str) -> float | None:
     return None if text.strip().lower() in ("", "none") else float(text)
 
@@ -161,11 +165,13 @@ class Settings:
     num_threads: int | None = _flag(
         "torch intra-op threads (default: torch's choice, usually one per core).", None, _opt_int
     )
-    frontend_threads: int = _flag(
-        "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, "
-        "so streams are not stalled by a descheduled compute thread (0: use every thread).",
-        1,
-        int,
+    frontend_threads: int | None = _flag(
+        "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, so "
+        "streams are not stalled by a descheduled compute thread. Unset or `auto`: one where "
+        "the other threads still read 75% of the memory bandwidth all of them do (measured "
+        "once per machine), else none; 0: use every thread.",
+        None,
+        _auto_int,
     )
     # --- model ---
     model: str = _flag(
@@ -352,7 +358,7 @@ class Settings:
             raise ValueError(f"limit_concurrency must be >= 0, got {self.limit_concurrency}")
         if self.cpu_workers < 1:
             raise ValueError(f"cpu_workers must be at least 1, got {self.cpu_workers}")
-        if self.frontend_threads < 0:
+        if self.frontend_threads is not None and self.frontend_threads < 0:
             raise ValueError(f"frontend_threads must be at least 0, got {self.frontend_threads}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")

@@ -95,8 +95,9 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # CPU threads that small steps leave to a serving front end (engine.worker.step_threads).
-    frontend_threads: int = 0
+    # CPU threads that small steps leave to a serving front end (engine.worker.step_threads);
+    # None: one where the others still read most of the memory's bandwidth (measured).
+    frontend_threads: int | None = 0
     # How long a rank waits for its peers in a collective (and the driver for a worker's
     # reply) before the tensor-parallel group is declared dead (engine.worker.multiproc).
     collective_timeout_s: float = 300.0
@@ -111,8 +112,8 @@ class ParallelConfig:
             f"collective_timeout_s must be positive seconds, got {self.collective_timeout_s}",
         )
         _check(
-            self.frontend_threads >= 0,
-            f"frontend_threads must be at least 0, got {self.frontend_threads}",
+            self.frontend_threads is None or self.frontend_threads >= 0,
+            f"frontend_threads must be at least 0 (or None: measured), got {self.frontend_threads}",
         )
 
 
@@ -215,7 +216,7 @@ class EngineConfig:
         policy: str = "fcfs",
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
-        frontend_threads: int = 0,
+        frontend_threads: int | None = 0,
         collective_timeout_s: float = 300.0,
         served_model_name: str | None = None,
         max_num_queued_requests: int | None = None,

@@ -467,8 +467,12 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """The step's output; with async scheduling a PendingOutput for a step that samples."""
         if self.async_scheduling:
-            return self._execute_async(scheduler_output)
-        return self._execute(scheduler_output)
+            out = self._execute_async(scheduler_output)
+        else:
+            out = self._execute(scheduler_output)
+        if self._threads is not None:
+            self._threads.finish()  # while it measures small steps (step_threads)
+        return out
 
     def _begin_step(self, so: SchedulerOutput) -> bool:
         """Apply the step's changes to the input batch and the cache; whether it runs."""

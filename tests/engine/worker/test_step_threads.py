@@ -1,11 +1,12 @@
-"""Small steps leave threads to the serving front end; large steps and offline use take all."""
+"""Small steps leave threads to the serving front end; large steps and offline use take all.
+Serving's default measures which is faster on the server's own first small steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.worker.step_threads import SMALL_STEP_TOKENS, StepThreads
+from engine.worker.step_threads import CALIBRATION_STEPS, SMALL_STEP_TOKENS, StepThreads
 
 
 @pytest.fixture
@@ -36,6 +37,64 @@ def test_engine_config_and_serve_flag():
     from engine.config import EngineConfig
 
     assert EngineConfig.from_options().parallel.frontend_threads == 0  # offline: all threads
-    assert to_engine_config(Settings()).parallel.frontend_threads == 1  # serving: one left
+    assert to_engine_config(Settings()).parallel.frontend_threads is None  # serving: measured
+    for text, want in (("auto", None), ("0", 0), ("1", 1)):
+        settings = Settings.from_argv(["--frontend-threads", text], environ={})
+        assert to_engine_config(settings).parallel.frontend_threads == want
     with pytest.raises(ValueError, match="frontend_threads"):
         EngineConfig.from_options(frontend_threads=-1)
+
+
+@pytest.mark.parametrize("faster", [3, 4])
+def test_measuring_alternates_then_keeps_the_faster(four_threads, faster):
+    st = StepThreads(reserved=None, calibration_steps=5)
+    assert st.measuring and st.for_step(SMALL_STEP_TOKENS + 1) == 4  # large steps: all
+    seen = []
+    while st.measuring:
+        threads = st.for_step(1)
+        seen.append(threads)
+        st.record(1, threads, 0.010 if threads == faster else 0.013)
+        st.record(2, 4, 0.001)  # another step size never completes a comparison on its own
+    assert seen == [3, 4] * 5  # alternated, each size compared with itself
+    assert (
+        st.small == faster and st.for_step(1) == faster and st.for_step(SMALL_STEP_TOKENS) == faster
+    )
+
+
+def test_one_thread_or_a_fixed_reservation_measures_nothing(four_threads):
+    assert not StepThreads(reserved=1).measuring
+    torch.set_num_threads(1)
+    st = StepThreads(reserved=None)
+    assert not st.measuring and st.for_step(1) == 1
+
+
+def _greedy_tokens(engine, prompt: str, max_tokens: int) -> list[int]:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    return final.outputs[0].token_ids
+
+
+def test_the_engine_measures_on_its_own_steps(tiny_llama_dir):
+    """The engine's real small steps (two threads) decide; the text is the same."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(2)  # the autouse fixture puts the count back
+    engines = [
+        LLMEngine(EngineConfig.from_options(str(tiny_llama_dir), frontend_threads=reserved))
+        for reserved in (None, 0)
+    ]
+    threads = engines[0].executor.runner._threads
+    assert threads.measuring
+    n = 2 * CALIBRATION_STEPS + 8
+    measured, fixed = (_greedy_tokens(e, "hello world", n) for e in engines)
+    assert not threads.measuring and threads.small in (1, 2)
+    assert measured == fixed and len(measured) == n
+    for e in engines:
+        e.shutdown()

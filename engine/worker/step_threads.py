@@ -104,7 +104,7 @@ class StepThreads:
             "Steps of up to %d tokens run on %d of %d threads from now on: %s (median of %d "
             "%d-token steps each, alternated; --frontend-threads sets it)",
             self.small_step_tokens, self.small, self.total,
-            ", ".join(f"{t} threads {medians[t] * 1000:.2f} ms" for t in self._candidates),
+            ", ".join(f"{t} thread{'s' * (t > 1)} {medians[t] * 1000:.2f} ms" for t in self._candidates),
             self.calibration_steps, num_tokens,
         )  # fmt: skip
 

@@ -167,9 +167,9 @@ class Settings:
     )
     frontend_threads: int | None = _flag(
         "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, so "
-        "streams are not stalled by a descheduled compute thread. Unset or `auto`: one where "
-        "the other threads still read 75% of the memory bandwidth all of them do (measured "
-        "once per machine), else none; 0: use every thread.",
+        "streams are not stalled by a descheduled compute thread. Unset or `auto`: the "
+        "server's first small steps alternate between all threads and all but one, and the "
+        "faster median takes them from then on (logged); 0: use every thread.",
         None,
         _auto_int,
     )

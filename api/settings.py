@@ -169,7 +169,8 @@ class Settings:
         "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, so "
         "streams are not stalled by a descheduled compute thread. Unset or `auto`: the "
         "server's first small steps alternate between all threads and all but one, and the "
-        "faster median takes them from then on (logged); 0: use every thread.",
+        "faster median takes them (logged; measured again every 4,096 small steps); 0: use "
+        "every thread.",
         None,
         _auto_int,
     )

@@ -11,7 +11,7 @@ end on CPU); larger steps use them all. Offline use reserves none.
 Whether leaving one pays depends on the machine, so the serving default (``reserved=None``)
 measures it on the server's own first small steps: they alternate between all threads and
 all but one, and after CALIBRATION_STEPS of each (of the same size) the faster median takes
-the small steps from then on (logged). The measurement sees what a fixed rule cannot: the
+the small steps (logged when it changes); every RECHECK_STEPS small steps it measures again. The measurement sees what a fixed rule cannot: the
 memory's speed on one core against all, and how often the front end takes a core.
 - 2-core Zen 4 (2026-12-01, bf16): a 1-row step only a fifth slower on one core; 1 reserved
   won at 2 and 4 streams (78 vs 66, 110 vs 102 tokens/s), both threads at 8 (182 vs 133).
@@ -34,6 +34,7 @@ logger = logging.getLogger("tessera.engine")
 
 SMALL_STEP_TOKENS = 4
 CALIBRATION_STEPS = 24  # small steps of one size on each thread count before choosing
+RECHECK_STEPS = 4096  # small steps after a choice before measuring again (~40 s of one stream)
 
 
 class StepThreads:
@@ -42,20 +43,22 @@ class StepThreads:
         reserved: int | None,
         small_step_tokens: int = SMALL_STEP_TOKENS,
         calibration_steps: int = CALIBRATION_STEPS,
+        recheck_steps: int = RECHECK_STEPS,
     ):
-        """reserved: threads small steps leave to the front end; None: measured (see above)."""
+        """reserved: threads small steps leave to the front end; None: measured (see above),
+        and measured again every recheck_steps small steps (a shared machine's load moves)."""
         self.total = torch.get_num_threads()
         self.small_step_tokens = small_step_tokens
         self.calibration_steps = calibration_steps
+        self.recheck_steps = recheck_steps
         self._current = self.total
+        self._auto = reserved is None and self.total > 1
         self._step: tuple[int, int, float] | None = None  # tokens, threads, start
         # While measuring: step seconds by step size, then by thread count.
-        self._trial: dict[int, dict[int, list[float]]] | None = None
-        self.small: int | None = None  # threads of a small step; None while measuring
-        if reserved is None and self.total > 1:
-            self._trial = {}
-        else:
-            self.small = max(1, self.total - max(0, reserved or 0))
+        self._trial: dict[int, dict[int, list[float]]] | None = {} if self._auto else None
+        self._since = 0  # small steps since the last choice
+        # threads of a small step: None until the first measurement has chosen
+        self.small: int | None = None if self._auto else max(1, self.total - max(0, reserved or 0))
 
     @property
     def measuring(self) -> bool:
@@ -77,16 +80,23 @@ class StepThreads:
         if want != self._current:
             torch.set_num_threads(want)
             self._current = want
-        self._step = (num_tokens, want, time.perf_counter()) if self.measuring else None
+        self._step = (num_tokens, want, time.perf_counter()) if self._auto else None
 
     def finish(self) -> None:
-        """The step applied last has ended: while measuring, count its time."""
-        if self._step is None or self._trial is None:
+        """The step applied last has ended: while measuring, count its time; else count it
+        towards the next measurement."""
+        if self._step is None:
             return
         tokens, threads, start = self._step
         self._step = None
-        if tokens <= self.small_step_tokens:
+        if tokens > self.small_step_tokens:
+            return
+        if self._trial is not None:
             self.record(tokens, threads, time.perf_counter() - start)
+            return
+        self._since += 1
+        if self._since >= self.recheck_steps:
+            self._trial = {}
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """One small step's time; chooses once each thread count has enough of one size."""
@@ -98,9 +108,10 @@ class StepThreads:
         if any(len(by_threads.get(t, ())) < self.calibration_steps for t in self._candidates):
             return
         medians = {t: statistics.median(by_threads[t]) for t in self._candidates}
-        self.small = min(medians, key=medians.__getitem__)
-        self._trial = None
-        logger.info(
+        before, self.small = self.small, min(medians, key=medians.__getitem__)
+        self._trial, self._since = None, 0
+        logger.log(
+            logging.INFO if self.small != before else logging.DEBUG,
             "Steps of up to %d tokens run on %d of %d threads from now on: %s (median of %d "
             "%d-token steps each, alternated; --frontend-threads sets it)",
             self.small_step_tokens, self.small, self.total,

@@ -61,6 +61,25 @@ def test_measuring_alternates_then_keeps_the_faster(four_threads, faster):
     )
 
 
+def test_it_measures_again_after_recheck_steps(four_threads):
+    st = StepThreads(reserved=None, calibration_steps=2, recheck_steps=6)
+    for threads in (3, 4, 3, 4):
+        st.record(1, threads, 0.010 if threads == 4 else 0.013)
+    assert not st.measuring and st.small == 4
+    for _ in range(5):  # small steps count towards the next measurement, large ones do not
+        st.apply(1)
+        st.finish()
+        st.apply(SMALL_STEP_TOKENS + 1)
+        st.finish()
+    assert not st.measuring
+    st.apply(1)
+    st.finish()
+    assert st.measuring and st.for_step(1) == 3  # alternating again, from all but one
+    for threads in (3, 4, 3, 4):  # the load moved: now one thread fewer is faster
+        st.record(1, threads, 0.010 if threads == 3 else 0.013)
+    assert not st.measuring and st.small == 3 and st.for_step(1) == 3
+
+
 def test_one_thread_or_a_fixed_reservation_measures_nothing(four_threads):
     assert not StepThreads(reserved=1).measuring
     torch.set_num_threads(1)

@@ -11,7 +11,8 @@ end on CPU); larger steps use them all. Offline use reserves none.
 Whether leaving one pays depends on the machine, so the serving default (``reserved=None``)
 measures it on the server's own first small steps: they alternate between all threads and
 all but one, and after CALIBRATION_STEPS of each (of the same size) the faster median takes
-the small steps (logged when it changes); every RECHECK_STEPS small steps it measures again. The measurement sees what a fixed rule cannot: the
+the small steps (logged when it changes); every RECHECK_STEPS small steps it measures again,
+since a shared machine's load moves. The measurement sees what a fixed rule cannot: the
 memory's speed on one core against all, and how often the front end takes a core.
 - 2-core Zen 4 (2026-12-01, bf16): a 1-row step only a fifth slower on one core; 1 reserved
   won at 2 and 4 streams (78 vs 66, 110 vs 102 tokens/s), both threads at 8 (182 vs 133).

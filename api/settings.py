@@ -78,7 +78,7 @@ def _opt_int(text: str) -> int | None:
 
 
 def _auto_int(text: str) -> int | None:
-    return None if text.strip().lower() in ("", "auto", "none") else int(text)
+    return None if text.strip().lower() == "auto" else _opt_int(text)
 
 
 def _opt_float(text: str) -> float | None:

@@ -54,7 +54,8 @@ class StepThreads:
         self.recheck_steps = recheck_steps
         self._current = self.total
         self._auto = reserved is None and self.total > 1
-        self._step: tuple[int, int, float] | None = None  # tokens, threads, start
+        self._candidates = (self.total - 1, self.total)  # what a measurement compares
+        self._step: tuple[int, float] | None = None  # tokens, start (threads: self._current)
         # While measuring: step seconds by step size, then by thread count.
         self._trial: dict[int, dict[int, list[float]]] | None = {} if self._auto else None
         self._since = 0  # small steps since the last choice
@@ -71,9 +72,8 @@ class StepThreads:
         if self._trial is None:
             assert self.small is not None
             return self.small
-        counts = self._trial.get(num_tokens, {})
-        fewer, more = self.total - 1, self.total  # the one with fewer samples goes next
-        return more if len(counts.get(more, ())) < len(counts.get(fewer, ())) else fewer
+        counts = self._trial.get(num_tokens, {})  # the one with fewer samples goes next
+        return min(self._candidates, key=lambda t: len(counts.get(t, ())))
 
     def apply(self, num_tokens: int) -> None:
         """Set torch's intra-op threads (the CPU kernels follow them) for this step."""
@@ -81,19 +81,19 @@ class StepThreads:
         if want != self._current:
             torch.set_num_threads(want)
             self._current = want
-        self._step = (num_tokens, want, time.perf_counter()) if self._auto else None
+        self._step = (num_tokens, time.perf_counter()) if self._auto else None
 
     def finish(self) -> None:
         """The step applied last has ended: while measuring, count its time; else count it
         towards the next measurement."""
         if self._step is None:
             return
-        tokens, threads, start = self._step
+        tokens, start = self._step
         self._step = None
         if tokens > self.small_step_tokens:
             return
         if self._trial is not None:
-            self.record(tokens, threads, time.perf_counter() - start)
+            self.record(tokens, self._current, time.perf_counter() - start)
             return
         self._since += 1
         if self._since >= self.recheck_steps:
@@ -119,7 +119,3 @@ class StepThreads:
             ", ".join(f"{t} thread{'s' * (t > 1)} {medians[t] * 1000:.2f} ms" for t in self._candidates),
             self.calibration_steps, num_tokens,
         )  # fmt: skip
-
-    @property
-    def _candidates(self) -> tuple[int, int]:
-        return self.total - 1, self.total

@@ -26,7 +26,9 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
                 kernel (Q4_0/Q4_1 tiles) takes every batch there: int8 products on
                 vpmaddubsw, 1.4-1.7x the widening kernel's speed at 8-512 rows (Zen 3).
 GGUF without AMX (and above AMX_MAX_ROWS): the dot kernels up to 16 rows, then one
-dequantized copy and the GEMM.
+dequantized copy and the GEMM; Q4_0/Q4_1 layers (w4 tiles) without AMX: the AVX512-VNNI batch
+kernel above the w4 kernel's 12 rows (int8 activations per 32 on vpdpbusd; 1.5-2.2x the
+chunked kernel or the dequantized GEMM at 13-512 rows, Zen 5).
 
 A calibration at start was not worth its start-up time: the order of the kernels is the
 instruction set's, and the crossovers are flat (a row or two either way costs a few percent).
@@ -62,6 +64,7 @@ class RowPlan:
         return self.amx and rows <= self.amx_max_rows
 
     def describe(self) -> str:
+        dense = "oneDNN" if self.dp_max_rows != ALWAYS else "the C widening kernel"
         if self.dp_max_rows == ALWAYS:
             bf16 = "the C widening kernel at every batch"
         else:
@@ -71,7 +74,6 @@ class RowPlan:
                 else "oneDNN F.linear"
             )
             bf16 = f"AVX512-BF16 dot kernel up to {self.dp_max_rows} rows, {above} above"
-        dense = "oneDNN" if self.dp_max_rows != ALWAYS else "the C widening kernel"
         gguf = (
             f"AMX-bf16 tiles on decoded rows up to {self.amx_max_rows}, dequantize + {dense}"
             if self.amx
@@ -83,7 +85,14 @@ class RowPlan:
         elif w4_rows >= ALWAYS_W4:
             w4 = "the w4 kernel at every batch (AVX2: int8 activations per 32)"
         else:
-            above = f"AMX-bf16 tiles up to {self.amx_max_rows}" if self.amx else "chunks"
+            batch = "the batch kernel (int8 activations per 32)"
+            if not cpu_w4.batch_available():
+                batch = f"dequantize + {dense}"
+            above = (
+                f"AMX-bf16 tiles up to {self.amx_max_rows}, dequantize + oneDNN"
+                if self.amx
+                else batch
+            )
             w4 = f"the w4 kernel up to {w4_rows} rows, {above} above"
         return (
             f"bf16 linear: {bf16} ({self.isa}); GGUF Q4_0/Q4_1 as w4 tiles: {w4}; other GGUF "

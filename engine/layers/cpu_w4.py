@@ -11,7 +11,9 @@ cost a mean next-token KL of 0.002 from bf16 (int8 rows on them and the LM head:
 With AVX512-VNNI (w4.c) the kernel takes 1-12 rows of x, quantized to int16 with one scale
 per row (as cpu_gemm's `rows_i16`); with AVX2 only (w4_avx2.c) it takes any number of rows,
 x quantized to int8 per group of 32 (llama.cpp's Q8_1 activations, vpmaddubsw on the same
-tiles): max_rows() says which. Rows are stored in tiles of 16 so that each float lane of the
+tiles): max_rows() says which. AVX512-VNNI builds also have a batch kernel for any number of
+rows (w4_vnni_batch.c, linear_batch: x as int8 per group of 32 on vpdpbusd), which larger
+batches take where the CPU has no AMX. Rows are stored in tiles of 16 so that each float lane of the
 kernel accumulates one output row: 32 bytes hold 16 rows x 4 codes, widened to int16 they are the
 operands of two vpdpwssd against pairs of x broadcast from memory, and no horizontal sums
 are left (a row-wise layout spent a third of its instructions on them: 120 one-row GEMMs of
@@ -177,6 +179,21 @@ def linear_q8(x: torch.Tensor, w: Q8Tiles) -> torch.Tensor | None:
     return None if rc != 0 else y.view(*x.shape[:-1], n)
 
 
+def batch_available() -> bool:
+    """Whether this build has the AVX512-VNNI kernel for batches above max_rows()
+    (w4_vnni_batch.c; AVX2 builds' linear_q4_bf16 takes every batch itself)."""
+    return ops.function("linear_q4_bf16_batch") is not None
+
+
+def linear_batch(
+    x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """x [..., K] bf16, any number of rows, on the AVX512-VNNI batch kernel (x as int8 per
+    group of 32, vpdpbusd on the unpacked tiles); None where it is absent or cannot take the
+    call."""
+    return _call(ops.function("linear_q4_bf16_batch"), x, q4, bias, top=None)
+
+
 def dequantize(q4: Q4Weight) -> torch.Tensor:
     """The float32 weight [N, K] the codes stand for (the tests' reference)."""
     t, groups = q4.data.shape[0], q4.in_features // GROUP
@@ -213,13 +230,19 @@ def linear(x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None = None) -> t
     """x [..., K] bf16 (at most max_rows() rows) against the 4-bit weight; None where the kernel
     cannot take the call (the caller uses its int8 weights)."""
     fn, top = _resolve()
+    return _call(fn, x, q4, bias, top)
+
+
+def _call(fn, x: torch.Tensor, q4: Q4Weight, bias: torch.Tensor | None, top: int | None):
+    """One of the bf16 kernels (linear_q4_bf16's signature) on x, or None where it is absent
+    or cannot take the call (more rows than `top`, another dtype or K)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], q4.out_features
     if (
         fn is None
         or x.dtype != torch.bfloat16
-        or not 1 <= m <= top
+        or not 1 <= m <= (m if top is None else top)
         or x2.stride(-1) != 1
         or q4.in_features != k
         or (bias is not None and bias.dtype != x.dtype)

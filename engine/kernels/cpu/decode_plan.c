@@ -8,6 +8,8 @@ typedef uint16_t bf16;
 /* Built only where the CPU has the instructions they need (w4.c, w8a8.c): weak references
    are NULL where they are absent, and a step that needs one fails (Python checks first). */
 #pragma weak linear_q4_bf16
+#pragma weak w4_max_rows
+#pragma weak linear_q4_bf16_batch
 #pragma weak gemm_i8_scaled
 #pragma weak gemm_i8_silu_quant
 
@@ -17,8 +19,11 @@ enum { QKV, O, GATE_UP, DOWN };
 static int linear(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
     int64_t K, bf16* y, int64_t N) {
   const int64_t M = st->rows; const int T = st->threads;
-  if (!st->w8a8)
+  if (!st->w8a8) {  /* above w4.c's rows, the layers' batch kernel (w4_vnni_batch.c) */
+    if (M > w4_max_rows() && linear_q4_bf16_batch)
+      return linear_q4_bf16_batch(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
     return linear_q4_bf16(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
+  }
   quantize_rows_bf16(x, ldx, M, K, st->xq, st->xs, T);
   return gemm_i8_scaled(st->xq, K, M, K, L->packed[which], N, st->xs, L->wscale[which],
       L->bias[which], y, 1, T);

@@ -6,7 +6,8 @@ values, so the weights in memory are about the file's size and nothing is requan
 loaded (dequantized) float weight is dropped.
 - Q4_0 and Q4_1 blocks are repacked bit for bit into the w4 kernel's tiles (engine.layers.
   gguf_w4: 1.3-2x the per-row dot kernel at 1-12 rows); larger batches read the same tiles
-  in AMX-bf16 tiles (engine.layers.cpu_amx) where the CPU has them. With AVX2 only, the w4
+  in AMX-bf16 tiles (engine.layers.cpu_amx) where the CPU has them, else on the AVX512-VNNI
+  batch kernel (int8 activations per 32, cpu_w4.linear_batch). With AVX2 only, the w4
   kernel takes every batch (int8 activations per 32: 2.2-2.6x the dot kernel, 1.4-1.7x the
   C GEMM on the bf16 weight at 8-128 rows).
 - Q8_0, the K-quants Q4_K, Q5_K, Q6_K (K % 256 == 0), and Q4 layers the w4 kernel cannot take
@@ -49,32 +50,28 @@ class GGUFLinearMethod(LinearMethodBase):
         return cpu_gguf.linear(x, layer.weight, layer.gguf_type, layer.in_features, bias)
 
 
-# Up to this many rows the w4 kernel in calls of max_rows() beats dequantizing the tiles (C,
-# cpu_w4.unpack) for a bf16 GEMM: two shared cores, SmolLM2's gate_up 3072x576 at 32 / 64
-# rows 0.29 / 0.60 ms against 0.79 / 0.90; its down_proj 576x1536 at 64 / 128 rows 0.40 /
-# 0.74 against 0.45 / 0.51. In whole decode steps the gap is wider: `bench decode` at 16
-# rows, 36 ms a step in chunks against 120-2,000 with every layer unpacked (two shared cores).
-W4_CHUNKED_MAX_ROWS = 96
-
-
 def w4_large_batch_linear(
     x: torch.Tensor, q4: cpu_w4.Q4Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] of more than cpu_w4.max_rows() rows (or calls the w4 kernel refuses) against
-    w4 tiles: AMX-bf16 tiles reading them (cpu_amx) up to the plan's AMX rows; elsewhere the
-    w4 kernel max_rows() rows at a time up to W4_CHUNKED_MAX_ROWS, beyond it the tiles
-    dequantized per call (cpu_w4.unpack, one C pass) for cpu_gemm.dense_linear. (With AVX2
-    the w4 kernel takes every batch: none of this runs.)"""
+    w4 tiles: AMX-bf16 tiles reading them (cpu_amx) up to the plan's AMX rows; without AMX
+    the AVX512-VNNI batch kernel (cpu_w4.linear_batch: SmolLM2's four layer shapes on two Zen
+    5 cores 1.5-1.7x faster at 13-64 rows than the 12-row kernel in chunks, 1.5-2.2x at
+    128-512 than the tiles dequantized for oneDNN); elsewhere, and for prefill chunks above
+    AMX's rows (oneDNN's GEMM uses the tiles itself), the tiles dequantized per call
+    (cpu_w4.unpack, one C pass) for cpu_gemm.dense_linear. (With AVX2 the w4 kernel takes
+    every batch: none of this runs.)"""
     k, n = x.shape[-1], q4.out_features
-    x2 = x.reshape(-1, k)
-    if cpu_isa.plan().amx_rows(x2.shape[0]):
+    rows = x.numel() // k
+    plan = cpu_isa.plan()
+    if plan.amx_rows(rows):
         y = cpu_amx.linear_w4(x, q4.data, n, k, bias)
         if y is not None:
             return y
-    if x.dtype == torch.bfloat16 and x2.shape[0] <= W4_CHUNKED_MAX_ROWS:
-        parts = [cpu_w4.linear(c, q4, bias) for c in x2.split(cpu_w4.max_rows())]
-        if all(p is not None for p in parts):
-            return torch.cat(parts).view(*x.shape[:-1], n)
+    if not plan.amx or plan.amx_rows(rows):
+        y = cpu_w4.linear_batch(x, q4, bias)
+        if y is not None:
+            return y
     w = cpu_w4.unpack(q4, x.dtype)
     return cpu_gemm.dense_linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -82,11 +79,14 @@ def w4_large_batch_linear(
 class GGUFW4LinearMethod(GGUFLinearMethod):
     """A Q4_0/Q4_1 layer repacked into w4 tiles: layer.w4 (a cpu_w4.Q4Weight; layer.weight is
     its uint8 data, the only copy). 1-cpu_w4.max_rows() rows on the w4 kernel (any with AVX2),
-    more on w4_large_batch_linear."""
+    more on w4_large_batch_linear (the batch kernel where there is no AMX)."""
 
     @staticmethod
     def w8a8_min_rows(layer: nn.Module, k: int) -> int:
-        """Rows from which a call leaves the w4 kernel (the decode plan's W4 steps end here)."""
+        """Rows from which a call leaves the w4 tiles' kernels (the decode plan's W4 steps end
+        here): never where the batch kernel takes what the w4 kernel does not (no AMX)."""
+        if cpu_w4.batch_available() and not cpu_isa.plan().amx:
+            return cpu_isa.ALWAYS
         return cpu_w4.max_rows() + 1
 
     def apply(

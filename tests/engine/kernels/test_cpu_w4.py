@@ -9,7 +9,11 @@ import torch
 from engine.layers import cpu_w4
 from engine.layers.quantization import W8A8LMHeadMethod, quantize_layer
 from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
-from tests.engine.kernels.w4_testing import avx2_variant, x_as_the_kernel_reads_it
+from tests.engine.kernels.w4_testing import (
+    avx2_variant,
+    x_as_the_kernel_reads_it,
+    x_int8_per_group,
+)
 
 
 def _require_kernel():
@@ -84,6 +88,35 @@ def test_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
     assert cpu_w4.linear(x.float(), q4) is None  # float32
     if k != 64:
         assert cpu_w4.linear(x[:, :64], q4) is None  # another K
+
+
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 70, 576), (7, 33, 128), (8, 16, 64), (13, 17, 192), (32, 130, 1536), (129, 40, 576)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_batch_kernel_matches_f_linear_on_the_dequantized_weight(m, n, k, bias):
+    """The AVX512-VNNI batch kernel (any rows, every remainder of its 8-row passes, a tile's
+    unused rows): x rounded to int8 per group of 32 in the reference too, so only the float
+    sums' order and the bf16 output differ."""
+    if not cpu_w4.batch_available():
+        pytest.skip("the batch kernel is in AVX512-VNNI builds")
+    torch.manual_seed(m * 1000 + n + k)
+    q4 = cpu_w4.quantize_groups(torch.randn(n, k) * 0.05)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    x[0, :32] = 0  # a group of zeros: scale 0
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    y = cpu_w4.linear_batch(x, q4, b)
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (m, n)
+    w = cpu_w4.dequantize(q4).double()
+    ref = torch.nn.functional.linear(x_int8_per_group(x), w, None if b is None else b.double())
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3 * ref.abs().max().item())
+    strided = torch.randn(m, 2 * k).to(torch.bfloat16)[:, :k]  # rows apart: ldx != K
+    strided.copy_(x)
+    assert torch.equal(cpu_w4.linear_batch(strided, q4, b), y)
+    assert cpu_w4.linear_batch(x.float(), q4) is None  # bf16 x only
+    if k != 64:
+        assert cpu_w4.linear_batch(x[:, :64], q4) is None  # another K
 
 
 def _q8_0_rows(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,12 @@ def avx2_variant() -> bool:
 def x_as_the_kernel_reads_it(x: torch.Tensor) -> torch.Tensor:
     """The AVX2 kernel's x: int8 per group of 32 with scale amax / 127, rounded to nearest
     even, as float64 (the VNNI kernel's int16 per row is within the test's tolerance of x)."""
-    if not avx2_variant():
-        return x.double()
+    return x_int8_per_group(x) if avx2_variant() else x.double()
+
+
+def x_int8_per_group(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as int8 per group of 32 (scale amax / 127, to nearest even) back in float64:
+    what the AVX2 kernel and the AVX512-VNNI batch kernel multiply."""
     g = x.double().view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
     q = torch.round(g * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)

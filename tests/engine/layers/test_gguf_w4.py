@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
 from engine.layers.quantization import gguf as gguf_method
 from engine.layers.quantization import resolve_method
-from tests.engine.kernels.w4_testing import x_as_the_kernel_reads_it
+from tests.engine.kernels.w4_testing import x_as_the_kernel_reads_it, x_int8_per_group
 
 
 def _blocks(type_name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -107,7 +107,9 @@ def test_layers_take_the_w4_kernel_up_to_its_rows_and_the_large_batch_path_beyon
         pytest.skip("the 4-bit kernel needs a C compiler and AVX512-VNNI or AVX2")
     layer, w = _layer("Q4_1", 40, 128)
     top = cpu_w4.max_rows()  # 12 (VNNI), or any batch (AVX2)
-    assert layer.quant_method.w8a8_min_rows(layer, 128) == top + 1  # the plan's bound
+    # the decode plan's bound: where the w4 tiles' kernels stop (the batch kernel: never)
+    batch = cpu_w4.batch_available() and not cpu_isa.plan().amx
+    assert layer.quant_method.w8a8_min_rows(layer, 128) == (cpu_isa.ALWAYS if batch else top + 1)
     for rows in (1, 12, 13, 40, 300):
         x = torch.randn(rows, 128).bfloat16()
         y = layer(x)
@@ -115,16 +117,17 @@ def test_layers_take_the_w4_kernel_up_to_its_rows_and_the_large_batch_path_beyon
             assert torch.equal(y, cpu_w4.linear(x, layer.w4, layer.bias))
         elif cpu_isa.plan().amx_rows(rows):  # AMX-bf16 tiles reading the w4 tiles
             assert torch.equal(y, cpu_amx.linear_w4(x, layer.w4.data, 40, 128, layer.bias))
-        elif rows <= gguf_method.W4_CHUNKED_MAX_ROWS:  # 12 at a time: the kernel's own rows
-            assert torch.equal(y[:top], cpu_w4.linear(x[:top], layer.w4, layer.bias))
+        elif cpu_w4.batch_available() and not cpu_isa.plan().amx:  # the VNNI batch kernel
+            assert torch.equal(y, cpu_w4.linear_batch(x, layer.w4, layer.bias))
         ref = F.linear(x_as_the_kernel_reads_it(x), w.double(), layer.bias.double())
+        if rows > top and cpu_w4.batch_available():  # int8 x per group of 32 above 12 rows
+            ref = F.linear(x_int8_per_group(x), w.double(), layer.bias.double())
         torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
-    # the large-batch path, as a CPU whose kernel stops at 12 rows and has no AMX takes it
+    # the large-batch path as a CPU whose kernel stops at 12 rows and has neither AMX nor the
+    # batch kernel takes it: the tiles dequantized for the GEMM
     monkeypatch.setattr(cpu_w4, "_resolved", [(cpu_w4._kernel(), 12)])
     monkeypatch.setattr(cpu_isa, "plan", lambda: cpu_isa.PLANS["other"])
-    x = torch.randn(13, 128).bfloat16()
-    assert torch.equal(layer(x)[:12], cpu_w4.linear(x[:12], layer.w4, layer.bias))
-    monkeypatch.setattr(gguf_method, "W4_CHUNKED_MAX_ROWS", 16)  # past it: dequantized tiles
+    monkeypatch.setattr(cpu_w4, "linear_batch", lambda *args: None)
     x = torch.randn(20, 128).bfloat16()
     ref = cpu_gemm.dense_linear(x, w.bfloat16(), layer.bias)  # the same bf16 weight and GEMM
     assert torch.equal(layer(x), ref)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_w4, cpu_w8a8
+from engine.layers import cpu_isa, cpu_w4, cpu_w8a8
 
 
 def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypatch):
@@ -73,8 +73,9 @@ def test_plan_writes_what_the_modules_write(
 
 def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir, tmp_path):
     """A Q4_1 file's blocks as w4 tiles (the default for a .gguf): the plan's W4 steps take
-    exactly the rows the layers' w4 kernel takes (every batch with AVX2, 1-12 rows with
-    VNNI), with the same tokens and logprobs as the modules on the same weights."""
+    exactly the rows the layers' w4 kernels take (every batch with AVX2, or with VNNI and no
+    AMX: the batch kernel above 12 rows; 1-12 rows with AMX), with the same tokens and
+    logprobs as the modules on the same weights."""
     if not cpu_w4.available():
         pytest.skip("the w4 kernel needs AVX512-VNNI or AVX2 and a C compiler")
     from engine import LLM, SamplingParams
@@ -110,7 +111,8 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     llm.shutdown()
     assert with_plan == without
     assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
-    if cpu_w4.max_rows() >= 14:  # AVX2: the W4 steps take every batch
+    every_batch = cpu_w4.max_rows() >= 14 or (cpu_w4.batch_available() and not cpu_isa.plan().amx)
+    if every_batch:  # AVX2's w4 kernel, or VNNI's batch kernel above 12 rows (no AMX)
         assert plan.runs.get(14, 0) > 0 and max(plan.runs) > 14, plan.runs
-    else:
+    else:  # AMX tiles above 12 rows: the modules
         assert max(plan.runs) <= cpu_w4.max_rows(), plan.runs

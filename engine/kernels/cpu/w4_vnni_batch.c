@@ -1,0 +1,147 @@
+/* The w4 tiles for batches larger than w4.c takes (decode steps of 13+ sequences, prefill
+   chunks) on CPUs with AVX512-VNNI: linear_q4_bf16_batch, any number of rows.
+   engine/layers/cpu_w4.py has the tiles' format.
+
+   x is quantized per group of 32 to int8 with a float scale (llama.cpp's Q8_1 activations, as
+   w4_avx2.c and gguf.c do), so the unsigned 4-bit codes meet it in vpdpbusd: 64 products a
+   512-bit instruction into int32, twice vpdpwssd's 32 on w4.c's int16 x, with nothing to
+   widen. Each thread unpacks a tile once into a buffer: per group, 8 vectors of 16 rows x 4
+   consecutive codes (lane r = row r, so the output needs no shuffle), then the 16 scales and
+   minimums as floats. Passes of up to MAX_R rows of x then read it: per chunk one load and
+   one vpdpbusd a row, x's 4 codes broadcast from memory inside the instruction.
+   y_r = sum_g d_g (s_gr * (q_gr . xq_g)) + m_gr * (d_g * sum(xq_g)). */
+#include "tessera_kernels.h"
+#include "avx512_math.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+#include <immintrin.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define TILE W4_TILE
+#define GROUP_BYTES W4_GROUP_BYTES
+#define UNPACKED_GROUP_BYTES (8 * 64 + 2 * 64)  /* 8 code vectors, 16 float scales, 16 minimums */
+#define MAX_R 8        /* rows of x a pass takes: 8 int32 and 8 float sums stay in registers */
+#define TASK_TILES 2   /* tiles per parallel task */
+
+/* One row of bf16 x [K] -> int8 groups (xq), each group's scale d (xd) and d * sum(q) (xm):
+   amax / 127 maps a group onto -127..127, rounded to nearest even. */
+static void prep_row(const uint16_t* x, int64_t K, int8_t* xq, float* xd, float* xm) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + g * 32 + 16 * h))), 16));
+    const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+    const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv));
+    const __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
+    _mm_storeu_si128((__m128i*)(xq + g * 32), _mm512_cvtsepi32_epi8(r0));
+    _mm_storeu_si128((__m128i*)(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(r1));
+    xd[g] = a / 127.f;
+    xm[g] = xd[g] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+  }
+}
+
+/* A tile [G groups] unpacked (see the top): a chunk's 32 bytes (byte 2r + j: row r's code for
+   k = 4c + j in its low nibble, 4c + 2 + j in its high one) become lane r's 4 bytes
+   [lo(2r), lo(2r + 1), hi(2r), hi(2r + 1)], the codes of k = 4c..4c + 3 in order. */
+static void unpack_tile(const uint8_t* wt, int64_t G, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = wt + g * GROUP_BYTES;
+    uint8_t* u = out + g * UNPACKED_GROUP_BYTES;
+    for (int c = 0; c < 8; ++c) {
+      /* lane r = bytes 2r, 2r + 1 in its low half; their high nibbles shifted up by 12 land
+         in bits 16-19 and 24-27, the upper half's low nibble positions */
+      const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
+      const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, d, _mm512_slli_epi32(d, 12));
+      _mm512_store_si512((__m512i*)(u + 64 * c), _mm512_and_si512(both, low4));
+    }
+    _mm512_store_ps((float*)(u + 512), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 256))));
+    _mm512_store_ps((float*)(u + 576), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 288))));
+  }
+}
+
+/* vpdpbusd with x's 4 codes broadcast from memory inside the instruction. */
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
+}
+
+/* An unpacked tile's 16 output rows (from n0) for R rows of x. */
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int8_t* xq,
+    const float* xd, const float* xm, int64_t G, const uint8_t* u, const uint16_t* bias,
+    uint16_t* y, int64_t ldy, int64_t n0, int64_t N) {
+  const int64_t K = G * 32;
+  __m512 acc[MAX_R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* ug = u + g * UNPACKED_GROUP_BYTES;
+    __m512i a[MAX_R];
+    for (int m = 0; m < R; ++m) a[m] = _mm512_setzero_si512();
+    #pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_load_si512((const __m512i*)(ug + 64 * c));
+      for (int m = 0; m < R; ++m) a[m] = dpbusd_bcast(a[m], w, xq + m * K + g * 32 + 4 * c);
+    }
+    const __m512 s = _mm512_load_ps((const float*)(ug + 512));
+    const __m512 mn = _mm512_load_ps((const float*)(ug + 576));
+    for (int m = 0; m < R; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), _mm512_mul_ps(s, _mm512_set1_ps(xd[m * G + g])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xm[m * G + g]), acc[m]);
+    }
+  }
+  const __mmask16 keep = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias)
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
+  for (int m = 0; m < R; ++m)
+    _mm256_mask_storeu_epi16(y + m * ldy + n0, keep, f2bf512(_mm512_add_ps(acc[m], b)));
+}
+
+/* R is a constant in each copy, so the sums stay in registers. */
+#define DEFINE_ROWS(R) static void tile_rows_##R(const int8_t* xq, const float* xd,             \
+    const float* xm, int64_t G, const uint8_t* u, const uint16_t* bias, uint16_t* y,         \
+    int64_t ldy, int64_t n0, int64_t N) { tile_rows(R, xq, xd, xm, G, u, bias, y, ldy, n0, N); }
+DEFINE_ROWS(1) DEFINE_ROWS(2) DEFINE_ROWS(3) DEFINE_ROWS(4)
+DEFINE_ROWS(5) DEFINE_ROWS(6) DEFINE_ROWS(7) DEFINE_ROWS(8)
+typedef void (*rows_fn)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
+    const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
+static const rows_fn ROWS[MAX_R] = {tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4,
+    tile_rows_5, tile_rows_6, tile_rows_7, tile_rows_8};
+
+int linear_q4_bf16_batch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+    int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
+  if (M < 1 || K % 64 || K < 64) return -1;
+  const int64_t G = K / 32;
+  /* xq int8 [M][K], then xd and xm float [M][G] (K % 64 == 0 keeps the floats aligned) */
+  int8_t* xq = (int8_t*)malloc((size_t)M * K + sizeof(float) * 2 * M * G);
+  const int64_t ubytes = G * UNPACKED_GROUP_BYTES;
+  uint8_t* ubuf = (uint8_t*)aligned_alloc(64, (size_t)ubytes * (nthreads > 1 ? nthreads : 1));
+  if (!xq || !ubuf) { free(xq); free(ubuf); return -1; }
+  float* xd = (float*)(xq + M * K);
+  float* xm = xd + M * G;
+  for (int64_t m = 0; m < M; ++m)
+    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xm + m * G);
+  const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
+  _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
+  for (int64_t b = 0; b < tasks; ++b) {
+    const int64_t t1 = (b + 1) * TASK_TILES < tiles ? (b + 1) * TASK_TILES : tiles;
+    uint8_t* u = ubuf + ubytes * omp_get_thread_num();
+    for (int64_t t = b * TASK_TILES; t < t1; ++t) {
+      unpack_tile(w + t * G * GROUP_BYTES, G, u);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
+        const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
+        ROWS[R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, bias, y + m0 * ldy, ldy,
+                    t * TILE, N);
+      }
+    }
+  }
+  free(ubuf);
+  free(xq);
+  return 0;
+}
+#endif

@@ -119,29 +119,53 @@ def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -
     return Q4Weight(data.reshape(-1, groups * GROUP_BYTES).contiguous(), n, groups * GROUP)
 
 
-Q8_GROUP_BYTES = 2 * 256 + 2 * TILE * 2  # a Q8 tile's group: two planes of codes, scales, minimums
+Q8_GROUP_BYTES = 8 * 64 + 2 * TILE * 2  # a Q8 tile's group: 512 code bytes, scales, minimums
 Q8_0_BLOCK_BYTES = 34  # ggml's block_q8_0: float16 d, 32 int8 codes
+Q8_LAYOUTS = {"planes": "linear_q8w4_f32", "vnni": "linear_q8_vnni_f32"}  # a build has one
 
 
 @dataclass(frozen=True)
 class Q8Tiles:
-    """Q8_0 rows as two nibble planes of w4 tiles (w4_avx2.c's linear_q8w4_f32): a weight
-    d * q is d * (16 * hi + lo) - 128 * d with q + 128 = 16 * hi + lo. `data` is uint8
+    """Q8_0 rows in tiles of 16 rows for one of two kernels (the build has one of them):
+    - "planes" (w4_avx2.c's linear_q8w4_f32): two nibble planes of w4 tiles, a weight d * q
+      being d * (16 * hi + lo) - 128 * d with q + 128 = 16 * hi + lo;
+    - "vnni" (w4_vnni_batch.c's linear_q8_vnni_f32): the codes q + 128 as one plane, lane r
+      of each 64-byte chunk holding row r's 4 consecutive codes (vpdpbusd's operand).
+    Either way a group's scales d and minimums -128 d follow as float16. `data` is uint8
     [tiles, G * Q8_GROUP_BYTES]."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
+    layout: str
+
+
+def q8_layout() -> str | None:
+    """This build's Q8 tile layout ("planes" with AVX2 only, "vnni" with AVX512-VNNI), or None
+    (no kernel)."""
+    return next((k for k, fn in Q8_LAYOUTS.items() if ops.function(fn) is not None), None)
 
 
 def q8_available() -> bool:
-    """Whether this build has the two-plane Q8 kernel (AVX2 builds without AVX512-VNNI)."""
-    return ops.function("linear_q8w4_f32") is not None
+    """Whether this build has a Q8 tile kernel."""
+    return q8_layout() is not None
 
 
-def pack_q8_0(blocks: torch.Tensor, in_features: int) -> Q8Tiles:
-    """uint8 [N, G * 34] Q8_0 rows (a GGUF file's) -> Q8Tiles standing for exactly the file's
-    values. Raises ValueError where K is not a multiple of 64 or a -128 * d overflows float16."""
+def _vnni_chunks(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, G, 32] (N a multiple of 16) -> [tile, group, 512]: per chunk of 4 k,
+    the 16 rows' 4 codes one after another."""
+    n, groups = codes.shape[:2]
+    c = codes.view(n // TILE, TILE, groups, 8, 4)
+    return c.permute(0, 2, 3, 1, 4).reshape(n // TILE, groups, 512)
+
+
+def pack_q8_0(blocks: torch.Tensor, in_features: int, layout: str | None = None) -> Q8Tiles:
+    """uint8 [N, G * 34] Q8_0 rows (a GGUF file's) -> Q8Tiles in `layout` (default: this
+    build's) standing for exactly the file's values. Raises ValueError where K is not a
+    multiple of 64 or a -128 * d overflows float16."""
+    layout = layout or q8_layout()
+    if layout not in Q8_LAYOUTS:
+        raise ValueError(f"no Q8 tile layout {layout!r}")
     n = blocks.shape[0]
     if in_features % K_MULTIPLE:
         raise ValueError(f"Q8 tiles need K a multiple of {K_MULTIPLE}, got {in_features}")
@@ -156,16 +180,15 @@ def pack_q8_0(blocks: torch.Tensor, in_features: int) -> Q8Tiles:
     u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
     pad = -n % TILE
     u, scales, mins = (_pad_rows(v, pad) for v in (u, scales, mins))
-    data = torch.cat(
-        [_tile_chunks(u >> 4), _tile_chunks(u & 15), _per_group(scales), _per_group(mins)], dim=2
-    )
-    return Q8Tiles(data.reshape(-1, groups * Q8_GROUP_BYTES).contiguous(), n, in_features)
+    codes = [_vnni_chunks(u)] if layout == "vnni" else [_tile_chunks(u >> 4), _tile_chunks(u & 15)]
+    data = torch.cat([*codes, _per_group(scales), _per_group(mins)], dim=2)
+    return Q8Tiles(data.reshape(-1, groups * Q8_GROUP_BYTES).contiguous(), n, in_features, layout)
 
 
 def linear_q8(x: torch.Tensor, w: Q8Tiles) -> torch.Tensor | None:
     """x [..., K] bf16 against Q8 tiles -> float32 [..., N] (x as int8 per group of 32, float32
-    sums); None where the kernel is absent or cannot take the call."""
-    fn = ops.function("linear_q8w4_f32")
+    sums); None where the tiles' kernel is absent or cannot take the call."""
+    fn = ops.function(Q8_LAYOUTS[w.layout])
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if fn is None or x.dtype != torch.bfloat16 or x2.stride(-1) != 1 or w.in_features != k:

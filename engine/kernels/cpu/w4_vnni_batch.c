@@ -1,15 +1,18 @@
 /* The w4 tiles for batches larger than w4.c takes (decode steps of 13+ sequences, prefill
-   chunks) on CPUs with AVX512-VNNI: linear_q4_bf16_batch, any number of rows.
-   engine/layers/cpu_w4.py has the tiles' format.
+   chunks) on CPUs with AVX512-VNNI: linear_q4_bf16_batch, any number of rows; and the GGUF LM
+   head's Q8_0 rows in the same kernel's layout, read in place (linear_q8_vnni_f32).
+   engine/layers/cpu_w4.py has both formats.
 
    x is quantized per group of 32 to int8 with a float scale (llama.cpp's Q8_1 activations, as
-   w4_avx2.c and gguf.c do), so the unsigned 4-bit codes meet it in vpdpbusd: 64 products a
-   512-bit instruction into int32, twice vpdpwssd's 32 on w4.c's int16 x, with nothing to
-   widen. Each thread unpacks a tile once into a buffer: per group, 8 vectors of 16 rows x 4
+   w4_avx2.c and gguf.c do), so the unsigned codes meet it in vpdpbusd: 64 products a 512-bit
+   instruction into int32, twice vpdpwssd's 32 on w4.c's int16 x, with nothing to widen. Each
+   thread unpacks a w4 tile once into a buffer: per group, 8 vectors of 16 rows x 4
    consecutive codes (lane r = row r, so the output needs no shuffle), then the 16 scales and
    minimums as floats. Passes of up to MAX_R rows of x then read it: per chunk one load and
    one vpdpbusd a row, x's 4 codes broadcast from memory inside the instruction.
-   y_r = sum_g d_g (s_gr * (q_gr . xq_g)) + m_gr * (d_g * sum(xq_g)). */
+   y_r = sum_g d_g (s_gr * (q_gr . xq_g)) + m_gr * (d_g * sum(xq_g)). A Q8 tile stores its
+   codes (q + 128, unsigned) in that layout already, its scales and minimums (-128 d) as
+   float16: nothing to unpack. */
 #include "tessera_kernels.h"
 #include "avx512_math.h"
 
@@ -22,6 +25,7 @@
 #define TILE W4_TILE
 #define GROUP_BYTES W4_GROUP_BYTES
 #define UNPACKED_GROUP_BYTES (8 * 64 + 2 * 64)  /* 8 code vectors, 16 float scales, 16 minimums */
+#define Q8_GROUP_BYTES (8 * 64 + 2 * 32)        /* 8 code vectors, 16 float16 scales, 16 minimums */
 #define MAX_R 8        /* rows of x a pass takes: 8 int32 and 8 float sums stay in registers */
 #define TASK_TILES 2   /* tiles per parallel task */
 
@@ -70,78 +74,113 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
-/* An unpacked tile's 16 output rows (from n0) for R rows of x. */
-static inline __attribute__((always_inline)) void tile_rows(const int R, const int8_t* xq,
-    const float* xd, const float* xm, int64_t G, const uint8_t* u, const uint16_t* bias,
-    uint16_t* y, int64_t ldy, int64_t n0, int64_t N) {
-  const int64_t K = G * 32;
+/* A tile's 16 output rows (from n0) for R rows of x: u is an unpacked w4 tile (float scales,
+   bf16 out with the bias) or, Q8, a Q8 tile (float16 scales, float32 out). */
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int Q8,
+    const int8_t* xq, const float* xd, const float* xm, int64_t G, const uint8_t* u,
+    const uint16_t* bias, void* y, int64_t ldy, int64_t n0, int64_t N) {
+  const int64_t K = G * 32, group_bytes = Q8 ? Q8_GROUP_BYTES : UNPACKED_GROUP_BYTES;
   __m512 acc[MAX_R];
   for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* ug = u + g * UNPACKED_GROUP_BYTES;
+    const uint8_t* ug = u + g * group_bytes;
     __m512i a[MAX_R];
     for (int m = 0; m < R; ++m) a[m] = _mm512_setzero_si512();
     #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m512i w = _mm512_load_si512((const __m512i*)(ug + 64 * c));
+      const __m512i w = _mm512_loadu_si512((const __m512i*)(ug + 64 * c));
       for (int m = 0; m < R; ++m) a[m] = dpbusd_bcast(a[m], w, xq + m * K + g * 32 + 4 * c);
     }
-    const __m512 s = _mm512_load_ps((const float*)(ug + 512));
-    const __m512 mn = _mm512_load_ps((const float*)(ug + 576));
+    const __m512 s = Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ug + 512)))
+                        : _mm512_load_ps((const float*)(ug + 512));
+    const __m512 mn = Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ug + 544)))
+                         : _mm512_load_ps((const float*)(ug + 576));
     for (int m = 0; m < R; ++m) {
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), _mm512_mul_ps(s, _mm512_set1_ps(xd[m * G + g])), acc[m]);
       acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xm[m * G + g]), acc[m]);
     }
   }
   const __mmask16 keep = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+  if (Q8) {
+    for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps((float*)y + m * ldy + n0, keep, acc[m]);
+    return;
+  }
   __m512 b = _mm512_setzero_ps();
   if (bias)
     b = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
   for (int m = 0; m < R; ++m)
-    _mm256_mask_storeu_epi16(y + m * ldy + n0, keep, f2bf512(_mm512_add_ps(acc[m], b)));
+    _mm256_mask_storeu_epi16((uint16_t*)y + m * ldy + n0, keep, f2bf512(_mm512_add_ps(acc[m], b)));
 }
 
-/* R is a constant in each copy, so the sums stay in registers. */
-#define DEFINE_ROWS(R) static void tile_rows_##R(const int8_t* xq, const float* xd,             \
-    const float* xm, int64_t G, const uint8_t* u, const uint16_t* bias, uint16_t* y,         \
-    int64_t ldy, int64_t n0, int64_t N) { tile_rows(R, xq, xd, xm, G, u, bias, y, ldy, n0, N); }
-DEFINE_ROWS(1) DEFINE_ROWS(2) DEFINE_ROWS(3) DEFINE_ROWS(4)
-DEFINE_ROWS(5) DEFINE_ROWS(6) DEFINE_ROWS(7) DEFINE_ROWS(8)
+/* R and Q8 are constants in each copy, so the sums stay in registers. */
+#define DEFINE_ROWS(R, Q8) static void tile_rows_##R##_##Q8(const int8_t* xq, const float* xd, \
+    const float* xm, int64_t G, const uint8_t* u, const uint16_t* bias, void* y, int64_t ldy, \
+    int64_t n0, int64_t N) { tile_rows(R, Q8, xq, xd, xm, G, u, bias, y, ldy, n0, N); }
+DEFINE_ROWS(1, 0) DEFINE_ROWS(2, 0) DEFINE_ROWS(3, 0) DEFINE_ROWS(4, 0)
+DEFINE_ROWS(5, 0) DEFINE_ROWS(6, 0) DEFINE_ROWS(7, 0) DEFINE_ROWS(8, 0)
+DEFINE_ROWS(1, 1) DEFINE_ROWS(2, 1) DEFINE_ROWS(3, 1) DEFINE_ROWS(4, 1)
+DEFINE_ROWS(5, 1) DEFINE_ROWS(6, 1) DEFINE_ROWS(7, 1) DEFINE_ROWS(8, 1)
 typedef void (*rows_fn)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
-    const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
-static const rows_fn ROWS[MAX_R] = {tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4,
-    tile_rows_5, tile_rows_6, tile_rows_7, tile_rows_8};
+    const uint16_t*, void*, int64_t, int64_t, int64_t);
+static const rows_fn ROWS[2][MAX_R] = {
+    {tile_rows_1_0, tile_rows_2_0, tile_rows_3_0, tile_rows_4_0, tile_rows_5_0, tile_rows_6_0,
+     tile_rows_7_0, tile_rows_8_0},
+    {tile_rows_1_1, tile_rows_2_1, tile_rows_3_1, tile_rows_4_1, tile_rows_5_1, tile_rows_6_1,
+     tile_rows_7_1, tile_rows_8_1}};
 
-int linear_q4_bf16_batch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
-    int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
-  if (M < 1 || K % 64 || K < 64) return -1;
+/* x [M][K] bf16 -> int8 groups in one allocation: xq [M][K], then xd and xm float [M][G] (K a
+   multiple of 64 keeps the floats aligned); NULL where malloc fails. */
+static int8_t* quantize_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
   const int64_t G = K / 32;
-  /* xq int8 [M][K], then xd and xm float [M][G] (K % 64 == 0 keeps the floats aligned) */
   int8_t* xq = (int8_t*)malloc((size_t)M * K + sizeof(float) * 2 * M * G);
-  const int64_t ubytes = G * UNPACKED_GROUP_BYTES;
-  uint8_t* ubuf = (uint8_t*)aligned_alloc(64, (size_t)ubytes * (nthreads > 1 ? nthreads : 1));
-  if (!xq || !ubuf) { free(xq); free(ubuf); return -1; }
+  if (!xq) return NULL;
   float* xd = (float*)(xq + M * K);
-  float* xm = xd + M * G;
   for (int64_t m = 0; m < M; ++m)
-    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xm + m * G);
+    prep_row(x + m * ldx, K, xq + m * K, xd + m * G, xd + M * G + m * G);
+  return xq;
+}
+
+/* y [M][N] (ldy apart) for tiles w [tiles][G groups]: w4 tiles (bf16 out, bias), each unpacked
+   once into the thread's buffer, or Q8 tiles (float32 out) read in place. */
+static int run_tiles(const int Q8, const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint8_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int nthreads) {
+  if (M < 1 || K % 64 || K < 64) return -1;
+  const int64_t G = K / 32, esize = Q8 ? sizeof(float) : sizeof(uint16_t);
+  int8_t* xq = quantize_x(x, ldx, M, K);
+  const int64_t ubytes = G * UNPACKED_GROUP_BYTES;
+  uint8_t* ubuf = Q8 ? NULL : (uint8_t*)aligned_alloc(64, (size_t)ubytes * (nthreads > 1 ? nthreads : 1));
+  if (!xq || (!Q8 && !ubuf)) { free(xq); free(ubuf); return -1; }
+  const float* xd = (const float*)(xq + M * K);
+  const float* xm = xd + M * G;
   const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
+  const int64_t tile_bytes = G * (Q8 ? Q8_GROUP_BYTES : GROUP_BYTES);
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t b = 0; b < tasks; ++b) {
     const int64_t t1 = (b + 1) * TASK_TILES < tiles ? (b + 1) * TASK_TILES : tiles;
-    uint8_t* u = ubuf + ubytes * omp_get_thread_num();
+    uint8_t* u = Q8 ? NULL : ubuf + ubytes * omp_get_thread_num();
     for (int64_t t = b * TASK_TILES; t < t1; ++t) {
-      unpack_tile(w + t * G * GROUP_BYTES, G, u);
+      if (Q8) u = (uint8_t*)w + t * tile_bytes;
+      else unpack_tile(w + t * tile_bytes, G, u);
       for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
         const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
-        ROWS[R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, bias, y + m0 * ldy, ldy,
-                    t * TILE, N);
+        ROWS[Q8][R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, bias,
+                        (char*)y + m0 * ldy * esize, ldy, t * TILE, N);
       }
     }
   }
   free(ubuf);
   free(xq);
   return 0;
+}
+
+int linear_q4_bf16_batch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+    int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
+  return run_tiles(0, x, ldx, M, K, w, N, bias, y, ldy, nthreads);
+}
+
+int linear_q8_vnni_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+    int64_t N, float* y, int64_t ldy, int nthreads) {
+  return run_tiles(1, x, ldx, M, K, w, N, NULL, y, ldy, nthreads);
 }
 #endif

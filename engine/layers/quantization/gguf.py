@@ -21,7 +21,7 @@ Layers of other types (float parts, types without a kernel, K the blocks do not 
 the dequantized weights on the unquantized method; the log says which layer kinds took which
 path. The embedding stays dequantized (a gather); the LM head keeps that weight for large
 batches and reads the file's rows (output.weight, or the tied token_embd) in small ones; with
-AVX2 (no AVX512-VNNI) Q8_0 rows become two planes of w4 tiles read at every batch.
+AVX2, or AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch.
 """
 
 from __future__ import annotations
@@ -125,12 +125,19 @@ class GGUFLMHeadMethod(LMHeadMethodBase):
 
 
 class GGUFQ8TilesHeadMethod(LMHeadMethodBase):
-    """The LM head's Q8_0 rows repacked, bit for bit, into two nibble planes of w4 tiles
-    (head.q8_tiles: cpu_w4.pack_q8_0) on AVX2 builds, whose kernel takes every batch: float32
-    logits, x rounded to int8 per 32 as the dot kernel does (the same logits to float
-    rounding). SmolLM2-135M's head (49,152 x 576) on two Zen 3 cores, ms: 1 row 1.07 against
-    the dot kernel's 1.22, 16 rows 6.0 / 9.1, 32 rows 11.3 against the C GEMM on the bf16
-    weight's 17.1, 128 rows 43.8 / 57.7. The tiles (1.06x the rows' bytes) replace the rows."""
+    """The LM head's Q8_0 rows repacked, bit for bit, into tiles of 16 rows (head.q8_tiles:
+    cpu_w4.pack_q8_0, this build's layout) whose kernel takes every batch: float32 logits, x
+    rounded to int8 per 32 as the dot kernel does (the same logits to float rounding). The
+    tiles (1.06x the rows' bytes) replace the rows. SmolLM2-135M's head (49,152 x 576), ms:
+    - AVX2 (two nibble planes of w4 tiles), two Zen 3 cores: 1 row 1.07 against the dot
+      kernel's 1.22, 16 rows 6.0 / 9.1, 32 rows 11.3 against the C GEMM on the bf16 weight's
+      17.1, 128 rows 43.8 / 57.7;
+    - AVX512-VNNI without AMX (one plane on vpdpbusd), two Zen 5 cores: 1 row 0.44 against
+      the dot kernel's 0.69, 8 rows 0.50 / 2.02, 16 rows 1.25 / 4.35, 32 rows 2.50 against
+      the AVX512-BF16 kernel's 3.56, 64 rows 5.5 / 5.5 and 128 rows 10.4 / 9.5 against
+      oneDNN's (level within the noise; one path at every batch keeps a sequence's logits
+      independent of the batch it runs in). With AMX the rows stay on the dot kernel and
+      the tiles there."""
 
     def apply(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         y = cpu_w4.linear_q8(hidden, head.q8_tiles)
@@ -164,6 +171,12 @@ def _w4_refusal(module: nn.Module, type_name: str, in_features: int) -> str | No
     return why
 
 
+def q8_tiles_head() -> bool:
+    """Whether a bf16 model's Q8_0 LM head becomes Q8 tiles (GGUFQ8TilesHeadMethod): a Q8 tile
+    kernel in the build and no AMX (whose machines keep their measured path)."""
+    return cpu_w4.q8_available() and not cpu_isa.plan().amx
+
+
 def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
     """The LM head's path: the file's blocks for small batches (GGUFLMHeadMethod), or why not."""
     dtype = str(head.weight.dtype).removeprefix("torch.")
@@ -173,7 +186,7 @@ def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
         b.type_name == "Q8_0"
         and head.weight.dtype == torch.bfloat16
         and b.in_features % cpu_w4.K_MULTIPLE == 0
-        and cpu_w4.q8_available()
+        and q8_tiles_head()
     ):
         try:
             head.q8_tiles = cpu_w4.pack_q8_0(b.data, b.in_features)
@@ -181,6 +194,8 @@ def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
             logger.info("The LM head's Q8_0 rows stay rows: %s", e)
         else:
             head.quant_method = GGUFQ8TilesHeadMethod()
+            if head.q8_tiles.layout == "vnni":
+                return "Q8_0 blocks as 16-row tiles at every batch (AVX512-VNNI, no AMX)"
             return "Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)"
     head.gguf_blocks, head.gguf_type, head.gguf_in_features = b.data, b.type_id, b.in_features
     head.quant_method = GGUFLMHeadMethod()

@@ -130,16 +130,17 @@ def _q8_0_rows(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "m, n, k", [(1, 70, 576), (2, 16, 64), (3, 33, 128), (17, 200, 576), (70, 40, 128)]
+    "m, n, k",
+    [(1, 70, 576), (2, 16, 64), (3, 33, 128), (9, 48, 192), (17, 200, 576), (70, 40, 128)],
 )
 def test_q8_tiles_stand_for_the_q8_0_rows(m, n, k):
-    """Q8_0 rows as two nibble planes of tiles (the AVX2 build's LM head): the file's values
-    exactly, float32 out, x rounded as the dot kernel rounds it (so its logits to float
-    rounding)."""
+    """Q8_0 rows as tiles in this build's layout (two nibble planes of w4 tiles with AVX2, one
+    plane for vpdpbusd with AVX512-VNNI: the LM head's): the file's values exactly, float32
+    out, x rounded as the dot kernel rounds it (so its logits to float rounding)."""
     from engine.layers import cpu_gguf
 
     if not cpu_w4.q8_available():
-        pytest.skip("the two-plane Q8 kernel is in AVX2 builds without AVX512-VNNI")
+        pytest.skip("the Q8 tile kernels need AVX2 or AVX512-VNNI")
     rows, w = _q8_0_rows(n, k, seed=m * 1000 + n + k)
     tiles = cpu_w4.pack_q8_0(rows, k)
     groups = k // 32
@@ -147,11 +148,16 @@ def test_q8_tiles_stand_for_the_q8_0_rows(m, n, k):
     x = torch.randn(m, k).to(torch.bfloat16)
     y = cpu_w4.linear_q8(x, tiles)
     assert y is not None and y.dtype == torch.float32 and y.shape == (m, n)
-    ref = x_as_the_kernel_reads_it(x) @ w.double().T
+    ref = x_int8_per_group(x) @ w.double().T  # both Q8 kernels round x so
     torch.testing.assert_close(y.double(), ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
     if m <= cpu_gguf.dot_max_rows():  # above them cpu_gguf dequantizes for a GEMM
         dot = cpu_gguf.linear(x.float(), rows, 8, k)  # ggml's Q8_0 is type 8
         torch.testing.assert_close(y, dot, rtol=1e-5, atol=1e-5 * dot.abs().max().item())
+    assert tiles.layout == cpu_w4.q8_layout()
+    other = "planes" if tiles.layout == "vnni" else "vnni"
+    packed = cpu_w4.pack_q8_0(rows, k, other)  # the other layout: as large, arranged otherwise
+    assert packed.data.shape == tiles.data.shape and not torch.equal(packed.data, tiles.data)
+    assert cpu_w4.linear_q8(x, packed) is None  # its kernel is not in this build
     assert cpu_w4.linear_q8(x.float(), tiles) is None  # bf16 x only
     assert cpu_w4.linear_q8(x[:, :32], tiles) is None  # another K
     with pytest.raises(ValueError, match="multiple of 64"):

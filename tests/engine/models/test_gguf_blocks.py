@@ -22,7 +22,11 @@ from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.layers import cpu_gguf, cpu_w4
 from engine.layers.quantization import GGUFLinearMethod, GGUFW4LinearMethod, quantize_model
-from engine.layers.quantization.gguf import GGUFSegmentsLinearMethod, apply_gguf_blocks
+from engine.layers.quantization.gguf import (
+    GGUFSegmentsLinearMethod,
+    apply_gguf_blocks,
+    q8_tiles_head,
+)
 from engine.layers.quantization.unquantized import linear_by_rows
 from engine.models.gguf_convert import _read_tensors
 from engine.models.loader import load_model
@@ -169,8 +173,8 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
     dtype = getattr(torch, name)
     head = model.lm_head
     weight = head.weight.clone()
-    if name == "bfloat16" and cpu_w4.q8_available():
-        pytest.skip("AVX2 builds read a bf16 model's Q8_0 head as tiles (the test below)")
+    if name == "bfloat16" and q8_tiles_head():
+        pytest.skip("this build reads a bf16 model's Q8_0 head as tiles (the test below)")
     paths = apply_gguf_blocks(model, path)
     rows = cpu_gguf.dot_max_rows()
     assert paths["lm_head"] == {
@@ -196,19 +200,24 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
     assert torch.equal(head(big), expected)
 
 
-def test_the_lm_head_reads_q8_tiles_at_every_batch_with_avx2(tiny_llama_dir, tmp_path):
-    """A bf16 model's Q8_0 head on an AVX2 build: two planes of w4 tiles, the file's values,
-    float32 logits at every batch (x rounded to int8 per 32, as the dot kernel)."""
+def test_the_lm_head_reads_q8_tiles_at_every_batch(tiny_llama_dir, tmp_path):
+    """A bf16 model's Q8_0 head on an AVX2 build (two planes of w4 tiles) or an AVX512-VNNI
+    one without AMX (one plane): the file's values, float32 logits at every batch (x rounded
+    to int8 per 32, as the dot kernel)."""
     from engine.layers.quantization.gguf import GGUFQ8TilesHeadMethod
 
-    if not cpu_w4.q8_available():
-        pytest.skip("the two-plane Q8 kernel is in AVX2 builds without AVX512-VNNI")
+    if not q8_tiles_head():
+        pytest.skip("Q8 tiles need AVX2 or AVX512-VNNI (and no AMX)")
     path = tmp_path / "head-q8.gguf"
     write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
     model = load_model(tiny_llama_dir, dtype="bfloat16")
     head = model.lm_head
     paths = apply_gguf_blocks(model, path)
-    assert paths["lm_head"] == {"Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)": 1}
+    path_of = {
+        "planes": "Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)",
+        "vnni": "Q8_0 blocks as 16-row tiles at every batch (AVX512-VNNI, no AMX)",
+    }
+    assert paths["lm_head"] == {path_of[cpu_w4.q8_layout()]: 1}
     assert isinstance(head.quant_method, GGUFQ8TilesHeadMethod)
     assert not hasattr(head, "gguf_blocks")  # the tiles replace the rows
     (out,) = [t for t in GGUFReader(str(path)).tensors if t.name == "output.weight"]

@@ -12,6 +12,7 @@ from engine.attention.backends.cpu import CpuAttentionBackend
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import DEFAULT_MODEL
+from engine.layers.quantization.gguf import q8_tiles_head
 from engine.models.gguf_convert import _unpermute
 from engine.models.loader import load_model, resolve_model
 
@@ -182,7 +183,7 @@ def test_file_blocks_answer_paris(default_model_dir):
     # every linear layer, and the LM head on the file's Q8_0 token_embd rows (tied)
     assert quantize_model(model, "gguf", gguf_path=default_gguf_path()) == 30 * 4 + 1
     head = model.lm_head
-    if cpu_w4.q8_available():  # AVX2: the rows as two planes of w4 tiles, 32 bytes a group more
+    if q8_tiles_head():  # AVX2, or VNNI without AMX: the rows as tiles, 32 bytes a group more
         assert head.q8_tiles.data.nbytes == 49152 // 16 * 576 // 32 * cpu_w4.Q8_GROUP_BYTES
     else:
         assert head.gguf_blocks.nbytes == 49152 * 576 // 32 * 34
@@ -237,7 +238,7 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
             assert len(methods) == 30 * 4 and all(
                 isinstance(q, GGUFW4LinearMethod) for q in methods
             )
-        head_method = GGUFQ8TilesHeadMethod if cpu_w4.q8_available() else GGUFLMHeadMethod
+        head_method = GGUFQ8TilesHeadMethod if q8_tiles_head() else GGUFLMHeadMethod
         assert isinstance(runner.model.lm_head.quant_method, head_method)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         runs[plan] = (out.token_ids, runner._step_graph)

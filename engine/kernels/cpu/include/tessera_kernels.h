@@ -44,8 +44,10 @@ int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, cons
    4-bit weight tiles (engine.layers.cpu_w4); absent on other CPUs ---- */
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int w4_max_rows(void);
-/* w4_vnni_batch.c (as w4.c's CPUs): the same tiles at any batch, x as int8 per group of 32 */
+/* w4_vnni_batch.c (as w4.c's CPUs): the same tiles at any batch, x as int8 per group of 32;
+   Q8_0 rows as 16-row tiles of that kernel's layout (cpu_w4.pack_q8_0), float32 out */
 int linear_q4_bf16_batch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+int linear_q8_vnni_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy, int nthreads);
 /* w4_avx2.c only: Q8_0 rows as two planes of w4 tiles (cpu_w4.pack_q8_0), float32 out */
 int linear_q8w4_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy, int nthreads);
 

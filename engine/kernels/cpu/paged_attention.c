@@ -103,6 +103,16 @@ static inline __m512 load16_bf16_(const uint16_t* p) {
 #ifndef AHEAD
 #define AHEAD 2  /* blocks prefetched ahead in the K pass */
 #endif
+/* Part `part` of `parts` of the `bytes` at p prefetched: a block's prefetches spread over the
+   work of the block before it. Issued at once (a block's K and V are 192 lines at SmolLM2's
+   shape) they filled the miss buffers and stalled the very loads they were to feed: the bf16
+   kernel 1.6-1.75x faster spread (32-128 rows of 140-500 tokens in scattered blocks, two Zen
+   5 cores). */
+static inline void prefetch_part(const void* p, int64_t bytes, int64_t part, int64_t parts) {
+  const char* c = (const char*)p;
+  for (int64_t o = (bytes * part / parts) & ~(int64_t)63; o < bytes * (part + 1) / parts; o += 64)
+    __builtin_prefetch(c + o, 0, 3);
+}
 
 /* Each row r of s [H][L] (rows `stride` apart) becomes softmax(row), 16 scores at a time. */
 static inline void softmax512(float* s, int H, int64_t L, int64_t stride) {
@@ -177,14 +187,16 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
         PREFETCH_BLOCK(kc + table[a] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
         PREFETCH_BLOCK(vc + table[a] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
       }
-    if (bi + AHEAD < nblk) {  /* K and V: the V pass then reads them from L2 */
-      PREFETCH_BLOCK(kc + table[bi + AHEAD] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
-      PREFETCH_BLOCK(vc + table[bi + AHEAD] * bs * tok, bs * tok * (int64_t)sizeof(uint16_t));
-    }
-    const int64_t nb = L - l0 < bs ? L - l0 : bs;
+    /* block bi + AHEAD's K and V (the V pass then reads them from L2), a part per head */
+    const uint16_t* pk = bi + AHEAD < nblk ? kc + table[bi + AHEAD] * bs * tok : NULL;
+    const uint16_t* pv = bi + AHEAD < nblk ? vc + table[bi + AHEAD] * bs * tok : NULL;
+    const int64_t nb = L - l0 < bs ? L - l0 : bs, bytes = bs * tok * (int64_t)sizeof(uint16_t);
+    const int64_t parts = H * ((nb + 15) / 16);
+    int64_t part = 0;
     for (int64_t j0 = 0; j0 < nb; j0 += 16) {
       const int m = nb - j0 < 16 ? (int)(nb - j0) : 16;
-      for (int r = 0; r < H; ++r) {
+      for (int r = 0; r < H; ++r, ++part) {
+        if (pk) { prefetch_part(pk, bytes, part, parts); prefetch_part(pv, bytes, part, parts); }
         const uint16_t* qr = q + r * D; const uint16_t* kr = kb + j0 * tok + (r / G) * D;
         __m512 d[16];
         for (int j = 0; j < 16; ++j) d[j] = _mm512_setzero_ps();

@@ -167,10 +167,10 @@ class Settings:
     )
     frontend_threads: int | None = _flag(
         "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, so "
-        "streams are not stalled by a descheduled compute thread. Unset or `auto`: the "
-        "server's first small steps alternate between all threads and all but one, and the "
-        "faster median takes them (logged; measured again every 4,096 small steps); 0: use "
-        "every thread.",
+        "streams are not stalled by a descheduled compute thread. Unset or `auto`: steps of "
+        "1-4 and of 5-16 tokens are measured apart, a band's first steps alternating between "
+        "all threads and all but one, and the faster median takes the band (logged; measured "
+        "again every 4,096 of its steps); 0: use every thread.",
         None,
         _auto_int,
     )

@@ -96,7 +96,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     # CPU threads that small steps leave to a serving front end (engine.worker.step_threads);
-    # None: whichever of all threads and all but one runs the first small steps faster.
+    # None: measured per band of step sizes (all threads or all but one, whichever is faster).
     frontend_threads: int | None = 0
     # How long a rank waits for its peers in a collective (and the driver for a worker's
     # reply) before the tensor-parallel group is declared dead (engine.worker.multiproc).

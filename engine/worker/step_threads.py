@@ -8,11 +8,12 @@ want every core (32 streams: 120 vs 96 tokens/s). So steps of at most ``small_st
 tokens may leave ``reserved`` threads to the front end (like vLLM's reserved CPU for its front
 end on CPU); larger steps use them all. Offline use reserves none.
 
-Whether leaving one pays depends on the machine, so the serving default (``reserved=None``)
-measures it on the server's own first small steps: they alternate between all threads and
-all but one, and after CALIBRATION_STEPS of each (of the same size) the faster median takes
-the small steps (logged when it changes); every RECHECK_STEPS small steps it measures again,
-since a shared machine's load moves. The measurement sees what a fixed rule cannot: the
+Whether leaving one pays depends on the machine and the step's size, so the serving default
+(``reserved=None``) measures it on the server's own steps, in two bands of sizes (1-4 and
+5-16 tokens) decided apart: a band's first steps alternate between all threads and all but
+one, and after CALIBRATION_STEPS of each (of the same size) the faster median takes the
+band's steps (logged when it changes); every RECHECK_STEPS of the band's steps it measures
+again, since a shared machine's load moves. The measurement sees what a fixed rule cannot: the
 memory's speed on one core against all, and how often the front end takes a core.
 - 2-core Zen 4 (2026-12-01, bf16): a 1-row step only a fifth slower on one core; 1 reserved
   won at 2 and 4 streams (78 vs 66, 110 vs 102 tokens/s), both threads at 8 (182 vs 133).
@@ -21,6 +22,10 @@ memory's speed on one core against all, and how often the front end takes a core
   12.4 ms (median of 8 rounds, GGUF), 44 vs 54 ms (6 rounds, bf16). (Before the decode plan
   took a step in one C call, the engine thread won the GIL back from the HTTP thread hundreds
   of times a step, and one thread won here: 43 vs 72 ms.)
+- 2 vCPUs of a Zen 5 EPYC (2026-12-03, GGUF): one thread won 1-token steps (6.4-6.9 vs
+  11.6-13.0 ms) and 8-token steps (12.35 vs 13.67 ms); with the 5-16 band measured too
+  (before, steps of 5+ tokens took every thread) 8 streams ran 462 vs 394 tokens/s (two
+  servers up at once, alternate rounds: faster in 8 of 8).
 """
 
 from __future__ import annotations
@@ -33,46 +38,58 @@ import torch
 
 logger = logging.getLogger("tessera.engine")
 
-SMALL_STEP_TOKENS = 4
+SMALL_STEP_TOKENS = 4  # a fixed --frontend-threads reserves threads from steps this small
+BANDS = (SMALL_STEP_TOKENS, 16)  # auto: steps of 1-4 tokens, then 5-16, each measured alone
 CALIBRATION_STEPS = 24  # small steps of one size on each thread count before choosing
-RECHECK_STEPS = 4096  # small steps after a choice before measuring again (~40 s of one stream)
+RECHECK_STEPS = 4096  # a band's steps after a choice before measuring it again (~40 s at 1 stream)
 
 
 class StepThreads:
     def __init__(
         self,
         reserved: int | None,
-        small_step_tokens: int = SMALL_STEP_TOKENS,
+        bands: tuple[int, ...] = BANDS,
         calibration_steps: int = CALIBRATION_STEPS,
         recheck_steps: int = RECHECK_STEPS,
     ):
-        """reserved: threads small steps leave to the front end; None: measured (see above),
-        and measured again every recheck_steps small steps (a shared machine's load moves)."""
+        """reserved: threads steps of up to bands[0] tokens leave to the front end; None:
+        measured for each band of step sizes (see above), and measured again every
+        recheck_steps steps of the band (a shared machine's load moves)."""
         self.total = torch.get_num_threads()
-        self.small_step_tokens = small_step_tokens
+        self._auto = reserved is None and self.total > 1
+        self.bands = bands if self._auto else bands[:1]
         self.calibration_steps = calibration_steps
         self.recheck_steps = recheck_steps
         self._current = self.total
-        self._auto = reserved is None and self.total > 1
         self._candidates = (self.total - 1, self.total)  # what a measurement compares
         self._step: tuple[int, float] | None = None  # tokens, start (threads: self._current)
-        # While measuring: step seconds by step size, then by thread count.
-        self._trial: dict[int, dict[int, list[float]]] | None = {} if self._auto else None
-        self._since = 0  # small steps since the last choice
-        # threads of a small step: None until the first measurement has chosen
-        self.small: int | None = None if self._auto else max(1, self.total - max(0, reserved or 0))
+        # Bands being measured: step seconds by step size, then by thread count.
+        self._trial: dict[int, dict[int, dict[int, list[float]]]] = (
+            {b: {} for b in self.bands} if self._auto else {}
+        )
+        self._since = dict.fromkeys(self.bands, 0)  # a band's steps since its last choice
+        # each band's threads: None until its first measurement has chosen
+        fixed = None if self._auto else max(1, self.total - max(0, reserved or 0))
+        self.small: dict[int, int | None] = dict.fromkeys(self.bands, fixed)
 
     @property
     def measuring(self) -> bool:
-        return self._trial is not None
+        return bool(self._trial)
+
+    def band(self, num_tokens: int) -> int | None:
+        """The band (its largest step) a step of this many tokens falls in; None: all threads."""
+        return next((b for b in self.bands if num_tokens <= b), None)
 
     def for_step(self, num_tokens: int) -> int:
-        if num_tokens > self.small_step_tokens:
+        band = self.band(num_tokens)
+        if band is None:
             return self.total
-        if self._trial is None:
-            assert self.small is not None
-            return self.small
-        counts = self._trial.get(num_tokens, {})  # the one with fewer samples goes next
+        trial = self._trial.get(band)
+        if trial is None:
+            threads = self.small[band]
+            assert threads is not None
+            return threads
+        counts = trial.get(num_tokens, {})  # the one with fewer samples goes next
         return min(self._candidates, key=lambda t: len(counts.get(t, ())))
 
     def apply(self, num_tokens: int) -> None:
@@ -84,38 +101,43 @@ class StepThreads:
         self._step = (num_tokens, time.perf_counter()) if self._auto else None
 
     def finish(self) -> None:
-        """The step applied last has ended: while measuring, count its time; else count it
-        towards the next measurement."""
+        """The step applied last has ended: while its band is measured, count its time; else
+        count it towards the band's next measurement."""
         if self._step is None:
             return
         tokens, start = self._step
         self._step = None
-        if tokens > self.small_step_tokens:
+        band = self.band(tokens)
+        if band is None:
             return
-        if self._trial is not None:
+        if band in self._trial:
             self.record(tokens, self._current, time.perf_counter() - start)
             return
-        self._since += 1
-        if self._since >= self.recheck_steps:
-            self._trial = {}
+        self._since[band] += 1
+        if self._since[band] >= self.recheck_steps:
+            self._trial[band] = {}
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
-        """One small step's time; chooses once each thread count has enough of one size."""
-        if self._trial is None:
+        """One step's time; chooses for its band once each thread count has enough steps of
+        one size."""
+        band = self.band(num_tokens)
+        trial = self._trial.get(band)
+        if trial is None:
             return
-        times = self._trial.setdefault(num_tokens, {}).setdefault(threads, [])
-        times.append(seconds)
-        by_threads = self._trial[num_tokens]
+        by_threads = trial.setdefault(num_tokens, {})
+        by_threads.setdefault(threads, []).append(seconds)
         if any(len(by_threads.get(t, ())) < self.calibration_steps for t in self._candidates):
             return
         medians = {t: statistics.median(by_threads[t]) for t in self._candidates}
-        before, self.small = self.small, min(medians, key=medians.__getitem__)
-        self._trial, self._since = None, 0
+        before, self.small[band] = self.small[band], min(medians, key=medians.__getitem__)
+        del self._trial[band]
+        self._since[band] = 0
+        low = 1 + max((b for b in self.bands if b < band), default=0)
         logger.log(
-            logging.INFO if self.small != before else logging.DEBUG,
-            "Steps of up to %d tokens run on %d of %d threads from now on: %s (median of %d "
+            logging.INFO if self.small[band] != before else logging.DEBUG,
+            "Steps of %d-%d tokens run on %d of %d threads from now on: %s (median of %d "
             "%d-token steps each, alternated; --frontend-threads sets it)",
-            self.small_step_tokens, self.small, self.total,
+            low, band, self.small[band], self.total,
             ", ".join(f"{t} thread{'s' * (t > 1)} {medians[t] * 1000:.2f} ms" for t in self._candidates),
             self.calibration_steps, num_tokens,
         )  # fmt: skip

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
-from engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    async_engine,
+)
 from engine.async_engine import AsyncEngine
 from engine.errors import QueueFullError
 
@@ -54,6 +62,69 @@ async def test_streams_cumulative_outputs(tiny_llama_dir):
         assert engine.is_healthy()
     finally:
         await engine.shutdown()
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tessera-engine"]
+
+
+async def test_the_engine_loads_and_steps_on_one_thread(tiny_llama_dir, monkeypatch):
+    # libgomp keeps a team per thread that opens parallel regions; two teams on two cores
+    # throttle both to futex waits. So the thread that loads is the one that steps.
+    real_init, real_step = async_engine.LLMEngine.__init__, async_engine.LLMEngine.step
+    loaded_on, stepped_on = set(), set()
+
+    def init(self, *args, **kwargs):
+        loaded_on.add(threading.get_ident())
+        real_init(self, *args, **kwargs)
+
+    def step(self):
+        stepped_on.add(threading.get_ident())
+        return real_step(self)
+
+    monkeypatch.setattr(async_engine.LLMEngine, "__init__", init)
+    monkeypatch.setattr(async_engine.LLMEngine, "step", step)
+    engine = await AsyncEngine.create(make_config(tiny_llama_dir))
+    try:
+        ids = engine.tokenizer.encode("Hello world")
+        out = await collect(engine, "r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 4
+        assert loaded_on == stepped_on == {engine._thread.ident}
+        assert threading.get_ident() not in loaded_on
+    finally:
+        await engine.shutdown()
+    assert not engine._thread.is_alive()
+
+
+async def test_a_failed_load_raises_and_leaves_no_thread(tmp_path):
+    before = engine_threads()
+    with pytest.raises(Exception, match="config.json|no such|not found|No such"):
+        await AsyncEngine.create(make_config(tmp_path / "missing"))
+    await wait_until(lambda: engine_threads() == before)
+
+
+async def test_a_cancelled_create_shuts_the_loaded_engine_down(tiny_llama_dir, monkeypatch):
+    release, shut = threading.Event(), []
+    real_init, real_shutdown = async_engine.LLMEngine.__init__, async_engine.LLMEngine.shutdown
+
+    def slow_init(self, *args, **kwargs):
+        release.wait(30)
+        real_init(self, *args, **kwargs)
+
+    def shutdown(self):
+        shut.append(self)
+        real_shutdown(self)
+
+    monkeypatch.setattr(async_engine.LLMEngine, "__init__", slow_init)
+    monkeypatch.setattr(async_engine.LLMEngine, "shutdown", shutdown)
+    before = engine_threads()
+    task = asyncio.create_task(AsyncEngine.create(make_config(tiny_llama_dir)))
+    await wait_until(lambda: len(engine_threads()) == len(before) + 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()  # the load finishes after its caller left: nobody steps it, it shuts down
+    await wait_until(lambda: len(shut) == 1 and engine_threads() == before)
 
 
 async def test_cancel_aborts_and_frees_blocks(tiny_llama_dir):

@@ -86,8 +86,9 @@ class AsyncEngine:
         owner = None
         try:
             engine = await asyncio.wrap_future(built)
-            owner = cls(engine, **kwargs)
-            owner._attach(thread)
+            candidate = cls(engine, **kwargs)
+            candidate._attach(thread)
+            owner = candidate  # only a complete one runs the loop
         finally:
             handoff.put(owner)
         return owner

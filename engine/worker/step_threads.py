@@ -26,6 +26,9 @@ memory's speed on one core against all, and how often the front end takes a core
   11.6-13.0 ms) and 8-token steps (12.35 vs 13.67 ms); with the 5-16 band measured too
   (before, steps of 5+ tokens took every thread) 8 streams ran 462 vs 394 tokens/s (two
   servers up at once, alternate rounds: faster in 8 of 8).
+The Zen 4 and Zen 5 answers above were measured while the server held two OpenMP teams (the
+model loaded on one thread, stepped on another; see AsyncEngine.create), which made each
+parallel region of a two-thread step a futex wake-up: they may differ now.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@
 /* Rows from which a loop is split over threads. Small (decode) calls stay on the calling
    thread: in a server a fork-join per tiny op waits on whichever pool thread the front end
    has just displaced (measured: norms and SiLU took a quarter of the engine's time at 32
-   streams, against 5% alone). */
+   streams, against 5% alone). That was measured while the server held two OpenMP teams,
+   which turned every fork-join into a futex wake-up (BENCHMARKS.md, Lessons); offline on
+   Zen 3, 16 rows instead ran within the noise. */
 #define PAR_ROWS 256
 
 /* residual (optional) += x; out = w * dtype(float(r) / rms(r)), per row of H.

@@ -87,24 +87,14 @@ class AsyncEngine:
         try:
             engine = await asyncio.wrap_future(built)
             candidate = cls(engine, **kwargs)
-            candidate._attach(thread)
+            candidate._loop = asyncio.get_running_loop()
+            candidate._thread = thread
+            # A worker's death is heard at once, even while the loop is idle or inside a step.
+            engine.executor.on_dead(candidate._mark_dead)
             owner = candidate  # only a complete one runs the loop
         finally:
             handoff.put(owner)
         return owner
-
-    def start(self) -> None:
-        """Run the step loop on a new thread (an engine built by the caller; create() loads
-        and steps on one thread instead)."""
-        thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
-        self._attach(thread)
-        thread.start()
-
-    def _attach(self, thread: threading.Thread) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = thread
-        # A worker's death is heard at once, even while the loop is idle or inside a step.
-        self.engine.executor.on_dead(self._mark_dead)
 
     def on_dead(self, listener: Callable[[EngineDeadError], None]) -> None:
         """Call listener(error) on the event loop once, if the engine dies (not on shutdown)."""

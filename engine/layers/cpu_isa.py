@@ -25,6 +25,11 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
                 matmul is slow there (also for GGUF layers' dequantized large batches). The w4
                 kernel (Q4_0/Q4_1 tiles) takes every batch there: int8 products on
                 vpmaddubsw, 1.4-1.7x the widening kernel's speed at 8-512 rows (Zen 3).
+                w4 tiles (GGUF Q4_0/Q4_1) keep AMX up to AMX_W4_MAX_ROWS: oneDNN needs them
+                dequantized first (a copy of the whole weight per call), which costs more than
+                its better blocking saves below ~1,500 rows (SmolLM2-135M's four shapes, sum of
+                medians, AMX / dequantize + oneDNN time: 0.26 at 128 rows, 0.62 at 512, 0.75
+                at 1,024, 1.20 at 2,048).
 GGUF without AMX (and above AMX_MAX_ROWS): the dot kernels up to 16 rows, then one
 dequantized copy and the GEMM; Q4_0/Q4_1 layers (w4 tiles) without AMX: the AVX512-VNNI batch
 kernel above the w4 kernel's 12 rows (int8 activations per 32 on vpdpbusd; 1.5-2.2x the
@@ -58,10 +63,15 @@ class RowPlan:
     amx: bool  # above them: AMX-bf16 tiles (cpu_amx.linear), else oneDNN's F.linear
     gguf_dot_max_rows: int  # GGUF layers: the dot kernels up to this; above, AMX or dequantize
     amx_max_rows: int = 0  # AMX up to this many rows; more (prefill): oneDNN / dequantize
+    amx_w4_max_rows: int = 0  # w4 tiles on AMX up to this many rows; more: dequantize + oneDNN
 
     def amx_rows(self, rows: int) -> bool:
         """Whether a call of this many rows above the dot kernels' goes to AMX tiles."""
         return self.amx and rows <= self.amx_max_rows
+
+    def amx_w4_rows(self, rows: int) -> bool:
+        """Whether a call of this many rows above the w4 kernel's goes to AMX tiles."""
+        return self.amx and rows <= self.amx_w4_max_rows
 
     def describe(self) -> str:
         dense = "oneDNN" if self.dp_max_rows != ALWAYS else "the C widening kernel"
@@ -89,7 +99,7 @@ class RowPlan:
             if not cpu_w4.batch_available():
                 batch = f"dequantize + {dense}"
             above = (
-                f"AMX-bf16 tiles up to {self.amx_max_rows}, dequantize + oneDNN"
+                f"AMX-bf16 tiles up to {self.amx_w4_max_rows}, dequantize + oneDNN"
                 if self.amx
                 else batch
             )
@@ -103,8 +113,9 @@ class RowPlan:
 ALWAYS_W4 = 1 << 20  # cpu_w4.max_rows() from here: the AVX2 kernel, which takes any batch
 GGUF_AMX_ROWS = 2  # GGUF with AMX: the dot kernels up to this many rows (see above)
 AMX_MAX_ROWS = 128  # AMX tiles up to this many rows; prefill chunks: oneDNN (see above)
+AMX_W4_MAX_ROWS = 1024  # w4 tiles: AMX up to here (the CPU's default step budget; see above)
 PLANS = {
-    "amx": RowPlan("amx_bf16 present", 1, True, GGUF_AMX_ROWS, AMX_MAX_ROWS),
+    "amx": RowPlan("amx_bf16 present", 1, True, GGUF_AMX_ROWS, AMX_MAX_ROWS, AMX_W4_MAX_ROWS),
     "amx_off": RowPlan("amx_bf16 present, TESSERA_AMX=0", 8, False, 16),
     "avx512_bf16": RowPlan("avx512_bf16, no AMX", 32, False, 16),
     "other": RowPlan("no native bf16", ALWAYS, False, 16),

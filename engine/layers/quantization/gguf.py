@@ -54,7 +54,7 @@ def w4_large_batch_linear(
     x: torch.Tensor, q4: cpu_w4.Q4Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] of more than cpu_w4.max_rows() rows (or calls the w4 kernel refuses) against
-    w4 tiles: AMX-bf16 tiles reading them (cpu_amx) up to the plan's AMX rows; without AMX
+    w4 tiles: AMX-bf16 tiles reading them (cpu_amx) up to the plan's AMX w4 rows; without AMX
     the AVX512-VNNI batch kernel (cpu_w4.linear_batch: SmolLM2's four layer shapes on two Zen
     5 cores 1.5-1.7x faster at 13-64 rows than the 12-row kernel in chunks, 1.5-2.2x at
     128-512 than the tiles dequantized for oneDNN); elsewhere, and for prefill chunks above
@@ -64,11 +64,11 @@ def w4_large_batch_linear(
     k, n = x.shape[-1], q4.out_features
     rows = x.numel() // k
     plan = cpu_isa.plan()
-    if plan.amx_rows(rows):
+    if plan.amx_w4_rows(rows):
         y = cpu_amx.linear_w4(x, q4.data, n, k, bias)
         if y is not None:
             return y
-    if not plan.amx or plan.amx_rows(rows):
+    if not plan.amx or plan.amx_w4_rows(rows):
         y = cpu_w4.linear_batch(x, q4, bias)
         if y is not None:
             return y

@@ -83,6 +83,23 @@ def test_w4_tiles_match_f_linear_on_their_weights(n, k, bias, out):
         _close(y, x, w, b, 2.0**-8)
 
 
+def test_w4_tiles_over_several_blocks_of_rows():
+    """Rows past one block of x (AMX_W4_BLOCK_BYTES: 64 rows at K = 4,096): each block runs
+    over every column pair again, the last block and its last row tile partial."""
+    torch.manual_seed(5)
+    n, k = 40, 4096
+    q4 = cpu_w4.quantize_groups(torch.randn(n, k))
+    w = cpu_w4.dequantize(q4)
+    b = torch.randn(n).bfloat16()
+    for m in (64, 65, 150):
+        x = torch.randn(m, k).bfloat16()
+        y = cpu_amx.linear_w4(x, q4.data, n, k, b)
+        _close(y, x, w, b, 2.0**-8)
+        for m0 in range(0, m, 64):  # each block alone gives the same rows
+            part = cpu_amx.linear_w4(x[m0 : m0 + 64], q4.data, n, k, b)
+            assert torch.equal(y[m0 : m0 + 64], part)
+
+
 def _gguf_blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize

@@ -110,14 +110,18 @@ def test_layers_take_the_w4_kernel_up_to_its_rows_and_the_large_batch_path_beyon
     # the decode plan's bound: where the w4 tiles' kernels stop (the batch kernel: never)
     batch = cpu_w4.batch_available() and not cpu_isa.plan().amx
     assert layer.quant_method.w8a8_min_rows(layer, 128) == (cpu_isa.ALWAYS if batch else top + 1)
-    for rows in (1, 12, 13, 40, 300):
+    amx_top = cpu_isa.plan().amx_w4_max_rows
+    for rows in (1, 12, 13, 40, 300, *((amx_top, amx_top + 1) if cpu_isa.plan().amx else ())):
         x = torch.randn(rows, 128).bfloat16()
         y = layer(x)
         if rows <= top:  # the kernel itself
             assert torch.equal(y, cpu_w4.linear(x, layer.w4, layer.bias))
-        elif cpu_isa.plan().amx_rows(rows):  # AMX-bf16 tiles reading the w4 tiles
+        elif cpu_isa.plan().amx_w4_rows(rows):  # AMX-bf16 tiles reading the w4 tiles
             assert torch.equal(y, cpu_amx.linear_w4(x, layer.w4.data, 40, 128, layer.bias))
-        elif cpu_w4.batch_available() and not cpu_isa.plan().amx:  # the VNNI batch kernel
+        elif cpu_isa.plan().amx:  # past AMX's rows: the tiles dequantized for oneDNN
+            dense = cpu_gemm.dense_linear(x, cpu_w4.unpack(layer.w4, x.dtype), layer.bias)
+            assert torch.equal(y, dense)
+        elif cpu_w4.batch_available():  # the VNNI batch kernel
             assert torch.equal(y, cpu_w4.linear_batch(x, layer.w4, layer.bias))
         ref = F.linear(x_as_the_kernel_reads_it(x), w.double(), layer.bias.double())
         if rows > top and cpu_w4.batch_available():  # int8 x per group of 32 above 12 rows

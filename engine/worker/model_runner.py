@@ -40,6 +40,7 @@ from engine.models.gguf_blocks import gguf_source
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.structured_output.bitmask import RowMask
+from engine.worker import host_memory
 from engine.worker.async_output import (
     PLACEHOLDER,
     AsyncGpuSampler,
@@ -392,9 +393,7 @@ class ModelRunner:
         # fp8 caches are held as bytes (block copies need no float8 index kernels); the
         # layers see them as float8 e4m3.
         dtype = torch.int8 if int8 else torch.uint8 if fp8 else self.dtype
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)
-        ]
+        self.kv_caches = [self._zeros(shape, dtype) for _ in range(c.num_hidden_layers)]
         self.kv_scales = [
             kv_int8.allocate_scales(num_blocks, self.block_size, self.num_kv_heads, self.device)
             for _ in range(c.num_hidden_layers if int8 else 0)
@@ -415,6 +414,12 @@ class ModelRunner:
                 self.max_model_len,
                 tokens / self.max_model_len,
             )
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A KV cache tensor: on the CPU in huge pages (host_memory says why)."""
+        if self.device.type == "cpu":
+            return host_memory.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _log_graph_pool(self) -> None:
         """The captured graphs' measured pool against what the KV budget reserved for it."""

@@ -1,0 +1,59 @@
+"""host_memory.zeros: the CPU KV cache's tensors, in mappings advised for huge pages."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.worker import host_memory
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds addr."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_zeros_is_a_zeroed_writable_tensor_that_outlives_its_mapping_object(dtype):
+    t = host_memory.zeros((2, 5, 3, 7), dtype)
+    assert t.shape == (2, 5, 3, 7) and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    gc.collect()  # only the tensor holds the mapping now
+    t[1, 4, 2, 6] = 3
+    t[0, 0, 0, 0] = -2
+    assert t.sum().item() == 1
+    assert host_memory.zeros((0, 4), dtype).shape == (0, 4)
+
+
+@pytest.mark.skipif(not THP.exists(), reason="this kernel has no transparent huge pages")
+def test_zeros_asks_for_huge_pages():
+    t = host_memory.zeros((4, 1 << 20), torch.bfloat16)  # 8 MiB
+    assert t.data_ptr() % 4096 == 0
+    assert "hg" in _vm_flags(t.data_ptr())  # madvise(MADV_HUGEPAGE) took
+    assert "hg" not in _vm_flags(torch.zeros(4, 1 << 20).data_ptr())  # torch's own: does not
+
+
+@pytest.mark.skipif(not THP.exists(), reason="this kernel has no transparent huge pages")
+def test_the_cpu_kv_cache_is_on_huge_pages(tiny_llama_dir):
+    from engine.worker.model_runner import ModelRunner
+    from tests.engine.worker.test_model_runner import make_config
+
+    r = ModelRunner(make_config(tiny_llama_dir), model_dir=tiny_llama_dir)
+    r.load_model()
+    r.init_kv_cache(r.determine_num_blocks())
+    for cache in r.kv_caches:
+        assert "hg" in _vm_flags(cache.data_ptr())
+        assert not cache.any()

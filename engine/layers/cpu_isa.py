@@ -16,6 +16,11 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
                 at 512, 0.36-0.73 at 2,048): AMX up to AMX_MAX_ROWS rows. GGUF: AMX on rows decoded 16 at a time (same 120 GEMMs) against the dot
                 kernels: Q4_1 1.27x their time at 1 row, 0.64x at 4, 0.25x at 16; Q8_0 1.48x
                 at 1, 0.97x at 4, 0.42x at 16: the dot kernels up to GGUF_AMX_ROWS rows.
+                w4 tiles (GGUF Q4_0/Q4_1) keep AMX up to AMX_W4_MAX_ROWS: oneDNN needs them
+                dequantized first (a copy of the whole weight per call), which costs more than
+                its better blocking saves below ~1,500 rows (SmolLM2-135M's four shapes, sum of
+                medians, AMX / dequantize + oneDNN time: 0.26 at 128 rows, 0.62 at 512, 0.75
+                at 1,024, 1.20 at 2,048).
   amx_off:      the same CPU with TESSERA_AMX=0: `_dp` up to 8 rows, where oneDNN (which uses
                 the tiles itself) gets faster (same measurement: `_dp` 0.59x oneDNN's time at 4
                 rows, 0.87x at 8, 1.6x at 16).
@@ -25,11 +30,6 @@ model, so the rows are keyed by what the CPU has (RowPlan per ISA):
                 matmul is slow there (also for GGUF layers' dequantized large batches). The w4
                 kernel (Q4_0/Q4_1 tiles) takes every batch there: int8 products on
                 vpmaddubsw, 1.4-1.7x the widening kernel's speed at 8-512 rows (Zen 3).
-                w4 tiles (GGUF Q4_0/Q4_1) keep AMX up to AMX_W4_MAX_ROWS: oneDNN needs them
-                dequantized first (a copy of the whole weight per call), which costs more than
-                its better blocking saves below ~1,500 rows (SmolLM2-135M's four shapes, sum of
-                medians, AMX / dequantize + oneDNN time: 0.26 at 128 rows, 0.62 at 512, 0.75
-                at 1,024, 1.20 at 2,048).
 GGUF without AMX (and above AMX_MAX_ROWS): the dot kernels up to 16 rows, then one
 dequantized copy and the GEMM; Q4_0/Q4_1 layers (w4 tiles) without AMX: the AVX512-VNNI batch
 kernel above the w4 kernel's 12 rows (int8 activations per 32 on vpdpbusd; 1.5-2.2x the

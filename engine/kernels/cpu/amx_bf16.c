@@ -50,15 +50,55 @@ static void tiles_begin(void) {
   _tile_loadconfig(&c);
 }
 
+/* w4 tile p: per group of 32 k, 8 chunks of 32 bytes (chunk c: byte 2r + j = row r's code for
+   k = 4c + j in its low nibble, 4c + 2 + j in its high one), then 16 float16 scales and 16
+   minimums (w4.c). A chunk's low nibbles, in byte order, are B row 2c (pairs k = 4c, 4c + 1 of
+   the 16 columns), its high nibbles B row 2c + 1: the codes are already in the tile's order. */
+static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
+  const __m512i pair_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = tile + g * W4_GROUP_BYTES;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 256)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 288)));
+    const __m512 s0 = _mm512_permutexvar_ps(pair_lo, s), s1 = _mm512_permutexvar_ps(pair_hi, s);
+    const __m512 m0 = _mm512_permutexvar_ps(pair_lo, mn), m1 = _mm512_permutexvar_ps(pair_hi, mn);
+    uint16_t* d = dst + g * BTILE;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
+      const __m512i q[2] = {_mm512_and_si512(v, low4), _mm512_srli_epi16(v, 4)};
+      for (int h = 0; h < 2; ++h) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q[h])));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q[h], 1)));
+        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s1, m1), _mm512_fmadd_ps(lo, s0, m0));
+        _mm512_store_si512(d + (2 * c + h) * 32, (__m512i)w);
+      }
+    }
+  }
+}
+
+/* The next column pair's w4 groups decoded a few at a time inside the tile loop of the
+   current one: the vector units decode while the tile unit multiplies, instead of one after
+   the other (decoding alone took about as long as the tiles' products at 128 rows). */
+typedef struct { const uint8_t* src; uint16_t* dst; int64_t left, per; } w4_decoder;
+static inline void decode_some(w4_decoder* d) {
+  if (!d || d->left <= 0) return;
+  const int64_t n = d->left < d->per ? d->left : d->per;
+  fill_w4(d->src, n, d->dst);
+  d->src += n * W4_GROUP_BYTES; d->dst += n * BTILE; d->left -= n;
+}
+
 /* Up to 32 rows (a0, a1: two row tiles, lda apart) x up to 32 columns (b0, b1: two panels of
    KC B tiles) -> out [32][32] float32. TM, TN (1 or 2): constants after inlining. */
 static inline __attribute__((always_inline)) void block(const int TM, const int TN,
     const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0,
-    const uint16_t* b1, int64_t KC, float* out) {
+    const uint16_t* b1, int64_t KC, float* out, w4_decoder* dec) {
   _tile_zero(0);
   if (TN > 1) _tile_zero(1);
   if (TM > 1) { _tile_zero(2); if (TN > 1) _tile_zero(3); }
   for (int64_t kc = 0; kc < KC; ++kc) {
+    decode_some(dec);
     _tile_loadd(4, a0 + kc * AMX_KCHUNK, lda * 2);
     _tile_loadd(6, b0 + kc * BTILE, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -120,12 +160,17 @@ static inline const uint16_t* x_rows(const x_tiles* t, int64_t m0, int64_t Kp, i
 }
 
 /* Rows [m_begin, M) of x (m_begin a multiple of 32) against the column pair at b0 (and b1
-   when nc > 16): out -> y. */
+   when nc > 16): out -> y; dec (or NULL): the next pair's decoding, spread over the tile
+   loop and finished here. */
 static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t Kp,
     const uint16_t* b0, const uint16_t* b1, int nc, int64_t n0, const uint16_t* bias, void* y,
-    int64_t ldy, int out_f32) {
+    int64_t ldy, int out_f32, w4_decoder* dec) {
   float out[32 * 32] __attribute__((aligned(64)));
   const int64_t KC = Kp / AMX_KCHUNK;
+  if (dec) {  /* groups per k chunk of the loop, so that the decoding ends with it */
+    const int64_t steps = (M - m_begin + 31) / 32 * KC;
+    dec->per = (dec->left + steps - 1) / steps;
+  }
   for (int64_t m0 = m_begin; m0 < M; m0 += 32) {
     const int mr = M - m0 < 32 ? (int)(M - m0) : 32;
     int64_t lda0, lda1 = 0;
@@ -135,49 +180,22 @@ static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t 
       for (int h = 0; h < 2; ++h) {
         const uint16_t* a = h ? a1 : a0;
         const int64_t lda = h ? lda1 : lda0;
-        if (nc > 16) block(1, 2, a, a, lda, b0, b1, KC, out);
-        else block(1, 1, a, a, lda, b0, b0, KC, out);
+        if (nc > 16) block(1, 2, a, a, lda, b0, b1, KC, out, dec);
+        else block(1, 1, a, a, lda, b0, b0, KC, out, dec);
         epilogue(out, h ? mr - 16 : 16, nc, m0 + 16 * h, n0, bias, y, ldy, out_f32);
       }
       continue;
     }
     if (a1) {
-      if (nc > 16) block(2, 2, a0, a1, lda0, b0, b1, KC, out);
-      else block(2, 1, a0, a1, lda0, b0, b0, KC, out);
+      if (nc > 16) block(2, 2, a0, a1, lda0, b0, b1, KC, out, dec);
+      else block(2, 1, a0, a1, lda0, b0, b0, KC, out, dec);
     } else {
-      if (nc > 16) block(1, 2, a0, a0, lda0, b0, b1, KC, out);
-      else block(1, 1, a0, a0, lda0, b0, b0, KC, out);
+      if (nc > 16) block(1, 2, a0, a0, lda0, b0, b1, KC, out, dec);
+      else block(1, 1, a0, a0, lda0, b0, b0, KC, out, dec);
     }
     epilogue(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
   }
-}
-
-/* w4 tile p: per group of 32 k, 8 chunks of 32 bytes (chunk c: byte 2r + j = row r's code for
-   k = 4c + j in its low nibble, 4c + 2 + j in its high one), then 16 float16 scales and 16
-   minimums (w4.c). A chunk's low nibbles, in byte order, are B row 2c (pairs k = 4c, 4c + 1 of
-   the 16 columns), its high nibbles B row 2c + 1: the codes are already in the tile's order. */
-static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
-  const __m512i pair_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = tile + g * W4_GROUP_BYTES;
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 256)));
-    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wg + 288)));
-    const __m512 s0 = _mm512_permutexvar_ps(pair_lo, s), s1 = _mm512_permutexvar_ps(pair_hi, s);
-    const __m512 m0 = _mm512_permutexvar_ps(pair_lo, mn), m1 = _mm512_permutexvar_ps(pair_hi, mn);
-    uint16_t* d = dst + g * BTILE;
-    for (int c = 0; c < 8; ++c) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wg + 32 * c)));
-      const __m512i q[2] = {_mm512_and_si512(v, low4), _mm512_srli_epi16(v, 4)};
-      for (int h = 0; h < 2; ++h) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q[h])));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q[h], 1)));
-        const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s1, m1), _mm512_fmadd_ps(lo, s0, m0));
-        _mm512_store_si512(d + (2 * c + h) * 32, (__m512i)w);
-      }
-    }
-  }
+  while (dec && dec->left > 0) decode_some(dec);
 }
 
 /* Bytes of x per pass over the w4 weights (a multiple of 32 rows, at least 32): the block stays
@@ -189,9 +207,10 @@ static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
 #define AMX_W4_BLOCK_BYTES (512 * 1024)
 #endif
 
-/* w4 tiles as B: column pairs (32 outputs) over the threads; per block of x's rows each thread
-   decodes its pair's B tiles into its own buffer (K * 64 bytes: in L2) and runs the block's
-   row tiles over them. Decode batches (up to a few hundred rows) are one block. */
+/* w4 tiles as B: column pairs (32 outputs) split over the threads in runs; per block of x's
+   rows each thread decodes its first pair's B tiles into a buffer (K * 64 bytes: in L2), then
+   runs the block's row tiles over each pair while it decodes the next one into the other
+   buffer. Decode batches (up to a few hundred rows) are one block. */
 static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
     const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
   if (M < 1) return 0;
@@ -202,27 +221,37 @@ static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M
   const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2;
   int64_t mblock = AMX_W4_BLOCK_BYTES / (Kp * 2) / 32 * 32;
   if (mblock < 32) mblock = 32;
+  const uint8_t* w = (const uint8_t*)s->w;
   int failed = 0;
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
   {
-    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * KC * BTILE * 2);
-    if (!buf) failed = 1;
-    tiles_begin();
-    for (int64_t mb = 0; mb < M; mb += mblock) {
-      const int64_t mb_end = M - mb < mblock ? M : mb + mblock;
-      _Pragma("omp for schedule(static)")
-      for (int64_t p = 0; p < pairs; ++p) {
-        if (failed) continue;
-        const int64_t n0 = p * 32;
-        const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
-        const int two = nc > 16;
-        for (int h = 0; h <= two; ++h)
-          fill_w4((const uint8_t*)s->w + (2 * p + h) * KC * W4_GROUP_BYTES, KC, buf + h * KC * BTILE);
-        rows_against(&xt, mb, mb_end, Kp, buf, buf + KC * BTILE, nc, n0, bias, y, ldy, out_f32);
+    const int64_t pair_elems = 2 * KC * BTILE;
+    uint16_t* bufs = (uint16_t*)aligned_alloc(64, (size_t)2 * pair_elems * 2);
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p_begin = pairs * t / nt, p_end = pairs * (t + 1) / nt;
+    if (!bufs) failed = 1;
+    else {
+      tiles_begin();
+      for (int64_t mb = 0; mb < M && p_begin < p_end; mb += mblock) {
+        const int64_t mb_end = M - mb < mblock ? M : mb + mblock;
+        uint16_t* cur = bufs; uint16_t* nxt = bufs + pair_elems;
+        /* a pair's two tiles are consecutive in memory and in the buffer: 2 * KC groups */
+        fill_w4(w + 2 * p_begin * KC * W4_GROUP_BYTES, (N - 32 * p_begin > 16 ? 2 : 1) * KC, cur);
+        for (int64_t p = p_begin; p < p_end; ++p) {
+          const int64_t n0 = p * 32;
+          const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
+          w4_decoder dec = {0};
+          if (p + 1 < p_end)
+            dec = (w4_decoder){w + 2 * (p + 1) * KC * W4_GROUP_BYTES, nxt,
+                               (N - 32 * (p + 1) > 16 ? 2 : 1) * KC, 1};
+          rows_against(&xt, mb, mb_end, Kp, cur, cur + KC * BTILE, nc, n0, bias, y, ldy,
+                       out_f32, p + 1 < p_end ? &dec : NULL);
+          uint16_t* tmp = cur; cur = nxt; nxt = tmp;
+        }
       }
+      _tile_release();
     }
-    _tile_release();
-    free(buf);
+    free(bufs);
   }
   free(xt.buf);
   return failed ? -1 : 0;

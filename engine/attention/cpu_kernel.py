@@ -102,3 +102,26 @@ def write_kv_int8(
         slot_mapping.data_ptr(), t, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         hkv, d, k_cache.shape[1],
     )  # fmt: skip
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k/v [T, Hkv, D] (rows may be strided, heads contiguous) into a cache in their dtype,
+    [blocks, bs, Hkv, D] contiguous, at their flat slots: index_copy_'s result, row copies."""
+    lib = load_kernel()
+    assert lib is not None, "the CPU attention kernel is unavailable (see kernel_supports)"
+    t, hkv, d = k.shape
+    for x in (k, v):
+        assert x.stride(2) == 1 and x.stride(1) == d and x.dtype == k_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert k_cache.shape[-2:] == (hkv, d) and len(slot_mapping) == t
+    lib.kv_write(
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, k.data_ptr(),
+        k.stride(0), v.data_ptr(), v.stride(0), hkv * d * k.element_size(), k.element_size(),
+    )  # fmt: skip

@@ -185,6 +185,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if layer.kv_scales is not None:  # the C writer where it runs (the same bytes)
             kv_int8.write(kv_cache, layer.kv_scales, metadata.slot_mapping, k, v)
             return
+        d = layer.head_dim
+        if kv_cache.dtype == k.dtype and all(x.stride(2) == 1 and x.stride(1) == d for x in (k, v)):
+            cpu_kernel.write_kv(kv_cache[0], kv_cache[1], metadata.slot_mapping, k, v)
+            return  # index_copy_'s bytes, as row copies
         super().write_kv(layer, k, v, kv_cache, metadata)
 
     def forward(self, layer, q, k, v, kv_cache, metadata: CpuAttentionMetadata) -> torch.Tensor:

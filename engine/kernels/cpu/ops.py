@@ -133,6 +133,7 @@ SIGNATURES: dict[str, Signature] = {
     "paged_decode_kv8_bf16": (_DECODE, None),
     "kv8_write_f32": (_KV8_WRITE, None),
     "kv8_write_bf16": (_KV8_WRITE, None),
+    "kv_write": ([_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _INT], None),
     # decode_plan.c: Shape*, Layer[n_layers], n_layers, Step*
     "run_decode": ([_P, _P, _I64, _P], _INT),
 }

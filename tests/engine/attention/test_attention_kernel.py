@@ -141,3 +141,24 @@ def test_kernel_is_as_accurate_as_the_torch_path():
     torch_err = (outs[0] - exact).abs().mean().item()
     kernel_err = (outs[1] - exact).abs().mean().item()
     assert kernel_err <= 1.05 * torch_err, (kernel_err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kv_writer_stores_what_index_copy_stores(dtype):
+    """Strided k/v views (as the QKV projection leaves them) at scattered slots: the cpu
+    backend's row-copy writer leaves the cache exactly as the torch backend's index_copy_."""
+    if not cpu_kernel.kernel_supports(dtype, torch.device("cpu"), 3, 64):
+        pytest.skip("no C compiler for the CPU kernel")
+    torch.manual_seed(2)
+    t, hkv, d, bs, nb = 150, 3, 64, 16, 40
+    qkv = torch.randn(t, 5 * hkv * d).to(dtype)
+    k = qkv[:, 3 * hkv * d : 4 * hkv * d].view(t, hkv, d)
+    v = qkv[:, 4 * hkv * d :].view(t, hkv, d)
+    slots = torch.tensor(random.Random(2).sample(range(bs, nb * bs), t))
+    want = torch.randn(2, nb, bs, hkv, d).to(dtype)
+    got = want.clone()
+    flat = want.view(2, -1, hkv, d)
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+    cpu_kernel.write_kv(got[0], got[1], slots, k, v)
+    assert torch.equal(got, want)

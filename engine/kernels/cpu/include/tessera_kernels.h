@@ -106,6 +106,7 @@ void paged_decode_kv8_f32(float* out, int64_t out_stride, const float* q, int64_
 void paged_decode_kv8_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride, const int8_t* kc, const int8_t* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch, int64_t scratch_size, int nthreads);
 void kv8_write_f32(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n, const float* k, int64_t k_stride, const float* v, int64_t v_stride, int Hkv, int D, int bs);
 void kv8_write_bf16(int8_t* kc, int8_t* vc, float* ks, float* vs, const int64_t* slots, int64_t n, const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int Hkv, int D, int bs);
+void kv_write(char* kc, char* vc, const int64_t* slots, int64_t n, const char* k, int64_t k_stride, const char* v, int64_t v_stride, int64_t bytes, int elem);
 
 /* ---- decode_plan.c: a Llama decode step as one call (engine.models.llama_decode_plan) ----
    The structs are mirrored field for field by ctypes.Structure classes in Python. */

@@ -23,7 +23,9 @@ x over them, in four 16 x 16 float32 sum tiles:
     weight into memory then F.linear;
   - linear_w4: cpu_w4's 4-bit tiles (16 rows, groups of 32: one group is exactly one B tile of
     W, codes already in its order), decoded into a buffer in L2 (GGUF Q4_0/Q4_1 repacked into
-    w4 tiles, w4a8); here x is the A operand as it lies.
+    w4 tiles, w4a8); here x is the A operand as it lies. The next pair is decoded inside the
+    current pair's tile loop (vector units and tile unit side by side: the 120 GEMMs of a
+    step 18-23% faster at 16-128 rows), and prefill-sized x is taken in blocks that fit in L2.
 Weights are rounded to bf16 where they are not bf16 already (as cpu_gguf's dequantized copy
 was). K not a multiple of 32 and the last tiles of rows go through zero-padded copies;
 outputs past N are masked on the way out.
@@ -95,6 +97,24 @@ def linear(
     if r is None:
         return None
     return _call("amx_bf16_linear", x, r[0], r[1], weight.shape[0], out_dtype, weight.data_ptr())
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """argmax over the outputs of x [M, K] bf16 @ weight^T (bf16 [N, K], contiguous) per row,
+    int64 [M], the first maximum winning: the argmax of linear(x, weight) (the same sums,
+    rounded to bf16), without those outputs in memory. None where AMX cannot take it."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    r = _rows(x, weight.shape[1], None)
+    if r is None:
+        return None
+    x2 = r[0]
+    idx = torch.empty(x2.shape[0], dtype=torch.int64)
+    rc = ops.function("amx_bf16_linear_argmax")(
+        x2.data_ptr(), x2.stride(0), x2.shape[0], x2.shape[1], weight.data_ptr(),
+        weight.shape[0], idx.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc != 0 else idx
 
 
 def linear_w4(

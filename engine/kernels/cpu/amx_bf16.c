@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <omp.h>
 
 /* A B tile: 16 pairs of k (32 k) x 16 columns, each pair two adjacent bf16 (64 bytes a pair
@@ -377,16 +378,53 @@ static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
   return 0;
 }
 
+/* out [32 outputs][32 rows of x] folded into each row's running argmax over columns n0..
+   (nc): best / at, this thread's, rows m0.. (mr). The sums are rounded to bf16 first, as the
+   epilogue stores them (the logits a bf16 LM head returns, whose ties the first column wins).
+   Columns come in increasing order and only a strictly larger value replaces the best: the
+   first maximum wins, as torch.argmax. */
+static void argmax_fold_t(const float* out, int mr, int nc, int64_t m0, int64_t n0, float* best,
+    int64_t* at) {
+  for (int hm = 0; hm < mr; hm += 16) {
+    const __mmask16 rows = mr - hm >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (mr - hm)) - 1);
+    __m512 b = _mm512_maskz_loadu_ps(rows, best + m0 + hm);
+    __m512i a = _mm512_maskz_loadu_epi64((__mmask8)rows, at + m0 + hm);
+    __m512i a2 = _mm512_maskz_loadu_epi64((__mmask8)(rows >> 8), at + m0 + hm + 8);
+    for (int n = 0; n < nc; ++n) {
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out + n * 32 + hm))), 16));
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+      b = _mm512_mask_mov_ps(b, gt, v);
+      const __m512i col = _mm512_set1_epi64(n0 + n);
+      a = _mm512_mask_mov_epi64(a, (__mmask8)gt, col);
+      a2 = _mm512_mask_mov_epi64(a2, (__mmask8)(gt >> 8), col);
+    }
+    _mm512_mask_storeu_ps(best + m0 + hm, rows, b);
+    _mm512_mask_storeu_epi64(at + m0 + hm, (__mmask8)rows, a);
+    _mm512_mask_storeu_epi64(at + m0 + hm + 8, (__mmask8)(rows >> 8), a2);
+  }
+}
+
 /* Rows of x per pass over the weights: their B tiles (AMX_M_BLOCK x K bf16) stay in L2 while
    every weight pair runs over them; a prefill chunk of 2,048 rows x K = 1,536 would not. */
 #define AMX_M_BLOCK 256
+/* argmax (or NULL): y is not written; each row's first maximum's column goes there instead
+   (the LM head's greedy tokens without the logits in memory). */
 static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
-    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads, int64_t* argmax) {
   if (M < 1) return 0;
   if (!amx_bf16_enabled()) return -1;
   const int64_t N = s->N, K = s->K, Kp = s->Kp, KC = Kp / AMX_KCHUNK, Mp = (M + 15) / 16 * 16;
   uint16_t* xb = (uint16_t*)aligned_alloc(64, (size_t)Mp * Kp * 2);
   if (!xb) return -1;
+  /* per thread: each row's best value and its column over the thread's columns */
+  float* best = NULL; int64_t* at = NULL;
+  if (argmax) {
+    best = (float*)malloc(sizeof(float) * nthreads * M);
+    at = (int64_t*)malloc(sizeof(int64_t) * nthreads * M);
+    if (!best || !at) { free(best); free(at); free(xb); return -1; }
+    for (int64_t i = 0; i < nthreads * M; ++i) { best[i] = -INFINITY; at[i] = 0; }
+  }
   x_to_b(x, ldx, M, K, Kp, xb);
   const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
   /* bf16 rows are read in place where whole tiles of 16 rows and 32 k exist */
@@ -426,7 +464,11 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
             if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out);
             else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out);
           }
-          epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+          if (argmax)
+            argmax_fold_t(out, mr, nc, m0, n0, best + omp_get_thread_num() * M,
+                          at + omp_get_thread_num() * M);
+          else
+            epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
         }
       }
     }
@@ -435,13 +477,28 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
     free(row);
   }
   free(xb);
+  if (argmax) {  /* threads hold increasing column ranges (static): a later one wins only if larger */
+    for (int64_t m = 0; m < M; ++m) {
+      float b = best[m]; int64_t a = at[m];
+      for (int t = 1; t < nthreads; ++t)
+        if (best[t * M + m] > b) { b = best[t * M + m]; a = at[t * M + m]; }
+      argmax[m] = a;
+    }
+    free(best); free(at);
+  }
   return failed ? -1 : 0;
 }
 
 int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
   const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0};
-  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads, NULL);
+}
+
+int amx_bf16_linear_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint16_t* w, int64_t N, int64_t* argmax, int nthreads) {
+  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0};
+  return amx_run_t(&s, x, ldx, M, NULL, NULL, 0, 1, nthreads, argmax);
 }
 
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
@@ -455,13 +512,15 @@ int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, c
     int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy,
     int out_f32, int nthreads) {
   const source s = {SRC_GGUF, rows, N, K, (K + 31) / 32 * 32, row_bytes, type};
-  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads, NULL);
 }
 #else
 /* Built without AMX-bf16: nothing runs here, the callers keep their other paths. */
 int amx_bf16_enabled(void) { return 0; }
 int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }
+int amx_bf16_linear_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint16_t* w, int64_t N, int64_t* argmax, int nthreads) { return -1; }
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,

@@ -35,7 +35,7 @@ from torch import nn
 
 from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
-from engine.layers.quantization.unquantized import linear_by_rows
+from engine.layers.quantization.unquantized import greedy_by_rows, linear_by_rows
 
 logger = logging.getLogger("tessera.engine")
 
@@ -122,6 +122,13 @@ class GGUFLMHeadMethod(LMHeadMethodBase):
                 hidden.float(), head.gguf_blocks, head.gguf_type, head.gguf_in_features
             )
         return linear_by_rows(head, hidden, head.weight, None)
+
+    def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Above the dot kernels' rows: AMX's argmax epilogue where the weight's call runs
+        there (the same bf16 logits apply() returns); else None."""
+        if hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]:
+            return None
+        return greedy_by_rows(head, hidden, head.weight)
 
 
 class GGUFQ8TilesHeadMethod(LMHeadMethodBase):

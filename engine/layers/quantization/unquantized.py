@@ -49,6 +49,24 @@ def linear_by_rows(
     return F.linear(x, weight, bias)
 
 
+def greedy_by_rows(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """argmax(linear_by_rows(layer, x, weight, None).float()) per row where that call would
+    run on AMX tiles: the tiles' argmax epilogue on the same bf16-rounded sums, without the
+    [rows, vocab] logits written, widened and read again; None elsewhere (the sampler takes
+    the logits)."""
+    max_rows = getattr(layer, "cpu_gemm_max_rows", None)
+    if max_rows is None:
+        max_rows = layer.cpu_gemm_max_rows = cpu_gemm.max_rows_for(weight)
+    if x.numel() <= max_rows * x.shape[-1]:
+        return None
+    amx = getattr(layer, "cpu_amx", None)
+    if amx is None:
+        amx = layer.cpu_amx = _amx_for(weight)
+    if not (amx and cpu_isa.plan().amx_rows(x.numel() // x.shape[-1])):
+        return None
+    return cpu_amx.linear_argmax(x, weight)
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -61,8 +79,8 @@ class UnquantizedLMHeadMethod(LMHeadMethodBase):
         return linear_by_rows(head, hidden, head.weight, None)
 
     def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-        if hidden.device.type == "cpu":
-            return None  # the CPU sampler's blocked argmax over the float32 logits is faster
+        if hidden.device.type == "cpu":  # AMX's argmax epilogue, else the sampler's argmax
+            return greedy_by_rows(head, hidden, head.weight)
         # The argmax of the logits in the model's dtype: the float32 copy the head's forward
         # makes is exact, so the same ids (the first maximum wins), without that [S, V] copy.
         return linear_by_rows(head, hidden, head.weight, None).argmax(-1)

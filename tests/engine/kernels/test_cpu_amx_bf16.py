@@ -168,6 +168,45 @@ def test_unquantized_layer_routes_dot_then_tiles(monkeypatch):
     assert layer.cpu_amx is True
 
 
+@pytest.mark.parametrize("n", [96, 1000])
+def test_argmax_epilogue_is_the_argmax_of_the_bf16_outputs(n):
+    """linear_argmax: each row's first maximum over linear()'s bf16 outputs (the LM head's
+    logits), never written; ties (equal weight rows; sums rounding to the same bf16) go to
+    the lowest column, across the threads' column ranges too."""
+    torch.manual_seed(7)
+    w = torch.randn(n, 64).bfloat16()
+    w[5] = 3 * w[5]  # a row 3x the others' norm ...
+    w[n - 3] = w[5]  # ... twice: x = w[5] has its largest logit at columns 5 and n - 3
+    w[n // 2 + 1] = w[n // 2]  # equal logits either side of the threads' split too
+    for m in (*ROWS, 40):
+        x = torch.randn(m, 64).bfloat16()
+        x[0] = w[5]
+        logits = cpu_amx.linear(x, w).float()
+        got = cpu_amx.linear_argmax(x, w)
+        assert got is not None and got.dtype == torch.int64
+        assert torch.equal(got, logits.argmax(-1)), m
+        assert logits[0, 5] == logits[0, n - 3] and got[0] == 5
+
+
+def test_lm_head_greedy_on_tiles_is_its_logits_argmax(monkeypatch):
+    """The greedy hook of a bf16 LM head: AMX's argmax epilogue exactly where forward runs on
+    AMX tiles (its float32 sums), None on the dot kernel's rows."""
+    from engine.layers.embedding import ParallelLMHead
+
+    monkeypatch.setenv("TESSERA_CPU_GEMM", "auto")
+    torch.manual_seed(8)
+    head = ParallelLMHead(300, 64).to(torch.bfloat16)
+    head.weight.data.normal_(0, 0.5)
+    top = cpu_isa.plan().dp_max_rows
+    for rows in (1, top, top + 1, 40, cpu_isa.plan().amx_max_rows + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        greedy = head.greedy(x)
+        if top < rows <= cpu_isa.plan().amx_max_rows:
+            assert torch.equal(greedy, head(x).argmax(-1)), rows
+        else:
+            assert greedy is None, rows
+
+
 def test_amx_off_keeps_the_other_paths(monkeypatch):
     """Where AMX does not run (here: forced off) every function answers None."""
     monkeypatch.setattr(cpu_amx, "_on", [False])

@@ -40,6 +40,7 @@ def test_kernel_matches_torch_path(
     if not cpu_kernel.kernel_supports(dtype, torch.device("cpu"), kv_heads, head_dim):
         pytest.skip("no C compiler for the CPU kernel")
     monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
+    monkeypatch.setattr(cpu_backend, "AMX_KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
     seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)
@@ -162,3 +163,25 @@ def test_c_kv_writer_stores_what_index_copy_stores(dtype):
     flat[1].index_copy_(0, slots, v)
     cpu_kernel.write_kv(got[0], got[1], slots, k, v)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_prefill_chunks_take_the_kernel_up_to_the_cpus_limit(amx, monkeypatch):
+    """Without AMX the kernel takes prefill chunks of up to 2k tokens of context; with AMX only
+    up to 64 (beyond, torch's SDPA on oneDNN's AMX GEMMs is faster), the rest on SDPA."""
+    if not cpu_kernel.kernel_supports(torch.bfloat16, torch.device("cpu"), 3, 64):
+        pytest.skip("no C compiler for the CPU kernel")
+    monkeypatch.setattr(cpu_backend.cpu_amx, "available", lambda: amx)
+    assert cpu_backend.kernel_prefill_max_context() == (64 if amx else 2048)
+    bs = 16
+    # two decodes, a fresh 60-token prompt, then a 100-token one
+    seqs = [
+        (30, 1, [1, 2]),
+        (40, 1, [3, 4, 5]),
+        (0, 60, [6, 7, 8, 9]),
+        (0, 100, list(range(10, 17))),
+    ]
+    backend = CpuAttentionBackend(bs, 9, 3, 64, torch.bfloat16)
+    meta = backend.build_metadata(common_metadata_from_seqs(seqs, bs))
+    assert meta.kernel_decode.num_rows == (62 if amx else 162)
+    assert len(meta.prefills) == (1 if amx else 0)

@@ -132,6 +132,7 @@ def test_cpu_backend_matches_torch_reference(
     bs, num_blocks = 16, NUM_BLOCKS
     limit = 40 if scenario == "long-prefill" else cpu_backend.KERNEL_PREFILL_MAX_CONTEXT
     monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", limit)
+    monkeypatch.setattr(cpu_backend, "AMX_KERNEL_PREFILL_MAX_CONTEXT", limit)
     seqs = _step(scenario, bs, num_blocks)
     cache, scales, q, k, v = _inputs(seqs, heads, kv_heads, head_dim, bs, num_blocks, dtype, int8)
     common = common_metadata_from_seqs(seqs, bs)
@@ -173,6 +174,7 @@ def test_static_buffers_give_what_fresh_metadata_gives(name, dtype, int8, monkey
     if name == "cpu":
         _cpu_or_skip(dtype, 2, 64)
     monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", 40)  # some SDPA chunks too
+    monkeypatch.setattr(cpu_backend, "AMX_KERNEL_PREFILL_MAX_CONTEXT", 40)
     bs = 16
     backend = backend_class(name)(bs, 8, 2, 64, dtype)
     static = backend.allocate_static_metadata(max_rows=256, max_blocks_per_req=12)

@@ -117,6 +117,7 @@ def test_kernel_matches_torch_path_on_the_int8_cache(
     only when both run it on SDPA (limit 20)."""
     _kernel_or_skip(dtype, kv_heads, head_dim)
     monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
+    monkeypatch.setattr(cpu_backend, "AMX_KERNEL_PREFILL_MAX_CONTEXT", prefill_limit)
     torch.manual_seed(0)
     num_blocks = 200 * 16 // bs
     seqs, shared_rows = mixed_step(random.Random(0), bs, num_blocks)

@@ -28,21 +28,30 @@ def _amx_for(weight: torch.Tensor) -> bool:
     )
 
 
-def linear_by_rows(
-    layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ weight.T (+ bias) on the C GEMM up to the rows it is faster for, above them on AMX
-    tiles or F.linear. Both are decided once per layer, at its first call, on the loaded
-    weight (`layer.cpu_gemm_max_rows`, `layer.cpu_amx`: tests set them)."""
+def _path(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which GEMM takes this call: "gemm" (the C GEMM, up to the rows it is faster for),
+    "amx" (AMX tiles above them, up to the plan's rows) or "torch" (F.linear). Both limits
+    are decided once per layer, at its first call, on the loaded weight
+    (`layer.cpu_gemm_max_rows`, `layer.cpu_amx`: tests set them)."""
     max_rows = getattr(layer, "cpu_gemm_max_rows", None)
     if max_rows is None:
         max_rows = layer.cpu_gemm_max_rows = cpu_gemm.max_rows_for(weight)
     if x.numel() <= max_rows * x.shape[-1]:
-        return cpu_gemm.linear(x, weight, bias)
+        return "gemm"
     amx = getattr(layer, "cpu_amx", None)
     if amx is None:
         amx = layer.cpu_amx = _amx_for(weight)
-    if amx and cpu_isa.plan().amx_rows(x.numel() // x.shape[-1]):
+    return "amx" if amx and cpu_isa.plan().amx_rows(x.numel() // x.shape[-1]) else "torch"
+
+
+def linear_by_rows(
+    layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) on the GEMM _path picks (F.linear where AMX declines the call)."""
+    path = _path(layer, x, weight)
+    if path == "gemm":
+        return cpu_gemm.linear(x, weight, bias)
+    if path == "amx":
         y = cpu_amx.linear(x, weight, bias)
         if y is not None:
             return y
@@ -54,17 +63,7 @@ def greedy_by_rows(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> t
     run on AMX tiles: the tiles' argmax epilogue on the same bf16-rounded sums, without the
     [rows, vocab] logits written, widened and read again; None elsewhere (the sampler takes
     the logits)."""
-    max_rows = getattr(layer, "cpu_gemm_max_rows", None)
-    if max_rows is None:
-        max_rows = layer.cpu_gemm_max_rows = cpu_gemm.max_rows_for(weight)
-    if x.numel() <= max_rows * x.shape[-1]:
-        return None
-    amx = getattr(layer, "cpu_amx", None)
-    if amx is None:
-        amx = layer.cpu_amx = _amx_for(weight)
-    if not (amx and cpu_isa.plan().amx_rows(x.numel() // x.shape[-1])):
-        return None
-    return cpu_amx.linear_argmax(x, weight)
+    return cpu_amx.linear_argmax(x, weight) if _path(layer, x, weight) == "amx" else None
 
 
 class UnquantizedLinearMethod(LinearMethodBase):

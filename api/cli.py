@@ -41,6 +41,7 @@ BENCHMARKS = (
     "scheduler",
     "auth",
     "decode",
+    "attention",
     "compare",
     "affinity",
     "structured",

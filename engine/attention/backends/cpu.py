@@ -137,7 +137,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _scratch_size(self, max_context: int) -> int:
         # The kernels' scratch (see cpu_kernel's C source), the larger of: bf16 cache: q and
-        # acc [H, D], a float V tile [bs, Hkv, D], scores [H, L]; int8 cache: acc and int32
+        # acc [H, D], a float V tile [bs, Hkv, D], scores [H, L] (AVX512-BF16: acc, scores,
+        # their bf16 numerators [H, L + 1] and H sums); int8 cache: acc and int32
         # acc [H, D], int16 q [H, D], scores and int16 weights [H, L + 16], a few per row.
         size = self.num_heads * (3 * self.head_dim + 2 * (max_context + 16) + 2)
         return size + self.block_size * self.num_kv_heads * self.head_dim

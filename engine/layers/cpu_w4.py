@@ -202,6 +202,23 @@ def linear_q8(x: torch.Tensor, w: Q8Tiles) -> torch.Tensor | None:
     return None if rc != 0 else y.view(*x.shape[:-1], n)
 
 
+def argmax_q8(x: torch.Tensor, w: Q8Tiles) -> torch.Tensor | None:
+    """argmax over the last dim of linear_q8(x, w) as int64 [rows] (the same float32 sums, the
+    first maximum winning), without the logits: the VNNI layout's epilogue; None where it is
+    absent (the AVX2 planes) or cannot take the call."""
+    fn = ops.function("linear_q8_vnni_argmax") if w.layout == "vnni" else None
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if fn is None or x.dtype != torch.bfloat16 or x2.stride(-1) != 1 or w.in_features != k:
+        return None
+    token = torch.empty(x2.shape[0], dtype=torch.int64)
+    rc = fn(
+        x2.data_ptr(), x2.stride(0), x2.shape[0], k, w.data.data_ptr(), w.out_features,
+        token.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc != 0 else token
+
+
 def batch_available() -> bool:
     """Whether this build has the AVX512-VNNI kernel for batches above max_rows()
     (w4_vnni_batch.c; AVX2 builds' linear_q4_bf16 takes every batch itself)."""

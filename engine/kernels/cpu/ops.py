@@ -71,6 +71,7 @@ SIGNATURES: dict[str, Signature] = {
     "w4_max_rows": ([], _INT),
     "linear_q4_bf16_batch": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT], _INT),
     "linear_q8_vnni_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
+    "linear_q8_vnni_argmax": ([_P, _I64, _I64, _I64, _P, _I64, _P, _INT], _INT),
     "linear_q8w4_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
     # w4_tiles.c: tiles, N, K, out, bf16, threads
     "w4_dequantize": ([_P, _I64, _I64, _P, _INT, _INT], _INT),
@@ -143,7 +144,7 @@ SIGNATURES: dict[str, Signature] = {
 OPTIONAL = frozenset(
     {
         "linear_bf16_dp", "linear_i8_bf16_dp", "linear_q4_bf16", "w4_max_rows", "linear_q8w4_f32",
-        "linear_q4_bf16_batch", "linear_q8_vnni_f32", "pack_i8", "gemm_i8", "gemm_i8_scaled", "gemm_i8_argmax", "gemm_i8_silu_quant", "amx_enabled",
+        "linear_q4_bf16_batch", "linear_q8_vnni_f32", "linear_q8_vnni_argmax", "pack_i8", "gemm_i8", "gemm_i8_scaled", "gemm_i8_argmax", "gemm_i8_silu_quant", "amx_enabled",
     }
 )  # fmt: skip
 # Exported variables (`extern` in the header), with their ctypes type.

@@ -18,6 +18,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <omp.h>
 #include <immintrin.h>
 
@@ -143,32 +144,84 @@ static int8_t* quantize_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) 
 
 /* y [M][N] (ldy apart) for tiles w [tiles][G groups]: w4 tiles (bf16 out, bias), each unpacked
    once into the thread's buffer, or Q8 tiles (float32 out) read in place. */
+/* The argmax epilogue's per-thread state (Q8 tiles with `token`): a tile's [M][16] sums, then
+   each row's best value and column so far. */
+typedef struct { float* tile; float* val; int64_t* col; } Best;
+
+/* The tile's sums tb [M][16] (cols valid) against each row's best so far: the first maximum
+   wins (tiles come in column order, lanes too). */
+static void best_of_tile(const float* tb, int64_t M, int64_t col0, int64_t cols, Best* b) {
+  const __mmask16 keep = cols >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 v = _mm512_maskz_loadu_ps(keep, tb + m * TILE);
+    const float mx = _mm512_mask_reduce_max_ps(keep, v);
+    if (mx > b->val[m]) {
+      b->val[m] = mx;
+      b->col[m] = col0 + __builtin_ctz(_mm512_mask_cmp_ps_mask(keep, v, _mm512_set1_ps(mx), _CMP_EQ_OQ));
+    }
+  }
+}
+
+/* y [M][N] (ldy apart) for tiles w [tiles][G groups]: w4 tiles (bf16 out, bias), each unpacked
+   once into the thread's buffer, or Q8 tiles (float32 out) read in place; with `token` (Q8
+   only) each row's argmax instead of y, the first maximum winning. */
 static int run_tiles(const int Q8, const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
-    const uint8_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int nthreads) {
-  if (M < 1 || K % 64 || K < 64) return -1;
+    const uint8_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int64_t* token,
+    int nthreads) {
+  if (M < 1 || K % 64 || K < 64 || (token && !Q8)) return -1;
   const int64_t G = K / 32, esize = Q8 ? sizeof(float) : sizeof(uint16_t);
+  const int T = nthreads > 1 ? nthreads : 1;
   int8_t* xq = quantize_x(x, ldx, M, K);
   const int64_t ubytes = G * UNPACKED_GROUP_BYTES;
-  uint8_t* ubuf = Q8 ? NULL : (uint8_t*)aligned_alloc(64, (size_t)ubytes * (nthreads > 1 ? nthreads : 1));
-  if (!xq || (!Q8 && !ubuf)) { free(xq); free(ubuf); return -1; }
+  uint8_t* ubuf = Q8 ? NULL : (uint8_t*)aligned_alloc(64, (size_t)ubytes * T);
+  /* per thread: tile sums [M][16], best values [M], best columns [M] */
+  const int64_t best_bytes = M * (TILE + 1) * sizeof(float) + M * sizeof(int64_t);
+  char* bbuf = token ? (char*)malloc((size_t)best_bytes * T) : NULL;
+  if (!xq || (!Q8 && !ubuf) || (token && !bbuf)) { free(xq); free(ubuf); free(bbuf); return -1; }
+  for (int i = 0; token && i < T; ++i)
+    for (int64_t m = 0; m < M; ++m) {
+      char* base = bbuf + best_bytes * i;
+      ((float*)(base + M * TILE * sizeof(float)))[m] = -INFINITY;
+      ((int64_t*)(base + M * (TILE + 1) * sizeof(float)))[m] = 0;
+    }
   const float* xd = (const float*)(xq + M * K);
   const float* xm = xd + M * G;
   const int64_t tiles = (N + TILE - 1) / TILE, tasks = (tiles + TASK_TILES - 1) / TASK_TILES;
   const int64_t tile_bytes = G * (Q8 ? Q8_GROUP_BYTES : GROUP_BYTES);
+  /* static: each thread's tasks are one run of columns, in thread order (the argmax's merge) */
   _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1) schedule(static)")
   for (int64_t b = 0; b < tasks; ++b) {
     const int64_t t1 = (b + 1) * TASK_TILES < tiles ? (b + 1) * TASK_TILES : tiles;
-    uint8_t* u = Q8 ? NULL : ubuf + ubytes * omp_get_thread_num();
+    const int me = omp_get_thread_num();
+    uint8_t* u = Q8 ? NULL : ubuf + ubytes * me;
+    char* base = token ? bbuf + best_bytes * me : NULL;
+    Best best = {(float*)base, (float*)(base + M * TILE * sizeof(float)),
+                 (int64_t*)(base + M * (TILE + 1) * sizeof(float))};
     for (int64_t t = b * TASK_TILES; t < t1; ++t) {
       if (Q8) u = (uint8_t*)w + t * tile_bytes;
       else unpack_tile(w + t * tile_bytes, G, u);
       for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
         const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
-        ROWS[Q8][R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, bias,
-                        (char*)y + m0 * ldy * esize, ldy, t * TILE, N);
+        if (token)  /* this tile's 16 columns (N - t * TILE left) into the thread's [M][16] */
+          ROWS[1][R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, NULL,
+                         best.tile + m0 * TILE, TILE, 0, N - t * TILE);
+        else
+          ROWS[Q8][R - 1](xq + m0 * K, xd + m0 * G, xm + m0 * G, G, u, bias,
+                          (char*)y + m0 * ldy * esize, ldy, t * TILE, N);
       }
+      if (token) best_of_tile(best.tile, M, t * TILE, N - t * TILE, &best);
     }
   }
+  for (int64_t m = 0; token && m < M; ++m) {  /* threads in column order: strict > keeps the first */
+    float v = -INFINITY; int64_t c = 0;
+    for (int i = 0; i < T; ++i) {
+      const char* base = bbuf + best_bytes * i;
+      const float bv = ((const float*)(base + M * TILE * sizeof(float)))[m];
+      if (bv > v) { v = bv; c = ((const int64_t*)(base + M * (TILE + 1) * sizeof(float)))[m]; }
+    }
+    token[m] = c;
+  }
+  free(bbuf);
   free(ubuf);
   free(xq);
   return 0;
@@ -176,11 +229,18 @@ static int run_tiles(const int Q8, const uint16_t* x, int64_t ldx, int64_t M, in
 
 int linear_q4_bf16_batch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
     int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
-  return run_tiles(0, x, ldx, M, K, w, N, bias, y, ldy, nthreads);
+  return run_tiles(0, x, ldx, M, K, w, N, bias, y, ldy, NULL, nthreads);
 }
 
 int linear_q8_vnni_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
     int64_t N, float* y, int64_t ldy, int nthreads) {
-  return run_tiles(1, x, ldx, M, K, w, N, NULL, y, ldy, nthreads);
+  return run_tiles(1, x, ldx, M, K, w, N, NULL, y, ldy, NULL, nthreads);
+}
+
+/* token[m] = argmax over n of linear_q8_vnni_f32's y[m][n] (the same float32 sums, the first
+   maximum winning), without y: a greedy step's LM head writes no logits. */
+int linear_q8_vnni_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint8_t* w, int64_t N, int64_t* token, int nthreads) {
+  return run_tiles(1, x, ldx, M, K, w, N, NULL, NULL, 0, token, nthreads);
 }
 #endif

@@ -150,6 +150,11 @@ class GGUFQ8TilesHeadMethod(LMHeadMethodBase):
         y = cpu_w4.linear_q8(hidden, head.q8_tiles)
         return y if y is not None else linear_by_rows(head, hidden, head.weight, None)
 
+    def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The VNNI tiles' argmax epilogue: the tokens of apply()'s logits, none written (128
+        rows of SmolLM2's vocabulary: 25 MB a greedy step neither writes nor scans)."""
+        return cpu_w4.argmax_q8(hidden, head.q8_tiles)
+
 
 def _refusal(module: nn.Module, b) -> str | None:
     """Why this layer (or the LM head) keeps its dequantized weights, or None."""

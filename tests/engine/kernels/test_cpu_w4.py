@@ -168,6 +168,40 @@ def test_q8_tiles_stand_for_the_q8_0_rows(m, n, k):
         cpu_w4.pack_q8_0(huge, k)
 
 
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 130])
+def test_q8_argmax_epilogue_is_the_logits_argmax(m):
+    """The VNNI Q8 tiles' argmax: the argmax of linear_q8's float32 logits, the first maximum
+    winning, ties placed in one tile, across tiles and across the threads' column runs."""
+    if cpu_w4.q8_layout() != "vnni":
+        pytest.skip("the argmax epilogue is the AVX512-VNNI tiles' (AVX2: the logits)")
+    n, k = 1000, 128  # 63 tiles, the last one partial
+    rows, _ = _q8_0_rows(n, k, seed=m)
+    for a, b in ((3, 900), (20, 21), (400, 401), (998, 999)):
+        rows[b] = rows[a]  # equal rows give equal logits: the lower index must win
+    tiles = cpu_w4.pack_q8_0(rows, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            logits = cpu_w4.linear_q8(x, tiles)
+            tokens = cpu_w4.argmax_q8(x, tiles)
+            assert tokens.dtype == torch.int64 and torch.equal(tokens, logits.argmax(-1))
+            # each tied pair made every row's winner: the first of the pair must be chosen
+            for a, b in ((3, 900), (20, 21), (400, 401), (998, 999)):
+                boost = rows.clone()
+                boost[[a, b], :2] = torch.tensor([64.0], dtype=torch.float16).view(torch.uint8)
+                xb = x.clone()  # first group's x along the pair's codes: a large positive dot
+                xb[:, :32] = rows[a, 2:34].view(torch.int8).float().sign().to(torch.bfloat16)
+                bt = cpu_w4.pack_q8_0(boost, k)
+                assert (cpu_w4.linear_q8(xb, bt).argmax(-1) == a).all()
+                assert (cpu_w4.argmax_q8(xb, bt) == a).all()
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_w4.argmax_q8(x.float(), tiles) is None  # bf16 x only
+    assert cpu_w4.argmax_q8(x[:, :64], tiles) is None  # another K
+
+
 def test_layers_read_4_bits_below_their_int8_activation_rows_only(tiles):
     """A w4a8 layer reads its 4-bit copy for fewer rows than its int8-activation threshold
     (13, or 8 where its packed GEMM runs on AMX tiles) and the int8 path from there."""

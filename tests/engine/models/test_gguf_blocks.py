@@ -236,6 +236,12 @@ def test_the_lm_head_reads_q8_tiles_at_every_batch(tiny_llama_dir, tmp_path):
         if m <= cpu_gguf.dot_max_rows():  # the dot kernel on the file's rows: the same sums
             dot = cpu_gguf.linear(hidden.float(), rows, out.tensor_type, head.weight.shape[1])
             torch.testing.assert_close(logits, dot, rtol=1e-5, atol=1e-5 * dot.abs().max())
+        # greedy steps: the VNNI tiles' argmax epilogue gives the logits' argmax (AVX2: none)
+        tokens = head.greedy(hidden)
+        if cpu_w4.q8_layout() == "vnni":
+            assert tokens is not None and torch.equal(tokens, logits.argmax(-1))
+        else:
+            assert tokens is None
 
 
 def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp_path):

@@ -48,6 +48,7 @@ int w4_max_rows(void);
    Q8_0 rows as 16-row tiles of that kernel's layout (cpu_w4.pack_q8_0), float32 out */
 int linear_q4_bf16_batch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int linear_q8_vnni_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy, int nthreads);
+int linear_q8_vnni_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t* token, int nthreads);
 /* w4_avx2.c only: Q8_0 rows as two planes of w4 tiles (cpu_w4.pack_q8_0), float32 out */
 int linear_q8w4_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy, int nthreads);
 

@@ -119,25 +119,30 @@ static inline __m512 load16_bf16_(const uint16_t* p) {
 #define AHEAD 2  /* blocks prefetched ahead in the K pass */
 #endif
 
+/* The largest of sr[0..L). */
+static inline float row_max512(const float* sr, int64_t L) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
+  float m = _mm512_reduce_max_ps(mv);
+  for (; l < L; ++l) m = sr[l] > m ? sr[l] : m;
+  return m;
+}
+
 /* Each row r of s [H][L] (rows `stride` apart) becomes softmax(row), 16 scores at a time. */
 static inline void softmax512(float* s, int H, int64_t L, int64_t stride) {
   for (int r = 0; r < H; ++r) {
     float* sr = s + r * stride;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    int64_t l = 0;
-    for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; l < L; ++l) m = sr[l] > m ? sr[l] : m;
-    const __m512 vm = _mm512_set1_ps(m);
+    const __m512 vm = _mm512_set1_ps(row_max512(sr, L));
     __m512 sv = _mm512_setzero_ps();
-    for (l = 0; l < L; l += 16) {
+    for (int64_t l = 0; l < L; l += 16) {
       const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
       const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + l), vm));
       sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
       _mm512_mask_storeu_ps(sr + l, k, e);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
-    for (l = 0; l < L; l += 16) {
+    for (int64_t l = 0; l < L; l += 16) {
       const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
       _mm512_mask_storeu_ps(sr + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + l), inv));
     }
@@ -168,14 +173,9 @@ static inline void softmax_numerators_bf16(const float* s, int H, int64_t L, uin
     int64_t Lp, float* inv) {
   for (int r = 0; r < H; ++r) {
     const float* sr = s + r * L; uint16_t* pr = p + r * Lp;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    int64_t l = 0;
-    for (; l + 16 <= L; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + l));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; l < L; ++l) m = sr[l] > m ? sr[l] : m;
-    const __m512 vm = _mm512_set1_ps(m);
+    const __m512 vm = _mm512_set1_ps(row_max512(sr, L));
     __m512 sv = _mm512_setzero_ps();
-    for (l = 0; l < L; l += 16) {
+    for (int64_t l = 0; l < L; l += 16) {
       const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + l), vm)));
       sv = _mm512_add_ps(sv, e);

@@ -1,8 +1,11 @@
 """Convert a llama-architecture GGUF file into a Hugging Face folder, once.
 
-The output (config.json, model.safetensors in float32, tokenizer files with the chat template,
-generation_config.json) is written to a temporary folder next to the destination and renamed
-into place, so a crash never leaves a half-written model behind.
+The output (config.json, the weights dequantized to float32, tokenizer files with the chat
+template, generation_config.json) is written to a temporary folder next to the destination and
+renamed into place, so a crash never leaves a half-written model behind. The weights go one
+shard at a time (model.safetensors, or model-0000i-of-0000n.safetensors and their index past
+SHARD_BYTES), each tensor dequantized as its shard is written: the conversion holds one shard
+in memory, not the whole float model (an 8B Q4_K file is 32 GB in float32).
 """
 
 from __future__ import annotations
@@ -97,21 +100,67 @@ def _read_config(reader) -> dict:
     }
 
 
-def _read_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
+# Float32 bytes per weight shard: what the conversion holds in memory at once.
+SHARD_BYTES = 512 << 20
+_CHUNK_ROWS = 4096
+
+
+def _float_tensor(t, config: dict) -> torch.Tensor:
+    """One GGUF tensor dequantized to float32, q/k rows in HF's order (an array of its own)."""
     from gguf.quants import dequantize
 
-    out = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            continue
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(s) for s in reversed(t.shape)))
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, config["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the mmap is read-only
-    return out
+    shape = tuple(int(s) for s in reversed(t.shape))
+    if len(shape) == 2 and t.data.ndim == 2 and t.data.shape[0] == shape[0]:
+        # row chunks: gguf-py's dequantize holds a few float temporaries of its input's size
+        w = np.empty(shape, dtype=np.float32)
+        for i in range(0, shape[0], _CHUNK_ROWS):
+            w[i : i + _CHUNK_ROWS] = dequantize(t.data[i : i + _CHUNK_ROWS], t.tensor_type)
+    else:
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+    name = _hf_name(t.name)
+    if name.endswith("q_proj.weight"):
+        w = _unpermute(w, config["num_attention_heads"])
+    elif name.endswith("k_proj.weight"):
+        w = _unpermute(w, config["num_key_value_heads"])
+    if not (w.flags.writeable and w.flags.c_contiguous and w.dtype == np.float32):
+        w = np.array(w, dtype=np.float32)  # a copy: F32 tensors are views of the read-only mmap
+    return torch.from_numpy(w)
+
+
+def _shards(tensors: list, shard_bytes: int) -> list[list]:
+    """The tensors in file order, split into runs of at most shard_bytes of float32 (a larger
+    tensor alone)."""
+    shards: list[list] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = 4 * int(np.prod([int(s) for s in t.shape]))
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _write_weights(reader, config: dict, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """The weights as safetensors shards, each dequantized, written and freed in turn."""
+    from safetensors.torch import save_file
+
+    shards = _shards([t for t in reader.tensors if _hf_name(t.name) is not None], shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {_hf_name(t.name): _float_tensor(t, config) for t in shard}
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        if n > 1:
+            gib = sum(t.numel() * 4 for t in tensors.values()) / 2**30
+            logger.info("Converted weight shard %d/%d (%.2f GiB float32)", i, n, gib)
+        del tensors
+    if n > 1:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -123,10 +172,9 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tok.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: str | Path, dest: str | Path) -> Path:
+def convert_gguf(gguf_path: str | Path, dest: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the HF folder for gguf_path at dest (atomically); return dest."""
     from gguf import GGUFReader
-    from safetensors.torch import save_file
 
     gguf_path, dest = Path(gguf_path), Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -136,9 +184,8 @@ def convert_gguf(gguf_path: str | Path, dest: str | Path) -> Path:
     try:
         reader = GGUFReader(str(gguf_path))
         config = _read_config(reader)
-        tensors = _read_tensors(reader, config)
+        _write_weights(reader, config, tmp, shard_bytes)
         del reader
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -16,7 +16,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from safetensors.torch import save_file
 
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
@@ -28,7 +27,7 @@ from engine.layers.quantization.gguf import (
     q8_tiles_head,
 )
 from engine.layers.quantization.unquantized import linear_by_rows
-from engine.models.gguf_convert import _read_tensors
+from engine.models.gguf_convert import _write_weights
 from engine.models.loader import load_model
 from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
 
@@ -66,10 +65,8 @@ def gguf_model(request, tiny_llama_dir, wide_llama_dir, tmp_path_factory):
         write_gguf(hf_dir, path, request.param)
     folder = tmp / "dequantized"
     shutil.copytree(hf_dir, folder)
-    tensors = _read_tensors(
-        GGUFReader(str(path)), {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
-    )
-    save_file(tensors, str(folder / "model.safetensors"))
+    heads = {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    _write_weights(GGUFReader(str(path)), heads, folder)  # over the copy's model.safetensors
     return request.param, path, folder
 
 

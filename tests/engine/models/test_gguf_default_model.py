@@ -35,11 +35,14 @@ def test_converted_folder_and_cache(default_model_dir):
     assert cfg["vocab_size"] == 49152 and cfg["rope_theta"] == 100000.0
     assert cfg["tie_word_embeddings"] is True
     # A second resolve finds the cached folder and converts nothing.
-    mtime = os.stat(default_model_dir / "model.safetensors").st_mtime_ns
+    # 540 MB of float32 weights in two shards of at most 512 MiB (SHARD_BYTES)
+    shards = sorted(default_model_dir.glob("*.safetensors"))
+    assert [p.name for p in shards] == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    mtimes = [os.stat(p).st_mtime_ns for p in shards]
     assert (
         resolve_model(DEFAULT_MODEL, cache_dir=default_model_dir.parent.parent) == default_model_dir
     )
-    assert os.stat(default_model_dir / "model.safetensors").st_mtime_ns == mtime
+    assert [os.stat(p).st_mtime_ns for p in shards] == mtimes
     assert not [p for p in default_model_dir.parent.iterdir() if p.name.startswith(".tmp")]
 
 

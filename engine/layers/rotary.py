@@ -14,7 +14,7 @@ from torch import nn
 from engine.layers import cpu_fused
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     # Same formula as transformers' _compute_llama3_parameters.
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -49,7 +49,7 @@ class RotaryEmbedding(nn.Module):
             base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())  # [P, D/2], float32 like HF
         # Not a state-dict buffer: it is derived from the config, never loaded.

@@ -21,10 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.layers.rotary import llama3_inv_freq
+
 logger = logging.getLogger("tessera.engine")
 
 # Bump when the output format changes: old caches are then converted again.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Llama 3 rope scaling from rope_freqs
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -65,6 +67,63 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """HF's "llama3" rope_scaling for a rope_freqs tensor (what llama.cpp's converter writes for
+    Llama 3.1+: per frequency the divisor of its inverse frequency); None for all ones.
+
+    The divisors are 1 below a wavelength threshold, `factor` above a second one, and between
+    them a blend linear in 1 / wavelength. They fix the thresholds' ratios to HF's
+    original_max_position_embeddings, not its value: that is taken as Llama 3's 8,192, and the
+    thresholds come from the blended frequencies (the line through two of them; with fewer,
+    any thresholds in the gaps that reproduce them). Anything else raises: served with plain
+    rope it would be wrong."""
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if len(f) != len(inv_freq):
+        raise ValueError(f"the GGUF's rope_freqs has {len(f)} divisors for head_dim {head_dim}")
+    factor = float(f.max())
+    if factor <= 1 + 1e-6:
+        return None
+    x = inv_freq / (2 * np.pi)  # 1 / wavelength, falling
+    smooth = (1 / f - 1 / factor) / (1 - 1 / factor)  # 1 where f is 1, 0 where it is factor
+    blended = np.flatnonzero((f > 1 + 1e-6) & (f < factor * (1 - 1e-6)))
+    k = int(np.argmax(f > 1 + 1e-6))  # the first scaled frequency
+    below = x[k - 1] if k > 0 else 4 * x[k]  # an unscaled neighbour (or a made-up one)
+    if len(blended) >= 2:  # a = 1 / the short threshold, c = 1 / the long one
+        i, j = blended[0], blended[-1]
+        a_minus_c = (x[i] - x[j]) / (smooth[i] - smooth[j])
+        c = x[i] - smooth[i] * a_minus_c
+        a = c + a_minus_c
+    elif len(blended) == 1:
+        a = np.sqrt(below * x[k])
+        c = (x[k] - smooth[k] * a) / (1 - smooth[k])
+    else:
+        a, c = below ** (2 / 3) * x[k] ** (1 / 3), below ** (1 / 3) * x[k] ** (2 / 3)
+    original = 8192
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(original * c),
+        "high_freq_factor": float(original * a),
+        "original_max_position_embeddings": original,
+    }
+    ours = llama3_inv_freq(torch.from_numpy(inv_freq), scaling).numpy()
+    if not np.allclose(ours, inv_freq / f, rtol=1e-4, atol=0):
+        raise ValueError(
+            "the GGUF's rope_freqs is not supported: its divisors are not Llama 3's blend "
+            "(the only rope scaling served)"
+        )
+    return scaling
+
+
+def _rope_scaling(reader, theta: float, head_dim: int) -> dict | None:
+    kind = _field(reader, "llama.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (Llama 3's is)")
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else _llama3_scaling(np.asarray(t.data), theta, head_dim)
+
+
 def _read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -74,6 +133,8 @@ def _read_config(reader) -> dict:
     hidden = int(_field(reader, "llama.embedding_length"))
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // heads))
+    theta = float(_field(reader, "llama.rope.freq_base", 10000.0))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -83,10 +144,11 @@ def _read_config(reader) -> dict:
         "num_hidden_layers": int(_field(reader, "llama.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(reader, theta, head_dim),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),

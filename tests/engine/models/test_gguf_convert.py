@@ -1,19 +1,23 @@
-"""engine.models.gguf_convert's weights: written in shards, one at a time, and read back."""
+"""engine.models.gguf_convert: the weights written in shards, one at a time, and read back;
+Llama 3's rope scaling recovered from the rope_freqs tensor llama.cpp writes."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 
-from engine.models.gguf_convert import _write_weights
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.gguf_convert import _llama3_scaling, _read_config, _write_weights
 from engine.models.loader import load_model
 from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
 
@@ -100,3 +104,103 @@ def test_the_conversion_holds_one_shard_not_the_float_model(tmp_path):
     grew_mib = float(out.stdout.split()[-1])
     assert len(list(tmp_path.glob("model-*.safetensors"))) == 20  # two tensors a shard
     assert grew_mib < 0.5 * float_mib, (grew_mib, float_mib)
+
+
+def _llama_cpp_rope_freqs(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs.weight for a Llama 3.1+ checkpoint (its
+    formula, float32): per frequency the divisor of its inverse frequency."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _llama3(factor, low, high, original) -> dict:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+
+
+@pytest.mark.parametrize(
+    ("theta", "head_dim", "scaling"),
+    [
+        (500000.0, 128, _llama3(8.0, 1.0, 4.0, 8192)),  # Llama 3.1
+        (500000.0, 64, _llama3(32.0, 1.0, 4.0, 8192)),  # Llama 3.2 1B
+        (500000.0, 16, _llama3(8.0, 1.0, 4.0, 32)),  # tests/conftest.py's: no blended one
+        (500000.0, 16, _llama3(8.0, 1.0, 4.0, 64)),  # one blended
+        (10000.0, 128, _llama3(4.0, 2.0, 6.0, 4096)),
+    ],
+)
+def test_rope_freqs_become_the_llama3_scaling_that_rotates_alike(theta, head_dim, scaling):
+    factors = _llama_cpp_rope_freqs(theta, head_dim, scaling)
+    assert (factors > 1).any() and (factors < 1 + 1e-6).any()  # the case exercises all three
+    solved = _llama3_scaling(factors, theta, head_dim)
+    assert solved["rope_type"] == "llama3" and solved["factor"] == pytest.approx(scaling["factor"])
+    want = RotaryEmbedding(head_dim, 4096, theta, scaling)
+    got = RotaryEmbedding(head_dim, 4096, theta, solved)
+    torch.testing.assert_close(got.cos_cache, want.cos_cache, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.sin_cache, want.sin_cache, rtol=0, atol=1e-4)
+    plain = RotaryEmbedding(head_dim, 4096, theta)
+    assert (plain.cos_cache - want.cos_cache).abs().max() > 0.1  # scaling matters at these
+
+
+def test_rope_freqs_of_another_form_are_refused():
+    factors = _llama_cpp_rope_freqs(500000.0, 128, _llama3(8.0, 1.0, 4.0, 8192))
+    uniform = _llama3_scaling(np.full_like(factors, 2.0), 500000.0, 128)  # linear scaling
+    want = RotaryEmbedding(128, 64, 500000.0).cos_cache[32]  # position 32 is 64 / 2
+    torch.testing.assert_close(RotaryEmbedding(128, 65, 500000.0, uniform).cos_cache[64], want)
+    with pytest.raises(ValueError, match="not Llama 3's blend"):
+        _llama3_scaling(np.where(np.arange(64) % 2, 1.0, 8.0), 500000.0, 128)  # not monotonic
+    assert _llama3_scaling(np.ones_like(factors), 500000.0, 128) is None  # plain rope
+    bent = factors.copy()
+    blended = np.flatnonzero((factors > 1) & (factors < 8))
+    bent[blended[len(blended) // 2]] *= 1.1
+    with pytest.raises(ValueError, match="not Llama 3's blend"):
+        _llama3_scaling(bent, 500000.0, 128)
+
+
+def _header_only_gguf(path, rope_freqs=None, scaling_type=None) -> GGUFReader:
+    """The metadata _read_config reads, a Llama 3-shaped head, and rope_freqs if given."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(512)
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(500000.0)
+    w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    if scaling_type is not None:
+        w.add_string("llama.rope.scaling.type", scaling_type)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFReader(str(path))
+
+
+def test_a_llama3_gguf_gets_its_rope_scaling_in_config(tmp_path):
+    scaling = _llama3(32.0, 1.0, 4.0, 8192)
+    factors = _llama_cpp_rope_freqs(500000.0, 128, scaling)
+    cfg = _read_config(_header_only_gguf(tmp_path / "l3.gguf", rope_freqs=factors))
+    assert cfg["head_dim"] == 128 and cfg["rope_theta"] == 500000.0
+    assert cfg["rope_scaling"]["rope_type"] == "llama3"
+    assert cfg["rope_scaling"]["factor"] == pytest.approx(32.0)
+    assert _read_config(_header_only_gguf(tmp_path / "plain.gguf"))["rope_scaling"] is None
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        _read_config(_header_only_gguf(tmp_path / "yarn.gguf", scaling_type="yarn"))

@@ -1,9 +1,10 @@
-"""The linear layers' weights of a llama GGUF file as the file stores them (`--quantization
-gguf`): raw blocks per output row, merged the way the model merges its projections.
+"""The linear layers' weights of a llama or qwen2 GGUF file as the file stores them
+(`--quantization gguf`): raw blocks per output row, merged the way the model merges its
+projections.
 
-q and k rows are reordered as gguf_convert does (llama.cpp interleaves the rotary halves); a
-row is whole blocks along the input features, so reordering rows moves bytes, never
-requantizes. A projection group whose parts differ in type (Q4_K_M files: attn_q/attn_k Q4_K,
+q and k rows are reordered as gguf_convert does (llama.cpp interleaves the rotary halves in its
+llama files); a row is whole blocks along the input features, so reordering rows moves bytes,
+never requantizes. A projection group whose parts differ in type (Q4_K_M files: attn_q/attn_k Q4_K,
 attn_v Q6_K) keeps each run of same-typed parts as a row segment of its own type, all in one
 buffer; a group with a float part (F16, BF16, F32) is left out, the caller keeps its
 dequantized weights.
@@ -90,14 +91,15 @@ def gguf_source(model: str | Path) -> Path | None:
 
 
 def read_linear_blocks(
-    path: str | Path, num_heads: int, num_kv_heads: int
+    path: str | Path, num_heads: int, num_kv_heads: int, interleaved: bool = True
 ) -> tuple[dict[str, Blocks], dict[str, str]]:
     """({"model.layers.0.self_attn.qkv_proj": Blocks, ..., "lm_head": Blocks}, {module: why it
     was left out}). The LM head's rows are output.weight, or token_embd.weight where the
-    model ties them."""
+    model ties them. interleaved: the file's q/k rows are in llama.cpp's rotary order (its
+    llama files; gguf_convert.rows_interleaved)."""
     tensors = tensor_table(path)
     n_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
-    heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+    heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if interleaved else {}
     found: dict[str, Blocks] = {}
     skipped: dict[str, str] = {}
     for i in range(n_layers):

@@ -1,4 +1,4 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face folder, once.
+"""Convert a GGUF file of the llama or qwen2 architecture into a Hugging Face folder, once.
 
 The output (config.json, the weights dequantized to float32, tokenizer files with the chat
 template, generation_config.json) is written to a temporary folder next to the destination and
@@ -26,7 +26,7 @@ from engine.layers.rotary import llama3_inv_freq
 logger = logging.getLogger("tessera.engine")
 
 # Bump when the output format changes: old caches are then converted again.
-CONVERTER_VERSION = 2  # 2: Llama 3 rope scaling from rope_freqs
+CONVERTER_VERSION = 2  # 2: Llama 3 rope scaling from rope_freqs, Qwen2
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -38,6 +38,9 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2's
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -116,50 +119,67 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | 
     return scaling
 
 
-def _rope_scaling(reader, theta: float, head_dim: int) -> dict | None:
-    kind = _field(reader, "llama.rope.scaling.type")
+def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {kind!r} is not supported (Llama 3's is)")
     t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return None if t is None else _llama3_scaling(np.asarray(t.data), theta, head_dim)
 
 
+# GGUF architecture -> HF's class; llama.cpp interleaves the rotary halves of q/k rows in
+# "llama" files only (Qwen2 rotates halves as HF does)
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def rows_interleaved(config: dict) -> bool:
+    """Whether a GGUF file of this config stores q/k rows in llama.cpp's rotary order."""
+    return config.get("model_type", "llama") == "llama"
+
+
 def _read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in _ARCHS:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})"
+        )
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
     names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // heads))
-    theta = float(_field(reader, "llama.rope.freq_base", 10000.0))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("rope.dimension_count", hidden // heads))
+    theta = float(key("rope.freq_base", 10000.0))
+    config = {
+        "architectures": [_ARCHS[arch]],
+        "model_type": arch,
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": theta,
-        "rope_scaling": _rope_scaling(reader, theta, head_dim),
-        "vocab_size": vocab,
+        "rope_scaling": _rope_scaling(reader, arch, theta, head_dim),
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-        "attention_bias": False,
-        "mlp_bias": False,
         # The original checkpoint's dtype, so dtype="auto" serves in bfloat16; the weights
         # themselves are stored dequantized in float32.
         "torch_dtype": "bfloat16",
     }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:  # Qwen2: q/k/v biases; its sliding window is off in every released checkpoint
+        config.update(use_sliding_window=False)
+    return config
 
 
 # Float32 bytes per weight shard: what the conversion holds in memory at once.
@@ -180,9 +200,9 @@ def _float_tensor(t, config: dict) -> torch.Tensor:
     else:
         w = dequantize(t.data, t.tensor_type).reshape(shape)
     name = _hf_name(t.name)
-    if name.endswith("q_proj.weight"):
+    if rows_interleaved(config) and name.endswith("q_proj.weight"):
         w = _unpermute(w, config["num_attention_heads"])
-    elif name.endswith("k_proj.weight"):
+    elif rows_interleaved(config) and name.endswith("k_proj.weight"):
         w = _unpermute(w, config["num_key_value_heads"])
     if not (w.flags.writeable and w.flags.c_contiguous and w.dtype == np.float32):
         w = np.array(w, dtype=np.float32)  # a copy: F32 tensors are views of the read-only mmap

@@ -266,6 +266,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
     "dequantized (why)" hold the file's values. Runs on a loaded model, or on a built one
     before its float weights load (ModelRunner: they then skip block_parameters(model))."""
     from engine.models.gguf_blocks import read_linear_blocks
+    from engine.models.gguf_convert import rows_interleaved
 
     if not cpu_gguf.available():
         raise ValueError(
@@ -273,7 +274,8 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
             "TESSERA_CPU_KERNELS not 0)"
         )
     attn = model.model.layers[0].self_attn
-    blocks, skipped = read_linear_blocks(gguf_path, attn.num_heads, attn.num_kv_heads)
+    interleaved = rows_interleaved({"model_type": model.config.model_type})
+    blocks, skipped = read_linear_blocks(gguf_path, attn.num_heads, attn.num_kv_heads, interleaved)
     modules = dict(model.named_modules())
     paths: dict[str, Counter] = {}
     for name, module in modules.items():

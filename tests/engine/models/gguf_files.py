@@ -31,13 +31,19 @@ def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def write_gguf(
-    hf_dir, path, type_name: str, overrides: dict | None = None, head_type: str | None = None
+    hf_dir,
+    path,
+    type_name: str,
+    overrides: dict | None = None,
+    head_type: str | None = None,
+    arch: str = "llama",
 ) -> None:
     """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name};
-    the LM head (output.weight) in head_type, float32 without one."""
+    the LM head (output.weight) in head_type, float32 without one. arch "qwen2": its q/k rows
+    as HF has them (llama.cpp permutes llama's only) and its q/k/v biases."""
     state = load_file(str(hf_dir / "model.safetensors"))
     overrides = overrides or {}
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     for name, t in state.items():
         w = t.float().numpy()
         if name == "model.embed_tokens.weight":
@@ -53,8 +59,11 @@ def write_gguf(
             )
         else:
             _, _, layer, rest = name.split(".", 3)
+            if rest.endswith(".bias"):
+                writer.add_tensor(f"blk.{layer}.{_NAMES[rest.removesuffix('.bias')]}.bias", w)
+                continue
             module = rest.removesuffix(".weight")
-            if module.endswith(("q_proj", "k_proj")):
+            if arch == "llama" and module.endswith(("q_proj", "k_proj")):
                 w = _permute(w, HEADS if module.endswith("q_proj") else KV_HEADS)
             part = _NAMES[module]
             if w.ndim == 2:

@@ -274,3 +274,37 @@ def test_a_group_with_a_float_part_keeps_the_dequantized_weights(wide_llama_dir,
     )
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float32 and not isinstance(qkv.quant_method, _METHODS)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_a_qwen2_file_keeps_its_row_order_and_biases(tiny_qwen2_dir, tmp_path, type_name):
+    """llama.cpp permutes q/k rows in llama files only: a qwen2 file's rows are HF's. Its
+    blocks serve the tiny Qwen2 (q/k/v biases from the float checkpoint) like its dequantized
+    weights, and those like the original model (Q8_0: within int8 rounding)."""
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(tiny_qwen2_dir, path, type_name, arch="qwen2")
+    folder = tmp_path / "dequantized"
+    shutil.copytree(tiny_qwen2_dir, folder)
+    config = {"model_type": "qwen2", "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    _write_weights(GGUFReader(str(path)), config, folder)
+    original = load_model(tiny_qwen2_dir, dtype="float32")
+    ref = load_model(folder, dtype="float32")
+    model = load_model(folder, dtype="float32")
+    paths = apply_gguf_blocks(model, path)
+    assert sum(n for k, c in paths.items() if k != "lm_head" for n in c.values()) == 3 * 4
+    assert not any(
+        why.startswith("dequantized") for k, c in paths.items() if k != "lm_head" for why in c
+    )
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    tokens, compared = [5, 9, 17, 3], 0
+    while len(tokens) < 14:
+        o, r, c = _logits(original, tokens), _logits(ref, tokens), _logits(model, tokens)
+        if type_name == "Q8_0":  # the file's values are the original's, rounded per block
+            assert (r - o).abs().max() < 4 * GAP_TOL
+        top2 = r.topk(2).values
+        if top2[0] - top2[1] > GAP_TOL:
+            assert int(c.argmax()) == int(r.argmax()), tokens
+            compared += 1
+        assert (c - r).abs().max() < 4 * GAP_TOL
+        tokens.append(int(r.argmax()))
+    assert compared >= 5

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.gguf_convert import _llama3_scaling, _read_config, _write_weights
-from engine.models.loader import load_model
+from engine.models.loader import load_hf_config, load_model
 from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
 
 _HEADS = {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
@@ -172,9 +172,9 @@ def test_rope_freqs_of_another_form_are_refused():
         _llama3_scaling(bent, 500000.0, 128)
 
 
-def _header_only_gguf(path, rope_freqs=None, scaling_type=None) -> GGUFReader:
+def _header_only_gguf(path, rope_freqs=None, scaling_type=None, arch="llama") -> GGUFReader:
     """The metadata _read_config reads, a Llama 3-shaped head, and rope_freqs if given."""
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), arch)
     w.add_embedding_length(256)
     w.add_feed_forward_length(512)
     w.add_block_count(1)
@@ -183,7 +183,7 @@ def _header_only_gguf(path, rope_freqs=None, scaling_type=None) -> GGUFReader:
     w.add_rope_freq_base(500000.0)
     w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
     if scaling_type is not None:
-        w.add_string("llama.rope.scaling.type", scaling_type)
+        w.add_string(f"{arch}.rope.scaling.type", scaling_type)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
@@ -204,3 +204,16 @@ def test_a_llama3_gguf_gets_its_rope_scaling_in_config(tmp_path):
     assert _read_config(_header_only_gguf(tmp_path / "plain.gguf"))["rope_scaling"] is None
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         _read_config(_header_only_gguf(tmp_path / "yarn.gguf", scaling_type="yarn"))
+
+
+def test_a_qwen2_gguf_is_a_qwen2_config(tmp_path):
+    cfg = _read_config(_header_only_gguf(tmp_path / "q.gguf", arch="qwen2"))
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model_type"] == "qwen2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = load_hf_config(tmp_path)
+    assert hf.attention_bias and not hf.o_proj_bias and hf.sliding_window is None
+    assert (hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads) == (256, 2, 1)
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        _read_config(_header_only_gguf(tmp_path / "y.gguf", scaling_type="yarn", arch="qwen2"))
+    with pytest.raises(ValueError, match="architecture 'gemma' is not supported"):
+        _read_config(_header_only_gguf(tmp_path / "g.gguf", arch="gemma"))

@@ -13,17 +13,21 @@ from engine.worker import host_memory
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds addr."""
+def _smaps(addr: int, field: str) -> list[str]:
+    """A field ("VmFlags:", "Rss:") of the mapping of this process that holds addr."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
             lo, hi = (int(v, 16) for v in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and line.startswith("VmFlags:"):
+        elif inside and line.startswith(field):
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _vm_flags(addr: int) -> list[str]:
+    return _smaps(addr, "VmFlags:")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
@@ -36,6 +40,16 @@ def test_zeros_is_a_zeroed_writable_tensor_that_outlives_its_mapping_object(dtyp
     t[0, 0, 0, 0] = -2
     assert t.sum().item() == 1
     assert host_memory.zeros((0, 4), dtype).shape == (0, 4)
+
+
+def test_zeros_commits_every_page_at_once():
+    """Resident from the start (a cache that faults in during the first busy steps would
+    slow them, and an overcommitted host would fail there rather than at start-up)."""
+    nbytes = 24 << 20
+    t = host_memory.zeros((nbytes // 2 + 3,), torch.bfloat16)  # not a whole number of pages
+    rss_kib = int(_smaps(t.data_ptr(), "Rss:")[0])
+    assert rss_kib * 1024 >= nbytes
+    assert not t.any()
 
 
 @pytest.mark.skipif(not THP.exists(), reason="this kernel has no transparent huge pages")

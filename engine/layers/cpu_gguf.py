@@ -1,5 +1,6 @@
-"""GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q8_0, and
-the K-quants Q4_K, Q5_K, Q6_K (gguf_k.c: superblocks of 256 weights, so K % 256 == 0).
+"""GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, and the K-quants Q4_K, Q5_K, Q6_K (gguf_k.c: superblocks of 256 weights, so
+K % 256 == 0).
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
 does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
@@ -21,8 +22,7 @@ import torch
 from engine.kernels.cpu import ops
 from engine.layers import cpu_amx, cpu_gemm, cpu_isa
 
-TYPES = {"Q4_0": ops.CONSTANTS["GGUF_Q4_0"], "Q4_1": ops.CONSTANTS["GGUF_Q4_1"]}
-TYPES["Q8_0"] = ops.CONSTANTS["GGUF_Q8_0"]
+TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
 K_TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_K", "Q5_K", "Q6_K")}
 TYPES.update(K_TYPES)
 ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}  # gguf_isa's values (GGUF_ISA_* in the header)

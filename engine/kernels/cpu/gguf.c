@@ -1,5 +1,8 @@
 /* GGUF weight blocks as they are in the file (engine/layers/quantization/gguf.py has the why):
-   y = x W^T with W in Q4_0, Q4_1 or Q8_0 blocks of 32 weights along K. x is quantized per
+   y = x W^T with W in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks of 32 weights along K (Q5's
+   fifth bits in 4 bytes qh after the scales: bit j is weight j's; Q5_0 and Q5_1 are what
+   llama.cpp writes for Q4_K and Q5_K tensors whose K is not a multiple of 256, as in most
+   small models' Q4_K_M files). x is quantized per
    block of 32 to int8 with a float scale (llama.cpp's Q8_0/Q8_1 activations), each block's
    integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
    AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
@@ -33,6 +36,8 @@ static int block_bytes(int type) {
   switch (type) {
     case GGUF_Q4_0: return 18;
     case GGUF_Q4_1: return 20;
+    case GGUF_Q5_0: return 22;
+    case GGUF_Q5_1: return 24;
     case GGUF_Q8_0: return 34;
     case GGUF_Q4_K: return 144;  /* superblocks of 256 weights: gguf_k.c */
     case GGUF_Q5_K: return 176;
@@ -41,6 +46,28 @@ static int block_bytes(int type) {
   }
 }
 int gguf_block_bytes(int type) { return block_bytes(type); }
+
+/* The 4- and 5-bit types: where the nibbles start, the code's offset (w = d * (q - off)), and
+   whether the block holds a minimum (w = d * q + m) */
+static inline int qs_offset(int type) {
+  return type == GGUF_Q4_0 ? 2 : type == GGUF_Q4_1 ? 4 : type == GGUF_Q5_0 ? 6 : 8;
+}
+static inline int code_offset(int type) {
+  return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : 0;
+}
+static inline int has_min(int type) { return type == GGUF_Q4_1 || type == GGUF_Q5_1; }
+static inline int has_qh(int type) { return type == GGUF_Q5_0 || type == GGUF_Q5_1; }
+static inline uint32_t qh_bits(int type, const uint8_t* blk) {
+  uint32_t h;
+  memcpy(&h, blk + qs_offset(type) - 4, 4);
+  return h;
+}
+/* code j of a 4- or 5-bit block, 0..31 (j < 32) */
+static inline int code_at(int type, const uint8_t* blk, int j) {
+  const uint8_t* q = blk + qs_offset(type);
+  const int c = j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+  return has_qh(type) ? c | (int)((qh_bits(type, blk) >> j) & 1) << 4 : c;
+}
 
 /* One row of x -> int8 blocks q, a scale per block (d) and each block's sum of q. */
 static void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, int32_t* sum) {
@@ -76,10 +103,9 @@ static float dot_scalar(int type, const uint8_t* w, const int8_t* xq, const floa
       for (int j = 0; j < 32; ++j) s += q[j] * x[j];
       acc += h2f(blk) * xd[b] * (float)s;
     } else {
-      const uint8_t* q = blk + (type == GGUF_Q4_1 ? 4 : 2);
-      for (int j = 0; j < 16; ++j) s += (q[j] & 15) * x[j] + (q[j] >> 4) * x[j + 16];
-      if (type == GGUF_Q4_0) acc += h2f(blk) * xd[b] * (float)(s - 8 * xs[b]);
-      else acc += xd[b] * (h2f(blk) * (float)s + h2f(blk + 2) * (float)xs[b]);
+      for (int j = 0; j < 32; ++j) s += code_at(type, blk, j) * x[j];
+      if (has_min(type)) acc += xd[b] * (h2f(blk) * (float)s + h2f(blk + 2) * (float)xs[b]);
+      else acc += h2f(blk) * xd[b] * (float)(s - code_offset(type) * xs[b]);
     }
   }
   return acc;
@@ -90,6 +116,20 @@ static float dot_scalar(int type, const uint8_t* w, const int8_t* xq, const floa
 static inline __m256i q4_bytes(const uint8_t* qs) {
   const __m128i b = _mm_loadu_si128((const __m128i*)qs), m4 = _mm_set1_epi8(15);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+}
+/* byte j = 16 where bit j of h is set: the Q5 codes' fifth bits (AVX2 only, so that every
+   build runs, and tests, the instructions an AVX2-only CPU runs) */
+static inline __m256i fifth_bits(uint32_t h) {
+  const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);  /* in-lane: each lane has h's 4 bytes */
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), byte_of_bit), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+/* a 4- or 5-bit block's 32 codes as unsigned bytes, in weight order */
+static inline __m256i codes_bytes(int type, const uint8_t* blk) {
+  const __m256i u = q4_bytes(blk + qs_offset(type));
+  return has_qh(type) ? _mm256_or_si256(u, fifth_bits(qh_bits(type, blk))) : u;
 }
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -116,7 +156,7 @@ static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnn
     u = _mm256_sign_epi8(q, q);  /* |w| as unsigned, w's sign moved onto x */
     s = _mm256_sign_epi8(s, q);
   } else {
-    u = q4_bytes(blk + (type == GGUF_Q4_1 ? 4 : 2));
+    u = codes_bytes(type, blk);
   }
 #if ISA_MAX >= GGUF_ISA_VNNI
   if (vnni) return dot_vnni256(u, s);
@@ -132,7 +172,7 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
     int64_t nb, float* out) {
   const int bs = block_bytes(type);
   __m256 acc[4];
-  float extra[4];  /* the per-block offsets: Q4_0's -8, Q4_1's minimum, times sum(x) */
+  float extra[4];  /* the per-block offsets (Q4_0's -8, Q5_0's -16) or minimums, times sum(x) */
   for (int m = 0; m < R; ++m) { acc[m] = _mm256_setzero_ps(); extra[m] = 0.f; }
   int64_t b = 0;
 #if ISA_MAX >= GGUF_ISA_VNNI
@@ -150,11 +190,10 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
         u = _mm512_abs_epi8(q);  /* |w| as unsigned, w's sign moved onto x */
         neg = _mm512_movepi8_mask(q);
       } else {
-        const int off = type == GGUF_Q4_1 ? 4 : 2;
-        u = _mm512_inserti64x4(_mm512_castsi256_si512(q4_bytes(b0 + off)), q4_bytes(b1 + off), 1);
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(codes_bytes(type, b0)), codes_bytes(type, b1), 1);
       }
       const float w0 = h2f(b0), w1 = h2f(b1);
-      const float m0 = type == GGUF_Q4_1 ? h2f(b0 + 2) : 0.f, m1 = type == GGUF_Q4_1 ? h2f(b1 + 2) : 0.f;
+      const float m0 = has_min(type) ? h2f(b0 + 2) : 0.f, m1 = has_min(type) ? h2f(b1 + 2) : 0.f;
       for (int m = 0; m < R; ++m) {
         const float* d = xd + m * nb;
         const int32_t* sx = xs + m * nb;
@@ -164,8 +203,8 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
         const float d0 = w0 * d[b], d1 = w1 * d[b + 1];
         const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
         acc2[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), scale, acc2[m]);
-        if (type == GGUF_Q4_0) extra[m] -= 8.f * (d0 * sx[b] + d1 * sx[b + 1]);
-        else if (type == GGUF_Q4_1) extra[m] += m0 * d[b] * sx[b] + m1 * d[b + 1] * sx[b + 1];
+        if (code_offset(type)) extra[m] -= code_offset(type) * (d0 * sx[b] + d1 * sx[b + 1]);
+        else if (has_min(type)) extra[m] += m0 * d[b] * sx[b] + m1 * d[b + 1] * sx[b + 1];
       }
     }
     for (int m = 0; m < R; ++m)
@@ -175,13 +214,13 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
 #endif
   for (; b < nb; ++b) {
     const uint8_t* blk = w + b * bs;
-    const float wd = h2f(blk), wm = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
+    const float wd = h2f(blk), wm = has_min(type) ? h2f(blk + 2) : 0.f;
     for (int m = 0; m < R; ++m) {
       const float d = wd * xd[m * nb + b];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(type, vnni, blk, xq + m * K + b * 32)),
                                _mm256_set1_ps(d), acc[m]);
-      if (type == GGUF_Q4_0) extra[m] -= 8.f * d * xs[m * nb + b];
-      else if (type == GGUF_Q4_1) extra[m] += wm * xd[m * nb + b] * xs[m * nb + b];
+      if (code_offset(type)) extra[m] -= code_offset(type) * d * xs[m * nb + b];
+      else if (has_min(type)) extra[m] += wm * xd[m * nb + b] * xs[m * nb + b];
     }
   }
   for (int m = 0; m < R; ++m) out[m] = hsum8(acc[m]) + extra[m];
@@ -208,30 +247,42 @@ static inline __attribute__((always_inline)) void dot_scalar_rows(int type, int 
       dot_##SUFFIX##_3, dot_##SUFFIX##_4};
 DEFINE_ROWS(q4_0_s, GGUF_Q4_0, dot_scalar_rows, )
 DEFINE_ROWS(q4_1_s, GGUF_Q4_1, dot_scalar_rows, )
+DEFINE_ROWS(q5_0_s, GGUF_Q5_0, dot_scalar_rows, )
+DEFINE_ROWS(q5_1_s, GGUF_Q5_1, dot_scalar_rows, )
 DEFINE_ROWS(q8_0_s, GGUF_Q8_0, dot_scalar_rows, )
 #if ISA_MAX >= GGUF_ISA_AVX2
 DEFINE_ROWS(q4_0_a, GGUF_Q4_0, dot_vec, 0,)
 DEFINE_ROWS(q4_1_a, GGUF_Q4_1, dot_vec, 0,)
+DEFINE_ROWS(q5_0_a, GGUF_Q5_0, dot_vec, 0,)
+DEFINE_ROWS(q5_1_a, GGUF_Q5_1, dot_vec, 0,)
 DEFINE_ROWS(q8_0_a, GGUF_Q8_0, dot_vec, 0,)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
 DEFINE_ROWS(q4_0_v, GGUF_Q4_0, dot_vec, 1,)
 DEFINE_ROWS(q4_1_v, GGUF_Q4_1, dot_vec, 1,)
+DEFINE_ROWS(q5_0_v, GGUF_Q5_0, dot_vec, 1,)
+DEFINE_ROWS(q5_1_v, GGUF_Q5_1, dot_vec, 1,)
 DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
 #endif
 
+#define PICK(V)                                                                             \
+  switch (type) {                                                                           \
+    case GGUF_Q4_0: return DOT_q4_0_##V;                                                    \
+    case GGUF_Q4_1: return DOT_q4_1_##V;                                                    \
+    case GGUF_Q5_0: return DOT_q5_0_##V;                                                    \
+    case GGUF_Q5_1: return DOT_q5_1_##V;                                                    \
+    default: return DOT_q8_0_##V;                                                           \
+  }
 static const dot_fn* pick(int type, int isa) {
   if (isa > ISA_MAX) isa = ISA_MAX;
 #if ISA_MAX >= GGUF_ISA_VNNI
-  if (isa >= GGUF_ISA_VNNI)
-    return type == GGUF_Q4_0 ? DOT_q4_0_v : type == GGUF_Q4_1 ? DOT_q4_1_v : DOT_q8_0_v;
+  if (isa >= GGUF_ISA_VNNI) PICK(v)
 #endif
 #if ISA_MAX >= GGUF_ISA_AVX2
-  if (isa >= GGUF_ISA_AVX2)
-    return type == GGUF_Q4_0 ? DOT_q4_0_a : type == GGUF_Q4_1 ? DOT_q4_1_a : DOT_q8_0_a;
+  if (isa >= GGUF_ISA_AVX2) PICK(a)
 #endif
   (void)isa;
-  return type == GGUF_Q4_0 ? DOT_q4_0_s : type == GGUF_Q4_1 ? DOT_q4_1_s : DOT_q8_0_s;
+  PICK(s)
 }
 
 #define ROWS_PER_TASK 16  /* output rows a parallel task takes */
@@ -281,7 +332,7 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   if (!bs || K % 32) return -1;
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = row + b * bs;
-    const float d = h2f(blk), mn = type == GGUF_Q4_1 ? h2f(blk + 2) : 0.f;
+    const float d = h2f(blk), mn = has_min(type) ? h2f(blk + 2) : 0.f;
     float* v = out + b * 32;
 #if defined(__AVX512F__)
     /* 32 weights in two vectors: the scalar loops below run ~5x slower (the AMX GEMM's
@@ -292,23 +343,25 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
       _mm512_storeu_ps(v, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
       _mm512_storeu_ps(v + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
     } else {
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (type == GGUF_Q4_1 ? 4 : 2))));
-      const __m512 dv = _mm512_set1_ps(d), base = _mm512_set1_ps(type == GGUF_Q4_0 ? -8.f * d : mn);
-      const __m512i low4 = _mm512_set1_epi32(15);
-      _mm512_storeu_ps(v, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4)), base));
-      _mm512_storeu_ps(v + 16, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), base));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + qs_offset(type))));
+      const __m512 dv = _mm512_set1_ps(d);
+      const __m512 base = _mm512_set1_ps(has_min(type) ? mn : -(float)code_offset(type) * d);
+      __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(q, 4);
+      if (has_qh(type)) {  /* the fifth bits: weights 0..15 in h's low half, 16..31 high */
+        const uint32_t h = qh_bits(type, blk);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        lo = _mm512_mask_or_epi32(lo, (__mmask16)(h & 0xFFFF), lo, sixteen);
+        hi = _mm512_mask_or_epi32(hi, (__mmask16)(h >> 16), hi, sixteen);
+      }
+      _mm512_storeu_ps(v, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(lo), base));
+      _mm512_storeu_ps(v + 16, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(hi), base));
     }
     continue;
 #endif
     if (type == GGUF_Q8_0) {
       for (int j = 0; j < 32; ++j) v[j] = d * (float)((const int8_t*)(blk + 2))[j];
     } else {
-      const uint8_t* q = blk + (type == GGUF_Q4_1 ? 4 : 2);
-      const int off = type == GGUF_Q4_0 ? 8 : 0;
-      for (int j = 0; j < 16; ++j) {
-        v[j] = d * (float)((q[j] & 15) - off) + mn;
-        v[j + 16] = d * (float)((q[j] >> 4) - off) + mn;
-      }
+      for (int j = 0; j < 32; ++j) v[j] = d * (float)(code_at(type, blk, j) - code_offset(type)) + mn;
     }
   }
   return 0;

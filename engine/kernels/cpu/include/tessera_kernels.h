@@ -22,6 +22,8 @@
 #define ATTN_MAX_ROW 1024     /* attention: floats in the per-token row buffer (Hkv * D) */
 #define GGUF_Q4_0 2           /* gguf: ggml's type ids of the block formats gguf.c reads */
 #define GGUF_Q4_1 3
+#define GGUF_Q5_0 6
+#define GGUF_Q5_1 7
 #define GGUF_Q8_0 8
 #define GGUF_Q4_K 12          /* gguf: the K-quants gguf_k.c reads (superblocks of 256 weights) */
 #define GGUF_Q5_K 13

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 768, 2048, 12, 12, 4
 _DIMS = {  # the bundled file's keys that describe its shape -> this model's
     "llama.embedding_length": HIDDEN,
@@ -41,7 +41,7 @@ def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    if type_name.endswith("_K"):  # gguf-py reads K-quants but has no encoder for them
+    if type_name.endswith("_K") or type_name.startswith("IQ4"):  # gguf-py reads, cannot write
         if str(CHECKOUT) not in sys.path:
             sys.path.insert(0, str(CHECKOUT))
         from tests.engine.kernels.kquant_blocks import quantize as quantize_k

@@ -2,15 +2,18 @@
    y = x W^T with W in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks of 32 weights along K (Q5's
    fifth bits in 4 bytes qh after the scales: bit j is weight j's; Q5_0 and Q5_1 are what
    llama.cpp writes for Q4_K and Q5_K tensors whose K is not a multiple of 256, as in most
-   small models' Q4_K_M files). x is quantized per
+   small models' Q4_K_M files), or IQ4_NL (fp16 d, 16 bytes of codes into a fixed grid of
+   int8 values: what llama.cpp writes for IQ4_XS, Q3_K and Q2_K tensors whose K is not a
+   multiple of 256; its values' dot products run as Q8_0's). x is quantized per
    block of 32 to int8 with a float scale (llama.cpp's Q8_0/Q8_1 activations), each block's
    integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
    AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
    run time (capped at what this build has), so the tests can force the slower ones. The
-   K-quants' superblocks of 256 (Q4_K, Q5_K, Q6_K) go to gguf_k.c from the entry points. */
+   superblocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS) go to gguf_k.c from the entry points. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "f16_convert.h"
+#include "iq4_values.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,19 +42,28 @@ static int block_bytes(int type) {
     case GGUF_Q5_0: return 22;
     case GGUF_Q5_1: return 24;
     case GGUF_Q8_0: return 34;
+    case GGUF_IQ4_NL: return 18;
     case GGUF_Q4_K: return 144;  /* superblocks of 256 weights: gguf_k.c */
     case GGUF_Q5_K: return 176;
     case GGUF_Q6_K: return 210;
+    case GGUF_IQ4_XS: return 136;
     default: return 0;
   }
+}
+static int superblocks(int type) {
+  return type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K || type == GGUF_IQ4_XS;
 }
 int gguf_block_bytes(int type) { return block_bytes(type); }
 
 /* The 4- and 5-bit types: where the nibbles start, the code's offset (w = d * (q - off)), and
    whether the block holds a minimum (w = d * q + m) */
 static inline int qs_offset(int type) {
-  return type == GGUF_Q4_0 ? 2 : type == GGUF_Q4_1 ? 4 : type == GGUF_Q5_0 ? 6 : 8;
+  return type == GGUF_Q4_0 || type == GGUF_IQ4_NL ? 2 : type == GGUF_Q4_1 ? 4
+      : type == GGUF_Q5_0 ? 6 : 8;
 }
+/* the int8 values of a block whose dot products run as Q8_0's (Q8_0: as stored; IQ4_NL:
+   looked up) */
+static inline int signed_values(int type) { return type == GGUF_Q8_0 || type == GGUF_IQ4_NL; }
 static inline int code_offset(int type) {
   return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : 0;
 }
@@ -102,6 +114,9 @@ static float dot_scalar(int type, const uint8_t* w, const int8_t* xq, const floa
       const int8_t* q = (const int8_t*)(blk + 2);
       for (int j = 0; j < 32; ++j) s += q[j] * x[j];
       acc += h2f(blk) * xd[b] * (float)s;
+    } else if (type == GGUF_IQ4_NL) {
+      for (int j = 0; j < 32; ++j) s += IQ4_VALUES[code_at(type, blk, j)] * x[j];
+      acc += h2f(blk) * xd[b] * (float)s;
     } else {
       for (int j = 0; j < 32; ++j) s += code_at(type, blk, j) * x[j];
       if (has_min(type)) acc += xd[b] * (h2f(blk) * (float)s + h2f(blk + 2) * (float)xs[b]);
@@ -151,8 +166,9 @@ static inline __m256i dot_vnni256(__m256i u, __m256i s) {
 static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnni,
     const uint8_t* blk, const int8_t* x) {
   __m256i u, s = _mm256_loadu_si256((const __m256i*)x);
-  if (type == GGUF_Q8_0) {
-    const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + 2));
+  if (signed_values(type)) {
+    const __m256i q = type == GGUF_Q8_0 ? _mm256_loadu_si256((const __m256i*)(blk + 2))
+                                        : iq4_lookup(q4_bytes(blk + 2));
     u = _mm256_sign_epi8(q, q);  /* |w| as unsigned, w's sign moved onto x */
     s = _mm256_sign_epi8(s, q);
   } else {
@@ -183,10 +199,12 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
       const uint8_t* b0 = w + b * bs, *b1 = b0 + bs;
       __m512i u;
       __mmask64 neg = 0;
-      if (type == GGUF_Q8_0) {
-        const __m512i q = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
-            _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1);
+      if (signed_values(type)) {
+        const __m512i q = type == GGUF_Q8_0
+            ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
+                                 _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1)
+            : _mm512_inserti64x4(_mm512_castsi256_si512(iq4_lookup(q4_bytes(b0 + 2))),
+                                 iq4_lookup(q4_bytes(b1 + 2)), 1);
         u = _mm512_abs_epi8(q);  /* |w| as unsigned, w's sign moved onto x */
         neg = _mm512_movepi8_mask(q);
       } else {
@@ -198,7 +216,7 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
         const float* d = xd + m * nb;
         const int32_t* sx = xs + m * nb;
         __m512i s = _mm512_loadu_si512((const void*)(xq + m * K + b * 32));
-        if (type == GGUF_Q8_0) s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+        if (signed_values(type)) s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
         const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
         const float d0 = w0 * d[b], d1 = w1 * d[b + 1];
         const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
@@ -250,12 +268,14 @@ DEFINE_ROWS(q4_1_s, GGUF_Q4_1, dot_scalar_rows, )
 DEFINE_ROWS(q5_0_s, GGUF_Q5_0, dot_scalar_rows, )
 DEFINE_ROWS(q5_1_s, GGUF_Q5_1, dot_scalar_rows, )
 DEFINE_ROWS(q8_0_s, GGUF_Q8_0, dot_scalar_rows, )
+DEFINE_ROWS(iq4nl_s, GGUF_IQ4_NL, dot_scalar_rows, )
 #if ISA_MAX >= GGUF_ISA_AVX2
 DEFINE_ROWS(q4_0_a, GGUF_Q4_0, dot_vec, 0,)
 DEFINE_ROWS(q4_1_a, GGUF_Q4_1, dot_vec, 0,)
 DEFINE_ROWS(q5_0_a, GGUF_Q5_0, dot_vec, 0,)
 DEFINE_ROWS(q5_1_a, GGUF_Q5_1, dot_vec, 0,)
 DEFINE_ROWS(q8_0_a, GGUF_Q8_0, dot_vec, 0,)
+DEFINE_ROWS(iq4nl_a, GGUF_IQ4_NL, dot_vec, 0,)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
 DEFINE_ROWS(q4_0_v, GGUF_Q4_0, dot_vec, 1,)
@@ -263,6 +283,7 @@ DEFINE_ROWS(q4_1_v, GGUF_Q4_1, dot_vec, 1,)
 DEFINE_ROWS(q5_0_v, GGUF_Q5_0, dot_vec, 1,)
 DEFINE_ROWS(q5_1_v, GGUF_Q5_1, dot_vec, 1,)
 DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
+DEFINE_ROWS(iq4nl_v, GGUF_IQ4_NL, dot_vec, 1,)
 #endif
 
 #define PICK(V)                                                                             \
@@ -271,6 +292,7 @@ DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
     case GGUF_Q4_1: return DOT_q4_1_##V;                                                    \
     case GGUF_Q5_0: return DOT_q5_0_##V;                                                    \
     case GGUF_Q5_1: return DOT_q5_1_##V;                                                    \
+    case GGUF_IQ4_NL: return DOT_iq4nl_##V;                                                 \
     default: return DOT_q8_0_##V;                                                           \
   }
 static const dot_fn* pick(int type, int isa) {
@@ -289,7 +311,7 @@ static const dot_fn* pick(int type, int isa) {
 
 int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type,
     int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads) {
-  if (type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K)
+  if (superblocks(type))
     return gguf_k_linear(x, ldx, M, K, w, type, N, bias, y, ldy, bf16, nthreads);
   const int bs = block_bytes(type);
   if (!bs || K % 32 || M < 1) return -1;
@@ -326,7 +348,7 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
 
 /* One row of K weights -> float32; -1 for a type this file and gguf_k.c do not read. */
 int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
-  if (type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K)
+  if (superblocks(type))
     return gguf_k_dequant_row(type, row, K, out);
   const int bs = block_bytes(type);
   if (!bs || K % 32) return -1;
@@ -334,6 +356,10 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     const uint8_t* blk = row + b * bs;
     const float d = h2f(blk), mn = has_min(type) ? h2f(blk + 2) : 0.f;
     float* v = out + b * 32;
+    if (type == GGUF_IQ4_NL) {  /* d * value, as gguf-py: one rounding */
+      for (int j = 0; j < 32; ++j) v[j] = d * (float)IQ4_VALUES[code_at(type, blk, j)];
+      continue;
+    }
 #if defined(__AVX512F__)
     /* 32 weights in two vectors: the scalar loops below run ~5x slower (the AMX GEMM's
        large batches decode every weight once per call) */
@@ -369,7 +395,7 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
 
 int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
     int nthreads) {
-  if (type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K)
+  if (superblocks(type))
     return gguf_k_dequantize(w, type, N, K, out, bf16, nthreads);
   const int bs = block_bytes(type);
   if (!bs || K % 32) return -1;

@@ -7,6 +7,11 @@
        weight l), then the 128 bytes of low nibbles.
      Q6_K (210 bytes): 128 bytes ql (low nibbles), 64 bytes qh (2 bits each), 16 int8 scales
        of sub-blocks of 16, fp16 d; w = d * sc_i * (q - 32).
+     IQ4_XS (136 bytes): fp16 d, 2 bytes of the sub-blocks' scales' high 2 bits, 4 bytes of
+       their low 4 bits, then 16 bytes of codes per sub-block of 32 (low nibbles weights
+       0-15, high 16-31); w = (d * (ls_j - 32)) * IQ4_VALUES[q]. The AVX2 variant multiplies
+       the values as Q8_0's (|w| against x with w's sign); VNNI takes value + 128 (unsigned)
+       and the -128 as Q4_K's minimum.
    gguf.c's entry points dispatch here for these types. The arithmetic is gguf.c's: x is
    quantized per block of 32 to int8 with a float scale, and each block's integer dot product
    with the codes is scaled in float. Q4_K/Q5_K sub-blocks line up with x's blocks, their
@@ -20,6 +25,7 @@
 #include "bf16_convert.h"
 #include "f16_convert.h"
 #include "avx512_math.h"
+#include "iq4_values.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,6 +53,7 @@ static int sb_bytes(int type) {
     case GGUF_Q4_K: return 144;
     case GGUF_Q5_K: return 176;
     case GGUF_Q6_K: return 210;
+    case GGUF_IQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -64,8 +71,24 @@ static inline void k4_scales(const uint8_t* s, uint8_t out[16]) {
   memcpy(out, u, 16);
 }
 
-/* One superblock's codes in weight order: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before -32) */
+/* IQ4_XS: sub-block j's scale, ls_j - 32 (-32..31) */
+static inline int iq4xs_scale(const uint8_t* b, int j) {
+  const int lo = (b[4 + j / 2] >> (4 * (j & 1))) & 15;
+  const int hi = ((b[2] | b[3] << 8) >> (2 * j)) & 3;
+  return (lo | hi << 4) - 32;
+}
+
+/* One superblock's codes in weight order: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before -32),
+   IQ4_XS 0..15 (indices into IQ4_VALUES) */
 static void decode_codes(int type, const uint8_t* b, uint8_t q[QK]) {
+  if (type == GGUF_IQ4_XS) {
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 16; ++l) {
+        q[32 * j + l] = b[8 + 16 * j + l] & 15;
+        q[32 * j + 16 + l] = b[8 + 16 * j + l] >> 4;
+      }
+    return;
+  }
   if (type == GGUF_Q6_K) {
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = b + 64 * h, *qh = b + 128 + 32 * h;
@@ -94,6 +117,14 @@ static void decode_codes(int type, const uint8_t* b, uint8_t q[QK]) {
 static void dequant_sb(int type, const uint8_t* b, float* out) {
   uint8_t q[QK];
   decode_codes(type, b, q);
+  if (type == GGUF_IQ4_XS) {  /* (d * scale) exact in float32, times the value: one rounding */
+    const float d = h2f(b);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * (float)iq4xs_scale(b, j);
+      for (int l = 0; l < 32; ++l) out[32 * j + l] = dl * (float)IQ4_VALUES[q[32 * j + l]];
+    }
+    return;
+  }
   if (type == GGUF_Q6_K) {
     const float d = h2f(b + 208);
     const int8_t* sc = (const int8_t*)(b + 192);
@@ -155,7 +186,14 @@ static inline __attribute__((always_inline)) void dot_scalar(int type, int R, co
     decode_codes(type, b, q);
     for (int r = 0; r < R; ++r) {
       const int8_t* x = X->q + r * X->K + s * QK;
-      if (type == GGUF_Q6_K) {
+      if (type == GGUF_IQ4_XS) {
+        const float* xd = X->d + r * X->nb + s * 8;
+        for (int j = 0; j < 8; ++j) {
+          int32_t isum = 0;
+          for (int l = 0; l < 32; ++l) isum += IQ4_VALUES[q[32 * j + l]] * x[32 * j + l];
+          acc[r] += h2f(b) * (float)iq4xs_scale(b, j) * xd[j] * (float)isum;
+        }
+      } else if (type == GGUF_Q6_K) {
         const float d = h2f(b + 208);
         const int8_t* sc = (const int8_t*)(b + 192);
         const float* d16 = X->d16 + r * 2 * X->nb + s * 16, *s16 = X->sum16 + r * 2 * X->nb + s * 16;
@@ -197,6 +235,15 @@ static inline __m256i dot_avx2(__m256i u, __m256i s) {
 static inline __attribute__((always_inline)) void decode_vec(int type, const uint8_t* b,
     __m256i u[8]) {
   const __m256i m4 = _mm256_set1_epi8(15);
+  if (type == GGUF_IQ4_XS) {  /* the values themselves, signed */
+    const __m128i m4x = _mm_set1_epi8(15);
+    for (int j = 0; j < 8; ++j) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(b + 8 + 16 * j));
+      u[j] = iq4_lookup(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x),
+                                         _mm_and_si128(v, m4x)));
+    }
+    return;
+  }
   if (type == GGUF_Q6_K) {
     const __m256i m30 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
@@ -246,6 +293,14 @@ static inline void k4_scales_vec(const uint8_t* b, __m256* dsc, __m256* dm) {
   *dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
   *dm = _mm256_mul_ps(_mm256_set1_ps(h2f(b + 2)),
                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
+/* IQ4_XS: d * scale per sub-block, and 128 times that (the unsigned values' offset) */
+static inline void iq4xs_scales_vec(const uint8_t* b, __m256* dsc, __m256* dm) {
+  const __m256i ls = _mm256_setr_epi32(iq4xs_scale(b, 0), iq4xs_scale(b, 1), iq4xs_scale(b, 2),
+      iq4xs_scale(b, 3), iq4xs_scale(b, 4), iq4xs_scale(b, 5), iq4xs_scale(b, 6), iq4xs_scale(b, 7));
+  *dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b)), _mm256_cvtepi32_ps(ls));
+  *dm = _mm256_mul_ps(*dsc, _mm256_set1_ps(128.f));
 }
 
 /* Q6_K: d * sc for the 16 sub-blocks, as two vectors of 8 */
@@ -308,7 +363,20 @@ static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
     const uint8_t* b = w + s * bs;
     __m256i u[8];
     decode_vec(type, b, u);
-    if (type == GGUF_Q6_K) {
+    if (type == GGUF_IQ4_XS) {
+      __m256 dsc, dm;
+      iq4xs_scales_vec(b, &dsc, &dm);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = X->q + r * X->K + s * QK;
+        const __m256 sc8 = _mm256_mul_ps(dsc, _mm256_loadu_ps(X->d + r * X->nb + s * 8));
+        for (int j = 0; j < 8; ++j) {  /* |w| against x with w's sign: maddubs cannot saturate */
+          const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x + 32 * j)), u[j]);
+          const __m256i dp = dot_avx2(_mm256_sign_epi8(u[j], u[j]), xs);
+          const __m256 sc = _mm256_permutevar8x32_ps(sc8, _mm256_set1_epi32(j));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc, acc[r]);
+        }
+      }
+    } else if (type == GGUF_Q6_K) {
       __m256 slo, shi;
       k6_scales_vec(b, &slo, &shi);
       for (int r = 0; r < R; ++r) {
@@ -355,6 +423,20 @@ static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
 static inline __attribute__((always_inline)) void decode_vec512(int type, const uint8_t* b,
     __m512i u[4]) {
   const __m512i m4 = _mm512_set1_epi8(15);
+  if (type == GGUF_IQ4_XS) {  /* value + 128 (the int8 values with their sign bit flipped) */
+    const __m512i table = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_VALUES)), _mm512_set1_epi8(-128));
+    const __m256i m4y = _mm256_set1_epi8(15);
+    for (int p = 0; p < 4; ++p) {  /* sub-blocks 2p, 2p+1: [2p lo | 2p+1 lo], [.. hi ..] */
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 8 + 32 * p));
+      const __m256i lo = _mm256_and_si256(v, m4y), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4y);
+      const __m512i codes = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+          _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      u[p] = _mm512_shuffle_epi8(table, codes);
+    }
+    return;
+  }
   if (type == GGUF_Q6_K) {
     const __m512i m30 = _mm512_set1_epi8(0x30);
     const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -452,7 +534,8 @@ static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
       }
     } else {
       __m256 dsc, dm;
-      k4_scales_vec(b, &dsc, &dm);
+      if (type == GGUF_IQ4_XS) iq4xs_scales_vec(b, &dsc, &dm);
+      else k4_scales_vec(b, &dsc, &dm);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = X->q + r * X->K + s * QK;
         const __m512 sc8 = _mm512_castps256_ps512(
@@ -480,13 +563,13 @@ static void dequant_row(int type, const uint8_t* row, int64_t K, float* out, uin
     float* o = out ? out + s * QK : NULL;
     uint16_t* ob = outb ? outb + s * QK : NULL;
 #if ISA_MAX >= GGUF_ISA_VNNI
-    if (gguf_isa >= GGUF_ISA_VNNI) {
+    if (gguf_isa >= GGUF_ISA_VNNI && type != GGUF_IQ4_XS) {
       dequant_sb_512(type, row + s * bs, o, ob);
       continue;
     }
 #endif
 #if ISA_MAX >= GGUF_ISA_AVX2
-    if (gguf_isa >= GGUF_ISA_AVX2) {
+    if (gguf_isa >= GGUF_ISA_AVX2 && type != GGUF_IQ4_XS) {  /* IQ4_XS: scalar lookups */
       dequant_sb_vec(type, row + s * bs, o, ob);
       continue;
     }
@@ -538,29 +621,37 @@ typedef void (*dot_fn)(const uint8_t*, int64_t, const xrows*, float*);
 DEFINE_ROWS(q4k_s, GGUF_Q4_K, dot_scalar)
 DEFINE_ROWS(q5k_s, GGUF_Q5_K, dot_scalar)
 DEFINE_ROWS(q6k_s, GGUF_Q6_K, dot_scalar)
+DEFINE_ROWS(iq4xs_s, GGUF_IQ4_XS, dot_scalar)
 #if ISA_MAX >= GGUF_ISA_AVX2
 DEFINE_ROWS(q4k_a, GGUF_Q4_K, dot_avx2_rows)
 DEFINE_ROWS(q5k_a, GGUF_Q5_K, dot_avx2_rows)
 DEFINE_ROWS(q6k_a, GGUF_Q6_K, dot_avx2_rows)
+DEFINE_ROWS(iq4xs_a, GGUF_IQ4_XS, dot_avx2_rows)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
 DEFINE_ROWS(q4k_v, GGUF_Q4_K, dot_vnni_rows)
 DEFINE_ROWS(q5k_v, GGUF_Q5_K, dot_vnni_rows)
 DEFINE_ROWS(q6k_v, GGUF_Q6_K, dot_vnni_rows)
+DEFINE_ROWS(iq4xs_v, GGUF_IQ4_XS, dot_vnni_rows)
 #endif
 
+#define PICK(V)                                                                             \
+  switch (type) {                                                                           \
+    case GGUF_Q4_K: return DOT_q4k_##V;                                                     \
+    case GGUF_Q5_K: return DOT_q5k_##V;                                                     \
+    case GGUF_IQ4_XS: return DOT_iq4xs_##V;                                                 \
+    default: return DOT_q6k_##V;                                                            \
+  }
 static const dot_fn* pick(int type, int isa) {
   if (isa > ISA_MAX) isa = ISA_MAX;
 #if ISA_MAX >= GGUF_ISA_VNNI
-  if (isa >= GGUF_ISA_VNNI)
-    return type == GGUF_Q4_K ? DOT_q4k_v : type == GGUF_Q5_K ? DOT_q5k_v : DOT_q6k_v;
+  if (isa >= GGUF_ISA_VNNI) PICK(v)
 #endif
 #if ISA_MAX >= GGUF_ISA_AVX2
-  if (isa >= GGUF_ISA_AVX2)
-    return type == GGUF_Q4_K ? DOT_q4k_a : type == GGUF_Q5_K ? DOT_q5k_a : DOT_q6k_a;
+  if (isa >= GGUF_ISA_AVX2) PICK(a)
 #endif
   (void)isa;
-  return type == GGUF_Q4_K ? DOT_q4k_s : type == GGUF_Q5_K ? DOT_q5k_s : DOT_q6k_s;
+  PICK(s)
 }
 
 int gguf_k_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type,

@@ -1,14 +1,17 @@
-"""K-quant blocks (Q4_K, Q5_K, Q6_K) made with numpy for the tests: gguf-py dequantizes these
-types but has no quantizer for them. random_blocks draws any byte pattern with small finite
-fp16 scales (every such pattern is a valid block); quantize is a plain min/max encoder in
-ggml's layouts, near enough to the weights for a model to behave like its float self."""
+"""K-quant and IQ4 blocks (Q4_K, Q5_K, Q6_K, IQ4_XS; IQ4_NL) made with numpy for the tests:
+gguf-py dequantizes these types but has no quantizer for them. random_blocks draws any byte
+pattern with small finite fp16 scales (every such pattern is a valid block); quantize is a
+plain min/max (IQ4: nearest grid value) encoder in ggml's layouts, near enough to the weights
+for a model to behave like its float self."""
 
 from __future__ import annotations
 
 import numpy as np
 
 QK = 256
-BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+TYPES = (*BYTES, "IQ4_NL")  # what quantize encodes
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 
 
 def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -70,10 +73,49 @@ def _q6(w: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
 
 
+def _iq4_codes(sub: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """sub [..., 32] / step [...] -> the nearest grid values' codes, packed as ggml packs a
+    block: byte l holds weight l's code (low nibble) and weight l + 16's (high) -> [..., 16]."""
+    t = sub / np.where(step != 0, step, 1)[..., None]
+    q = np.abs(t[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _iq4_nl(w: np.ndarray) -> np.ndarray:
+    """w [B, 32] -> IQ4_NL blocks [B, 18]: the largest |w| on the grid's -127."""
+    big = np.take_along_axis(w, np.abs(w).argmax(-1)[:, None], -1)[:, 0]
+    d = _f16(big / -127)
+    return np.concatenate([d[:, None].view(np.uint8), _iq4_codes(w, d.astype(np.float32))], 1)
+
+
+def _iq4_xs(w: np.ndarray) -> np.ndarray:
+    """w [S, 256] -> IQ4_XS superblocks [S, 136]: each sub-block's scale as IQ4_NL's, then
+    d * (ls - 32) with ls 6 bits."""
+    sub = w.reshape(-1, 8, 32)
+    big = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+    dl = big / -127  # [S, 8]
+    d = _f16(np.abs(dl).max(-1) / 32)
+    d32 = d.astype(np.float32)[:, None]
+    ls = (np.clip(np.round(dl / np.where(d32 > 0, d32, 1)), -32, 31) + 32).astype(np.uint16)
+    qs = _iq4_codes(sub, d32 * (ls.astype(np.float32) - 32)).reshape(-1, 128)
+    high = (((ls >> 4) & 3) << (2 * np.arange(8, dtype=np.uint16))).sum(1).astype(np.uint16)
+    low = (ls & 15).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
+    parts = [d[:, None].view(np.uint8), high[:, None].view(np.uint8), scales_l, qs]
+    return np.concatenate(parts, axis=1)
+
+
 def quantize(w: np.ndarray, name: str) -> np.ndarray:
-    """w [n, k] float (k % 256 == 0) -> uint8 [n, row bytes] in ggml's layout of `name`."""
+    """w [n, k] float (k % 256 == 0; IQ4_NL k % 32) -> uint8 [n, row bytes] in ggml's layout
+    of `name`."""
     n, k = w.shape
+    if name == "IQ4_NL":
+        raw = _iq4_nl(np.ascontiguousarray(w, dtype=np.float32).reshape(-1, 32))
+        return np.ascontiguousarray(raw.reshape(n, -1))
     sb = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, QK)
-    raw = _q6(sb) if name == "Q6_K" else _q45(sb, 4 if name == "Q4_K" else 5)
+    if name == "IQ4_XS":
+        raw = _iq4_xs(sb)
+    else:
+        raw = _q6(sb) if name == "Q6_K" else _q45(sb, 4 if name == "Q4_K" else 5)
     assert raw.shape[1] == BYTES[name]
     return np.ascontiguousarray(raw.reshape(n, -1))

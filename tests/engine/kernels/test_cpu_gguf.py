@@ -1,5 +1,5 @@
 """GGUF blocks on the CPU kernels (engine.layers.cpu_gguf): blocks made by gguf-py's own
-quantizers, the kernel's dequantizer against gguf-py's, and every kernel variant this build
+quantizers (IQ4_NL: tests/engine/kernels/kquant_blocks.py's), the kernel's dequantizer against gguf-py's, and every kernel variant this build
 has (the faster ones forced down to the slower) against F.linear on the dequantized weight."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.layers import cpu_gguf
+from tests.engine.kernels import kquant_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
@@ -22,7 +23,10 @@ DOT_ROWS = 16  # the dot kernels forced up to this many rows (this CPU may hand 
 def _blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (file blocks uint8 [N, row bytes], their float32 weight)."""
     qtype = GGMLQuantizationType[name]
-    raw = quantize(w.numpy().astype(np.float32), qtype)
+    if name in kquant_blocks.TYPES:  # IQ4_NL: gguf-py has no encoder
+        raw = kquant_blocks.quantize(w.numpy(), name)
+    else:
+        raw = quantize(w.numpy().astype(np.float32), qtype)
     ref = dequantize(raw, qtype).reshape(w.shape)
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref.astype(np.float32))
 

@@ -1,5 +1,6 @@
 """Tiny GGUF files for tests: an HF folder's weights written by gguf-py's writer, the linear
-layers in a block type (K-quants from the tests' numpy encoder: gguf-py has none for them)."""
+layers in a block type (K-quants and IQ4 from the tests' numpy encoder: gguf-py has none for
+them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import load_file
 
-from engine.layers import cpu_gguf
 from tests.engine.kernels import kquant_blocks
 
 HEADS, KV_HEADS = 4, 2  # tests/conftest.py's tiny Llama
@@ -25,7 +25,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_h
 
 
 def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
-    if type_name in cpu_gguf.K_TYPES:
+    if type_name in kquant_blocks.TYPES:
         return kquant_blocks.quantize(w, type_name)
     return quantize(w, GGMLQuantizationType[type_name])
 

@@ -24,10 +24,12 @@
 #define GGUF_Q4_1 3
 #define GGUF_Q5_0 6
 #define GGUF_Q5_1 7
+#define GGUF_IQ4_NL 20        /* gguf: blocks of 32, codes index a fixed grid (iq4_values.h) */
 #define GGUF_Q8_0 8
 #define GGUF_Q4_K 12          /* gguf: the K-quants gguf_k.c reads (superblocks of 256 weights) */
 #define GGUF_Q5_K 13
 #define GGUF_Q6_K 14
+#define GGUF_IQ4_XS 23        /* gguf: IQ4_NL's codes in superblocks of 256 (gguf_k.c) */
 #define GGUF_ISA_SCALAR 0     /* gguf: the kernel variants, gguf_isa's values */
 #define GGUF_ISA_AVX2 1
 #define GGUF_ISA_VNNI 2

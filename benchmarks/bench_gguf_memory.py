@@ -25,7 +25,20 @@ from pathlib import Path
 import numpy as np
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+TYPES = (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "IQ4_NL",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_XS",
+)
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 768, 2048, 12, 12, 4
 _DIMS = {  # the bundled file's keys that describe its shape -> this model's
     "llama.embedding_length": HIDDEN,

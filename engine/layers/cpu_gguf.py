@@ -1,6 +1,6 @@
 """GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, IQ4_NL, and the K-quants Q4_K, Q5_K, Q6_K with IQ4_XS (gguf_k.c: superblocks of 256
-weights, so K % 256 == 0).
+Q8_0, IQ4_NL, and the K-quants Q2_K-Q6_K with IQ4_XS (gguf_k.c: superblocks of 256 weights,
+so K % 256 == 0).
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
 does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
@@ -24,7 +24,9 @@ from engine.layers import cpu_amx, cpu_gemm, cpu_isa
 
 TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")}
 # superblocks of 256 weights (gguf_k.c): the K-quants, and IQ4_XS
-K_TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")}
+K_TYPES = {
+    n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+}
 TYPES.update(K_TYPES)
 ISAS = {"scalar": 0, "avx2": 1, "vnni": 2}  # gguf_isa's values (GGUF_ISA_* in the header)
 

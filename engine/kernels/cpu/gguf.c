@@ -9,7 +9,7 @@
    integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
    AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
    run time (capped at what this build has), so the tests can force the slower ones. The
-   superblocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS) go to gguf_k.c from the entry points. */
+   superblocks of 256 (Q2_K..Q6_K, IQ4_XS) go to gguf_k.c from the entry points. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "f16_convert.h"
@@ -47,11 +47,14 @@ static int block_bytes(int type) {
     case GGUF_Q5_K: return 176;
     case GGUF_Q6_K: return 210;
     case GGUF_IQ4_XS: return 136;
+    case GGUF_Q2_K: return 84;
+    case GGUF_Q3_K: return 110;
     default: return 0;
   }
 }
 static int superblocks(int type) {
-  return type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K || type == GGUF_IQ4_XS;
+  return type == GGUF_Q2_K || type == GGUF_Q3_K || type == GGUF_Q4_K || type == GGUF_Q5_K ||
+         type == GGUF_Q6_K || type == GGUF_IQ4_XS;
 }
 int gguf_block_bytes(int type) { return block_bytes(type); }
 
@@ -356,11 +359,14 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     const uint8_t* blk = row + b * bs;
     const float d = h2f(blk), mn = has_min(type) ? h2f(blk + 2) : 0.f;
     float* v = out + b * 32;
+#if defined(__AVX512F__)
     if (type == GGUF_IQ4_NL) {  /* d * value, as gguf-py: one rounding */
-      for (int j = 0; j < 32; ++j) v[j] = d * (float)IQ4_VALUES[code_at(type, blk, j)];
+      const __m256i q = iq4_lookup(q4_bytes(blk + 2));
+      const __m512 dv = _mm512_set1_ps(d);
+      _mm512_storeu_ps(v, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
+      _mm512_storeu_ps(v + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
       continue;
     }
-#if defined(__AVX512F__)
     /* 32 weights in two vectors: the scalar loops below run ~5x slower (the AMX GEMM's
        large batches decode every weight once per call) */
     if (type == GGUF_Q8_0) {
@@ -386,6 +392,8 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
 #endif
     if (type == GGUF_Q8_0) {
       for (int j = 0; j < 32; ++j) v[j] = d * (float)((const int8_t*)(blk + 2))[j];
+    } else if (type == GGUF_IQ4_NL) {
+      for (int j = 0; j < 32; ++j) v[j] = d * (float)IQ4_VALUES[code_at(type, blk, j)];
     } else {
       for (int j = 0; j < 32; ++j) v[j] = d * (float)(code_at(type, blk, j) - code_offset(type)) + mn;
     }

@@ -1,5 +1,11 @@
-/* GGUF's K-quants as they are in the file: Q4_K, Q5_K and Q6_K, superblocks of 256 weights
-   along K in ggml's layouts (gguf-py's numpy dequantizers are the reference):
+/* GGUF's K-quants as they are in the file: Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, superblocks of
+   256 weights along K in ggml's layouts (gguf-py's numpy dequantizers are the reference):
+     Q2_K (84 bytes): 16 bytes of 4-bit scale and min per sub-block of 16, 64 bytes of 2-bit
+       codes (weight 128h + 32t + l: bits 2t of byte 32h + l), fp16 d, fp16 dmin;
+       w = d * sc_i * q - dmin * m_i.
+     Q3_K (110 bytes): 32 bytes hmask (bit k of byte l: weight 32k + l's third bit), Q2_K's 64
+       bytes of low bits, 12 bytes of 6-bit scales of sub-blocks of 16, fp16 d;
+       w = d * (sc_i - 32) * (q - 4), q 0..7 (hmask's bit set: 4 more).
      Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks
        of 32, 128 bytes of 4-bit codes (a 32-byte run holds sub-block 2j's low nibbles and
        2j+1's high ones); w = d * sc_j * q - dmin * m_j.
@@ -15,7 +21,8 @@
    gguf.c's entry points dispatch here for these types. The arithmetic is gguf.c's: x is
    quantized per block of 32 to int8 with a float scale, and each block's integer dot product
    with the codes is scaled in float. Q4_K/Q5_K sub-blocks line up with x's blocks, their
-   minimum takes x's block sum; Q6_K's sub-blocks of 16 take x's sums per 16 for the -32.
+   minimum takes x's block sum; Q6_K's sub-blocks of 16 take x's sums per 16 for the -32, as
+   Q3_K's for the -4 and Q2_K's for their minimums.
    Variants: scalar, AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two sub-blocks of 32 an
    instruction), picked by gguf.c's gguf_isa, so the tests can force the slower ones.
    Each superblock's codes are decoded once for up to MAX_R rows of x. The dequantizer
@@ -53,6 +60,8 @@ static int sb_bytes(int type) {
     case GGUF_Q4_K: return 144;
     case GGUF_Q5_K: return 176;
     case GGUF_Q6_K: return 210;
+    case GGUF_Q2_K: return 84;
+    case GGUF_Q3_K: return 110;
     case GGUF_IQ4_XS: return 136;
     default: return 0;
   }
@@ -71,6 +80,36 @@ static inline void k4_scales(const uint8_t* s, uint8_t out[16]) {
   memcpy(out, u, 16);
 }
 
+/* the types with sub-blocks of 16 (x's sums per 16 take their offsets), and the offset their
+   codes carry (w = scale * (q - offset)); Q2_K's minimums are per sub-block instead */
+static inline int sub16(int type) {
+  return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K;
+}
+static inline int offset16(int type) {
+  return type == GGUF_Q6_K ? 32 : type == GGUF_Q3_K ? 4 : 0;
+}
+
+/* Q6_K, Q3_K, Q2_K: the 16 sub-blocks' scales (d * sc, as gguf-py: exact) and minimums
+   (Q2_K's dmin * m; 0 for the others) */
+static inline __attribute__((always_inline)) void k16_scales(int type, const uint8_t* b,
+    float sc[16], float mn[16]) {
+  if (type == GGUF_Q6_K) {
+    const float d = h2f(b + 208);
+    for (int i = 0; i < 16; ++i) { sc[i] = d * (float)((const int8_t*)(b + 192))[i]; mn[i] = 0.f; }
+  } else if (type == GGUF_Q3_K) {
+    const float d = h2f(b + 108);
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (b[96 + i % 8] >> (4 * (i / 8))) & 15;
+      const int hi = (b[96 + 8 + i % 4] >> (2 * (i / 4))) & 3;
+      sc[i] = d * (float)((lo | hi << 4) - 32);
+      mn[i] = 0.f;
+    }
+  } else {
+    const float d = h2f(b + 80), dmin = h2f(b + 82);
+    for (int i = 0; i < 16; ++i) { sc[i] = d * (float)(b[i] & 15); mn[i] = dmin * (float)(b[i] >> 4); }
+  }
+}
+
 /* IQ4_XS: sub-block j's scale, ls_j - 32 (-32..31) */
 static inline int iq4xs_scale(const uint8_t* b, int j) {
   const int lo = (b[4 + j / 2] >> (4 * (j & 1))) & 15;
@@ -79,8 +118,17 @@ static inline int iq4xs_scale(const uint8_t* b, int j) {
 }
 
 /* One superblock's codes in weight order: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (before -32),
-   IQ4_XS 0..15 (indices into IQ4_VALUES) */
+   IQ4_XS 0..15 (indices into IQ4_VALUES), Q2_K 0..3, Q3_K 0..7 (before -4) */
 static void decode_codes(int type, const uint8_t* b, uint8_t q[QK]) {
+  if (type == GGUF_Q2_K || type == GGUF_Q3_K) {
+    const uint8_t* qs = b + (type == GGUF_Q3_K ? 32 : 16);
+    for (int w = 0; w < QK; ++w) {
+      const int h = w / 128, t = (w / 32) % 4, l = w % 32;
+      q[w] = (qs[32 * h + l] >> (2 * t)) & 3;
+      if (type == GGUF_Q3_K) q[w] |= ((b[l] >> (w / 32)) & 1) << 2;
+    }
+    return;
+  }
   if (type == GGUF_IQ4_XS) {
     for (int j = 0; j < 8; ++j)
       for (int l = 0; l < 16; ++l) {
@@ -117,6 +165,12 @@ static void decode_codes(int type, const uint8_t* b, uint8_t q[QK]) {
 static void dequant_sb(int type, const uint8_t* b, float* out) {
   uint8_t q[QK];
   decode_codes(type, b, q);
+  if (type == GGUF_Q2_K || type == GGUF_Q3_K) {  /* (d * sc) * q exact; then - dmin * m */
+    float sc[16], mn[16];
+    k16_scales(type, b, sc, mn);
+    for (int w = 0; w < QK; ++w) out[w] = sc[w / 16] * (float)(q[w] - offset16(type)) - mn[w / 16];
+    return;
+  }
   if (type == GGUF_IQ4_XS) {  /* (d * scale) exact in float32, times the value: one rounding */
     const float d = h2f(b);
     for (int j = 0; j < 8; ++j) {
@@ -193,14 +247,15 @@ static inline __attribute__((always_inline)) void dot_scalar(int type, int R, co
           for (int l = 0; l < 32; ++l) isum += IQ4_VALUES[q[32 * j + l]] * x[32 * j + l];
           acc[r] += h2f(b) * (float)iq4xs_scale(b, j) * xd[j] * (float)isum;
         }
-      } else if (type == GGUF_Q6_K) {
-        const float d = h2f(b + 208);
-        const int8_t* sc = (const int8_t*)(b + 192);
+      } else if (sub16(type)) {
+        float sc[16], mn[16];
+        k16_scales(type, b, sc, mn);
         const float* d16 = X->d16 + r * 2 * X->nb + s * 16, *s16 = X->sum16 + r * 2 * X->nb + s * 16;
         for (int i = 0; i < 16; ++i) {
           int32_t isum = 0;
           for (int l = 0; l < 16; ++l) isum += q[16 * i + l] * x[16 * i + l];
-          acc[r] += d * (float)sc[i] * d16[i] * ((float)isum - 32.f * s16[i]);
+          acc[r] += sc[i] * d16[i] * ((float)isum - (float)offset16(type) * s16[i]) -
+                    mn[i] * d16[i] * s16[i];
         }
       } else {
         const float d = h2f(b), dmin = h2f(b + 2);
@@ -235,6 +290,20 @@ static inline __m256i dot_avx2(__m256i u, __m256i s) {
 static inline __attribute__((always_inline)) void decode_vec(int type, const uint8_t* b,
     __m256i u[8]) {
   const __m256i m4 = _mm256_set1_epi8(15);
+  if (type == GGUF_Q2_K || type == GGUF_Q3_K) {  /* run k: bits 2(k % 4) of bytes 32(k / 4).. */
+    const uint8_t* qs = b + (type == GGUF_Q3_K ? 32 : 16);
+    const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hm = _mm256_loadu_si256((const __m256i*)b);
+    for (int k = 0; k < 8; ++k) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * (k / 4)));
+      __m256i c = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (k % 4))), m2);
+      if (type == GGUF_Q3_K)  /* hmask's bit k, as 4 */
+        c = _mm256_or_si256(c, _mm256_slli_epi16(
+            _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(k)), one), 2));
+      u[k] = c;
+    }
+    return;
+  }
   if (type == GGUF_IQ4_XS) {  /* the values themselves, signed */
     const __m128i m4x = _mm_set1_epi8(15);
     for (int j = 0; j < 8; ++j) {
@@ -303,6 +372,24 @@ static inline void iq4xs_scales_vec(const uint8_t* b, __m256* dsc, __m256* dm) {
   *dm = _mm256_mul_ps(*dsc, _mm256_set1_ps(128.f));
 }
 
+/* Q3_K: d * (sc - 32) for the 16 sub-blocks, as two vectors of 8 (k16_scales' unpack in one
+   register: low nibbles of bytes 0-7 then their high ones; 2 bits of bytes 8-11, shifted by
+   2 per group of 4) */
+static inline void k3_scales_vec(const uint8_t* b, __m256* lo, __m256* hi) {
+  const __m128i l8 = _mm_loadl_epi64((const __m128i*)(b + 96));
+  const __m128i m4 = _mm_set1_epi8(15);
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(l8, m4), _mm_and_si128(_mm_srli_epi16(l8, 4), m4));
+  int32_t h;
+  memcpy(&h, b + 104, 4);
+  const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+  const __m128i sc = _mm_or_si128(low, _mm_slli_epi16(high, 4));  /* bytes: 6-bit scales */
+  const __m256i off = _mm256_set1_epi32(32);
+  const __m256 d = _mm256_set1_ps(h2f(b + 108));
+  *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(sc), off)));
+  *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8)), off)));
+}
+
 /* Q6_K: d * sc for the 16 sub-blocks, as two vectors of 8 */
 static inline void k6_scales_vec(const uint8_t* b, __m256* lo, __m256* hi) {
   const __m128i v = _mm_loadu_si128((const __m128i*)(b + 192));
@@ -352,6 +439,37 @@ static void dequant_sb_vec(int type, const uint8_t* b, float* out, uint16_t* out
   }
 }
 
+/* Q2_K, Q3_K, IQ4_XS in vectors (AVX2 for both variants): decode_vec's runs, 8 weights at a
+   time against their sub-block's scale (and minimum) from the scalar unpack. Each product of
+   a scale and a code is exact in float32 as in dequant_sb, so the bits are the same. */
+static void dequant_sb_small(int type, const uint8_t* b, float* out, uint16_t* outb) {
+  __m256i u[8];
+  decode_vec(type, b, u);
+  float sc[16], mn[16];
+  if (type == GGUF_IQ4_XS) {
+    for (int j = 0; j < 8; ++j) sc[j] = h2f(b) * (float)iq4xs_scale(b, j);
+  } else {
+    k16_scales(type, b, sc, mn);
+  }
+  const __m256 off = _mm256_set1_ps((float)offset16(type));
+  for (int k = 0; k < 8; ++k) {
+    const __m128i h[2] = {_mm256_castsi256_si128(u[k]), _mm256_extracti128_si256(u[k], 1)};
+    for (int t = 0; t < 4; ++t) {
+      const __m128i c = t & 1 ? _mm_srli_si128(h[t / 2], 8) : h[t / 2];
+      __m256 v;
+      if (type == GGUF_IQ4_XS) {  /* signed values, the 32-block's scale */
+        v = _mm256_mul_ps(_mm256_set1_ps(sc[k]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
+      } else {
+        const int i = 2 * k + t / 2;  /* the sub-block of 16 */
+        const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), off);
+        v = _mm256_mul_ps(_mm256_set1_ps(sc[i]), q);
+        if (type == GGUF_Q2_K) v = _mm256_sub_ps(v, _mm256_set1_ps(mn[i]));
+      }
+      store8(out, outb, 32 * k + 8 * t, v);
+    }
+  }
+}
+
 /* ---- AVX2: a sub-block of 32 an instruction; the per-lane scales are lanes of the
    per-superblock scale vector, spread with permutevar8x32 ---- */
 static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
@@ -374,6 +492,33 @@ static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
           const __m256i dp = dot_avx2(_mm256_sign_epi8(u[j], u[j]), xs);
           const __m256 sc = _mm256_permutevar8x32_ps(sc8, _mm256_set1_epi32(j));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc, acc[r]);
+        }
+      }
+    } else if (type == GGUF_Q2_K || type == GGUF_Q3_K) {  /* Q6_K's loop, their scales */
+      __m256 slo, shi, olo, ohi;  /* olo/ohi: what x's sums per 16 take */
+      if (type == GGUF_Q3_K) {
+        k3_scales_vec(b, &slo, &shi);
+        olo = slo;
+        ohi = shi;
+      } else {
+        float sc[16], mn[16];
+        k16_scales(type, b, sc, mn);
+        slo = _mm256_loadu_ps(sc); shi = _mm256_loadu_ps(sc + 8);
+        olo = _mm256_loadu_ps(mn); ohi = _mm256_loadu_ps(mn + 8);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = X->q + r * X->K + s * QK;
+        const float* d16 = X->d16 + r * 2 * X->nb + s * 16, *s16 = X->sum16 + r * 2 * X->nb + s * 16;
+        const __m256 d16lo = _mm256_loadu_ps(d16), d16hi = _mm256_loadu_ps(d16 + 8);
+        const __m256 lo = _mm256_mul_ps(slo, d16lo), hi = _mm256_mul_ps(shi, d16hi);
+        off[r] = _mm256_fmadd_ps(_mm256_mul_ps(olo, d16lo), _mm256_loadu_ps(s16), off[r]);
+        off[r] = _mm256_fmadd_ps(_mm256_mul_ps(ohi, d16hi), _mm256_loadu_ps(s16 + 8), off[r]);
+        for (int k = 0; k < 8; ++k) {  /* lanes 0-3: sub-block 2k of 16, 4-7: 2k+1 */
+          const int i = 2 * (k & 3);
+          const __m256i idx = _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1);
+          const __m256 sc8 = _mm256_permutevar8x32_ps(k < 4 ? lo : hi, idx);
+          const __m256i dp = dot_avx2(u[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc8, acc[r]);
         }
       }
     } else if (type == GGUF_Q6_K) {
@@ -409,7 +554,8 @@ static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
       }
     }
   }
-  const float k = type == GGUF_Q6_K ? 32.f : 1.f;
+  /* off: Q6_K's and Q3_K's scaled sums of x per 16, for their offsets; else the minimums */
+  const float k = type == GGUF_Q6_K || type == GGUF_Q3_K ? (float)offset16(type) : 1.f;
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - k * hsum8(off[r]);
 }
 #endif
@@ -448,6 +594,23 @@ static inline __attribute__((always_inline)) void decode_vec512(int type, const 
                                  _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
       u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
                                      _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
+    }
+    return;
+  }
+  if (type == GGUF_Q2_K || type == GGUF_Q3_K) {  /* runs 2p and 2p+1 of decode_vec's */
+    const uint8_t* qs = b + (type == GGUF_Q3_K ? 32 : 16);
+    const __m512i m2 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)b));
+    for (int p = 0; p < 4; ++p) {
+      const int t = 2 * (p % 2);
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * (p / 2))));
+      const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1);
+      __m512i c = _mm512_and_si512(_mm512_srlv_epi16(v, sh), m2);
+      if (type == GGUF_Q3_K) {
+        const __m512i hs = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * p)), _mm256_set1_epi16((short)(2 * p + 1)), 1);
+        c = _mm512_or_si512(c, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hm, hs), one), 2));
+      }
+      u[p] = c;
     }
     return;
   }
@@ -499,17 +662,18 @@ static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
     const uint8_t* w, int64_t nsb, const xrows* X, float* out) {
   const int bs = sb_bytes(type);
   __m512 acc[MAX_R];
-  __m512 off6[MAX_R];  /* Q6_K: sum of scale * x's sums per 16 (the -32) */
+  __m512 off6[MAX_R];  /* Q6_K/Q3_K: sum of scale * x's sums per 16 (the -32, -4); Q2_K:
+                          of its minimums times them */
   __m256 off4[MAX_R];  /* Q4_K/Q5_K: sum of dmin * m * x's scaled block sums */
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
     off6[r] = _mm512_setzero_ps();
     off4[r] = _mm256_setzero_ps();
   }
-  /* pair p's lanes: Q4/5 [2p x8, 2p+1 x8] of 8 scales; Q6 [4p x4 .. 4p+3 x4] of 16 */
+  /* pair p's lanes: Q4/5 [2p x8, 2p+1 x8] of 8 scales; Q6/3/2 [4p x4 .. 4p+3 x4] of 16 */
   __m512i idx[4];
   for (int p = 0; p < 4; ++p)
-    idx[p] = type == GGUF_Q6_K
+    idx[p] = sub16(type)
         ? _mm512_setr_epi32(4 * p, 4 * p, 4 * p, 4 * p, 4 * p + 1, 4 * p + 1, 4 * p + 1, 4 * p + 1,
               4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 3, 4 * p + 3, 4 * p + 3, 4 * p + 3)
         : _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
@@ -518,14 +682,28 @@ static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
     const uint8_t* b = w + s * bs;
     __m512i u[4];
     decode_vec512(type, b, u);
-    if (type == GGUF_Q6_K) {
-      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(h2f(b + 208)),
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))));
+    if (sub16(type)) {
+      __m512 dsc, dmn = _mm512_setzero_ps();
+      if (type == GGUF_Q6_K) {
+        dsc = _mm512_mul_ps(_mm512_set1_ps(h2f(b + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))));
+      } else if (type == GGUF_Q3_K) {
+        __m256 lo, hi;
+        k3_scales_vec(b, &lo, &hi);
+        dsc = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+      } else {
+        float sc[16], mn[16];
+        k16_scales(type, b, sc, mn);
+        dsc = _mm512_loadu_ps(sc);
+        dmn = _mm512_loadu_ps(mn);
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* x = X->q + r * X->K + s * QK;
         const int64_t o = r * 2 * X->nb + s * 16;
-        const __m512 sc16 = _mm512_mul_ps(dsc, _mm512_loadu_ps(X->d16 + o));
-        off6[r] = _mm512_fmadd_ps(sc16, _mm512_loadu_ps(X->sum16 + o), off6[r]);
+        const __m512 d16 = _mm512_loadu_ps(X->d16 + o);
+        const __m512 sc16 = _mm512_mul_ps(dsc, d16);
+        off6[r] = _mm512_fmadd_ps(type == GGUF_Q2_K ? _mm512_mul_ps(dmn, d16) : sc16,
+                                  _mm512_loadu_ps(X->sum16 + o), off6[r]);
         for (int p = 0; p < 4; ++p) {
           const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p],
                                                  _mm512_loadu_si512((const void*)(x + 64 * p)));
@@ -551,26 +729,32 @@ static inline __attribute__((always_inline)) void dot_vnni_rows(int type, int R,
   }
   for (int r = 0; r < R; ++r)
     out[r] = _mm512_reduce_add_ps(acc[r]) -
-             (type == GGUF_Q6_K ? 32.f * _mm512_reduce_add_ps(off6[r]) : hsum8(off4[r]));
+             (type == GGUF_Q2_K ? _mm512_reduce_add_ps(off6[r])
+              : sub16(type) ? (float)offset16(type) * _mm512_reduce_add_ps(off6[r])
+              : hsum8(off4[r]));
 }
 #endif
 
 /* ---- dequantization: vectors where gguf_isa allows (the scalar code stays reachable for
-   the tests), the same bits either way ---- */
+   the tests), the same bits either way; IQ4_XS, Q3_K and Q2_K on dequant_sb_small ---- */
+static inline int small_codes(int type) {
+  return type == GGUF_IQ4_XS || type == GGUF_Q3_K || type == GGUF_Q2_K;
+}
 static void dequant_row(int type, const uint8_t* row, int64_t K, float* out, uint16_t* outb) {
   const int bs = sb_bytes(type);
   for (int64_t s = 0; s < K / QK; ++s) {
     float* o = out ? out + s * QK : NULL;
     uint16_t* ob = outb ? outb + s * QK : NULL;
 #if ISA_MAX >= GGUF_ISA_VNNI
-    if (gguf_isa >= GGUF_ISA_VNNI && type != GGUF_IQ4_XS) {
+    if (gguf_isa >= GGUF_ISA_VNNI && !small_codes(type)) {
       dequant_sb_512(type, row + s * bs, o, ob);
       continue;
     }
 #endif
 #if ISA_MAX >= GGUF_ISA_AVX2
-    if (gguf_isa >= GGUF_ISA_AVX2 && type != GGUF_IQ4_XS) {  /* IQ4_XS: scalar lookups */
-      dequant_sb_vec(type, row + s * bs, o, ob);
+    if (gguf_isa >= GGUF_ISA_AVX2) {
+      if (small_codes(type)) dequant_sb_small(type, row + s * bs, o, ob);
+      else dequant_sb_vec(type, row + s * bs, o, ob);
       continue;
     }
 #endif
@@ -622,17 +806,23 @@ DEFINE_ROWS(q4k_s, GGUF_Q4_K, dot_scalar)
 DEFINE_ROWS(q5k_s, GGUF_Q5_K, dot_scalar)
 DEFINE_ROWS(q6k_s, GGUF_Q6_K, dot_scalar)
 DEFINE_ROWS(iq4xs_s, GGUF_IQ4_XS, dot_scalar)
+DEFINE_ROWS(q2k_s, GGUF_Q2_K, dot_scalar)
+DEFINE_ROWS(q3k_s, GGUF_Q3_K, dot_scalar)
 #if ISA_MAX >= GGUF_ISA_AVX2
 DEFINE_ROWS(q4k_a, GGUF_Q4_K, dot_avx2_rows)
 DEFINE_ROWS(q5k_a, GGUF_Q5_K, dot_avx2_rows)
 DEFINE_ROWS(q6k_a, GGUF_Q6_K, dot_avx2_rows)
 DEFINE_ROWS(iq4xs_a, GGUF_IQ4_XS, dot_avx2_rows)
+DEFINE_ROWS(q2k_a, GGUF_Q2_K, dot_avx2_rows)
+DEFINE_ROWS(q3k_a, GGUF_Q3_K, dot_avx2_rows)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
 DEFINE_ROWS(q4k_v, GGUF_Q4_K, dot_vnni_rows)
 DEFINE_ROWS(q5k_v, GGUF_Q5_K, dot_vnni_rows)
 DEFINE_ROWS(q6k_v, GGUF_Q6_K, dot_vnni_rows)
 DEFINE_ROWS(iq4xs_v, GGUF_IQ4_XS, dot_vnni_rows)
+DEFINE_ROWS(q2k_v, GGUF_Q2_K, dot_vnni_rows)
+DEFINE_ROWS(q3k_v, GGUF_Q3_K, dot_vnni_rows)
 #endif
 
 #define PICK(V)                                                                             \
@@ -640,6 +830,8 @@ DEFINE_ROWS(iq4xs_v, GGUF_IQ4_XS, dot_vnni_rows)
     case GGUF_Q4_K: return DOT_q4k_##V;                                                     \
     case GGUF_Q5_K: return DOT_q5k_##V;                                                     \
     case GGUF_IQ4_XS: return DOT_iq4xs_##V;                                                 \
+    case GGUF_Q2_K: return DOT_q2k_##V;                                                     \
+    case GGUF_Q3_K: return DOT_q3k_##V;                                                     \
     default: return DOT_q6k_##V;                                                            \
   }
 static const dot_fn* pick(int type, int isa) {

@@ -11,7 +11,7 @@ loaded (dequantized) float weight is dropped.
   kernel takes every batch (int8 activations per 32: 2.2-2.6x the dot kernel, 1.4-1.7x the
   C GEMM on the bf16 weight at 8-128 rows).
 - Q5_0, Q5_1 and IQ4_NL (llama.cpp's stand-ins for Q4_K, Q5_K and IQ4_XS/Q3_K/Q2_K where
-  K % 256 != 0), Q8_0, the K-quants Q4_K, Q5_K, Q6_K and IQ4_XS (K % 256 == 0), and Q4
+  K % 256 != 0), Q8_0, the K-quants Q2_K-Q6_K and IQ4_XS (K % 256 == 0), and Q4
   layers the w4 kernel cannot take
   (K not a multiple of 64, a float32 model, neither AVX512-VNNI nor AVX2) keep the file's
   blocks on the GGUF dot kernels (engine.layers.cpu_gguf), AMX on decoded rows for larger

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 QK = 256
-BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+_SCALE_AT = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}  # the fp16 d (Q2_K: d, dmin); else at 0
 TYPES = (*BYTES, "IQ4_NL")  # what quantize encodes
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 
@@ -18,10 +19,9 @@ def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.nda
     """uint8 [n, row bytes]: random codes and scales, fp16 d (and dmin) ~ 1e-3."""
     raw = rng.integers(0, 256, size=(n, k // QK, BYTES[name]), dtype=np.uint8)
     d = (rng.standard_normal((n, k // QK, 2)) * 1e-3).astype(np.float16).view(np.uint8)
-    if name == "Q6_K":
-        raw[..., 208:210] = d[..., :2]
-    else:
-        raw[..., 0:4] = d.reshape(n, k // QK, 4)
+    at = _SCALE_AT.get(name, 0)
+    width = 2 if name in ("Q3_K", "Q6_K") else 4
+    raw[..., at : at + width] = d.reshape(n, k // QK, 4)[..., :width]
     return raw.reshape(n, -1)
 
 
@@ -73,6 +73,46 @@ def _q6(w: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), d[:, None].view(np.uint8)], axis=1)
 
 
+def _two_bits(q: np.ndarray) -> np.ndarray:
+    """codes [S, 256] (their low 2 bits) -> 64 bytes: weight 128h + 32t + l at bits 2t of
+    byte 32h + l."""
+    q = (q & 3).reshape(-1, 2, 4, 32).astype(np.uint8)
+    return sum(q[:, :, t] << (2 * t) for t in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def _q2(w: np.ndarray) -> np.ndarray:
+    """w [S, 256] -> Q2_K superblocks [S, 84]: per 16 a 4-bit scale and minimum."""
+    sub = w.reshape(-1, 16, 16)
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / 3
+    d, dmin = _f16(scale.max(-1) / 15), _f16(-lo.min(-1) / 15)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(scale / np.where(d32 > 0, d32, 1)), 0, 15).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.where(dmin32 > 0, dmin32, 1)), 0, 15).astype(np.uint8)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.round((sub + (dmin32 * m)[..., None]) / np.where(step > 0, step, 1)), 0, 3)
+    parts = [sc | (m << 4), _two_bits(q.astype(np.uint8).reshape(-1, 256))]
+    return np.concatenate([*parts, d[:, None].view(np.uint8), dmin[:, None].view(np.uint8)], 1)
+
+
+def _q3(w: np.ndarray) -> np.ndarray:
+    """w [S, 256] -> Q3_K superblocks [S, 110]: per 16 a signed 6-bit scale, codes -4..3."""
+    sub = w.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 4
+    d = _f16(scale.max(-1) / 31)
+    d32 = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(scale / np.where(d32 > 0, d32, 1)), -32, 31).astype(np.int64)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.round(sub / np.where(step != 0, step, 1)), -4, 3).astype(np.int64) + 4
+    q = q.reshape(-1, 256).astype(np.uint8)  # 0..7: bit 2 is hmask's
+    hmask = sum(((q[:, 32 * k : 32 * k + 32] >> 2) & 1) << k for k in range(8)).astype(np.uint8)
+    s6 = (sc + 32).astype(np.uint8)  # [S, 16]
+    scales = np.empty((w.shape[0], 12), np.uint8)
+    scales[:, :8] = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
+    scales[:, 8:] = sum(((s6[:, 4 * a : 4 * a + 4] >> 4) & 3) << (2 * a) for a in range(4))
+    return np.concatenate([hmask, _two_bits(q), scales, d[:, None].view(np.uint8)], 1)
+
+
 def _iq4_codes(sub: np.ndarray, step: np.ndarray) -> np.ndarray:
     """sub [..., 32] / step [...] -> the nearest grid values' codes, packed as ggml packs a
     block: byte l holds weight l's code (low nibble) and weight l + 16's (high) -> [..., 16]."""
@@ -113,8 +153,8 @@ def quantize(w: np.ndarray, name: str) -> np.ndarray:
         raw = _iq4_nl(np.ascontiguousarray(w, dtype=np.float32).reshape(-1, 32))
         return np.ascontiguousarray(raw.reshape(n, -1))
     sb = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, QK)
-    if name == "IQ4_XS":
-        raw = _iq4_xs(sb)
+    if name in ("IQ4_XS", "Q2_K", "Q3_K"):
+        raw = {"IQ4_XS": _iq4_xs, "Q2_K": _q2, "Q3_K": _q3}[name](sb)
     else:
         raw = _q6(sb) if name == "Q6_K" else _q45(sb, 4 if name == "Q4_K" else 5)
     assert raw.shape[1] == BYTES[name]

@@ -26,7 +26,9 @@
 #define GGUF_Q5_1 7
 #define GGUF_IQ4_NL 20        /* gguf: blocks of 32, codes index a fixed grid (iq4_values.h) */
 #define GGUF_Q8_0 8
-#define GGUF_Q4_K 12          /* gguf: the K-quants gguf_k.c reads (superblocks of 256 weights) */
+#define GGUF_Q2_K 10          /* gguf: the K-quants gguf_k.c reads (superblocks of 256 weights) */
+#define GGUF_Q3_K 11
+#define GGUF_Q4_K 12
 #define GGUF_Q5_K 13
 #define GGUF_Q6_K 14
 #define GGUF_IQ4_XS 23        /* gguf: IQ4_NL's codes in superblocks of 256 (gguf_k.c) */

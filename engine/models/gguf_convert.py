@@ -1,21 +1,28 @@
 """Convert a GGUF file of the llama or qwen2 architecture into a Hugging Face folder, once.
 
-The output (config.json, the weights dequantized to float32, tokenizer files with the chat
-template, generation_config.json) is written to a temporary folder next to the destination and
-renamed into place, so a crash never leaves a half-written model behind. The weights go one
-shard at a time (model.safetensors, or model-0000i-of-0000n.safetensors and their index past
-SHARD_BYTES), each tensor dequantized as its shard is written: the conversion holds one shard
-in memory, not the whole float model (an 8B Q4_K file is 32 GB in float32).
+The output (config.json, tokenizer files with the chat template, generation_config.json, the
+tensors every path reads as floats, and gguf_source.json: the file itself) is written to a
+temporary folder next to the destination and renamed into place, so a crash never leaves a
+half-written model behind. The linear layers' block-typed weights stay in the file: the GGUF
+path serves them as they are, and a loader that needs them as floats (`--quantization none`,
+a type without a kernel) reads them from there, dequantizing one tensor at a time
+(linked_tensors). Written out in float32 they were 4 bytes a weight on disk (32 GB for an 8B
+Q4_K file) and most of the conversion's time. The float tensors (the embedding, the LM head,
+norms, biases, float-typed layers) go one shard at a time (model.safetensors, or
+model-0000i-of-0000n.safetensors and their index past SHARD_BYTES), each dequantized as its
+shard is written: the conversion holds one shard in memory.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +33,9 @@ from engine.layers.rotary import llama3_inv_freq
 logger = logging.getLogger("tessera.engine")
 
 # Bump when the output format changes: old caches are then converted again.
-CONVERTER_VERSION = 2  # 2: Llama 3 rope scaling from rope_freqs, Qwen2
+CONVERTER_VERSION = 3  # 2: Llama 3 rope scaling, Qwen2; 3: linear blocks left in the file
+LINK = "gguf_source.json"  # in a converted folder: the GGUF its linear weights stay in
+_FLOATS = ("F32", "F16", "BF16")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -171,8 +180,8 @@ def _read_config(reader) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-        # The original checkpoint's dtype, so dtype="auto" serves in bfloat16; the weights
-        # themselves are stored dequantized in float32.
+        # The original checkpoint's dtype, so dtype="auto" serves in bfloat16; the float
+        # tensors are stored dequantized in float32.
         "torch_dtype": "bfloat16",
     }
     if arch == "llama":
@@ -188,17 +197,20 @@ _CHUNK_ROWS = 4096
 
 
 def _float_tensor(t, config: dict) -> torch.Tensor:
-    """One GGUF tensor dequantized to float32, q/k rows in HF's order (an array of its own)."""
+    """One GGUF tensor (gguf-py's ReaderTensor, or gguf_tensors.Tensor) dequantized to
+    float32, q/k rows in HF's order (an array of its own)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    qtype = GGMLQuantizationType(int(getattr(t, "type_id", getattr(t, "tensor_type", 0))))
     shape = tuple(int(s) for s in reversed(t.shape))
     if len(shape) == 2 and t.data.ndim == 2 and t.data.shape[0] == shape[0]:
         # row chunks: gguf-py's dequantize holds a few float temporaries of its input's size
         w = np.empty(shape, dtype=np.float32)
         for i in range(0, shape[0], _CHUNK_ROWS):
-            w[i : i + _CHUNK_ROWS] = dequantize(t.data[i : i + _CHUNK_ROWS], t.tensor_type)
+            w[i : i + _CHUNK_ROWS] = dequantize(t.data[i : i + _CHUNK_ROWS], qtype)
     else:
-        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = dequantize(t.data, qtype).reshape(shape)
     name = _hf_name(t.name)
     if rows_interleaved(config) and name.endswith("q_proj.weight"):
         w = _unpermute(w, config["num_attention_heads"])
@@ -224,11 +236,24 @@ def _shards(tensors: list, shard_bytes: int) -> list[list]:
     return shards
 
 
-def _write_weights(reader, config: dict, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> None:
-    """The weights as safetensors shards, each dequantized, written and freed in turn."""
+def left_in_file(t) -> bool:
+    """Whether a GGUF tensor stays in the file when converting: a linear layer's weight in a
+    block type (the GGUF path keeps it as it is; float paths dequantize it at load)."""
+    name = _hf_name(t.name)
+    return name is not None and name.endswith("_proj.weight") and t.tensor_type.name not in _FLOATS
+
+
+def _write_weights(
+    reader, config: dict, out_dir: Path, shard_bytes: int = SHARD_BYTES, every: bool = True
+) -> None:
+    """The weights as safetensors shards, each dequantized, written and freed in turn; all of
+    them, or (every=False) those not left_in_file."""
     from safetensors.torch import save_file
 
-    shards = _shards([t for t in reader.tensors if _hf_name(t.name) is not None], shard_bytes)
+    tensors = [
+        t for t in reader.tensors if _hf_name(t.name) is not None and (every or not left_in_file(t))
+    ]
+    shards = _shards(tensors, shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, 1):
@@ -243,6 +268,28 @@ def _write_weights(reader, config: dict, out_dir: Path, shard_bytes: int = SHARD
     if n > 1:
         index = {"metadata": {}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def linked_tensors(folder: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF name, a function dequantizing it to float32) for each of the linked GGUF's
+    tensors, nothing if the folder has no link (read when called: one tensor at a time)."""
+    link = folder / LINK
+    if not link.is_file():
+        return
+    info = json.loads(link.read_text())
+    path = Path(info["path"])
+    if not path.is_file() or path.stat().st_size != info["size"]:
+        raise ValueError(
+            f"{folder} was converted from {path}, which is gone or changed: its linear weights "
+            "stay in that file (convert again: serve the .gguf itself)"
+        )
+    from engine.models.gguf_tensors import tensor_table
+
+    config = json.loads((folder / "config.json").read_text())
+    for t in tensor_table(path).values():
+        name = _hf_name(t.name)
+        if name is not None:
+            yield name, functools.partial(_float_tensor, t, config)
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -266,8 +313,10 @@ def convert_gguf(gguf_path: str | Path, dest: str | Path, shard_bytes: int = SHA
     try:
         reader = GGUFReader(str(gguf_path))
         config = _read_config(reader)
-        _write_weights(reader, config, tmp, shard_bytes)
+        _write_weights(reader, config, tmp, shard_bytes, every=False)
         del reader
+        link = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
+        (tmp / LINK).write_text(json.dumps(link, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -2,12 +2,14 @@
 
 resolve_model: a local HF folder as is; the default model name or a .gguf file converted once
 into the user cache. load_model: the model class from config.json, weights from safetensors
-through each parameter's weight_loader (tensor-parallel sharding), or random ("dummy").
+through each parameter's weight_loader (tensor-parallel sharding), or random ("dummy"); a
+converted GGUF's linear weights, left in the file, from the file (gguf_convert.linked_tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.config import DEFAULT_MODEL
-from engine.models.gguf_convert import CONVERTER_VERSION, convert_gguf
+from engine.models.gguf_convert import CONVERTER_VERSION, convert_gguf, linked_tensors
 from engine.models.hf_config import HFModelConfig, load_hf_config, max_model_len_for
 from engine.models.registry import get_model_class
 from engine.paths import default_cache_dir
@@ -62,8 +64,9 @@ def default_gguf_path() -> Path:
 
 
 def _cached_folder(gguf: Path, name: str, cache_dir: Path) -> Path:
+    # the path too: the folder links the file it was converted from
     st = gguf.stat()
-    key = f"{st.st_size}-{st.st_mtime_ns}-{CONVERTER_VERSION}".encode()
+    key = f"{gguf.resolve()}-{st.st_size}-{st.st_mtime_ns}-{CONVERTER_VERSION}".encode()
     return cache_dir / "models" / f"{name}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -190,7 +193,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozenset()) -> None:
-    """Every parameter from the checkpoint, but those in held (already filled: not read)."""
+    """Every parameter from the checkpoint, but those in held (already filled: not read); in
+    a converted GGUF's folder those the safetensors lack from the linked file."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding
@@ -199,35 +203,49 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     for dst, shard_id in packed.values():
         expected.setdefault(dst, set()).add(shard_id)
     loaded: dict[str, set] = {}
+    seen: set[str] = set()  # checkpoint names read
+
+    def fill(ckpt_name: str, tensor: Callable[[], torch.Tensor], source: str) -> None:
+        seen.add(ckpt_name)
+        if "rotary_emb.inv_freq" in ckpt_name:
+            return
+        target, shard = ckpt_name, None
+        for src, (dst, shard_id) in packed.items():
+            if f".{src}." in ckpt_name:
+                target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        if target in held:
+            return
+        param = params.get(target)
+        if param is None:
+            if ckpt_name == "lm_head.weight":  # tied: the embedding already serves
+                return
+            raise ValueError(f"{source}: unexpected weight {ckpt_name!r}")
+        loader = getattr(param, "weight_loader", _default_loader)
+        if shard is None:
+            loader(param, tensor())
+        else:
+            loader(param, tensor(), shard)
+        loaded.setdefault(target, set()).add(shard)
+
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if "rotary_emb.inv_freq" in ckpt_name:
-                    continue
-                target, shard = ckpt_name, None
-                for src, (dst, shard_id) in packed.items():
-                    if f".{src}." in ckpt_name:
-                        target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
-                        break
-                if target in held:
-                    continue
-                param = params.get(target)
-                if param is None:
-                    if ckpt_name == "lm_head.weight":  # tied: the embedding already serves
-                        continue
-                    raise ValueError(f"{file.name}: unexpected weight {ckpt_name!r}")
-                loader = getattr(param, "weight_loader", _default_loader)
-                tensor = f.get_tensor(ckpt_name)
-                if shard is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard)
-                loaded.setdefault(target, set()).add(shard)
-    missing = []
-    for name in (n for n in params if n not in held):
-        want = next((ids for frag, ids in expected.items() if f".{frag}." in name), {None})
-        if loaded.get(name, set()) != want:
-            missing.append(name)
+                fill(ckpt_name, functools.partial(f.get_tensor, ckpt_name), file.name)
+
+    def unfilled() -> list[str]:
+        out = []
+        for name in (n for n in params if n not in held):
+            want = next((ids for frag, ids in expected.items() if f".{frag}." in name), {None})
+            if loaded.get(name, set()) != want:
+                out.append(name)
+        return out
+
+    if unfilled():  # the GGUF path's blocks leave nothing here: the file is not even opened
+        for ckpt_name, tensor in linked_tensors(model_dir):
+            if ckpt_name not in seen:
+                fill(ckpt_name, tensor, "the linked GGUF")
+    missing = unfilled()
     if missing:
         raise ValueError(f"{model_dir}: weights missing from the checkpoint: {missing[:5]}")
 

@@ -17,7 +17,13 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.gguf_convert import _llama3_scaling, _read_config, _write_weights
+from engine.models.gguf_convert import (
+    LINK,
+    _llama3_scaling,
+    _read_config,
+    _write_weights,
+    left_in_file,
+)
 from engine.models.loader import load_hf_config, load_model
 from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
 
@@ -59,6 +65,35 @@ def test_shards_hold_what_one_file_holds_and_load(tiny_llama_dir, tmp_path):
     m1, m2 = load_model(one, dtype="float32"), load_model(sharded, dtype="float32")
     for (n, p), (_, q) in zip(m1.state_dict().items(), m2.state_dict().items(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_a_converted_folder_reads_its_linear_weights_from_the_file(tiny_llama_dir, tmp_path):
+    """The conversion leaves the linear layers' blocks in the GGUF (linked, not copied): a
+    float load dequantizes them from there, to the values a full conversion writes; a link
+    to a file that is gone or changed is refused by name."""
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(tiny_llama_dir, gguf, "Q4_1", overrides={(1, "ffn_up"): "F16"})
+    full, linked = tmp_path / "full", tmp_path / "linked"
+    for folder in (full, linked):
+        folder.mkdir()
+        shutil.copy(tiny_llama_dir / "config.json", folder)
+    _write_weights(GGUFReader(str(gguf)), _HEADS, full)
+    _write_weights(GGUFReader(str(gguf)), _HEADS, linked, every=False)
+    (linked / LINK).write_text(json.dumps({"path": str(gguf), "size": gguf.stat().st_size}))
+
+    kept = set(_state(linked))
+    left = {t.name for t in GGUFReader(str(gguf)).tensors if left_in_file(t)}
+    assert len(left) == 3 * 7 - 1  # every linear weight but the F16 one
+    assert "model.layers.1.mlp.up_proj.weight" in kept  # a float tensor: written
+    assert not any(n.endswith("_proj.weight") and "layers.1.mlp.up" not in n for n in kept)
+    a, b = load_model(full, dtype="float32"), load_model(linked, dtype="float32")
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+
+    moved = tmp_path / "moved.gguf"
+    gguf.rename(moved)
+    with pytest.raises(ValueError, match="tiny.gguf, which is gone or changed"):
+        load_model(linked, dtype="float32")
 
 
 def _q8_blocks(rows: int, cols: int, rng) -> np.ndarray:

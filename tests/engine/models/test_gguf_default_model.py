@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine.attention.backends import cpu as cpu_backend
 from engine.attention.backends.cpu import CpuAttentionBackend
@@ -14,8 +15,8 @@ from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import DEFAULT_MODEL
 from engine.layers.quantization.gguf import q8_tiles_head
-from engine.models.gguf_convert import _unpermute
-from engine.models.loader import load_model, resolve_model
+from engine.models.gguf_convert import LINK, _unpermute
+from engine.models.loader import default_gguf_path, load_model, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +36,15 @@ def test_converted_folder_and_cache(default_model_dir):
     assert cfg["vocab_size"] == 49152 and cfg["rope_theta"] == 100000.0
     assert cfg["tie_word_embeddings"] is True
     # A second resolve finds the cached folder and converts nothing.
-    # 540 MB of float32 weights in two shards of at most 512 MiB (SHARD_BYTES)
+    # the float tensors only: the embedding (Q8_0 in the file, 113 MB as float32) and norms;
+    # the linear layers' Q4_1 blocks stay in the linked file
     shards = sorted(default_model_dir.glob("*.safetensors"))
-    assert [p.name for p in shards] == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert [p.name for p in shards] == ["model.safetensors"]
+    names = set(load_file(str(shards[0])))
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert not any(n.endswith("_proj.weight") for n in names)
+    link = json.loads((default_model_dir / LINK).read_text())
+    assert link["path"] == str(default_gguf_path().resolve())
     mtimes = [os.stat(p).st_mtime_ns for p in shards]
     assert (
         resolve_model(DEFAULT_MODEL, cache_dir=default_model_dir.parent.parent) == default_model_dir
@@ -67,7 +74,10 @@ def test_logits_match_hf_and_answer_paris(default_model_dir):
         add_generation_prompt=True,
     )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+    gguf = default_gguf_path()  # transformers dequantizes the file itself: an independent read
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     model = load_model(default_model_dir, dtype="float32")

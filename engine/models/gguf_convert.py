@@ -1,16 +1,16 @@
 """Convert a GGUF file of the llama or qwen2 architecture into a Hugging Face folder, once.
 
 The output (config.json, tokenizer files with the chat template, generation_config.json, the
-tensors every path reads as floats, and gguf_source.json: the file itself) is written to a
+float32 tensors: norms and biases, and gguf_source.json: the file itself) is written to a
 temporary folder next to the destination and renamed into place, so a crash never leaves a
-half-written model behind. The linear layers' block-typed weights stay in the file: the GGUF
-path serves them as they are, and a loader that needs them as floats (`--quantization none`,
-a type without a kernel) reads them from there, dequantizing one tensor at a time
-(linked_tensors). Written out in float32 they were 4 bytes a weight on disk (32 GB for an 8B
-Q4_K file) and most of the conversion's time. The float tensors (the embedding, the LM head,
-norms, biases, float-typed layers) go one shard at a time (model.safetensors, or
-model-0000i-of-0000n.safetensors and their index past SHARD_BYTES), each dequantized as its
-shard is written: the conversion holds one shard in memory.
+half-written model behind. Every other tensor stays in the file: the GGUF path serves the
+linear layers' blocks as they are, and the loader dequantizes what it needs as floats (the
+embedding; every weight for `--quantization none`) from there, one tensor at a time
+(linked_tensors; the C dequantizer where it reads the type). Written out in float32 they
+were 4 bytes a weight on disk (32 GB for an 8B Q4_K file) and most of the conversion's
+time. What is written goes one shard at a time (model.safetensors, or
+model-0000i-of-0000n.safetensors and their index past SHARD_BYTES; an F32 file's weights
+can be large), each tensor dequantized as its shard is written.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.layers import cpu_gguf
 from engine.layers.rotary import llama3_inv_freq
 
 logger = logging.getLogger("tessera.engine")
@@ -35,7 +36,6 @@ logger = logging.getLogger("tessera.engine")
 # Bump when the output format changes: old caches are then converted again.
 CONVERTER_VERSION = 3  # 2: Llama 3 rope scaling, Qwen2; 3: linear blocks left in the file
 LINK = "gguf_source.json"  # in a converted folder: the GGUF its linear weights stay in
-_FLOATS = ("F32", "F16", "BF16")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -204,7 +204,11 @@ def _float_tensor(t, config: dict) -> torch.Tensor:
 
     qtype = GGMLQuantizationType(int(getattr(t, "type_id", getattr(t, "tensor_type", 0))))
     shape = tuple(int(s) for s in reversed(t.shape))
-    if len(shape) == 2 and t.data.ndim == 2 and t.data.shape[0] == shape[0]:
+    if len(shape) == 2 and int(qtype) in cpu_gguf.TYPES.values() and cpu_gguf.available():
+        # the C dequantizer (every thread; the same bits as gguf-py's, tests/engine/kernels)
+        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+        w = cpu_gguf.dequantize(blocks, int(qtype), shape[1], torch.float32).numpy()
+    elif len(shape) == 2 and t.data.ndim == 2 and t.data.shape[0] == shape[0]:
         # row chunks: gguf-py's dequantize holds a few float temporaries of its input's size
         w = np.empty(shape, dtype=np.float32)
         for i in range(0, shape[0], _CHUNK_ROWS):
@@ -237,10 +241,10 @@ def _shards(tensors: list, shard_bytes: int) -> list[list]:
 
 
 def left_in_file(t) -> bool:
-    """Whether a GGUF tensor stays in the file when converting: a linear layer's weight in a
-    block type (the GGUF path keeps it as it is; float paths dequantize it at load)."""
-    name = _hf_name(t.name)
-    return name is not None and name.endswith("_proj.weight") and t.tensor_type.name not in _FLOATS
+    """Whether a GGUF tensor stays in the file when converting: all but the float32 ones
+    (norms, biases: small). The GGUF path keeps the linear layers' blocks as they are; the
+    rest (the embedding, float paths' weights) is dequantized from the file at load."""
+    return _hf_name(t.name) is not None and t.tensor_type.name != "F32"
 
 
 def _write_weights(

@@ -103,6 +103,24 @@ def dequantize(blocks: torch.Tensor, type_id: int, in_features: int, dtype) -> t
     return out
 
 
+def gather_rows(
+    blocks: torch.Tensor, type_id: int, in_features: int, ids: torch.Tensor, dtype
+) -> torch.Tensor:
+    """The rows ids [...] (int) of [N, row bytes] uint8 blocks as [..., in_features] in dtype
+    (bf16 or float32): an embedding lookup on the file's blocks. ids must be < N."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), in_features, dtype=dtype)
+    rc = ops.function("gguf_gather_rows")(
+        blocks.data_ptr(), type_id, blocks.shape[0], in_features, flat.data_ptr(), flat.numel(),
+        out.data_ptr(), int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    if rc == -2:
+        raise IndexError(f"a token id outside the embedding's {blocks.shape[0]} rows")
+    if rc != 0:
+        raise ValueError(f"gguf type {type_id} with K={in_features} is not supported")
+    return out.view(*ids.shape, in_features)
+
+
 def linear(
     x: torch.Tensor,
     blocks: torch.Tensor,

@@ -2,10 +2,14 @@
 
 Each rank holds ceil(vocab / tp) rows (the last shard zero-padded); the embedding masks ids
 outside its shard and all-reduces, the LM head all-gathers its logits and drops the padding.
-The LM head's `quant_method` (engine.layers.quantization) multiplies its rows.
+The LM head's `quant_method` (engine.layers.quantization) multiplies its rows. An embedding
+may take its rows from elsewhere (`rows`: a GGUF file's blocks, dequantized per token), its
+weight then empty.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +29,13 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        # empty, not zeros: a table the loader replaces or a GGUF's rows stand in for should
+        # not be written (resident) at build; only the last shard's padding rows are zeroed
+        weight = torch.empty(self.shard_size, embedding_dim)
+        weight[self.vocab_end - self.vocab_start :].zero_()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids -> their rows
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
@@ -38,6 +47,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:  # set on single-rank models only
+            return self.rows(input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)

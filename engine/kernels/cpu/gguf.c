@@ -401,6 +401,26 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   return 0;
 }
 
+/* out[i] = row ids[i] of w (N rows of K weights) as floats or bf16: an embedding's lookup on
+   the file's blocks. -1: a type or K it does not read; -2: an id outside [0, N). */
+int gguf_gather_rows(const uint8_t* w, int type, int64_t N, int64_t K, const int64_t* ids,
+    int64_t n, void* out, int bf16) {
+  const int bs = block_bytes(type);
+  if (!bs) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= N) return -2;
+  const int64_t rb = K / (superblocks(type) ? 256 : 32) * bs;
+  float* v = (float*)malloc(sizeof(float) * K);
+  if (!v) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = bf16 ? v : (float*)out + i * K;
+    if (gguf_dequant_row(type, w + ids[i] * rb, K, row)) { free(v); return -1; }
+    if (bf16) for (int64_t k = 0; k < K; ++k) ((uint16_t*)out)[i * K + k] = f2bf(v[k]);
+  }
+  free(v);
+  return 0;
+}
+
 int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16,
     int nthreads) {
   if (superblocks(type))

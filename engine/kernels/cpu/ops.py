@@ -81,6 +81,8 @@ SIGNATURES: dict[str, Signature] = {
     "gguf_dequantize": ([_P, _INT, _I64, _I64, _P, _INT, _INT], _INT),
     # type, row, K, out
     "gguf_dequant_row": ([_INT, _P, _I64, _P], _INT),
+    # blocks, type, N, K, ids, n, out, bf16
+    "gguf_gather_rows": ([_P, _INT, _I64, _I64, _P, _I64, _P, _INT], _INT),
     "gguf_block_bytes": ([_INT], _INT),
     "gguf_isa_max": ([], _INT),
     # gguf_k.c: gguf_linear's and gguf_dequantize's arguments; type, row, K, out

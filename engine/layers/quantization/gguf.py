@@ -21,9 +21,11 @@ loaded (dequantized) float weight is dropped.
   (GGUFSegmentsLinearMethod).
 Layers of other types (float parts, types without a kernel, K the blocks do not divide) keep
 the dequantized weights on the unquantized method; the log says which layer kinds took which
-path. The embedding stays dequantized (a gather); the LM head keeps that weight for large
-batches and reads the file's rows (output.weight, or the tied token_embd) in small ones; with
-AVX2, or AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch.
+path. The LM head keeps its float weight for large batches and reads the file's rows
+(output.weight, or the tied token_embd) in small ones; with AVX2, or AVX512-VNNI without AMX,
+Q8_0 rows become tiles read at every batch. An embedding not tied to the head looks its tokens
+up in the file's token_embd blocks (GGUFEmbeddingRows: an 8B model's 1 GB bf16 table becomes
+its ~0.3 GB of blocks); a tied one stays the float table the head reads.
 """
 
 from __future__ import annotations
@@ -219,6 +221,43 @@ def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
     )
 
 
+class GGUFEmbeddingRows:
+    """An embedding's lookup on the file's token_embd blocks: each step dequantizes the rows of
+    its tokens (cpu_gguf.gather_rows), so the float table is never held."""
+
+    def __init__(self, b, dtype: torch.dtype):
+        self.data, self.type_id, self.in_features, self.dtype = (
+            b.data,
+            b.type_id,
+            b.in_features,
+            dtype,
+        )
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cpu_gguf.gather_rows(
+            self.data, self.type_id, self.in_features, input_ids, self.dtype
+        )
+
+
+def _take_embedding_rows(embed: nn.Module, b, tied: bool) -> str:
+    """The embedding's path: the file's rows per token (GGUFEmbeddingRows), or why not."""
+    if b is None:
+        return "dequantized (token_embd is a float tensor, or absent)"
+    if tied:  # the LM head multiplies the same float table in large batches
+        return "dequantized (tied to the LM head, which reads its float weight)"
+    why = _refusal(embed, b)
+    if why is not None:
+        return f"dequantized ({why})"
+    dtype = embed.weight.dtype
+    was = embed.weight.numel() * embed.weight.element_size()
+    embed.rows = GGUFEmbeddingRows(b, dtype)
+    embed.weight = nn.Parameter(torch.empty(0, b.in_features, dtype=dtype), requires_grad=False)
+    return (
+        f"{b.type_name} rows dequantized per token ({b.data.nbytes / 2**20:.0f} MiB of blocks "
+        f"where the {str(dtype).removeprefix('torch.')} table took {was / 2**20:.0f} MiB)"
+    )
+
+
 def _kind(name: str) -> str:
     return name.rsplit(".", 1)[-1]  # "model.layers.3.mlp.down_proj" -> "down_proj"
 
@@ -257,6 +296,7 @@ def block_parameters(model: nn.Module) -> set[str]:
         f"{name}.weight"
         for name, m in model.named_modules()
         if isinstance(getattr(m, "quant_method", None), methods)
+        or isinstance(getattr(m, "rows", None), GGUFEmbeddingRows)
     }
 
 
@@ -301,6 +341,11 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         b = blocks.pop("lm_head", None)
         why = skipped.get("lm_head", "not in the file") if b is None else _refusal(head, b)
         paths["lm_head"] = Counter({_take_head_blocks(head, b, why): 1})
+    embed = model.model.embed_tokens
+    if embed.rows is None:
+        tied = head is not None and getattr(head, "tied", False)
+        b = blocks.pop("embed_tokens", None)
+        paths["embed_tokens"] = Counter({_take_embedding_rows(embed, b, tied): 1})
     for kind, c in paths.items():
         logger.info(
             "GGUF %s: %s", kind, ", ".join(f"{n} layers {why}" for why, n in sorted(c.items()))

@@ -37,17 +37,27 @@ def write_gguf(
     overrides: dict | None = None,
     head_type: str | None = None,
     arch: str = "llama",
+    embed_type: str | None = None,
 ) -> None:
     """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name};
-    the LM head (output.weight) in head_type, float32 without one. arch "qwen2": its q/k rows
-    as HF has them (llama.cpp permutes llama's only) and its q/k/v biases."""
+    the LM head (output.weight) in head_type, float32 without one, and token_embd in
+    embed_type (float32 without one). arch "qwen2": its q/k rows as HF has them (llama.cpp
+    permutes llama's only) and its q/k/v biases."""
     state = load_file(str(hf_dir / "model.safetensors"))
     overrides = overrides or {}
     writer = GGUFWriter(str(path), arch)
     for name, t in state.items():
         w = t.float().numpy()
-        if name == "model.embed_tokens.weight":
+        if name == "model.embed_tokens.weight" and embed_type is None:
             writer.add_tensor("token_embd.weight", w)
+        elif name == "model.embed_tokens.weight":
+            q = _quantize(np.ascontiguousarray(w), embed_type)
+            writer.add_tensor(
+                "token_embd.weight",
+                q,
+                raw_shape=q.shape,
+                raw_dtype=GGMLQuantizationType[embed_type],
+            )
         elif name == "model.norm.weight":
             writer.add_tensor("output_norm.weight", w)
         elif name == "lm_head.weight" and head_type is None:

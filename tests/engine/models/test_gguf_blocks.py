@@ -91,6 +91,7 @@ def test_file_blocks_load_and_generate_like_the_dequantized_model(gguf_model):
     paths = apply_gguf_blocks(model, path)
     # the file's output.weight is float32 here: the LM head keeps the model's float weight
     assert paths.pop("lm_head") == {"dequantized (F32 (a float tensor: not a block type))": 1}
+    assert paths.pop("embed_tokens") == {"dequantized (token_embd is a float tensor, or absent)": 1}
     assert not any(why.startswith("dequantized") for c in paths.values() for why in c), paths
     assert sum(n for c in paths.values() for n in c.values()) == 3 * 4  # every linear layer
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
@@ -135,7 +136,7 @@ def test_q4_blocks_of_a_bf16_model_are_w4_tiles(gguf_model):
     ref = load_model(folder, dtype="bfloat16")
     model = load_model(folder, dtype="bfloat16")
     paths = apply_gguf_blocks(model, path)
-    del paths["lm_head"]  # float32 in these files
+    del paths["lm_head"], paths["embed_tokens"]  # float32 in these files
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), _METHODS)]
     assert len(linears) == 3 * 4
     if type_name not in ("Q4_0", "Q4_1") or not cpu_w4.available():  # Q8_0, the K-quants
@@ -293,10 +294,9 @@ def test_a_qwen2_file_keeps_its_row_order_and_biases(tiny_qwen2_dir, tmp_path, t
     ref = load_model(folder, dtype="float32")
     model = load_model(folder, dtype="float32")
     paths = apply_gguf_blocks(model, path)
-    assert sum(n for k, c in paths.items() if k != "lm_head" for n in c.values()) == 3 * 4
-    assert not any(
-        why.startswith("dequantized") for k, c in paths.items() if k != "lm_head" for why in c
-    )
+    del paths["lm_head"], paths["embed_tokens"]  # float32 in this file
+    assert sum(n for c in paths.values() for n in c.values()) == 3 * 4
+    assert not any(why.startswith("dequantized") for c in paths.values() for why in c)
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     tokens, compared = [5, 9, 17, 3], 0
     while len(tokens) < 14:
@@ -310,3 +310,48 @@ def test_a_qwen2_file_keeps_its_row_order_and_biases(tiny_qwen2_dir, tmp_path, t
         assert (c - r).abs().max() < 4 * GAP_TOL
         tokens.append(int(r.argmax()))
     assert compared >= 5
+
+
+@pytest.mark.parametrize("embed_type", ["Q8_0", "Q6_K"])
+def test_an_untied_embedding_looks_tokens_up_in_the_file_blocks(
+    wide_llama_dir, tmp_path, embed_type
+):
+    """token_embd in a block type, the LM head its own output.weight: the embedding keeps no
+    float table (loaded as a held parameter, never read) and each step dequantizes its tokens'
+    rows, equal to the dequantized model's lookup; an id past the vocabulary raises."""
+    from engine.layers.quantization.gguf import GGUFEmbeddingRows, block_parameters
+
+    path = tmp_path / "embed.gguf"
+    write_gguf(wide_llama_dir, path, "Q8_0", embed_type=embed_type)
+    folder = tmp_path / "dequantized"
+    shutil.copytree(wide_llama_dir, folder)
+    _write_weights(
+        GGUFReader(str(path)),
+        {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS},
+        folder,
+    )
+    ref = load_model(folder, dtype="bfloat16")
+    model = load_model(folder, dtype="bfloat16")
+    paths = apply_gguf_blocks(model, path)
+    (why,) = paths["embed_tokens"]
+    assert why.startswith(f"{embed_type} rows dequantized per token"), why
+    embed = model.model.embed_tokens
+    assert isinstance(embed.rows, GGUFEmbeddingRows) and embed.weight.numel() == 0
+    assert "model.embed_tokens.weight" in block_parameters(model)
+    ids = torch.tensor([0, 5, 17, 5, embed.num_embeddings - 1])
+    assert torch.equal(embed(ids), ref.model.embed_tokens(ids))
+    tokens = [5, 9, 17, 3, 11]
+    torch.testing.assert_close(_logits(model, tokens), _logits(ref, tokens), rtol=0.05, atol=0.2)
+    with pytest.raises(IndexError):
+        embed(torch.tensor([embed.num_embeddings]))
+
+
+def test_a_tied_embedding_keeps_its_float_table(tiny_qwen2_dir, tmp_path):
+    path = tmp_path / "tied.gguf"
+    write_gguf(tiny_qwen2_dir, path, "Q8_0", arch="qwen2", embed_type="Q8_0")
+    model = load_model(tiny_qwen2_dir, dtype="bfloat16")
+    paths = apply_gguf_blocks(model, path)
+    assert paths["embed_tokens"] == {
+        "dequantized (tied to the LM head, which reads its float weight)": 1
+    }
+    assert model.model.embed_tokens.rows is None and model.model.embed_tokens.weight.numel() > 0

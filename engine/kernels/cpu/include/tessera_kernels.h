@@ -65,6 +65,7 @@ int w4_dequantize(const uint8_t* w, int64_t N, int64_t K, void* out, int bf16, i
 int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int type, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
 int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out, int bf16, int nthreads);
 int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out);
+int gguf_gather_rows(const uint8_t* w, int type, int64_t N, int64_t K, const int64_t* ids, int64_t n, void* out, int bf16);
 int gguf_block_bytes(int type);
 int gguf_isa_max(void);
 extern int gguf_isa;  /* the variant gguf_linear runs, capped at gguf_isa_max() (set from Python) */

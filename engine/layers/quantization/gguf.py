@@ -244,7 +244,7 @@ def _take_embedding_rows(embed: nn.Module, b, tied: bool) -> str:
     if b is None:
         return "dequantized (token_embd is a float tensor, or absent)"
     if tied:  # the LM head multiplies the same float table in large batches
-        return "dequantized (tied to the LM head, which reads its float weight)"
+        return "dequantized (tied: the LM head shares its float table)"
     why = _refusal(embed, b)
     if why is not None:
         return f"dequantized ({why})"

@@ -351,7 +351,5 @@ def test_a_tied_embedding_keeps_its_float_table(tiny_qwen2_dir, tmp_path):
     write_gguf(tiny_qwen2_dir, path, "Q8_0", arch="qwen2", embed_type="Q8_0")
     model = load_model(tiny_qwen2_dir, dtype="bfloat16")
     paths = apply_gguf_blocks(model, path)
-    assert paths["embed_tokens"] == {
-        "dequantized (tied to the LM head, which reads its float weight)": 1
-    }
+    assert paths["embed_tokens"] == {"dequantized (tied: the LM head shares its float table)": 1}
     assert model.model.embed_tokens.rows is None and model.model.embed_tokens.weight.numel() > 0

@@ -494,17 +494,18 @@ static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc, acc[r]);
         }
       }
-    } else if (type == GGUF_Q2_K || type == GGUF_Q3_K) {  /* Q6_K's loop, their scales */
+    } else if (sub16(type)) {  /* sub-blocks of 16 */
       __m256 slo, shi, olo, ohi;  /* olo/ohi: what x's sums per 16 take */
-      if (type == GGUF_Q3_K) {
-        k3_scales_vec(b, &slo, &shi);
-        olo = slo;
-        ohi = shi;
-      } else {
+      if (type == GGUF_Q2_K) {
         float sc[16], mn[16];
         k16_scales(type, b, sc, mn);
         slo = _mm256_loadu_ps(sc); shi = _mm256_loadu_ps(sc + 8);
         olo = _mm256_loadu_ps(mn); ohi = _mm256_loadu_ps(mn + 8);
+      } else {  /* the scales themselves, for the offset (times 32 or 4 at the end) */
+        if (type == GGUF_Q6_K) k6_scales_vec(b, &slo, &shi);
+        else k3_scales_vec(b, &slo, &shi);
+        olo = slo;
+        ohi = shi;
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* x = X->q + r * X->K + s * QK;
@@ -519,24 +520,6 @@ static inline __attribute__((always_inline)) void dot_avx2_rows(int type, int R,
           const __m256 sc8 = _mm256_permutevar8x32_ps(k < 4 ? lo : hi, idx);
           const __m256i dp = dot_avx2(u[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc8, acc[r]);
-        }
-      }
-    } else if (type == GGUF_Q6_K) {
-      __m256 slo, shi;
-      k6_scales_vec(b, &slo, &shi);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = X->q + r * X->K + s * QK;
-        const float* d16 = X->d16 + r * 2 * X->nb + s * 16, *s16 = X->sum16 + r * 2 * X->nb + s * 16;
-        const __m256 lo = _mm256_mul_ps(slo, _mm256_loadu_ps(d16));
-        const __m256 hi = _mm256_mul_ps(shi, _mm256_loadu_ps(d16 + 8));
-        off[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s16), off[r]);
-        off[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s16 + 8), off[r]);
-        for (int k = 0; k < 8; ++k) {  /* lanes 0-3: sub-block 2k of 16, 4-7: 2k+1 */
-          const int i = 2 * (k & 3);
-          const __m256i idx = _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1);
-          const __m256 sc = _mm256_permutevar8x32_ps(k < 4 ? lo : hi, idx);
-          const __m256i dp = dot_avx2(u[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k)));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), sc, acc[r]);
         }
       }
     } else {

@@ -96,7 +96,7 @@ def read_linear_blocks(
     """({"model.layers.0.self_attn.qkv_proj": Blocks, ..., "lm_head": Blocks, "embed_tokens":
     Blocks}, {module: why it was left out}). The LM head's rows are output.weight, or
     token_embd.weight where the model ties them; embed_tokens is token_embd.weight in a block
-    type. interleaved: the file's q/k rows are in llama.cpp's rotary order (its
+    type where the file has an output.weight (tied, the head's rows are the embedding's). interleaved: the file's q/k rows are in llama.cpp's rotary order (its
     llama files; gguf_convert.rows_interleaved)."""
     tensors = tensor_table(path)
     n_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
@@ -129,8 +129,8 @@ def read_linear_blocks(
         skipped["lm_head"] = f"{head.type_name} (a float tensor: not a block type)"
     else:
         found["lm_head"] = _merge([(head.type_name, head.type_id, head.data)], head.shape[0])
-    embed = tensors.get("token_embd.weight")
-    if embed is not None and embed.type_name not in _FLOATS:
+    embed = tensors.get("token_embd.weight")  # the embedding's own rows: an untied file's only
+    if "output.weight" in tensors and embed is not None and embed.type_name not in _FLOATS:
         found["embed_tokens"] = _merge(
             [(embed.type_name, embed.type_id, embed.data)], embed.shape[0]
         )

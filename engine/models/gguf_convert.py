@@ -141,9 +141,9 @@ def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict | None
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def rows_interleaved(config: dict) -> bool:
-    """Whether a GGUF file of this config stores q/k rows in llama.cpp's rotary order."""
-    return config.get("model_type", "llama") == "llama"
+def rows_interleaved(model_type: str) -> bool:
+    """Whether a GGUF file of this model type stores q/k rows in llama.cpp's rotary order."""
+    return model_type == "llama"
 
 
 def _read_config(reader) -> dict:
@@ -216,10 +216,11 @@ def _float_tensor(t, config: dict) -> torch.Tensor:
     else:
         w = dequantize(t.data, qtype).reshape(shape)
     name = _hf_name(t.name)
-    if rows_interleaved(config) and name.endswith("q_proj.weight"):
-        w = _unpermute(w, config["num_attention_heads"])
-    elif rows_interleaved(config) and name.endswith("k_proj.weight"):
-        w = _unpermute(w, config["num_key_value_heads"])
+    if rows_interleaved(config.get("model_type", "llama")):
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, config["num_key_value_heads"])
     if not (w.flags.writeable and w.flags.c_contiguous and w.dtype == np.float32):
         w = np.array(w, dtype=np.float32)  # a copy: F32 tensors are views of the read-only mmap
     return torch.from_numpy(w)

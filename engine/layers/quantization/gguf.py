@@ -226,12 +226,8 @@ class GGUFEmbeddingRows:
     its tokens (cpu_gguf.gather_rows), so the float table is never held."""
 
     def __init__(self, b, dtype: torch.dtype):
-        self.data, self.type_id, self.in_features, self.dtype = (
-            b.data,
-            b.type_id,
-            b.in_features,
-            dtype,
-        )
+        self.data, self.type_id, self.in_features = b.data, b.type_id, b.in_features
+        self.dtype = dtype
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         return cpu_gguf.gather_rows(
@@ -241,10 +237,10 @@ class GGUFEmbeddingRows:
 
 def _take_embedding_rows(embed: nn.Module, b, tied: bool) -> str:
     """The embedding's path: the file's rows per token (GGUFEmbeddingRows), or why not."""
-    if b is None:
-        return "dequantized (token_embd is a float tensor, or absent)"
     if tied:  # the LM head multiplies the same float table in large batches
         return "dequantized (tied: the LM head shares its float table)"
+    if b is None:
+        return "dequantized (token_embd is a float tensor, or absent)"
     why = _refusal(embed, b)
     if why is not None:
         return f"dequantized ({why})"
@@ -316,7 +312,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
             "TESSERA_CPU_KERNELS not 0)"
         )
     attn = model.model.layers[0].self_attn
-    interleaved = rows_interleaved({"model_type": model.config.model_type})
+    interleaved = rows_interleaved(model.config.model_type)
     blocks, skipped = read_linear_blocks(gguf_path, attn.num_heads, attn.num_kv_heads, interleaved)
     modules = dict(model.named_modules())
     paths: dict[str, Counter] = {}

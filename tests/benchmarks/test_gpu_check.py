@@ -116,8 +116,9 @@ def test_quick_cpu_smoke_run(tmp_path):
 
     decode = [r for r in sections["4"]["results"] if "tok_s" in r]
     assert [r["batch"] for r in decode] == [1, 4] and all(r["tok_s"] > 0 for r in decode)
-    prefill = {r["prefix"]: r["tokens"] for r in sections["4"]["results"] if "prefill" in r}
-    assert prefill == {0: 128, 384: 127}  # a 511-token prompt in chunks of 128
+    prefill = [r for r in sections["4"]["results"] if "prefill" in r]
+    assert [r["tokens"] for r in prefill] == [128, 511]  # one chunk; a prompt in chunks of 128
+    assert all(r["seconds"] > 0 and r["flops_per_s"] > 0 for r in prefill)
 
     (offline,) = sections["5"]["results"]
     assert offline["complete"] and offline["finished"] == offline["requests"] == 16

@@ -20,7 +20,6 @@ import torch
 
 from engine.config import DEFAULT_MODEL
 from engine.models.gguf_convert import _unpermute
-from engine.models.gguf_tensors import tensor_table
 
 _FLOATS = ("F32", "F16", "BF16")
 
@@ -98,6 +97,8 @@ def read_linear_blocks(
     token_embd.weight where the model ties them; embed_tokens is token_embd.weight in a block
     type where the file has an output.weight (tied, the head's rows are the embedding's). interleaved: the file's q/k rows are in llama.cpp's rotary order (its
     llama files; gguf_convert.rows_interleaved)."""
+    from engine.models.gguf_tensors import tensor_table  # gguf-py: only a GGUF model needs it
+
     tensors = tensor_table(path)
     n_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
     heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if interleaved else {}

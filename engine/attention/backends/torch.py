@@ -281,7 +281,8 @@ class TorchAttentionBackend(AttentionBackend):
         # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
         qg = q.view(n, hkv, -1, d)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=layer.scale)
-        return o.view(n, layer.num_heads, d)
+        # reshape, not view: CUDA's SDPA kernels may return [n, Hkv, G, D] in another layout
+        return o.reshape(n, layer.num_heads, d)
 
     def _gather(self, layer, block_table, kv_cache, meta) -> torch.Tensor:
         """K and V of the given blocks, in order: [2, n_blocks, block_size, Hkv, D]."""

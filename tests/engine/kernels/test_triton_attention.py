@@ -9,7 +9,8 @@ one ulp, and the reference rounds its own output once). An fp8 cache is read ali
 (the same bytes, dequantized exactly; the step's K/V are e4m3 values already, since the torch
 path attends a fresh prompt's own K/V rather than the cache), so the tolerances stay those of
 the model's dtype.
-The `cuda` tests run the kernels at real shapes, only where a GPU is.
+On a GPU machine the same tests run the compiled kernels on CUDA tensors (DEVICE), and the
+`cuda` tests run them at real shapes, only where a GPU is.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0):
     q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
     if fp8:  # e4m3 values: the torch path attends a fresh prompt's own K/V, not the cache's
         k, v = (kv_fp8.dequantize(kv_fp8.quantize(x, 1.0), 1.0, dtype) for x in (k, v))
-    return cache, q, k, v
+    return tuple(x.to(DEVICE) for x in (cache, q, k, v))
 
 
 def _attend(backend, cache, q, k, v, meta):
@@ -98,8 +99,8 @@ def _check_against_torch(seqs, heads, kv_heads, d, bs, dtype, fp8, **triton_kwar
     write, outputs within the dtype's tolerance. -> the triton metadata."""
     cache, q, k, v = _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8)
     common = common_metadata_from_seqs(seqs, bs)
-    ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, dtype)
-    backend = TritonAttentionBackend(bs, heads, kv_heads, d, dtype, **triton_kwargs)
+    ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, dtype, device=DEVICE)
+    backend = TritonAttentionBackend(bs, heads, kv_heads, d, dtype, DEVICE, **triton_kwargs)
     meta = backend.build_metadata(common)
     ref, ref_cache = _attend(ref_backend, cache, q, k, v, ref_backend.build_metadata(common))
     out, out_cache = _attend(backend, cache, q, k, v, meta)
@@ -131,10 +132,11 @@ def test_store_kv_writes_what_torch_writes_and_padding_writes_nowhere(dtype, fp8
     edges += [448.0, 460.0, 1e4, -(2**-8), -1.0625, -500.0]
     special = torch.tensor(edges)
     qkv[0, hkv:] = special.repeat(-(-(3 * hkv * d) // len(edges)))[: 3 * hkv * d].view(3 * hkv, d)
-    qkv = qkv.to(dtype)
+    qkv, cache = qkv.to(dtype).to(DEVICE), cache.to(DEVICE)
     k, v = qkv[:, hkv : 2 * hkv], qkv[:, 3 * hkv :]  # strided views, as a fused QKV gives
     slots = torch.randperm(12 * bs, generator=g)[:t].clone()
     slots[[2, 7]] = PAD_SLOT_ID
+    slots = slots.to(DEVICE)
     ref = cache.clone()
     keep = slots >= 0
     if fp8:
@@ -164,7 +166,8 @@ def test_backend_matches_torch_reference(dtype, scenario, heads, kv_heads):
     dim 32; every dtype."""
     seqs = _step(scenario, 16, seed=heads + kv_heads)
     meta = _check_against_torch(seqs, heads, kv_heads, 32, 16, dtype, False)
-    assert meta.launch.num_splits == 1  # the interpreter's default: no split
+    if not HAS_CUDA:  # the interpreter's default: no split (a GPU splits to fill its SMs)
+        assert meta.launch.num_splits == 1
 
 
 @pytest.mark.parametrize(
@@ -175,6 +178,34 @@ def test_fp8_cache_matches_torch_reference(dtype, heads, kv_heads):
     """An fp8 e4m3 cache, block size 8, head dim 24 (padded to 32 in the kernel): the
     kernel's store and the torch quantizer write the same bytes, and both attend alike."""
     _check_against_torch(_step("mixed", 8, seed=3), heads, kv_heads, 24, 8, dtype, True)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_scales_read_as_the_values_they_scale(splits):
+    """An fp8 cache read with K/V scales 2 and 0.5 attends like a float32 cache holding those
+    e4m3 values times the scales (the kernel folds K's scale into the softmax scale and V's
+    into the output), on a mixed step and a split decode step."""
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    scenario = "mixed" if splits == 1 else "decode"
+    seqs = _step(scenario, bs, seed=6)
+    cache, q, _, _ = _inputs(seqs, heads, kv_heads, d, bs, torch.float32, True)
+    scaled = torch.stack([kv_fp8.dequantize(cache[0], 2.0, torch.float32),
+                          kv_fp8.dequantize(cache[1], 0.5, torch.float32)])  # fmt: skip
+    target = splits * len(seqs) * kv_heads if splits > 1 else None
+    backend = TritonAttentionBackend(
+        bs, heads, kv_heads, d, torch.float32, DEVICE, split_target_programs=target
+    )
+    meta = backend.build_metadata(common_metadata_from_seqs(seqs, bs))
+    assert meta.launch.num_splits == splits
+    outs = []
+    for kv, (k_scale, v_scale) in ((cache, (2.0, 0.5)), (scaled, (1.0, 1.0))):
+        out = torch.empty_like(q)
+        kernels.paged_attention(
+            out, q, kv, meta.block_table, meta.seq_lens, meta.query_start_loc,
+            meta.tile_req, meta.tile_qstart, meta.launch, d**-0.5, k_scale, v_scale,
+        )  # fmt: skip
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA)
@@ -200,7 +231,7 @@ def test_split_and_unsplit_launches_agree():
     outs = []
     for target in (1, 3 * len(seqs) * kv_heads, 10**6):
         backend = TritonAttentionBackend(
-            bs, heads, kv_heads, d, torch.float32, split_target_programs=target
+            bs, heads, kv_heads, d, torch.float32, DEVICE, split_target_programs=target
         )
         meta = backend.build_metadata(common)
         outs.append((meta.launch.num_splits, _attend(backend, cache, q, k, v, meta)[0]))
@@ -238,7 +269,7 @@ def test_static_buffers_give_what_fresh_metadata_gives():
     of fresh metadata, and the tensors the kernels read are views of those buffers."""
     heads, kv_heads, d, bs = 8, 2, 32, 16
     backend = TritonAttentionBackend(
-        bs, heads, kv_heads, d, torch.bfloat16, split_target_programs=24
+        bs, heads, kv_heads, d, torch.bfloat16, DEVICE, split_target_programs=24
     )
     static = backend.allocate_static_metadata(max_rows=128, max_blocks_per_req=12)
     fields = ("slot_mapping", "query_start_loc", "seq_lens", "tile_req", "tile_qstart")
@@ -291,7 +322,7 @@ def test_padded_decode_batch_gives_the_unpadded_rows():
     cache, q, k, v = _inputs(
         [*seqs, *[(0, 1, [0])] * pad], heads, kv_heads, d, bs, torch.bfloat16, False
     )
-    backend = TritonAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16)
+    backend = TritonAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16, DEVICE)
     common = common_metadata_from_seqs(seqs, bs)
     out, out_cache = _attend(backend, cache, q[:n], k[:n], v[:n], backend.build_metadata(common))
     padded_out, padded_cache = _attend(backend, cache, q, k, v, backend.build_metadata(padded))
@@ -348,13 +379,18 @@ def test_fp8_blocks_take_half_the_bytes_of_bf16(tiny_llama_dir):
     assert runner.kv_block_bytes() * 2 == bf16
 
 
-def test_engine_imports_without_triton():
-    """The engine, the registry and the triton backend's module import no triton: a CPU
-    install never needs it."""
+def test_engine_imports_without_triton_or_gguf():
+    """The engine, the registry and the triton backend's module import without triton (made
+    unimportable, as if not installed: torch imports it itself where a GPU is), and the
+    kernels' module is imported only once the backend is built: a CPU install never needs it.
+    Nor does a model that is no GGUF file need gguf-py (a GPU machine's image may lack it)."""
     code = (
-        "import sys; import engine, engine.llm, engine.attention.backends.triton; "
-        "from engine.attention.backends import backend_class; backend_class('triton'); "
-        "assert 'triton' not in sys.modules, 'triton was imported'"
+        "import sys; sys.modules['triton'] = None; sys.modules['gguf'] = None; "
+        "import engine.worker.model_runner, engine.worker.multiproc; "
+        "import engine, engine.llm, engine.attention.backends.triton; "
+        "from engine.attention.backends import backend_class; "
+        "assert backend_class('triton').__name__ == 'TritonAttentionBackend'; "
+        "assert 'engine.kernels.triton' not in sys.modules, 'the kernels were imported'"
     )
     root = Path(__file__).resolve().parents[3]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root)
@@ -393,7 +429,7 @@ def test_kernels_at_real_shapes_cuda(batch, fp8):
     rng = random.Random(batch)
     contexts = [rng.choice([1, 17, 1000, 4097]) for _ in range(batch)]
     contexts[0] = 4097
-    num_blocks = sum(-(-c // bs) for c in contexts) + 64 + 1
+    num_blocks = sum(-(-c // bs) for c in contexts) + -(-1300 // bs) + 1
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     seqs = [(c - 1, 1, [free.pop() for _ in range(-(-c // bs))]) for c in sorted(contexts)]

@@ -77,6 +77,9 @@ def test_padding_rows_attend_to_the_reserved_slot_only() -> None:
 
 
 def _runner(model_dir, max_num_seqs=16, **model_kw) -> ModelRunner:
+    """A runner on the CPU unless model_kw names a device (the auto device is CUDA on a GPU
+    machine, and the CPU tests below mean the CPU there too)."""
+    model_kw.setdefault("device", "cpu")
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_LEN, **model_kw),
         cache=CacheConfig(block_size=BLOCK, num_blocks=64),
@@ -151,7 +154,7 @@ def test_engine_greedy_output_through_the_graph_runner(tiny_llama_dir) -> None:
     prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(5)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", num_blocks=96, block_size=BLOCK, max_num_seqs=8)
-    llm = LLM(str(tiny_llama_dir), attention_backend="torch", **kw)
+    llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="torch", **kw)
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.executor.runner
     assert runner._step_graph is None  # float32 on the CPU: no decode plan

@@ -115,11 +115,15 @@ def test_backend_follows_the_resolved_device():
     with pytest.raises(ValueError, match="no tensor-parallel backend"):
         backend_for("meta")
     # auto resolves first: the backend is never picked from the string "auto".
-    auto = resolve_device("auto", rank=1, world_size=2)
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        assert auto == torch.device("cuda", 1) and backend_for(auto) == "nccl"
-    elif not torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        auto = resolve_device("auto", rank=1, world_size=2)
         assert auto == torch.device("cpu") and backend_for(auto) == "gloo"
+    elif torch.cuda.device_count() >= 2:
+        auto = resolve_device("auto", rank=1, world_size=2)
+        assert auto == torch.device("cuda", 1) and backend_for(auto) == "nccl"
+    else:  # one GPU: two ranks cannot each have one
+        with pytest.raises(ValueError, match="needs 2 GPUs, one per rank, but 1 is visible"):
+            resolve_device("auto", rank=1, world_size=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

@@ -121,7 +121,11 @@ def _req(rid, out=(), prompt=(1, 2, 3), num_samples=1, eos=None, **params) -> Ca
 def runner(tiny_llama_dir):
     config = EngineConfig(
         model=ModelConfig(
-            model=str(tiny_llama_dir), dtype="float32", max_model_len=128, attention_backend="torch"
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=128,
+            attention_backend="torch",
+            device="cpu",  # the check runs on any machine: a GPU one's auto device is CUDA
         ),
         cache=CacheConfig(block_size=BLOCK, num_blocks=64),
         scheduler=SchedulerConfig(block_size=BLOCK, max_model_len=128, max_num_seqs=8),

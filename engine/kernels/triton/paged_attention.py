@@ -106,8 +106,7 @@ def _paged_attention_kernel(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
-    qk_scale,  # the softmax scale times log2(e)
-    k_scale,
+    qk_scale,  # the softmax scale times log2(e), times the K scale of an fp8 cache
     v_scale,
     stride_qt,
     stride_qh,
@@ -177,10 +176,7 @@ def _paged_attention_kernel(
             k_cache_ptr + kv_off[None, :] + dims[:, None],
             mask=key_ok[None, :] & dim_ok[:, None],
             other=0.0,
-        )  # [DIM_PAD, TILE]
-        if FP8:
-            k = k.to(tl.float32) * k_scale
-        k = k.to(DOT_DTYPE)
+        ).to(DOT_DTYPE)  # [DIM_PAD, TILE]; e4m3 values are exact in bf16/fp16/fp32
         if DOT_IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -197,10 +193,7 @@ def _paged_attention_kernel(
             v_cache_ptr + kv_off[:, None] + dims[None, :],
             mask=key_ok[:, None] & dim_ok[None, :],
             other=0.0,
-        )  # [TILE, DIM_PAD]
-        if FP8:
-            v = v.to(tl.float32) * v_scale
-        v = v.to(DOT_DTYPE)
+        ).to(DOT_DTYPE)  # [TILE, DIM_PAD]
         if DOT_IEEE:
             pv = tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
         else:
@@ -208,6 +201,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if FP8:  # p @ (v * v_scale) = (p @ v) * v_scale: one multiply a row, not one a value
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # no keys (a padding row): zeros
         tl.store(
@@ -306,11 +301,13 @@ def paged_attention(
     dot = dot_dtype(q.dtype, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     dim_pad = max(16, triton.next_power_of_2(head_dim))
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     _paged_attention_kernel[(launch.num_tiles, num_kv_heads, splits)](
         out, q, k_cache, v_cache,
         block_table, seq_lens, query_start_loc, tile_req, tile_qstart,
         part_out, part_m, part_l,
-        float(scale) * 1.4426950408889634, float(k_scale), float(v_scale),
+        # q . (k * k_scale) = (q . k) * k_scale: the K scale rides on the softmax scale
+        float(scale) * (float(k_scale) if fp8 else 1.0) * 1.4426950408889634, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
@@ -325,7 +322,7 @@ def paged_attention(
         NUM_SPLITS=splits,
         DOT_DTYPE=dot,
         DOT_IEEE=dot == tl.float32,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=fp8,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(t, num_heads)](

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_fused
+from engine.layers import cpu_fused, gpu_fused
 
 
 class SiluAndMul(nn.Module):
@@ -15,5 +15,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_fused.supports(x):  # one C call, on the calling thread for decode batches
             return cpu_fused.silu_and_mul(x)
+        if x.dim() == 2 and gpu_fused.supports(x):  # one kernel for SiLU and the product
+            return gpu_fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)

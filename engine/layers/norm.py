@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_fused
+from engine.layers import cpu_fused, gpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -13,21 +13,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.use_cpu_kernel: bool | None = None  # the fused C kernel? Decided at first use
+        self.fused = None  # cpu_fused, gpu_fused or False (the torch ops): decided at first use
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
-        if self.use_cpu_kernel is None:
-            self.use_cpu_kernel = cpu_fused.supports(x) and self.weight.dtype == x.dtype
+        if self.fused is None:
+            self.fused = next(
+                (k for k in (cpu_fused, gpu_fused) if k.supports(x) and x.dim() == 2), False
+            )
+            self.fused = self.fused if self.weight.dtype == x.dtype else False
         if (
-            self.use_cpu_kernel
+            self.fused
             and x.dim() == 2
             and x.stride(-1) == 1
             and (residual is None or residual.stride(-1) == 1)
         ):
-            out = cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+            out = self.fused.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)

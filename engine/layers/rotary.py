@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from engine.layers import cpu_fused
+from engine.layers import cpu_fused, gpu_fused
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -68,6 +68,8 @@ class RotaryEmbedding(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, D] (any heads: q and k can be rotated together)."""
         out = cpu_fused.rope(x, cos, sin)  # one C call on CPU; None: the torch ops below
+        if out is None:
+            out = gpu_fused.rope(x, cos, sin)  # one Triton kernel on CUDA
         if out is not None:
             return out
         return RotaryEmbedding.apply_torch(x, cos, sin)

@@ -16,11 +16,11 @@ def _require(x: torch.Tensor) -> None:
 
 def _torch_norm(norm: RMSNorm, x, residual=None):
     """The reference: RMSNorm's torch path (the kernel switched off for this module)."""
-    norm.use_cpu_kernel = False
+    norm.fused = False
     try:
         return norm(x, residual)
     finally:
-        norm.use_cpu_kernel = None
+        norm.fused = None
 
 
 # bf16: the torch path and the kernel round at the same steps; only the order of the sum of

@@ -1,0 +1,130 @@
+"""The layers' fused Triton kernels (engine/kernels/triton/fused_ops.py: RMSNorm with its
+residual add, rotary embedding, SiLU-and-mul) against the torch path they replace on CUDA.
+
+Without a GPU they run under Triton's interpreter on CPU tensors (tests/engine/conftest.py),
+whose fp32 -> bf16 cast truncates: bf16 results are then within a bf16 step of the torch
+path's. On a GPU they run compiled on CUDA tensors, and the `cuda` tests check that the
+layers pick them and that a model's greedy tokens are the torch ops'.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.kernels.triton import fused_ops  # noqa: E402
+from engine.layers import gpu_fused  # noqa: E402
+from engine.layers.norm import RMSNorm  # noqa: E402
+from engine.layers.rotary import RotaryEmbedding  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _torch_norm(norm: RMSNorm, x, residual=None):
+    norm.fused = False  # the torch ops
+    try:
+        return norm(x, residual)
+    finally:
+        norm.fused = None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 72), (33, 576)])  # 72, 576: no power of 2
+def test_rms_norm_with_and_without_residual(dtype, rows, hidden):
+    """norm(x) and, with a residual, the residual updated in place and its norm; x a strided
+    view (rows further apart than the hidden size)."""
+    g = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, hidden + 8, generator=g) * 3).to(dtype).to(DEVICE)
+    x = wide[:, :hidden]
+    norm = RMSNorm(hidden, eps=1e-5).to(dtype).to(DEVICE)
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(DEVICE)
+    res = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
+
+    got = fused_ops.rms_norm(x, norm.weight, norm.eps)
+    torch.testing.assert_close(got, _torch_norm(norm, x), **TOL[dtype])
+
+    got_res = res.clone()
+    got = fused_ops.rms_norm(x, norm.weight, norm.eps, got_res)
+    want, want_res = _torch_norm(norm, x, res.clone())
+    if dtype == torch.bfloat16 and not HAS_CUDA:  # the interpreter truncates the sum
+        torch.testing.assert_close(got_res, want_res, **TOL[dtype])
+    else:
+        assert torch.equal(got_res, want_res)  # one rounding of the same sum
+    assert not torch.equal(got_res, res)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(3, 64), (5, 48), (12, 128)])
+def test_rope_matches_the_torch_rotation(dtype, heads, head_dim):
+    """q and k rotated together from a view of a fused QKV output (token stride > heads x D),
+    positions out of order, against RotaryEmbedding.apply_torch."""
+    g = torch.Generator().manual_seed(heads)
+    t = 9
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0).to(DEVICE)
+    positions = torch.randperm(200, generator=g)[:t].to(DEVICE)
+    cos, sin = rotary.lookup(positions, dtype)
+    qkv = torch.randn(t, heads + 2, head_dim, generator=g).to(dtype).to(DEVICE)
+    x = qkv[:, :heads]
+    got = fused_ops.rope(x, cos, sin)
+    assert got.is_contiguous() and got.shape == x.shape
+    torch.testing.assert_close(got, RotaryEmbedding.apply_torch(x, cos, sin), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 96), (6, 1500)])  # 1500: over one 1024 block
+def test_silu_and_mul_matches_torch(dtype, rows, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype).to(DEVICE)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), want, **TOL[dtype])
+
+
+def test_empty_batches_launch_nothing():
+    x = torch.empty(0, 64, device=DEVICE)
+    assert fused_ops.rms_norm(x, torch.ones(64, device=DEVICE), 1e-6).shape == (0, 64)
+    assert fused_ops.silu_and_mul(torch.empty(0, 32, device=DEVICE)).shape == (0, 16)
+    cos = torch.empty(0, 1, 8, device=DEVICE)
+    assert fused_ops.rope(torch.empty(0, 2, 16, device=DEVICE), cos, cos).shape == (0, 2, 16)
+
+
+def test_off_the_gpu_the_layers_keep_their_paths():
+    """A CPU tensor is never the Triton kernels' (the CPU has its C kernels or torch)."""
+    x = torch.randn(4, 64)
+    assert not gpu_fused.supports(x)
+    assert gpu_fused.rope(x.view(4, 2, 32), x[:, :16].reshape(4, 1, 16), x[:, :16]) is None
+    norm = RMSNorm(64)
+    norm(x)
+    assert norm.fused is not gpu_fused
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_a_model_on_cuda_takes_them_and_keeps_its_tokens(tiny_llama_dir, monkeypatch):
+    """The engine on CUDA: the norms pick the fused kernels, and float32 greedy tokens equal
+    those of the torch ops (the kernels switched off)."""
+    from engine import LLM, SamplingParams
+
+    prompts = [list(range(5 + 3 * i, 30 + 5 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(gpu_fused, "_kernels", lambda: None)
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_blocks=64)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        norms = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, RMSNorm)]
+        assert all((m.fused is gpu_fused) == fused for m in norms)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        llm.shutdown()
+    assert tokens[0] == tokens[1]

@@ -1,6 +1,7 @@
 """Memory after load for each GGUF type, against the file's size (issue 22).
 
-    tessera bench gguf_memory [--types Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K] [--json PATH]
+    tessera bench gguf_memory [--types Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K] [--untied Q6_K]
+        [--tree PATH] [--json PATH]
 
 One GGUF file per type: a random Llama whose dimensions are multiples of 256 (so every
 linear layer can take every type, K-quants included; llama.cpp falls back to other types
@@ -11,12 +12,16 @@ SmolLM2-135M Q4_1 file as it is. Each file loads in its own process with default
 above the process's baseline (torch and the compiled kernels loaded) after load, the peak
 during load, the anonymous part (RSS also counts the file's pages mapped while reading it,
 which the kernel can drop), and the linear layers' bytes in memory against the file's.
+--untied TYPE gives the random models their own output.weight in TYPE (as Q4_K_M files have
+in Q6_K) instead of a head tied to the embedding; --tree loads them with another checkout's
+engine (a baseline, e.g. a git worktree of an earlier commit).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -63,8 +68,11 @@ def _quantize(w: np.ndarray, type_name: str) -> np.ndarray:
     return quantize(w, GGMLQuantizationType[type_name])
 
 
-def write_random_llama(path: Path, type_name: str, source: Path) -> None:
-    """A random Llama of _DIMS with `source`'s metadata (tokenizer, template) as GGUF."""
+def write_random_llama(
+    path: Path, type_name: str, source: Path, head_type: str | None = None
+) -> None:
+    """A random Llama of _DIMS with `source`'s metadata (tokenizer, template) as GGUF; with
+    head_type, an output.weight of its own in that type (else the head is tied)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     reader = GGUFReader(str(source))
@@ -86,6 +94,8 @@ def write_random_llama(path: Path, type_name: str, source: Path) -> None:
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[qtype])
 
     add("token_embd.weight", vocab, HIDDEN, "Q8_0")
+    if head_type is not None:
+        add("output.weight", vocab, HIDDEN, head_type)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
@@ -145,12 +155,13 @@ print(json.dumps({"rss_mib": (rss - base) / 1024, "peak_mib": (peak - base) / 10
 """
 
 
-def probe(path: Path) -> dict:
+def probe(path: Path, tree: Path = CHECKOUT) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, str(path)],
         capture_output=True,
         text=True,
-        cwd=CHECKOUT,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
         timeout=600,
         check=False,
     )
@@ -176,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="tessera bench gguf_memory")
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
+    parser.add_argument("--untied", metavar="TYPE", choices=TYPES, help="output.weight's type")
+    parser.add_argument("--tree", type=Path, default=CHECKOUT, help="the engine to load with")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     bundled = Path(default_gguf_path())
@@ -185,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         for t in args.types:
             path = Path(tmp) / f"random-llama-{t}.gguf"
             print(f"writing {path.name} ...", file=sys.stderr, flush=True)
-            write_random_llama(path, t, bundled)
-            files.append((f"random 12x768 {t}", path))
+            write_random_llama(path, t, bundled, args.untied)
+            head = f", head {args.untied}" if args.untied else ""
+            files.append((f"random 12x768 {t}{head}", path))
         for label, path in files:
             print(f"loading {label} ...", file=sys.stderr, flush=True)
             size, linear_file = file_linear_mib(path)
-            r = probe(path)
+            r = probe(path, args.tree.resolve())
             rows.append({"file": label, "file_mib": size, "linear_file_mib": linear_file, **r})
     print("| file | file MiB | linear MiB in file | linear MiB in memory | RSS after load MiB "
           "| of it anonymous MiB | peak during load MiB | RSS / file |")  # fmt: skip

@@ -91,9 +91,16 @@ def refusal(type_id: int, in_features: int) -> str | None:
     return None
 
 
-def dequantize(blocks: torch.Tensor, type_id: int, in_features: int, dtype) -> torch.Tensor:
-    """[N, row bytes] uint8 -> the weight [N, in_features] in dtype (bf16 or float32)."""
-    out = torch.empty(blocks.shape[0], in_features, dtype=dtype)
+def dequantize(
+    blocks: torch.Tensor, type_id: int, in_features: int, dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N, row bytes] uint8 -> the weight [N, in_features] in dtype (bf16 or float32), into
+    out (contiguous, that shape and dtype) where given."""
+    if out is None:
+        out = torch.empty(blocks.shape[0], in_features, dtype=dtype)
+    assert (
+        out.is_contiguous() and out.shape == (blocks.shape[0], in_features) and out.dtype == dtype
+    )
     rc = ops.function("gguf_dequantize")(
         blocks.data_ptr(), type_id, blocks.shape[0], in_features, out.data_ptr(),
         int(dtype == torch.bfloat16), torch.get_num_threads(),
@@ -121,6 +128,35 @@ def gather_rows(
     return out.view(*ids.shape, in_features)
 
 
+# A large batch off AMX multiplies the weight dequantized at most this many bytes at a time:
+# an 8B model's LM head is 1 GB in bf16, a transient that large every step would cost page
+# faults (above the heap's mmap threshold) and the peak memory the blocks save. Smaller
+# weights (every layer of an 8B model) go in one piece: slicing them measured ~5% slower.
+DEQUANT_SLICE_BYTES = 128 << 20
+
+
+def _dense_by_slices(
+    x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ W^T (+ bias) for W in the file's blocks, dequantized DEQUANT_SLICE_BYTES of rows at
+    a time for the dense GEMM (cpu_gemm.dense_linear), each slice's outputs in place."""
+    n = blocks.shape[0]
+    step = max(64, DEQUANT_SLICE_BYTES // (k * x.element_size()) // 64 * 64)
+    bias = None if bias is None else bias.to(x.dtype)
+    if step >= n:
+        return cpu_gemm.dense_linear(x, dequantize(blocks, type_id, k, x.dtype), bias)
+    x2 = x.reshape(-1, k)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    buffer = torch.empty(step, k, dtype=x.dtype)  # one slice's weight, reused: no fresh pages
+    for r0 in range(0, n, step):
+        part = blocks[r0 : r0 + step]
+        w = dequantize(part, type_id, k, x.dtype, out=buffer[: part.shape[0]])
+        y[:, r0 : r0 + step] = cpu_gemm.dense_linear(
+            x2, w, None if bias is None else bias[r0 : r0 + step]
+        )
+    return y.view(*x.shape[:-1], n)
+
+
 def linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -137,8 +173,7 @@ def linear(
             y = cpu_amx.linear_gguf(x, blocks, type_id, k, bias)
         if y is not None:
             return y
-        w = dequantize(blocks, type_id, k, x.dtype)
-        return cpu_gemm.dense_linear(x, w, None if bias is None else bias.to(x.dtype))
+        return _dense_by_slices(x, blocks, type_id, k, bias)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if bias is not None and bias.dtype != x.dtype:

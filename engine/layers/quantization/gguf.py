@@ -21,9 +21,11 @@ loaded (dequantized) float weight is dropped.
   (GGUFSegmentsLinearMethod).
 Layers of other types (float parts, types without a kernel, K the blocks do not divide) keep
 the dequantized weights on the unquantized method; the log says which layer kinds took which
-path. The LM head keeps its float weight for large batches and reads the file's rows
-(output.weight, or the tied token_embd) in small ones; with AVX2, or AVX512-VNNI without AMX,
-Q8_0 rows become tiles read at every batch. An embedding not tied to the head looks its tokens
+path. The LM head reads the file's rows (output.weight, or the tied token_embd) in small
+batches, and in large ones the float table a tied embedding keeps anyway; an untied head
+holds no float weight (an 8B model's 1 GB in bf16) and multiplies large batches on its rows
+like the other layers (AMX's decoded rows, or slices dequantized per call); with AVX2, or
+AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch. An embedding not tied to the head looks its tokens
 up in the file's token_embd blocks (GGUFEmbeddingRows: an 8B model's 1 GB bf16 table becomes
 its ~0.3 GB of blocks); a tied one stays the float table the head reads.
 """
@@ -114,23 +116,31 @@ class GGUFSegmentsLinearMethod(LinearMethodBase):
 class GGUFLMHeadMethod(LMHeadMethodBase):
     """The LM head's rows as the file stores them (head.gguf_blocks: uint8 [vocab, row bytes],
     head.gguf_type, head.gguf_in_features) for calls of up to cpu_gguf.dot_max_rows() rows,
-    the float weight (the tied embedding's, or the dequantized output.weight) above. A decode
+    the tied embedding's float table above; an untied head keeps no float weight (head.weight
+    is empty) and runs every batch on cpu_gguf.linear (above the dot kernel's rows: AMX on
+    decoded rows, or the rows dequantized per call, in 128 MiB slices: 1.0-1.3x the GEMM on a
+    float copy at 64-128 rows on Zen 4, for a copy as large as the vocabulary times the
+    width). A decode
     step reads the file's bytes instead of the bf16 weight's (Q8_0: 0.53x; SmolLM2-135M's
     head, Zen 3: 1.6 vs 4.2 ms at 1 row, 8.9 vs 11.8 at 8), and its logits are the file's
     values against x rounded to int8 per 32 (llama.cpp's arithmetic), summed in float32;
     larger batches run the GEMM paths, faster there, on the weight the embedding keeps."""
 
     def apply(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]:
+        small = hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]
+        if small or head.weight.numel() == 0:
             return cpu_gguf.linear(
-                hidden.float(), head.gguf_blocks, head.gguf_type, head.gguf_in_features
-            )
+                hidden.float() if small else hidden,
+                head.gguf_blocks, head.gguf_type, head.gguf_in_features,
+            )  # fmt: skip
         return linear_by_rows(head, hidden, head.weight, None)
 
     def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Above the dot kernels' rows: AMX's argmax epilogue where the weight's call runs
-        there (the same bf16 logits apply() returns); else None."""
+        """Above the dot kernels' rows, on the tied float table: AMX's argmax epilogue where
+        the weight's call runs there (the same bf16 logits apply() returns); else None."""
         if hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]:
+            return None
+        if head.weight.numel() == 0:
             return None
         return greedy_by_rows(head, hidden, head.weight)
 
@@ -152,6 +162,10 @@ class GGUFQ8TilesHeadMethod(LMHeadMethodBase):
 
     def apply(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         y = cpu_w4.linear_q8(hidden, head.q8_tiles)
+        if y is None and head.weight.numel() == 0:  # untied: the tiles are the only copy
+            y = cpu_w4.linear_q8(hidden.to(torch.bfloat16).contiguous(), head.q8_tiles)
+            if y is None:
+                raise RuntimeError("the LM head's Q8 tiles kernel refused a call")
         return y if y is not None else linear_by_rows(head, hidden, head.weight, None)
 
     def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -193,8 +207,18 @@ def q8_tiles_head() -> bool:
     return cpu_w4.q8_available() and not cpu_isa.plan().amx
 
 
+def _drop_float_weight(head: nn.Module) -> str:
+    """An untied head's float weight, which nothing reads once its rows serve every batch."""
+    was = head.weight.numel() * head.weight.element_size()
+    head.weight = nn.Parameter(
+        torch.empty(0, head.weight.shape[1], dtype=head.weight.dtype), requires_grad=False
+    )
+    return f"no float copy (untied: {was / 2**20:.0f} MiB saved)"
+
+
 def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
-    """The LM head's path: the file's blocks for small batches (GGUFLMHeadMethod), or why not."""
+    """The LM head's path: the file's blocks for small batches (GGUFLMHeadMethod), or why not;
+    an untied head's float weight is dropped (its rows take every batch)."""
     dtype = str(head.weight.dtype).removeprefix("torch.")
     if why is not None:
         return f"dequantized ({why})"
@@ -211,14 +235,16 @@ def _take_head_blocks(head: nn.Module, b, why: str | None) -> str:
         else:
             head.quant_method = GGUFQ8TilesHeadMethod()
             if head.q8_tiles.layout == "vnni":
-                return "Q8_0 blocks as 16-row tiles at every batch (AVX512-VNNI, no AMX)"
-            return "Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)"
+                path = "Q8_0 blocks as 16-row tiles at every batch (AVX512-VNNI, no AMX)"
+            else:
+                path = "Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)"
+            return path if head.tied else f"{path}; {_drop_float_weight(head)}"
     head.gguf_blocks, head.gguf_type, head.gguf_in_features = b.data, b.type_id, b.in_features
     head.quant_method = GGUFLMHeadMethod()
-    return (
-        f"{b.type_name} blocks on the gguf dot kernel up to {cpu_gguf.dot_max_rows()} rows, "
-        f"the {dtype} weight above"
-    )
+    small = f"{b.type_name} blocks on the gguf dot kernel up to {cpu_gguf.dot_max_rows()} rows"
+    if head.tied:
+        return f"{small}, the tied {dtype} table above"
+    return f"{small}, on the blocks above too; {_drop_float_weight(head)}"
 
 
 class GGUFEmbeddingRows:
@@ -288,11 +314,13 @@ def block_parameters(model: nn.Module) -> set[str]:
     """Names of the parameters that hold a GGUF file's blocks (w4 tiles included): what a
     loader must not fill from the float checkpoint after apply_gguf_blocks."""
     methods = (GGUFLinearMethod, GGUFSegmentsLinearMethod)
+    heads = (GGUFLMHeadMethod, GGUFQ8TilesHeadMethod)
     return {
         f"{name}.weight"
         for name, m in model.named_modules()
         if isinstance(getattr(m, "quant_method", None), methods)
         or isinstance(getattr(m, "rows", None), GGUFEmbeddingRows)
+        or (isinstance(getattr(m, "quant_method", None), heads) and not m.tied)
     }
 
 

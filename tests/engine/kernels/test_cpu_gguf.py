@@ -80,6 +80,27 @@ def test_variants_agree_and_large_batches_dequantize(name):
     torch.testing.assert_close(cpu_gguf.linear(big, raw, cpu_gguf.TYPES[name], k), big @ ref_w.T)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_batches_dequantize_by_slices(monkeypatch, dtype):
+    """Above the dot kernels' rows (off AMX) the weight is dequantized a slice of rows at a
+    time, each slice's outputs in place: with slices of 64 rows over 200 (a partial last one)
+    and a bias, the float32 GEMM on the whole dequantized weight's values."""
+    torch.manual_seed(3)
+    n, k = 200, 128
+    raw, ref_w = _blocks(torch.randn(n, k) * 0.1, "Q8_0")
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(2, 9, k).to(dtype)  # any leading shape
+    monkeypatch.setattr(cpu_gguf, "DEQUANT_SLICE_BYTES", 64 * k * x.element_size())
+    y = cpu_gguf._dense_by_slices(x, raw, cpu_gguf.TYPES["Q8_0"], k, bias)
+    assert y.shape == (2, 9, n) and y.dtype == dtype
+    ref = F.linear(x.float(), ref_w, bias.float())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y.float(), ref, **tol)
+    whole = cpu_gguf.dequantize(raw, cpu_gguf.TYPES["Q8_0"], k, dtype)
+    with pytest.raises(AssertionError):  # a reused buffer of the wrong shape is refused
+        cpu_gguf.dequantize(raw, cpu_gguf.TYPES["Q8_0"], k, dtype, out=whole[:10])
+
+
 def test_refuses_what_it_cannot_read():
     raw = torch.zeros(4, 18, dtype=torch.uint8)
     with pytest.raises(ValueError):

@@ -19,14 +19,13 @@ from gguf.quants import dequantize
 
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
-from engine.layers import cpu_gguf, cpu_w4
+from engine.layers import cpu_gemm, cpu_gguf, cpu_isa, cpu_w4
 from engine.layers.quantization import GGUFLinearMethod, GGUFW4LinearMethod, quantize_model
 from engine.layers.quantization.gguf import (
     GGUFSegmentsLinearMethod,
     apply_gguf_blocks,
     q8_tiles_head,
 )
-from engine.layers.quantization.unquantized import linear_by_rows
 from engine.models.gguf_convert import _write_weights
 from engine.models.loader import load_model
 from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
@@ -162,10 +161,11 @@ def test_q4_blocks_of_a_bf16_model_are_w4_tiles(gguf_model):
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])
 def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_path, name):
-    """output.weight in Q8_0 (the bundled model's tied token_embd type): up to the dot
+    """output.weight in Q8_0 (the bundled model's tied token_embd type), untied: up to the dot
     kernels' rows the head multiplies the file's blocks (float32 logits, x rounded to int8
-    per 32), above them its float weight, exactly as the unquantized head does."""
-    from engine.layers.quantization.gguf import GGUFLMHeadMethod
+    per 32), above them the same blocks dequantized (AMX: its decoded rows); no float copy
+    of the weight is kept, nor filled by a loader (block_parameters)."""
+    from engine.layers.quantization.gguf import GGUFLMHeadMethod, block_parameters
 
     path = tmp_path / "head-q8.gguf"
     write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
@@ -177,13 +177,15 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
         pytest.skip("this build reads a bf16 model's Q8_0 head as tiles (the test below)")
     paths = apply_gguf_blocks(model, path)
     rows = cpu_gguf.dot_max_rows()
+    saved = weight.numel() * weight.element_size() / 2**20
     assert paths["lm_head"] == {
-        f"Q8_0 blocks on the gguf dot kernel up to {rows} rows, the {name} weight above": 1
+        f"Q8_0 blocks on the gguf dot kernel up to {rows} rows, on the blocks above too; "
+        f"no float copy (untied: {saved:.0f} MiB saved)": 1
     }
     assert isinstance(head.quant_method, GGUFLMHeadMethod)
     (out,) = [t for t in GGUFReader(str(path)).tensors if t.name == "output.weight"]
     assert head.gguf_blocks.nbytes == out.data.nbytes  # the file's rows, as they are
-    assert torch.equal(head.weight, weight)  # the float weight stays for large batches
+    assert head.weight.numel() == 0 and "lm_head.weight" in block_parameters(model)
     file_w = torch.from_numpy(
         dequantize(np.asarray(out.data), GGMLQuantizationType.Q8_0).reshape(weight.shape)
     )
@@ -195,9 +197,13 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
         ref = hidden.float() @ file_w.T
         assert (logits - ref).norm() / ref.norm() < 1.5e-2  # x's int8 rounding (test_cpu_gguf)
     big = torch.randn(rows + 1, weight.shape[1]).to(dtype)
-    with torch.no_grad():
-        expected = linear_by_rows(head, big, head.weight, None).float()
-    assert torch.equal(head(big), expected)
+    if cpu_isa.plan().amx_rows(rows + 1):  # AMX's decoded rows: bf16 products
+        ref = big.float() @ file_w.T
+        assert (head(big) - ref).norm() / ref.norm() < 1e-2
+    else:  # the blocks dequantized, then the dense GEMM a float weight would take
+        deq = cpu_gguf.dequantize(head.gguf_blocks, out.tensor_type, weight.shape[1], dtype)
+        assert torch.equal(head(big), cpu_gemm.dense_linear(big, deq).float())
+    assert head.greedy(big) is None  # the logits' argmax (no float table for an epilogue)
 
 
 def test_the_lm_head_reads_q8_tiles_at_every_batch(tiny_llama_dir, tmp_path):
@@ -217,24 +223,28 @@ def test_the_lm_head_reads_q8_tiles_at_every_batch(tiny_llama_dir, tmp_path):
         "planes": "Q8_0 blocks as two planes of w4 tiles at every batch (AVX2)",
         "vnni": "Q8_0 blocks as 16-row tiles at every batch (AVX512-VNNI, no AMX)",
     }
-    assert paths["lm_head"] == {path_of[cpu_w4.q8_layout()]: 1}
+    saved = head.num_embeddings * head.weight.shape[1] * 2 / 2**20
+    untied = f"no float copy (untied: {saved:.0f} MiB saved)"
+    assert paths["lm_head"] == {f"{path_of[cpu_w4.q8_layout()]}; {untied}": 1}
     assert isinstance(head.quant_method, GGUFQ8TilesHeadMethod)
     assert not hasattr(head, "gguf_blocks")  # the tiles replace the rows
     (out,) = [t for t in GGUFReader(str(path)).tensors if t.name == "output.weight"]
+    assert head.weight.numel() == 0  # untied: the tiles are the only copy
+    k = head.weight.shape[1]
     rows = torch.from_numpy(np.asarray(out.data).copy()).view(torch.uint8)
     rows = rows.reshape(head.num_embeddings, -1)
     file_w = torch.from_numpy(
-        dequantize(np.asarray(out.data), GGMLQuantizationType.Q8_0).reshape(head.weight.shape)
+        dequantize(np.asarray(out.data), GGMLQuantizationType.Q8_0).reshape(-1, k)
     )
     torch.manual_seed(0)
     for m in (1, 3, cpu_gguf.dot_max_rows() + 1, 40):
-        hidden = torch.randn(m, head.weight.shape[1]).bfloat16()
+        hidden = torch.randn(m, k).bfloat16()
         logits = head(hidden)
         assert logits.dtype == torch.float32 and logits.shape == (m, head.num_embeddings)
         ref = hidden.float() @ file_w.T
         assert (logits - ref).norm() / ref.norm() < 1.5e-2  # x's int8 rounding
         if m <= cpu_gguf.dot_max_rows():  # the dot kernel on the file's rows: the same sums
-            dot = cpu_gguf.linear(hidden.float(), rows, out.tensor_type, head.weight.shape[1])
+            dot = cpu_gguf.linear(hidden.float(), rows, out.tensor_type, k)
             torch.testing.assert_close(logits, dot, rtol=1e-5, atol=1e-5 * dot.abs().max())
         # greedy steps: the VNNI tiles' argmax epilogue gives the logits' argmax (AVX2: none)
         tokens = head.greedy(hidden)

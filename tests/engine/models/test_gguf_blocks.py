@@ -206,6 +206,30 @@ def test_the_lm_head_reads_the_file_rows_in_small_batches(tiny_llama_dir, tmp_pa
     assert head.greedy(big) is None  # the logits' argmax (no float table for an epilogue)
 
 
+def test_blocks_first_never_fills_an_untied_heads_float_weight(tiny_llama_dir, tmp_path):
+    """The runner's load order (the file's blocks before the float weights, which then skip
+    block_parameters): an untied head's weight stays empty through the load, and its logits
+    at a small and a large batch are those of the head that held the file's blocks after a
+    full float load."""
+    from engine.layers.quantization.gguf import block_parameters
+
+    path = tmp_path / "head-q8.gguf"
+    write_gguf(tiny_llama_dir, path, "Q4_1", head_type="Q8_0")
+
+    def blocks_first(model):
+        apply_gguf_blocks(model, path)
+        return block_parameters(model)
+
+    model = load_model(tiny_llama_dir, dtype="float32", prepare=blocks_first)
+    ref = load_model(tiny_llama_dir, dtype="float32")
+    apply_gguf_blocks(ref, path)
+    assert model.lm_head.weight.numel() == 0 and ref.lm_head.weight.numel() == 0
+    torch.manual_seed(0)
+    for m in (1, cpu_gguf.dot_max_rows() + 5):
+        hidden = torch.randn(m, model.config.hidden_size)
+        assert torch.equal(model.lm_head(hidden), ref.lm_head(hidden))
+
+
 def test_the_lm_head_reads_q8_tiles_at_every_batch(tiny_llama_dir, tmp_path):
     """A bf16 model's Q8_0 head on an AVX2 build (two planes of w4 tiles) or an AVX512-VNNI
     one without AMX (one plane): the file's values, float32 logits at every batch (x rounded

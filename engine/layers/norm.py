@@ -20,10 +20,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         if self.fused is None:
-            self.fused = next(
-                (k for k in (cpu_fused, gpu_fused) if k.supports(x) and x.dim() == 2), False
-            )
-            self.fused = self.fused if self.weight.dtype == x.dtype else False
+            fits = x.dim() == 2 and self.weight.dtype == x.dtype
+            self.fused = next((k for k in (cpu_fused, gpu_fused) if fits and k.supports(x)), False)
         if (
             self.fused
             and x.dim() == 2

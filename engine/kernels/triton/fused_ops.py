@@ -1,17 +1,18 @@
 """RMSNorm (with the residual add before it), rotary embedding and SiLU-and-mul, one kernel
 each.
 
-In torch ops these are 9, 7 and 2 kernels (upcast, square, mean, rsqrt, ...; four products, a
-sum, a difference, a concatenation; SiLU, then the product). On a GPU each costs a launch: in an eager
-step that is host time per layer, and inside a captured decode graph, where a small batch's
-kernels take a few microseconds each, it is most of what the step spends outside the matmuls.
+In torch ops these are 9, 7 and 2 kernels (upcast, square, mean, rsqrt, ...; four products,
+a sum, a difference, a concatenation; SiLU, then the product). On a GPU each costs a launch:
+in an eager step that is host time per layer, and inside a captured decode graph, where a
+small batch's kernels take a few microseconds each, it is most of what the step spends
+outside the matmuls.
 
-Both round where the torch forms round, so on a GPU they give the torch path's values (the
+They round where the torch forms round, so on a GPU they give the torch path's values (the
 norm's sum of squares aside, which is reduced in another order): the residual sum in the
 model's dtype, normalized in fp32, cast, then scaled by the weight in the model's dtype; each
 rotary product rounded, then their sum or difference; SiLU's output rounded, then the
-product. Under the interpreter the casts to
-bf16 truncate instead (see the package's docstring): within an ulp a rounding there.
+product. Under the interpreter the casts to bf16 truncate instead (see the package's
+docstring): within an ulp a rounding there.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ embedding; every weight for `--quantization none`) from there, one tensor at a t
 were 4 bytes a weight on disk (32 GB for an 8B Q4_K file) and most of the conversion's
 time. What is written goes one shard at a time (model.safetensors, or
 model-0000i-of-0000n.safetensors and their index past SHARD_BYTES; an F32 file's weights
-can be large), each tensor dequantized as its shard is written.
+can be large), each tensor dequantized as its shard is written. A split model (llama.cpp's
+gguf-split: NAME-00001-of-0000n.gguf and the rest beside it) converts from its first file:
+the metadata is there, the tensors are read from every file, and the link names them all.
 """
 
 from __future__ import annotations
@@ -283,11 +285,14 @@ def linked_tensors(folder: Path) -> Iterator[tuple[str, Callable[[], torch.Tenso
         return
     info = json.loads(link.read_text())
     path = Path(info["path"])
-    if not path.is_file() or path.stat().st_size != info["size"]:
-        raise ValueError(
-            f"{folder} was converted from {path}, which is gone or changed: its linear weights "
-            "stay in that file (convert again: serve the .gguf itself)"
-        )
+    files = info.get("files", [{"path": info["path"], "size": info["size"]}])
+    for f in files:
+        p = Path(f["path"])
+        if not p.is_file() or p.stat().st_size != f["size"]:
+            raise ValueError(
+                f"{folder} was converted from {p}, which is gone or changed: its linear "
+                "weights stay in that file (convert again: serve the .gguf itself)"
+            )
     from engine.models.gguf_tensors import tensor_table
 
     config = json.loads((folder / "config.json").read_text())
@@ -306,21 +311,36 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tok.save_pretrained(str(out_dir))
 
 
+class _SplitReader:
+    """A split model's GGUFReaders as one: the first file's metadata, every file's tensors."""
+
+    def __init__(self, paths: list[Path]):
+        from gguf import GGUFReader
+
+        readers = [GGUFReader(str(p)) for p in paths]
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+
+
 def convert_gguf(gguf_path: str | Path, dest: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write the HF folder for gguf_path at dest (atomically); return dest."""
-    from gguf import GGUFReader
+    """Write the HF folder for gguf_path (a file, or a split model's first) at dest
+    (atomically); return dest."""
+    from engine.models.gguf_tensors import shard_paths
 
     gguf_path, dest = Path(gguf_path), Path(dest)
+    files = shard_paths(gguf_path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     logger.info("Converting %s once; cached at %s", gguf_path, dest)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
     try:
-        reader = GGUFReader(str(gguf_path))
+        reader = _SplitReader(files)
         config = _read_config(reader)
         _write_weights(reader, config, tmp, shard_bytes, every=False)
         del reader
         link = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
+        if len(files) > 1:
+            link["files"] = [{"path": str(f.resolve()), "size": f.stat().st_size} for f in files]
         (tmp / LINK).write_text(json.dumps(link, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}

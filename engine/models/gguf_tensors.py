@@ -11,6 +11,7 @@ since 2023); anything else raises Unsupported, and tensor_table uses GGUFReader 
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,8 +112,42 @@ def read_tensors(path: str | Path) -> dict[str, Tensor]:
     return out
 
 
+# llama.cpp's gguf-split (and gguf-py's writer) name a split model's files this way; the
+# first holds the metadata, every one a share of the tensors.
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def shard_paths(path: str | Path) -> list[Path]:
+    """The files of the model a .gguf path names: [path], or for the first file of a split
+    model (NAME-00001-of-00003.gguf) all of them, in order. Another shard than the first, or
+    a missing one, is an error that names the file to give or the files missing."""
+    path = Path(path)
+    m = _SHARD.match(path.name)
+    if m is None:
+        return [path]
+    no, count = int(m["no"]), int(m["count"])
+    first = f"{m['stem']}-00001-of-{count:05d}.gguf"
+    if no != 1:
+        raise ValueError(f"{path.name} is part {no} of a split model: give its first file, {first}")
+    paths = [
+        path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
+    ]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"split model {first}: missing {', '.join(missing)} beside it")
+    return paths
+
+
 def tensor_table(path: str | Path) -> dict[str, Tensor]:
-    """read_tensors(path), or GGUFReader's tables in the same form for a file it refuses."""
+    """{name: Tensor} for every tensor of the model a .gguf path names (all the files of a
+    split one): read_tensors, or GGUFReader's tables in the same form for a file it refuses."""
+    out: dict[str, Tensor] = {}
+    for shard in shard_paths(path):
+        out.update(_file_table(shard))
+    return out
+
+
+def _file_table(path: Path) -> dict[str, Tensor]:
     try:
         return read_tensors(path)
     except Unsupported:

@@ -64,9 +64,14 @@ def default_gguf_path() -> Path:
 
 
 def _cached_folder(gguf: Path, name: str, cache_dir: Path) -> Path:
-    # the path too: the folder links the file it was converted from
-    st = gguf.stat()
-    key = f"{gguf.resolve()}-{st.st_size}-{st.st_mtime_ns}-{CONVERTER_VERSION}".encode()
+    # the paths too: the folder links the files it was converted from (a split model's all)
+    from engine.models.gguf_tensors import shard_paths
+
+    parts = []
+    for f in shard_paths(gguf):
+        st = f.stat()
+        parts.append(f"{f.resolve()}-{st.st_size}-{st.st_mtime_ns}")
+    key = "-".join([*parts, str(CONVERTER_VERSION)]).encode()
     return cache_dir / "models" / f"{name}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 

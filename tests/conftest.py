@@ -93,13 +93,21 @@ def build_tokenizer(
 
 
 def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random model of arch ("llama" or "qwen2") with its tokenizer in out_dir.
+    """Save a tiny random model of arch ("llama", "qwen2" or "qwen3") with its tokenizer in
+    out_dir.
 
     Weights are drawn wider than HF's default init (and norms/biases are randomised too) so
     logits are peaked: greedy decoding then has clear margins, and every weight matters.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out_dir)
@@ -123,6 +131,7 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).float().eval()
@@ -168,6 +177,12 @@ def tiny_llama_dir(make_tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(make_tiny_model) -> Path:
     return make_tiny_model("tiny-qwen2", arch="qwen2", tie_word_embeddings=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(make_tiny_model) -> Path:
+    """Qwen3: q/k normalized per head, heads wider than hidden / heads (32 against 16)."""
+    return make_tiny_model("tiny-qwen3", arch="qwen3", head_dim=32, seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2's
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -139,8 +141,8 @@ def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict | None
 
 
 # GGUF architecture -> HF's class; llama.cpp interleaves the rotary halves of q/k rows in
-# "llama" files only (Qwen2 rotates halves as HF does)
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# "llama" files only (Qwen2 and Qwen3 rotate halves as HF does)
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def rows_interleaved(model_type: str) -> bool:
@@ -161,7 +163,8 @@ def _read_config(reader) -> dict:
     names = {t.name for t in reader.tensors}
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
-    head_dim = int(key("rope.dimension_count", hidden // heads))
+    # Qwen3's heads are wider than hidden / heads: llama.cpp writes their width as key_length
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
     theta = float(key("rope.freq_base", 10000.0))
     config = {
         "architectures": [_ARCHS[arch]],
@@ -188,8 +191,10 @@ def _read_config(reader) -> dict:
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    else:  # Qwen2: q/k/v biases; its sliding window is off in every released checkpoint
+    else:  # Qwen2: q/k/v biases, Qwen3: none; the sliding window off in every release
         config.update(use_sliding_window=False)
+        if arch == "qwen3":
+            config.update(attention_bias=False)
     return config
 
 

@@ -29,6 +29,7 @@ class HFModelConfig:
     rope_scaling: dict[str, Any] | None  # None for plain rope; else has "rope_type"
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v (Qwen2: True)
+    qk_norm: bool  # an RMSNorm over each head of q and k before rotary (Qwen3)
     o_proj_bias: bool
     mlp_bias: bool
     hidden_act: str
@@ -65,8 +66,8 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     window = raw.get("sliding_window")
     if not window:
         return None
-    if raw.get("model_type") == "qwen2":
-        # Qwen2 configs carry a window but only use it with use_sliding_window.
+    if raw.get("model_type") in ("qwen2", "qwen3"):
+        # Qwen2/3 configs carry a window but only use it with use_sliding_window.
         uses = raw.get("use_sliding_window", False) or "sliding_attention" in (
             raw.get("layer_types") or []
         )
@@ -103,6 +104,7 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
         o_proj_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=raw.get("hidden_act", "silu"),

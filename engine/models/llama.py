@@ -1,5 +1,5 @@
 """One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
-(qkv bias), SmolLM.
+(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM.
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.
@@ -39,6 +39,8 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
         )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -49,8 +51,13 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden).view(t, h + 2 * hkv, d)
-        # q and k are adjacent in qkv: rotate both with one set of ops.
-        qk = RotaryEmbedding.apply(qkv[:, : h + hkv], *rope)
+        qk = qkv[:, : h + hkv]
+        if self.q_norm is not None:  # Qwen3: each head of q and k normalized before rotary
+            q = self.q_norm(qk[:, :h].reshape(t * h, d)).view(t, h, d)
+            k = self.k_norm(qk[:, h:].reshape(t * hkv, d)).view(t, hkv, d)
+            qk = torch.cat((q, k), dim=1)
+        # q and k are adjacent: rotate both with one set of ops.
+        qk = RotaryEmbedding.apply(qk, *rope)
         o = self.attn(qk[:, :h], qk[:, h:], qkv[:, h + hkv :], meta)
         return self.o_proj(o)
 

@@ -160,6 +160,7 @@ class DecodePlan:
                 or any(
                     m.bias is not None and m.bias.dtype != torch.bfloat16 for m in _linears(layer)
                 )
+                or getattr(layer.self_attn, "q_norm", None) is not None  # Qwen3's: not planned
                 or cache is None
                 or cache.device.type != "cpu"
                 or not cache.is_contiguous()

@@ -95,7 +95,7 @@ def test_n2_forks_match_hf(tiny_llama_dir, reference):
         assert samples == [want, want]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_llama3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_llama3_dir"])
 def test_other_architectures_match_hf(request, fixture):
     model_dir = request.getfixturevalue(fixture)
     from engine.models.loader import load_hf_config

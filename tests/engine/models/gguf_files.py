@@ -16,7 +16,8 @@ _NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
 
 
@@ -41,8 +42,8 @@ def write_gguf(
 ) -> None:
     """Every linear weight in type_name; overrides: {gguf part or (layer, part): type name};
     the LM head (output.weight) in head_type, float32 without one, and token_embd in
-    embed_type (float32 without one). arch "qwen2": its q/k rows as HF has them (llama.cpp
-    permutes llama's only) and its q/k/v biases."""
+    embed_type (float32 without one). arch "qwen2" / "qwen3": q/k rows as HF has them
+    (llama.cpp permutes llama's only), Qwen2's q/k/v biases, Qwen3's q/k norms."""
     state = load_file(str(hf_dir / "model.safetensors"))
     overrides = overrides or {}
     writer = GGUFWriter(str(path), arch)

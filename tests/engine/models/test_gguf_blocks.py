@@ -313,25 +313,34 @@ def test_a_group_with_a_float_part_keeps_the_dequantized_weights(wide_llama_dir,
     assert qkv.weight.dtype == torch.float32 and not isinstance(qkv.quant_method, _METHODS)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
-def test_a_qwen2_file_keeps_its_row_order_and_biases(tiny_qwen2_dir, tmp_path, type_name):
-    """llama.cpp permutes q/k rows in llama files only: a qwen2 file's rows are HF's. Its
-    blocks serve the tiny Qwen2 (q/k/v biases from the float checkpoint) like its dequantized
-    weights, and those like the original model (Q8_0: within int8 rounding)."""
-    path = tmp_path / "qwen2.gguf"
-    write_gguf(tiny_qwen2_dir, path, type_name, arch="qwen2")
+def test_a_qwen_file_keeps_its_row_order_biases_and_norms(request, tmp_path, type_name, arch):
+    """llama.cpp permutes q/k rows in llama files only: a qwen2/qwen3 file's rows are HF's.
+    Its blocks serve the tiny model (Qwen2's q/k/v biases, Qwen3's q/k norms from the float
+    tensors; Qwen3's heads 32 wide against hidden / heads = 16) like its dequantized weights,
+    and those like the original model (Q8_0: within int8 rounding)."""
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(hf_dir, path, type_name, arch=arch)
     folder = tmp_path / "dequantized"
-    shutil.copytree(tiny_qwen2_dir, folder)
-    config = {"model_type": "qwen2", "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    shutil.copytree(hf_dir, folder)
+    config = {"model_type": arch, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
     _write_weights(GGUFReader(str(path)), config, folder)
-    original = load_model(tiny_qwen2_dir, dtype="float32")
+    original = load_model(hf_dir, dtype="float32")
     ref = load_model(folder, dtype="float32")
     model = load_model(folder, dtype="float32")
     paths = apply_gguf_blocks(model, path)
     del paths["lm_head"], paths["embed_tokens"]  # float32 in this file
     assert sum(n for c in paths.values() for n in c.values()) == 3 * 4
     assert not any(why.startswith("dequantized") for c in paths.values() for why in c)
-    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    attn = model.model.layers[0].self_attn
+    if arch == "qwen2":
+        assert attn.qkv_proj.bias is not None
+    else:  # the norms' weights from the file, as the original's (float32 there)
+        assert attn.qkv_proj.bias is None and attn.q_norm is not None
+        want = original.model.layers[0].self_attn.k_norm.weight
+        assert torch.equal(attn.k_norm.weight, want)
     tokens, compared = [5, 9, 17, 3], 0
     while len(tokens) < 14:
         o, r, c = _logits(original, tokens), _logits(ref, tokens), _logits(model, tokens)

@@ -24,6 +24,7 @@ from engine.models.gguf_convert import (
     _write_weights,
     left_in_file,
 )
+from engine.models.hf_config import parse_hf_config
 from engine.models.loader import load_hf_config, load_model
 from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
 
@@ -208,9 +209,14 @@ def test_rope_freqs_of_another_form_are_refused():
         _llama3_scaling(bent, 500000.0, 128)
 
 
-def _header_only_gguf(path, rope_freqs=None, scaling_type=None, arch="llama") -> GGUFReader:
-    """The metadata _read_config reads, a Llama 3-shaped head, and rope_freqs if given."""
+def _header_only_gguf(
+    path, rope_freqs=None, scaling_type=None, arch="llama", key_length=None
+) -> GGUFReader:
+    """The metadata _read_config reads, a Llama 3-shaped head, rope_freqs and the heads' width
+    (key_length, as llama.cpp writes it for Qwen3) if given."""
     w = GGUFWriter(str(path), arch)
+    if key_length is not None:
+        w.add_key_length(key_length)
     w.add_embedding_length(256)
     w.add_feed_forward_length(512)
     w.add_block_count(1)
@@ -253,3 +259,13 @@ def test_a_qwen2_gguf_is_a_qwen2_config(tmp_path):
         _read_config(_header_only_gguf(tmp_path / "y.gguf", scaling_type="yarn", arch="qwen2"))
     with pytest.raises(ValueError, match="architecture 'gemma' is not supported"):
         _read_config(_header_only_gguf(tmp_path / "g.gguf", arch="gemma"))
+
+
+def test_a_qwen3_gguf_is_a_qwen3_config_with_its_head_width(tmp_path):
+    cfg = _read_config(_header_only_gguf(tmp_path / "q3.gguf", arch="qwen3", key_length=256))
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = load_hf_config(tmp_path)
+    assert hf.qk_norm and not hf.attention_bias and not hf.o_proj_bias
+    assert hf.head_dim == 256 and hf.hidden_size // hf.num_attention_heads == 128
+    assert not parse_hf_config(cfg | {"model_type": "qwen2"}).qk_norm

@@ -116,3 +116,14 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
         assert plan.runs.get(14, 0) > 0 and max(plan.runs) > 14, plan.runs
     else:  # AMX tiles above 12 rows: the modules
         assert max(plan.runs) <= cpu_w4.max_rows(), plan.runs
+
+
+def test_a_model_with_qk_norms_runs_through_the_modules(make_tiny_model, monkeypatch):
+    """Qwen3's per-head q/k norms are not in the plan: a w4a8 Qwen3 builds none (the same
+    arguments build one for a Llama, above) and its tokens are the modules' own."""
+    if not cpu_w4.available():
+        pytest.skip("the plan runs the 4-bit (AVX512-VNNI or AVX2) kernels")
+    path = make_tiny_model("tiny-qwen3-plan", arch="qwen3", head_dim=32, seed=3)
+    with_plan, runs, _ = _generate(path, "w4a8", "auto", True, monkeypatch)
+    without, _, _ = _generate(path, "w4a8", "auto", False, monkeypatch)
+    assert runs is None and with_plan == without

@@ -133,6 +133,27 @@ def linear_w4(
     return _call("amx_bf16_linear_w4", x, r[0], r[1], out_features, out_dtype, tiles.data_ptr())
 
 
+def gated_w4(
+    x: torch.Tensor, tiles: torch.Tensor, intermediate: int, in_features: int
+) -> torch.Tensor | None:
+    """silu(gate) * up [..., I] for x [..., K] bf16 against the w4 tiles of a merged gate_up
+    projection (2 I rows, gate then up, I % 16 == 0), in one pass: gate tile p meets up tile
+    I / 16 + p in the tile loop and the epilogue writes their product, rounded as gate_up's
+    outputs and SiluAndMul round (the [rows, 2 I] outputs are never stored). None where AMX
+    cannot take the call."""
+    r = _rows(x, in_features, None)
+    if r is None or in_features % K_CHUNK or intermediate % 16 or not tiles.is_contiguous():
+        return None
+    x2 = r[0]
+    m = x2.shape[0]
+    y = torch.empty(m, intermediate, dtype=torch.bfloat16)
+    rc = ops.function("amx_bf16_gated_w4")(
+        x2.data_ptr(), x2.stride(0), m, in_features, tiles.data_ptr(), intermediate,
+        y.data_ptr(), intermediate, torch.get_num_threads(),
+    )  # fmt: skip
+    return None if rc != 0 else y.view(*x.shape[:-1], intermediate)
+
+
 def linear_gguf(
     x: torch.Tensor,
     blocks: torch.Tensor,

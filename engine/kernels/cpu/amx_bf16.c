@@ -3,6 +3,7 @@
    gguf_dequant_row. engine/layers/cpu_amx.py says why and when. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
+#include "avx512_math.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,12 +83,16 @@ static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
 /* The next column pair's w4 groups decoded a few at a time inside the tile loop of the
    current one: the vector units decode while the tile unit multiplies, instead of one after
    the other (decoding alone took about as long as the tiles' products at 128 rows). */
-typedef struct { const uint8_t* src; uint16_t* dst; int64_t left, per; } w4_decoder;
+/* The groups come from src (`first` of them), then from src2: a unit's two tiles, which lie
+   apart in memory for a gated pair. */
+typedef struct { const uint8_t* src; const uint8_t* src2; uint16_t* dst; int64_t left, first, per; } w4_decoder;
 static inline void decode_some(w4_decoder* d) {
   if (!d || d->left <= 0) return;
-  const int64_t n = d->left < d->per ? d->left : d->per;
+  int64_t n = d->left < d->per ? d->left : d->per;
+  if (n > d->first) n = d->first;
   fill_w4(d->src, n, d->dst);
-  d->src += n * W4_GROUP_BYTES; d->dst += n * BTILE; d->left -= n;
+  d->src += n * W4_GROUP_BYTES; d->dst += n * BTILE; d->left -= n; d->first -= n;
+  if (d->first == 0) { d->src = d->src2; d->first = d->left; }
 }
 
 /* Up to 32 rows (a0, a1: two row tiles, lda apart) x up to 32 columns (b0, b1: two panels of
@@ -134,6 +139,18 @@ static void epilogue(const float* out, int mr, int nc, int64_t m0, int64_t n0,
   }
 }
 
+/* The gated MLP's epilogue: out's columns 0-15 are gate outputs, 16-31 the up outputs of the
+   same 16 units; rows [0, mr) -> silu(gate) * up at y's columns [n0, n0 + 16), with the
+   roundings of the unfused path (gate_up's outputs to bf16, then SiluAndMul). */
+static void epilogue_gated(const float* out, int mr, int64_t m0, int64_t n0, uint16_t* y,
+    int64_t ldy) {
+  for (int i = 0; i < mr; ++i) {
+    const __m512 g = bf16x16_to_f32(f2bf512(_mm512_loadu_ps(out + i * 32)));
+    const __m512 u = bf16x16_to_f32(f2bf512(_mm512_loadu_ps(out + i * 32 + 16)));
+    _mm256_storeu_si256((__m256i*)(y + (m0 + i) * ldy + n0), silu_mul_bf16x16(g, u));
+  }
+}
+
 /* x as the A tiles read it: rows of a whole number of k chunks, 16 rows a tile. Full row tiles
    read x itself where K % 32 == 0; otherwise (and for the last, partial row tile) a zero-padded
    copy. */
@@ -161,11 +178,11 @@ static inline const uint16_t* x_rows(const x_tiles* t, int64_t m0, int64_t Kp, i
 }
 
 /* Rows [m_begin, M) of x (m_begin a multiple of 32) against the column pair at b0 (and b1
-   when nc > 16): out -> y; dec (or NULL): the next pair's decoding, spread over the tile
-   loop and finished here. */
+   when nc > 16): out -> y (gated: silu(b0's) * b1's, 16 columns at n0); dec (or NULL): the
+   next pair's decoding, spread over the tile loop and finished here. */
 static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t Kp,
     const uint16_t* b0, const uint16_t* b1, int nc, int64_t n0, const uint16_t* bias, void* y,
-    int64_t ldy, int out_f32, w4_decoder* dec) {
+    int64_t ldy, int out_f32, int gated, w4_decoder* dec) {
   float out[32 * 32] __attribute__((aligned(64)));
   const int64_t KC = Kp / AMX_KCHUNK;
   if (dec) {  /* groups per k chunk of the loop, so that the decoding ends with it */
@@ -183,7 +200,8 @@ static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t 
         const int64_t lda = h ? lda1 : lda0;
         if (nc > 16) block(1, 2, a, a, lda, b0, b1, KC, out, dec);
         else block(1, 1, a, a, lda, b0, b0, KC, out, dec);
-        epilogue(out, h ? mr - 16 : 16, nc, m0 + 16 * h, n0, bias, y, ldy, out_f32);
+        if (gated) epilogue_gated(out, h ? mr - 16 : 16, m0 + 16 * h, n0, (uint16_t*)y, ldy);
+        else epilogue(out, h ? mr - 16 : 16, nc, m0 + 16 * h, n0, bias, y, ldy, out_f32);
       }
       continue;
     }
@@ -194,7 +212,8 @@ static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t 
       if (nc > 16) block(1, 2, a0, a0, lda0, b0, b1, KC, out, dec);
       else block(1, 1, a0, a0, lda0, b0, b0, KC, out, dec);
     }
-    epilogue(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+    if (gated) epilogue_gated(out, mr, m0, n0, (uint16_t*)y, ldy);
+    else epilogue(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
   }
   while (dec && dec->left > 0) decode_some(dec);
 }
@@ -208,45 +227,55 @@ static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t 
 #define AMX_W4_BLOCK_BYTES (512 * 1024)
 #endif
 
-/* w4 tiles as B: column pairs (32 outputs) split over the threads in runs; per block of x's
-   rows each thread decodes its first pair's B tiles into a buffer (K * 64 bytes: in L2), then
-   runs the block's row tiles over each pair while it decodes the next one into the other
-   buffer. Decode batches (up to a few hundred rows) are one block. */
+/* w4 tiles as B, a unit of two tiles at a time: a column pair (tiles 2p and 2p + 1: 32
+   outputs), or, gated (N = 2 I, gate rows then up rows, I % 16 == 0), gate tile p with up
+   tile I / 16 + p: 16 outputs silu(gate) * up. Units are split over the threads in runs; per
+   block of x's rows each thread decodes its first unit's B tiles into a buffer (K * 64 bytes:
+   in L2), then runs the block's row tiles over each unit while it decodes the next one into
+   the other buffer. Decode batches (up to a few hundred rows) are one block. */
 static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
-    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
+    const uint16_t* bias, void* y, int64_t ldy, int out_f32, int gated, int nthreads) {
   if (M < 1) return 0;
   if (!amx_bf16_enabled()) return -1;
   const int64_t N = s->N, Kp = s->Kp, KC = Kp / AMX_KCHUNK;
   x_tiles xt;
   if (x_prepare(&xt, x, ldx, M, s->K, Kp)) return -1;
-  const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2;
+  const int64_t panels = (N + 15) / 16, units = gated ? panels / 2 : (panels + 1) / 2;
   int64_t mblock = AMX_W4_BLOCK_BYTES / (Kp * 2) / 32 * 32;
   if (mblock < 32) mblock = 32;
   const uint8_t* w = (const uint8_t*)s->w;
+  const int64_t tile_bytes = KC * W4_GROUP_BYTES;
   int failed = 0;
-  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && units > 1) reduction(|:failed)")
   {
     const int64_t pair_elems = 2 * KC * BTILE;
     uint16_t* bufs = (uint16_t*)aligned_alloc(64, (size_t)2 * pair_elems * 2);
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t p_begin = pairs * t / nt, p_end = pairs * (t + 1) / nt;
+    const int64_t p_begin = units * t / nt, p_end = units * (t + 1) / nt;
     if (!bufs) failed = 1;
     else {
       tiles_begin();
       for (int64_t mb = 0; mb < M && p_begin < p_end; mb += mblock) {
         const int64_t mb_end = M - mb < mblock ? M : mb + mblock;
         uint16_t* cur = bufs; uint16_t* nxt = bufs + pair_elems;
-        /* a pair's two tiles are consecutive in memory and in the buffer: 2 * KC groups */
-        fill_w4(w + 2 * p_begin * KC * W4_GROUP_BYTES, (N - 32 * p_begin > 16 ? 2 : 1) * KC, cur);
         for (int64_t p = p_begin; p < p_end; ++p) {
-          const int64_t n0 = p * 32;
-          const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
+          /* this unit's tiles: 2 (or the last pair's 1) */
+          const int64_t t0 = gated ? p : 2 * p, t1 = gated ? panels / 2 + p : 2 * p + 1;
+          const int nc = gated ? 32 : (N - 32 * p < 32 ? (int)(N - 32 * p) : 32);
+          if (p == p_begin) {
+            fill_w4(w + t0 * tile_bytes, KC, cur);
+            if (nc > 16) fill_w4(w + t1 * tile_bytes, KC, cur + KC * BTILE);
+          }
           w4_decoder dec = {0};
-          if (p + 1 < p_end)
-            dec = (w4_decoder){w + 2 * (p + 1) * KC * W4_GROUP_BYTES, nxt,
-                               (N - 32 * (p + 1) > 16 ? 2 : 1) * KC, 1};
-          rows_against(&xt, mb, mb_end, Kp, cur, cur + KC * BTILE, nc, n0, bias, y, ldy,
-                       out_f32, p + 1 < p_end ? &dec : NULL);
+          if (p + 1 < p_end) {
+            const int64_t q = p + 1;
+            const int64_t u0 = gated ? q : 2 * q, u1 = gated ? panels / 2 + q : 2 * q + 1;
+            const int64_t tiles = gated || N - 32 * q > 16 ? 2 : 1;
+            dec = (w4_decoder){w + u0 * tile_bytes, w + u1 * tile_bytes, nxt, tiles * KC, KC, 1};
+          }
+          rows_against(&xt, mb, mb_end, Kp, cur, cur + KC * BTILE, nc,
+                       gated ? 16 * p : 32 * p, bias, y, ldy, out_f32, gated,
+                       p + 1 < p_end ? &dec : NULL);
           uint16_t* tmp = cur; cur = nxt; nxt = tmp;
         }
       }
@@ -505,7 +534,14 @@ int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, con
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
   if (K % 32) return -1;
   const source s = {SRC_W4, tiles, N, K, K, 0, 0};
-  return amx_run_w4(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+  return amx_run_w4(&s, x, ldx, M, bias, y, ldy, out_f32, 0, nthreads);
+}
+
+int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
+    int64_t I, uint16_t* y, int64_t ldy, int nthreads) {
+  if (K % 32 || I % 16 || I < 16) return -1;
+  const source s = {SRC_W4, tiles, 2 * I, K, K, 0, 0};
+  return amx_run_w4(&s, x, ldx, M, NULL, y, ldy, 0, 1, nthreads);
 }
 
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,
@@ -526,4 +562,6 @@ int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, con
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,
     int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy,
     int out_f32, int nthreads) { return -1; }
+int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
+    int64_t I, uint16_t* y, int64_t ldy, int nthreads) { return -1; }
 #endif

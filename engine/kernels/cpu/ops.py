@@ -118,6 +118,7 @@ SIGNATURES: dict[str, Signature] = {
     "amx_bf16_linear_argmax": ([_P, _I64, _I64, _I64, _P, _I64, _P, _INT], _INT),
     # x, ldx, M, K, w4 tiles, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear_w4": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    "amx_bf16_gated_w4": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
     # x, ldx, M, K, rows, row_bytes, type, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear_gguf": (
         [_P, _I64, _I64, _I64, _P, _I64, _INT, _I64, _P, _P, _I64, _INT, _INT],

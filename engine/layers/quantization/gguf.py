@@ -101,6 +101,21 @@ class GGUFW4LinearMethod(GGUFLinearMethod):
         y = cpu_w4.linear(x, layer.w4, bias)
         return y if y is not None else w4_large_batch_linear(x, layer.w4, bias)
 
+    def apply_gated_mlp(
+        self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor
+    ) -> torch.Tensor | None:
+        # where gate_up would run on AMX tiles, SiLU-and-mul runs in their epilogue and the
+        # [rows, 2 I] outputs are never written (SmolLM2-135M's 30 gate_up + SiLU, two Xeon
+        # cores: 10.7 -> 10.3 ms at 128 rows, 143 -> 106 ms at a 1,024-token prefill chunk)
+        rows = x.numel() // x.shape[-1]
+        if gate_up.bias is not None or rows <= cpu_w4.max_rows():
+            return None
+        if not cpu_isa.plan().amx_w4_rows(rows):
+            return None
+        w4 = gate_up.w4
+        h = cpu_amx.gated_w4(x, w4.data, w4.out_features // 2, w4.in_features)
+        return None if h is None else down(h)
+
 
 class GGUFSegmentsLinearMethod(LinearMethodBase):
     """A merged projection of parts in different types: layer.weight is uint8, every byte of

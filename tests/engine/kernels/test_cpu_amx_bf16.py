@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_amx, cpu_gguf, cpu_isa, cpu_w4
+from engine.layers import cpu_amx, cpu_fused, cpu_gguf, cpu_isa, cpu_w4
+from tests.engine.kernels.kquant_blocks import TYPES as OWN_ENCODER
 from tests.engine.kernels.kquant_blocks import quantize as quantize_k
 
 pytestmark = pytest.mark.skipif(
@@ -100,12 +101,61 @@ def test_w4_tiles_over_several_blocks_of_rows():
             assert torch.equal(y[m0 : m0 + 64], part)
 
 
+@pytest.mark.parametrize("i, k", [(16, 64), (48, 128), (32, 1536)])  # K = 1,536: 160-row blocks
+def test_gated_w4_is_gate_up_then_silu_and_mul_bit_for_bit(i, k):
+    """gate_up (2 I rows: gate, then up) and SiLU-and-mul in one pass: each gate tile meets
+    its up tile in the loop and the epilogue rounds as the two calls do, so the result is
+    theirs exactly (the w4 GEMM itself is held to F.linear above); rows past one block too."""
+    torch.manual_seed(7)
+    q4 = cpu_w4.quantize_groups(torch.randn(2 * i, k) * 0.1)
+    for m in (13, 17, 33, 170):
+        x = torch.randn(m, k).bfloat16()
+        got = cpu_amx.gated_w4(x, q4.data, i, k)
+        want = cpu_fused.silu_and_mul(cpu_amx.linear_w4(x, q4.data, 2 * i, k))
+        assert got is not None and got.shape == (m, i) and got.dtype == torch.bfloat16
+        assert torch.equal(got, want), m
+    x3 = torch.randn(2, 9, k).bfloat16()  # leading dims kept
+    assert torch.equal(
+        cpu_amx.gated_w4(x3, q4.data, i, k)[1], cpu_amx.gated_w4(x3[1], q4.data, i, k)
+    )
+
+
+def test_gated_w4_refuses_halves_that_split_a_tile():
+    q4 = cpu_w4.quantize_groups(torch.randn(48, 64))  # I = 24: the up rows start mid-tile
+    assert cpu_amx.gated_w4(torch.randn(20, 64).bfloat16(), q4.data, 24, 64) is None
+
+
+def test_gated_mlp_on_w4_tiles_fuses_above_the_w4_kernel_rows():
+    """A GatedMLP whose projections are w4 tiles (a Q4 GGUF's): above the w4 kernel's rows
+    and up to AMX's, the MLP takes the fused call, and its output is the layers' one by one;
+    at the w4 kernel's rows it declines (the kernel keeps them)."""
+    from engine.layers.mlp import GatedMLP
+    from engine.layers.quantization.gguf import GGUFW4LinearMethod
+
+    torch.manual_seed(8)
+    mlp = GatedMLP(64, 64)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.w4 = cpu_w4.quantize_groups(torch.randn(*layer.weight.shape) * 0.1)
+        layer.weight = torch.nn.Parameter(layer.w4.data, requires_grad=False)
+        layer.quant_method = GGUFW4LinearMethod()
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    top, amx_top = cpu_w4.max_rows(), cpu_isa.plan().amx_w4_max_rows
+    for rows in (1, top, top + 1, 64, amx_top, amx_top + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        fused = gate_up.quant_method.apply_gated_mlp(gate_up, down, x)
+        assert (fused is not None) == (top < rows <= amx_top), rows
+        apart = down(mlp.act(gate_up(x)))
+        assert torch.equal(mlp(x), apart if fused is None else fused), rows
+        if fused is not None:
+            assert torch.equal(fused, apart), rows
+
+
 def _gguf_blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
     qtype = GGMLQuantizationType[name]
-    if name in cpu_gguf.K_TYPES:  # gguf-py has no K-quant encoder
+    if name in OWN_ENCODER:  # gguf-py has no K-quant or IQ4_NL encoder
         raw = quantize_k(w.numpy().astype(np.float32), name)
     else:
         raw = quantize(w.numpy().astype(np.float32), qtype)
@@ -214,6 +264,7 @@ def test_amx_off_keeps_the_other_paths(monkeypatch):
     assert cpu_amx.linear(x, torch.randn(8, 64).bfloat16()) is None
     q4 = cpu_w4.quantize_groups(torch.randn(16, 64))
     assert cpu_amx.linear_w4(x, q4.data, 16, 64) is None
+    assert cpu_amx.gated_w4(x, q4.data, 8, 64) is None
 
 
 def _greedy_bf16(model_dir, prompts) -> list[list[int]]:

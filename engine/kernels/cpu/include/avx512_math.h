@@ -28,6 +28,19 @@ static inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+/* 16 bf16 values -> floats. */
+static inline __m512 bf16x16_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* SiLU-and-mul on 16 bf16 values g and u (given as floats holding them): silu(g) rounded to
+   bf16, times u, rounded again (torch's F.silu(g) * u in bf16). The division is a reciprocal
+   with one Newton step (~1 ulp of float32). */
+static inline __m256i silu_mul_bf16x16(__m512 g, __m512 u) {
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+  return f2bf512(_mm512_mul_ps(bf16x16_to_f32(f2bf512(_mm512_mul_ps(g, r))), u));
+}
 /* lane j of the result = sum of v[j]'s lanes (a transpose-and-add tree, then one permute). */
 static inline __m512 reduce16(const __m512 v[16]) {
   __m512 x[8], y[4], z[2];

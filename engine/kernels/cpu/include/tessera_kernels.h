@@ -98,6 +98,7 @@ int amx_bf16_enabled(void);
 int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 int amx_bf16_linear_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t* argmax, int nthreads);
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
+int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t I, uint16_t* y, int64_t ldy, int nthreads);
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows, int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 
 /* ---- fused_ops.c: RMSNorm (+ residual), SiLU-and-mul, rotary (engine.layers.cpu_fused) ---- */

@@ -80,11 +80,11 @@ static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
   }
 }
 
-/* The next column pair's w4 groups decoded a few at a time inside the tile loop of the
-   current one: the vector units decode while the tile unit multiplies, instead of one after
-   the other (decoding alone took about as long as the tiles' products at 128 rows). */
-/* The groups come from src (`first` of them), then from src2: a unit's two tiles, which lie
-   apart in memory for a gated pair. */
+/* The next unit's w4 groups decoded a few at a time inside the tile loop of the current one:
+   the vector units decode while the tile unit multiplies, instead of one after the other
+   (decoding alone took about as long as the tiles' products at 128 rows). The groups come
+   from src (`first` of them), then from src2: a unit's two tiles, apart in memory for a
+   gated pair. */
 typedef struct { const uint8_t* src; const uint8_t* src2; uint16_t* dst; int64_t left, first, per; } w4_decoder;
 static inline void decode_some(w4_decoder* d) {
   if (!d || d->left <= 0) return;

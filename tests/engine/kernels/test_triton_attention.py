@@ -26,6 +26,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from engine.attention import kv_fp8  # noqa: E402
 from engine.attention.backends import select_backend  # noqa: E402
@@ -178,6 +179,31 @@ def test_fp8_cache_matches_torch_reference(dtype, heads, kv_heads):
     """An fp8 e4m3 cache, block size 8, head dim 24 (padded to 32 in the kernel): the
     kernel's store and the torch quantizer write the same bytes, and both attend alike."""
     _check_against_torch(_step("mixed", 8, seed=3), heads, kv_heads, 24, 8, dtype, True)
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "decode"])
+def test_fp8_cache_under_a_bf16_model_on_fp16_dots(monkeypatch, scenario):
+    """A GPU gives a bf16 model bf16 dots, and an fp8 cache under it fp16 dots (q held to
+    fp16's range): that choice made here too (the interpreter would take float32 dots), the
+    kernel still attends like the torch reference, one q row past fp16's range included."""
+    module = sys.modules["engine.kernels.triton.paged_attention"]
+    choice = module.dot_dtype
+    monkeypatch.setattr(
+        module,
+        "dot_dtype",
+        lambda dt, dev: tl.bfloat16 if dt == torch.bfloat16 else choice(dt, dev),
+    )
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    seqs = _step(scenario, bs, seed=9)
+    cache, q, k, v = _inputs(seqs, heads, kv_heads, d, bs, torch.bfloat16, True)
+    q[0, 0] = 1e5  # beyond fp16's 65,504: clamped, so the row stays finite
+    common = common_metadata_from_seqs(seqs, bs)
+    ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16, device=DEVICE)
+    backend = TritonAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16, DEVICE)
+    ref, _ = _attend(ref_backend, cache, q, k, v, ref_backend.build_metadata(common))
+    out, _ = _attend(backend, cache, q, k, v, backend.build_metadata(common))
+    assert bool(torch.isfinite(out.float()).all())
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("splits", [1, 4])

@@ -33,7 +33,7 @@ from engine.attention import cpu_kernel
 from engine.attention.backends.base import AttentionMetadata
 from engine.attention.backends.cpu import CpuAttentionMetadata
 from engine.kernels.cpu import ops
-from engine.layers import cpu_fused, cpu_w4, cpu_w8a8
+from engine.layers import cpu_amx, cpu_fused, cpu_isa, cpu_w4, cpu_w8a8
 from engine.layers.quantization import GGUFW4LinearMethod, W4A8LinearMethod, W8A8LinearMethod
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -67,6 +67,7 @@ class _Step(ctypes.Structure):
         + [(n, _P) for n in ("cos", "sin", "slots", "block_tables", "context_lens", "scratch")]
         + [("threads", ctypes.c_int), ("decode_threads", ctypes.c_int), ("w8a8", ctypes.c_int)]
         + [(n, _P) for n in _W8A8_BUFFERS]
+        + [("amx", ctypes.c_int)]
     )
 
 
@@ -74,7 +75,7 @@ def enabled() -> bool:
     return os.environ.get("TESSERA_DECODE_PLAN", "1") != "0"
 
 
-W4, W8A8 = 0, 1  # the plan's two kinds of step
+W4, W8A8, W4_AMX = 0, 1, 2  # the plan's kinds of step
 
 
 def _linears(layer: torch.nn.Module) -> tuple:
@@ -90,6 +91,14 @@ def _in_features(m) -> int:  # a GGUF w4 layer's weight is its tiles' bytes
     return m.w4.in_features if _has_w4(m) else m.weight.shape[1]
 
 
+def _amx_w4(m) -> bool:  # a GGUF layer's Q4 tiles, which AMX-bf16 reads above 12 rows
+    return (
+        isinstance(m.quant_method, GGUFW4LinearMethod)
+        and m.w4 is not None
+        and m.w4.in_features % cpu_amx.K_CHUNK == 0
+    )
+
+
 def _has_w8a8(m) -> bool:  # w8a8 or w4a8: int8 activations, on the packed weight
     return isinstance(m.quant_method, W8A8LinearMethod) and m.packed_int8 is not None
 
@@ -97,11 +106,11 @@ def _has_w8a8(m) -> bool:  # w8a8 or w4a8: int8 activations, on the packed weigh
 class DecodePlan:
     """The layers' weights and caches as C structs, built once; run() takes a step."""
 
-    def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool):
+    def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool):
         layers = model.layers
         a0 = layers[0].self_attn
         self._run_fn = run_fn
-        self.w4, self.w8a8 = w4, w8a8  # which kinds of step the layers can run
+        self.w4, self.w8a8, self.w4_amx = w4, w8a8, w4_amx  # the kinds of step the layers run
         self._first_linears = _linears(layers[0])  # their row thresholds are every layer's
         self._shape = _Shape(
             hidden=model.norm.weight.shape[0], heads=a0.num_heads, kv_heads=a0.num_kv_heads,
@@ -153,6 +162,7 @@ class DecodePlan:
         w8a8 = all(_has_w8a8(m) for m in linears) and inter % 16 == 0
         if not (w4 or w8a8):
             return None
+        w4_amx = w4 and cpu_isa.plan().amx and cpu_amx.available() and all(map(_amx_w4, linears))
         for layer in model.layers:
             cache = layer.self_attn.attn.kv_cache
             if (
@@ -180,7 +190,7 @@ class DecodePlan:
         run_fn = ops.function("run_decode")
         if run_fn is None:
             return None
-        return cls(model, run_fn, w4, w8a8)
+        return cls(model, run_fn, w4, w8a8, w4_amx)
 
     def takes(self, rows: int, meta: AttentionMetadata) -> int | None:
         """The kind of step (W4, W8A8) the plan runs for this one, or None: the modules run it.
@@ -195,6 +205,8 @@ class DecodePlan:
         firsts = [m.quant_method.w8a8_min_rows(m, _in_features(m)) for m in self._first_linears]
         if self.w4 and 1 <= rows < min(firsts):
             return W4
+        if self.w4_amx and cpu_w4.max_rows() < rows and cpu_isa.plan().amx_w4_rows(rows):
+            return W4_AMX
         if self.w8a8 and max(firsts) <= rows <= cpu_w8a8.PACKED_MAX_ROWS:
             return W8A8
         return None
@@ -257,7 +269,7 @@ class DecodePlan:
         self._bufs["hidden"][:rows].copy_(hidden)
         for x in (cos, sin, meta.slot_mapping, kd.block_tables, kd.context_lens, kd.scratch):
             assert x.is_contiguous()
-        step.w8a8 = int(kind == W8A8)
+        step.w8a8, step.amx = int(kind == W8A8), int(kind == W4_AMX)
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slots = meta.slot_mapping.data_ptr()
         step.block_tables, step.max_blocks = kd.block_tables.data_ptr(), kd.block_tables.shape[1]

@@ -19,7 +19,9 @@ enum { QKV, O, GATE_UP, DOWN };
 static int linear(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
     int64_t K, bf16* y, int64_t N) {
   const int64_t M = st->rows; const int T = st->threads;
-  if (!st->w8a8) {  /* above w4.c's rows, the layers' batch kernel (w4_vnni_batch.c) */
+  if (!st->w8a8) {  /* above w4.c's rows, AMX-bf16 on the tiles or the batch kernel */
+    if (st->amx)
+      return amx_bf16_linear_w4(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, 0, T);
     if (M > w4_max_rows() && linear_q4_bf16_batch)
       return linear_q4_bf16_batch(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
     return linear_q4_bf16(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
@@ -30,9 +32,15 @@ static int linear(const Layer* L, int which, const Step* st, const bf16* x, int6
 }
 
 /* down(silu(gate) * up), [gate | up] = gate_up(x): w8a8 as cpu_w8a8.mlp_w8a8 (two int8 GEMMs,
-   the SiLU pass in the first one's tiles), 4-bit as the modules (SiLU-mul in the model dtype). */
+   the SiLU pass in the first one's tiles), 4-bit as the modules (SiLU-mul in the model dtype;
+   on AMX in gate_up's epilogue where the halves are whole tiles, as GGUFW4LinearMethod's
+   apply_gated_mlp). */
 static int mlp(const Layer* L, const Shape* s, const Step* st) {
   const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
+  if (!st->w8a8 && st->amx && I % 16 == 0 && !L->bias[GATE_UP]) {
+    if (amx_bf16_gated_w4(st->normed, Hd, M, Hd, L->w4[GATE_UP], I, st->act, I, T)) return -1;
+    return linear(L, DOWN, st, st->act, I, I, st->hidden, Hd);
+  }
   if (!st->w8a8) {
     if (linear(L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;
     silu_mul_bf16(st->gate_up, 2 * I, st->act, I, M, I, T);

@@ -11,9 +11,10 @@
 /* Rows from which a loop is split over threads. Single decode rows stay on the calling
    thread (a fork-join costs more than they do). At 128 decode rows (SmolLM2-135M, two Xeon
    AMX cores) splitting norms, SiLU and rotary from 32 rows made the step 4-10% faster
-   (80.4 / 83.4 -> 77.3 / 74.6 ms, alternated runs) and 32-row steps 3-7%. The earlier limit
-   (256) was set while the server held two OpenMP teams, which turned every fork-join into a
-   futex wake-up (BENCHMARKS.md, Lessons). */
+   (80.4 / 83.4 -> 77.3 / 74.6 ms, alternated runs) and 32-row steps 3-7%, and the server,
+   its front end on the same cores, served 32 and 128 streams 1.08x faster with it (and the
+   fused MLP). The earlier limit (256) was set while the server held two OpenMP teams, which
+   turned every fork-join into a futex wake-up (BENCHMARKS.md, Lessons). */
 #define PAR_ROWS 32
 
 /* residual (optional) += x; out = w * dtype(float(r) / rms(r)), per row of H.

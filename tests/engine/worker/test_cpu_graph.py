@@ -1,5 +1,6 @@
 """The one-call decode step (engine.worker.cpu_graph, the CPU's step graph): the same bytes as the modules,
-on 4-bit weights (1-12 rows; 1-7 on AMX) and on int8 activations (from 13 rows; 8), both KV
+on 4-bit weights (1-12 rows; 1-7 on AMX; a GGUF's tiles on AMX-bf16 above 12 rows) and on
+int8 activations (from 13 rows; 8), both KV
 cache dtypes, with and without biases; the steps it leaves to the modules; and the switch
 that turns it off."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_isa, cpu_w4, cpu_w8a8
+from engine.layers import cpu_amx, cpu_isa, cpu_w4, cpu_w8a8
 
 
 def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypatch):
@@ -112,9 +113,11 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     assert with_plan == without
     assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
     every_batch = cpu_w4.max_rows() >= 14 or (cpu_w4.batch_available() and not cpu_isa.plan().amx)
-    if every_batch:  # AVX2's w4 kernel, or VNNI's batch kernel above 12 rows (no AMX)
+    assert plan.w4_amx == (cpu_isa.plan().amx and cpu_amx.available())
+    if every_batch or plan.w4_amx:  # AVX2's w4 kernel, VNNI's batch kernel above 12 rows (no
+        # AMX), or AMX-bf16 on the tiles above 12 rows (the gate_up GEMM with SiLU-and-mul)
         assert plan.runs.get(14, 0) > 0 and max(plan.runs) > 14, plan.runs
-    else:  # AMX tiles above 12 rows: the modules
+    else:  # AMX tiles, but the kernels not built: the modules
         assert max(plan.runs) <= cpu_w4.max_rows(), plan.runs
 
 

@@ -146,6 +146,7 @@ typedef struct {
   float *h, *hmax;              /* w8a8 MLP: silu(gate) * up, down's input */
   int8_t* hq;
   float* hs;
+  int amx;                      /* 4-bit steps above w4.c's rows: the tiles on AMX-bf16 */
 } Step;
 int run_decode(const Shape* s, const Layer* layers, int64_t n_layers, const Step* st);
 

@@ -233,6 +233,11 @@ static void rows_against(const x_tiles* xt, int64_t m_begin, int64_t M, int64_t 
    block of x's rows each thread decodes its first unit's B tiles into a buffer (K * 64 bytes:
    in L2), then runs the block's row tiles over each unit while it decodes the next one into
    the other buffer. Decode batches (up to a few hundred rows) are one block. */
+/* Unit p's first (h = 0) and second (h = 1) tile. */
+static inline int64_t unit_tile(int64_t p, int h, int gated, int64_t panels) {
+  return gated ? h * (panels / 2) + p : 2 * p + h;
+}
+
 static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
     const uint16_t* bias, void* y, int64_t ldy, int out_f32, int gated, int nthreads) {
   if (M < 1) return 0;
@@ -259,19 +264,17 @@ static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M
         const int64_t mb_end = M - mb < mblock ? M : mb + mblock;
         uint16_t* cur = bufs; uint16_t* nxt = bufs + pair_elems;
         for (int64_t p = p_begin; p < p_end; ++p) {
-          /* this unit's tiles: 2 (or the last pair's 1) */
-          const int64_t t0 = gated ? p : 2 * p, t1 = gated ? panels / 2 + p : 2 * p + 1;
+          /* the columns of its blocks: 32 (gated: 16 gate, 16 up), or the last pair's fewer */
           const int nc = gated ? 32 : (N - 32 * p < 32 ? (int)(N - 32 * p) : 32);
           if (p == p_begin) {
-            fill_w4(w + t0 * tile_bytes, KC, cur);
-            if (nc > 16) fill_w4(w + t1 * tile_bytes, KC, cur + KC * BTILE);
+            fill_w4(w + unit_tile(p, 0, gated, panels) * tile_bytes, KC, cur);
+            if (nc > 16) fill_w4(w + unit_tile(p, 1, gated, panels) * tile_bytes, KC, cur + KC * BTILE);
           }
           w4_decoder dec = {0};
-          if (p + 1 < p_end) {
-            const int64_t q = p + 1;
-            const int64_t u0 = gated ? q : 2 * q, u1 = gated ? panels / 2 + q : 2 * q + 1;
-            const int64_t tiles = gated || N - 32 * q > 16 ? 2 : 1;
-            dec = (w4_decoder){w + u0 * tile_bytes, w + u1 * tile_bytes, nxt, tiles * KC, KC, 1};
+          if (p + 1 < p_end) {  /* the next unit's tiles: 2, or the last pair's 1 */
+            const int64_t q = p + 1, tiles = gated || N - 32 * q > 16 ? 2 : 1;
+            dec = (w4_decoder){w + unit_tile(q, 0, gated, panels) * tile_bytes,
+                               w + unit_tile(q, 1, gated, panels) * tile_bytes, nxt, tiles * KC, KC, 1};
           }
           rows_against(&xt, mb, mb_end, Kp, cur, cur + KC * BTILE, nc,
                        gated ? 16 * p : 32 * p, bias, y, ldy, out_f32, gated,

@@ -37,13 +37,13 @@ static int linear(const Layer* L, int which, const Step* st, const bf16* x, int6
    apply_gated_mlp). */
 static int mlp(const Layer* L, const Shape* s, const Step* st) {
   const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
-  if (!st->w8a8 && st->amx && I % 16 == 0 && !L->bias[GATE_UP]) {
-    if (amx_bf16_gated_w4(st->normed, Hd, M, Hd, L->w4[GATE_UP], I, st->act, I, T)) return -1;
-    return linear(L, DOWN, st, st->act, I, I, st->hidden, Hd);
-  }
   if (!st->w8a8) {
-    if (linear(L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;
-    silu_mul_bf16(st->gate_up, 2 * I, st->act, I, M, I, T);
+    if (st->amx && I % 16 == 0 && !L->bias[GATE_UP]) {
+      if (amx_bf16_gated_w4(st->normed, Hd, M, Hd, L->w4[GATE_UP], I, st->act, I, T)) return -1;
+    } else {
+      if (linear(L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;
+      silu_mul_bf16(st->gate_up, 2 * I, st->act, I, M, I, T);
+    }
     return linear(L, DOWN, st, st->act, I, I, st->hidden, Hd);
   }
   quantize_rows_bf16(st->normed, Hd, M, Hd, st->xq, st->xs, T);

@@ -25,9 +25,10 @@ path. The LM head reads the file's rows (output.weight, or the tied token_embd) 
 batches, and in large ones the float table a tied embedding keeps anyway; an untied head
 holds no float weight (an 8B model's 1 GB in bf16) and multiplies large batches on its rows
 like the other layers (AMX's decoded rows, or slices dequantized per call); with AVX2, or
-AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch. An embedding not tied to the head looks its tokens
-up in the file's token_embd blocks (GGUFEmbeddingRows: an 8B model's 1 GB bf16 table becomes
-its ~0.3 GB of blocks); a tied one stays the float table the head reads.
+AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch. An embedding not tied
+to the head looks its tokens up in the file's token_embd blocks (GGUFEmbeddingRows: an 8B
+model's 1 GB bf16 table becomes its ~0.3 GB of blocks); a tied one stays the float table the
+head reads.
 """
 
 from __future__ import annotations
@@ -153,9 +154,8 @@ class GGUFLMHeadMethod(LMHeadMethodBase):
     def greedy(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
         """Above the dot kernels' rows, on the tied float table: AMX's argmax epilogue where
         the weight's call runs there (the same bf16 logits apply() returns); else None."""
-        if hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]:
-            return None
-        if head.weight.numel() == 0:
+        small = hidden.numel() <= cpu_gguf.dot_max_rows() * hidden.shape[-1]
+        if small or head.weight.numel() == 0:
             return None
         return greedy_by_rows(head, hidden, head.weight)
 

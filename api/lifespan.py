@@ -68,6 +68,7 @@ class ServerState:
 
     def require_engine(self) -> Any:
         """The engine, or a 503 (with Retry-After) that says why no work is admitted now."""
+        self._take_engine_death()
         if self.engine_error is not None:
             raise unavailable(f"The engine died: {self.engine_error}", retry_after=5)
         if self.phase is Phase.READY and self.engine is not None:
@@ -94,6 +95,7 @@ class ServerState:
 
     def health(self) -> tuple[bool, str]:
         """(healthy, status word) for /health."""
+        self._take_engine_death()
         if self.engine_error is not None:
             return False, "engine_dead"
         if self.phase is not Phase.READY:
@@ -147,6 +149,13 @@ class ServerState:
         on_dead = getattr(engine, "on_dead", None)  # test doubles may not have it
         if on_dead is not None:
             on_dead(self._engine_died)
+
+    def _take_engine_death(self) -> None:
+        """The engine marks itself dead a loop turn before its listener reaches us: take the
+        news from the engine itself, so /health and admission say "died" from that moment."""
+        dead = getattr(self.engine, "dead_error", None)  # test doubles may not have it
+        if dead is not None:
+            self._engine_died(dead)
 
     def _engine_died(self, exc: BaseException) -> None:
         """The engine can serve no more: fail fast and stop, so a supervisor restarts us."""

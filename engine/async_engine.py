@@ -212,6 +212,11 @@ class AsyncEngine:
         self._inbox.put(("blocks", future))
         return await asyncio.wrap_future(future)
 
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine died (set on the engine thread, before the listeners hear of it)."""
+        return self._dead
+
     def is_healthy(self) -> bool:
         if self._dead is not None or self._thread is None or not self._thread.is_alive():
             return False

@@ -4,6 +4,7 @@ so a supervisor restarts it, leaving no worker behind."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -15,7 +16,12 @@ import torch
 from litestar.testing import TestClient
 
 from api.app import create_app
+from api.errors import APIError
+from api.lifespan import ServerState
 from api.settings import Settings
+from engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineDeadError
 from tests.api.conftest import stream_in_thread
 
 pytestmark = pytest.mark.slow
@@ -70,6 +76,32 @@ def test_health_and_requests_answer_503_once_a_worker_died(tiny_llama_dir, tmp_p
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert "The engine died" in r.json()["error"]["message"]
         assert not worker.is_running()
+
+
+async def test_a_death_is_reported_before_its_listener_ran(tiny_llama_dir, tmp_path):
+    """The engine thread marks itself dead, and tells the server a loop turn later: /health
+    and admission must say "died" (not "unhealthy", not admit) in between."""
+    engine = await AsyncEngine.create(
+        EngineConfig(
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=256),
+        )
+    )
+    state = ServerState(Settings(model=str(tiny_llama_dir), data_dir=str(tmp_path)), engine)
+    fatal: list[bool] = []
+    state.on_fatal = lambda: fatal.append(True)
+    await state.start()
+    try:
+        engine._mark_dead(EngineDeadError(DIED + " died"))  # as the engine thread does
+        assert state.health() == (False, "engine_dead")
+        with pytest.raises(APIError) as refused:
+            state.require_engine()
+        assert refused.value.status_code == 503 and DIED in refused.value.message
+        await asyncio.sleep(0.05)  # the listener's turn: told once, not twice
+        assert fatal == [True]
+    finally:
+        await engine.shutdown()
 
 
 def test_serve_exits_non_zero_when_a_worker_dies_mid_stream(start_server, tiny_llama_dir):

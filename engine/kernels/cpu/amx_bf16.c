@@ -128,8 +128,7 @@ static void epilogue(const float* out, int mr, int nc, int64_t m0, int64_t n0,
     const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias)
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0 + h)), 16));
+      b = bf16x16_to_f32(_mm256_maskz_loadu_epi16(keep, bias + n0 + h));
     for (int i = 0; i < mr; ++i) {
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(out + i * 32 + h), b);
       const int64_t at = (m0 + i) * ldy + n0 + h;
@@ -371,8 +370,7 @@ static void epilogue_t(const float* out, int mr, int nc, int64_t m0, int64_t n0,
     const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias)
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0 + hn)), 16));
+      b = bf16x16_to_f32(_mm256_maskz_loadu_epi16(keep, bias + n0 + hn));
     for (int hm = 0; hm < mr; hm += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(out + (hn + i) * 32 + hm);
@@ -423,8 +421,8 @@ static void argmax_fold_t(const float* out, int mr, int nc, int64_t m0, int64_t 
     __m512i a = _mm512_maskz_loadu_epi64((__mmask8)rows, at + m0 + hm);
     __m512i a2 = _mm512_maskz_loadu_epi64((__mmask8)(rows >> 8), at + m0 + hm + 8);
     for (int n = 0; n < nc; ++n) {
-      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out + n * 32 + hm))), 16));
+      const __m512 v =
+          bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out + n * 32 + hm)));
       const __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
       b = _mm512_mask_mov_ps(b, gt, v);
       const __m512i col = _mm512_set1_epi64(n0 + n);

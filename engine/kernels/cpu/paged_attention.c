@@ -110,8 +110,7 @@ DEFINE_ONE(one_bf16_generic, uint16_t, bf2f, f2bf)
 /* 16 values as floats, by element type (LOAD16_##T) */
 static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16_(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  return bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)p));
 }
 #define LOAD16_float load16_f32
 #define LOAD16_uint16_t load16_bf16_

@@ -99,8 +99,7 @@ static inline __attribute__((always_inline)) void tiles_q4(const int16_t* xq, co
     const __mmask16 keep = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias)
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
+      b = bf16x16_to_f32(_mm256_maskz_loadu_epi16(keep, bias + n0));
     for (int m = 0; m < M; ++m) {
       _mm256_mask_storeu_epi16(y + m * ldy + n0, keep,
                                f2bf512(_mm512_fmadd_ps(acc[m], _mm512_set1_ps(xs[m]), b)));

@@ -36,8 +36,7 @@ static void prep_row(const uint16_t* x, int64_t K, int8_t* xq, float* xd, float*
   for (int64_t g = 0; g < K / 32; ++g) {
     __m512 v[2];
     for (int h = 0; h < 2; ++h)
-      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + g * 32 + 16 * h))), 16));
+      v[h] = bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)(x + g * 32 + 16 * h)));
     const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
     const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv));
@@ -108,8 +107,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
   }
   __m512 b = _mm512_setzero_ps();
   if (bias)
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16));
+    b = bf16x16_to_f32(_mm256_maskz_loadu_epi16(keep, bias + n0));
   for (int m = 0; m < R; ++m)
     _mm256_mask_storeu_epi16((uint16_t*)y + m * ldy + n0, keep, f2bf512(_mm512_add_ps(acc[m], b)));
 }

@@ -242,8 +242,8 @@ __attribute__((noinline)) static void epilogue_tile(const int32_t* t, int mr, in
       const __m512 as = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(t + r * 16 * GEMM_NV + 16 * v)), sm);
       const __m512 wn = _mm512_loadu_ps(ep->ws + n);
       if (ep->bf16) {
-        const __m512 f = ep->bias ? _mm512_fmadd_ps(as, wn, _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)ep->bias + n))), 16)))
+        const __m512 f = ep->bias ? _mm512_fmadd_ps(as, wn, bf16x16_to_f32(
+            _mm256_loadu_si256((const __m256i*)((const uint16_t*)ep->bias + n))))
                                   : _mm512_mul_ps(as, wn);
         _mm256_storeu_si256((__m256i*)((uint16_t*)ep->y + at), f2bf512(f));
       } else {
@@ -374,7 +374,7 @@ int gemm_i8_argmax(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const uin
 typedef struct { const float* xs; const float* ws; const void* bias; int bias_bf16;
                  float* h; float* hmax; int64_t I, nblk; } silu_epilogue;
 static inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  return bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)p));
 }
 /* 16 values of a tile row: sums * sm * ws (+ bias), as float */
 static inline __m512 scaled16(const int32_t* t, __m512 sm, const float* ws, const void* bias,

@@ -29,22 +29,38 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deploy" / "nginx" / "nginx.conf"
 
 
-def ensure_nginx() -> str:
-    if (found := nginx_binary()) is not None:
+def ensure_debian_binary(name: str, package: str, find=None) -> str:
+    """The path of `name`, installed from Debian's `package` when missing (as CI does on a
+    fresh machine); without apt, a skip (a failure under CI: it must run these tests)."""
+    find = find or (
+        lambda: (
+            shutil.which(name)
+            or next(
+                (p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if Path(p).exists()), None
+            )
+        )
+    )
+    if (found := find()) is not None:
         return found
     if shutil.which("apt-get"):
-        install = ["apt-get", "install", "-y", "-q", "nginx"]
+        install = ["apt-get", "install", "-y", "-q", package]
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         if subprocess.run(install, check=False, capture_output=True, env=env).returncode != 0:
             # A fresh machine has no package lists yet.
             subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
             subprocess.run(install, check=False, capture_output=True, env=env)
-    if (found := nginx_binary()) is None:
-        message = "Debian nginx is not installed and could not be (apt-get install -y nginx)"
+    if (found := find()) is None:
+        message = (
+            f"Debian {package} is not installed and could not be (apt-get install -y {package})"
+        )
         if os.environ.get("CI"):
-            pytest.fail(message)  # CI must run the proxy tests, not skip them quietly
+            pytest.fail(message)  # CI must run these tests, not skip them quietly
         pytest.skip(message)
     return found
+
+
+def ensure_nginx() -> str:
+    return ensure_debian_binary("nginx", "nginx", nginx_binary)
 
 
 def render_config(upstreams: dict[str, int], listen: int, tmp: Path) -> str:
@@ -90,6 +106,25 @@ class NginxProxy:
                     return [a for a in re.split(r",\s*|\s:\s", addr) if a]
             assert time.monotonic() < deadline, f"request {request_id} is not in nginx's log"
             time.sleep(0.02)
+
+    def connected_to(self, port: int) -> bool:
+        """Whether one of this nginx's own processes holds an established connection to
+        127.0.0.1:`port`. Only its own: other proxies (the module's, earlier tests') keep
+        keep-alive connections to the same replicas, which a host-wide look would count."""
+        import psutil
+
+        master = psutil.Process(self.proc.pid)
+        for proc in [master, *master.children()]:
+            try:
+                conns = proc.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            if any(
+                c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                for c in conns
+            ):
+                return True
+        return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:

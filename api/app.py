@@ -75,8 +75,11 @@ def create_app(
         settings.model_name,
         max_model_len=settings.max_model_len or 1_000_000,
         key_label=settings.metrics_key_label,
+        tenant_label=settings.metrics_tenant_label,
     )
     metrics.tracing = tracing
+    if tracing is not None:  # tessera:trace_spans_dropped_total
+        tracing.register_metrics(metrics.registry)
     access = Access(settings, metrics)
     handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
     if access.keys is not None:

@@ -138,7 +138,7 @@ def serve(settings: Settings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     try:
-        tracing = tracing_from_settings(settings.otlp_traces_endpoint)
+        tracing = tracing_from_settings(settings)
     except TracingUnavailable as e:
         print(f"tessera serve: {e}", file=sys.stderr)
         return 1

@@ -162,6 +162,12 @@ class Settings:
         "Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. "
         "http://localhost:4318/v1/traces); needs the `otel` extra."
     )
+    otlp_shutdown_timeout: float = _flag(
+        "Seconds shutdown waits for the trace collector to take the spans still queued; the "
+        "rest are dropped (logged as a warning, counted in tessera:trace_spans_dropped_total).",
+        2.0,
+        float,
+    )
     num_threads: int | None = _flag(
         "torch intra-op threads (default: torch's choice, usually one per core).", None, _opt_int
     )
@@ -346,6 +352,10 @@ class Settings:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not self.otlp_shutdown_timeout >= 0:
+            raise ValueError(
+                f"otlp_shutdown_timeout must be >= 0 seconds, got {self.otlp_shutdown_timeout}"
+            )
         if self.max_body_size < 1024:
             raise ValueError(f"max_body_size must be at least 1KiB, got {self.max_body_size}")
         if self.max_prompts_per_request < 1:

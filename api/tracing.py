@@ -1,6 +1,7 @@
 """OpenTelemetry traces (optional: `pip install tessera[otel]`), named as vLLM names them.
 
-    tracing = Tracing.from_endpoint("http://collector:4318/v1/traces")   # --otlp-traces-endpoint
+    tracing = Tracing.from_endpoint("http://collector:4318/v1/traces",   # --otlp-traces-endpoint
+                                    shutdown_timeout=2.0)                # --otlp-shutdown-timeout
     tracing = Tracing.with_exporter(InMemorySpanExporter())              # tests
     create_app(settings, tracing=tracing)
 
@@ -19,23 +20,33 @@ Spans of one HTTP request:
         "queue"          arrival -> first scheduled (the engine's queue_time)
         "prefill"        first scheduled -> first token
         "decode"         first token -> last token
-Spans are exported in batches off the request path (BatchSpanProcessor).
+Spans are exported in batches off the request path (api/trace_export.py): a full queue or a
+slow collector drops spans (tessera:trace_spans_dropped_total), never delays a request, and
+shutdown waits at most --otlp-shutdown-timeout seconds for the collector.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.request_context import RequestRef
+
+if TYPE_CHECKING:
+    from api.settings import Settings
 
 INSTALL_HINT = (
     "--otlp-traces-endpoint needs the OpenTelemetry packages: pip install 'tessera[otel]' "
     "(opentelemetry-api, opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)"
 )
+
+# Seconds one export to the collector may take (OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT overrides).
+EXPORT_TIMEOUT_S = 5.0
+_TIMEOUT_VARIABLES = {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"}
 
 
 class TracingUnavailable(RuntimeError):
@@ -69,6 +80,7 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = provider
+        self.processor: Any = None  # api.trace_export.BoundedSpanProcessor, when exporting
         self.tracer = provider.get_tracer("tessera")
         self._kind_server = SpanKind.SERVER
         self._error = Status(StatusCode.ERROR)
@@ -84,15 +96,23 @@ class Tracing:
         return sdk_trace.TracerProvider(resource=Resource.create({"service.name": "tessera"}))
 
     @classmethod
-    def from_endpoint(cls, endpoint: str) -> Tracing:
+    def from_endpoint(cls, endpoint: str, shutdown_timeout: float = 2.0) -> Tracing:
+        """Spans to an OTLP/HTTP collector; shutdown waits at most `shutdown_timeout` s for it."""
         provider = cls._sdk()
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            from api.trace_export import BoundedSpanProcessor
         except ImportError as exc:
             raise TracingUnavailable(INSTALL_HINT) from exc
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        return cls(provider)
+        # The SDK's default is 10 s a batch; while a batch waits, later spans queue (or drop).
+        timeout = None if _TIMEOUT_VARIABLES & os.environ.keys() else EXPORT_TIMEOUT_S
+        exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout)
+        processor = BoundedSpanProcessor(exporter, shutdown_timeout=shutdown_timeout)
+        provider.add_span_processor(processor)
+        tracing = cls(provider)
+        tracing.processor = processor
+        return tracing
 
     @classmethod
     def with_exporter(cls, exporter: Any) -> Tracing:
@@ -103,8 +123,16 @@ class Tracing:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         return cls(provider)
 
+    def register_metrics(self, registry: Any) -> None:
+        """tessera:trace_spans_dropped_total on `registry` (exporting to a collector only)."""
+        if self.processor is not None:
+            from api.trace_export import SpansDroppedCollector
+
+            registry.register(SpansDroppedCollector(self.processor))
+
     def shutdown(self) -> None:
-        self.provider.shutdown()  # flushes what the batch processor still holds
+        # Sends what is still queued, for at most the processor's shutdown_timeout.
+        self.provider.shutdown()
 
     # -- the server span (api/request_context.RequestIdMiddleware) ------------------------------
     @contextlib.contextmanager
@@ -176,9 +204,12 @@ class Tracing:
         span.end(end_time=at(r.finished))
 
 
-def tracing_from_settings(endpoint: str | None) -> Tracing | None:
+def tracing_from_settings(settings: Settings) -> Tracing | None:
     """None without an endpoint; TracingUnavailable (a clear message) without the packages."""
-    return Tracing.from_endpoint(endpoint) if endpoint else None
+    endpoint = settings.otlp_traces_endpoint
+    if not endpoint:
+        return None
+    return Tracing.from_endpoint(endpoint, shutdown_timeout=settings.otlp_shutdown_timeout)
 
 
 __all__ = ["FinishedRequest", "Tracing", "TracingUnavailable", "tracing_from_settings"]

@@ -103,6 +103,7 @@ def test_env_fallback_and_flag_precedence():
         ({"TESSERA_ENABLE_PREFIX_CACHING": "maybe"}, "TESSERA_ENABLE_PREFIX_CACHING"),
         ({"TESSERA_AUTH": "open"}, "must be one of keys, static, none"),
         ({"TESSERA_SHUTDOWN_TIMEOUT": "-1"}, "shutdown_timeout"),
+        ({"TESSERA_OTLP_SHUTDOWN_TIMEOUT": "-1"}, "otlp_shutdown_timeout"),
     ],
 )
 def test_bad_env_values_name_the_variable(env, message):

@@ -31,9 +31,11 @@ from api.bootstrap import (
     load_or_create_admin_token,
     print_banner,
     warn_open_server,
+    warn_short_secrets,
 )
 from api.db.session import Database, redact
 from api.db_timeout import TimedService
+from api.login_throttle import LoginThrottle
 from api.services.keys import KeyService
 from api.services.quotas import QuotaService
 from api.services.tenants import TenantService
@@ -73,12 +75,27 @@ class Access:
         self.recorder = UsageRecorder(self.db) if self.db is not None else None
         quotas = QuotaService(self.db) if self.db is not None else None
         self.accountant = Accountant(quotas, self.recorder, metrics)
+        # Wrong admin / metrics tokens, per client: the console login, the admin API, /metrics;
+        # and apart, the admin token presented as an API key (api/login_throttle.py).
+        limits = (settings.login_max_failures, settings.login_failure_window)
+        self.login_throttle = LoginThrottle(
+            *limits,
+            metrics=metrics,
+            consequence="the console, the admin API and a protected /metrics refuse it (429)",
+        )
+        self.api_login_throttle = LoginThrottle(
+            *limits,
+            metrics=metrics,
+            consequence="the admin token is not accepted from it as an API key meanwhile",
+        )
 
     def state_entries(self) -> dict[str, Any]:
         """What routes, guards, the admin API and the console read from app.state."""
         entries: dict[str, Any] = {
             "authenticator": self.authenticator,
             "accountant": self.accountant,
+            "login_throttle": self.login_throttle,
+            "api_login_throttle": self.api_login_throttle,
         }
         if self.keys is not None:
             # The admin REST API and the console: every call under --db-timeout.
@@ -90,6 +107,7 @@ class Access:
     async def start(self) -> None:
         if self.settings.auth == "none":
             warn_open_server()
+        warn_short_secrets(self.settings.admin_token, self.settings.metrics_token)
         if self.db is None:
             return
         await self.db.ensure_schema()

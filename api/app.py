@@ -3,7 +3,8 @@
 Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the admin REST API
 (/admin/v1; the admin token; mounted with a database), the console (/console; a session from
 the admin token), and the open system routes (/health, /version, /metrics — the last behind
-the admin token with --metrics-require-admin). OpenAPI at /docs.
+--metrics-token and/or the admin token with --metrics-require-admin). OpenAPI at /docs.
+Wrong admin or metrics tokens count towards a per-client lockout (api/login_throttle.py).
 
 Lifespans: the access layer (api/access.py: database, keys, quotas, usage ledger) starts
 first and stops last, so in-flight requests drain (api/lifespan.py) before their quota

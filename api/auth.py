@@ -6,6 +6,7 @@ Interface:
                          admin_token="..." | None, cache_ttl=2.0)
     principal = await auth.authenticate(request.headers.get("authorization"))
     admin = auth.authenticate_admin(request.headers.get("authorization"))
+    principal = await auth.authenticate(header, admin=False)  # not the admin token (lockout)
     auth.check_model(principal, "model-name")      # 403 permission_denied
     auth.invalidate()                              # drop cached lookups (after admin edits)
 
@@ -145,6 +146,11 @@ def parse_bearer(authorization: str | None) -> str:
     return token
 
 
+def key_shaped(token: str) -> bool:
+    """Shaped like a database API key (256 random bits: not worth guessing, never throttled)."""
+    return _KEY_RE.fullmatch(token) is not None
+
+
 def _same_secret(token: str, digest: bytes) -> bool:
     # Compare fixed-length digests so timing reveals neither content nor length.
     return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
@@ -184,12 +190,18 @@ class Authenticator:
         self._lookup_slots: asyncio.Semaphore | None = None
         self.db_lookups = 0  # lookups that reached the database (for tests and metrics)
 
+    @property
+    def has_admin_token(self) -> bool:
+        return self._admin is not None
+
     # -- inference routes -------------------------------------------------------------
-    async def authenticate(self, authorization: str | None) -> Principal:
+    async def authenticate(self, authorization: str | None, *, admin: bool = True) -> Principal:
+        """`admin=False`: the admin token is not compared (the caller's address is locked out
+        after wrong admin tokens, api/login_throttle.py), so it gets 401 like any wrong key."""
         if self.mode == "none":
             return ANONYMOUS
         token = parse_bearer(authorization)
-        if self._admin is not None and _same_secret(token, self._admin):
+        if admin and self._admin is not None and _same_secret(token, self._admin):
             return ADMIN
         if any(_same_secret(token, d) for d in self._static):  # --api-key, in either mode
             return STATIC
@@ -283,5 +295,6 @@ __all__ = [
     "DB_ERRORS",
     "Principal",
     "STATIC",
+    "key_shaped",
     "parse_bearer",
 ]

@@ -99,3 +99,24 @@ def warn_open_server(out: TextIO | None = None) -> None:
     )
     print(f"{rule}\n{message}\n{rule}", file=out, flush=True)
     log.warning("Authentication is disabled (--auth none)")
+
+
+# 32 characters of token_urlsafe carry 192 bits; a generated admin token has 43 (256 bits).
+MIN_SECRET_LEN = 32
+GOOD_SECRET_HINT = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
+
+
+def warn_short_secrets(admin_token: str | None, metrics_token: str | None = None) -> None:
+    """A WARNING for an --admin-token or --metrics-token shorter than MIN_SECRET_LEN (never
+    refused: tests and trials use short ones). Logs the length, never the secret."""
+    for flag, secret in (("--admin-token", admin_token), ("--metrics-token", metrics_token)):
+        if secret and len(secret) < MIN_SECRET_LEN:
+            log.warning(
+                "%s is only %d characters long: a short token can be guessed (failed attempts "
+                "are throttled per client address, not across addresses). Use at least %d "
+                "random characters, e.g. from `%s`",
+                flag,
+                len(secret),
+                MIN_SECRET_LEN,
+                GOOD_SECRET_HINT,
+            )

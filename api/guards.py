@@ -10,8 +10,9 @@ default: every controller of inference, tokenizer and admin routes declares a gu
     async def handler(principal: NamedDependency[Principal]) -> ...
 
 Both guards read `app.state.authenticator` (an api.auth.Authenticator) and raise
-api.errors.APIError (401, or 503 on a database outage), which the app's exception handler
-renders as the OpenAI error envelope. require_api_key stores the Principal in the
+api.errors.APIError (401, or 503 on a database outage; require_admin 429 while the client is
+locked out after wrong admin tokens), which the app's exception handler renders as the
+OpenAI error envelope. require_api_key stores the Principal in the
 connection's state, where provide_principal (and check_model) find it.
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 from litestar.connection import ASGIConnection, Request
 from litestar.handlers.base import BaseRouteHandler
 
-from api.auth import Authenticator, Principal
+from api.auth import Authenticator, Principal, key_shaped, parse_bearer
+from api.errors import APIError
+from api.login_throttle import api_throttle_of, check_secret, client_address
 
 PRINCIPAL_STATE_KEY = "principal"
 
@@ -30,15 +33,47 @@ def _authenticator(connection: ASGIConnection) -> Authenticator:
 
 
 async def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    principal = await _authenticator(connection).authenticate(
-        connection.headers.get("authorization")
-    )
+    """An API key, or the admin token: so the API routes have a lockout of their own
+    (api/login_throttle.py): a wrong token that is not shaped like a database key counts
+    as a failure, and while the client is locked out the admin token is not compared (401,
+    like any wrong key); database keys are never held back."""
+    header = connection.headers.get("authorization")
+    auth = _authenticator(connection)
+    throttle = api_throttle_of(connection.app)
+    if throttle is None or auth.mode == "none" or not header or not auth.has_admin_token:
+        connection.state[PRINCIPAL_STATE_KEY] = await auth.authenticate(header)
+        return
+    client = client_address(connection)
+    locked = throttle.locked_for(client)
+    try:
+        principal = await auth.authenticate(header, admin=locked <= 0)
+    except APIError as exc:
+        token = _bearer_token(header)
+        guess = exc.status_code == 401 and token is not None and not key_shaped(token)
+        if guess and locked <= 0:
+            throttle.failure(client, "api")
+        raise
+    if principal.is_admin:
+        throttle.success(client)
     connection.state[PRINCIPAL_STATE_KEY] = principal
 
 
+def _bearer_token(header: str) -> str | None:
+    try:
+        return parse_bearer(header)
+    except APIError:
+        return None  # malformed: it could not have been the admin token either
+
+
 def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    principal = _authenticator(connection).authenticate_admin(
-        connection.headers.get("authorization")
+    """The admin token, under the per-client lockout of wrong ones (api/login_throttle.py):
+    429 with Retry-After during a lockout, the token unchecked."""
+    header = connection.headers.get("authorization")
+    principal = check_secret(
+        connection,
+        "admin_api",
+        lambda: _authenticator(connection).authenticate_admin(header),
+        attempted=bool(header),
     )
     connection.state[PRINCIPAL_STATE_KEY] = principal
 

@@ -6,6 +6,7 @@ unchanged) plus Tessera's own under `tessera:`.
     metrics.observe(request_id, output)            # each cumulative RequestOutput, in order
     metrics.request_aborted(request_id)            # the client left before the engine finished
     metrics.rejected("quota" | "admission", reason)
+    metrics.login_failure(surface) / login_lockout(surface)   # api/login_throttle.py
     metrics.render() -> bytes                      # the /metrics body (CONTENT_TYPE)
 
     Litestar(..., plugins=[MetricsPlugin(metrics)])  # GET /metrics, HTTP counting, state.metrics
@@ -18,10 +19,19 @@ token counters) is read from `stats()` at scrape time, so it is never stale and 
 per step. Request-level series (request_success, the latency and length histograms, per-key
 usage) are observed by the request path. Nothing is global: every Metrics has its own
 registry unless one is passed in.
+
+Who can be told apart in /metrics is the operator's choice, off by default (/metrics is often
+reachable by more people than the admin API): `key_label` names the label of
+tessera:requests / tessera:tokens (none: one series for all keys; name: key_name; id:
+key_id), `tenant_label` whether the tessera:*_by_tenant families exist (none) or carry the
+engine's opaque tenant id (id). /metrics itself may ask for a bearer token (--metrics-token,
+or the admin token with --metrics-require-admin).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +65,9 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4"
 FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 REJECTION_KINDS = ("quota", "admission")
+KEY_LABELS = ("none", "name", "id")  # --metrics-key-label
+TENANT_LABELS = ("none", "id")  # --metrics-tenant-label
+LOGIN_SURFACES = ("console", "admin_api", "metrics", "api")  # api/login_throttle.py
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -94,9 +107,12 @@ class _Live:
 class _EngineCollector(Collector):
     """Engine gauges and counters, read from the engine's stats snapshot at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats | None], by_tenant: bool = False
+    ) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.by_tenant = by_tenant  # the tessera:*_by_tenant families (--metrics-tenant-label id)
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -137,7 +153,8 @@ class _EngineCollector(Collector):
         )
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield gauge("tessera:kv_cache_blocks", "KV-cache blocks in the pool.", s.num_blocks)
-        yield from _tenant_counters(label, s.tenants)
+        if self.by_tenant:
+            yield from _tenant_counters(label, s.tenants)
         yield gauge(
             "tessera:engine_loop_alive", "1 while the engine step loop runs.", int(s.loop_alive)
         )
@@ -168,12 +185,19 @@ class Metrics:
         *,
         stats: Callable[[], EngineStats | None] | None = None,
         max_model_len: int = 1_000_000,
-        key_label: str = "name",
+        key_label: str = "none",
+        tenant_label: str = "none",
     ) -> None:
-        if key_label not in ("name", "id"):
-            raise ValueError(f"key_label must be name or id, got {key_label!r}")
-        self.key_label = key_label  # tessera:requests / tokens labelled key_name or key_id
-        key = "key_id" if key_label == "id" else "key_name"
+        if key_label not in KEY_LABELS:
+            raise ValueError(f"key_label must be one of {', '.join(KEY_LABELS)}; got {key_label!r}")
+        if tenant_label not in TENANT_LABELS:
+            raise ValueError(
+                f"tenant_label must be one of {', '.join(TENANT_LABELS)}; got {tenant_label!r}"
+            )
+        # tessera:requests / tokens: one series for all keys (none), or per key_name / key_id.
+        self.key_label = key_label
+        self.tenant_label = tenant_label
+        key = {"none": [], "name": ["key_name"], "id": ["key_id"]}[key_label]
         if registry is None:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)
@@ -185,7 +209,8 @@ class Metrics:
         self.has_stats = stats is not None
         self._live: dict[str, _Live] = {}
         self.tracing: Any = None  # api.tracing.Tracing: an llm_request span per finished request
-        registry.register(_EngineCollector(model_name, lambda: self._stats()))
+        by_tenant = tenant_label == "id"
+        registry.register(_EngineCollector(model_name, lambda: self._stats(), by_tenant))
         m = ["model_name"]
 
         def hist(name: str, doc: str, buckets: Any) -> Histogram:
@@ -217,14 +242,14 @@ class Metrics:
         )
         self.key_requests = Counter(
             "tessera:requests",
-            "Finished engine requests per API key (one per prompt).",
-            [key],
+            "Finished engine requests (one per prompt); per API key with --metrics-key-label.",
+            key,
             registry=registry,
         )
         self.key_tokens = Counter(
             "tessera:tokens",
-            "Tokens per API key; kind is prompt or generation.",
-            [key, "kind"],
+            "Tokens (kind: prompt or generation); per API key with --metrics-key-label.",
+            [*key, "kind"],
             registry=registry,
         )
         self.quota_rejections = Counter(
@@ -245,6 +270,23 @@ class Metrics:
             ["route", "method", "status"],
             registry=registry,
         )
+        self.login_failures = Counter(
+            "tessera:login_failures",
+            "Wrong secrets sent to the console login, the admin API, /metrics, or to an API "
+            "route when not shaped like an API key (a guess at the admin token), by surface.",
+            ["surface"],
+            registry=registry,
+        )
+        self.login_lockouts = Counter(
+            "tessera:login_lockouts",
+            "Clients locked out after too many failed attempts (--login-max-failures), by the "
+            "surface of the attempt that started the lockout.",
+            ["surface"],
+            registry=registry,
+        )
+        for surface in LOGIN_SURFACES:  # present at 0, so that alerts see the first one
+            self.login_failures.labels(surface)
+            self.login_lockouts.labels(surface)
 
     def bind_stats(self, stats: Callable[[], EngineStats | None]) -> None:
         """Point the engine series at an engine's stats() (once it has loaded)."""
@@ -258,7 +300,7 @@ class Metrics:
     ) -> None:
         # Called in the HTTP request's task: its ids (and trace context) are the current ones.
         trace_context = self.tracing.current_context() if self.tracing is not None else None
-        label = key_id if self.key_label == "id" else key_name
+        label = {"none": None, "name": key_name, "id": key_id}[self.key_label]
         self._live[request_id] = _Live(
             time.monotonic(), key_name, ref=snapshot(trace_context), key_label=label
         )
@@ -315,7 +357,11 @@ class Metrics:
         self.generation_len.labels(self.model_name).observe(generation_tokens)
         if queue_time is not None:
             self.queue_time.labels(self.model_name).observe(queue_time)
-        if key_name is not None:
+        if self.key_label == "none":
+            self.key_requests.inc()
+            self.key_tokens.labels("prompt").inc(prompt_tokens)
+            self.key_tokens.labels("generation").inc(generation_tokens)
+        elif key_name is not None:
             self.key_requests.labels(key_name).inc()
             self.key_tokens.labels(key_name, "prompt").inc(prompt_tokens)
             self.key_tokens.labels(key_name, "generation").inc(generation_tokens)
@@ -353,6 +399,12 @@ class Metrics:
 
     def http_request(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
+
+    def login_failure(self, surface: str) -> None:
+        self.login_failures.labels(surface).inc()
+
+    def login_lockout(self, surface: str) -> None:
+        self.login_lockouts.labels(surface).inc()
 
     def _trace(
         self, request_id: str, live: _Live, finished: float, reason: str, prompt: int,
@@ -404,16 +456,52 @@ def metrics_of(app: Any) -> Metrics | None:
 
 @get("/metrics", include_in_schema=False, sync_to_thread=False, cache=False)
 def metrics_handler(request: Request) -> Response[bytes]:
-    """The Prometheus text format. With --metrics-require-admin, only for the admin token."""
+    """The Prometheus text format. With --metrics-token (and/or --metrics-require-admin),
+    only for `Authorization: Bearer <that token>`: else 401 in the OpenAI envelope."""
     app = request.app
     server = getattr(app.state, "server", None)
     settings = getattr(server, "settings", None) or getattr(app.state, "settings", None)
-    if settings is not None and getattr(settings, "metrics_require_admin", False):
-        app.state.authenticator.authenticate_admin(request.headers.get("authorization"))
+    if settings is not None:
+        _authorize_scrape(request, settings)
     metrics = metrics_of(app)
     if metrics is None:
         return Response(b"", status_code=503, media_type=CONTENT_TYPE)
     return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _authorize_scrape(request: Request, settings: Any) -> None:
+    """--metrics-token and --metrics-require-admin: either token opens /metrics. Wrong tokens
+    count towards the client's lockout (api/login_throttle.py), like the console's login."""
+    from api.auth import parse_bearer
+    from api.errors import invalid_api_key
+    from api.login_throttle import check_secret
+
+    token = getattr(settings, "metrics_token", None)
+    admin = bool(getattr(settings, "metrics_require_admin", False))
+    if not token and not admin:
+        return
+    header = request.headers.get("authorization")
+    wanted = "the metrics token" if token else "the admin token"
+
+    def verify() -> None:
+        if not header:
+            raise invalid_api_key(f"/metrics needs {wanted}: send `Authorization: Bearer <token>`.")
+        given = parse_bearer(header)
+        if token and _same_secret(given, token):
+            return
+        if admin:
+            request.app.state.authenticator.authenticate_admin(header)  # 401 if not it
+            return
+        raise invalid_api_key("Incorrect metrics token provided.")
+
+    # A right metrics token does not clear the client's failures: it is not the admin token.
+    check_secret(request, "metrics", verify, attempted=bool(header), clear=False)
+
+
+def _same_secret(given: str, expected: str) -> bool:
+    """Constant time: fixed-length digests, so neither content nor length leaks."""
+    a = hashlib.sha256(given.encode()).digest()
+    return hmac.compare_digest(a, hashlib.sha256(expected.encode()).digest())
 
 
 class HTTPMetricsMiddleware:

@@ -330,13 +330,41 @@ class Settings:
         "(default: $XDG_DATA_HOME/tessera, i.e. ~/.local/share/tessera)."
     )
     metrics_key_label: str = _flag(
-        "Label of the per-key series (tessera:requests_total, tessera:tokens_total): name = "
-        "key_name, the key's name; id = key_id, its id (names can be personal or change).",
-        "name",
-        choices=("name", "id"),
+        "Per-key series in /metrics (tessera:requests_total, tessera:tokens_total): none = one "
+        "series for all keys; name = labelled key_name, the key's name; id = key_id, its id "
+        "(names can be personal or change). Opt in: whoever reads /metrics sees the labels.",
+        "none",
+        choices=("none", "name", "id"),
+    )
+    metrics_tenant_label: str = _flag(
+        "Per-tenant series in /metrics (tessera:*_by_tenant_total, labelled tenant = the "
+        "tenant's id, or the key's id for a key without one): none = not exported; id = "
+        "exported. Opt in, like --metrics-key-label.",
+        "none",
+        choices=("none", "id"),
     )
     metrics_require_admin: bool = _flag(
         "Serve /metrics only with the admin token.", False, parse_bool, kind="bool"
+    )
+    metrics_token: str | None = _flag(
+        "Bearer token that opens /metrics (`Authorization: Bearer TOKEN`; Prometheus: "
+        "`authorization: {credentials_file: ...}`); without it /metrics answers 401. "
+        "Default: none, /metrics is open (unless --metrics-require-admin)."
+    )
+    login_max_failures: int = _flag(
+        "Wrong secrets (console login, admin API token, /metrics token) one client address "
+        "may send within --login-failure-window before it is locked out for that long: 429 "
+        "with Retry-After, the secret not even checked. The address is the socket peer "
+        "(uvicorn takes X-Forwarded-For only from FORWARDED_ALLOW_IPS: loopback by default); "
+        "IPv6 per /64. The admin token sent as an API key has a lockout of its own (the API "
+        "routes then do not accept it; API keys still work). 0: no limit.",
+        5,
+        int,
+    )
+    login_failure_window: float = _flag(
+        "Seconds over which --login-max-failures are counted; also the lockout's length.",
+        60.0,
+        float,
     )
 
     def __post_init__(self) -> None:
@@ -367,6 +395,12 @@ class Settings:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.limit_concurrency < 0:
             raise ValueError(f"limit_concurrency must be >= 0, got {self.limit_concurrency}")
+        if self.login_max_failures < 0:
+            raise ValueError(f"login_max_failures must be >= 0, got {self.login_max_failures}")
+        if not self.login_failure_window > 0:
+            raise ValueError(
+                f"login_failure_window must be > 0 seconds, got {self.login_failure_window}"
+            )
         if self.cpu_workers < 1:
             raise ValueError(f"cpu_workers must be at least 1, got {self.cpu_workers}")
         if self.frontend_threads is not None and self.frontend_threads < 0:

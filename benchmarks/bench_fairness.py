@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     common = [args.model, "--served-model-name", MODEL, "--max-num-seqs", str(args.max_num_seqs)]
     common += ["--log-level", "warning", "--admin-token", ADMIN, *args.server_arg]
+    common += ["--metrics-tenant-label", "id"]  # the *_by_tenant series it scrapes (opt-in)
     with tempfile.TemporaryDirectory(prefix="tessera-bench-fair-") as tmpdir:
         tmp = Path(tmpdir)
         with contextlib.ExitStack() as stack:

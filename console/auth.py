@@ -5,6 +5,10 @@ Everything under /console needs a session, except the login page and the static 
 htmx request gets 401 with HX-Redirect (a redirect would swap the login page into a panel).
 Every unsafe request must carry the session's CSRF token, as the form field `_csrf` or the
 X-CSRF-Token header (htmx sends the header, set once on <body>).
+
+Wrong admin tokens are throttled per client address (api/login_throttle.py, shared with the
+admin API): after --login-max-failures within --login-failure-window the login page answers
+429 with Retry-After, and the token is not even checked until the lockout ends.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from litestar.datastructures import Cookie
 from litestar.params import FromQuery
 from litestar.response import Redirect
 
+from api.login_throttle import client_address, retry_after
 from console.render import html, is_htmx
 from console.session import (
     CSRF_FIELD,
@@ -26,7 +31,7 @@ from console.session import (
     SESSION_COOKIE,
     SESSION_TTL_S,
 )
-from console.state import console_state, settings_of
+from console.state import console_state, login_throttle_of, settings_of
 
 LOGIN_PATH = "/console/login"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -116,6 +121,16 @@ class LoginController(Controller):
         response.cookies.extend(cookies)
         return response
 
+    def _locked_out(self, request: Request, next_path: str, seconds: float) -> Response:
+        wait = retry_after(seconds)
+        message = (
+            f"Too many failed attempts from your address: try again in {wait} seconds. "
+            "Until then no token is accepted, not even the right one."
+        )
+        response = self._form(request, next_path, message, 429)
+        response.headers["Retry-After"] = wait
+        return response
+
     @post("/login", status_code=302)
     async def login(self, request: Request) -> Response:
         form = await request.form()
@@ -123,11 +138,17 @@ class LoginController(Controller):
         signer = _signer(request)
         if signer is None:
             return self._form(request, next_path, "The console is disabled.", 403)
+        throttle, client = login_throttle_of(request.app), client_address(request)
+        wait = throttle.locked_for(client)
+        if wait > 0:  # before the token is looked at: a right guess now is no use either
+            return self._locked_out(request, next_path, wait)
         nonce = request.cookies.get(LOGIN_COOKIE, "")
         if not nonce or not signer.same(signer.login_csrf(nonce), form.get(CSRF_FIELD)):
             return self._form(request, next_path, "The login form expired; try again.", 403)
         if not signer.token_matches(str(form.get("token") or "")):
+            throttle.failure(client, "console")
             return self._form(request, next_path, "That is not the admin token.", 401)
+        throttle.success(client)
         cookie, _session = signer.issue()
         response = Redirect(next_path, status_code=302)
         response.cookies.append(_cookie(request, SESSION_COOKIE, cookie, SESSION_TTL_S, "/console"))

@@ -1,7 +1,7 @@
 """The settings page: the engine configuration as served, and the server's settings, read-only.
 
-Secrets never reach the page: the admin token and API keys show as set / a count, and the
-database URL loses its password.
+Secrets never reach the page: the admin and metrics tokens and API keys show as set / a count,
+and the database URL loses its password.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from litestar import Controller, Request, Response, get
 from console.render import page
 from console.state import engine_of, settings_of
 
-SECRET_FIELDS = {"admin_token"}
+SECRET_FIELDS = {"admin_token", "metrics_token"}
 
 
 def _sections(config: Any) -> list[tuple[str, list[tuple[str, Any]]]]:

@@ -4,8 +4,10 @@ The app provides (api/app.py): `state.server` (api.lifespan.ServerState: setting
 None while the model loads), `state.keys` (api.services.keys.KeyService; absent without a
 database), `state.tenants` (api.services.tenants.TenantService; likewise),
 `state.authenticator` (dropped caches after key edits), `state.metrics`
-(api.metrics.Metrics: API-key names of requests in flight). A plain `state.engine` /
-`state.settings` works too, for apps without a ServerState.
+(api.metrics.Metrics: API-key names of requests in flight), `state.login_throttle`
+(api.login_throttle.LoginThrottle: the lockout after wrong admin tokens, shared with the
+admin API; an app without one gets the console's own, from the settings). A plain
+`state.engine` / `state.settings` works too, for apps without a ServerState.
 
 The console's own state lives on `state.console` (one per app, nothing global): the session
 revocations and a ring buffer of the engine's counters, sampled when the dashboard polls.
@@ -19,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.login_throttle import LoginThrottle
 from console.session import SessionRevocations, SessionSigner
 
 ENGINE_TIMEOUT_S = 2.0  # a dead engine loop never answers; the page must still render
@@ -86,6 +89,7 @@ class ConsoleState:
     history: ThroughputHistory = field(default_factory=ThroughputHistory)
     revocations: SessionRevocations = field(default_factory=SessionRevocations)
     _signer: tuple[str, SessionSigner] | None = None
+    throttle: LoginThrottle | None = None  # only for apps that bring no login_throttle
 
     def signer(self, admin_token: str | None) -> SessionSigner | None:
         if not admin_token:
@@ -102,6 +106,22 @@ def console_state(app: Any) -> ConsoleState:
         existing = ConsoleState()
         state["console"] = existing
     return existing
+
+
+def login_throttle_of(app: Any) -> LoginThrottle:
+    """The app's throttle of wrong admin tokens (api/access.py makes it), else the console's."""
+    throttle = app.state.get("login_throttle")
+    if throttle is not None:
+        return throttle
+    state = console_state(app)
+    if state.throttle is None:
+        settings = settings_of(app)
+        state.throttle = LoginThrottle(
+            getattr(settings, "login_max_failures", 5),
+            getattr(settings, "login_failure_window", 60.0),
+            metrics=metrics_of(app),
+        )
+    return state.throttle
 
 
 def settings_of(app: Any) -> Any:

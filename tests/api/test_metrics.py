@@ -64,7 +64,7 @@ async def run_request(engine, metrics: Metrics, rid: str, ids, params, key=None,
 
 
 async def test_known_traffic_gives_exact_counts(engine):
-    metrics = Metrics(MODEL, stats=engine.stats)
+    metrics = Metrics(MODEL, stats=engine.stats, key_label="name")  # per-key series: opt in
     ids = engine.tokenizer.encode("Hello world")
     assert len(ids) < 16  # no full block, so no prefix-cache hit: every prompt token computed
     params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
@@ -278,9 +278,34 @@ def test_per_key_series_labelled_by_id_with_metrics_key_label_id():
     assert value(text, "tessera:requests_total", key_id="key_123") == 1
     assert value(text, "tessera:tokens_total", key_id="key_123", kind="generation") == 2
     assert "alice@example.com" not in text and 'key_name="' not in text
-    by_name = Metrics(MODEL)
+    by_name = Metrics(MODEL, key_label="name")
     by_name.request_started("r1", key_name="alice", key_id="key_123")
     by_name.request_finished("r1", "stop", prompt_tokens=3, generation_tokens=2)
     assert value(by_name.render().decode(), "tessera:requests_total", key_name="alice") == 1
     with pytest.raises(ValueError, match="key_label"):
         Metrics(MODEL, key_label="secret")
+
+
+def test_by_default_no_series_names_a_key_or_a_tenant():
+    """--metrics-key-label none and --metrics-tenant-label none (the defaults): one series for
+    all keys, no per-tenant families; `id` turns the tenant families on."""
+    from engine.stats import EngineStats
+
+    stats = EngineStats(loop_alive=True, tenants={"tenant-123": (40, 16, 5)})
+    metrics = Metrics(MODEL, stats=lambda: stats)
+    for rid in ("r1", "r2"):
+        metrics.request_started(rid, key_name="alice@example.com", key_id="key_123")
+        metrics.request_finished(rid, "stop", prompt_tokens=3, generation_tokens=2)
+    assert metrics.key_name("r1") is None  # finished; a live one still shows in the console
+    text = metrics.render().decode()
+    assert value(text, "tessera:requests_total") == 2
+    assert value(text, "tessera:tokens_total", kind="generation") == 4
+    assert value(text, "tessera:tokens_total", kind="prompt") == 6
+    assert "key_name=" not in text and "key_id=" not in text and "alice" not in text
+    assert "_by_tenant" not in text and "tenant-123" not in text
+    by_tenant = Metrics(MODEL, stats=lambda: stats, tenant_label="id").render().decode()
+    labels = {"model_name": MODEL, "tenant": "tenant-123"}
+    assert value(by_tenant, "tessera:prefix_cache_hits_by_tenant_total", **labels) == 16
+    assert value(by_tenant, "tessera:generation_tokens_by_tenant_total", **labels) == 5
+    with pytest.raises(ValueError, match="tenant_label"):
+        Metrics(MODEL, tenant_label="name")

@@ -228,3 +228,21 @@ def test_enforce_eager_flag_reaches_the_engine_config():
     assert to_engine_config(settings(["m", "--no-enforce-eager"])).model.enforce_eager is False
     env = {"TESSERA_ENFORCE_EAGER": "1"}
     assert to_engine_config(settings([], env)).model.enforce_eager is True
+
+
+def test_metrics_privacy_and_login_lockout_settings():
+    s = settings([])
+    assert (s.metrics_key_label, s.metrics_tenant_label, s.metrics_token) == ("none", "none", None)
+    assert (s.login_max_failures, s.login_failure_window) == (5, 60.0)
+    s = settings(
+        ["--metrics-key-label", "id", "--login-failure-window", "1.5"],
+        {"TESSERA_METRICS_TOKEN": "tok", "TESSERA_LOGIN_MAX_FAILURES": "0"},
+    )
+    assert (s.metrics_key_label, s.metrics_token) == ("id", "tok")
+    assert (s.login_max_failures, s.login_failure_window) == (0, 1.5)
+    with pytest.raises(ValueError, match="TESSERA_METRICS_TENANT_LABEL"):
+        settings([], {"TESSERA_METRICS_TENANT_LABEL": "name"})
+    with pytest.raises(ValueError, match="login_failure_window"):
+        settings(["--login-failure-window", "0"])
+    with pytest.raises(ValueError, match="login_max_failures"):
+        settings(["--login-max-failures", "-1"])

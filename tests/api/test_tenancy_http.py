@@ -46,7 +46,10 @@ def _metric(text: str, name: str, tenant: str) -> float:
 
 def test_tenants_never_hit_each_others_prefix_cache(start_server, tiny_llama_dir, tmp_path):
     url = f"sqlite+aiosqlite:///{tmp_path / 'tessera.db'}"
-    server = start_keys_server(start_server, tiny_llama_dir, tmp_path, url)
+    # The per-tenant series are opt-in (off by default: /metrics is often open).
+    server = start_keys_server(
+        start_server, tiny_llama_dir, tmp_path, url, "--metrics-tenant-label", "id"
+    )
     admin = Admin(server)
     a_id, a = admin.create_key("tenant-a")
     b_id, b = admin.create_key("tenant-b")

@@ -321,6 +321,7 @@ async def test_settings_page_shows_config_without_secrets(env, client):
     assert f"<th>num_blocks</th><td><code>{NUM_BLOCKS}</code>" in html
     assert "<th>served model name</th><td>tiny</td>" in html
     assert "<th>admin_token</th><td><code>set</code>" in html
+    assert "<th>metrics_token</th><td><code>not set</code>" in html
 
 
 MODEL_NAME = "tiny"

@@ -3,9 +3,11 @@
 `document_errors` rewrites the generated document once at start-up: every operation lists
 each error status its route can return (400/401/403/404/413/415/429/503, as applicable)
 with the OpenAI error envelope the server actually sends, in place of Litestar's default
-400 body; /health documents its 503. `OfflineSwagger` serves Swagger UI from the vendored
-files of the `swagger-ui-bundle` package (Apache-2.0) under /docs/static, with a page that
-has no inline script, behind a Content-Security-Policy that allows only this origin.
+400 body; /health documents its 503. `document_request_bodies` marks the bodies that refuse
+unknown fields (`additionalProperties: false`), as the server does. `OfflineSwagger` serves
+Swagger UI from the vendored files of the `swagger-ui-bundle` package (Apache-2.0) under
+/docs/static, with a page that has no inline script, behind a Content-Security-Policy that
+allows only this origin.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import msgspec.inspect
 from litestar import Response, get
 from litestar.datastructures import ResponseHeader
 from litestar.enums import MediaType
 from litestar.openapi.plugins import OpenAPIRenderPlugin
 from litestar.params import FromPath
+
+from api.allow import fix_options_handlers
+from api.request_fields import documented_fields
 
 ERROR_SCHEMA = "ErrorResponse"
 _REF = {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}
@@ -149,9 +156,94 @@ class OfflineSwagger(OpenAPIRenderPlugin):
         router.response_headers = [*(router.response_headers or ()), csp]
 
 
+# --- request bodies: unknown fields ---------------------------------------------------------
+
+# The routes whose top-level fields api/request_fields.py polices, and its name for each.
+_POLICED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def document_request_bodies(schema: dict[str, Any], app: Any, *, lenient: bool) -> None:
+    """Make the request bodies say what the server does with fields they do not list.
+
+    - msgspec Structs with forbid_unknown_fields (the admin bodies) refuse unknown fields:
+      `additionalProperties: false` (Litestar's generator leaves it out);
+    - chat and completions refuse unknown top-level fields (api/request_fields.py) unless
+      --lenient-request-fields: `additionalProperties: false` then, and always the fields
+      the policy accepts without effect or only with a value that changes nothing, each
+      with its schema and why."""
+    components = schema.get("components", {}).get("schemas", {})
+    for struct in _forbidding_structs(app):
+        names = {f.encode_name for f in struct.fields}
+        for component in components.values():
+            props = component.get("properties", {})
+            if component.get("title") == struct.cls.__name__ and set(props) <= names:
+                component["additionalProperties"] = False
+    for path, endpoint in _POLICED.items():
+        component = _body_component(schema, path)
+        if component is None:
+            continue
+        props = component.setdefault("properties", {})
+        for name, field_schema in documented_fields(endpoint).items():
+            props.setdefault(name, field_schema)
+        if lenient:
+            component.pop("additionalProperties", None)
+        else:
+            component["additionalProperties"] = False
+
+
+def _body_component(schema: dict[str, Any], path: str) -> dict[str, Any] | None:
+    try:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        name = body["schema"]["$ref"].rsplit("/", 1)[1]
+        return schema["components"]["schemas"][name]
+    except (KeyError, AttributeError, IndexError):
+        return None
+
+
+def _forbidding_structs(app: Any) -> list[msgspec.inspect.StructType]:
+    """The msgspec Structs, in any route's body or nested in one, that refuse unknown fields."""
+    found: dict[type, msgspec.inspect.StructType] = {}
+    seen: set[type] = set()  # a recursive Struct is walked once
+
+    def walk(node: Any) -> None:
+        if isinstance(node, msgspec.inspect.StructType):
+            if node.cls in seen:
+                return
+            seen.add(node.cls)
+            if node.forbid_unknown_fields:
+                found[node.cls] = node
+            for f in node.fields:
+                walk(f.type)
+        elif isinstance(node, msgspec.inspect.Type):
+            for value in msgspec.structs.asdict(node).values():
+                for item in value if isinstance(value, tuple) else (value,):
+                    if isinstance(item, msgspec.inspect.Type):
+                        walk(item)
+
+    for route in app.routes:
+        for handler in getattr(route, "route_handlers", ()):
+            data = handler.parsed_fn_signature.parameters.get("data")
+            if data is None:
+                continue
+            try:
+                walk(msgspec.inspect.type_info(data.annotation))
+            except (TypeError, ValueError):  # a body type msgspec does not describe
+                continue
+    return list(found.values())
+
+
 def document_errors_at_startup(app: Any) -> None:
-    """on_startup: rewrite the document before the first request renders it."""
+    """on_startup, before the first request renders the document: make what the server says
+    about itself agree with what it does. The document gets the error envelope
+    (document_errors) and the request bodies' rules for unknown fields
+    (document_request_bodies, per --lenient-request-fields); OPTIONS answers get every
+    method of their path (api/allow.py)."""
     from litestar._openapi.plugin import OpenAPIPlugin  # its cached dict is what is served
 
     plugin = app.plugins.get(OpenAPIPlugin)
-    document_errors(plugin.provide_openapi_schema())
+    schema = plugin.provide_openapi_schema()
+    document_errors(schema)
+    server = app.state.get("server")
+    lenient = bool(getattr(getattr(server, "settings", None), "lenient_request_fields", False))
+    document_request_bodies(schema, app, lenient=lenient)
+    fix_options_handlers(app)

@@ -103,11 +103,30 @@ COMPLETION_IGNORED = _IGNORED_COMMON
 
 def _only(*harmless: Any) -> Callable[[Any], bool]:
     """A value that changes nothing: None or one of `harmless`."""
-    return lambda v: v is None or any(v == h and type(v) is type(h) for h in harmless)
+
+    def check(v: Any) -> bool:
+        return v is None or any(v == h and type(v) is type(h) for h in harmless)
+
+    values: list[Any] = [None]
+    for h in harmless:  # JSON Schema's enum compares numbers by value: 1 and 1.0 are one
+        if not any(h == v and isinstance(v, bool) == isinstance(h, bool) for v in values):
+            values.append(h)
+    check.schema = {"enum": values}  # type: ignore[attr-defined]
+    return check
 
 
 def _unset(v: Any) -> bool:
     return v is None or v == [] or v == {} or v == ""
+
+
+_unset.schema = {  # type: ignore[attr-defined]
+    "anyOf": [
+        {"type": "null"},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+        {"type": "string", "maxLength": 0},
+    ]
+}
 
 
 _REJECTED_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -187,6 +206,23 @@ def check_fields(body: bytes, endpoint: str, *, lenient: bool = False) -> None:
             name,
             code="unknown_parameter",
         )
+
+
+def documented_fields(endpoint: str) -> dict[str, dict[str, Any]]:
+    """JSON schemas of the fields `endpoint` accepts beyond its wire schema (for the OpenAPI
+    document): the ignored ones (any value), and the rejected ones (only values that change
+    nothing)."""
+    _, ignored, rejected = _POLICIES[endpoint]
+    out: dict[str, dict[str, Any]] = {
+        name: {"description": "Accepted for compatibility; has no effect on this server."}
+        for name in sorted(ignored)
+    }
+    for name, (harmless, why) in sorted(rejected.items()):
+        out[name] = {
+            **harmless.schema,  # type: ignore[attr-defined]
+            "description": f"Refused unless its value changes nothing: {why}.",
+        }
+    return out
 
 
 def known_fields(endpoint: str) -> set[str]:

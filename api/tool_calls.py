@@ -27,6 +27,7 @@ from api.errors import invalid_request
 from api.structured_inputs import compile_or_400
 from api.tool_parsers import PARSERS, EnvelopeParser, ToolStreamer, resolve_parser
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output.schema_refs import check_schema_refs
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CHOICES = ("none", "auto", "required")
@@ -204,9 +205,23 @@ async def constrain(params: SamplingParams, plan: ToolPlan | None, engine: Any) 
             "with response_format or structured outputs.",
             "tool_choice",
         )
+    _check_parameters(plan)
     so = StructuredOutputsParams(json=envelope_schema(plan))
     await compile_or_400(engine, so, "tools")
     return dataclasses.replace(params, structured_outputs=so)
+
+
+def _check_parameters(plan: ToolPlan) -> None:
+    """A $ref cycle or a dangling $ref in a function's parameters, named in that schema's
+    own pointers (the envelope moves its $defs): a 400 naming the tool."""
+    for i, (name, spec) in enumerate(plan.functions.items()):
+        if plan.choice == "named" and name != plan.named:
+            continue
+        try:
+            check_schema_refs(spec["parameters"])
+        except ValueError as e:
+            param = f"tools[{i}].function.parameters"
+            raise invalid_request(f"Invalid {param}: {e}", param) from None
 
 
 def envelope_schema(plan: ToolPlan) -> dict[str, Any]:

@@ -8,7 +8,7 @@
     PATCH  /admin/v1/keys/{id}            change fields; null = unlimited
     DELETE /admin/v1/keys/{id}            revoke (200, the revoked key)
     POST   /admin/v1/keys/{id}/rotate     new secret -> 200 KeyWithSecret; old one valid for
-                                          {"grace_seconds"} (default 3600)
+                                          {"grace_seconds"} (the body is optional: 3600)
     POST   /admin/v1/tenants              create -> 201 TenantInfo
     GET    /admin/v1/tenants              list; ?include_disabled=false to hide disabled ones
     GET    /admin/v1/tenants/{id}         one tenant
@@ -16,6 +16,8 @@
     DELETE /admin/v1/tenants/{id}         disable (200, the tenant): its keys are refused
     GET    /admin/v1/tenants/{id}/keys    its keys (no secrets)
     GET    /admin/v1/usage                ?key_id=&tenant_id=&since=&until=&group_by=day|hour
+                                          (since/until: RFC 3339 with an offset, or Unix
+                                          seconds from 2000 to 2100; else 400)
     GET    /admin/v1/engine               engine state (running/waiting, KV usage)
 
 Needs on app.state: `keys` (KeyService), `tenants` (TenantService), `authenticator` (Authenticator; its cache is
@@ -30,13 +32,14 @@ that name in its OpenAPIConfig components.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, delete, get, patch, post
 from litestar.datastructures import State
-from litestar.openapi.spec import SecurityScheme
+from litestar.openapi.spec import Operation, SecurityScheme
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from api.auth import DB_ERRORS
@@ -44,6 +47,7 @@ from api.body import require_json_body
 from api.errors import APIError, invalid_request, unavailable
 from api.guards import require_admin
 from api.schemas.admin import (
+    TIME_QUERY_SCHEMA,
     KeyCreate,
     KeyInfo,
     KeyList,
@@ -57,6 +61,7 @@ from api.schemas.admin import (
     UsageReport,
     key_info,
     key_with_secret,
+    parse_time,
     tenant_info,
     usage_item,
 )
@@ -83,6 +88,16 @@ def tenant_not_found(tenant_id: str, param: str = "id") -> APIError:
     if param == "id":
         return APIError(404, f"No tenant with id `{tenant_id}`.", code="not_found", param=param)
     return invalid_request(f"No tenant with id `{tenant_id}`.", param)
+
+
+@dataclass
+class OptionalBodyOperation(Operation):
+    """The OpenAPI operation of a route whose JSON body may be left out (Litestar marks every
+    body required)."""
+
+    def __post_init__(self) -> None:
+        if self.request_body is not None:
+            self.request_body.required = False
 
 
 class AdminController(Controller):
@@ -124,7 +139,14 @@ class AdminController(Controller):
         _changed(state)
         return key_info(record)
 
-    @post("/keys/{key_id:str}/rotate", status_code=200, summary="Rotate an API key's secret")
+    @post(
+        "/keys/{key_id:str}/rotate",
+        status_code=200,
+        summary="Rotate an API key's secret",
+        description="The body is optional: without one (or with null) the old secret stays "
+        "valid for 3600 s.",
+        operation_class=OptionalBodyOperation,
+    )
     async def rotate_key(
         self, state: State, key_id: FromPath[str], data: JSONBody[KeyRotate | None] = None
     ) -> KeyWithSecret:
@@ -179,25 +201,44 @@ class AdminController(Controller):
         self,
         state: State,
         key_id: FromQuery[str | None] = None,
-        since: Annotated[datetime | None, QueryParameter(description="inclusive, RFC 3339")] = None,
-        until: Annotated[datetime | None, QueryParameter(description="exclusive, RFC 3339")] = None,
+        since: Annotated[str | None, _time_query("inclusive")] = None,
+        until: Annotated[str | None, _time_query("exclusive")] = None,
         group_by: Annotated[str, QueryParameter(description="day or hour (UTC)")] = "day",
         tenant_id: FromQuery[str | None] = None,
     ) -> UsageReport:
         if group_by not in GROUP_BY:
             raise invalid_request("group_by must be `day` or `hour`.", param="group_by")
+        start, end = _time(since, "since"), _time(until, "until")
         buckets = await _call(
             _keys(state).usage(
-                key_id=key_id, since=since, until=until, group_by=group_by, tenant_id=tenant_id
+                key_id=key_id, since=start, until=end, group_by=group_by, tenant_id=tenant_id
             )
         )
         return UsageReport(
-            group_by=group_by, since=since, until=until, data=[usage_item(b) for b in buckets]
+            group_by=group_by, since=start, until=end, data=[usage_item(b) for b in buckets]
         )
 
     @get("/engine", summary="Engine state: running / waiting requests, KV cache usage")
     async def engine(self, state: State) -> dict[str, Any]:
         return dict(state["engine_stats"]())
+
+
+def _time_query(bound: str) -> QueryParameter:
+    return QueryParameter(
+        description=f"{bound}: an RFC 3339 date-time with Z or an offset "
+        "(2025-06-01T00:00:00Z), or Unix seconds (2000 to 2100)",
+        # The schema is this one alone, not also Litestar's oneOf [string, null].
+        schema_extra={**TIME_QUERY_SCHEMA, "oneOf": None},
+    )
+
+
+def _time(value: str | None, param: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return parse_time(value, param)
+    except ValueError as exc:
+        raise invalid_request(str(exc), param) from None
 
 
 def _keys(state: State) -> KeyService:

@@ -6,7 +6,8 @@ positive integers or null (= unlimited). Times are RFC 3339 date-times in UTC.
 
 from __future__ import annotations
 
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -41,6 +42,18 @@ class KeyCreate(msgspec.Struct, forbid_unknown_fields=True):
     tenant_id: TenantId | None = None  # None: a tenant of the key's own
     max_request_seconds: Seconds | None = None
 
+    def __post_init__(self) -> None:
+        _check_expiry(self.expires_at)
+
+
+def _check_expiry(expires_at: Any) -> None:
+    """Bodies are decoded leniently (a number or a numeric string is read as Unix seconds):
+    `"expires_at": 0.5` would be a key that expired in 1970. A time before 2000 is a mistake."""
+    if isinstance(expires_at, datetime) and expires_at.year < 2000:
+        raise ValueError(
+            "expires_at must be an RFC 3339 date-time (e.g. 2026-01-01T00:00:00Z) from 2000 on"
+        )
+
 
 class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
     """PATCH body: only the fields present change; an explicit null means unlimited."""
@@ -57,6 +70,9 @@ class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
     metadata: dict[str, Any] | None | msgspec.UnsetType = UNSET
     tenant_id: TenantId | msgspec.UnsetType = UNSET
     max_request_seconds: Seconds | None | msgspec.UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        _check_expiry(self.expires_at)
 
     def changes(self) -> dict[str, Any]:
         return _changes(self)
@@ -144,6 +160,53 @@ def tenant_info(r: TenantRecord) -> TenantInfo:
 class KeyRotate(msgspec.Struct, forbid_unknown_fields=True):
     # How long the old secret keeps working, in seconds (0 = stop at once; max 30 days).
     grace_seconds: Annotated[int, msgspec.Meta(ge=0, le=30 * 86400)] = 3600
+
+
+# --- times in query strings (GET /admin/v1/usage?since=&until=) -----------------------------
+
+# Unix seconds are taken between these (2000-01-01 and 2100-01-01 UTC): a number outside is a
+# mistake (0.5, a count of days, milliseconds), not a time anyone means.
+EARLIEST_UNIX_S = 946_684_800
+LATEST_UNIX_S = 4_102_444_800
+TIME_QUERY_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "format": "date-time", "description": "RFC 3339, with Z or an offset"},
+        {
+            "type": "number",
+            "minimum": EARLIEST_UNIX_S,
+            "maximum": LATEST_UNIX_S,
+            "description": "Unix seconds (2000 to 2100)",
+        },
+    ]
+}
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
+_UNIX = re.compile(r"\d{1,16}(\.\d{1,9})?")
+
+
+def parse_time(value: str, param: str) -> datetime:
+    """A query string's time: an RFC 3339 date-time with a UTC offset, or Unix seconds from
+    2000 to 2100; ValueError (naming `param`, for a 400) for anything else."""
+    value = value.strip()
+    if _RFC3339.fullmatch(value):
+        try:
+            return datetime.fromisoformat(value.upper().replace("Z", "+00:00")).astimezone(UTC)
+        except ValueError:
+            pass  # 2025-02-30, 25:00, a leap second: fall through to the message
+    elif _UNIX.fullmatch(value):
+        seconds = float(value)
+        if EARLIEST_UNIX_S <= seconds <= LATEST_UNIX_S:
+            return datetime.fromtimestamp(seconds, UTC)
+        if EARLIEST_UNIX_S * 1000 <= seconds <= LATEST_UNIX_S * 1000:
+            raise ValueError(
+                f"{param} looks like Unix milliseconds ({value}); send seconds, or an RFC 3339 "
+                "date-time such as 2025-06-01T00:00:00Z."
+            )
+    shown = value if len(value) <= 40 else value[:39] + "…"
+    raise ValueError(
+        f"{param} must be an RFC 3339 date-time with a UTC offset (e.g. 2025-06-01T00:00:00Z) "
+        f"or Unix seconds between {EARLIEST_UNIX_S} (2000) and {LATEST_UNIX_S} (2100); "
+        f"got {shown!r}."
+    )
 
 
 class KeyInfo(msgspec.Struct):

@@ -10,6 +10,7 @@ against xgrammar on this machine: BENCHMARKS.md, "Structured output".
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import llguidance.hf
@@ -79,6 +80,17 @@ class LLGuidanceBackend:
         self._executor = llguidance.LLExecutor(num_threads=2)
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
+        try:
+            m = self._matcher(kind, spec)
+        except GrammarError:
+            raise
+        except (ValueError, RuntimeError, TypeError) as e:  # raised rather than reported
+            raise GrammarError(_clean(str(e), kind)) from None
+        if m.is_error():
+            raise GrammarError(_clean(m.get_error(), kind))
+        return LLGuidanceGrammar(m)
+
+    def _matcher(self, kind: str, spec: str) -> llguidance.LLMatcher:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
         elif kind == "json_object":
@@ -100,9 +112,7 @@ class LLGuidanceBackend:
             probe.compute_bitmask()
             if probe.is_error():
                 m = probe
-        if m.is_error():
-            raise GrammarError(_clean(m.get_error()))
-        return LLGuidanceGrammar(m)
+        return m
 
     def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor):
         if len(rows) == 1:
@@ -117,5 +127,63 @@ class LLGuidanceBackend:
         )
 
 
-def _clean(message: str) -> str:
-    return message.strip().removeprefix("Error: ") or "the grammar is invalid"
+_WHAT = {"json": "schema", "json_object": "schema", "regex": "regex", "choice": "choices"}
+_MAX_MESSAGE = 300
+# llguidance's stop reasons, when a compile ends in one: what each means for the spec.
+_STOPS = {
+    "NoExtension": "matches no output at all",
+    "NoExtensionBias": "matches no output at all",
+    "LexerTooComplex": "is too complex to compile within the server's limits; simplify it",
+    "ParserTooComplex": "is too complex to compile within the server's limits; simplify it",
+    "MaxTokensTotal": "is too complex to compile within the server's limits; simplify it",
+    "MaxTokensParser": "is too complex to compile within the server's limits; simplify it",
+}
+_HINTS = {
+    "schema": " (look for a $ref or allOf that leads back to itself, or constraints that "
+    "contradict each other)",
+    "grammar": " (look for rules that only refer to each other, with no text to end on)",
+}
+# <state>...</state> and <grammar>...</grammar>: the matcher's internals and the grammar
+# echoed back, never for the client.
+_DUMP = re.compile(r"<(state|grammar)>.*?(?:</\1>|\Z)", re.DOTALL)
+_AT = re.compile(r"^(?:at )?(\d+)\((\d+)\): (.*)$")
+
+
+def _clean(message: str, kind: str = "grammar") -> str:
+    """llguidance's error as a short message for the client: its reason in the spec's terms,
+    without the matcher's state, the grammar it echoes or source excerpts, capped."""
+    what = _WHAT.get(kind, kind)
+    lines = [ln.rstrip() for ln in _DUMP.sub("", message).strip().splitlines()]
+    lines = [ln for ln in lines if ln.strip()]
+    if not lines:
+        return f"the {what} is invalid"
+    first = lines[0].strip().removeprefix("Error: ")
+    if first in _STOPS:
+        hint = _HINTS.get(what, "") if first.startswith("NoExtension") else ""
+        return f"the {what} {_STOPS[first]}{hint}"
+    where = ""
+    located = _AT.match(first)
+    if located:
+        line, column, first = located.groups()
+        if kind == "grammar":  # elsewhere a position in the grammar built around the spec
+            where = f"line {line}, column {column}: "
+    reason = next((ln.strip()[7:] for ln in lines if ln.strip().startswith("error: ")), None)
+    if "regex parse error" in first and reason:
+        # The regex crate's report: the pattern, a caret line, then "error: <reason>".
+        if kind == "regex":
+            return _cap(f"the regex does not parse: {reason}")
+        quoted = re.search(r'invalid regex ("(?:[^"\\]|\\.)*")', first)
+        pattern = quoted.group(1) if quoted else json.dumps(lines[1].strip())
+        pattern = f" {pattern}" if len(pattern) <= 80 else ""
+        return _cap(f"{where}invalid regex{pattern}: {reason}")
+    if first.startswith("Resource '") and "not present in a registry" in first:
+        ref = first.split("'")[1]
+        return _cap(
+            f'the $ref "{ref}" points outside the schema; only references within it '
+            '("#/$defs/...") are resolved'
+        )
+    return _cap(where + first)  # the lines below it echo the spec or the engine's state
+
+
+def _cap(text: str) -> str:
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 1] + "…"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from engine.structured_output.backend import (
     Matcher,
     spec_key,
 )
+from engine.structured_output.schema_refs import check_schema_refs
 
 logger = logging.getLogger("tessera.engine")
 
@@ -140,7 +142,10 @@ class StructuredOutputManager:
         return RequestGrammar(self.compile(so))
 
     def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
-        return self.backend.compile(*key)
+        kind, spec = key
+        if kind == "json":  # named in the client's terms, before the engine dumps its state
+            check_schema_refs(json.loads(spec))
+        return self.backend.compile(kind, spec)
 
     @property
     def backend(self) -> GrammarBackend:

@@ -248,3 +248,147 @@ def test_sdk_parse_with_a_pydantic_model(client):
         assert r.choices[0].finish_reason == "stop"
         parsed.append(r.choices[0].message.parsed)
     assert len(parsed) >= 2 and all(isinstance(p, Shape) for p in parsed)
+
+
+# --- invalid schemas, regexes and grammars: client-facing messages, the right param ----------
+
+_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+_CYCLE_NAMED = "$ref cycle: #/$defs/a → #/$defs/b → #/$defs/a"
+# What llguidance's own report holds and the client must never see.
+_INTERNALS = ("<state>", "<grammar>", "NoExtensionBias", "Parser:", "grammars", "x-guidance", "\n")
+
+
+def _refused(server, path: str, body: dict) -> dict:
+    r = httpx.post(
+        server.base_url + path,
+        json={"model": MODEL, "max_tokens": 8, **body},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert len(error["message"]) < 400, error["message"]
+    for internal in _INTERNALS:
+        assert internal not in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": _json_format(_CYCLE)},
+            "response_format.json_schema.schema",
+        ),
+        ("/v1/completions", {"prompt": "x", "guided_json": _CYCLE}, "guided_json"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "structured_outputs": {"json": json.dumps(_CYCLE)}},
+            "structured_outputs.json",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": CHAT,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "ok", "parameters": {"type": "object"}},
+                    },
+                    {"type": "function", "function": {"name": "loop", "parameters": _CYCLE}},
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
+    ],
+)
+def test_a_ref_cycle_is_named_in_the_clients_terms(server, client, path, body, param):
+    error = _refused(server, path, body)
+    assert error["param"] == param, error
+    assert _CYCLE_NAMED in error["message"], error
+    assert_serves(client)
+
+
+def test_a_recursive_schema_that_makes_progress_still_works(client):
+    node = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 3},
+            "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+        },
+        "required": ["name", "children"],
+        "additionalProperties": False,
+    }
+    schema = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, response_format=_json_format(schema), max_tokens=60, seed=3
+    )
+    text = r.choices[0].message.content
+    assert text.startswith("{"), text
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
+            "guided_json",
+            'the $ref "#/$defs/missing" at #/properties/a points to nothing in the schema',
+        ),
+        ({"guided_json": "[1, 2]"}, "guided_json", "the JSON schema must be a JSON object"),
+        ({"guided_json": "{"}, "guided_json", "not valid JSON"),
+        (
+            {"guided_json": {"type": "string", "pattern": "(ab"}},
+            "guided_json",
+            'invalid regex "(ab": unclosed group',
+        ),
+        (
+            {"guided_json": {"$ref": "https://example.com/s.json"}},
+            "guided_json",
+            "points outside the schema",
+        ),
+        ({"guided_regex": "(ab"}, "guided_regex", "the regex does not parse: unclosed group"),
+        (
+            {"guided_regex": "a{3,1}"},
+            "guided_regex",
+            "the regex does not parse: invalid repetition",
+        ),
+        (
+            {"guided_grammar": "start: missing_rule"},
+            "guided_grammar",
+            'line 1, column 8: unknown name: "missing_rule"',
+        ),
+        (
+            {"guided_grammar": 'start: "x" /[/'},
+            "guided_grammar",
+            'line 1, column 8: invalid regex "[": unclosed character class',
+        ),
+        (
+            {"guided_grammar": "start: a\na: b\nb: a"},
+            "guided_grammar",
+            "the grammar matches no output at all",
+        ),
+        (
+            {"structured_outputs": {"grammar": "%%%"}},
+            "structured_outputs.grammar",
+            "line 1, column 2: lexer error",
+        ),
+    ],
+)
+def test_invalid_specs_get_clean_messages(server, body, param, words):
+    error = _refused(server, "/v1/completions", {"prompt": "x", **body})
+    assert error["param"] == param, error
+    assert words in error["message"], error
+    assert error["message"].startswith(f"Invalid {param}: "), error
+
+
+def test_a_schema_that_is_not_an_object(server):
+    body = {"messages": CHAT, "response_format": _json_format([])}  # type: ignore[arg-type]
+    error = _refused(server, "/v1/chat/completions", body)
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert "object" in error["message"], error

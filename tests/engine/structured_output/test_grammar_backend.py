@@ -106,11 +106,35 @@ def test_fork_copies_state(manager, tokenizer):
         (S(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "nonsense"),
         (S(regex="("), "regex"),
         (S(grammar="start: undefined_rule"), "undefined_rule"),
+        (
+            S(
+                json={
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                    "$ref": "#/$defs/a",
+                }
+            ),
+            r"\$ref cycle: #/\$defs/a → #/\$defs/b → #/\$defs/a",
+        ),
+        (S(grammar="start: a\na: b\nb: a"), "grammar matches no output"),
+        (S(json={"type": "string", "pattern": "(ab"}), 'invalid regex "\\(ab": unclosed group'),
     ],
 )
 def test_invalid_specs_raise(manager, so, words):
-    with pytest.raises(GrammarError, match=words):
+    with pytest.raises(GrammarError, match=words) as exc:
         manager.compile(so).result(timeout=30)
+    assert "<state>" not in str(exc.value) and "<grammar>" not in str(exc.value)
+
+
+def test_a_recursive_schema_that_makes_progress_compiles(manager, tokenizer):
+    """A tree (children: an array of nodes) is recursive but not a cycle: it compiles."""
+    node = {
+        "type": "object",
+        "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+    }
+    so = S(json={"$defs": {"node": node}, "$ref": "#/$defs/node"})
+    matcher = manager.compile(so).result(timeout=30).matcher()
+    (brace,) = tokenizer.encode("{", add_special_tokens=False)[:1]
+    assert brace in _allowed(manager, matcher)
 
 
 def test_limits_refuse_at_once():

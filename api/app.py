@@ -31,7 +31,7 @@ from api.affinity import AffinityHeaderMiddleware
 from api.errors import APIError, unavailable
 from api.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.metrics import Metrics, MetricsPlugin
-from api.offload import WorkerPool
+from api.offload import WorkerPool, WorkerPoolCollector
 from api.openapi import OfflineSwagger, document_errors_at_startup
 from api.refusals import record_refusal
 from api.request_context import RequestIdMiddleware
@@ -87,6 +87,8 @@ def create_app(
         handlers.append(AdminController)
     handlers.append(create_console_router())
     cpu_pool = WorkerPool(settings.cpu_workers)  # CPU-heavy request steps (api/offload.py)
+    metrics.registry.register(WorkerPoolCollector(cpu_pool))
+    state.on_engine.append(lambda engine: cpu_pool.start(getattr(engine, "tokenizer", None)))
     app_state = {
         "server": state,
         "engine_stats": lambda: engine_stats(state),

@@ -49,6 +49,7 @@ BENCHMARKS = (
     "stop",
     "gguf_memory",
     "gguf_kl",
+    "hostile",
 )
 
 

@@ -33,6 +33,12 @@ class APIError(Exception):
     def __str__(self) -> str:
         return f"{self.status_code} {self.type}: {self.message}"
 
+    def __reduce__(self) -> tuple:
+        # Raised in a worker process (api/offload.py) and re-raised here: an exception
+        # pickles as cls(*args), and a dataclass's fields are not its args.
+        fields = (self.status_code, self.message, self.type, self.code, self.param, self.headers)
+        return (type(self), fields)
+
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", code=code, param=param)

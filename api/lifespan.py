@@ -59,6 +59,8 @@ class ServerState:
         # Called when the server should exit on its own (the engine failed to load or died);
         # the CLI points it at uvicorn's should_exit.
         self.on_fatal: Callable[[], None] | None = None
+        # Called with the engine once it is there (the app starts its worker processes).
+        self.on_engine: list[Callable[[Any], None]] = []
         self._inflight: set[Generation] = set()
         self._idle: asyncio.Event | None = None
         self._load_task: asyncio.Task | None = None
@@ -146,6 +148,8 @@ class ServerState:
             )
 
     def _watch_engine(self, engine: Any) -> None:
+        for callback in self.on_engine:
+            callback(engine)
         on_dead = getattr(engine, "on_dead", None)  # test doubles may not have it
         if on_dead is not None:
             on_dead(self._engine_died)

@@ -7,7 +7,6 @@ max_tokens asks for 256 more (2356 in total). Shorten the prompt or lower max_to
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Callable
@@ -16,14 +15,13 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from api.context_bound import refuse_text_that_cannot_fit
 from api.errors import invalid_request, model_not_found
-from api.offload import messages_cost, sampling_cost
+from api.offload import messages_cost
 from api.schemas.openai import ChatMessage
 from engine.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Prompts longer than this (characters) are tokenized off the event loop.
-TOKENIZE_IN_THREAD_CHARS = 16_384
 _PARAM_NAMES = {f.name for f in dc_fields(SamplingParams)}
 _CHAT_ROLES = {
     "system": "system",
@@ -144,9 +142,16 @@ def template_extras(data: Any) -> dict[str, Any]:
 
 
 async def completion_prompts(
-    prompt: Any, tokenizer: Any, max_prompts: int, pool: Any = None
+    prompt: Any,
+    tokenizer: Any,
+    max_prompts: int,
+    pool: Any,
+    max_tokens: int | None = None,
+    limit: int | None = None,
 ) -> tuple[list[list[int]], list[str | None]]:
-    """The prompt field -> (token ids per prompt, text per prompt or None for token prompts)."""
+    """The prompt field -> (token ids per prompt, text per prompt or None for token prompts).
+    With `limit` (max_model_len), a text that cannot fit it with `max_tokens` after it is
+    refused from its length, before it is tokenized."""
     if isinstance(prompt, str):
         texts: list[str] | None = [prompt]
         token_prompts = None
@@ -182,11 +187,16 @@ async def completion_prompts(
                 )
         return token_prompts, [None] * len(token_prompts)
     assert texts is not None
-    ids = [
-        await off_loop_if_long(len(t), tokenizer.encode, t, pool=pool, add_special_tokens=True)
-        for t in texts
-    ]
+    if limit is not None:
+        for t in texts:
+            refuse_text_that_cannot_fit(t, max_tokens, limit, tokenizer.max_token_chars)
+    ids = [await pool.tokenizer_call(len(t), encode_text, t, True) for t in texts]
     return ids, list(texts)
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """A prompt's token ids (a module-level function: the worker processes run it)."""
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def fit_context(n_prompt: int, max_tokens: int | None, limit: int, param: str) -> int:
@@ -264,16 +274,6 @@ def sampling_params(data: Any, max_tokens: int, logprobs: int | None) -> Samplin
         raise invalid_request(message, param) from None
 
 
-async def off_loop_if_long(size: int, fn: Any, *args: Any, pool: Any = None, **kwargs: Any) -> Any:
-    """Tokenizing a long prompt takes milliseconds: do it off the event loop then, on the
-    app's bounded pool (api/offload.py) when given one."""
-    if pool is not None:
-        return await pool.run_if(size, fn, *args, **kwargs)
-    if size > TOKENIZE_IN_THREAD_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
-
-
 def render_chat(
     tokenizer: Any,
     messages: list[ChatMessage],
@@ -283,9 +283,10 @@ def render_chat(
     prepare: Callable[[list[dict[str, Any]]], tuple[list[dict[str, Any]], dict[str, Any]]]
     | None = None,
 ) -> list[int]:
-    """chat_messages + the chat template -> prompt token ids (one step, for the worker pool).
-    `prepare` rewrites the template's messages and adds variables (tool calling's
-    api/tool_calls.template_input); `template_kwargs` are further template variables."""
+    """chat_messages + the chat template -> prompt token ids (one step, for the worker pool:
+    every argument picklable). `prepare` rewrites the template's messages and adds variables
+    (tool calling's api/tool_calls.template_input, bound with functools.partial);
+    `template_kwargs` are further template variables."""
     hf_messages = chat_messages(messages)
     kwargs = dict(template_kwargs or {})
     if prepare is not None:
@@ -306,28 +307,20 @@ def render_chat(
 
 async def chat_prompt(
     pool: Any,
-    tokenizer: Any,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     param: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     prepare: Any = None,
 ) -> list[int]:
-    """render_chat, on the worker pool once the messages are large (count + characters)."""
-    return await pool.run_if(
+    """render_chat with the engine's tokenizer, in a worker process once the messages are
+    large (count + characters)."""
+    return await pool.tokenizer_call(
         messages_cost(messages),
         render_chat,
-        tokenizer,
         messages,
         add_generation_prompt,
         param,
         template_kwargs,
         prepare,
     )
-
-
-async def checked_sampling_params(
-    pool: Any, data: Any, max_tokens: int, logprobs: int | None
-) -> SamplingParams:
-    """sampling_params, on the worker pool when logit_bias / stop lists are large."""
-    return await pool.run_if(sampling_cost(data), sampling_params, data, max_tokens, logprobs)

@@ -139,8 +139,9 @@ class Settings:
         int,
     )
     cpu_workers: int = _flag(
-        "Threads for CPU-heavy request steps (chat template, tokenization, large logit_bias or "
-        "stop lists); more such requests wait their turn instead of stalling the event loop.",
+        "Worker processes for CPU-heavy request steps (chat template and tokenization of "
+        "large inputs, checking large JSON bodies), at a lower CPU priority than the engine; "
+        "more such requests wait their turn instead of slowing the engine or the event loop.",
         2,
         int,
     )

@@ -8,13 +8,15 @@ completes it. Stop strings are matched on the detokenized text and never reach t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from engine.stop_matcher import StopMatcher, StopText
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_WINDOW = 5  # prompt tokens decoded with the first output tokens (leading-space context)
@@ -38,7 +40,19 @@ class Tokenizer:
         """Load from a local folder (tokenizer.json etc.); never downloads."""
         if not Path(path).is_dir():
             raise ValueError(f"tokenizer folder {str(path)!r} does not exist")
+        # Here, not at the top: AutoTokenizer imports torch (via transformers' configs), which
+        # the server's worker processes, unpickling a tokenizer, need not pay for.
+        from transformers import AutoTokenizer
+
         return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: the longest vocabulary entry
+        (special tokens included). A byte-level entry spells one character per byte and a
+        SentencePiece one a character per character, so a text of n characters is at least
+        n / max_token_chars tokens: a bound the server checks before it tokenizes."""
+        return max(1, max(len(t) for t in self.hf.get_vocab()))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -14,6 +14,7 @@ reconciled to the tokens actually used before the response's last byte.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 import uuid
@@ -29,9 +30,11 @@ from litestar.response import Stream
 from api.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.auth import Principal
 from api.body import require_json_body
+from api.context_bound import refuse_chat_that_cannot_fit
 from api.deps import check_model_access, provide_principal, provide_server, require_principal
 from api.errors import APIError, invalid_request, request_timed_out, unavailable
 from api.lifespan import ServerState
+from api.offload import WorkerPool
 from api.openai_format import ChatFormatter, CompletionFormatter, sse_stream
 from api.openai_inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -39,10 +42,10 @@ from api.openai_inputs import (
     check_model,
     check_priority,
     check_stream_options,
-    checked_sampling_params,
     completion_prompts,
+    encode_text,
     fit_context,
-    off_loop_if_long,
+    sampling_params,
     template_extras,
 )
 from api.refusals import LEDGER_OWNED
@@ -99,25 +102,31 @@ class OpenAIController(Controller):
         check_stream_options(data)
         parser = active_parser(server.settings.tool_call_parser, engine.tokenizer)
         tools = plan_tools(data, parser)
-        pool = _pool(request)
-        prompt = await chat_prompt(
-            pool,
-            engine.tokenizer,
-            data.messages,
-            data.add_generation_prompt,
-            template_kwargs=template_extras(data),
-            prepare=lambda messages: template_input(messages, tools, parser),
-        )
         max_tokens = data.max_completion_tokens
         if max_tokens is None:
             max_tokens = data.max_tokens
+        refuse_chat_that_cannot_fit(  # from sizes alone: before the template's work
+            data.messages,
+            data.tools if tools is not None and tools.active else None,
+            max_tokens,
+            engine.max_model_len,
+            engine.tokenizer.max_token_chars,
+        )
+        pool = _pool(request, engine)
+        prompt = await chat_prompt(
+            pool,
+            data.messages,
+            data.add_generation_prompt,
+            template_kwargs=template_extras(data),
+            prepare=functools.partial(template_input, plan=tools, parser=parser),
+        )
         max_tokens = fit_context(len(prompt), max_tokens, engine.max_model_len, "messages")
         top = data.top_logprobs
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         check_priority(data.priority)
         logprobs = (top or 0) if data.logprobs else None
-        params = await checked_sampling_params(pool, data, max_tokens, logprobs)
+        params = sampling_params(data, max_tokens, logprobs)  # bounded: ~4 ms at the limits
         params = await with_structured_outputs(data, params, engine)
         params = await constrain(params, tools, engine)
 
@@ -159,15 +168,19 @@ class OpenAIController(Controller):
                 "computed); drop one of them.",
                 "echo",
             )
-        pool = _pool(request)
-        prompts, texts = await completion_prompts(
-            data.prompt, engine.tokenizer, server.settings.max_prompts_per_request, pool
-        )
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
+        prompts, texts = await completion_prompts(
+            data.prompt,
+            engine.tokenizer,
+            server.settings.max_prompts_per_request,
+            _pool(request, engine),
+            max_tokens,
+            engine.max_model_len,
+        )
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         check_priority(data.priority)
-        params = await checked_sampling_params(pool, data, max_tokens, data.logprobs)
+        params = sampling_params(data, max_tokens, data.logprobs)
         params = await with_structured_outputs(data, params, engine)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -222,21 +235,16 @@ class OpenAIController(Controller):
         if data.model is not None:
             check_model_access(request, data.model)
             check_model(data.model, engine)
-        tok = engine.tokenizer
         if (data.prompt is None) == (data.messages is None):
             raise invalid_request("Give exactly one of prompt and messages.", "prompt")
-        pool = _pool(request)
+        pool = _pool(request, engine)
         if data.prompt is not None:
-            ids = await off_loop_if_long(
-                len(data.prompt),
-                tok.encode,
-                data.prompt,
-                pool=pool,
-                add_special_tokens=data.add_special_tokens,
+            ids = await pool.tokenizer_call(
+                len(data.prompt), encode_text, data.prompt, data.add_special_tokens
             )
         else:
             messages = data.messages or []
-            ids = await chat_prompt(pool, tok, messages, data.add_generation_prompt, "messages")
+            ids = await chat_prompt(pool, messages, data.add_generation_prompt, "messages")
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @post("/detokenize", status_code=200)
@@ -280,9 +288,12 @@ async def _ticket(
     return ticket
 
 
-def _pool(request: Request) -> Any:
-    """The bounded worker pool for CPU-heavy request steps (api/offload.py)."""
-    return request.app.state.cpu_pool
+def _pool(request: Request, engine: Any) -> WorkerPool:
+    """The bounded worker pool for CPU-heavy request steps (api/offload.py), holding the
+    engine's tokenizer (started with it when the engine became ready)."""
+    pool: WorkerPool = request.app.state.cpu_pool
+    pool.start(engine.tokenizer)  # a no-op once started with this tokenizer
+    return pool
 
 
 async def _admit(

@@ -56,11 +56,11 @@ def _largest_chat_body() -> bytes:
     return body
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
-def test_health_answers_while_the_largest_chat_body_is_templated(server, auth, path):
-    body = _largest_chat_body()
-    if path == "/tokenize":
-        body = body.replace(b'"max_tokens":1,', b"")
+def test_health_answers_while_the_largest_chat_body_is_templated(server, auth):
+    """/tokenize renders any conversation that fits the body limit (it has no context to
+    fit: /v1/chat/completions refuses such a body before templating, below)."""
+    path = "/tokenize"
+    body = _largest_chat_body().replace(b'"max_tokens":1,', b"")
     head = (
         f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         f"authorization: {auth['Authorization']}\r\n"
@@ -89,8 +89,7 @@ def test_health_answers_while_the_largest_chat_body_is_templated(server, auth, p
 
     answered, raw = asyncio.run(run())
     status = int(raw.split(b" ", 2)[1])
-    # The prompt does not fit the tiny model's context: a 400 after the template ran.
-    assert status == (400 if path == "/v1/chat/completions" else 200), raw[:300]
+    assert status == 200, raw[:300]
     # Health checks sent after the body was complete were answered before the big request
     # finished (order, not time): with the template on the event loop there are none.
     assert answered >= 3, answered

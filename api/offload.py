@@ -34,6 +34,8 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from engine.orphans import die_with_parent
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -49,9 +51,11 @@ WORKER_NICENESS = 10
 _tokenizer: Any = None  # a worker process's copy of the engine's tokenizer
 
 
-def _init_worker(tokenizer_pickle: bytes | None) -> None:
-    """A worker process's start: lower priority, one thread, the tokenizer."""
+def _init_worker(parent_pid: int, tokenizer_pickle: bytes | None) -> None:
+    """A worker process's start: bound to the server's life, lower priority, one thread,
+    the tokenizer."""
     global _tokenizer
+    die_with_parent(parent_pid)
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
     os.environ["RAYON_NUM_THREADS"] = "1"  # the Rust tokenizer's pool: one core is ours
@@ -116,7 +120,7 @@ class WorkerPool:
             # a forked child would inherit mid-use.
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(self._tokenizer_pickle,),
+            initargs=(os.getpid(), self._tokenizer_pickle),
         )
         for _ in range(self.workers):  # warm: import and unpickle before the first big body
             executor.submit(_ready)

@@ -25,12 +25,10 @@ kills the other workers, and this and every later call raises EngineDeadError.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +41,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.orphans import die_with_parent
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.step_payload import decode_step, encode_step
 
@@ -81,20 +80,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-    def watchdog() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
-
-
 def _worker_main(
     config: EngineConfig,
     model_dir: Path,
@@ -105,7 +90,7 @@ def _worker_main(
     parent_pid: int,
     num_threads: int,
 ) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     import torch

@@ -97,3 +97,46 @@ def test_before_start_steps_run_on_a_thread():
             asyncio.run(pool.tokenizer_call(100, _pid))
     finally:
         pool.shutdown()
+
+
+_ORPHAN_SCRIPT = """
+import asyncio, os, sys, time
+from api.offload import WorkerPool
+from engine.tokenizer import Tokenizer
+from tests.api.test_offload import _pid
+
+pool = WorkerPool(workers=1, inline_cost=0)
+pool.start(Tokenizer.from_pretrained(sys.argv[1]))
+print(asyncio.run(pool.tokenizer_call(100, _pid))[0], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_dies_with_the_server(tiny_llama_dir):
+    """SIGKILL of the server (no shutdown runs) takes its worker processes with it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    server = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, str(tiny_llama_dir)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker = int(server.stdout.readline())
+        os.kill(worker, 0)  # alive
+    finally:
+        server.kill()
+        server.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"worker {worker} outlived its server"
+        time.sleep(0.1)

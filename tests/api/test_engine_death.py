@@ -32,11 +32,13 @@ DIED = "tensor-parallel worker rank 1"
 
 
 def _workers(pid: int) -> list[psutil.Process]:
-    """The multiprocessing workers under pid (not its resource tracker)."""
+    """The tensor-parallel workers under pid: spawned processes, not its resource tracker,
+    and not the request pool's workers (api/offload.py), which run niced."""
+    parent = psutil.Process(pid)
     out = []
-    for child in psutil.Process(pid).children():
+    for child in parent.children():
         try:
-            if "spawn_main" in " ".join(child.cmdline()):
+            if "spawn_main" in " ".join(child.cmdline()) and child.nice() == parent.nice():
                 out.append(child)
         except psutil.Error:
             continue

@@ -12,7 +12,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from api import request_context
-from api.services.usage import UsageRecord
+from api.usage.service import UsageRecord
 from engine import SamplingParams
 from tests.console.conftest import ADMIN, NUM_BLOCKS, csrf_of, login
 

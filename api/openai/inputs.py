@@ -19,6 +19,7 @@ from api.openai.context_bound import refuse_text_that_cannot_fit
 from api.openai.schemas import ChatMessage
 from api.server.errors import invalid_request, model_not_found
 from api.server.offload import messages_cost
+from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -32,7 +33,7 @@ _CHAT_ROLES = {
 }
 
 
-def check_model(requested: str, engine: Any) -> None:
+def check_model(requested: str, engine: EngineClient) -> None:
     if requested != engine.model_name:
         raise model_not_found(requested)
 

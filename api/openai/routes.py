@@ -74,6 +74,7 @@ from api.tenants.tenancy import engine_tenancy
 from api.usage.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.usage.refusals import LEDGER_OWNED
 from engine.errors import EngineDeadError, QueueFullError
+from engine.protocol import EngineClient, EngineRequest
 from engine.sampling_params import SamplingParams
 
 
@@ -291,7 +292,7 @@ async def _ticket(
     return ticket
 
 
-def _pool(request: Request, engine: Any) -> WorkerPool:
+def _pool(request: Request, engine: EngineClient) -> WorkerPool:
     """The bounded worker pool for CPU-heavy request steps (api/server/offload.py), holding the
     engine's tokenizer (started with it when the engine became ready)."""
     pool: WorkerPool = request.app.state.cpu_pool
@@ -301,7 +302,7 @@ def _pool(request: Request, engine: Any) -> WorkerPool:
 
 async def _admit(
     server: ServerState,
-    engine: Any,
+    engine: EngineClient,
     request: Request,
     principal: Principal,
     ticket: Ticket,
@@ -330,16 +331,13 @@ async def _admit(
         server.untrack(gen)
 
     try:
+        requests = [
+            EngineRequest(rid, ids, params, tenancy)
+            for rid, ids in zip(request_ids, prompts, strict=True)
+        ]
         gen = Generation(
             engine,
-            request_ids,
-            prompts,
-            params,
-            priority=tenancy.priority,
-            cache_salt=tenancy.cache_salt,
-            tenant=tenancy.tenant,
-            tenant_weight=tenancy.tenant_weight,
-            deadline=tenancy.deadline,
+            requests,
             on_close=on_close,
             observer=metrics,
             key_name=principal.key_name,

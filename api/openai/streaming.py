@@ -18,7 +18,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import EngineClient, EngineRequest
 
 T = TypeVar("T")
 
@@ -81,39 +81,19 @@ class Generation:
 
     def __init__(
         self,
-        engine: Any,
-        request_ids: list[str],
-        prompts: list[list[int]],
-        params: SamplingParams,
+        engine: EngineClient,
+        requests: list[EngineRequest],
         *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        deadline: float | None = None,
         on_close: Callable[[Generation], None] | None = None,
         observer: RequestObserver | None = None,
         key_name: str | None = None,
         key_id: str | None = None,
     ) -> None:
-        assert len(request_ids) == len(prompts)
         self.engine = engine
-        self.request_ids = request_ids
-        self.prompts = prompts
-        self.latest: list[RequestOutput | None] = [None] * len(prompts)
-        self._iters = [
-            engine.generate(
-                rid,
-                ids,
-                params,
-                priority=priority,
-                cache_salt=cache_salt,
-                tenant=tenant,
-                tenant_weight=tenant_weight,
-                deadline=deadline,
-            )
-            for rid, ids in zip(request_ids, prompts, strict=True)
-        ]
+        self.request_ids = [r.request_id for r in requests]
+        self.prompts = [r.prompt_token_ids for r in requests]
+        self.latest: list[RequestOutput | None] = [None] * len(requests)
+        self._iters = [engine.generate(r) for r in requests]
         self._on_close = on_close
         self._closing: asyncio.Future[None] | None = None
         self._observer = observer

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from api.server.errors import invalid_request
+from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The forms /v1/models lists: response_format types and vLLM's structured_outputs fields.
@@ -100,7 +101,9 @@ def _params(param: str, **form: Any) -> StructuredOutputsParams:
         raise invalid_request(f"{param}: {e}", param) from None
 
 
-async def with_structured_outputs(data: Any, params: SamplingParams, engine: Any) -> SamplingParams:
+async def with_structured_outputs(
+    data: Any, params: SamplingParams, engine: EngineClient
+) -> SamplingParams:
     """params with the request's structured output, compiled; unchanged without one.
     Raises a 400 naming the parameter for an invalid, too large or too slow spec."""
     found = structured_outputs_of(data)
@@ -111,7 +114,7 @@ async def with_structured_outputs(data: Any, params: SamplingParams, engine: Any
     return dataclasses.replace(params, structured_outputs=so)
 
 
-async def compile_or_400(engine: Any, so: StructuredOutputsParams, param: str) -> None:
+async def compile_or_400(engine: EngineClient, so: StructuredOutputsParams, param: str) -> None:
     """Compile so (off the event loop, bounded by the compile timeout) or raise a 400 naming
     param. For any code that builds its own constraint (tool calling, say)."""
     try:

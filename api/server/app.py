@@ -43,6 +43,7 @@ from api.server.system import SystemController
 from api.server.tracing import Tracing
 from api.usage.refusals import record_refusal
 from engine.errors import EngineDeadError, QueueFullError
+from engine.protocol import EngineClient
 
 logger = logging.getLogger("tessera.api")
 
@@ -60,7 +61,7 @@ _STATUS_CODES = {
 
 def create_app(
     settings: Settings,
-    engine: Any | None = None,
+    engine: EngineClient | None = None,
     *,
     extra_route_handlers: Sequence[ControllerRouterHandler] = (),
     tracing: Tracing | None = None,

@@ -18,10 +18,11 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from api.server.errors import unavailable
 from api.server.settings import Settings, to_engine_config
+from engine.protocol import EngineClient
 
 if TYPE_CHECKING:
     from litestar import Litestar
@@ -45,7 +46,7 @@ class Phase(enum.StrEnum):
 
 
 class ServerState:
-    def __init__(self, settings: Settings, engine: Any | None = None) -> None:
+    def __init__(self, settings: Settings, engine: EngineClient | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.owns_engine = engine is None  # an engine passed in is the caller's to shut down
@@ -60,7 +61,7 @@ class ServerState:
         # the CLI points it at uvicorn's should_exit.
         self.on_fatal: Callable[[], None] | None = None
         # Called with the engine once it is there (the app starts its worker processes).
-        self.on_engine: list[Callable[[Any], None]] = []
+        self.on_engine: list[Callable[[EngineClient], None]] = []
         self._inflight: set[Generation] = set()
         self._idle: asyncio.Event | None = None
         self._load_task: asyncio.Task | None = None
@@ -68,7 +69,7 @@ class ServerState:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def require_engine(self) -> Any:
+    def require_engine(self) -> EngineClient:
         """The engine, or a 503 (with Retry-After) that says why no work is admitted now."""
         self._take_engine_death()
         if self.engine_error is not None:
@@ -147,7 +148,7 @@ class ServerState:
                 engine.max_model_len,
             )
 
-    def _watch_engine(self, engine: Any) -> None:
+    def _watch_engine(self, engine: EngineClient) -> None:
         for callback in self.on_engine:
             callback(engine)
         on_dead = getattr(engine, "on_dead", None)  # test doubles may not have it

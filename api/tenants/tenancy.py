@@ -1,9 +1,8 @@
 """What the engine is told about a request's tenant: who it is (the fair scheduler's unit),
 its weight, the prefix-cache salt that isolates it, its priority class and its deadline.
 
-    t = engine_tenancy(principal, secret, requested_priority, arrived, server_timeout)
-    engine.generate(..., priority=t.priority, cache_salt=t.cache_salt, tenant=t.tenant,
-                    tenant_weight=t.tenant_weight, deadline=t.deadline)
+    tenancy = engine_tenancy(principal, secret, requested_priority, arrived, server_timeout)
+    engine.generate(EngineRequest(request_id, prompt_ids, params, tenancy))  # engine.protocol
 
 Cache salt: HMAC-SHA256 of the scope's id under a secret drawn when the server starts, so
 the salt (which the engine hashes into every block of a prompt) names no tenant and cannot
@@ -21,18 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass
 
 from api.keys.auth import Principal
-
-
-@dataclass(slots=True, frozen=True)
-class Tenancy:
-    tenant: str | None
-    tenant_weight: float
-    cache_salt: str | None
-    priority: int
-    deadline: float | None  # time.monotonic()
+from engine.protocol import Tenancy
 
 
 def cache_salt(principal: Principal, secret: bytes) -> str | None:
@@ -65,7 +55,7 @@ def engine_tenancy(
     timeout = request_timeout(principal, server_timeout)
     return Tenancy(
         tenant=principal.tenant_id,
-        tenant_weight=principal.tenant_weight,
+        weight=principal.tenant_weight,
         cache_salt=cache_salt(principal, secret),
         priority=effective_priority(principal, requested_priority),
         deadline=None if timeout is None else arrived + timeout,

@@ -26,6 +26,7 @@ from typing import Any
 from api.openai.structured import compile_or_400
 from api.openai.tools import PARSERS, EnvelopeParser, ToolStreamer, resolve_parser
 from api.server.errors import invalid_request
+from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_output.schema_refs import check_schema_refs
 
@@ -194,7 +195,9 @@ def _describe(plan: ToolPlan) -> str:
 # --- grammar ---------------------------------------------------------------------------------
 
 
-async def constrain(params: SamplingParams, plan: ToolPlan | None, engine: Any) -> SamplingParams:
+async def constrain(
+    params: SamplingParams, plan: ToolPlan | None, engine: EngineClient
+) -> SamplingParams:
     """params held to the envelope's JSON schema (compiled, or a 400 naming `tools`) where
     the plan needs it; unchanged otherwise."""
     if plan is None or not plan.uses_envelope:

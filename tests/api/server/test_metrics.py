@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.server.metrics import CONTENT_TYPE, Metrics, MetricsPlugin, buckets_1_2_5
 from engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
 from engine.async_engine import AsyncEngine
+from engine.protocol import EngineRequest
 
 MODEL = "tiny"
 
@@ -55,7 +56,7 @@ async def run_request(engine, metrics: Metrics, rid: str, ids, params, key=None,
     """What the HTTP request path does: start, observe every output, abort if cut short."""
     metrics.request_started(rid, key_name=key)
     seen = 0
-    async for out in engine.generate(rid, ids, params):
+    async for out in engine.generate(EngineRequest(rid, ids, params)):
         metrics.observe(rid, out)
         seen += 1
         if stop_after is not None and seen >= stop_after:
@@ -103,7 +104,7 @@ async def test_aborted_stream_and_live_gauges(engine):
     ids = engine.tokenizer.encode("The quick brown fox")
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     metrics.request_started("live", key_name="k")
-    gen = engine.generate("live", ids, long)
+    gen = engine.generate(EngineRequest("live", ids, long))
     metrics.observe("live", await anext(gen))
     metrics.observe("live", await anext(gen))
     text = metrics.render().decode()
@@ -145,7 +146,9 @@ async def test_prefix_cache_and_stop_reason(engine):
     # A stop token ends a request with finished_reason="stop".
     first = engine.tokenizer.encode("Hello")
     probe = []
-    async for out in engine.generate("probe", first, SamplingParams(max_tokens=2, temperature=0)):
+    async for out in engine.generate(
+        EngineRequest("probe", first, SamplingParams(max_tokens=2, temperature=0))
+    ):
         probe = out.outputs[0].token_ids
     stop = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[probe[1]])
     await run_request(engine, metrics, "s", first, stop)

@@ -186,7 +186,7 @@ async def run_round(base: str, keys: list[str], args: argparse.Namespace, seed: 
 
 async def _create_keys(url: str, n: int) -> list[str]:
     from api.db.session import Database
-    from api.services.keys import KeyService
+    from api.keys.service import KeyService
 
     db = Database.from_url(url)
     try:
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model_name = "bench"
     if not NGINX_CONF.is_file():
         raise SystemExit(f"{NGINX_CONF} is missing: run from a checkout of the repository")
-    from api.cli import main as tessera
+    from api.cli.main import main as tessera
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-affinity-") as t:
         tmp = Path(t)

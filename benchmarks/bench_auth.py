@@ -111,12 +111,12 @@ async def paced(n: int, rate: float, one: Callable[[int], Awaitable[None]]) -> f
 
 
 async def hot_path(backend: str, url: str | None, requests: int, rate: float) -> Result:
-    from api.accounting import Accountant
-    from api.auth import Authenticator
     from api.db.session import Database
-    from api.services.keys import KeyService
-    from api.services.quotas import QuotaService
-    from api.services.usage import UsageRecorder
+    from api.keys.auth import Authenticator
+    from api.keys.service import KeyService
+    from api.quotas.service import QuotaService
+    from api.usage.accounting import Accountant
+    from api.usage.service import UsageRecorder
     from engine.outputs import CompletionOutput, RequestOutput
 
     db = Database.from_url(url) if url else None
@@ -245,7 +245,7 @@ async def http_round(t: HttpTarget, model: str, n: int, concurrency: int, rate: 
 
 async def _create_key(url: str) -> str:
     from api.db.session import Database
-    from api.services.keys import KeyService
+    from api.keys.service import KeyService
 
     db = Database.from_url(url)
     try:
@@ -266,7 +266,7 @@ def run_http(args: argparse.Namespace, tmp: Path, backends: list[str]) -> None:
             extra = ["--auth", "none"] if url is None else ["--database-url", url]
             extra += ["--data-dir", str(tmp / backend), "--admin-token", "tsa-bench"]
             if url is not None and not url.startswith("sqlite"):
-                from api.cli import main as cli
+                from api.cli.main import main as cli
 
                 cli(["db", "upgrade", "--database-url", url])
             base = stack.enter_context(server(common + extra, tmp / f"{backend}.log"))

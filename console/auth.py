@@ -6,7 +6,7 @@ htmx request gets 401 with HX-Redirect (a redirect would swap the login page int
 Every unsafe request must carry the session's CSRF token, as the form field `_csrf` or the
 X-CSRF-Token header (htmx sends the header, set once on <body>).
 
-Wrong admin tokens are throttled per client address (api/login_throttle.py, shared with the
+Wrong admin tokens are throttled per client address (api/server/login_throttle.py, shared with the
 admin API): after --login-max-failures within --login-failure-window the login page answers
 429 with Retry-After, and the token is not even checked until the lockout ends.
 """
@@ -21,7 +21,7 @@ from litestar.datastructures import Cookie
 from litestar.params import FromQuery
 from litestar.response import Redirect
 
-from api.login_throttle import client_address, retry_after
+from api.server.login_throttle import client_address, retry_after
 from console.render import html, is_htmx
 from console.session import (
     CSRF_FIELD,

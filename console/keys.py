@@ -19,7 +19,7 @@ from typing import Any
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
-from api.services.keys import BUDGET_PERIODS, DEFAULT_ROTATE_GRACE, KeyNotFound
+from api.keys.service import BUDGET_PERIODS, DEFAULT_ROTATE_GRACE, KeyNotFound
 from console.render import is_htmx, page
 from console.state import keys_of
 

@@ -1,11 +1,11 @@
 """What the console reads from the app, and the little state it keeps itself.
 
-The app provides (api/app.py): `state.server` (api.lifespan.ServerState: settings, engine —
-None while the model loads), `state.keys` (api.services.keys.KeyService; absent without a
-database), `state.tenants` (api.services.tenants.TenantService; likewise),
+The app provides (api/server/app.py): `state.server` (api.server.lifespan.ServerState: settings, engine —
+None while the model loads), `state.keys` (api.keys.service.KeyService; absent without a
+database), `state.tenants` (api.tenants.service.TenantService; likewise),
 `state.authenticator` (dropped caches after key edits), `state.metrics`
-(api.metrics.Metrics: API-key names of requests in flight), `state.login_throttle`
-(api.login_throttle.LoginThrottle: the lockout after wrong admin tokens, shared with the
+(api.server.metrics.Metrics: API-key names of requests in flight), `state.login_throttle`
+(api.server.login_throttle.LoginThrottle: the lockout after wrong admin tokens, shared with the
 admin API; an app without one gets the console's own, from the settings). A plain
 `state.engine` / `state.settings` works too, for apps without a ServerState.
 
@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.login_throttle import LoginThrottle
+from api.server.login_throttle import LoginThrottle
 from console.session import SessionRevocations, SessionSigner
 
 ENGINE_TIMEOUT_S = 2.0  # a dead engine loop never answers; the page must still render
@@ -109,7 +109,7 @@ def console_state(app: Any) -> ConsoleState:
 
 
 def login_throttle_of(app: Any) -> LoginThrottle:
-    """The app's throttle of wrong admin tokens (api/access.py makes it), else the console's."""
+    """The app's throttle of wrong admin tokens (api/server/access.py makes it), else the console's."""
     throttle = app.state.get("login_throttle")
     if throttle is not None:
         return throttle

@@ -30,7 +30,7 @@ MINUTE_CHOICES = (1, 5, 15, 60)
 
 @dataclass(slots=True, frozen=True)
 class TenantRow:
-    tenant: Any  # api.services.tenants.TenantRecord
+    tenant: Any  # api.tenants.service.TenantRecord
     tokens: int
     requests: int
     token_share: float  # 0..1 of all tokens in the window
@@ -38,7 +38,7 @@ class TenantRow:
 
 
 async def tenant_rows(app: Any, minutes: int) -> list[TenantRow]:
-    from api.services.usage import tenant_shares
+    from api.usage.service import tenant_shares
 
     service = tenants_of(app)
     recorder = app.state.get("usage_recorder")

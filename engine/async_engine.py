@@ -25,7 +25,8 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.protocol import EngineRequest
+from engine.sampling_params import StructuredOutputsParams
 from engine.stats import EngineStats, RequestInfo
 from engine.structured_output import GrammarError
 
@@ -104,28 +105,20 @@ class AsyncEngine:
 
     # -- the public API (event loop thread) ---------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        tenant_weight: float = 1.0,
-        deadline: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after each step that changed it.
 
-        Stopping the iteration (cancellation, aclose) aborts the request at once. tenant,
-        tenant_weight and deadline as in LLMEngine.add_request: a request past its deadline
-        ends with finish_reason "timeout"."""
+        Stopping the iteration (cancellation, aclose) aborts the request at once. What
+        depends on the engine is checked here, once, before the first await (so a refusal
+        raises at the caller): the prompt and parameters, the queue's room, a duplicate id;
+        the engine thread then adds the request as it is. A request past its tenancy's
+        deadline ends with finish_reason "timeout"."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         if self._thread is None:
             raise EngineDeadError("The engine is not running.")
-        params = self.engine.validate_request(prompt_token_ids, params)
+        request_id = request.request_id
+        request.params = self.engine.validate_request(request.prompt_token_ids, request.params)
         limit = self.config.max_num_queued_requests
         if limit is not None and self._num_queued() >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
@@ -133,21 +126,7 @@ class AsyncEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        if not tenant_weight > 0:
-            raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
-        self._inbox.put(
-            (
-                "add",
-                request_id,
-                prompt_token_ids,
-                params,
-                priority,
-                cache_salt,
-                tenant,
-                tenant_weight,
-                deadline,
-            )
-        )
+        self._inbox.put(("add", request))
         finished = False
         try:
             while True:
@@ -295,21 +274,11 @@ class AsyncEngine:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, request_id, prompt_token_ids, params, priority, cache_salt, *tenancy = item
-            tenant, tenant_weight, deadline = tenancy
+            request = item[1]
             try:
-                self.engine.add_request(
-                    request_id,
-                    prompt_token_ids,
-                    params,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    tenant=tenant,
-                    tenant_weight=tenant_weight,
-                    deadline=deadline,
-                )
-            except Exception as exc:  # validated already; a race with the queue bound, say
-                self._call_in_loop(self._fail_one, request_id, exc)
+                self.engine.add(request)
+            except Exception as exc:  # admitted already: a grammar that failed, say
+                self._call_in_loop(self._fail_one, request.request_id, exc)
         elif kind == "abort":
             out = self.engine.abort_request(item[1])
             if out is not None:

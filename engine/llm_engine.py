@@ -26,6 +26,7 @@ from engine.models.hf_config import load_hf_config, max_model_len_for
 from engine.models.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from engine.protocol import EngineRequest, Tenancy
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarError, StructuredOutputManager
@@ -139,22 +140,40 @@ class LLMEngine:
         deadline: float | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. tenant/tenant_weight: whose share it draws on under the "fair"
-        policy (the tenant's latest weight wins); deadline: a time.monotonic() value past
-        which the engine ends it with finish_reason "timeout", its blocks freed."""
-        params = params or SamplingParams()
-        if request_id in self.output_processor.states:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        """Queue a request given as separate fields (the offline API's form): the
+        EngineRequest built from them, then admit + add. tenant/tenant_weight: whose share it
+        draws on under the "fair" policy (the tenant's latest weight wins); deadline: a
+        time.monotonic() value past which the engine ends it with finish_reason "timeout"."""
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, prompt_token_ids = None, list(prompt)
-        params = self.validate_request(prompt_token_ids, params)
-        if not tenant_weight > 0:
-            raise ValueError(f"tenant_weight must be positive, got {tenant_weight}")
+        request = EngineRequest(
+            request_id,
+            prompt_token_ids,
+            params or SamplingParams(),
+            Tenancy(tenant, tenant_weight, cache_salt, priority, deadline),
+            prompt_text=prompt_text,
+            arrival_time=arrival_time,
+        )
+        self.add(self.admit(request))
+
+    def admit(self, request: EngineRequest) -> EngineRequest:
+        """What depends on this engine, checked once: the prompt and parameters
+        (validate_request), a duplicate id, the waiting queue's room. The request back, its
+        params resolved (max_tokens). AsyncEngine checks the same on its loop instead."""
+        if request.request_id in self.output_processor.states:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        request.params = self.validate_request(request.prompt_token_ids, request.params)
         limit = self.config.max_num_queued_requests
         if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
+        return request
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue an admitted request: the scheduler's Request made from it, with the model's
+        extra EOS ids and its grammar (a request whose grammar still compiles waits for it)."""
+        params = request.params
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_ids]
@@ -165,26 +184,28 @@ class LLMEngine:
             error = grammar.error()
             if error is not None:
                 raise GrammarError(str(error))
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
+        tenancy = request.tenancy
+        scheduled = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
-            priority=priority,
-            cache_salt=cache_salt,
+            priority=tenancy.priority,
+            cache_salt=tenancy.cache_salt,
             grammar=grammar,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            deadline=deadline,
+            tenant=tenancy.tenant,
+            tenant_weight=tenancy.weight,
+            deadline=tenancy.deadline,
         )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
+        if request.arrival_time is not None:
+            scheduled.arrival_time = request.arrival_time
+        rid, text, ids = request.request_id, request.prompt_text, request.prompt_token_ids
         if grammar is not None and not grammar.ready():
-            self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
-            self._awaiting_grammar[request_id] = request
+            self.output_processor.add_request(rid, text, ids, params)
+            self._awaiting_grammar[rid] = scheduled
             return
-        self.scheduler.add_request(request)  # its checks first: a refusal leaves no state
-        self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+        self.scheduler.add_request(scheduled)  # its checks first: a refusal leaves no state
+        self.output_processor.add_request(rid, text, ids, params)
 
     @property
     def num_waiting(self) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,18 @@ class Database:
         for close in self._on_dispose:
             close()
         await self.engine.dispose()
+
+
+def default_data_dir() -> Path:
+    if env := os.environ.get("TESSERA_DATA_DIR"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "tessera"
+
+
+def resolve_database_url(database_url: str | None, data_dir: str | Path | None) -> str:
+    """--database-url, else TESSERA_DATABASE_URL, else SQLite in the data dir."""
+    url = database_url or os.environ.get("TESSERA_DATABASE_URL")
+    if url:
+        return url
+    return default_database_url(Path(data_dir) if data_dir else default_data_dir())

@@ -61,7 +61,7 @@ def fresh_database(backend: str, tmp: Path) -> Iterator[str]:
 
 def migrate(url: str) -> None:
     """`tessera db upgrade` (Postgres is not migrated by `tessera serve`)."""
-    from api.cli import main
+    from api.cli.main import main
 
     assert main(["db", "upgrade", "--database-url", url]) == 0
 

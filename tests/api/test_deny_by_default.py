@@ -12,8 +12,9 @@ import pytest
 from litestar.routes import HTTPRoute
 from litestar.testing import TestClient
 
-from api.app import create_app
-from api.settings import Settings
+from api.server.app import create_app
+from api.server.plugins import installed_routers
+from api.server.settings import Settings
 
 ADMIN = "tsa-deny-by-default-admin-token"
 OPEN = {"/health", "/version"}
@@ -28,7 +29,7 @@ def client(tmp_path_factory):
         admin_token=ADMIN,
         metrics_require_admin=True,
     )
-    with TestClient(create_app(settings)) as c:
+    with TestClient(create_app(settings, extra_route_handlers=installed_routers())) as c:
         yield c
 
 

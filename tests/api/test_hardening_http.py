@@ -191,7 +191,7 @@ def _rows(server, key_id: str, n: int) -> list:
     """The key's ledger rows, once `n` are there (the recorder writes in batches)."""
     import time
 
-    from tests.api.test_usage_http import ledger
+    from tests.api.usage.test_usage_http import ledger
 
     deadline = time.monotonic() + 30
     while True:

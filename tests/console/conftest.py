@@ -1,4 +1,4 @@
-"""Console fixtures: the real app (api.app.create_app) with the console router, a real
+"""Console fixtures: the real app (api.server.app.create_app) with the console router, a real
 AsyncEngine on the tiny Llama, a real SQLite key database, driven in-process by Litestar's
 AsyncTestClient on the test's own event loop (so the engine's streams work)."""
 
@@ -11,14 +11,14 @@ import pytest_asyncio
 import torch
 from litestar.testing import AsyncTestClient
 
-from api.app import create_app
-from api.auth import Authenticator
 from api.db.session import Database
-from api.metrics import Metrics
-from api.services.keys import KeyService
-from api.services.tenants import TenantService
-from api.services.usage import UsageRecorder
-from api.settings import Settings
+from api.keys.auth import Authenticator
+from api.keys.service import KeyService
+from api.server.app import create_app
+from api.server.metrics import Metrics
+from api.server.settings import Settings
+from api.tenants.service import TenantService
+from api.usage.service import UsageRecorder
 from console import create_console_router
 from engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.async_engine import AsyncEngine

@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from api.services.keys import KeyService
+from api.keys.service import KeyService
 from tests.api.conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -228,7 +228,7 @@ def test_dashboard_moves_under_load_without_reload(page, server):
 def add_usage(database_url: str, key_name: str, per_day: list[int]) -> None:
     """Ledger rows for key_name: per_day[i] requests (10 + 5 tokens each) i days ago."""
     from api.db.session import Database
-    from api.services.usage import UsageRecord, UsageRecorder
+    from api.usage.service import UsageRecord, UsageRecorder
 
     async def write() -> None:
         db = Database.from_url(database_url)
@@ -284,7 +284,7 @@ def test_usage_page_table_chart_and_filter(page, server):
 def add_tenant_usage(database_url: str, tokens: dict[str, int]) -> None:
     """One recent ledger row per tenant (by id) of that many prompt tokens."""
     from api.db.session import Database
-    from api.services.usage import UsageRecord, UsageRecorder
+    from api.usage.service import UsageRecord, UsageRecorder
 
     async def write() -> None:
         db = Database.from_url(database_url)

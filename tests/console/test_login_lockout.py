@@ -1,4 +1,4 @@
-"""The console login's lockout over the real app (api.app.create_app: its Access builds the
+"""The console login's lockout over the real app (api.server.app.create_app: its Access builds the
 throttle the console and the admin API share): wrong admin tokens from one client, then 429
 with Retry-After even for the right token, until the window passes; a success resets the
 count; the lockout is logged once and counted in /metrics.
@@ -17,8 +17,9 @@ import pytest
 import pytest_asyncio
 from litestar.testing import AsyncTestClient
 
-from api.app import create_app
-from api.settings import Settings
+from api.server.app import create_app
+from api.server.plugins import installed_routers
+from api.server.settings import Settings
 from tests.console.conftest import login as login_as
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -39,7 +40,7 @@ async def client(tmp_path_factory) -> AsyncIterator[AsyncTestClient]:
         login_max_failures=MAX_FAILURES,
         login_failure_window=WINDOW_S,
     )
-    async with AsyncTestClient(create_app(settings)) as c:
+    async with AsyncTestClient(create_app(settings, extra_route_handlers=installed_routers())) as c:
         yield c
 
 

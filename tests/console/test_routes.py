@@ -12,8 +12,9 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from api import request_context
-from api.services.usage import UsageRecord
+from api.usage.service import UsageRecord
 from engine import SamplingParams
+from engine.protocol import EngineRequest
 from tests.console.conftest import ADMIN, NUM_BLOCKS, csrf_of, login
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -173,7 +174,7 @@ async def test_dashboard_live_values(env, client):
 async def test_dashboard_shows_running_requests_and_used_blocks(env, client):
     ids = env.engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    gen = env.engine.generate("dash-1", ids, params)
+    gen = env.engine.generate(EngineRequest("dash-1", ids, params))
     await anext(gen)
     try:
         html = (await client.get("/console", headers=HX)).text
@@ -198,7 +199,7 @@ async def test_requests_page_lists_and_aborts(env, client):
     outputs = []
 
     async def consume():
-        async for out in env.engine.generate("req-abort-me", ids, params):
+        async for out in env.engine.generate(EngineRequest("req-abort-me", ids, params)):
             outputs.append(out)
 
     task = asyncio.create_task(consume())

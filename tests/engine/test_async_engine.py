@@ -18,6 +18,7 @@ from engine import (
 )
 from engine.async_engine import AsyncEngine
 from engine.errors import QueueFullError
+from engine.protocol import EngineClient, EngineRequest, Tenancy
 
 
 def make_config(model_dir, **kw) -> EngineConfig:
@@ -38,7 +39,7 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:
 
 async def collect(engine, request_id, ids, params):
     last = None
-    async for out in engine.generate(request_id, ids, params):
+    async for out in engine.generate(EngineRequest(request_id, ids, params)):
         last = out
     return last
 
@@ -46,10 +47,11 @@ async def collect(engine, request_id, ids, params):
 async def test_streams_cumulative_outputs(tiny_llama_dir):
     engine = await AsyncEngine.create(make_config(tiny_llama_dir))
     try:
+        assert isinstance(engine, EngineClient)  # the one surface the server uses
         ids = engine.tokenizer.encode("Hello world")
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         seen = []
-        async for out in engine.generate("r1", ids, params):
+        async for out in engine.generate(EngineRequest("r1", ids, params)):
             seen.append(list(out.outputs[0].token_ids))
         assert len(seen[-1]) == 6 and out.finished and out.outputs[0].finish_reason == "length"
         for a, b in zip(seen, seen[1:], strict=False):
@@ -135,7 +137,7 @@ async def test_cancel_aborts_and_frees_blocks(tiny_llama_dir):
         started = asyncio.Event()
 
         async def consume(i):
-            async for _ in engine.generate(f"x{i}", ids, params):
+            async for _ in engine.generate(EngineRequest(f"x{i}", ids, params)):
                 started.set()
 
         tasks = [asyncio.create_task(consume(i)) for i in range(10)]
@@ -195,7 +197,12 @@ async def test_queue_time_is_reported(tiny_llama_dir):
 
 
 async def collect_dated(engine, request_id, ids, params, deadline):
-    outs = [o async for o in engine.generate(request_id, ids, params, deadline=deadline)]
+    outs = [
+        o
+        async for o in engine.generate(
+            EngineRequest(request_id, ids, params, Tenancy(deadline=deadline))
+        )
+    ]
     return outs[-1]
 
 
@@ -223,7 +230,9 @@ async def test_a_request_past_its_deadline_ends_as_timeout_and_frees_its_blocks(
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         seen = []
         deadline = time.monotonic() + 600
-        async for out in engine.generate("slow", ids, long, tenant="t1", deadline=deadline):
+        async for out in engine.generate(
+            EngineRequest("slow", ids, long, Tenancy(tenant="t1", deadline=deadline))
+        ):
             seen.append(out)
             if len(seen) == 3:
                 clock.offset = 1200  # from the engine's next step on, the deadline has passed
@@ -252,7 +261,9 @@ async def test_fair_policy_serves_tenants_and_rejects_a_bad_weight(tiny_llama_di
 
         async def one(rid, tenant):
             last = None
-            async for out in engine.generate(rid, ids, params, tenant=tenant, tenant_weight=2.0):
+            async for out in engine.generate(
+                EngineRequest(rid, ids, params, Tenancy(tenant=tenant, weight=2.0))
+            ):
                 last = out
             return last
 
@@ -261,7 +272,15 @@ async def test_fair_policy_serves_tenants_and_rejects_a_bad_weight(tiny_llama_di
         tenants = engine.stats().tenants
         assert sorted(tenants) == ["t0", "t1"] and tenants["t0"][2] == 12
         with pytest.raises(ValueError, match="tenant_weight"):
-            async for _ in engine.generate("bad", ids, params, tenant="t0", tenant_weight=0):
-                pass
+            EngineRequest("bad", ids, params, Tenancy(tenant="t0", weight=0))
     finally:
         await engine.shutdown()
+
+
+def test_an_engine_request_checks_its_own_invariants():
+    with pytest.raises(ValueError, match="request_id"):
+        EngineRequest("", [1, 2])
+    with pytest.raises(ValueError, match="tenant_weight must be positive"):
+        Tenancy(weight=-1.0)
+    request = EngineRequest("r", [1, 2])
+    assert request.tenancy == Tenancy() and request.adapter is None

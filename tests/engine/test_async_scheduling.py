@@ -12,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.async_scheduling import needs_sync, resolve_async_scheduling
 from engine.outputs import ScheduledRequest, SchedulerOutput
+from engine.protocol import EngineRequest
 from engine.request import Request
 
 ABORT_AT = 5  # request 6 is aborted once it has this many tokens
@@ -188,7 +189,7 @@ async def test_async_engine_streams_and_cancels(tiny_llama_dir):
 
         async def last(rid, p):
             result = None
-            async for out in engine.generate(rid, ids, p):
+            async for out in engine.generate(EngineRequest(rid, ids, p)):
                 result = out
             return result
 

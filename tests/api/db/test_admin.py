@@ -15,14 +15,14 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components
 from litestar.testing import AsyncTestClient
 
-from api.auth import Authenticator, Principal
+from api.admin.routes import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.db.session import Database
-from api.errors import APIError
-from api.guards import provide_principal, require_api_key
-from api.routes.admin import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
-from api.services.keys import KeyService
-from api.services.tenants import TenantService
-from api.services.usage import UsageRecord, UsageRecorder
+from api.keys.auth import Authenticator, Principal
+from api.keys.service import KeyService
+from api.server.errors import APIError
+from api.server.guards import provide_principal, require_api_key
+from api.tenants.service import TenantService
+from api.usage.service import UsageRecord, UsageRecorder
 
 ADMIN = "admin-secret-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}

@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import event
 
-from api.auth import ADMIN, ANONYMOUS, STATIC, Authenticator, Principal
 from api.db.session import Database
-from api.errors import APIError
-from api.services.keys import KeyService
+from api.keys.auth import ADMIN, ANONYMOUS, STATIC, Authenticator, Principal
+from api.keys.service import KeyService
+from api.server.errors import APIError
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 

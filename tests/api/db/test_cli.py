@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from api.auth import Authenticator
-from api.cli_db import add_subcommands, main, resolve_database_url
-from api.db.session import Database
-from api.errors import APIError
+from api.cli.db import add_subcommands, main
+from api.db.session import Database, resolve_database_url
+from api.keys.auth import Authenticator
+from api.server.errors import APIError
 
 
 def run(argv: list[str]) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from api.db.models import Base
 from api.db.session import Database
-from api.services.keys import KeyNotFound, KeyService, digest_key
+from api.keys.service import KeyNotFound, KeyService, digest_key
 
 
 async def _all_cells(db: Database) -> list[str]:

@@ -76,10 +76,10 @@ async def test_0002_puts_each_existing_key_in_a_tenant_of_its_own(database_url: 
     only key of an unlimited tenant with its id, its own limits unchanged."""
     from sqlalchemy import text
 
-    from api.auth import Principal
     from api.db.migrate import upgrade_to
-    from api.services.keys import KeyService
-    from api.services.tenants import TenantService
+    from api.keys.auth import Principal
+    from api.keys.service import KeyService
+    from api.tenants.service import TenantService
 
     db = Database.from_url(database_url)
     try:

@@ -14,11 +14,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 MODULES = [
     *sorted((ROOT / "api" / "db").glob("*.py")),
-    *sorted((ROOT / "api" / "services").glob("*.py")),
-    ROOT / "api" / "auth.py",
-    ROOT / "api" / "guards.py",
-    ROOT / "api" / "cli_db.py",
-    ROOT / "api" / "routes" / "admin.py",
+    *sorted((ROOT / "api" / "keys").glob("*.py")),
+    *sorted((ROOT / "api" / "tenants").glob("*.py")),
+    *sorted((ROOT / "api" / "quotas").glob("*.py")),
+    *sorted((ROOT / "api" / "usage").glob("*.py")),
+    ROOT / "api" / "server" / "guards.py",
+    *sorted((ROOT / "api" / "cli").glob("*.py")),
+    ROOT / "api" / "admin" / "routes.py",
     ROOT / "migrations" / "env.py",
     *sorted((ROOT / "migrations" / "versions").glob("*.py")),
 ]

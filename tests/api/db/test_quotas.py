@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import event, func, select
 
-from api.auth import STATIC, Principal
 from api.db.models import ApiKey, QuotaLease
 from api.db.session import Database
-from api.errors import APIError
-from api.services.keys import KeyService
-from api.services.quotas import Lease, QuotaService, format_duration
+from api.keys.auth import STATIC, Principal
+from api.keys.service import KeyService
+from api.quotas.service import Lease, QuotaService, format_duration
+from api.server.errors import APIError
 
 
 async def _key(db: Database, **limits) -> Principal:
@@ -252,7 +252,7 @@ async def test_outage_is_503_and_release_never_raises(
     with pytest.raises(APIError) as err:
         await quotas.acquire(principal, reserved_tokens=10)
     assert err.value.status_code == 503
-    with caplog.at_level(logging.ERROR, logger="api.services.quotas"):
+    with caplog.at_level(logging.ERROR, logger="api.quotas.service"):
         await quotas.release(lease, used_tokens=5)
     assert "could not release quota lease" in caplog.text
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from api.auth import Authenticator
 from api.db.session import Database
-from api.errors import APIError
-from api.services.keys import KeyService
-from api.services.quotas import Lease, QuotaService
+from api.keys.auth import Authenticator
+from api.keys.service import KeyService
+from api.quotas.service import Lease, QuotaService
+from api.server.errors import APIError
 
 
 @dataclass

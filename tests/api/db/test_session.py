@@ -7,7 +7,7 @@ from sqlalchemy import func, select, text
 
 from api.db.models import ApiKey
 from api.db.session import Database
-from api.services.keys import KeyService
+from api.keys.service import KeyService
 
 
 async def test_transaction_commits_or_rolls_back(db: Database) -> None:

@@ -15,14 +15,14 @@ from litestar.di import NamedDependency
 from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 
-from api.auth import Principal
 from api.db.models import Tenant
 from api.db.session import Database
-from api.errors import APIError
-from api.guards import require_api_key
-from api.services.keys import KeyService
-from api.services.quotas import Lease, QuotaService
-from api.services.tenants import TenantService
+from api.keys.auth import Principal
+from api.keys.service import KeyService
+from api.quotas.service import Lease, QuotaService
+from api.server.errors import APIError
+from api.server.guards import require_api_key
+from api.tenants.service import TenantService
 from tests.api.db.test_admin import AUTH, make_app
 
 
@@ -235,8 +235,8 @@ def test_principal_from_a_key_and_its_tenant() -> None:
     from dataclasses import replace
     from datetime import datetime
 
-    from api.services.keys import KeyRecord
-    from api.services.tenants import TenantRecord
+    from api.keys.service import KeyRecord
+    from api.tenants.service import TenantRecord
 
     now = datetime.now()
     t = TenantRecord("t1", "t", 2.0, None, None, None, None, "total", 0, "key", 60.0, now, None)
@@ -259,7 +259,7 @@ def test_principal_from_a_key_and_its_tenant() -> None:
 
 
 async def test_usage_by_tenant(client: AsyncTestClient, db: Database) -> None:
-    from api.services.usage import UsageRecord, UsageRecorder
+    from api.usage.service import UsageRecord, UsageRecorder
 
     tenant = await TenantService(db).create("usage-t")
     inside, _ = await KeyService(db).create("in", tenant_id=tenant.id)

@@ -10,8 +10,8 @@ from sqlalchemy import func, select
 
 from api.db.models import UsageRow
 from api.db.session import Database
-from api.services.keys import KeyService
-from api.services.usage import UsageRecord, UsageRecorder
+from api.keys.service import KeyService
+from api.usage.service import UsageRecord, UsageRecorder
 
 
 async def _rows(db: Database) -> list[UsageRow]:

@@ -151,7 +151,7 @@ def test_an_unset_quantization_serves_a_gguf_model_in_its_own_blocks_on_the_cpu(
 
 
 def test_none_is_a_quantization_of_the_config_and_the_cli():
-    from api.settings import Settings
+    from api.server.settings import Settings
     from engine.config import EngineConfig
 
     assert EngineConfig.from_options(quantization="none").model.quantization == "none"

@@ -33,7 +33,7 @@ def test_no_reservation_and_never_below_one(four_threads):
 
 
 def test_engine_config_and_serve_flag():
-    from api.settings import Settings, to_engine_config
+    from api.server.settings import Settings, to_engine_config
     from engine.config import EngineConfig
 
     assert EngineConfig.from_options().parallel.frontend_threads == 0  # offline: all threads

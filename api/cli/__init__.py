@@ -1,0 +1,1 @@
+"""The `tessera` command: serve, bench, keys, tenants, db."""

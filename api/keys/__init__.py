@@ -1,0 +1,1 @@
+"""API keys: authentication (key -> principal), the key service and its fields."""

@@ -1,0 +1,64 @@
+"""Tool-call parsers: read calls out of a model's output text, whole or as it streams.
+
+    hermes       <tool_call>{"name": ..., "arguments": ...}</tool_call>   (Qwen2-family)
+    llama3_json  {"name": ..., "parameters": ...}, maybe after <|python_tag|>  (Llama 3.1/3.2)
+    generic      the JSON envelope {"tool_calls": [...]} | {"content": ...}, for templates
+                 that cannot render tools (the prompt describes them; a grammar keeps the
+                 reply to the envelope) and for forced calls under any parser
+
+The server picks one per model: --tool-call-parser, or `auto` = detect_parser(template).
+"""
+
+from __future__ import annotations
+
+from api.openai.tools.base import ParsedCall, ToolParser, ToolStreamer, new_call_id
+from api.openai.tools.envelope import EnvelopeParser
+from api.openai.tools.hermes import HermesParser
+from api.openai.tools.llama3_json import Llama3JsonParser
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "generic": EnvelopeParser,
+}
+PARSER_CHOICES = ("auto", *PARSERS, "none")
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The parser a chat template's own tool format needs: a template that renders `tools`
+    and writes <tool_call> is Hermes-style; one with <|python_tag|> or Llama 3's header
+    tokens and `tools` is Llama 3 JSON; any other template gets the generic mode. None:
+    no template (chat is refused anyway)."""
+    if not chat_template:
+        return None
+    if "<tool_call>" in chat_template and "tools" in chat_template:
+        return "hermes"
+    if "tools" in chat_template and (
+        "<|python_tag|>" in chat_template or "<|start_header_id|>" in chat_template
+    ):
+        return "llama3_json"
+    return "generic"
+
+
+def resolve_parser(setting: str, chat_template: str | None) -> str | None:
+    """--tool-call-parser -> the active parser's name; None: tool calling is off."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return detect_parser(chat_template)
+    return setting
+
+
+__all__ = [
+    "PARSERS",
+    "PARSER_CHOICES",
+    "EnvelopeParser",
+    "HermesParser",
+    "Llama3JsonParser",
+    "ParsedCall",
+    "ToolParser",
+    "ToolStreamer",
+    "detect_parser",
+    "new_call_id",
+    "resolve_parser",
+]

@@ -1,0 +1,1 @@
+"""Quotas: atomic reservations against rpm / tpm / parallel / budget limits, and their SQL."""

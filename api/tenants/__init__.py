@@ -1,0 +1,1 @@
+"""Tenants: the tenant service and what the engine is told about a request's tenant (tenancy)."""

@@ -1,0 +1,141 @@
+"""Engine outputs -> OpenAI bodies and SSE chunks (no server: the formatters are pure)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from transformers import AutoTokenizer
+
+from api.openai.formatting import ChatFormatter, CompletionFormatter, usage_of
+from api.openai.streaming import sse_event
+from api.server.errors import APIError
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+
+
+def out(texts, tokens, finish=None, rid="r", cached=0, logprobs=None, prompt=(1, 2, 3)):
+    outputs = [
+        CompletionOutput(
+            index=i,
+            text=t,
+            token_ids=list(tokens[i]),
+            finish_reason=finish[i] if finish else None,
+            logprobs=logprobs[i] if logprobs else None,
+        )
+        for i, t in enumerate(texts)
+    ]
+    done = finish is not None and all(f is not None for f in finish)
+    return RequestOutput(rid, None, list(prompt), outputs, done, num_cached_tokens=cached)
+
+
+def encode(obj):
+    return msgspec.json.decode(msgspec.json.encode(obj))
+
+
+def test_chat_stream_chunks_follow_openai_order(tok):
+    fmt = ChatFormatter("chatcmpl-1", "m", tok, SamplingParams(n=1), logprobs=False)
+    events = fmt.start_events(None)
+    events += fmt.update_events(0, out(["He"], [[10]]), None)
+    events += fmt.update_events(0, out(["Hello"], [[10, 11]]), None)
+    events += fmt.update_events(0, out(["Hello!"], [[10, 11, 12]], finish=["stop"]), None)
+    bodies = [encode(e) for e in events]
+    assert [b["choices"][0]["delta"] for b in bodies] == [
+        {"role": "assistant", "content": ""},
+        {"content": "He"},
+        {"content": "llo"},
+        {"content": "!"},
+        {},
+    ]
+    assert [b["choices"][0]["finish_reason"] for b in bodies] == [None] * 4 + ["stop"]
+    assert all(b["object"] == "chat.completion.chunk" and b["id"] == "chatcmpl-1" for b in bodies)
+    assert all(b["usage"] is None for b in bodies)  # include_usage: null until the last chunk
+    # Without include_usage the field is absent, as OpenAI sends it.
+    assert "usage" not in encode(fmt.start_events(msgspec.UNSET)[0])
+
+
+def test_sse_framing():
+    assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+def test_usage_counts_every_choice_and_cached_tokens():
+    outputs = [
+        out(["a", "bc"], [[1], [2, 3]], finish=["stop", "length"], cached=16, prompt=range(20)),
+        out(["d", "e"], [[4], [5]], finish=["stop", "stop"], cached=0, prompt=range(5)),
+    ]
+    usage = encode(usage_of(outputs, [list(range(20)), list(range(5))]))
+    assert usage == {
+        "prompt_tokens": 25,
+        "completion_tokens": 5,
+        "total_tokens": 30,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+
+
+def test_completion_indices_and_echo_for_several_prompts(tok):
+    fmt = CompletionFormatter("cmpl-1", "m", tok, SamplingParams(n=2), echo=["P0 ", "P1 "])
+    outputs = [
+        out(["a", "b"], [[1], [2]], finish=["length", "length"], prompt=[1]),
+        out(["c", "d"], [[3], [4]], finish=["stop", "length"], prompt=[2, 3]),
+    ]
+    body = encode(fmt.response(outputs, [[1], [2, 3]]))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "P0 a", "length"),
+        (1, "P0 b", "length"),
+        (2, "P1 c", "stop"),
+        (3, "P1 d", "length"),
+    ]
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 4
+    starts = [encode(e)["choices"][0] for e in fmt.start_events(None)]
+    assert [(c["index"], c["text"]) for c in starts] == [
+        (0, "P0 "),
+        (1, "P0 "),
+        (2, "P1 "),
+        (3, "P1 "),
+    ]
+
+
+def test_logprobs_in_both_formats(tok):
+    ids = tok.encode("Hello world")[:2]
+    lps = [
+        TokenLogprobs(ids[0], -0.5, 1, [(ids[0], -0.5), (ids[1], -1.5)]),
+        TokenLogprobs(ids[1], -0.25, 1, [(ids[1], -0.25), (ids[0], -2.0)]),
+    ]
+    text = tok.decode(ids)
+    o = out([text], [ids], finish=["length"], logprobs=[lps])
+
+    chat = encode(
+        ChatFormatter("c", "m", tok, SamplingParams(logprobs=2), True).response([o], [[1]])
+    )
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.5, -0.25]
+    assert "".join(c["token"] for c in content) == text
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+
+    comp = encode(
+        CompletionFormatter("c", "m", tok, SamplingParams(logprobs=2), None).response([o], [[1]])
+    )
+    lp = comp["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-0.5, -0.25]
+    assert "".join(lp["tokens"]) == text
+    assert lp["text_offset"] == [0, len(lp["tokens"][0])]
+    assert all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+@pytest.mark.parametrize("reason, status", [("abort", 503), ("error", 500)])
+def test_abort_and_error_are_not_openai_finish_reasons(tok, reason, status):
+    fmt = ChatFormatter("c", "m", tok, SamplingParams(), logprobs=False)
+    with pytest.raises(APIError) as exc:
+        fmt.update_events(0, out(["x"], [[1]], finish=[reason]), None)
+    assert exc.value.status_code == status
+    with pytest.raises(APIError) as exc:
+        fmt.response([out(["x"], [[1]], finish=[reason])], [[1]])
+    assert exc.value.status_code == status
+    # An output that never finished (the engine dropped it) is an error, not a success.
+    with pytest.raises(APIError, match="aborted"):
+        fmt.response([out(["x"], [[1]])], [[1]])

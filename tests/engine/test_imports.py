@@ -108,6 +108,20 @@ def test_models_name_no_kernel_or_worker_module():
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
+def test_gguf_sits_below_models_and_linear_methods():
+    """engine/gguf/ reads files and lays out blocks: the models' loader and the gguf linear
+    method import it, never the other way."""
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("engine.gguf"):
+            bad = {
+                d
+                for d in deps
+                if d.startswith(("engine.models", "engine.worker", "engine.layers.quantization"))
+            }
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
 def test_distributed_imports_only_torch():
     tree = ast.parse((ENGINE / "distributed.py").read_text())
     roots = set()

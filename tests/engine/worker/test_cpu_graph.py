@@ -82,7 +82,7 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     from engine import LLM, SamplingParams
     from engine.layers.quantization import GGUFW4LinearMethod
     from engine.layers.quantization.gguf import apply_gguf_blocks
-    from tests.engine.models.gguf_files import write_gguf
+    from tests.engine.gguf.gguf_files import write_gguf
 
     path = tmp_path / "tiny-q4_1.gguf"
     write_gguf(tiny_llama_dir, path, "Q4_1")

@@ -29,7 +29,7 @@ def supports(type_name: str, in_features: int) -> str | None:
 
 
 def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> cpu_w4.Q4Weight:
-    """uint8 [N, row bytes] Q4_0/Q4_1 rows (gguf_blocks.read_linear_blocks) -> cpu_w4.Q4Weight
+    """uint8 [N, row bytes] Q4_0/Q4_1 rows (engine.gguf.blocks.read_linear_blocks) -> cpu_w4.Q4Weight
     with the file's codes, its float16 d as the scale and m (Q4_1) or -8d (Q4_0) as the
     minimum. Raises ValueError where the blocks cannot move losslessly."""
     why = supports(type_name, in_features)

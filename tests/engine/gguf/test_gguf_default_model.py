@@ -14,9 +14,10 @@ from engine.attention.backends.cpu import CpuAttentionBackend
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import DEFAULT_MODEL
+from engine.gguf.convert import LINK, _unpermute
+from engine.gguf.source import default_gguf_path
 from engine.layers.quantization.gguf import q8_tiles_head
-from engine.models.gguf_convert import LINK, _unpermute
-from engine.models.loader import default_gguf_path, load_model, resolve_model
+from engine.models.loader import load_model, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -185,9 +186,9 @@ def test_file_blocks_answer_paris(default_model_dir):
     weights' bytes are the file tensors'), prompt and one-row decode steps, still answers."""
     from transformers import AutoTokenizer
 
+    from engine.gguf.source import default_gguf_path
     from engine.layers import cpu_w4
     from engine.layers.quantization import GGUFLinearMethod, quantize_model
-    from engine.models.loader import default_gguf_path
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     prompt = tok.apply_chat_template(

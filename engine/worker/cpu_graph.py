@@ -41,7 +41,9 @@ from engine.kernels.cpu.ops import Layer as _Layer
 from engine.kernels.cpu.ops import Shape as _Shape
 from engine.kernels.cpu.ops import Step as _Step
 from engine.layers import cpu_amx, cpu_fused, cpu_isa, cpu_w4, cpu_w8a8
-from engine.layers.quantization import GGUFW4LinearMethod, W4A8LinearMethod, W8A8LinearMethod
+from engine.layers.quantization.gguf import GGUFW4LinearMethod
+from engine.layers.quantization.w4a8 import W4A8LinearMethod
+from engine.layers.quantization.w8a8 import W8A8LinearMethod
 
 _P = ctypes.c_void_p
 

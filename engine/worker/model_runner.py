@@ -34,8 +34,8 @@ from engine.config import EngineConfig
 from engine.distributed import get_tp_size
 from engine.gguf.source import gguf_source
 from engine.layers.gpu_sampler import GpuSampler
-from engine.layers.quantization import quantize_model, resolve_method
 from engine.layers.quantization.gguf import block_parameters
+from engine.layers.quantization.quantize import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs

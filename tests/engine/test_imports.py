@@ -4,6 +4,8 @@ web layer, and model files that name no kernel module (they stay plain torch mod
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
@@ -120,6 +122,24 @@ def test_gguf_sits_below_models_and_linear_methods():
                 if d.startswith(("engine.models", "engine.worker", "engine.layers.quantization"))
             }
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_config_takes_its_choices_from_the_registries_without_torch():
+    """engine.config's choices are the registries' names (attention backends, linear methods,
+    queue policies), read from modules that import no torch."""
+    code = (
+        "import sys, engine.config as c\n"
+        "from engine.attention.backends import ATTENTION_BACKEND_CHOICES\n"
+        "from engine.core.request_queue import POLICIES\n"
+        "from engine.layers.quantization import METHODS, QUANTIZATION_CHOICES\n"
+        "assert 'torch' not in sys.modules, 'engine.config imported torch'\n"
+        "assert c.QUANTIZATION_CHOICES is QUANTIZATION_CHOICES == ('none', *METHODS)\n"
+        "assert c.ATTENTION_BACKEND_CHOICES is ATTENTION_BACKEND_CHOICES and c.POLICIES is POLICIES\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ENGINE.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_distributed_imports_only_torch():

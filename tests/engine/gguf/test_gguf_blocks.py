@@ -21,12 +21,14 @@ from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.gguf.convert import _write_weights
 from engine.layers import cpu_gemm, cpu_gguf, cpu_isa, cpu_w4
-from engine.layers.quantization import GGUFLinearMethod, GGUFW4LinearMethod, quantize_model
 from engine.layers.quantization.gguf import (
+    GGUFLinearMethod,
     GGUFSegmentsLinearMethod,
+    GGUFW4LinearMethod,
     apply_gguf_blocks,
     q8_tiles_head,
 )
+from engine.layers.quantization.quantize import quantize_model
 from engine.models.loader import load_model
 from tests.engine.gguf.gguf_files import HEADS, KV_HEADS, write_gguf
 

@@ -119,7 +119,7 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir, monke
     from engine.attention.cpu_kernel import kernel_supports
     from engine.attention.kv_int8 import allocate_scales as kv_scales
     from engine.layers import cpu_w4
-    from engine.layers.quantization import quantize_model
+    from engine.layers.quantization.quantize import quantize_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     text = (
@@ -188,7 +188,8 @@ def test_file_blocks_answer_paris(default_model_dir):
 
     from engine.gguf.source import default_gguf_path
     from engine.layers import cpu_w4
-    from engine.layers.quantization import GGUFLinearMethod, quantize_model
+    from engine.layers.quantization.gguf import GGUFLinearMethod
+    from engine.layers.quantization.quantize import quantize_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     prompt = tok.apply_chat_template(
@@ -239,8 +240,12 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
     `none` override gives the old path, the dequantized bf16 weights."""
     from engine import SamplingParams
     from engine.layers import cpu_w4
-    from engine.layers.quantization import GGUFW4LinearMethod, UnquantizedLinearMethod
-    from engine.layers.quantization.gguf import GGUFLMHeadMethod, GGUFQ8TilesHeadMethod
+    from engine.layers.quantization.gguf import (
+        GGUFLMHeadMethod,
+        GGUFQ8TilesHeadMethod,
+        GGUFW4LinearMethod,
+    )
+    from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"

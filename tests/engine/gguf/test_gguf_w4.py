@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from engine.gguf import w4 as gguf_w4
 from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4
 from engine.layers.quantization import gguf as gguf_method
-from engine.layers.quantization import resolve_method
+from engine.layers.quantization.quantize import resolve_method
 from tests.engine.kernels.w4_testing import x_as_the_kernel_reads_it, x_int8_per_group
 
 

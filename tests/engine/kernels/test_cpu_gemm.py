@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.layers import cpu_gemm, cpu_isa
-from engine.layers.quantization import quantize_rows_int8
+from engine.layers.quantization.int8 import quantize_rows_int8
 from tests.engine.test_llm_exactness import engine_greedy, hf_greedy, make_prompts
 
 

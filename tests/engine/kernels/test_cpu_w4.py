@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.layers import cpu_w4
-from engine.layers.quantization import W8A8LMHeadMethod, quantize_layer
-from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
+from engine.layers.quantization.quantize import quantize_layer
+from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS, W8A8LMHeadMethod
 from tests.engine.kernels.w4_testing import (
     avx2_variant,
     x_as_the_kernel_reads_it,

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from engine.layers import cpu_gemm, cpu_w8a8
-from engine.layers.quantization import (
-    Int8LinearMethod,
+from engine.layers.quantization.int8 import Int8LinearMethod, quantize_rows_int8
+from engine.layers.quantization.quantize import quantize_layer
+from engine.layers.quantization.w8a8 import (
+    AMX_W8A8_MIN_ROWS,
+    W8A8_MIN_ROWS,
     W8A8LinearMethod,
     W8A8LMHeadMethod,
-    quantize_layer,
-    quantize_rows_int8,
 )
-from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
 
 
 @pytest.fixture(autouse=True)

@@ -80,8 +80,7 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     if not cpu_w4.available():
         pytest.skip("the w4 kernel needs AVX512-VNNI or AVX2 and a C compiler")
     from engine import LLM, SamplingParams
-    from engine.layers.quantization import GGUFW4LinearMethod
-    from engine.layers.quantization.gguf import apply_gguf_blocks
+    from engine.layers.quantization.gguf import GGUFW4LinearMethod, apply_gguf_blocks
     from tests.engine.gguf.gguf_files import write_gguf
 
     path = tmp_path / "tiny-q4_1.gguf"

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.layers import cpu_gguf
+from engine.kernels.cpu import gguf as cpu_gguf
 from engine.layers.rotary import llama3_inv_freq
 
 logger = logging.getLogger("tessera.engine")

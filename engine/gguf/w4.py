@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import cpu_w4
+from engine.kernels.cpu import w4 as cpu_w4
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # ggml's block_q4_0 / block_q4_1: 32 weights each
 TYPES = tuple(BLOCK_BYTES)

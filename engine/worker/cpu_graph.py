@@ -36,11 +36,15 @@ import torch
 from engine.attention import cpu_kernel
 from engine.attention.backends.base import AttentionMetadata
 from engine.attention.backends.cpu import CpuAttentionMetadata
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import fused_ops as cpu_fused
+from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import ops
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.kernels.cpu.ops import Layer as _Layer
 from engine.kernels.cpu.ops import Shape as _Shape
 from engine.kernels.cpu.ops import Step as _Step
-from engine.layers import cpu_amx, cpu_fused, cpu_isa, cpu_w4, cpu_w8a8
 from engine.layers.quantization.gguf import GGUFW4LinearMethod
 from engine.layers.quantization.w4a8 import W4A8LinearMethod
 from engine.layers.quantization.w8a8 import W8A8LinearMethod

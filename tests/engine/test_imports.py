@@ -1,5 +1,6 @@
 """The engine's dependencies point one way: no import cycle inside engine/, no import of the
-web layer, and model files that name no kernel module (they stay plain torch modules)."""
+web layer, model files that name no kernel or device module (they stay plain torch modules),
+kernels that import nothing above them, and GGUF reading below the models."""
 
 from __future__ import annotations
 
@@ -106,7 +107,18 @@ def test_models_name_no_kernel_or_worker_module():
     graph = _graph()
     for name, deps in graph.items():
         if name.startswith("engine.models"):
-            bad = {d for d in deps if d.startswith(("engine.kernels", "engine.worker"))}
+            device = ("engine.kernels", "engine.worker", "engine.layers.gpu_")
+            bad = {d for d in deps if d.startswith(device)}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_kernels_and_their_wrappers_import_nothing_above_them():
+    """engine/kernels/ (the sources, their bindings and the thin tensor wrappers beside them)
+    is the bottom layer: the layers, attention backends and the decode plan call it."""
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("engine.kernels"):
+            bad = {d for d in deps if not d.startswith(("engine.kernels", "engine.paths"))}
             assert not bad, f"{name} imports {sorted(bad)}"
 
 

@@ -1,10 +1,12 @@
 """The ctypes bindings of the CPU kernel library: one table of every exported function's
 argtypes and restype, set once when build.py has loaded the library, and the ctypes mirrors
 of the structs it takes (STRUCTS). It mirrors include/tessera_kernels.h, and
-tests/engine/kernels/test_bindings.py holds the two to each other. The compile-time constants Python needs are read from that header too (CONSTANTS).
+tests/engine/kernels/test_bindings.py holds the two to each other. The compile-time
+constants Python needs are read from that header too (CONSTANTS).
 
-The Python wrappers (engine.layers.cpu_*, engine.attention.cpu_kernel, the decode plan) get
-their C functions here: function(name), or library() for getattr by a dtype-suffixed name.
+The Python wrappers (beside the sources: gemm.py, w4.py, w8a8.py, amx_bf16.py, gguf.py,
+fused_ops.py, isa.py; engine.attention.cpu_kernel, the decode plan) get their C functions
+here: function(name), or library() for getattr by a dtype-suffixed name.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.layers import cpu_gemm, cpu_gguf, cpu_w4
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization import LAYER_METHODS, method_classes
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 from engine.layers.quantization.gguf import apply_gguf_blocks

@@ -20,7 +20,10 @@ from gguf.quants import dequantize
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.gguf.convert import _write_weights
-from engine.layers import cpu_gemm, cpu_gguf, cpu_isa, cpu_w4
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization.gguf import (
     GGUFLinearMethod,
     GGUFSegmentsLinearMethod,

@@ -118,7 +118,7 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir, monke
 
     from engine.attention.cpu_kernel import kernel_supports
     from engine.attention.kv_int8 import allocate_scales as kv_scales
-    from engine.layers import cpu_w4
+    from engine.kernels.cpu import w4 as cpu_w4
     from engine.layers.quantization.quantize import quantize_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
@@ -187,7 +187,7 @@ def test_file_blocks_answer_paris(default_model_dir):
     from transformers import AutoTokenizer
 
     from engine.gguf.source import default_gguf_path
-    from engine.layers import cpu_w4
+    from engine.kernels.cpu import w4 as cpu_w4
     from engine.layers.quantization.gguf import GGUFLinearMethod
     from engine.layers.quantization.quantize import quantize_model
 
@@ -239,7 +239,7 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
     the decode plan's W4 kind, the same tokens as the modules), greedy "Paris"; the explicit
     `none` override gives the old path, the dequantized bf16 weights."""
     from engine import SamplingParams
-    from engine.layers import cpu_w4
+    from engine.kernels.cpu import w4 as cpu_w4
     from engine.layers.quantization.gguf import (
         GGUFLMHeadMethod,
         GGUFQ8TilesHeadMethod,

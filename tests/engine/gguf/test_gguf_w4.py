@@ -13,7 +13,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.gguf import w4 as gguf_w4
-from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization import gguf as gguf_method
 from engine.layers.quantization.quantize import resolve_method
 from tests.engine.kernels.w4_testing import x_as_the_kernel_reads_it, x_int8_per_group

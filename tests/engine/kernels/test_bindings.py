@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from engine.kernels.cpu import build, ops
-from engine.layers import cpu_w4
+from engine.kernels.cpu import w4 as cpu_w4
 
 # C scalar types -> ctypes; every pointer is a c_void_p in the bindings
 _SCALARS: dict[str, Any] = {

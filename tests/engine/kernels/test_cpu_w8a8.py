@@ -1,4 +1,4 @@
-"""int8 activations (engine.layers.cpu_w8a8): the C row quantizer against its torch
+"""int8 activations (engine.kernels.cpu.w8a8): the C row quantizer against its torch
 reference, the whole projection against exact integer arithmetic, and the layers' routing."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.layers import cpu_gemm, cpu_w8a8
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.layers.quantization.int8 import Int8LinearMethod, quantize_rows_int8
 from engine.layers.quantization.quantize import quantize_layer
 from engine.layers.quantization.w8a8 import (

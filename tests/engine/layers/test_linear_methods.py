@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_amx, cpu_gemm, cpu_isa, cpu_w4, cpu_w8a8
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     ColumnParallelLinear,

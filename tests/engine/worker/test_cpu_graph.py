@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_amx, cpu_isa, cpu_w4, cpu_w8a8
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 
 
 def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypatch):

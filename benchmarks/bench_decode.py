@@ -382,7 +382,8 @@ def _agree(row: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.config import DEFAULT_MODEL, QUANTIZATION_CHOICES
+    from engine.config import DEFAULT_MODEL
+    from engine.layers.quantization import QUANTIZATION_CHOICES
 
     p = argparse.ArgumentParser(prog="tessera bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder, .gguf or the default")

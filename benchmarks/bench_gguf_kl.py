@@ -59,8 +59,9 @@ def _compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, flo
 
 def main(argv: list[str] | None = None) -> int:
     from engine.config import DEFAULT_MODEL
-    from engine.layers.quantization import quantize_model
-    from engine.models.loader import default_gguf_path, load_model, resolve_model
+    from engine.gguf.source import default_gguf_path
+    from engine.layers.quantization.quantize import quantize_model
+    from engine.models.loader import load_model, resolve_model
     from engine.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(prog="tessera bench gguf_kl")

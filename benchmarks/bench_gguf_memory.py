@@ -183,7 +183,7 @@ def file_linear_mib(path: Path) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.models.loader import default_gguf_path
+    from engine.gguf.source import default_gguf_path
 
     parser = argparse.ArgumentParser(prog="tessera bench gguf_memory")
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)

@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
+from engine.core.request_queue import POLICIES
+from engine.layers.quantization import QUANTIZATION_CHOICES
 
-DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.models.loader to the bundled GGUF
-# --quantization's values; unset picks gguf or none (engine.layers.quantization.resolve_method)
-QUANTIZATION_CHOICES = ("none", "int8", "w8a8", "w4a8", "gguf")
+DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
+# --kv-cache-dtype's values (CacheConfig.kv_cache_dtype says what each stores)
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -49,8 +51,9 @@ class CacheConfig:
                 f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}",
             )
         _check(
-            self.kv_cache_dtype in ("auto", "int8", "fp8"),
-            f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}",
+            self.kv_cache_dtype in KV_CACHE_DTYPE_CHOICES,
+            f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPE_CHOICES[:-1])} or "
+            f"{KV_CACHE_DTYPE_CHOICES[-1]}, got {self.kv_cache_dtype!r}",
         )
         _check(
             0.0 < self.gpu_memory_utilization <= 1.0,
@@ -87,8 +90,9 @@ class SchedulerConfig:
                 f"must be at least max_model_len ({self.max_model_len})",
             )
         _check(
-            self.policy in ("fcfs", "priority", "fair"),
-            f"policy must be 'fcfs', 'priority' or 'fair', got {self.policy!r}",
+            self.policy in POLICIES,
+            f"policy must be {', '.join(map(repr, POLICIES[:-1]))} or {POLICIES[-1]!r}, "
+            f"got {self.policy!r}",
         )
 
 

@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from api.tool_parsers import PARSER_CHOICES
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
-from engine.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, EngineConfig
+from engine.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig
+from engine.core.request_queue import POLICIES
+from engine.layers.quantization import QUANTIZATION_CHOICES
 
 ENV_PREFIX = "TESSERA_"
 
@@ -243,7 +246,7 @@ class Settings:
         "template that cannot render tools: the tools are described in the prompt and the "
         "reply is held to a JSON envelope); none = tool calling off (tools get 400).",
         "auto",
-        choices=("auto", "hermes", "llama3_json", "generic", "none"),
+        choices=PARSER_CHOICES,
     )
     lenient_request_fields: bool = _flag(
         "Ignore request fields outside OpenAI's and vLLM's documented sets (logged) instead "
@@ -266,7 +269,7 @@ class Settings:
         "gets its weighted share of tokens (VTC), priority classes still on top. Default: "
         "fair when requests carry API keys (--auth keys or static), else fcfs.",
         None,
-        choices=("fcfs", "priority", "fair"),
+        choices=POLICIES,
     )
     request_timeout: float | None = _flag(
         "Seconds a generation request may take from arrival to its last token (queueing "
@@ -289,7 +292,7 @@ class Settings:
         "at large batches; next-token KL ~0.003 from bf16 on the default model); fp8 = float8 "
         "e4m3 with per-tensor scales of 1.0 (CUDA, the triton backend: twice the tokens of bf16).",
         "auto",
-        choices=("auto", "int8", "fp8"),
+        choices=KV_CACHE_DTYPE_CHOICES,
     )
     gpu_memory_utilization: float = _flag(
         "Share of GPU memory the engine may use (CUDA only).", 0.9, float

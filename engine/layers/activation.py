@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_fused, gpu_fused
+from engine.kernels.cpu import fused_ops as cpu_fused
+from engine.layers import gpu_fused
 
 
 class SiluAndMul(nn.Module):

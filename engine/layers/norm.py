@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_fused, gpu_fused
+from engine.kernels.cpu import fused_ops as cpu_fused
+from engine.layers import gpu_fused
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-from engine.layers import cpu_fused, gpu_fused
+from engine.kernels.cpu import fused_ops as cpu_fused
+from engine.layers import gpu_fused
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

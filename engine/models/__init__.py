@@ -1,1 +1,1 @@
-"""Models: HF architecture registry, the Llama-family implementation, loading and conversion."""
+"""Models: HF architecture registry, the Llama-family implementation, loading (a .gguf model converted once by engine.gguf)."""

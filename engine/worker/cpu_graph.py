@@ -36,43 +36,20 @@ import torch
 from engine.attention import cpu_kernel
 from engine.attention.backends.base import AttentionMetadata
 from engine.attention.backends.cpu import CpuAttentionMetadata
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import fused_ops as cpu_fused
+from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import ops
-from engine.layers import cpu_amx, cpu_fused, cpu_isa, cpu_w4, cpu_w8a8
-from engine.layers.quantization import GGUFW4LinearMethod, W4A8LinearMethod, W8A8LinearMethod
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
+from engine.kernels.cpu.ops import Layer as _Layer
+from engine.kernels.cpu.ops import Shape as _Shape
+from engine.kernels.cpu.ops import Step as _Step
+from engine.layers.quantization.gguf import GGUFW4LinearMethod
+from engine.layers.quantization.w4a8 import W4A8LinearMethod
+from engine.layers.quantization.w8a8 import W8A8LinearMethod
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-# Mirrors of the structs in engine/kernels/cpu/include/tessera_kernels.h, field for field.
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [
-        (n, _I64)
-        for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "kv_int8")
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("in_norm", _P), ("post_norm", _P), ("w4", _P * 4), ("bias", _P * 4),
-        ("packed", _P * 4), ("wscale", _P * 4), ("k_cache", _P), ("v_cache", _P),
-        ("k_scales", _P), ("v_scales", _P),
-    ]  # fmt: skip
-
-
-_BUFFERS = ("hidden", "residual", "normed", "qkv", "qk", "attn", "gate_up", "act")
-_W8A8_BUFFERS = ("xq", "xs", "h", "hmax", "hq", "hs")
-
-
-class _Step(ctypes.Structure):
-    _fields_ = (
-        [(n, _I64) for n in ("rows", "max_blocks", "scratch_size")]
-        + [(n, _P) for n in _BUFFERS]
-        + [(n, _P) for n in ("cos", "sin", "slots", "block_tables", "context_lens", "scratch")]
-        + [("threads", ctypes.c_int), ("decode_threads", ctypes.c_int), ("w8a8", ctypes.c_int)]
-        + [(n, _P) for n in _W8A8_BUFFERS]
-        + [("amx", ctypes.c_int)]
-    )
+_P = ctypes.c_void_p
 
 
 def enabled() -> bool:

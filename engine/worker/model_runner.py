@@ -32,11 +32,11 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import CommonAttentionMetadata, common_metadata_from_seqs
 from engine.config import EngineConfig
 from engine.distributed import get_tp_size
+from engine.gguf.source import gguf_source
 from engine.layers.gpu_sampler import GpuSampler
-from engine.layers.quantization import quantize_model, resolve_method
 from engine.layers.quantization.gguf import block_parameters
+from engine.layers.quantization.quantize import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
-from engine.models.gguf_blocks import gguf_source
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.structured_output.bitmask import RowMask

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.layers import cpu_w8a8  # noqa: E402
+from engine.kernels.cpu import w8a8 as cpu_w8a8  # noqa: E402
 
 
 @pytest.fixture(params=["avx512-vnni", "amx"])

@@ -1,9 +1,12 @@
 """The engine's dependencies point one way: no import cycle inside engine/, no import of the
-web layer, and model files that name no kernel module (they stay plain torch modules)."""
+web layer, model files that name no kernel or device module (they stay plain torch modules),
+kernels that import nothing above them, and GGUF reading below the models."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
@@ -104,8 +107,51 @@ def test_models_name_no_kernel_or_worker_module():
     graph = _graph()
     for name, deps in graph.items():
         if name.startswith("engine.models"):
-            bad = {d for d in deps if d.startswith(("engine.kernels", "engine.worker"))}
+            device = ("engine.kernels", "engine.worker", "engine.layers.gpu_")
+            bad = {d for d in deps if d.startswith(device)}
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_kernels_and_their_wrappers_import_nothing_above_them():
+    """engine/kernels/ (the sources, their bindings and the thin tensor wrappers beside them)
+    is the bottom layer: the layers, attention backends and the decode plan call it."""
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("engine.kernels"):
+            bad = {d for d in deps if not d.startswith(("engine.kernels", "engine.paths"))}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_gguf_sits_below_models_and_linear_methods():
+    """engine/gguf/ reads files and lays out blocks: the models' loader and the gguf linear
+    method import it, never the other way."""
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("engine.gguf"):
+            bad = {
+                d
+                for d in deps
+                if d.startswith(("engine.models", "engine.worker", "engine.layers.quantization"))
+            }
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_config_takes_its_choices_from_the_registries_without_torch():
+    """engine.config's choices are the registries' names (attention backends, linear methods,
+    queue policies), read from modules that import no torch."""
+    code = (
+        "import sys, engine.config as c\n"
+        "from engine.attention.backends import ATTENTION_BACKEND_CHOICES\n"
+        "from engine.core.request_queue import POLICIES\n"
+        "from engine.layers.quantization import METHODS, QUANTIZATION_CHOICES\n"
+        "assert 'torch' not in sys.modules, 'engine.config imported torch'\n"
+        "assert c.QUANTIZATION_CHOICES is QUANTIZATION_CHOICES == ('none', *METHODS)\n"
+        "assert c.ATTENTION_BACKEND_CHOICES is ATTENTION_BACKEND_CHOICES and c.POLICIES is POLICIES\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ENGINE.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_distributed_imports_only_torch():

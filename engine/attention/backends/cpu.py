@@ -24,7 +24,7 @@ from engine.attention.backends.torch import (
     TorchStaticMetadata,
 )
 from engine.attention.metadata import CommonAttentionMetadata
-from engine.layers import cpu_amx
+from engine.kernels.cpu import amx_bf16 as cpu_amx
 
 # Prefill chunks whose context (cached prefix + chunk) is at most this run on the CPU kernel.
 KERNEL_PREFILL_MAX_CONTEXT = 2048

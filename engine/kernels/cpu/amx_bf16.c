@@ -1,6 +1,6 @@
 /* y = x W^T (+ b) on AMX-bf16 tiles (tdpbf16ps), bf16 x, float32 sums, bf16 or float32 y; W
    from one of three sources: bf16 rows as they are, 4-bit w4 tiles, or GGUF rows through
-   gguf_dequant_row. engine/layers/cpu_amx.py says why and when. */
+   gguf_dequant_row. engine/kernels/cpu/amx_bf16.py says why and when. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "avx512_math.h"

@@ -1,5 +1,5 @@
 /* Fused row kernels: RMSNorm with its residual add, SiLU-and-mul, rotary embedding, each
-   following the torch path's rounding step for step (engine/layers/cpu_fused.py). */
+   following the torch path's rounding step for step (engine/kernels/cpu/fused_ops.py). */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "avx512_math.h"

@@ -1,5 +1,5 @@
 /* y = x W^T (+ b) on CPU: bf16, float32 or int8 weights, float32 arithmetic; the AVX512-BF16
-   kernels for bf16 activations (engine/layers/cpu_gemm.py says why and when each runs). */
+   kernels for bf16 activations (engine/kernels/cpu/gemm.py says why and when each runs). */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "avx512_math.h"

@@ -1,10 +1,12 @@
 """The ctypes bindings of the CPU kernel library: one table of every exported function's
-argtypes and restype, set once when build.py has loaded the library. It mirrors
-include/tessera_kernels.h, and tests/engine/kernels/test_bindings.py holds the two to each
-other. The compile-time constants Python needs are read from that header too (CONSTANTS).
+argtypes and restype, set once when build.py has loaded the library, and the ctypes mirrors
+of the structs it takes (STRUCTS). It mirrors include/tessera_kernels.h, and
+tests/engine/kernels/test_bindings.py holds the two to each other. The compile-time
+constants Python needs are read from that header too (CONSTANTS).
 
-The Python wrappers (engine.layers.cpu_*, engine.attention.cpu_kernel, the decode plan) get
-their C functions here: function(name), or library() for getattr by a dtype-suffixed name.
+The Python wrappers (beside the sources: gemm.py, w4.py, w8a8.py, amx_bf16.py, gguf.py,
+fused_ops.py, isa.py; engine.attention.cpu_kernel, the decode plan) get their C functions
+here: function(name), or library() for getattr by a dtype-suffixed name.
 """
 
 from __future__ import annotations
@@ -142,6 +144,44 @@ SIGNATURES: dict[str, Signature] = {
     # decode_plan.c: Shape*, Layer[n_layers], n_layers, Step*
     "run_decode": ([_P, _P, _I64, _P], _INT),
 }
+# The structs the header defines (decode_plan.c's arguments), field for field: the decode
+# plan (engine.worker.cpu_graph) fills them.
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [
+        (n, _I64)
+        for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "kv_int8")
+    ] + [("eps", _F32), ("scale", _F32)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P), ("w4", _P * 4), ("bias", _P * 4),
+        ("packed", _P * 4), ("wscale", _P * 4), ("k_cache", _P), ("v_cache", _P),
+        ("k_scales", _P), ("v_scales", _P),
+    ]  # fmt: skip
+
+
+# Step's activation buffers, and those of its int8-activation (w8a8) steps, by field name
+STEP_BUFFERS = ("hidden", "residual", "normed", "qkv", "qk", "attn", "gate_up", "act")
+STEP_W8A8_BUFFERS = ("xq", "xs", "h", "hmax", "hq", "hs")
+
+
+class Step(ctypes.Structure):
+    _fields_ = (
+        [(n, _I64) for n in ("rows", "max_blocks", "scratch_size")]
+        + [(n, _P) for n in STEP_BUFFERS]
+        + [(n, _P) for n in ("cos", "sin", "slots", "block_tables", "context_lens", "scratch")]
+        + [("threads", _INT), ("decode_threads", _INT), ("w8a8", _INT)]
+        + [(n, _P) for n in STEP_W8A8_BUFFERS]
+        + [("amx", _INT)]
+    )
+
+
+# Every struct tessera_kernels.h defines, by its C name.
+STRUCTS: dict[str, type[ctypes.Structure]] = {"Shape": Shape, "Layer": Layer, "Step": Step}
+
 # Compiled only where the CPU has the instructions they need (see the header): absent from
 # the library elsewhere, and function() answers None for them.
 OPTIONAL = frozenset(

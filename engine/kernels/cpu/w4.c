@@ -1,5 +1,5 @@
 /* 4-bit weight groups (w ~ s * q + m per 32 weights) for decode steps of up to W4_MAX_ROWS
-   rows on CPUs with AVX512-VNNI (w4_avx2.c: the AVX2 variant): engine/layers/cpu_w4.py has
+   rows on CPUs with AVX512-VNNI (w4_avx2.c: the AVX2 variant): engine/kernels/cpu/w4.py has
    the format and why. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"

@@ -1,6 +1,6 @@
 /* The w4 tiles' kernel on CPUs with AVX2 but without AVX512-VNNI (AMD Zen 2/3, Intel before
    Ice Lake): linear_q4_bf16 for any number of rows. w4.c is the AVX512-VNNI one; a build has
-   exactly one of the two. engine/layers/cpu_w4.py has the tiles' format.
+   exactly one of the two. engine/kernels/cpu/w4.py has the tiles' format.
 
    x is quantized per group of 32 to int8 with a float scale (llama.cpp's Q8_1 activations, as
    gguf.c's dot kernels do). A tile's chunk (32 bytes: byte 2r + j holds row r's codes for
@@ -275,7 +275,7 @@ int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const u
   return 0;
 }
 
-/* ---- Q8_0 rows as two planes of the same tiles (engine/layers/cpu_w4.py: pack_q8_0) ----
+/* ---- Q8_0 rows as two planes of the same tiles (engine/kernels/cpu/w4.py: pack_q8_0) ----
    A Q8_0 weight d * q (q in -128..127) is d * (16 * hi + lo) - 128 * d with u = q + 128 =
    16 * hi + lo: each nibble plane is a w4 tile's codes, summed in int16 like them and
    widened by vpmaddwd against 16 and 1; the scale is d and the minimum -128 * d. A group:

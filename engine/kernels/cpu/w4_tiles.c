@@ -1,6 +1,6 @@
-/* w4 tiles (engine/layers/cpu_w4.py's layout) dequantized to rows of bf16 or float32, for the
+/* w4 tiles (engine/kernels/cpu/w4.py's layout) dequantized to rows of bf16 or float32, for the
    GEMM of batches the w4 kernel does not take, where a layer holds nothing but its tiles (a
-   GGUF file's Q4_0/Q4_1 blocks repacked: engine/layers/gguf_w4.py). Plain C, any CPU; the
+   GGUF file's Q4_0/Q4_1 blocks repacked: engine/gguf/w4.py). Plain C, any CPU; the
    compiler vectorizes the inner loops. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"

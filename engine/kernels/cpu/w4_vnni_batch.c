@@ -1,7 +1,7 @@
 /* The w4 tiles for batches larger than w4.c takes (decode steps of 13+ sequences, prefill
    chunks) on CPUs with AVX512-VNNI: linear_q4_bf16_batch, any number of rows; and the GGUF LM
    head's Q8_0 rows in the same kernel's layout, read in place (linear_q8_vnni_f32).
-   engine/layers/cpu_w4.py has both formats.
+   engine/kernels/cpu/w4.py has both formats.
 
    x is quantized per group of 32 to int8 with a float scale (llama.cpp's Q8_1 activations, as
    w4_avx2.c and gguf.c do), so the unsigned codes meet it in vpdpbusd: 64 products a 512-bit

@@ -1,5 +1,5 @@
 /* int8 activations: row quantizers, dequantizing and SiLU epilogues, and the int8 GEMM on a
-   packed weight (AVX512-VNNI or AMX tiles): engine/layers/cpu_w8a8.py says why. */
+   packed weight (AVX512-VNNI or AMX tiles): engine/kernels/cpu/w8a8.py says why. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "int8_quant.h"

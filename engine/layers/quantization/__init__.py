@@ -4,149 +4,46 @@ One class per weight format, chosen once after loading for `--quantization` (vLL
 `quant_method`): unquantized (the default: oneDNN or the C GEMM), int8 (weight-only), w8a8
 (int8 activations too, from a few rows) and w4a8 (w8a8 plus 4-bit weights for small
 batches); gguf serves a GGUF file's linear weights in the file's own quantization (its
-module; the default for a .gguf model on the CPU, engine.config.resolve_quantization).
-Every quantized format runs on the CPU kernels; the per-format modules say why each exists
-and where it pays. A CUDA backend adds its methods here.
+module; the default for a .gguf model on the CPU, quantize.resolve_method). Every quantized
+format runs on the CPU kernels; the per-format modules say why each exists and where it pays.
+
+This module is the registry, and imports no method (nor torch) until one is chosen, so the
+config and the CLI take their choices from it cheaply: a new format is one file here plus one
+line in METHODS. quantize.py gives a loaded model its methods (quantize_model, resolve_method).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import importlib
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 
-from engine.layers import cpu_gemm, cpu_gguf, cpu_w4
-from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
-from engine.layers.quantization.gguf import (
-    GGUFLinearMethod,
-    GGUFW4LinearMethod,
-    apply_gguf_blocks,
-)
-from engine.layers.quantization.int8 import Int8LinearMethod, Int8LMHeadMethod, quantize_rows_int8
-from engine.layers.quantization.unquantized import UnquantizedLinearMethod, UnquantizedLMHeadMethod
-from engine.layers.quantization.w4a8 import W4A8LinearMethod
-from engine.layers.quantization.w8a8 import W8A8LinearMethod, W8A8LMHeadMethod
-
-__all__ = [
-    "METHODS",
-    "GGUFLinearMethod",
-    "GGUFW4LinearMethod",
-    "Int8LMHeadMethod",
-    "Int8LinearMethod",
-    "LMHeadMethodBase",
-    "LinearMethodBase",
-    "UnquantizedLMHeadMethod",
-    "UnquantizedLinearMethod",
-    "W4A8LinearMethod",
-    "W8A8LMHeadMethod",
-    "W8A8LinearMethod",
-    "quantize_layer",
-    "quantize_model",
-    "quantize_rows_int8",
-    "resolve_method",
-]
-
-# --quantization -> (the linear layers' method, the LM head's); w4a8's LM head stays int8
-_METHODS: dict[str, tuple[type[LinearMethodBase], type[LMHeadMethodBase]]] = {
-    "int8": (Int8LinearMethod, Int8LMHeadMethod),
-    "w8a8": (W8A8LinearMethod, W8A8LMHeadMethod),
-    "w4a8": (W4A8LinearMethod, W8A8LMHeadMethod),
+# --quantization -> ("module:class" of the linear layers' method, the LM head's), imported when
+# chosen; w4a8's LM head stays int8. gguf's methods are per layer, from the file's block types
+# (gguf.apply_gguf_blocks): it is per model, not per layer.
+METHODS: dict[str, tuple[str, str] | None] = {
+    "int8": ("int8:Int8LinearMethod", "int8:Int8LMHeadMethod"),
+    "w8a8": ("w8a8:W8A8LinearMethod", "w8a8:W8A8LMHeadMethod"),
+    "w4a8": ("w4a8:W4A8LinearMethod", "w8a8:W8A8LMHeadMethod"),
+    "gguf": None,
 }
-METHODS = (*_METHODS, "gguf")
+# --quantization's values; unset picks gguf or none (quantize.resolve_method)
+QUANTIZATION_CHOICES = ("none", *METHODS)
+# the formats quantize_layer converts one layer to
+LAYER_METHODS = tuple(name for name, classes in METHODS.items() if classes is not None)
 
 
-def _check_method(method: str) -> None:
-    if method not in _METHODS:  # gguf is per model (quantize_model), not per layer
-        raise ValueError(f"quantization must be one of {', '.join(_METHODS)}; got {method!r}")
+def _load(spec: str) -> type:
+    module, cls = spec.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-def quantize_layer(layer: nn.Module, method: str) -> None:
-    """Give one loaded layer (a linear layer or the LM head, told apart by the method it holds)
-    the method for `--quantization method` and convert its weights to that method's format."""
-    _check_method(method)
-    linear_method, head_method = _METHODS[method]
-    current = getattr(layer, "quant_method", None)
-    if isinstance(current, LMHeadMethodBase):
-        layer.quant_method = head_method()
-    elif isinstance(current, LinearMethodBase):
-        layer.quant_method = linear_method()
-    else:
-        raise TypeError(f"{type(layer).__name__} holds no linear method")
-    layer.quant_method.process_weights_after_loading(layer)
-
-
-def _check_supported(method: str, weights: list[torch.Tensor]) -> None:
-    """Every quantized format runs on the CPU kernels: refuse what they cannot take."""
-    if any(w.device.type != "cpu" for w in weights):
-        raise ValueError(
-            f"--quantization {method} runs on the CPU GEMM kernel; use it with --device cpu"
-        )
-    dtype = weights[0].dtype if weights else torch.float32
-    if not cpu_gemm.available(dtype, torch.int8):
-        raise ValueError(
-            f"--quantization {method} needs the compiled CPU kernels (a C compiler on the machine, "
-            f"TESSERA_CPU_KERNELS not 0) and a bfloat16 or float32 model; got {dtype}"
-        )
-    if method == "w4a8" and not (dtype == torch.bfloat16 and cpu_w4.available()):
-        raise ValueError(
-            "--quantization w4a8 needs a bfloat16 model and a CPU with AVX512-VNNI (its 4-bit "
-            "kernel); use w8a8 here"
-        )
-
-
-def resolve_method(
-    requested: str | None,
-    gguf_path: str | Path | None,
-    device: str | torch.device,
-    load_format: str = "auto",
-    tp_size: int = 1,
-) -> tuple[str | None, str]:
-    """(the method quantize_model gets, None for the float weights; why) for `--quantization
-    requested`: given, as asked ("none": the float weights, a .gguf model dequantized);
-    unset, gguf for a GGUF model (gguf_path, its file) served on the CPU kernels, where the
-    file's own 4-bit weights are the fast path, else the float weights."""
-    if requested == "none":
-        return None, "--quantization none: float weights"
-    if requested is not None:
-        return requested, f"--quantization {requested}"
-    if gguf_path is None:
-        return None, "not a GGUF model"
-    if load_format == "dummy":
-        return None, "dummy weights"
-    if torch.device(device).type != "cpu":
-        return None, f"GGUF blocks run on the CPU kernels only, not {torch.device(device).type}"
-    if tp_size != 1:
-        return None, "tensor parallel shards keep the float weights"
-    if not cpu_gguf.available():
-        return None, "no compiled CPU kernels (a C compiler, TESSERA_CPU_KERNELS not 0)"
-    return "gguf", "a GGUF model on the CPU: the file's own quantization"
-
-
-def quantize_model(
-    model: nn.Module, method: str | None, gguf_path: str | Path | None = None
-) -> int:
-    """After loading: give every linear layer and the LM head the method for `--quantization
-    method` (None or "none": they keep the unquantized one) and convert their weights;
-    returns how many layers were quantized. "gguf" takes the blocks of gguf_path, the model's
-    source."""
-    if method in (None, "none"):
-        return 0
-    if method == "gguf":
-        if gguf_path is None:
-            raise ValueError("--quantization gguf needs a .gguf model (a file or the default)")
-        return sum(
-            n for c in apply_gguf_blocks(model, gguf_path).values()
-            for why, n in c.items() if not why.startswith("dequantized")
-        )  # fmt: skip
-    _check_method(method)
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "quant_method", None), (LinearMethodBase, LMHeadMethodBase))
-    ]
-    linears = [m.weight for m in layers if isinstance(m.quant_method, LinearMethodBase)]
-    _check_supported(method, linears)
-    for layer in layers:
-        quantize_layer(layer, method)
-    return len(layers)
+def method_classes(name: str) -> tuple[type[LinearMethodBase], type[LMHeadMethodBase]]:
+    """(the linear layers' method class, the LM head's) for a per-layer format of METHODS."""
+    classes = METHODS.get(name)
+    if classes is None:
+        raise KeyError(f"{name!r} has no per-layer methods")
+    linear, head = classes
+    return _load(linear), _load(head)

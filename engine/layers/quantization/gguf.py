@@ -4,9 +4,9 @@ a .gguf model on the CPU).
 Each linear layer whose GGUF tensors are of a type the CPU kernels read keeps the file's
 values, so the weights in memory are about the file's size and nothing is requantized: the
 loaded (dequantized) float weight is dropped.
-- Q4_0 and Q4_1 blocks are repacked bit for bit into the w4 kernel's tiles (engine.layers.
-  gguf_w4: 1.3-2x the per-row dot kernel at 1-12 rows); larger batches read the same tiles
-  in AMX-bf16 tiles (engine.layers.cpu_amx) where the CPU has them, else on the AVX512-VNNI
+- Q4_0 and Q4_1 blocks are repacked bit for bit into the w4 kernel's tiles (engine.gguf.w4:
+  1.3-2x the per-row dot kernel at 1-12 rows); larger batches read the same tiles
+  in AMX-bf16 tiles (engine.kernels.cpu.amx_bf16) where the CPU has them, else on the AVX512-VNNI
   batch kernel (int8 activations per 32, cpu_w4.linear_batch). With AVX2 only, the w4
   kernel takes every batch (int8 activations per 32: 2.2-2.6x the dot kernel, 1.4-1.7x the
   C GEMM on the bf16 weight at 8-128 rows).
@@ -14,7 +14,7 @@ loaded (dequantized) float weight is dropped.
   K % 256 != 0), Q8_0, the K-quants Q2_K-Q6_K and IQ4_XS (K % 256 == 0), and Q4
   layers the w4 kernel cannot take
   (K not a multiple of 64, a float32 model, neither AVX512-VNNI nor AVX2) keep the file's
-  blocks on the GGUF dot kernels (engine.layers.cpu_gguf), AMX on decoded rows for larger
+  blocks on the GGUF dot kernels (engine.kernels.cpu.gguf), AMX on decoded rows for larger
   batches.
 - A merged projection whose parts the file stores in different types (Q4_K_M: q/k Q4_K, v
   Q6_K) holds them as row segments of their own types, one kernel call per segment
@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
+from engine.gguf import w4 as gguf_w4
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 from engine.layers.quantization.unquantized import greedy_by_rows, linear_by_rows
 
@@ -346,8 +351,8 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
     Returns {layer kind: Counter(path taken)}, also logged. Linear layers' paths other than
     "dequantized (why)" hold the file's values. Runs on a loaded model, or on a built one
     before its float weights load (ModelRunner: they then skip block_parameters(model))."""
-    from engine.models.gguf_blocks import read_linear_blocks
-    from engine.models.gguf_convert import rows_interleaved
+    from engine.gguf.blocks import read_linear_blocks
+    from engine.gguf.convert import rows_interleaved
 
     if not cpu_gguf.available():
         raise ValueError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_gemm
+from engine.kernels.cpu import gemm as cpu_gemm
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 
 

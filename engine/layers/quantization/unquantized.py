@@ -1,7 +1,7 @@
-"""Unquantized weights (the default): the C GEMM (engine.layers.cpu_gemm) up to the rows it is
+"""Unquantized weights (the default): the C GEMM (engine.kernels.cpu.gemm) up to the rows it is
 the fastest for (`cpu_gemm.max_rows_for`), above them AMX-bf16 tiles on the same weight where
-the CPU has them (engine.layers.cpu_amx: no second copy) up to prefill sizes, else oneDNN's
-F.linear. The rows are the instruction set's (engine.layers.cpu_isa)."""
+the CPU has them (engine.kernels.cpu.amx_bf16: no second copy) up to prefill sizes, else oneDNN's
+F.linear. The rows are the instruction set's (engine.kernels.cpu.isa)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_amx, cpu_gemm, cpu_isa
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import isa as cpu_isa
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 
 

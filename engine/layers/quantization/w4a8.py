@@ -1,6 +1,6 @@
 """w8a8 plus a 4-bit copy of each linear layer's weight (`--quantization w4a8`).
 
-Groups of 32 with a scale and a minimum (engine.layers.cpu_w4) that calls of fewer rows than
+Groups of 32 with a scale and a minimum (engine.kernels.cpu.w4) that calls of fewer rows than
 w8a8's int8-activation threshold read instead of the int8 rows: 0.625 bytes a weight where
 one stream's decode is bound by reading them. Layers whose input features are not a multiple
 of cpu_w4.K_MULTIPLE keep only the int8 copies; the LM head stays w8a8.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_w4
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization.w8a8 import W8A8LinearMethod, int8_activations
 
 

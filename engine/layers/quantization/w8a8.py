@@ -4,7 +4,7 @@ The weights are weight-only int8's rows (engine.layers.quantization.int8) plus a
 laid out for the packed int8 GEMM (`packed_int8`, cpu_w8a8.pack_weight). Calls of at least
 `w8a8_min_rows` rows quantize x to int8, one scale per row, for the CPU's int8 dot products:
 twice the GEMM throughput where compute bounds a step, at a further cost in accuracy
-(engine.layers.cpu_w8a8 has both). Fewer rows keep the weight-only kernel on the same int8
+(engine.kernels.cpu.w8a8 has both). Fewer rows keep the weight-only kernel on the same int8
 rows. Between the MLP's two GEMMs one C pass runs SiLU and the int8 rows of down_proj
 (cpu_w8a8.mlp_w8a8); the LM head takes greedy tokens from its GEMM's argmax epilogue.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_w8a8
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.layers.quantization.int8 import Int8LinearMethod, Int8LMHeadMethod
 
 # w8a8 layers quantize their activations from this many rows. Below it int8 weights alone

@@ -1,23 +1,24 @@
 """The ctypes bindings (engine.kernels.cpu.ops) against the header they bind
 (engine/kernels/cpu/include/tessera_kernels.h): every prototype has a binding with the same
 arguments and return type and every binding a prototype, the exported variables and the
-shared constants agree, and the decode plan's ctypes.Structure mirrors have their C struct's
-fields. The header is parsed here with a small parser for the types it uses; the parser must
+shared constants agree, and the ctypes.Structure mirrors in the same table (ops.STRUCTS, the
+decode plan's) have their C struct's fields, in order and type. The header is parsed here with a small parser for the types it uses; the parser must
 consume the whole header, and it is shown to catch deliberately wrong bindings."""
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.kernels.cpu import build, ops
-from engine.layers import cpu_w4
-from engine.worker import cpu_graph
+from engine.kernels.cpu import w4 as cpu_w4
 
 # C scalar types -> ctypes; every pointer is a c_void_p in the bindings
 _SCALARS: dict[str, Any] = {
@@ -158,15 +159,24 @@ def test_the_exported_variables_and_constants_agree(header):
     assert cpu_w4.GROUP_BYTES == ops.W4_GROUP_BYTES and cpu_w4.TILE == ops.W4_TILE
 
 
-def test_the_decode_plan_mirrors_match_the_c_structs(header):
-    mirrors = {
-        "Shape": cpu_graph._Shape,
-        "Layer": cpu_graph._Layer,
-        "Step": cpu_graph._Step,
-    }
-    assert header["structs"].keys() == mirrors.keys()
-    for name, mirror in mirrors.items():
+def test_the_struct_mirrors_match_the_c_structs(header):
+    assert header["structs"].keys() == ops.STRUCTS.keys()
+    for name, mirror in ops.STRUCTS.items():
         assert struct_mismatches(header["structs"][name], mirror) == []
+
+
+def test_no_struct_mirror_outside_the_signature_table():
+    """A ctypes.Structure elsewhere in engine/ would be a mirror the header check never sees."""
+    engine = Path(ops.__file__).resolve().parents[2]
+    for path in engine.rglob("*.py"):
+        if path == Path(ops.__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                assert not bases & {"ctypes.Structure", "Structure", "ctypes.Union"}, (
+                    f"{path}: {node.name} mirrors a C struct outside engine/kernels/cpu/ops.py"
+                )
 
 
 def test_the_checks_catch_a_wrong_binding(header):
@@ -189,7 +199,7 @@ def test_the_checks_catch_a_wrong_binding(header):
     assert signature_mismatches(header["functions"], missing)  # a prototype without a binding
 
     class ShapeWrong(ctypes.Structure):  # eps and scale swapped: same types, wrong order
-        _fields_ = cpu_graph._Shape._fields_[:-2] + [
+        _fields_ = ops.Shape._fields_[:-2] + [
             ("scale", ctypes.c_float),
             ("eps", ctypes.c_float),
         ]

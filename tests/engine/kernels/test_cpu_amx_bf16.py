@@ -1,4 +1,4 @@
-"""The AMX-bf16 GEMM (engine.layers.cpu_amx) against F.linear in float32 on the same bf16
+"""The AMX-bf16 GEMM (engine.kernels.cpu.amx_bf16) against F.linear in float32 on the same bf16
 values, for each weight source: bf16 rows, 4-bit w4 tiles, GGUF rows. Then the layers that take
 it above their dot kernels' rows (unquantized bf16, cpu_gguf's large batches) and a tiny
 Llama's greedy tokens with it on against the torch path.
@@ -16,7 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_amx, cpu_fused, cpu_gguf, cpu_isa, cpu_w4
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import fused_ops as cpu_fused
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
 from tests.engine.kernels.kquant_blocks import TYPES as OWN_ENCODER
 from tests.engine.kernels.kquant_blocks import quantize as quantize_k
 
@@ -197,7 +201,7 @@ def test_gguf_large_batches_take_the_tiles():
 def test_unquantized_layer_routes_dot_then_tiles(monkeypatch):
     """A bf16 layer: the dot kernel up to the plan's rows, AMX above on the same weight, and
     oneDNN from prefill sizes."""
-    from engine.layers import cpu_gemm
+    from engine.kernels.cpu import gemm as cpu_gemm
     from engine.layers.linear import ReplicatedLinear
 
     monkeypatch.setenv("TESSERA_CPU_GEMM", "auto")

@@ -1,11 +1,11 @@
-"""The fused CPU kernels (engine.layers.cpu_fused: RMSNorm, SiLU-and-mul) against the torch path."""
+"""The fused CPU kernels (engine.kernels.cpu.fused_ops: RMSNorm, SiLU-and-mul) against the torch path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers import cpu_fused
+from engine.kernels.cpu import fused_ops as cpu_fused
 from engine.layers.norm import RMSNorm
 
 

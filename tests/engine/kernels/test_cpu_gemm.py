@@ -1,4 +1,4 @@
-"""The compiled CPU GEMM (engine.layers.cpu_gemm) against torch's F.linear, and the whole
+"""The compiled CPU GEMM (engine.kernels.cpu.gemm) against torch's F.linear, and the whole
 engine through it against HF transformers, token for token."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from engine.layers import cpu_gemm, cpu_isa
-from engine.layers.quantization import quantize_rows_int8
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import isa as cpu_isa
+from engine.layers.quantization.int8 import quantize_rows_int8
 from tests.engine.test_llm_exactness import engine_greedy, hf_greedy, make_prompts
 
 

@@ -1,4 +1,4 @@
-"""GGUF blocks on the CPU kernels (engine.layers.cpu_gguf): blocks made by gguf-py's own
+"""GGUF blocks on the CPU kernels (engine.kernels.cpu.gguf): blocks made by gguf-py's own
 quantizers (IQ4_NL: tests/engine/kernels/kquant_blocks.py's), the kernel's dequantizer against gguf-py's, and every kernel variant this build
 has (the faster ones forced down to the slower) against F.linear on the dequantized weight."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.layers import cpu_gguf
+from engine.kernels.cpu import gguf as cpu_gguf
 from tests.engine.kernels import kquant_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")

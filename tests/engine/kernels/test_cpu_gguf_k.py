@@ -1,4 +1,4 @@
-"""The K-quants (Q4_K, Q5_K, Q6_K) on the CPU kernels (engine.layers.cpu_gguf, gguf_k.c):
+"""The K-quants (Q4_K, Q5_K, Q6_K) on the CPU kernels (engine.kernels.cpu.gguf, gguf_k.c):
 the dequantizer bit for bit against gguf-py's, every kernel variant this build has (forced)
 against F.linear on gguf-py's dequantized weight, row segments of mixed types, and the K the
 superblocks refuse. Blocks come from tests/engine/kernels/kquant_blocks.py (random bytes, and
@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from engine.kernels.cpu import gguf as cpu_gguf
 from engine.kernels.cpu import ops
-from engine.layers import cpu_gguf
 from tests.engine.kernels.kquant_blocks import quantize, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")

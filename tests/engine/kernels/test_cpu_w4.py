@@ -1,4 +1,4 @@
-"""4-bit weight groups (engine.layers.cpu_w4): the format, the kernel against F.linear on the
+"""4-bit weight groups (engine.kernels.cpu.w4): the format, the kernel against F.linear on the
 dequantized weight, the layers' routing by batch size, and the engine with w4a8."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_w4
-from engine.layers.quantization import W8A8LMHeadMethod, quantize_layer
-from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.layers.quantization.quantize import quantize_layer
+from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS, W8A8LMHeadMethod
 from tests.engine.kernels.w4_testing import (
     avx2_variant,
     x_as_the_kernel_reads_it,
@@ -137,7 +137,7 @@ def test_q8_tiles_stand_for_the_q8_0_rows(m, n, k):
     """Q8_0 rows as tiles in this build's layout (two nibble planes of w4 tiles with AVX2, one
     plane for vpdpbusd with AVX512-VNNI: the LM head's): the file's values exactly, float32
     out, x rounded as the dot kernel rounds it (so its logits to float rounding)."""
-    from engine.layers import cpu_gguf
+    from engine.kernels.cpu import gguf as cpu_gguf
 
     if not cpu_w4.q8_available():
         pytest.skip("the Q8 tile kernels need AVX2 or AVX512-VNNI")

@@ -1,4 +1,4 @@
-"""int8 activations (engine.layers.cpu_w8a8): the C row quantizer against its torch
+"""int8 activations (engine.kernels.cpu.w8a8): the C row quantizer against its torch
 reference, the whole projection against exact integer arithmetic, and the layers' routing."""
 
 from __future__ import annotations
@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.layers import cpu_gemm, cpu_w8a8
-from engine.layers.quantization import (
-    Int8LinearMethod,
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import w8a8 as cpu_w8a8
+from engine.layers.quantization.int8 import Int8LinearMethod, quantize_rows_int8
+from engine.layers.quantization.quantize import quantize_layer
+from engine.layers.quantization.w8a8 import (
+    AMX_W8A8_MIN_ROWS,
+    W8A8_MIN_ROWS,
     W8A8LinearMethod,
     W8A8LMHeadMethod,
-    quantize_layer,
-    quantize_rows_int8,
 )
-from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS
 
 
 @pytest.fixture(autouse=True)

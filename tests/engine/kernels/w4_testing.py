@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.cpu import ops
-from engine.layers import cpu_w4
+from engine.kernels.cpu import w4 as cpu_w4
 
 
 def avx2_variant() -> bool:

@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_amx, cpu_gemm, cpu_isa, cpu_w4, cpu_w8a8
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -19,18 +23,17 @@ from engine.layers.linear import (
     RowParallelLinear,
 )
 from engine.layers.mlp import GatedMLP
-from engine.layers.quantization import (
-    Int8LinearMethod,
-    Int8LMHeadMethod,
-    UnquantizedLinearMethod,
-    UnquantizedLMHeadMethod,
-    W4A8LinearMethod,
+from engine.layers.quantization.int8 import Int8LinearMethod, Int8LMHeadMethod
+from engine.layers.quantization.quantize import quantize_layer, quantize_model
+from engine.layers.quantization.unquantized import UnquantizedLinearMethod, UnquantizedLMHeadMethod
+from engine.layers.quantization.w4a8 import W4A8LinearMethod
+from engine.layers.quantization.w8a8 import (
+    AMX_W8A8_MIN_ROWS,
+    W8A8_MIN_ROWS,
     W8A8LinearMethod,
     W8A8LMHeadMethod,
-    quantize_layer,
-    quantize_model,
+    w8a8_min_rows,
 )
-from engine.layers.quantization.w8a8 import AMX_W8A8_MIN_ROWS, W8A8_MIN_ROWS, w8a8_min_rows
 
 
 @pytest.fixture(autouse=True)
@@ -362,3 +365,17 @@ def test_quantize_model_refuses_what_the_kernels_cannot_take(make_tiny_model):
     )
     with pytest.raises(TypeError, match="holds no linear method"):
         quantize_layer(torch.nn.Linear(4, 4), "int8")
+
+
+def test_every_registry_entry_names_its_two_methods():
+    """The registry (the --quantization choices) names importable classes: a linear method and
+    an LM head method for each per-layer format; gguf is per model."""
+    from engine.layers.quantization import LAYER_METHODS, METHODS, method_classes
+    from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+
+    assert set(LAYER_METHODS) == set(METHODS) - {"gguf"}
+    for name in LAYER_METHODS:
+        linear, head = method_classes(name)
+        assert issubclass(linear, LinearMethodBase) and issubclass(head, LMHeadMethodBase)
+    with pytest.raises(KeyError):
+        method_classes("gguf")

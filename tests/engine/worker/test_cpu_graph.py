@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_amx, cpu_isa, cpu_w4, cpu_w8a8
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
 
 
 def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypatch):
@@ -80,9 +83,8 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     if not cpu_w4.available():
         pytest.skip("the w4 kernel needs AVX512-VNNI or AVX2 and a C compiler")
     from engine import LLM, SamplingParams
-    from engine.layers.quantization import GGUFW4LinearMethod
-    from engine.layers.quantization.gguf import apply_gguf_blocks
-    from tests.engine.models.gguf_files import write_gguf
+    from engine.layers.quantization.gguf import GGUFW4LinearMethod, apply_gguf_blocks
+    from tests.engine.gguf.gguf_files import write_gguf
 
     path = tmp_path / "tiny-q4_1.gguf"
     write_gguf(tiny_llama_dir, path, "Q4_1")

@@ -36,7 +36,7 @@
 #define GGUF_ISA_AVX2 1
 #define GGUF_ISA_VNNI 2
 
-/* ---- gemm.c: y = x W^T (+ b), bf16 / float32 / int8 weights (engine.layers.cpu_gemm) ---- */
+/* ---- gemm.c: y = x W^T (+ b), bf16 / float32 / int8 weights (engine.kernels.cpu.gemm) ---- */
 int linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int linear_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const float* wscale, int64_t N, const float* bias, float* y, int64_t ldy, int nthreads);
 int linear_i8_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
@@ -47,7 +47,7 @@ int linear_i8_bf16_dp(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, cons
 
 /* ---- w4.c (AVX512-F, -BW, -VNNI and F16C: x as int16 per row, up to W4_MAX_ROWS rows) or
    w4_avx2.c (AVX2, FMA and F16C without the former: x as int8 per group of 32, any rows):
-   4-bit weight tiles (engine.layers.cpu_w4); absent on other CPUs ---- */
+   4-bit weight tiles (engine.kernels.cpu.w4); absent on other CPUs ---- */
 int linear_q4_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int w4_max_rows(void);
 /* w4_vnni_batch.c (as w4.c's CPUs): the same tiles at any batch, x as int8 per group of 32;
@@ -58,7 +58,7 @@ int linear_q8_vnni_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, 
 /* w4_avx2.c only: Q8_0 rows as two planes of w4 tiles (cpu_w4.pack_q8_0), float32 out */
 int linear_q8w4_f32(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy, int nthreads);
 
-/* ---- w4_tiles.c: w4 tiles back to bf16 / float32 rows, any CPU (engine.layers.cpu_w4.unpack) ---- */
+/* ---- w4_tiles.c: w4 tiles back to bf16 / float32 rows, any CPU (engine.kernels.cpu.w4.unpack) ---- */
 int w4_dequantize(const uint8_t* w, int64_t N, int64_t K, void* out, int bf16, int nthreads);
 
 /* ---- gguf.c: GGUF blocks as in the file, int8 activations per block (engine.layers.quantization.gguf) ---- */
@@ -76,7 +76,7 @@ int gguf_k_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* ou
 int gguf_k_dequant_row(int type, const uint8_t* row, int64_t K, float* out);
 int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* out);
 
-/* ---- w8a8.c: int8 activations (engine.layers.cpu_w8a8) ---- */
+/* ---- w8a8.c: int8 activations (engine.kernels.cpu.w8a8) ---- */
 void quantize_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);
 void quantize_rows_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);
 void dequant_f32(const int32_t* acc, int64_t M, int64_t N, const float* s, const float* wscale, const float* bias, float* y, int nthreads);
@@ -92,7 +92,7 @@ int gemm_i8_silu_quant(const int8_t* x, int64_t ldx, int64_t M, int64_t K, const
 int amx_enabled(void);
 extern int use_amx;  /* 0: the packed GEMMs keep to VNNI tiles (set from Python) */
 
-/* ---- amx_bf16.c: y = x W^T on AMX-bf16 tiles, W bf16 rows, w4 tiles or GGUF rows (engine.layers.cpu_amx) ----
+/* ---- amx_bf16.c: y = x W^T on AMX-bf16 tiles, W bf16 rows, w4 tiles or GGUF rows (engine.kernels.cpu.amx_bf16) ----
    Everywhere: without AMX-bf16 amx_bf16_enabled() is 0 and the GEMMs return -1. */
 int amx_bf16_enabled(void);
 int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
@@ -101,7 +101,7 @@ int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, con
 int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t I, uint16_t* y, int64_t ldy, int nthreads);
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows, int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 
-/* ---- fused_ops.c: RMSNorm (+ residual), SiLU-and-mul, rotary (engine.layers.cpu_fused) ---- */
+/* ---- fused_ops.c: RMSNorm (+ residual), SiLU-and-mul, rotary (engine.kernels.cpu.fused_ops) ---- */
 void rmsnorm_f32(const float* x, int64_t ldx, float* residual, int64_t ldr, const float* w, float* out, int64_t ldo, int64_t rows, int64_t H, float eps, int nthreads);
 void rmsnorm_bf16(const uint16_t* x, int64_t ldx, uint16_t* residual, int64_t ldr, const uint16_t* w, uint16_t* out, int64_t ldo, int64_t rows, int64_t H, float eps, int nthreads);
 void silu_mul_f32(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t rows, int64_t I, int nthreads);

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import cpu_w4
+from engine.kernels.cpu import w4 as cpu_w4
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # ggml's block_q4_0 / block_q4_1: 32 weights each
 TYPES = tuple(BLOCK_BYTES)
@@ -29,7 +29,7 @@ def supports(type_name: str, in_features: int) -> str | None:
 
 
 def repack(blocks: torch.Tensor, type_name: str, in_features: int) -> cpu_w4.Q4Weight:
-    """uint8 [N, row bytes] Q4_0/Q4_1 rows (gguf_blocks.read_linear_blocks) -> cpu_w4.Q4Weight
+    """uint8 [N, row bytes] Q4_0/Q4_1 rows (engine.gguf.blocks.read_linear_blocks) -> cpu_w4.Q4Weight
     with the file's codes, its float16 d as the scale and m (Q4_1) or -8d (Q4_0) as the
     minimum. Raises ValueError where the blocks cannot move losslessly."""
     why = supports(type_name, in_features)

@@ -1,4 +1,4 @@
-"""engine.models.gguf_tensors: the tensor table read past the metadata, against gguf-py's
+"""engine.gguf.tensors: the tensor table read past the metadata, against gguf-py's
 GGUFReader on files its writer made (string and number arrays, a custom alignment, block
 and float types), and what it refuses."""
 
@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
-from engine.models.gguf_tensors import Unsupported, read_tensors, tensor_table
+from engine.gguf.tensors import Unsupported, read_tensors, tensor_table
 
 
 def _write(path, alignment: int | None = None, endianess=GGUFEndian.LITTLE) -> None:

@@ -18,7 +18,7 @@ On CPUs with AVX512-BF16, bf16 activations take the `_dp` kernels instead: bf16 
 multiplied with vdpbf16ps, no widening; batches of up to ROWS_MAX_M rows read the weight rows
 one after another (one sequential stream: decode is bound by reading the weights), larger ones
 run 4 x 6 register tiles. Up to how many rows they run is the instruction set's
-(engine.layers.cpu_isa): on CPUs with AMX-bf16 the tiles (engine.layers.cpu_amx) take every
+(engine.kernels.cpu.isa): on CPUs with AMX-bf16 the tiles (engine.kernels.cpu.amx_bf16) take every
 batch of more than one row.
 
 torch's F.linear stays the reference: tests check this kernel against it. The kernel is
@@ -33,9 +33,9 @@ import sys
 
 import torch
 
+from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import ops
 from engine.kernels.cpu.build import cpu_flags
-from engine.layers import cpu_isa
 
 # Batches of up to this many rows stream the weights row by row (DEFINE_ROWS_DP).
 ROWS_MAX_M = ops.ROWS_MAX_M

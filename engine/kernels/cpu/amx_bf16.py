@@ -6,7 +6,7 @@ AVX512-BF16 vdpbf16ps's work. From a few rows up that beats the `_dp` kernels (c
 cost grows with the rows, and oneDNN's F.linear, which has a fixed cost per call that the
 small matrices of a model like SmolLM2-135M never amortize. One-row decode stays on the dot
 kernels (cpu_gemm, cpu_w4, cpu_gguf): the tile setup and the 16-row tiles are wasted there.
-engine.layers.cpu_isa picks the rows where each kernel takes over, per instruction set. On two
+engine.kernels.cpu.isa picks the rows where each kernel takes over, per instruction set. On two
 cores of a Xeon with AMX, SmolLM2-135M's bf16 decode step at 32 rows: 90.5 -> 39.3 ms (its
 121 GEMMs 69.5 -> 17.9 ms; the LM head 13.6 -> 3.1 ms).
 

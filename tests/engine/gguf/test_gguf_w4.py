@@ -1,4 +1,4 @@
-"""Q4_0/Q4_1 GGUF blocks as w4 tiles (engine.layers.gguf_w4): the repack is lossless (the
+"""Q4_0/Q4_1 GGUF blocks as w4 tiles (engine.gguf.w4): the repack is lossless (the
 tiles dequantize to exactly gguf-py's values), the w4 kernel on them matches F.linear on
 those values, GGUFW4LinearMethod routes by rows, and the default --quantization for a GGUF
 model (engine.layers.quantization.resolve_method)."""
@@ -12,9 +12,14 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.layers import cpu_amx, cpu_gemm, cpu_gguf, cpu_isa, cpu_w4, gguf_w4
+from engine.gguf import w4 as gguf_w4
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization import gguf as gguf_method
-from engine.layers.quantization import resolve_method
+from engine.layers.quantization.quantize import resolve_method
 from tests.engine.kernels.w4_testing import x_as_the_kernel_reads_it, x_int8_per_group
 
 

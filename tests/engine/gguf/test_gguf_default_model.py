@@ -14,9 +14,10 @@ from engine.attention.backends.cpu import CpuAttentionBackend
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import DEFAULT_MODEL
+from engine.gguf.convert import LINK, _unpermute
+from engine.gguf.source import default_gguf_path
 from engine.layers.quantization.gguf import q8_tiles_head
-from engine.models.gguf_convert import LINK, _unpermute
-from engine.models.loader import default_gguf_path, load_model, resolve_model
+from engine.models.loader import load_model, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +118,8 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir, monke
 
     from engine.attention.cpu_kernel import kernel_supports
     from engine.attention.kv_int8 import allocate_scales as kv_scales
-    from engine.layers import cpu_w4
-    from engine.layers.quantization import quantize_model
+    from engine.kernels.cpu import w4 as cpu_w4
+    from engine.layers.quantization.quantize import quantize_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     text = (
@@ -185,9 +186,10 @@ def test_file_blocks_answer_paris(default_model_dir):
     weights' bytes are the file tensors'), prompt and one-row decode steps, still answers."""
     from transformers import AutoTokenizer
 
-    from engine.layers import cpu_w4
-    from engine.layers.quantization import GGUFLinearMethod, quantize_model
-    from engine.models.loader import default_gguf_path
+    from engine.gguf.source import default_gguf_path
+    from engine.kernels.cpu import w4 as cpu_w4
+    from engine.layers.quantization.gguf import GGUFLinearMethod
+    from engine.layers.quantization.quantize import quantize_model
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     prompt = tok.apply_chat_template(
@@ -237,9 +239,13 @@ def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkey
     the decode plan's W4 kind, the same tokens as the modules), greedy "Paris"; the explicit
     `none` override gives the old path, the dequantized bf16 weights."""
     from engine import SamplingParams
-    from engine.layers import cpu_w4
-    from engine.layers.quantization import GGUFW4LinearMethod, UnquantizedLinearMethod
-    from engine.layers.quantization.gguf import GGUFLMHeadMethod, GGUFQ8TilesHeadMethod
+    from engine.kernels.cpu import w4 as cpu_w4
+    from engine.layers.quantization.gguf import (
+        GGUFLMHeadMethod,
+        GGUFQ8TilesHeadMethod,
+        GGUFW4LinearMethod,
+    )
+    from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.layers import cpu_gguf
+from engine.kernels.cpu import gguf as cpu_gguf
 from engine.layers.rotary import llama3_inv_freq
 
 logger = logging.getLogger("tessera.engine")
@@ -204,7 +204,7 @@ _CHUNK_ROWS = 4096
 
 
 def _float_tensor(t, config: dict) -> torch.Tensor:
-    """One GGUF tensor (gguf-py's ReaderTensor, or gguf_tensors.Tensor) dequantized to
+    """One GGUF tensor (gguf-py's ReaderTensor, or engine.gguf.tensors.Tensor) dequantized to
     float32, q/k rows in HF's order (an array of its own)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -298,7 +298,7 @@ def linked_tensors(folder: Path) -> Iterator[tuple[str, Callable[[], torch.Tenso
                 f"{folder} was converted from {p}, which is gone or changed: its linear "
                 "weights stay in that file (convert again: serve the .gguf itself)"
             )
-    from engine.models.gguf_tensors import tensor_table
+    from engine.gguf.tensors import tensor_table
 
     config = json.loads((folder / "config.json").read_text())
     for t in tensor_table(path).values():
@@ -330,7 +330,7 @@ class _SplitReader:
 def convert_gguf(gguf_path: str | Path, dest: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the HF folder for gguf_path (a file, or a split model's first) at dest
     (atomically); return dest."""
-    from engine.models.gguf_tensors import shard_paths
+    from engine.gguf.tensors import shard_paths
 
     gguf_path, dest = Path(gguf_path), Path(dest)
     files = shard_paths(gguf_path)

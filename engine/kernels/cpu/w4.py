@@ -22,7 +22,7 @@ minimums meet per-group sums of x:
 y = xs * (sum_g s_g * (q_g . xq_g) + sum_g m_g * sum(xq_g)). Needs AVX512-VNNI (or AVX2),
 F16C, and K a multiple of 64; other layers and larger batches use the int8 weights the layer
 keeps too (w8a8). Built once per machine like the other CPU kernels (engine/kernels/cpu/w4.c).
-A GGUF file's Q4_0/Q4_1 layers (engine.layers.gguf_w4) hold nothing but tiles: pack_groups
+A GGUF file's Q4_0/Q4_1 layers (engine.gguf.w4) hold nothing but tiles: pack_groups
 takes their codes and scales as they are, unpack gives larger batches' GEMMs their weight.
 """
 

@@ -2,8 +2,8 @@
 (`--quantization gguf`): raw blocks per output row, merged the way the model merges its
 projections.
 
-q and k rows are reordered as gguf_convert does (llama.cpp interleaves the rotary halves in its
-llama files); a row is whole blocks along the input features, so reordering rows moves bytes,
+q and k rows are reordered as engine.gguf.convert does (llama.cpp interleaves the rotary halves
+in its llama files); a row is whole blocks along the input features, so reordering rows moves bytes,
 never requantizes. A projection group whose parts differ in type (Q4_K_M files: attn_q/attn_k Q4_K,
 attn_v Q6_K) keeps each run of same-typed parts as a row segment of its own type, all in one
 buffer; a group with a float part (F16, BF16, F32) is left out, the caller keeps its
@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import DEFAULT_MODEL
-from engine.models.gguf_convert import _unpermute
+from engine.gguf.convert import _unpermute
 
 _FLOATS = ("F32", "F16", "BF16")
 
@@ -79,16 +78,6 @@ _GROUPS = {
 }
 
 
-def gguf_source(model: str | Path) -> Path | None:
-    """The .gguf file a model name serves from (the default model's bundled file), or None."""
-    from engine.models.loader import default_gguf_path
-
-    if str(model) == DEFAULT_MODEL:
-        return default_gguf_path()
-    path = Path(model).expanduser()
-    return path if path.suffix == ".gguf" and path.is_file() else None
-
-
 def read_linear_blocks(
     path: str | Path, num_heads: int, num_kv_heads: int, interleaved: bool = True
 ) -> tuple[dict[str, Blocks], dict[str, str]]:
@@ -96,8 +85,8 @@ def read_linear_blocks(
     Blocks}, {module: why it was left out}). The LM head's rows are output.weight, or
     token_embd.weight where the model ties them; embed_tokens is token_embd.weight in a block
     type where the file has an output.weight (tied, the head's rows are the embedding's). interleaved: the file's q/k rows are in llama.cpp's rotary order (its
-    llama files; gguf_convert.rows_interleaved)."""
-    from engine.models.gguf_tensors import tensor_table  # gguf-py: only a GGUF model needs it
+    llama files; convert.rows_interleaved)."""
+    from engine.gguf.tensors import tensor_table  # gguf-py: only a GGUF model needs it
 
     tensors = tensor_table(path)
     n_layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))

@@ -46,9 +46,10 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from engine.kernels.cpu import amx_bf16 as cpu_amx
 from engine.kernels.cpu import ops
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.kernels.cpu.build import cpu_flags
-from engine.layers import cpu_amx, cpu_w4
 
 logger = logging.getLogger("tessera.engine")
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from engine.models.gguf_convert import LINK
-from engine.models.gguf_tensors import read_tensors, shard_paths, tensor_table
-from engine.models.loader import default_gguf_path, resolve_model
+from engine.gguf.convert import LINK
+from engine.gguf.source import default_gguf_path
+from engine.gguf.tensors import read_tensors, shard_paths, tensor_table
+from engine.models.loader import resolve_model
 
 
 @pytest.fixture(scope="module")

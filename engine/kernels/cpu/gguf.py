@@ -4,10 +4,10 @@ so K % 256 == 0).
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
 does, and takes integer dot products on the file's blocks (VNNI, AVX2 or scalar: `gguf_isa`).
-A dot kernel's cost grows with the rows, so above dot_max_rows() rows (engine.layers.cpu_isa:
+A dot kernel's cost grows with the rows, so above dot_max_rows() rows (engine.kernels.cpu.isa:
 the instruction set's) bf16 activations run on AMX-bf16 tiles where the CPU has them, up to
 cpu_isa's amx_max_rows, the weight decoded 16 rows at a time into a buffer in cache
-(engine.layers.cpu_amx.linear_gguf, through gguf_dequant_row: any type it reads). Elsewhere,
+(engine.kernels.cpu.amx_bf16.linear_gguf, through gguf_dequant_row: any type it reads). Elsewhere,
 for prefill chunks and for float32 activations, one dequantized copy of the weight in x's
 dtype feeds cpu_gemm.dense_linear (oneDNN, or the C GEMM where the CPU has no native bf16).
 """
@@ -19,8 +19,10 @@ from collections.abc import Iterator
 
 import torch
 
+from engine.kernels.cpu import amx_bf16 as cpu_amx
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import ops
-from engine.layers import cpu_amx, cpu_gemm, cpu_isa
 
 TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")}
 # superblocks of 256 weights (gguf_k.c): the K-quants, and IQ4_XS

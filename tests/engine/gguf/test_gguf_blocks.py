@@ -19,16 +19,21 @@ from gguf.quants import dequantize
 
 from engine.attention.backends.torch import TorchAttentionBackend
 from engine.attention.metadata import common_metadata_from_seqs
-from engine.layers import cpu_gemm, cpu_gguf, cpu_isa, cpu_w4
-from engine.layers.quantization import GGUFLinearMethod, GGUFW4LinearMethod, quantize_model
+from engine.gguf.convert import _write_weights
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization.gguf import (
+    GGUFLinearMethod,
     GGUFSegmentsLinearMethod,
+    GGUFW4LinearMethod,
     apply_gguf_blocks,
     q8_tiles_head,
 )
-from engine.models.gguf_convert import _write_weights
+from engine.layers.quantization.quantize import quantize_model
 from engine.models.loader import load_model
-from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
+from tests.engine.gguf.gguf_files import HEADS, KV_HEADS, write_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
 
@@ -290,7 +295,7 @@ def test_types_without_a_kernel_keep_the_dequantized_weights(tiny_llama_dir, tmp
 
 def test_a_model_without_a_gguf_source_is_refused(tiny_llama_dir):
     from engine.config import ModelConfig
-    from engine.models.gguf_blocks import gguf_source
+    from engine.gguf.source import gguf_source
 
     assert ModelConfig(model=str(tiny_llama_dir), quantization="gguf").quantization == "gguf"
     assert gguf_source(tiny_llama_dir) is None  # an HF folder has no blocks to keep

@@ -1,4 +1,4 @@
-"""engine.models.gguf_convert: the weights written in shards, one at a time, and read back;
+"""engine.gguf.convert: the weights written in shards, one at a time, and read back;
 Llama 3's rope scaling recovered from the rope_freqs tensor llama.cpp writes."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 
-from engine.layers.rotary import RotaryEmbedding
-from engine.models.gguf_convert import (
+from engine.gguf.convert import (
     LINK,
     _llama3_scaling,
     _read_config,
     _write_weights,
     left_in_file,
 )
+from engine.layers.rotary import RotaryEmbedding
 from engine.models.hf_config import parse_hf_config
 from engine.models.loader import load_hf_config, load_model
-from tests.engine.models.gguf_files import HEADS, KV_HEADS, write_gguf
+from tests.engine.gguf.gguf_files import HEADS, KV_HEADS, write_gguf
 
 _HEADS = {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
 
@@ -128,7 +128,7 @@ def test_the_conversion_holds_one_shard_not_the_float_model(tmp_path):
         import resource, sys
         from pathlib import Path
         from gguf import GGUFReader
-        from engine.models.gguf_convert import _write_weights
+        from engine.gguf.convert import _write_weights
         reader = GGUFReader({str(gguf)!r})
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         _write_weights(reader, {{}}, Path({str(tmp_path)!r}), 16 << 20)

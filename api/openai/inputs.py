@@ -286,7 +286,7 @@ def render_chat(
 ) -> list[int]:
     """chat_messages + the chat template -> prompt token ids (one step, for the worker pool:
     every argument picklable). `prepare` rewrites the template's messages and adds variables
-    (tool calling's api/tool_calls.template_input, bound with functools.partial);
+    (tool calling's api/openai/tools/plan.template_input, bound with functools.partial);
     `template_kwargs` are further template variables."""
     hf_messages = chat_messages(messages)
     kwargs = dict(template_kwargs or {})

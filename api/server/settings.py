@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.tool_parsers import PARSER_CHOICES
+from api.openai.tools import PARSER_CHOICES
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 from engine.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from engine.core.request_queue import POLICIES

@@ -134,7 +134,7 @@ class Tracing:
         # Sends what is still queued, for at most the processor's shutdown_timeout.
         self.provider.shutdown()
 
-    # -- the server span (api/request_context.RequestIdMiddleware) ------------------------------
+    # -- the server span (api/server/request_context.RequestIdMiddleware) ------------------------------
     @contextlib.contextmanager
     def server_span(self, scope: dict[str, Any], request_id: str) -> Iterator[Any]:
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}

@@ -33,7 +33,7 @@ DIED = "tensor-parallel worker rank 1"
 
 def _workers(pid: int) -> list[psutil.Process]:
     """The tensor-parallel workers under pid: spawned processes, not its resource tracker,
-    and not the request pool's workers (api/offload.py), which run niced."""
+    and not the request pool's workers (api/server/offload.py), which run niced."""
     parent = psutil.Process(pid)
     out = []
     for child in parent.children():

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 from litestar.testing import AsyncTestClient
 
-from api import request_context
+from api.server import request_context
 from api.usage.service import UsageRecord
 from engine import SamplingParams
 from engine.protocol import EngineRequest

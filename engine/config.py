@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
+from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
 from engine.core.request_queue import POLICIES
 from engine.layers.quantization import QUANTIZATION_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
-# --kv-cache-dtype's values (CacheConfig.kv_cache_dtype says what each stores)
-KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
+# --kv-cache-dtype's values: KV_CACHE_DTYPE_CHOICES, the KV cache specs' registry
+# (engine.attention.kv_spec), imported above; CacheConfig.kv_cache_dtype says what each stores.
 
 
 def _check(ok: bool, message: str) -> None:
@@ -32,6 +33,7 @@ class CacheConfig:
     # auto: the model's dtype; int8: int8 values with a float32 scale per token and head
     # (engine.attention.kv_int8): half the bytes, so twice the tokens and less to read; fp8:
     # float8 e4m3 with per-tensor scales (engine.attention.kv_fp8), the triton backend's.
+    # The choices are the KV cache specs' registry (engine.attention.kv_spec).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

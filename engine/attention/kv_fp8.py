@@ -8,18 +8,41 @@ beyond the range saturate to +-448 (no NaN). The Triton kernels take the scales 
 so calibrated scales would change no kernel.
 
 The cache keeps the float layout [2, blocks, block_size, kv_heads, head_dim]. This module is
-the torch reference: quantize, write through the slot mapping, dequantize gathered blocks.
-Index ops run on uint8 views (float8 index kernels are not on every device).
+the torch reference: quantize, write through the slot mapping, dequantize gathered blocks;
+Fp8KVCacheSpec is its bytes and allocation (engine.attention.kv_spec). Index ops run on
+uint8 views (float8 index kernels are not on every device): the cache is allocated as bytes
+(block copies need no float8 index kernels) and the layers see it as float8 e4m3.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from engine.attention.kv_spec import KVCacheSpec
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 K_SCALE = 1.0
 V_SCALE = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class Fp8KVCacheSpec(KVCacheSpec):
+    """`fp8`: one byte a value, held as uint8 and seen by the layers as e4m3; the scales are
+    per tensor (K_SCALE, V_SCALE), so a block holds no scale."""
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return FP8_DTYPE
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def view(self, storage: torch.Tensor) -> torch.Tensor:
+        return storage.view(FP8_DTYPE)
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -13,14 +13,18 @@ horizontal sums and no shuffles:
   V block: [kv_heads][block_size / 2][head_dim][2]  (a token pair of 16 dimensions in 32 bytes)
 Scales are float32 [2, blocks, kv_heads, block_size] (a head's scales for a block side by
 side). Whole blocks move as before (copies for forks, TP shards are per head). This module
-is the torch reference: quantize, write, and dequantize gathered blocks for the SDPA path.
+is the torch reference: quantize, write, and dequantize gathered blocks for the SDPA path;
+Int8KVCacheSpec is the layout's bytes and allocation (engine.attention.kv_spec).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import cpu_kernel
+from engine.attention.kv_spec import KVCacheSpec
 
 QMAX = 127.0
 
@@ -65,6 +69,23 @@ def quantize_cache(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def allocate_scales(num_blocks: int, block_size: int, num_kv_heads: int, device) -> torch.Tensor:
     return torch.zeros((2, num_blocks, num_kv_heads, block_size), device=device)
+
+
+@dataclass(slots=True, frozen=True)
+class Int8KVCacheSpec(KVCacheSpec):
+    """`int8`: int8 values in the tiled block layout above, and a float32 scale per token and
+    KV head beside each of K and V (allocate_scales)."""
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.int8
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        return 4 * self.num_kv_heads
+
+    def allocate_scales(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return allocate_scales(num_blocks, self.block_size, self.num_kv_heads, device)
 
 
 def write(

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import kv_fp8, kv_int8
 from engine.attention.backends import select_backend
 from engine.attention.backends.base import AttentionBackend
+from engine.attention.kv_spec import KVCacheSpec
 from engine.attention.metadata import CommonAttentionMetadata, common_metadata_from_seqs
 from engine.config import EngineConfig
 from engine.distributed import get_tp_size
@@ -169,8 +169,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.quantization: str | None = None  # the method the model loaded with (resolve_method)
         self.dtype: torch.dtype | None = None
-        self.kv_caches: list[torch.Tensor] = []
-        self.kv_scales: list[torch.Tensor] = []  # with an int8 cache: one per layer
+        self.kv_caches: list[torch.Tensor] = []  # as allocated (block copies index these)
+        self.kv_scales: list[torch.Tensor] = []  # where the KV dtype keeps scales: one per layer
         self.num_blocks = 0
         self.sampler = Sampler(seed=config.model.seed)
         # On CUDA the sampling parameters also live on the device, for the sync-free sampler.
@@ -254,18 +254,14 @@ class ModelRunner:
                 choice.reason,
             )
 
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache's layout for --kv-cache-dtype, as the attention backend lays it out."""
+        assert self.attn_backend is not None, "load_model() first"
+        return self.attn_backend.kv_cache_spec(self.config.cache.kv_cache_dtype)
+
     def kv_block_bytes(self) -> int:
-        """Bytes one block takes across all layers (K and V) on this rank."""
-        assert self.dtype is not None, "load_model() first"
-        c = self.hf_config
-        per_token = self.num_kv_heads * c.head_dim  # values of K (and of V) per token
-        if self.config.cache.kv_cache_dtype == "int8":
-            per_token_bytes = per_token + 4 * self.num_kv_heads  # int8 + a float32 scale per head
-        elif self.config.cache.kv_cache_dtype == "fp8":
-            per_token_bytes = per_token  # one byte per value; the scales are per tensor
-        else:
-            per_token_bytes = per_token * torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * per_token_bytes
+        """Bytes one block takes across all layers (K and V, scales included) on this rank."""
+        return self.hf_config.num_hidden_layers * self.kv_cache_spec().bytes_per_block
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -386,21 +382,13 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.model is not None, "load_model() first"
         self._check_fits(num_blocks)
-        c = self.hf_config
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, c.head_dim)
-        int8 = self.config.cache.kv_cache_dtype == "int8"
-        fp8 = self.config.cache.kv_cache_dtype == "fp8"
-        # fp8 caches are held as bytes (block copies need no float8 index kernels); the
-        # layers see them as float8 e4m3.
-        dtype = torch.int8 if int8 else torch.uint8 if fp8 else self.dtype
-        self.kv_caches = [self._zeros(shape, dtype) for _ in range(c.num_hidden_layers)]
-        self.kv_scales = [
-            kv_int8.allocate_scales(num_blocks, self.block_size, self.num_kv_heads, self.device)
-            for _ in range(c.num_hidden_layers if int8 else 0)
-        ]
+        spec = self.kv_cache_spec()
+        kv = spec.allocate(
+            num_blocks, self.device, num_layers=self.hf_config.num_hidden_layers, zeros=self._zeros
+        )
+        self.kv_caches, self.kv_scales = kv.storage, kv.scales
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.kv_cache = self.kv_caches[i].view(kv_fp8.FP8_DTYPE) if fp8 else self.kv_caches[i]
-            attn.kv_scales = self.kv_scales[i] if int8 else None
+            attn.kv_cache, attn.kv_scales = kv.layer(i)
         self.num_blocks = num_blocks
         self._step_graph = self._build_step_graph()
         self._log_graph_pool()
@@ -410,7 +398,7 @@ class ModelRunner:
                 "KV cache: %d blocks (%d tokens, %s); max concurrency at %d tokens/request: %.2f",
                 num_blocks,
                 tokens,
-                str(kv_fp8.FP8_DTYPE if fp8 else dtype).removeprefix("torch."),
+                str(spec.cache_dtype).removeprefix("torch."),
                 self.max_model_len,
                 tokens / self.max_model_len,
             )

@@ -138,15 +138,17 @@ def test_gguf_sits_below_models_and_linear_methods():
 
 def test_the_config_takes_its_choices_from_the_registries_without_torch():
     """engine.config's choices are the registries' names (attention backends, linear methods,
-    queue policies), read from modules that import no torch."""
+    queue policies, KV cache specs), read from modules that import no torch."""
     code = (
         "import sys, engine.config as c\n"
         "from engine.attention.backends import ATTENTION_BACKEND_CHOICES\n"
+        "from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES, KV_CACHE_SPECS\n"
         "from engine.core.request_queue import POLICIES\n"
         "from engine.layers.quantization import METHODS, QUANTIZATION_CHOICES\n"
         "assert 'torch' not in sys.modules, 'engine.config imported torch'\n"
         "assert c.QUANTIZATION_CHOICES is QUANTIZATION_CHOICES == ('none', *METHODS)\n"
         "assert c.ATTENTION_BACKEND_CHOICES is ATTENTION_BACKEND_CHOICES and c.POLICIES is POLICIES\n"
+        "assert c.KV_CACHE_DTYPE_CHOICES is KV_CACHE_DTYPE_CHOICES == tuple(KV_CACHE_SPECS)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ENGINE.parent, capture_output=True, text=True

@@ -1,7 +1,8 @@
 """The attention backend interface: what the layer, the model runner and a graph runner call.
 
 A backend is chosen once at start (engine.attention.backends.select_backend) and shared by
-every layer. Per step the runner turns its batch into CommonAttentionMetadata
+every layer. It owns the KV cache's layout: kv_cache_spec gives the model runner the bytes a
+block takes and the allocation for `--kv-cache-dtype` (engine.attention.kv_spec). Per step the runner turns its batch into CommonAttentionMetadata
 (engine.attention.metadata), the backend builds its own metadata from it once, and each
 layer then calls write_kv and forward with that metadata. A graph runner instead allocates
 static metadata for its largest batch once and fills it in place every step, so the
@@ -16,6 +17,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from engine.attention.kv_spec import KVCacheSpec, kv_cache_spec
 from engine.attention.metadata import CommonAttentionMetadata
 
 
@@ -40,8 +42,9 @@ class AttentionBackend(ABC):
     """One way to run paged attention over the flattened batch.
 
     The KV cache of a layer is one tensor [2, num_blocks, block_size, kv_heads, head_dim]
-    (k = cache[0], v = cache[1]); token t's K/V live at flat slot slot_mapping[t]. An int8
-    cache comes with its scales on the layer (engine.attention.kv_int8).
+    (k = cache[0], v = cache[1]), as kv_cache_spec lays it out; token t's K/V live at flat
+    slot slot_mapping[t]. An int8 cache comes with its scales on the layer
+    (engine.attention.kv_int8).
     """
 
     name: ClassVar[str]
@@ -78,6 +81,15 @@ class AttentionBackend(ABC):
         head_dim: int,
     ) -> str | None:
         """None where this backend can run such a model, else why not (for the user)."""
+
+    def kv_cache_spec(self, kv_cache_dtype: str) -> KVCacheSpec:
+        """The KV cache's layout for kv_cache_dtype (auto: the model's dtype): bytes a block and
+        allocation. The registered spec (engine.attention.kv_spec.KV_CACHE_SPECS) over this
+        backend's block size, KV heads, head size and dtype; a backend that lays its cache out
+        otherwise returns a spec of its own."""
+        return kv_cache_spec(
+            kv_cache_dtype, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:

@@ -399,7 +399,12 @@ def test_fp8_blocks_take_half_the_bytes_of_bf16(tiny_llama_dir):
 
     config = EngineConfig.from_options(str(tiny_llama_dir), max_model_len=64)
     runner = ModelRunner(config, tiny_llama_dir)
-    runner.dtype = torch.bfloat16  # what load_model sets; kv_block_bytes reads only this
+    # what load_model sets: the backend, whose KV cache spec is all kv_block_bytes reads
+    c, bf16 = runner.hf_config, torch.bfloat16
+    runner.dtype = bf16
+    runner.attn_backend = TorchAttentionBackend(
+        runner.block_size, c.num_attention_heads, runner.num_kv_heads, c.head_dim, bf16
+    )
     bf16 = runner.kv_block_bytes()
     runner.config.cache.kv_cache_dtype = "fp8"
     assert runner.kv_block_bytes() * 2 == bf16

@@ -1,5 +1,5 @@
-"""A Llama decode step as one C call: the CPU's step graph (the model runner runs it where it
-takes a step, the eager forward otherwise, as a CUDA-graph runner would).
+"""A Llama decode step as one C call: the CPU's step graph (engine.worker.step_graph: the model
+runner runs it where it takes a step, the eager forward otherwise, as it does CUDA graphs).
 
 At one stream a decode step is ~330 small calls (per layer: two norms, four GEMMs, rotary,
 the KV write, attention, SiLU), each a few microseconds of Python, torch and ctypes around a
@@ -48,6 +48,7 @@ from engine.kernels.cpu.ops import Step as _Step
 from engine.layers.quantization.gguf import GGUFW4LinearMethod
 from engine.layers.quantization.w4a8 import W4A8LinearMethod
 from engine.layers.quantization.w8a8 import W8A8LinearMethod
+from engine.worker.step_graph import StepGraphConfig, StepInputs
 
 _P = ctypes.c_void_p
 
@@ -85,7 +86,11 @@ def _has_w8a8(m) -> bool:  # w8a8 or w4a8: int8 activations, on the packed weigh
 
 
 class DecodePlan:
-    """The layers' weights and caches as C structs, built once; run() takes a step."""
+    """The layers' weights and caches as C structs, built once; run() takes a step. A StepGraph
+    that reads the eager forward's inputs (its buffers are host memory: nothing reserved)."""
+
+    eager_inputs = True
+    graph_bytes = 0
 
     def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool):
         layers = model.layers
@@ -130,9 +135,11 @@ class DecodePlan:
         self.runs: dict[int, int] = {}  # steps run, by row count
 
     @classmethod
-    def build(cls, causal_lm: torch.nn.Module) -> DecodePlan | None:
+    def build(
+        cls, causal_lm: torch.nn.Module, config: StepGraphConfig | None = None
+    ) -> DecodePlan | None:
         """The plan for a Llama-family model whose KV cache is bound, or None where it does not
-        fit (see the module doc)."""
+        fit (see the module doc). It reads all it needs from the model's layers."""
         model = getattr(causal_lm, "model", None)
         if not enabled() or not len(getattr(model, "layers", ())):
             return None
@@ -172,6 +179,17 @@ class DecodePlan:
         if run_fn is None:
             return None
         return cls(model, run_fn, w4, w8a8, w4_amx)
+
+    @classmethod
+    def reserve_bytes(cls, config: StepGraphConfig) -> int:
+        return 0  # no device memory: its buffers are the host's
+
+    def close(self) -> None:
+        """Drop the step buffers and the structs' tensors; run() then takes no step."""
+        self._run_fn = None
+        self._layers = (_Layer * 0)()
+        self._tensors.clear()
+        self._bufs, self._capacity = {}, 0
 
     def takes(self, rows: int, meta: AttentionMetadata) -> int | None:
         """The kind of step (W4, W8A8) the plan runs for this one, or None: the modules run it.
@@ -219,16 +237,18 @@ class DecodePlan:
         self._step.rows = rows
         return self._step
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final norm's output [rows, hidden] for this step, or None where the plan does
-        not take it (the runner runs the modules)."""
+        not take it (the runner runs the modules). Reads the eager forward's tensors."""
+        input_ids, meta = inputs.input_ids, inputs.attn_metadata
+        assert input_ids is not None and meta is not None, "the runner builds them first"
+        if self._run_fn is None:  # closed
+            return None
         kind = self.takes(input_ids.shape[0], meta)
         if kind is None:
             return None
         hidden = self._embed(input_ids)
-        cos, sin = self._rotary.lookup(positions, hidden.dtype)
+        cos, sin = self._rotary.lookup(inputs.position_ids, hidden.dtype)
         return self._run(kind, hidden, cos, sin, meta)
 
     def _run(

@@ -1,5 +1,6 @@
-"""CUDA graphs for decode steps: the GPU's step graph (the model runner runs it where it takes
-the step, the eager forward otherwise, as it does the CPU's one-call plan, cpu_graph.py).
+"""CUDA graphs for decode steps: the GPU's step graph (engine.worker.step_graph: the model
+runner runs it where it takes the step, the eager forward otherwise, as it does the CPU's
+one-call plan, cpu_graph.py). It reads the step's host-side inputs only (eager_inputs False).
 
 A decode step of a 32-layer model is ~1,200-1,500 small kernel launches: at small batches the
 GPU waits on Python and the launch queue. Captured once at start, a step is one graph replay.
@@ -38,6 +39,8 @@ import torch
 
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.metadata import CommonAttentionMetadata
+from engine.worker import kv_budget
+from engine.worker.step_graph import StepGraphConfig, StepInputs
 
 logger = logging.getLogger("tessera.engine")
 
@@ -233,10 +236,13 @@ class EagerReplay:
 
 
 class CudaGraphRunner:
-    """The step graph of CUDA decode steps: run(input_ids, positions, meta) with the step's
-    host-side inputs (lists of ids and positions, the flat CommonAttentionMetadata), since it
+    """The step graph of CUDA decode steps: run(inputs) reads the step's host-side inputs
+    (lists of ids and positions, the flat CommonAttentionMetadata, the fed ids), since it
     fills its own static buffers -> hidden [rows, H], or None for the steps it leaves to the
     eager forward."""
+
+    eager_inputs = False
+    graph_bytes = 0  # measured by capture_all
 
     def __init__(
         self,
@@ -262,36 +268,25 @@ class CudaGraphRunner:
         self.graph_bytes = 0
 
     @classmethod
-    def build(
-        cls,
-        model: torch.nn.Module,
-        backend: AttentionBackend,
-        *,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_size: int,
-        device: torch.device,
-        enforce_eager: bool,
-        tp_size: int,
-        log: bool = True,
-    ) -> CudaGraphRunner | None:
+    def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> CudaGraphRunner | None:
         """Graphs captured for the ladder on CUDA, or None (with the reason logged) where
         every step runs eagerly."""
-        why_not = graphs_off_reason(device, backend, enforce_eager, tp_size)
+        c = config
+        why_not = graphs_off_reason(c.device, c.backend, c.enforce_eager, c.tp_size)
         if why_not is not None:
-            if log and device.type == "cuda":
+            if c.log and c.device.type == "cuda":
                 logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
             return None
         runner = cls(
             model,
-            backend,
-            batch_ladder(max_num_seqs),
-            -(-max_model_len // block_size),
+            c.backend,
+            batch_ladder(c.max_num_seqs),
+            -(-c.max_model_len // c.block_size),
             CudaGraphCapture(),
-            device,
+            c.device,
         )
         runner.capture_all()
-        if log:
+        if c.log:
             logger.info(
                 "CUDA graphs: %d decode batch sizes (%d-%d) captured in %.1f s, %.0f MiB",
                 len(runner.ladder),
@@ -301,6 +296,28 @@ class CudaGraphRunner:
                 runner.graph_bytes / 2**20,
             )
         return runner
+
+    @classmethod
+    def reserve_bytes(cls, config: StepGraphConfig) -> int:
+        """The graphs' pool, reserved before the cache is sized (they are captured after it):
+        kv_budget.graph_reserve_bytes where build() captures them, else 0."""
+        c = config
+        if graphs_off_reason(c.device, c.backend, c.enforce_eager, c.tp_size):
+            return 0
+        hf = c.hf_config
+        inter = getattr(hf, "intermediate_size", 0)
+        moe = getattr(hf, "moe_intermediate_size", None)  # routed experts' rows, if any
+        if moe:
+            inter = max(inter, moe * getattr(hf, "num_experts_per_tok", 1))
+        return kv_budget.graph_reserve_bytes(
+            batch_ladder(c.max_num_seqs),
+            hidden_size=hf.hidden_size,
+            num_heads=hf.num_attention_heads // c.tp_size,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=hf.head_dim,
+            intermediate_size=inter,
+            act_bytes=torch.empty((), dtype=c.dtype).element_size(),
+        )
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -336,20 +353,17 @@ class CudaGraphRunner:
             return None
         return bucket_for(common.num_reqs, self.ladder)
 
-    def run(
-        self,
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        meta: CommonAttentionMetadata,
-        fed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """fed: (rows, values on the device) replacing those rows' input ids after the host
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's host-side inputs into the static buffers, then the replay of its size.
+        inputs.fed: (rows, values on the device) replacing those rows' input ids after the host
         copy: async scheduling's placeholders, the last step's sampled ids."""
+        meta = inputs.common
         rows = self.bucket(meta)
         if rows is None:
             return None
         n = meta.num_reqs
-        self.inputs.fill(input_ids, positions, rows)
+        self.inputs.fill(inputs.ids, inputs.positions, rows)
+        fed = inputs.fed
         if fed is not None:  # the step's rows come after rows - n padding rows
             self.inputs.ids(rows).index_copy_(0, fed[0] + (rows - n), fed[1])
         attn_meta = self.backend.fill_static_metadata(

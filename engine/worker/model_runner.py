@@ -3,8 +3,8 @@
 execute_model: apply the step's changes to the persistent input batch (engine.worker.
 input_batch) -> copy blocks (copy-on-write for forked samples) -> flatten the scheduled
 chunks (decodes first, sorted by context length) -> one step over the flattened batch (the
-step graph where it takes the step: the CPU's one-call decode plan, engine.worker.cpu_graph,
-or on CUDA the captured decode graphs, engine.worker.cuda_graph; else the eager forward) ->
+step graph where it takes the step, engine.worker.step_graph: the CPU's one-call decode plan,
+cpu_graph, or on CUDA the captured decode graphs, cuda_graph; else the eager forward) ->
 logits of each sampling request's last token -> Sampler (on CUDA the sync-free GpuSampler,
 engine.layers.gpu_sampler, unless a request asks for logprobs) -> the sampled tokens appended
 to the input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
@@ -49,8 +49,9 @@ from engine.worker.async_output import (
     TokenCopies,
 )
 from engine.worker.cpu_graph import DecodePlan
-from engine.worker.cuda_graph import CudaGraphRunner, batch_ladder, graphs_off_reason
+from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
+from engine.worker.step_graph import StepGraph, StepGraphConfig, StepInputs
 from engine.worker.step_threads import StepThreads
 
 if TYPE_CHECKING:
@@ -185,10 +186,13 @@ class ModelRunner:
         self._copies = TokenCopies(self.device)
         self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
-        # A planned or captured step over static buffers, built once the KV cache is bound:
-        # run(input_ids, positions, meta) -> hidden, or None for the steps it does not take
-        # (the CPU's plan takes the eager forward's inputs; CUDA graphs the host-side ones).
-        self._step_graph: DecodePlan | CudaGraphRunner | None = None
+        # A planned or captured step over static buffers (engine.worker.step_graph), built
+        # once the KV cache is bound: run(StepInputs) -> hidden, or None for the steps it
+        # does not take. The CPU's is the one-call decode plan; other devices' CUDA graphs.
+        self._graph_type: type[StepGraph] = (
+            DecodePlan if self.device.type == "cpu" else CudaGraphRunner
+        )
+        self._step_graph: StepGraph | None = None
         self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
 
     # -- set-up ---------------------------------------------------------------------------
@@ -320,31 +324,28 @@ class ModelRunner:
             )
         return budget
 
-    def graph_reserve_bytes(self) -> int:
-        """The decode graphs' pool, reserved before the cache is sized (they are captured
-        after it): kv_budget.graph_reserve_bytes where graphs will be captured, else 0."""
-        from engine.worker.kv_budget import graph_reserve_bytes
-
+    def step_graph_config(self) -> StepGraphConfig:
+        """What the step graph is built and reserved for (load_model first)."""
         assert self.attn_backend is not None and self.dtype is not None
         cfg = self.config
-        if graphs_off_reason(
-            self.device, self.attn_backend, cfg.model.enforce_eager, get_tp_size()
-        ):
-            return 0
-        c = self.hf_config
-        inter = getattr(c, "intermediate_size", 0)
-        moe = getattr(c, "moe_intermediate_size", None)  # routed experts' rows, if any
-        if moe:
-            inter = max(inter, moe * getattr(c, "num_experts_per_tok", 1))
-        return graph_reserve_bytes(
-            batch_ladder(cfg.scheduler.max_num_seqs),
-            hidden_size=c.hidden_size,
-            num_heads=c.num_attention_heads // get_tp_size(),
+        return StepGraphConfig(
+            backend=self.attn_backend,
+            device=self.device,
+            dtype=self.dtype,
+            hf_config=self.hf_config,
             num_kv_heads=self.num_kv_heads,
-            head_dim=c.head_dim,
-            intermediate_size=inter,
-            act_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            max_num_seqs=cfg.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            enforce_eager=cfg.model.enforce_eager,
+            tp_size=get_tp_size(),
+            log=self.rank == 0,
         )
+
+    def graph_reserve_bytes(self) -> int:
+        """The step graph's device memory, reserved before the cache is sized (it is built
+        after): the CUDA graphs' pool where they will be captured, else 0."""
+        return self._graph_type.reserve_bytes(self.step_graph_config())
 
     @torch.inference_mode()
     def _profile_step(self) -> torch.Tensor:
@@ -412,7 +413,7 @@ class ModelRunner:
     def _log_graph_pool(self) -> None:
         """The captured graphs' measured pool against what the KV budget reserved for it."""
         graph, reserve = self._step_graph, self._graph_reserve
-        if not isinstance(graph, CudaGraphRunner) or reserve is None or self.rank != 0:
+        if graph is None or reserve is None or self.rank != 0:  # reserved on CUDA only
             return
         measured = graph.graph_bytes
         if measured > reserve:
@@ -429,22 +430,10 @@ class ModelRunner:
                 reserve / 2**20,
             )
 
-    def _build_step_graph(self) -> DecodePlan | CudaGraphRunner | None:
-        if self.device.type == "cpu":
-            return DecodePlan.build(self.model)
-        if self._step_graph is not None:  # a re-bound cache: the old graphs read the old one
+    def _build_step_graph(self) -> StepGraph | None:
+        if self._step_graph is not None:  # a re-bound cache: the old graph reads the old one
             self._step_graph.close()
-        return CudaGraphRunner.build(
-            self.model,
-            self.attn_backend,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            device=self.device,
-            enforce_eager=self.config.model.enforce_eager,
-            tp_size=get_tp_size(),
-            log=self.rank == 0,
-        )
+        return self._graph_type.build(self.model, self.step_graph_config())
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -646,23 +635,28 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The step graph's output where it takes this step, else the eager forward's.
         fed: (rows, device values) of input ids that are placeholders (async scheduling)."""
+        step = StepInputs(ids, positions, common, fed)
         graph = self._step_graph
-        if isinstance(graph, CudaGraphRunner):  # host inputs go straight to its static buffers
-            hidden = graph.run(ids, positions, common, fed)
+        if graph is not None:  # a graph without eager_inputs fills static buffers of its own
+            if graph.eager_inputs:
+                self._eager_inputs(step)
+            hidden = graph.run(step)
             if hidden is not None:
                 return hidden
-            graph = None
-        meta = self.attn_backend.build_metadata(common)
+        if step.input_ids is None:
+            self._eager_inputs(step)
+        return self.model(step.input_ids, step.position_ids, step.attn_metadata)
+
+    def _eager_inputs(self, step: StepInputs) -> None:
+        """The eager forward's tensors for the step: ids and positions on the device, the
+        backend's metadata."""
+        step.attn_metadata = self.attn_backend.build_metadata(step.common)
         if self.device.type == "cpu":
-            input_ids = torch.tensor(ids, dtype=torch.long)
-            pos = torch.tensor(positions, dtype=torch.long)
+            input_ids = torch.tensor(step.ids, dtype=torch.long)
+            pos = torch.tensor(step.positions, dtype=torch.long)
         else:  # a blocking host-to-device copy would wait for the device's queue
-            input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-            pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        if fed is not None:  # the last step's ids, without a trip through the host
-            input_ids.index_copy_(0, *fed)
-        if graph is not None:
-            hidden = graph.run(input_ids, pos, meta)
-            if hidden is not None:
-                return hidden
-        return self.model(input_ids, pos, meta)
+            input_ids = torch.tensor(step.ids, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = torch.tensor(step.positions, dtype=torch.long).to(self.device, non_blocking=True)
+        if step.fed is not None:  # the last step's ids, without a trip through the host
+            input_ids.index_copy_(0, *step.fed)
+        step.input_ids, step.position_ids = input_ids, pos

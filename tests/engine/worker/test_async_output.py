@@ -25,6 +25,7 @@ from engine.worker.async_output import (
 from engine.worker.cuda_graph import CudaGraphRunner, EagerReplay
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step_graph import StepInputs
 from tests.engine.worker.test_no_host_sync import NoHostSync
 
 BLOCK = 8
@@ -64,10 +65,10 @@ def test_placeholders_are_fed_from_the_device_without_sync(runner) -> None:
     graphs = CudaGraphRunner(runner.model, runner.attn_backend, (1, 2, 4), 16, EagerReplay(), "cpu")
     graphs.capture_all()
     with torch.inference_mode():
-        want = graphs.run(true_ids, positions, common).clone()
+        want = graphs.run(StepInputs(true_ids, positions, common)).clone()
         with NoHostSync():
             fed = prev.feed(ids, last_row, torch.device("cpu"))
-            got = graphs.run(ids, positions, common, fed)
+            got = graphs.run(StepInputs(ids, positions, common, fed))
     assert fed is not None and fed[0].tolist() == [0, 2] and fed[1].tolist() == [17, 99]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert prev.feed([1, 2, 3], last_row, torch.device("cpu")) is None  # nothing pending

@@ -5,6 +5,7 @@ again over the same static buffers), padded steps against unpadded eager ones; o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -25,6 +26,7 @@ from engine.worker.cuda_graph import (
     pad_decode_metadata,
 )
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step_graph import StepInputs
 
 BLOCK = 8
 MAX_LEN = 128
@@ -127,7 +129,7 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
             written = [c[:, 1:].clone() for c in runner.kv_caches]
             for cache, old in zip(runner.kv_caches, before, strict=True):
                 cache[:, 1:] = old  # undo: the graph step must write the same values itself
-            hidden = graphs.run(ids, positions, common)
+            hidden = graphs.run(StepInputs(ids, positions, common))
             assert hidden is not None and hidden.shape == eager.shape
             torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
             assert torch.equal(
@@ -141,9 +143,9 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
     assert graphs.runs == {1: 1, 4: 1, 8: 3}
     # A step with a prefill chunk and one above the ladder are left to the eager forward.
     ids, positions, seqs = _decode_step(rng, 9, runner.num_blocks)
-    assert graphs.run(ids, positions, common_metadata_from_seqs(seqs, BLOCK)) is None
+    assert graphs.run(StepInputs(ids, positions, common_metadata_from_seqs(seqs, BLOCK))) is None
     mixed = common_metadata_from_seqs([*seqs[:2], (0, 3, [60])], BLOCK)
-    assert graphs.run([*ids[:2], 1, 2, 3], [*positions[:2], 0, 1, 2], mixed) is None
+    assert graphs.run(StepInputs([*ids[:2], 1, 2, 3], [*positions[:2], 0, 1, 2], mixed)) is None
 
 
 def test_engine_greedy_output_through_the_graph_runner(tiny_llama_dir) -> None:
@@ -174,14 +176,9 @@ def test_engine_greedy_output_through_the_graph_runner(tiny_llama_dir) -> None:
 def test_no_graphs_off_cuda_or_under_enforce_eager(tiny_llama_dir) -> None:
     runner = _runner(tiny_llama_dir, enforce_eager=True)
     assert not isinstance(runner._step_graph, CudaGraphRunner)
-    kw = dict(max_num_seqs=8, max_model_len=MAX_LEN, block_size=BLOCK, tp_size=1)
-    cpu = torch.device("cpu")
-    assert (
-        CudaGraphRunner.build(
-            runner.model, runner.attn_backend, device=cpu, enforce_eager=False, **kw
-        )
-        is None
-    )
+    config = dataclasses.replace(runner.step_graph_config(), enforce_eager=False)
+    assert config.device == torch.device("cpu") and config.tp_size == 1
+    assert CudaGraphRunner.build(runner.model, config) is None
     assert not runner.attn_backend.cuda_graph_capturable  # the CPU's C kernels
 
 
@@ -227,7 +224,7 @@ def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
             dev = torch.device("cuda")
             ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
             eager = runner.model(ids_t, pos_t, meta)
-            hidden = graphs.run(ids, positions, common)
+            hidden = graphs.run(StepInputs(ids, positions, common))
             assert hidden is not None
             torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
             assert torch.equal(

@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graph import CudaGraphRunner, EagerReplay
 from engine.worker.input_batch import CachedRequestState, SamplingTensors
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step_graph import StepInputs
 
 aten = torch.ops.aten
 BLOCK = 8
@@ -156,7 +157,7 @@ def test_forward_and_graph_step_have_no_host_sync(runner) -> None:
     graphs.capture_all()
     decodes = common_metadata_from_seqs(seqs[:3], BLOCK)
     with torch.inference_mode(), NoHostSync():
-        assert graphs.run(ids[:3].tolist(), [2, 8, 29], decodes) is not None
+        assert graphs.run(StepInputs(ids[:3].tolist(), [2, 8, 29], decodes)) is not None
     assert graphs.runs == {4: 1}
 
 

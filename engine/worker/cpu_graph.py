@@ -11,15 +11,15 @@ the HTTP thread's per-token work; now it does once a step (Zen 4, w4a8 + int8 KV
 stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
 Three kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the
-4-bit copies (`--quantization w4a8`, engine.layers.cpu_w4, or a GGUF file's Q4_0/Q4_1 blocks
+4-bit copies (`--quantization w4a8`, engine.kernels.cpu.w4, or a GGUF file's Q4_0/Q4_1 blocks
 as the same tiles: `--quantization gguf`, the CPU's default for a .gguf model; every batch of
 those tiles on a CPU with AVX2 but no AVX-512, whose w4 kernel takes any number of rows, or
 with AVX512-VNNI and no AMX, whose batch kernel takes them above 12 rows); W4_AMX, a GGUF's
-tiles above 12 rows on a CPU with AMX, up to the AMX w4 rows (engine.layers.cpu_amx: the
+tiles above 12 rows on a CPU with AMX, up to the AMX w4 rows (engine.kernels.cpu.amx_bf16: the
 tiles decoded into AMX-bf16 GEMMs, gate_up with SiLU-and-mul in its epilogue; SmolLM2-135M
 on two Xeon cores: 16 / 32 / 128-row steps 0.71 / 0.76 / 0.87x the modules' time); W8A8,
 13-1,024 rows on int8 activations and the packed int8 GEMM (w8a8 and w4a8,
-engine.layers.cpu_w8a8); where that GEMM runs on AMX tiles the boundary is 8 rows
+engine.kernels.cpu.w8a8); where that GEMM runs on AMX tiles the boundary is 8 rows
 (w8a8.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
 rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
 attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it

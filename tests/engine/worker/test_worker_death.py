@@ -18,6 +18,7 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError
+from engine.protocol import EngineRequest
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,7 @@ async def test_worker_killed_during_a_long_generate(tiny_llama_dir):
         seen = 0
         t0 = None
         with pytest.raises(EngineDeadError, match=DIED):
-            async for out in engine.generate("long", list(range(10, 20)), params):
+            async for out in engine.generate(EngineRequest("long", list(range(10, 20)), params)):
                 seen = len(out.outputs[0].token_ids)
                 if t0 is None and seen >= 3:  # mid-run: the steps go on around the kill
                     os.kill(pids[0], signal.SIGKILL)
@@ -116,7 +117,7 @@ async def test_worker_killed_during_a_long_generate(tiny_llama_dir):
         assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError)
         t1 = time.monotonic()
         with pytest.raises(EngineDeadError, match=DIED):
-            async for _ in engine.generate("after", [1, 2, 3], params):
+            async for _ in engine.generate(EngineRequest("after", [1, 2, 3], params)):
                 pass
         assert time.monotonic() - t1 < 1.0
         assert _live_workers(pids) == []

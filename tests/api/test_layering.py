@@ -7,53 +7,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.engine.test_imports import _cycle, _imports, _is_type_checking  # noqa: F401
+from tests.engine.test_imports import _cycle, _imports, _module_name
 
 ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "api"
 DOMAINS = ("openai", "keys", "tenants", "quotas", "usage", "admin", "db")
 
 
-def _name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def _graph(roots: tuple[str, ...] = ("api", "console")) -> dict[str, set[str]]:
-    files = {_name(p): p for r in roots for p in (ROOT / r).rglob("*.py")}
-    modules = set(files)
+    """Module -> the modules of `roots` it imports (test_imports' reading of a file: lazy
+    imports count, TYPE_CHECKING ones do not; a package's own submodules left out)."""
+    files = {_module_name(p): p for r in roots for p in (ROOT / r).rglob("*.py")}
     graph = {}
     for name, path in files.items():
-        deps = _imports_any(path, name, modules)
+        deps = _imports(path, set(files))
         graph[name] = {d for d in deps if not name.startswith(d + ".")}
     return graph
-
-
-def _imports_any(path: Path, name: str, modules: set[str]) -> set[str]:
-    import ast
-
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for other in child.orelse:
-                    visit(other)
-                continue
-            if isinstance(child, ast.Import):
-                found.update(a.name for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
-                    base = ".".join([*up, base] if base else up)
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in child.names)
-            visit(child)
-
-    visit(ast.parse(path.read_text(), filename=str(path)))
-    return {m for m in found if m in modules and m != name}
 
 
 def test_api_never_imports_console():

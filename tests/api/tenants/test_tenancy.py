@@ -44,5 +44,5 @@ def test_the_tighter_timeout_wins_and_becomes_a_deadline():
     assert request_timeout(key("a"), 30.0) == 30.0
     assert request_timeout(key("a", request_timeout=5.0), 30.0) == 5.0
     t = engine_tenancy(key("a", tenant_weight=2.0), SECRET, None, 100.0, 30.0)
-    assert (t.tenant, t.tenant_weight, t.deadline, t.priority) == ("a", 2.0, 130.0, 0)
+    assert (t.tenant, t.weight, t.deadline, t.priority) == ("a", 2.0, 130.0, 0)
     assert engine_tenancy(STATIC, SECRET, None, 100.0, None).tenant is None

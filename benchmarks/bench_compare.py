@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
         tessera_model = gguf = str(Path(args.model).resolve())
     if args.baseline_tree is not None:
         tree = Path(args.baseline_tree).resolve()
-        if not (tree / "api" / "cli.py").is_file():
+        # `python -m api.cli` serves from either layout: api/cli.py, or api/cli/ (from 2026-12-06)
+        if not any((tree / "api" / f).is_file() for f in ("cli.py", "cli/__main__.py")):
             parser.error(f"--baseline-tree must be a Tessera checkout, got {args.baseline_tree}")
         args.baseline_tree = str(tree)
     if "llamacpp" in args.servers:

@@ -98,7 +98,7 @@ class WorkerPool:
     def start(self, tokenizer: Any) -> None:
         """Start the worker processes with a copy of `tokenizer` (the engine's, once loaded).
         Returns at once: the processes start in the background, each announcing itself."""
-        if tokenizer is None or (self._processes is not None and tokenizer is self.tokenizer):
+        if tokenizer is None or tokenizer is self.tokenizer:  # started (or refused) already
             return
         self.tokenizer = tokenizer
         try:

@@ -116,7 +116,7 @@ class OpenAIController(Controller):
             engine.max_model_len,
             engine.tokenizer.max_token_chars,
         )
-        pool = _pool(request, engine)
+        pool = _pool(request)
         prompt = await chat_prompt(
             pool,
             data.messages,
@@ -177,7 +177,7 @@ class OpenAIController(Controller):
             data.prompt,
             engine.tokenizer,
             server.settings.max_prompts_per_request,
-            _pool(request, engine),
+            _pool(request),
             max_tokens,
             engine.max_model_len,
         )
@@ -241,7 +241,7 @@ class OpenAIController(Controller):
             check_model(data.model, engine)
         if (data.prompt is None) == (data.messages is None):
             raise invalid_request("Give exactly one of prompt and messages.", "prompt")
-        pool = _pool(request, engine)
+        pool = _pool(request)
         if data.prompt is not None:
             ids = await pool.tokenizer_call(
                 len(data.prompt), encode_text, data.prompt, data.add_special_tokens
@@ -292,12 +292,10 @@ async def _ticket(
     return ticket
 
 
-def _pool(request: Request, engine: EngineClient) -> WorkerPool:
+def _pool(request: Request) -> WorkerPool:
     """The bounded worker pool for CPU-heavy request steps (api/server/offload.py), holding the
-    engine's tokenizer (started with it when the engine became ready)."""
-    pool: WorkerPool = request.app.state.cpu_pool
-    pool.start(engine.tokenizer)  # a no-op once started with this tokenizer
-    return pool
+    engine's tokenizer (the app started it when the engine became ready)."""
+    return request.app.state.cpu_pool
 
 
 async def _admit(

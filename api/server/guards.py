@@ -40,7 +40,14 @@ async def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> No
     header = connection.headers.get("authorization")
     auth = _authenticator(connection)
     throttle = api_throttle_of(connection.app)
-    if throttle is None or auth.mode == "none" or not header or not auth.has_admin_token:
+    token = _bearer_token(header) if header else None
+    if (
+        throttle is None
+        or auth.mode == "none"
+        or not auth.has_admin_token
+        or token is None
+        or key_shaped(token)  # a database key (most requests): no throttle work at all
+    ):
         connection.state[PRINCIPAL_STATE_KEY] = await auth.authenticate(header)
         return
     client = client_address(connection)
@@ -48,9 +55,7 @@ async def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> No
     try:
         principal = await auth.authenticate(header, admin=locked <= 0)
     except APIError as exc:
-        token = _bearer_token(header)
-        guess = exc.status_code == 401 and token is not None and not key_shaped(token)
-        if guess and locked <= 0:
+        if exc.status_code == 401 and locked <= 0:
             throttle.failure(client, "api")
         raise
     if principal.is_admin:

@@ -25,7 +25,7 @@ from typing import Any
 
 from api.openai.structured import compile_or_400
 from api.openai.tools import PARSERS, EnvelopeParser, ToolStreamer, resolve_parser
-from api.server.errors import invalid_request
+from api.server.errors import APIError, invalid_request
 from engine.protocol import EngineClient
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_output.schema_refs import check_schema_refs
@@ -208,15 +208,19 @@ async def constrain(
             "with response_format or structured outputs.",
             "tool_choice",
         )
-    _check_parameters(plan)
     so = StructuredOutputsParams(json=envelope_schema(plan))
-    await compile_or_400(engine, so, "tools")
+    try:
+        await compile_or_400(engine, so, "tools")  # cached after the first request
+    except APIError:
+        _check_parameters(plan)  # a $ref problem, named in the tool's own schema
+        raise
     return dataclasses.replace(params, structured_outputs=so)
 
 
 def _check_parameters(plan: ToolPlan) -> None:
     """A $ref cycle or a dangling $ref in a function's parameters, named in that schema's
-    own pointers (the envelope moves its $defs): a 400 naming the tool."""
+    own pointers (the envelope moves its $defs): a 400 naming the tool. Only once the
+    envelope failed to compile: the compile checks the same, cached per schema."""
     for i, (name, spec) in enumerate(plan.functions.items()):
         if plan.choice == "named" and name != plan.named:
             continue

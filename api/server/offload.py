@@ -89,7 +89,6 @@ class WorkerPool:
         self._processes: ProcessPoolExecutor | None = None
         self._tokenizer_pickle: bytes | None = None
         self._slots: asyncio.Semaphore | None = None  # made in the loop that uses it
-        self.offloaded = 0  # steps that left the event loop (tests, metrics)
         # Steps run, by name -> (count, CPU seconds): /metrics' tessera:preprocess_* families.
         self.steps: dict[str, list[float]] = {}
 
@@ -172,7 +171,6 @@ class WorkerPool:
             self._slots = asyncio.Semaphore(self.workers)
         step = step or fn
         async with self._slots:
-            self.offloaded += 1
             loop = asyncio.get_running_loop()
             for attempt in (1, 2):
                 executor: Executor = self._processes or self._threads

@@ -127,7 +127,12 @@ def kib(key):
 base, base_anon = kib("VmRSS:"), kib("RssAnon:")
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-llm = LLM(sys.argv[1], num_blocks=32, max_model_len=256)
+try:  # EngineArgs' name; a baseline tree from before it says num_blocks
+    import engine.args
+    blocks = {"num_kv_blocks": 32}
+except ImportError:
+    blocks = {"num_blocks": 32}
+llm = LLM(sys.argv[1], max_model_len=256, **blocks)
 rss, peak, anon = kib("VmRSS:"), kib("VmHWM:"), kib("RssAnon:")
 out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 model = llm.engine.executor.runner.model

@@ -526,7 +526,6 @@ def make_rig(
 
     if backend not in BACKENDS:
         return None, "not available", "not in engine.attention.backends.BACKENDS on this branch"
-    from engine.config import EngineConfig
     from engine.worker.model_runner import ModelRunner
 
     p = chk.plan
@@ -550,15 +549,27 @@ def make_rig(
         attention_backend=backend,
         kv_cache_dtype=kv_cache_dtype,
         block_size=p.block_size,
-        num_blocks=num_blocks,
+        num_kv_blocks=num_blocks,
         max_model_len=max_context,
         max_num_seqs=max(*p.check_batches, *p.bench_batches),
         enable_prefix_caching=False,
     )
-    if option_supported(EngineConfig.from_options, "enforce_eager"):
+    try:  # EngineArgs; a baseline tree from before it has EngineConfig.from_options
+        from engine.args import EngineArgs
+
         options["enforce_eager"] = True  # the rig calls the backend itself: nothing to capture
+
+        def make_config(**o):
+            return EngineArgs(**o).create_engine_config()
+    except ImportError:
+        from engine.config import EngineConfig
+
+        options["num_blocks"] = options.pop("num_kv_blocks")
+        if option_supported(EngineConfig.from_options, "enforce_eager"):
+            options["enforce_eager"] = True
+        make_config = EngineConfig.from_options
     try:
-        config = EngineConfig.from_options(**options)
+        config = make_config(**options)
         runner = ModelRunner(config, model_dir=folder, rank=0)
         runner.load_model()
         runner.init_kv_cache(num_blocks)

@@ -1,10 +1,11 @@
 """Tessera's engine: paged KV cache, continuous batching, Llama-family model runner.
 
-Public API: LLM (offline), LLMEngine, AsyncEngine, EngineConfig, SamplingParams,
-StructuredOutputsParams.
+Public API: LLM (offline), LLMEngine, AsyncEngine, EngineArgs (every option, written once),
+EngineConfig, SamplingParams, StructuredOutputsParams.
 The engine never imports the web layer (api/, console/).
 """
 
+from engine.args import EngineArgs
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -14,6 +15,7 @@ __all__ = [
     "AsyncEngine",
     "CacheConfig",
     "CompletionOutput",
+    "EngineArgs",
     "EngineConfig",
     "LLMEngine",
     "ModelConfig",

@@ -13,6 +13,8 @@ from engine.core.request_queue import POLICIES
 from engine.layers.quantization import QUANTIZATION_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
 # --kv-cache-dtype's values: KV_CACHE_DTYPE_CHOICES, the KV cache specs' registry
 # (engine.attention.kv_spec), imported above; CacheConfig.kv_cache_dtype says what each stores.
 
@@ -144,12 +146,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(
-            self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+            self.dtype in DTYPE_CHOICES,
             f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",
         )
         _check(
-            self.load_format in ("auto", "safetensors", "gguf", "dummy"),
-            f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}",
+            self.load_format in LOAD_FORMAT_CHOICES,
+            f"load_format must be one of {', '.join(LOAD_FORMAT_CHOICES)}; "
+            f"got {self.load_format!r}",
         )
         _check(
             self.quantization in (None, *QUANTIZATION_CHOICES),
@@ -188,6 +191,10 @@ class EngineConfig:
             self.scheduler.block_size == self.cache.block_size,
             "scheduler.block_size must equal cache.block_size",
         )
+        _check(
+            self.max_num_queued_requests is None or self.max_num_queued_requests >= 0,
+            f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}",
+        )
         if self.cache.kv_cache_dtype == "fp8":
             backend, device = self.model.attention_backend, self.model.device
             _check(
@@ -195,76 +202,3 @@ class EngineConfig:
                 "kv_cache_dtype fp8 needs the triton attention backend on a CUDA device; got "
                 f"attention_backend {backend!r} on device {device!r} (use int8 on the CPU)",
             )
-
-    @classmethod
-    def from_options(
-        cls,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        load_format: str = "auto",
-        quantization: str | None = None,
-        seed: int = 0,
-        device: str = "auto",
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        kv_cache_dtype: str = "auto",
-        enable_chunked_prefill: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        policy: str = "fcfs",
-        async_scheduling: bool | None = None,
-        tensor_parallel_size: int = 1,
-        frontend_threads: int | None = 0,
-        collective_timeout_s: float = 300.0,
-        served_model_name: str | None = None,
-        max_num_queued_requests: int | None = None,
-    ) -> EngineConfig:
-        """The config from the flat options users know (vLLM's names): LLM(...) and
-        `tessera serve` both build theirs here."""
-        return cls(
-            model=ModelConfig(
-                model=model or DEFAULT_MODEL,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                load_format=load_format,
-                quantization=quantization,
-                seed=seed,
-                device=device,
-                attention_backend=attention_backend,
-                enforce_eager=enforce_eager,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                # Replaced by the resolved model length once the model's config is read.
-                max_model_len=max(max_model_len or max_num_batched_tokens, 1),
-                enable_chunked_prefill=enable_chunked_prefill,
-                block_size=block_size,
-                policy=policy,
-                async_scheduling=async_scheduling,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                frontend_threads=frontend_threads,
-                collective_timeout_s=collective_timeout_s,
-            ),
-            served_model_name=served_model_name,
-            max_num_queued_requests=max_num_queued_requests,
-        )

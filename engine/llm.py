@@ -7,12 +7,14 @@ outs = llm.generate(["Hello", "Paris is"], SamplingParams(max_tokens=32, tempera
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
+from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -22,56 +24,14 @@ Message = dict[str, object]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_dtype: str = "auto",
-        enable_chunked_prefill: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        tensor_parallel_size: int = 1,
-        collective_timeout_s: float = 300.0,
-        seed: int = 0,
-        device: str = "auto",
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        load_format: str = "auto",
-        quantization: str | None = None,
-        tokenizer: str | None = None,
-        policy: str = "fcfs",
-        async_scheduling: bool | None = None,
-    ) -> None:
-        config = EngineConfig.from_options(
-            model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            load_format=load_format,
-            quantization=quantization,
-            seed=seed,
-            device=device,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            policy=policy,
-            async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size,
-            collective_timeout_s=collective_timeout_s,
-        )
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """`options`: EngineArgs' fields (engine.args: each with its help), vLLM's names."""
+        try:
+            args = EngineArgs(model=model, **options)
+        except TypeError as e:  # an unknown keyword: say which names exist
+            known = ", ".join(f.name for f in dataclasses.fields(EngineArgs))
+            raise TypeError(f"{e}; LLM takes: {known}") from None
+        config = args.create_engine_config()
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -119,11 +119,11 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from api.server.settings import Settings, to_engine_config
+    from api.server.settings import Settings
 
     try:
         settings = Settings.from_args(args)
-        to_engine_config(settings)  # fail on bad engine settings before anything starts
+        settings.create_engine_config()  # fail on bad engine settings before anything starts
     except ValueError as e:
         parser.error(str(e))
     return serve(settings)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from api.server.errors import unavailable
-from api.server.settings import Settings, to_engine_config
+from api.server.settings import Settings
 from engine.protocol import EngineClient
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class ServerState:
         try:
             from engine.async_engine import AsyncEngine  # heavy (torch): only when serving
 
-            engine = await AsyncEngine.create(to_engine_config(self.settings))
+            engine = await AsyncEngine.create(self.settings.create_engine_config())
         except Exception as exc:  # noqa: BLE001 - any load failure ends the server
             logger.exception("The engine failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"

@@ -47,7 +47,7 @@ from engine.core.fair import TenantCounters, fair_victim, seat_victim, tenant_of
 from engine.core.forking import child_id, fork_samples, seats
 from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
 from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
-from engine.core.stop import check_stop
+from engine.core.stop import check_stop, reaches_length
 from engine.outputs import (
     ModelRunnerOutput,
     NewRequestData,
@@ -421,11 +421,7 @@ class Scheduler:
 
     def _ends_on_placeholder(self, request: Request) -> bool:
         """Whether a request's pending token is its last by length (async scheduling)."""
-        num_output = len(request.output_token_ids) + request.num_output_placeholders
-        max_tokens = request.sampling_params.max_tokens
-        return (max_tokens is not None and num_output >= max_tokens) or (
-            len(request.all_token_ids) + request.num_output_placeholders >= self.max_model_len
-        )
+        return reaches_length(request, self.max_model_len, request.num_output_placeholders)
 
     def _pick_victim(self) -> int:
         running = self.running

@@ -26,9 +26,17 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         failed = request.grammar.failed()
         request.status = RequestStatus.FINISHED_ERROR if failed else RequestStatus.FINISHED_STOPPED
         return True
-    if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
-        request.all_token_ids
-    ) >= max_model_len:
+    if reaches_length(request, max_model_len):
         request.status = RequestStatus.FINISHED_LENGTH
         return True
     return False
+
+
+def reaches_length(request: Request, max_model_len: int, pending: int = 0) -> bool:
+    """Whether the request has its last token by length: max_tokens outputs, or the context
+    full. pending: tokens sampled but not yet seen (async scheduling's placeholders)."""
+    max_tokens = request.sampling_params.max_tokens
+    num_output = len(request.output_token_ids) + pending
+    return (max_tokens is not None and num_output >= max_tokens) or (
+        len(request.all_token_ids) + pending >= max_model_len
+    )

@@ -96,7 +96,7 @@ def run(model_dir, workload, async_scheduling: bool, **kwargs):
     "kwargs",
     [
         dict(),  # prefix caching on, one step for all
-        dict(num_blocks=9, max_model_len=128, max_num_batched_tokens=32),  # preempts, chunks
+        dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32),  # preempts, chunks
     ],
     ids=["default", "preemption-chunked"],
 )

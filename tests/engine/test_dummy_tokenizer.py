@@ -28,7 +28,9 @@ def test_dummy_serves_from_config_json_alone(tiny_llama_dir, tmp_path) -> None:
     with pytest.raises(ValueError, match="no \\*.safetensors") as exc:
         resolve_model(str(tmp_path))
     assert "load_format 'dummy'" in str(exc.value)
-    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_blocks=64, max_model_len=128)
+    llm = LLM(
+        str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=64, max_model_len=128
+    )
     try:
         out = llm.generate("Hi", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 4

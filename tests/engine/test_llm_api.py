@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
     yield llm
     llm.shutdown()
 

@@ -74,7 +74,7 @@ def reference(tiny_llama_dir):
         ("prefix-caching", dict(enable_prefix_caching=True)),
         ("no-prefix-caching", dict(enable_prefix_caching=False)),
         ("chunked-prefill", dict(max_num_batched_tokens=16)),
-        ("preemption", dict(num_blocks=9, max_model_len=128, max_num_batched_tokens=64)),
+        ("preemption", dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=64)),
         ("one-seq-at-a-time", dict(max_num_seqs=1)),
     ],
 )

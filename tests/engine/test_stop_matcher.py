@@ -151,7 +151,7 @@ def test_max_stop_set_beside_a_normal_request(tiny_llama_dir) -> None:
     and a 4-token request beside it finishes in the same number of steps as alone."""
     from engine import LLM
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
     try:
         engine = llm.engine
         normal = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 
 from api.server.access import Access
 from api.server.bootstrap import load_or_create_admin_token
-from api.server.settings import Settings, to_engine_config
+from api.server.settings import Settings
 
 
 def settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
@@ -47,13 +47,13 @@ def test_data_dir_defaults_agree_with_the_db_commands(monkeypatch, tmp_path):
 
 def test_scheduling_policy_reaches_the_engine_config():
     # fair where API keys tell tenants apart, fcfs on an open server; a flag always wins.
-    assert to_engine_config(settings([])).scheduler.policy == "fair"
-    assert to_engine_config(settings(["--api-key", "k"])).scheduler.policy == "fair"
-    assert to_engine_config(settings(["--auth", "none"])).scheduler.policy == "fcfs"
+    assert settings([]).create_engine_config().scheduler.policy == "fair"
+    assert settings(["--api-key", "k"]).create_engine_config().scheduler.policy == "fair"
+    assert settings(["--auth", "none"]).create_engine_config().scheduler.policy == "fcfs"
     s = settings(["--scheduling-policy", "priority"])
-    assert to_engine_config(s).scheduler.policy == "priority"
+    assert s.create_engine_config().scheduler.policy == "priority"
     s = settings(["--auth", "none"], {"TESSERA_SCHEDULING_POLICY": "fair"})
-    assert to_engine_config(s).scheduler.policy == "fair"
+    assert s.create_engine_config().scheduler.policy == "fair"
 
 
 def test_request_timeout_is_positive_seconds_or_none():

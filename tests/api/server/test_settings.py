@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 
 from api.cli.main import build_parser, main
-from api.server.settings import (
-    Settings,
-    default_max_num_batched_tokens,
-    parse_bytes,
-    to_engine_config,
-)
+from api.server.settings import Settings
+from engine.args import default_max_num_batched_tokens
 from engine.config import DEFAULT_MODEL
+from engine.options import parse_bytes
 
 
 def settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
@@ -121,7 +118,7 @@ def test_model_given_twice_is_refused():
         settings(["a", "--model", "b"])
 
 
-def test_to_engine_config():
+def test_create_engine_config():
     s = settings(
         [
             "m",
@@ -151,14 +148,14 @@ def test_to_engine_config():
             "int8",
         ]
     )
-    c = to_engine_config(s)
+    c = s.create_engine_config()
     assert c.model.model == "m" and c.model.dtype == "float32" and c.model.seed == 3
     assert c.model.load_format == "dummy" and c.model.max_model_len == 1024
     assert c.cache.block_size == 32 and c.cache.num_blocks == 100
     assert c.cache.kv_cache_dtype == "int8"
-    assert to_engine_config(settings(["m"])).cache.kv_cache_dtype == "auto"
+    assert settings(["m"]).create_engine_config().cache.kv_cache_dtype == "auto"
     assert (
-        to_engine_config(settings([], {"TESSERA_KV_CACHE_DTYPE": "int8"})).cache.kv_cache_dtype
+        settings([], {"TESSERA_KV_CACHE_DTYPE": "int8"}).create_engine_config().cache.kv_cache_dtype
         == "int8"
     )
     assert c.scheduler.block_size == 32 and c.scheduler.max_model_len == 1024
@@ -192,47 +189,49 @@ def test_cli_bench_unknown_name(capsys):
 def test_step_token_budget_defaults_by_device():
     """--max-num-batched-tokens: 1024 on CPU (measured best on 2 cores), 2048 on a GPU; a
     given value wins."""
-    cpu = to_engine_config(settings(["m", "--device", "cpu"]))
+    cpu = settings(["m", "--device", "cpu"]).create_engine_config()
     assert cpu.scheduler.max_num_batched_tokens == 1024
     gpu_settings = settings(["m", "--device", "cuda"])
     assert gpu_settings.max_num_batched_tokens is None
     assert default_max_num_batched_tokens("cuda") == 2048
-    given = to_engine_config(settings(["m", "--device", "cpu", "--max-num-batched-tokens", "64"]))
+    given = settings(
+        ["m", "--device", "cpu", "--max-num-batched-tokens", "64"]
+    ).create_engine_config()
     assert given.scheduler.max_num_batched_tokens == 64
     env = settings(["m"], {"TESSERA_MAX_NUM_BATCHED_TOKENS": "4096"})
     assert env.max_num_batched_tokens == 4096
 
 
 def test_attention_backend_flag_reaches_the_engine_config():
-    assert to_engine_config(settings(["m"])).model.attention_backend == "auto"
-    c = to_engine_config(settings(["m", "--attention-backend", "torch"]))
+    assert settings(["m"]).create_engine_config().model.attention_backend == "auto"
+    c = settings(["m", "--attention-backend", "torch"]).create_engine_config()
     assert c.model.attention_backend == "torch"
     env = {"TESSERA_ATTENTION_BACKEND": "cpu"}
-    assert to_engine_config(settings([], env)).model.attention_backend == "cpu"
-    c = to_engine_config(
-        settings(["m", "--attention-backend", "triton", "--kv-cache-dtype", "fp8"])
-    )
+    assert settings([], env).create_engine_config().model.attention_backend == "cpu"
+    c = settings(
+        ["m", "--attention-backend", "triton", "--kv-cache-dtype", "fp8"]
+    ).create_engine_config()
     assert (c.model.attention_backend, c.cache.kv_cache_dtype) == ("triton", "fp8")
     with pytest.raises(SystemExit):  # argparse refuses a name that is not a backend
         settings(["--attention-backend", "flash"])
 
 
 def test_async_scheduling_flag_reaches_the_engine_config():
-    assert to_engine_config(settings(["m"])).scheduler.async_scheduling is None  # auto
-    on = to_engine_config(settings(["m", "--async-scheduling"]))
+    assert settings(["m"]).create_engine_config().scheduler.async_scheduling is None  # auto
+    on = settings(["m", "--async-scheduling"]).create_engine_config()
     assert on.scheduler.async_scheduling is True
-    off = to_engine_config(settings(["m", "--no-async-scheduling"]))
+    off = settings(["m", "--no-async-scheduling"]).create_engine_config()
     assert off.scheduler.async_scheduling is False
     env = {"TESSERA_ASYNC_SCHEDULING": "0"}
-    assert to_engine_config(settings([], env)).scheduler.async_scheduling is False
+    assert settings([], env).create_engine_config().scheduler.async_scheduling is False
 
 
 def test_enforce_eager_flag_reaches_the_engine_config():
-    assert to_engine_config(settings(["m"])).model.enforce_eager is False
-    assert to_engine_config(settings(["m", "--enforce-eager"])).model.enforce_eager is True
-    assert to_engine_config(settings(["m", "--no-enforce-eager"])).model.enforce_eager is False
+    assert settings(["m"]).create_engine_config().model.enforce_eager is False
+    assert settings(["m", "--enforce-eager"]).create_engine_config().model.enforce_eager is True
+    assert settings(["m", "--no-enforce-eager"]).create_engine_config().model.enforce_eager is False
     env = {"TESSERA_ENFORCE_EAGER": "1"}
-    assert to_engine_config(settings([], env)).model.enforce_eager is True
+    assert settings([], env).create_engine_config().model.enforce_eager is True
 
 
 def test_metrics_privacy_and_login_lockout_settings():

@@ -176,7 +176,7 @@ def test_engine_with_an_int8_cache(tiny_llama_dir):
     (copied blocks carry their scales) give the cold run's greedy tokens, and the greedy
     output stays close to the float cache's."""
     from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
+    from engine.args import EngineArgs
 
     budget = 4 * 2**20
     base = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=budget)
@@ -209,4 +209,4 @@ def test_engine_with_an_int8_cache(tiny_llama_dir):
     base.shutdown()
     llm.shutdown()
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, int8 or fp8"):
-        EngineConfig.from_options(kv_cache_dtype="fp4")
+        EngineArgs(kv_cache_dtype="fp4").create_engine_config()

@@ -231,7 +231,7 @@ def test_file_blocks_answer_paris(default_model_dir):
 def _default_llm(**kw):
     from engine import LLM
 
-    return LLM(max_model_len=256, num_blocks=64, enable_prefix_caching=False, **kw)
+    return LLM(max_model_len=256, num_kv_blocks=64, enable_prefix_caching=False, **kw)
 
 
 def test_default_settings_serve_the_file_as_w4_tiles_and_none_dequantizes(monkeypatch):

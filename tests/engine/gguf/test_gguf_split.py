@@ -84,7 +84,7 @@ def test_a_split_model_serves_like_the_whole_file(split_model, tmp_path, monkeyp
     prompt = "The capital of France is"
     outs = []
     for model in (str(default_gguf_path()), str(split_model[0])):
-        llm = LLM(model, max_model_len=256, num_blocks=64)
+        llm = LLM(model, max_model_len=256, num_kv_blocks=64)
         assert llm.engine.executor.runner.quantization == "gguf"
         outs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0])
         llm.shutdown()

@@ -157,12 +157,12 @@ def test_an_unset_quantization_serves_a_gguf_model_in_its_own_blocks_on_the_cpu(
 
 def test_none_is_a_quantization_of_the_config_and_the_cli():
     from api.server.settings import Settings
-    from engine.config import EngineConfig
+    from engine.args import EngineArgs
 
-    assert EngineConfig.from_options(quantization="none").model.quantization == "none"
-    assert EngineConfig.from_options().model.quantization is None  # unset: resolved at load
+    assert EngineArgs(quantization="none").create_engine_config().model.quantization == "none"
+    assert EngineArgs().create_engine_config().model.quantization is None  # unset: resolved at load
     with pytest.raises(ValueError, match="none, int8, w8a8, w4a8, gguf"):
-        EngineConfig.from_options(quantization="bf16")
+        EngineArgs(quantization="bf16").create_engine_config()
     settings = Settings.from_argv(["--quantization", "none"], {})
     assert settings.quantization == "none"
     assert Settings.from_argv([], {}).quantization is None

@@ -216,7 +216,7 @@ def test_int8_layers_hold_int8_weights(tiny_qwen2_dir):
     from engine import LLM, SamplingParams
     from engine.layers.linear import LinearBase
 
-    llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="int8", num_blocks=64)
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="int8", num_kv_blocks=64)
     model = llm.engine.executor.runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype == torch.int8 for m in linears)
@@ -228,7 +228,7 @@ def test_int8_layers_hold_int8_weights(tiny_qwen2_dir):
 
 
 def test_int8_is_validated():
-    from engine.config import EngineConfig
+    from engine.args import EngineArgs
 
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig.from_options(quantization="int4")
+        EngineArgs(quantization="int4").create_engine_config()

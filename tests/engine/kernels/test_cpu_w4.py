@@ -240,7 +240,7 @@ def test_w4a8_engine_generates_and_is_validated(make_tiny_model):
     # No prefix cache: a hit leaves fewer prefill rows, which takes w8a8's other path (int8
     # activations from W8A8_MIN_ROWS rows), and this random model's near-ties then flip.
     llm = LLM(
-        str(path), dtype="bfloat16", quantization="w4a8", num_blocks=64,
+        str(path), dtype="bfloat16", quantization="w4a8", num_kv_blocks=64,
         enable_prefix_caching=False,
     )  # fmt: skip
     model = llm.engine.executor.runner.model
@@ -256,4 +256,4 @@ def test_w4a8_engine_generates_and_is_validated(make_tiny_model):
     assert first == again and all(len(t) == 8 for t in first)
     llm.shutdown()
     with pytest.raises(ValueError, match="w4a8 needs a bfloat16 model"):
-        LLM(str(path), dtype="float32", quantization="w4a8", num_blocks=64)
+        LLM(str(path), dtype="float32", quantization="w4a8", num_kv_blocks=64)

@@ -119,7 +119,9 @@ def test_w8a8_layers_carry_the_packed_weight(tiny_llama_dir):
     from engine.layers.embedding import ParallelLMHead
     from engine.layers.linear import LinearBase
 
-    llm = LLM(str(tiny_llama_dir), quantization="w8a8", num_blocks=64, enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama_dir), quantization="w8a8", num_kv_blocks=64, enable_prefix_caching=False
+    )
     model = llm.engine.executor.runner.model
     mods = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     if cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is not None:
@@ -185,10 +187,10 @@ def test_layers_quantize_activations_only_from_w8a8_min_rows(tiles):
 
 def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
     from engine import LLM, SamplingParams
-    from engine.config import EngineConfig
+    from engine.args import EngineArgs
     from engine.layers.linear import LinearBase
 
-    llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="w8a8", num_blocks=64)
+    llm = LLM(str(tiny_qwen2_dir), dtype="float32", quantization="w8a8", num_kv_blocks=64)
     model = llm.engine.executor.runner.model
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert layers and all(
@@ -206,7 +208,7 @@ def test_w8a8_engine_generates_and_is_validated(tiny_qwen2_dir):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     llm.shutdown()
     with pytest.raises(ValueError, match="w8a8"):
-        EngineConfig.from_options(quantization="w4a4")
+        EngineArgs(quantization="w4a4").create_engine_config()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -339,7 +341,7 @@ def test_greedy_steps_take_the_argmax_epilogue_and_sample_the_same_tokens(
     plain = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
     with_lp = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0, logprobs=1)
 
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="w8a8", num_blocks=64)
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="w8a8", num_kv_blocks=64)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
     assert 16 in calls  # the 16-row decode steps took the epilogue
     calls.clear()

@@ -28,13 +28,13 @@ import torch
 pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from engine.args import EngineArgs
 from engine.attention import kv_fp8  # noqa: E402
 from engine.attention.backends import select_backend  # noqa: E402
 from engine.attention.backends.torch import TorchAttentionBackend  # noqa: E402
 from engine.attention.backends.triton import TritonAttentionBackend  # noqa: E402
 from engine.attention.layer import PagedAttention  # noqa: E402
 from engine.attention.metadata import PAD_SLOT_ID, common_metadata_from_seqs  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
 from engine.kernels import triton as kernels  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -387,17 +387,17 @@ def test_selection_config_and_fp8_errors():
         select_backend("auto", "cpu", torch.bfloat16, "fp8", 8, 128)
     for backend, device in (("torch", "auto"), ("cpu", "auto"), ("auto", "cpu")):
         with pytest.raises(ValueError, match="fp8 needs the triton attention backend"):
-            EngineConfig.from_options(
+            EngineArgs(
                 kv_cache_dtype="fp8", attention_backend=backend, device=device
-            )
-    config = EngineConfig.from_options(kv_cache_dtype="fp8", device="cuda")
+            ).create_engine_config()
+    config = EngineArgs(kv_cache_dtype="fp8", device="cuda").create_engine_config()
     assert config.cache.kv_cache_dtype == "fp8"
 
 
 def test_fp8_blocks_take_half_the_bytes_of_bf16(tiny_llama_dir):
     from engine.worker.model_runner import ModelRunner
 
-    config = EngineConfig.from_options(str(tiny_llama_dir), max_model_len=64)
+    config = EngineArgs(model=str(tiny_llama_dir), max_model_len=64).create_engine_config()
     runner = ModelRunner(config, tiny_llama_dir)
     # what load_model sets: the backend, whose KV cache spec is all kv_block_bytes reads
     c, bf16 = runner.hf_config, torch.bfloat16

@@ -121,7 +121,7 @@ def test_a_model_on_cuda_takes_them_and_keeps_its_tokens(tiny_llama_dir, monkeyp
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(gpu_fused, "_kernels", lambda: None)
-        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_blocks=64)
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=64)
         outs = llm.generate(prompts, params, use_tqdm=False)
         norms = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, RMSNorm)]
         assert all((m.fused is gpu_fused) == fused for m in norms)

@@ -237,7 +237,7 @@ def test_the_runner_samples_through_the_gpu_sampler(tiny_llama_dir) -> None:
     from engine import LLM
 
     prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(3)]
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_blocks=96, max_num_seqs=8)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=96, max_num_seqs=8)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]

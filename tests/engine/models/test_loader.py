@@ -172,7 +172,7 @@ def test_dummy_serves_from_a_folder_without_weights(tiny_llama_dir, tmp_path):
         load_format="dummy",
         tokenizer=str(tiny_llama_dir),
         dtype="float32",
-        num_blocks=16,
+        num_kv_blocks=16,
         max_model_len=64,
         device="cpu",
     )

@@ -18,7 +18,7 @@ from engine.structured_output import GrammarError
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_model_len=256)
     yield llm
     llm.shutdown()
 
@@ -98,7 +98,7 @@ def test_unconstrained_greedy_tokens_unchanged_by_constrained_neighbours(llm):
 
 def test_preemption_keeps_the_grammar(tiny_llama_dir):
     # 16 blocks of 16 tokens for 8 requests of ~100 tokens each: recompute preemption.
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_blocks=17, max_model_len=128)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=17, max_model_len=128)
     try:
         schema = ALL["array"]
         so = StructuredOutputsParams(json=schema)

@@ -19,7 +19,7 @@ def _generate(model_dir, tp: int, prompts, params):
     llm = LLM(
         str(model_dir),
         dtype="float32",
-        num_blocks=18,  # 136 tokens for ~110 of prompts: preemption
+        num_kv_blocks=18,  # 136 tokens for ~110 of prompts: preemption
         block_size=8,
         max_model_len=128,
         max_num_batched_tokens=32,

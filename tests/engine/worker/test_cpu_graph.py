@@ -21,7 +21,7 @@ def _generate(path, quantization: str, kv_cache_dtype: str, plan: bool, monkeypa
     monkeypatch.setenv("TESSERA_DECODE_PLAN", "1" if plan else "0")
     llm = LLM(
         str(path), dtype="bfloat16", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-        num_blocks=128, enable_prefix_caching=False, max_num_seqs=16,
+        num_kv_blocks=128, enable_prefix_caching=False, max_num_seqs=16,
     )  # fmt: skip
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=3)
     # one prompt, two, five, ten, then fourteen at once (steps of 1, 2, 5, 10 and 14 decode
@@ -89,7 +89,7 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     path = tmp_path / "tiny-q4_1.gguf"
     write_gguf(tiny_llama_dir, path, "Q4_1")
     llm = LLM(
-        str(tiny_llama_dir), dtype="bfloat16", num_blocks=128, enable_prefix_caching=False,
+        str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False,
         max_num_seqs=16,
     )  # fmt: skip
     runner = llm.engine.executor.runner

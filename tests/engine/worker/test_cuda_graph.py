@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from engine.args import EngineArgs
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.worker.cuda_graph import (
@@ -155,7 +156,7 @@ def test_engine_greedy_output_through_the_graph_runner(tiny_llama_dir) -> None:
 
     prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(5)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    kw = dict(dtype="float32", num_blocks=96, block_size=BLOCK, max_num_seqs=8)
+    kw = dict(dtype="float32", num_kv_blocks=96, block_size=BLOCK, max_num_seqs=8)
     llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="torch", **kw)
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.executor.runner
@@ -192,8 +193,8 @@ def test_the_kv_budget_reserves_for_graphs_only_where_they_are_captured(tiny_lla
 
 
 def test_enforce_eager_reaches_the_engine_config() -> None:
-    assert not EngineConfig.from_options("m").model.enforce_eager
-    assert EngineConfig.from_options("m", enforce_eager=True).model.enforce_eager
+    assert not EngineArgs(model="m").create_engine_config().model.enforce_eager
+    assert EngineArgs(model="m", enforce_eager=True).create_engine_config().model.enforce_eager
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -255,7 +256,7 @@ def test_engine_greedy_on_cuda_equals_the_cpu_torch_path(tiny_llama_dir) -> None
 
     prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(6)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    kw = dict(dtype="float32", num_blocks=128, block_size=BLOCK, max_num_seqs=8)
+    kw = dict(dtype="float32", num_kv_blocks=128, block_size=BLOCK, max_num_seqs=8)
     outs = {}
     for device, backend in (("cpu", "torch"), ("cuda", "auto")):
         llm = LLM(str(tiny_llama_dir), device=device, attention_backend=backend, **kw)

@@ -75,7 +75,7 @@ def test_the_decode_plan_is_a_step_graph(make_tiny_model) -> None:
     if not cpu_w4.available():
         pytest.skip("the plan runs the 4-bit (AVX512-VNNI or AVX2) kernels")
     path = make_tiny_model("tiny-llama-step-graph", arch="llama", seed=3)
-    llm = LLM(str(path), dtype="bfloat16", quantization="w4a8", num_blocks=40, max_num_seqs=4)
+    llm = LLM(str(path), dtype="bfloat16", quantization="w4a8", num_kv_blocks=40, max_num_seqs=4)
     runner = llm.engine.executor.runner
     plan = runner._step_graph
     assert isinstance(plan, DecodePlan) and isinstance(plan, StepGraph) and plan.eager_inputs

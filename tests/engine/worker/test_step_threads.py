@@ -33,16 +33,18 @@ def test_no_reservation_and_never_below_one(four_threads):
 
 
 def test_engine_config_and_serve_flag():
-    from api.server.settings import Settings, to_engine_config
-    from engine.config import EngineConfig
+    from api.server.settings import Settings
+    from engine.args import EngineArgs
 
-    assert EngineConfig.from_options().parallel.frontend_threads == 0  # offline: all threads
-    assert to_engine_config(Settings()).parallel.frontend_threads is None  # serving: measured
+    assert (
+        EngineArgs().create_engine_config().parallel.frontend_threads == 0
+    )  # offline: all threads
+    assert Settings().create_engine_config().parallel.frontend_threads is None  # serving: measured
     for text, want in (("auto", None), ("0", 0), ("1", 1)):
         settings = Settings.from_argv(["--frontend-threads", text], environ={})
-        assert to_engine_config(settings).parallel.frontend_threads == want
+        assert settings.create_engine_config().parallel.frontend_threads == want
     with pytest.raises(ValueError, match="frontend_threads"):
-        EngineConfig.from_options(frontend_threads=-1)
+        EngineArgs(frontend_threads=-1).create_engine_config()
 
 
 @pytest.mark.parametrize("faster", [3, 4])
@@ -117,12 +119,14 @@ def _greedy_tokens(engine, prompt: str, max_tokens: int) -> list[int]:
 
 def test_the_engine_measures_on_its_own_steps(tiny_llama_dir):
     """The engine's real small steps (two threads) decide; the text is the same."""
-    from engine.config import EngineConfig
+    from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
 
     torch.set_num_threads(2)  # the autouse fixture puts the count back
     engines = [
-        LLMEngine(EngineConfig.from_options(str(tiny_llama_dir), frontend_threads=reserved))
+        LLMEngine(
+            EngineArgs(model=str(tiny_llama_dir), frontend_threads=reserved).create_engine_config()
+        )
         for reserved in (None, 0)
     ]
     threads = engines[0].executor.runner._threads

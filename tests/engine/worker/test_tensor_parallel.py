@@ -84,7 +84,7 @@ def _generate(model_dir, tp: int, prompts, params) -> list[list[list[int]]]:
     llm = LLM(
         str(model_dir),
         dtype="float32",
-        num_blocks=24,
+        num_kv_blocks=24,
         block_size=8,
         max_model_len=128,
         max_num_batched_tokens=32,

@@ -59,7 +59,7 @@ def test_tp2_places_each_rank_on_its_own_gpu(tiny_llama_dir):
         llm = LLM(
             str(tiny_llama_dir),
             dtype="float32",
-            num_blocks=64,
+            num_kv_blocks=64,
             block_size=16,
             max_model_len=128,
             tensor_parallel_size=tp,

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineArgs, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError
 from engine.protocol import EngineRequest
@@ -25,12 +25,12 @@ pytestmark = pytest.mark.slow
 BOUND_S = 30.0  # how long noticing a dead worker may take, at most
 OPTIONS = dict(
     dtype="float32",
-    num_blocks=64,
+    num_kv_blocks=64,
     block_size=8,
     max_model_len=256,
     tensor_parallel_size=2,
     device="cpu",
-    collective_timeout_s=BOUND_S / 2,  # the backstop; a dead peer is seen long before
+    collective_timeout=BOUND_S / 2,  # the backstop; a dead peer is seen long before
 )
 DIED = r"tensor-parallel worker rank 1 \(pid \d+\) died \(killed by SIGKILL\)"
 
@@ -92,7 +92,7 @@ async def test_worker_killed_during_a_long_generate(tiny_llama_dir):
     unhealthy, new requests are refused at once and the on_dead listeners hear of it."""
     torch.set_num_threads(1)
     before = set(_spawned_children())
-    config = EngineConfig.from_options(str(tiny_llama_dir), **OPTIONS)
+    config = EngineArgs(model=str(tiny_llama_dir), **OPTIONS).create_engine_config()
     engine = await AsyncEngine.create(config)
     deaths: list[EngineDeadError] = []
     engine.on_dead(deaths.append)

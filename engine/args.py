@@ -1,0 +1,217 @@
+"""EngineArgs: every engine option, written once with its default, parser, choices and help.
+
+`LLM(model, **options)` takes these names as keywords; `tessera serve` extends the dataclass
+with the server's own options (api.server.settings.Settings) and generates a `--flag` and a
+TESSERA_* variable from every field; `create_engine_config` is the one place they are
+mapped onto EngineConfig's validated parts. A new engine option is one field here (plus the
+config part that uses it). Flag names follow vLLM's so its users need not relearn them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.attention.backends import ATTENTION_BACKEND_CHOICES
+from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
+from engine.config import (
+    DEFAULT_MODEL,
+    DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from engine.core.request_queue import POLICIES
+from engine.layers.quantization import QUANTIZATION_CHOICES
+from engine.options import (
+    auto_int,
+    option,
+    optional_int,
+    parse_bool,
+    parse_bytes,
+)
+
+# Measured on 2 Zen 5 cores (tessera bench compare, 128-token prompts and outputs): 1024
+# against 2048 gave TTFT p50 0.7 vs 1.3 s at 32 streams and 1.2 vs 1.5 s at 128, throughput
+# the same or 1-4% better (smaller prefill chunks interleave with the decodes instead of
+# stalling them). GPUs have compute to spare for larger chunks.
+CPU_MAX_NUM_BATCHED_TOKENS = 1024
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineArgs:
+    # --- model ---
+    model: str = option(
+        "Model: a local Hugging Face folder, a .gguf file, or the bundled default.", DEFAULT_MODEL
+    )
+    served_model_name: str | None = option(
+        "Name clients use in the `model` field (default: the model argument)."
+    )
+    tokenizer: str | None = option("Tokenizer folder (default: the model folder).")
+    dtype: str = option("Weight and activation dtype.", "auto", choices=DTYPE_CHOICES)
+    load_format: str = option(
+        "How to load weights (dummy = random weights of the model's shape).",
+        "auto",
+        choices=LOAD_FORMAT_CHOICES,
+    )
+    quantization: str | None = option(
+        "Weight quantization: none = float weights (a .gguf model dequantized to --dtype); "
+        "int8 = weight-only int8 with a scale per row (CPU; half the bytes of bf16 per decode "
+        "step, at some accuracy cost); w8a8 = the same weights and int8 activations from 13 "
+        "rows (the CPU's int8 dot products: more throughput under load, at about the accuracy "
+        "of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups for steps of 1-12 rows (CPUs "
+        "with AVX512-VNNI, bfloat16: the fastest single stream); gguf = a .gguf model's linear "
+        "weights in the file's own quantization (Q4_0/Q4_1 as the 4-bit kernel's tiles, bit for "
+        "bit; Q8_0, Q4_K, Q5_K, Q6_K as the file's blocks; other types stay dequantized). "
+        "Default: gguf for a .gguf model (the default model too) on the CPU, else none.",
+        None,
+        choices=QUANTIZATION_CHOICES,
+    )
+    device: str = option("Device.", "auto", choices=("auto", "cpu", "cuda"))
+    attention_backend: str = option(
+        "Attention backend: auto = triton on CUDA where it imports, the C kernels on the CPU "
+        "where they run, else torch; torch = dense gather + SDPA (the reference, any device); "
+        "cpu = the C kernels; triton = the Triton paged-attention kernels (CUDA, the gpu extra).",
+        "auto",
+        choices=ATTENTION_BACKEND_CHOICES,
+    )
+    enforce_eager: bool = option(
+        "Run every step eagerly: no CUDA graphs for decode steps (CUDA only).",
+        False,
+        parse_bool,
+        kind="bool",
+    )
+    seed: int = option("Seed for weights (dummy) and for unseeded sampling.", 0, int)
+    max_model_len: int | None = option(
+        "Context length: prompt + output tokens (default: the model's).", None, optional_int
+    )
+    # --- scheduler ---
+    max_num_seqs: int = option("Most sequences in one batch.", 256, int)
+    max_num_batched_tokens: int | None = option(
+        "Token budget of one engine step (default: "
+        f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {GPU_MAX_NUM_BATCHED_TOKENS} on GPU).",
+        None,
+        optional_int,
+    )
+    max_num_queued_requests: int | None = option(
+        "Longest waiting queue; beyond it requests are refused (the server answers 503 with "
+        "Retry-After). none: unbounded.",
+        None,
+        optional_int,
+    )
+    scheduling_policy: str | None = option(
+        "fcfs: first come, first served; priority: lower priority (the key's, or a request's "
+        "`priority` no better than it) runs first; fair: each tenant (a team of keys) "
+        "gets its weighted share of tokens (VTC), priority classes still on top. Default: "
+        "fair when requests carry API keys (--auth keys or static), else fcfs.",
+        None,
+        choices=POLICIES,
+    )
+    enable_chunked_prefill: bool = option(
+        "Split long prompts over steps so decodes keep running beside them.",
+        True,
+        parse_bool,
+        kind="bool",
+    )
+    async_scheduling: bool | None = option(
+        "Schedule the next step while the device computes this one (vLLM's async "
+        "scheduling): default on for CUDA with one rank, off on the CPU.",
+        None,
+        parse_bool,
+        kind="bool",
+    )
+    # --- KV cache ---
+    block_size: int = option("KV cache block size in tokens.", 16, int)
+    num_kv_blocks: int | None = option(
+        "Exact number of KV cache blocks (overrides --kv-cache-memory).", None, optional_int
+    )
+    kv_cache_memory: int | None = option(
+        "Memory for the KV cache, e.g. 4GiB (default: a share of free memory).", None, parse_bytes
+    )
+    kv_cache_dtype: str = option(
+        "KV cache storage: auto = the model's dtype; int8 = int8 with a scale per token and "
+        "head (half the memory and half the bytes read per decode step, so more throughput "
+        "at large batches; next-token KL ~0.003 from bf16 on the default model); fp8 = float8 "
+        "e4m3 with per-tensor scales of 1.0 (CUDA, the triton backend: twice the tokens of bf16).",
+        "auto",
+        choices=KV_CACHE_DTYPE_CHOICES,
+    )
+    gpu_memory_utilization: float = option(
+        "Share of GPU memory the engine may use (CUDA only).", 0.9, float
+    )
+    enable_prefix_caching: bool = option(
+        "Reuse KV blocks of shared prompt prefixes.", True, parse_bool, kind="bool"
+    )
+    # --- parallelism ---
+    tensor_parallel_size: int = option("Tensor-parallel ranks (worker processes).", 1, int)
+    collective_timeout: float = option(
+        "Seconds a tensor-parallel rank waits for its peers (a collective, a worker's reply) "
+        "before the engine is declared dead (the server exits non-zero).",
+        300.0,
+        float,
+    )
+    frontend_threads: int | None = option(
+        "CPU threads that small engine steps (<= 4 tokens) leave to the HTTP front end, so "
+        "streams are not stalled by a descheduled compute thread. Unset or `auto`: steps of "
+        "1-4 and of 5-16 tokens are measured apart, a band's first steps alternating between "
+        "all threads and all but one, and the faster median takes the band (logged; measured "
+        "again every 4,096 of its steps); 0: use every thread (the offline API's default).",
+        0,
+        auto_int,
+    )
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated config; ValueError (from its parts) names a bad value."""
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_max_num_batched_tokens(self.device)
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model or DEFAULT_MODEL,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                load_format=self.load_format,
+                quantization=self.quantization,
+                seed=self.seed,
+                device=self.device,
+                attention_backend=self.attention_backend,
+                enforce_eager=self.enforce_eager,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_kv_blocks,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                # Replaced by the resolved model length once the model's config is read.
+                max_model_len=max(self.max_model_len or max_num_batched_tokens, 1),
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                block_size=self.block_size,
+                policy=self.scheduling_policy or "fcfs",
+                async_scheduling=self.async_scheduling,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                frontend_threads=self.frontend_threads,
+                collective_timeout_s=self.collective_timeout,
+            ),
+            served_model_name=self.served_model_name,
+            max_num_queued_requests=self.max_num_queued_requests,
+        )

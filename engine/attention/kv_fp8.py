@@ -44,6 +44,14 @@ class Fp8KVCacheSpec(KVCacheSpec):
     def view(self, storage: torch.Tensor) -> torch.Tensor:
         return storage.view(FP8_DTYPE)
 
+    @staticmethod
+    def write_reference(cache, scales, slot_mapping, k, v) -> None:
+        write(cache, slot_mapping, k, v)
+
+    @staticmethod
+    def gather_reference(cache, scales, block_table, out) -> torch.Tensor:
+        return gather_dequantized(cache, block_table, out)
+
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x (any float dtype) -> e4m3 values of x / scale, saturated, rounded to nearest even."""

@@ -87,6 +87,14 @@ class Int8KVCacheSpec(KVCacheSpec):
     def allocate_scales(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         return allocate_scales(num_blocks, self.block_size, self.num_kv_heads, device)
 
+    @staticmethod
+    def write_reference(cache, scales, slot_mapping, k, v) -> None:
+        write(cache, scales, slot_mapping, k, v, use_kernel=False)  # the torch quantizer
+
+    @staticmethod
+    def gather_reference(cache, scales, block_table, out) -> torch.Tensor:
+        return gather_dequantized(cache, scales, block_table, out)
+
 
 def write(
     cache: torch.Tensor,

@@ -4,8 +4,10 @@ The attention backend returns the spec (AttentionBackend.kv_cache_spec) for
 `--kv-cache-dtype`; the model runner sizes the cache by its bytes a block and binds what its
 allocate returns to the layers, and never names a KV dtype itself. KVCacheSpec is `auto`
 (the model's dtype); each other dtype is a subclass in the file that holds its quantizer and
-reference ops (kv_int8.py, kv_fp8.py). A new KV dtype is such a file plus one line in
-KV_CACHE_SPECS, whose keys are `--kv-cache-dtype`'s choices.
+reference ops (kv_int8.py, kv_fp8.py), which the spec's write_reference / gather_reference
+name. A new KV dtype is such a file plus one line in KV_CACHE_SPECS, whose keys are
+`--kv-cache-dtype`'s choices: the torch backend serves it through those two ops at once; a
+kernel backend serves the dtypes it lists (AttentionBackend.kv_cache_dtypes).
 
 This module imports no torch and no spec's file until one is chosen, so the config can
 validate names cheaply (as engine.attention.backends does for backends).
@@ -100,6 +102,38 @@ class KVCacheSpec:
     def view(self, storage: torch.Tensor) -> torch.Tensor:
         """The layers' view of an allocated cache tensor."""
         return storage
+
+    # -- the torch reference's ops: the torch backend serves any registered dtype through
+    # these (a faster backend has kernels of its own and lists the dtypes it takes) --
+
+    @staticmethod
+    def write_reference(
+        cache: torch.Tensor,
+        scales: torch.Tensor | None,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store k/v [T, Hkv, D] at their flat slots of one layer's cache (the layers' view)."""
+        _, hkv, d = k.shape
+        flat = cache.view(2, -1, hkv, d)
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def gather_reference(
+        cache: torch.Tensor,
+        scales: torch.Tensor | None,
+        block_table: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """The given blocks, in order, in out's dtype: out [2, n, block_size, Hkv, D]."""
+        import torch
+
+        # Two dim-0 selects copy whole blocks; one select over dim 1 goes element-wise.
+        torch.index_select(cache[0], 0, block_table, out=out[0])
+        torch.index_select(cache[1], 0, block_table, out=out[1])
+        return out
 
     def allocate_scales(self, num_blocks: int, device: torch.device) -> torch.Tensor | None:
         """One layer's scales, or None where the dtype keeps none beside the values."""

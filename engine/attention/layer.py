@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
+from engine.attention.kv_spec import KVCacheSpec
 
 
 class PagedAttention(nn.Module):
@@ -27,6 +28,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.kv_scales: torch.Tensor | None = None  # float32, with an int8 cache
+        self.kv_spec: KVCacheSpec | None = None  # the cache's layout (None: the model's dtype)
         self.backend: AttentionBackend | None = None  # bound by the model runner
 
     def forward(

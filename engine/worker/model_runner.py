@@ -390,6 +390,7 @@ class ModelRunner:
         self.kv_caches, self.kv_scales = kv.storage, kv.scales
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache, attn.kv_scales = kv.layer(i)
+            attn.kv_spec = spec
         self.num_blocks = num_blocks
         self._step_graph = self._build_step_graph()
         self._log_graph_pool()

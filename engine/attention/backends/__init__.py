@@ -59,14 +59,14 @@ def select_backend(
     args = (device, dtype, kv_cache_dtype, num_kv_heads, head_dim)
     if name != "auto":
         cls = backend_class(name)
-        why_not = cls.unsupported_reason(*args)
+        why_not = cls.kv_cache_dtype_reason(kv_cache_dtype) or cls.unsupported_reason(*args)
         if why_not is not None:
             raise ValueError(f"attention backend {name!r} cannot run this model: {why_not}")
         return BackendSelection(cls, "chosen explicitly")
     passed: list[str] = []
     for candidate in AUTO_ORDER:
         cls = backend_class(candidate)
-        why_not = cls.unsupported_reason(*args)
+        why_not = cls.kv_cache_dtype_reason(kv_cache_dtype) or cls.unsupported_reason(*args)
         if why_not is None:
             return BackendSelection(cls, "; ".join([f"auto: {candidate} runs this model", *passed]))
         passed.append(f"not {candidate}: {why_not}")

@@ -29,6 +29,7 @@ class AttentionLayer(Protocol):
     head_dim: int
     scale: float
     kv_scales: torch.Tensor | None  # float32 [2, blocks, kv_heads, block_size], int8 cache only
+    kv_spec: KVCacheSpec | None  # the cache's spec (None: the model's dtype), bound with it
 
 
 @dataclass(slots=True)
@@ -53,6 +54,10 @@ class AttentionBackend(ABC):
     # forward's launches (grids, split counts), depend only on that number, never on the
     # step's contents (context lengths). The torch reference's shapes follow the contexts.
     cuda_graph_capturable: ClassVar[bool] = False
+    # The --kv-cache-dtype values this backend's kernels read (select_backend checks it before
+    # unsupported_reason); None: every registered one, through each KV cache spec's torch ops
+    # (write_reference / gather_reference), as the torch reference does.
+    kv_cache_dtypes: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(
         self,
@@ -81,6 +86,16 @@ class AttentionBackend(ABC):
         head_dim: int,
     ) -> str | None:
         """None where this backend can run such a model, else why not (for the user)."""
+
+    @classmethod
+    def kv_cache_dtype_reason(cls, kv_cache_dtype: str) -> str | None:
+        """None where this backend reads a kv_cache_dtype cache, else why not."""
+        if cls.kv_cache_dtypes is None or kv_cache_dtype in cls.kv_cache_dtypes:
+            return None
+        return (
+            f"its kernels do not read a KV cache of dtype {kv_cache_dtype} (they read "
+            f"{', '.join(cls.kv_cache_dtypes)})"
+        )
 
     def kv_cache_spec(self, kv_cache_dtype: str) -> KVCacheSpec:
         """The KV cache's layout for kv_cache_dtype (auto: the model's dtype): bytes a block and

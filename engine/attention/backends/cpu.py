@@ -70,6 +70,7 @@ class CpuStaticMetadata:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    kv_cache_dtypes = ("auto", "int8")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -80,8 +81,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         device = torch.device(device)
         if device.type != "cpu":
             return f"the C kernels run on the CPU, and the device is {device}"
-        if kv_cache_dtype == "fp8":
-            return "the C kernels read a bfloat16/float32 or int8 KV cache, not fp8"
         if dtype not in (torch.float32, torch.bfloat16):
             return f"the C kernels take float32 or bfloat16, and the model is {dtype}"
         if cpu_kernel.load_kernel() is None:

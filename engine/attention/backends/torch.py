@@ -14,13 +14,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import kv_fp8, kv_int8
 from engine.attention.backends.base import (
     AttentionBackend,
     AttentionLayer,
     AttentionMetadata,
     check_static_capacity,
 )
+from engine.attention.kv_spec import KVCacheSpec
 from engine.attention.metadata import CommonAttentionMetadata
 
 
@@ -245,15 +245,9 @@ class TorchAttentionBackend(AttentionBackend):
     # -- a layer's step -----------------------------------------------------------------
 
     def write_kv(self, layer: AttentionLayer, k, v, kv_cache, metadata) -> None:
-        if layer.kv_scales is not None:  # the torch quantizer: the reference's own bytes
-            kv_int8.write(kv_cache, layer.kv_scales, metadata.slot_mapping, k, v, use_kernel=False)
-            return
-        if kv_cache.dtype == kv_fp8.FP8_DTYPE:
-            kv_fp8.write(kv_cache, metadata.slot_mapping, k, v)
-            return
-        flat = kv_cache.view(2, -1, layer.num_kv_heads, layer.head_dim)
-        flat[0].index_copy_(0, metadata.slot_mapping, k)
-        flat[1].index_copy_(0, metadata.slot_mapping, v)
+        # the spec's torch ops: the reference's own bytes for every dtype
+        spec = layer.kv_spec or KVCacheSpec
+        spec.write_reference(kv_cache, layer.kv_scales, metadata.slot_mapping, k, v)
 
     def forward(self, layer, q, k, v, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         t = q.shape[0]
@@ -287,14 +281,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _gather(self, layer, block_table, kv_cache, meta) -> torch.Tensor:
         """K and V of the given blocks, in order: [2, n_blocks, block_size, Hkv, D]."""
         kv = meta.gather_buffer(block_table.numel())
-        if layer.kv_scales is not None:
-            return kv_int8.gather_dequantized(kv_cache, layer.kv_scales, block_table, kv)
-        if kv_cache.dtype == kv_fp8.FP8_DTYPE:
-            return kv_fp8.gather_dequantized(kv_cache, block_table, kv)
-        # Two dim-0 selects copy whole blocks; one select over dim 1 goes element-wise.
-        torch.index_select(kv_cache[0], 0, block_table, out=kv[0])
-        torch.index_select(kv_cache[1], 0, block_table, out=kv[1])
-        return kv
+        spec = layer.kv_spec or KVCacheSpec
+        return spec.gather_reference(kv_cache, layer.kv_scales, block_table, kv)
 
     def _prefill(self, layer, q, k, v, p: PrefillChunk, kv_cache, meta) -> torch.Tensor:
         """A chunk of queries: causal over its own tokens, full over its cached prefix."""

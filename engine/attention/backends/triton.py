@@ -89,6 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
     # Its launch grid follows the batch's row count and query lengths only, never the
     # contexts, so a graph captured for a batch size replays for any context.
     cuda_graph_capturable = True
+    kv_cache_dtypes = ("auto", "fp8")  # int8 is the CPU kernels' tiled layout
 
     def __init__(
         self,
@@ -122,8 +123,6 @@ class TritonAttentionBackend(AttentionBackend):
             return f"the Triton kernels run on CUDA devices, and the device is {device}"
         if dtype not in SUPPORTED_DTYPES:
             return f"the Triton kernels take bfloat16, float16 or float32, and the model is {dtype}"
-        if kv_cache_dtype == "int8":
-            return "the int8 KV cache is the CPU kernels' layout (use auto or fp8)"
         if head_dim > MAX_HEAD_DIM:
             return f"head_dim {head_dim} is over the kernel's {MAX_HEAD_DIM}"
         return triton_import_error()

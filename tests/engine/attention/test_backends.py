@@ -69,6 +69,8 @@ def _attend(backend, cache, scales, q, k, v, meta):
     _, _, _, kv_heads, d = cache.shape
     attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5)
     attn.kv_cache, attn.kv_scales = cache.clone(), None if scales is None else scales.clone()
+    bs = cache.shape[2]
+    attn.kv_spec = None if scales is None else kv_int8.Int8KVCacheSpec(bs, kv_heads, d, q.dtype)
     attn.backend = backend
     with torch.inference_mode():
         return attn(q, k, v, meta), attn
@@ -293,7 +295,7 @@ def test_flag_end_to_end_same_greedy_tokens(tiny_llama_dir, kv_cache_dtype, capl
         with caplog.at_level(logging.INFO, logger="tessera.engine"):
             llm = LLM(
                 str(tiny_llama_dir), dtype="float32", attention_backend=name,
-                kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, num_blocks=64,
+                kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, num_kv_blocks=64,
             )  # fmt: skip
         runner = llm.engine.executor.runner
         assert runner.attn_backend.name == name

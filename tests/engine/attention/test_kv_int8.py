@@ -85,6 +85,7 @@ def _attend(cache, scales, q, k, v, seqs, heads, use_kernel):
     _, _, bs, kv_heads, d = cache.shape
     attn = PagedAttention(heads, kv_heads, d, d**-0.5)
     attn.kv_cache, attn.kv_scales = cache.clone(), None if scales is None else scales.clone()
+    attn.kv_spec = None if scales is None else kv_int8.Int8KVCacheSpec(bs, kv_heads, d, q.dtype)
     attn.backend = (CpuAttentionBackend if use_kernel else TorchAttentionBackend)(
         bs, heads, kv_heads, d, q.dtype
     )

@@ -4,6 +4,8 @@ is the option's choices, and the layers see the dtype the spec names."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -103,7 +105,7 @@ def test_the_runners_cache_is_the_specs(tiny_llama_dir) -> None:
     layers, and the tensors it binds to the layers."""
     from engine import LLM
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_blocks=40, kv_cache_dtype="int8")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=40, kv_cache_dtype="int8")
     runner = llm.engine.executor.runner
     spec = runner.kv_cache_spec()
     layers = runner.hf_config.num_hidden_layers
@@ -114,3 +116,46 @@ def test_the_runners_cache_is_the_specs(tiny_llama_dir) -> None:
     ):
         assert attn.kv_cache is cache and attn.kv_scales is scales
     llm.shutdown()
+
+
+@dataclass(slots=True, frozen=True)
+class DoubledKVCacheSpec(KVCacheSpec):
+    """A KV dtype as a new one would be added: one class with its torch ops (here K and V
+    stored times two, exact in binary floating point) and nothing in any backend."""
+
+    @staticmethod
+    def write_reference(cache, scales, slot_mapping, k, v) -> None:
+        KVCacheSpec.write_reference(cache, scales, slot_mapping, k * 2, v * 2)
+
+    @staticmethod
+    def gather_reference(cache, scales, block_table, out):
+        return KVCacheSpec.gather_reference(cache, scales, block_table, out).mul_(0.5)
+
+
+def test_a_new_kv_dtype_needs_no_backend_change():
+    """The torch backend serves a spec through its ops alone, with the same output as the
+    model-dtype cache; the kernel backends refuse a dtype they do not list."""
+    from engine.attention.backends import select_backend
+    from engine.attention.backends.torch import TorchAttentionBackend
+    from engine.attention.layer import PagedAttention
+    from engine.attention.metadata import common_metadata_from_seqs
+
+    heads, g = 2 * KV_HEADS, torch.Generator().manual_seed(0)
+    seqs = [(5, 1, [1]), (17, 1, [2, 3]), (0, 9, [4])]  # two decodes, a prefill
+    t = sum(n for _, n, _ in seqs)
+    q, k, v = (torch.randn(t, h, HEAD, generator=g) for h in (heads, KV_HEADS, KV_HEADS))
+    outs, caches = [], []
+    for spec in (None, DoubledKVCacheSpec(BLOCK, KV_HEADS, HEAD, torch.float32)):
+        backend = TorchAttentionBackend(BLOCK, heads, KV_HEADS, HEAD, torch.float32)
+        attn = PagedAttention(heads, KV_HEADS, HEAD, HEAD**-0.5)
+        attn.kv_cache = torch.randn(2, 5, BLOCK, KV_HEADS, HEAD, generator=g)
+        attn.kv_spec, attn.backend = spec, backend
+        if spec is not None:
+            attn.kv_cache = caches[0] * 2  # the same context, as this dtype stores it
+        caches.append(attn.kv_cache.clone())
+        with torch.inference_mode():
+            outs.append(attn(q, k, v, backend.build_metadata(common_metadata_from_seqs(seqs, 16))))
+    assert torch.equal(outs[0], outs[1])
+    assert select_backend("torch", CPU, torch.float32, "doubled", KV_HEADS, HEAD)
+    with pytest.raises(ValueError, match="do not read a KV cache of dtype doubled"):
+        select_backend("cpu", CPU, torch.float32, "doubled", KV_HEADS, HEAD)

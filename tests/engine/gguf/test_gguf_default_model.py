@@ -117,6 +117,7 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir, monke
     from transformers import AutoTokenizer
 
     from engine.attention.cpu_kernel import kernel_supports
+    from engine.attention.kv_int8 import Int8KVCacheSpec
     from engine.attention.kv_int8 import allocate_scales as kv_scales
     from engine.kernels.cpu import w4 as cpu_w4
     from engine.layers.quantization.quantize import quantize_model
@@ -142,6 +143,7 @@ def test_quantized_models_stay_close_to_the_float_model(default_model_dir, monke
                 2, nb, bs, 3, 64, dtype=torch.int8 if kv_int8 else torch.bfloat16
             )
             attn.kv_scales = kv_scales(nb, bs, 3, "cpu") if kv_int8 else None
+            attn.kv_spec = Int8KVCacheSpec(bs, 3, 64, torch.bfloat16) if kv_int8 else None
         # the prompt's attention through the kernel reads the cache, as decode steps do (with
         # AMX the server sends prompts past 64 tokens to SDPA, which reads K/V as computed)
         kernel = kernel_supports(torch.bfloat16, torch.device("cpu"), 3, 64)

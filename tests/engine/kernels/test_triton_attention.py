@@ -84,9 +84,11 @@ def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0):
 
 def _attend(backend, cache, q, k, v, meta):
     """Through the layer: write this step's K/V, then attend. -> (out [T, H*D], the cache)."""
-    _, _, _, kv_heads, d = cache.shape
+    _, _, bs, kv_heads, d = cache.shape
     attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5)
     attn.kv_cache, attn.backend = cache.clone(), backend
+    if cache.dtype == kv_fp8.FP8_DTYPE:
+        attn.kv_spec = kv_fp8.Fp8KVCacheSpec(bs, kv_heads, d, q.dtype)
     with torch.inference_mode():
         return attn(q, k, v, meta), attn.kv_cache
 
@@ -381,7 +383,9 @@ def test_selection_config_and_fp8_errors():
     assert select_backend("triton", cuda, torch.float16, "fp8", 8, 128).reason
     with pytest.raises(ValueError, match="'triton' cannot run this model: .*CUDA"):
         select_backend("triton", "cpu", torch.float32, "auto", 2, 16)
-    with pytest.raises(ValueError, match="int8 KV cache is the CPU kernels'"):
+    with pytest.raises(
+        ValueError, match="do not read a KV cache of dtype int8 .they read auto, fp8"
+    ):
         select_backend("triton", cuda, torch.bfloat16, "int8", 8, 128)
     with pytest.raises(ValueError, match="no attention backend .*fp8 KV cache is served by"):
         select_backend("auto", "cpu", torch.bfloat16, "fp8", 8, 128)
@@ -506,7 +510,7 @@ def test_engine_on_triton_cuda(tiny_llama_dir, kv_cache_dtype):
     for name in names:
         llm = LLM(
             str(tiny_llama_dir), dtype="float32", device="cuda", attention_backend=name,
-            kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, num_blocks=64,
+            kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32, num_kv_blocks=64,
         )  # fmt: skip
         assert llm.engine.executor.runner.attn_backend.name == (
             "triton" if name == "auto" else name

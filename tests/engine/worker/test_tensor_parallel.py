@@ -22,7 +22,7 @@ PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
 def _logits(model_dir, kv_int8: bool = False) -> torch.Tensor:
     model = load_model(model_dir, dtype="float32")
     cfg = model.config
-    from engine.attention.kv_int8 import allocate_scales
+    from engine.attention.kv_int8 import Int8KVCacheSpec, allocate_scales
     from engine.distributed import get_tp_size
 
     hkv = cfg.num_key_value_heads // get_tp_size()
@@ -30,6 +30,7 @@ def _logits(model_dir, kv_int8: bool = False) -> torch.Tensor:
         dtype = torch.int8 if kv_int8 else torch.float32
         attn.kv_cache = torch.zeros(2, 8, BLOCK, hkv, cfg.head_dim, dtype=dtype)
         attn.kv_scales = allocate_scales(8, BLOCK, hkv, "cpu") if kv_int8 else None
+        attn.kv_spec = Int8KVCacheSpec(BLOCK, hkv, cfg.head_dim, torch.float32) if kv_int8 else None
     heads = cfg.num_attention_heads // get_tp_size()
     backend = TorchAttentionBackend(BLOCK, heads, hkv, cfg.head_dim, torch.float32)
     for attn in model.attention_layers():

@@ -132,7 +132,7 @@ def test_a_stuck_worker_times_out_the_collective(tiny_llama_dir):
     torch.set_num_threads(1)
     before = set(_spawned_children())
     timeout_s = 3.0  # short: the rendezvous waits for the workers' imports separately
-    llm = LLM(str(tiny_llama_dir), **{**OPTIONS, "collective_timeout_s": timeout_s})
+    llm = LLM(str(tiny_llama_dir), **{**OPTIONS, "collective_timeout": timeout_s})
     try:
         pids = [p.pid for p in llm.engine.executor.workers.procs]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -30,26 +30,29 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if not self._fits(x, residual, cpu_fused.fits):
+        weight = self.weight  # (a module attribute lookup costs more than the checks)
+        if (
+            x.dtype is not weight.dtype
+            or not cpu_fused.fits(x)
+            or (residual is not None and residual.stride(-1) != 1)
+        ):
             return self.forward_native(x, residual)
-        out = cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+        out = cpu_fused.rms_norm(x, weight, self.eps, residual)
         return out if residual is None else (out, residual)
 
     def forward_cuda(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kernels = triton_fused()
-        if not self._fits(x, residual, kernels.fits):
+        weight = self.weight  # (a module attribute lookup costs more than the checks)
+        if (
+            x.dtype is not weight.dtype
+            or not kernels.fits(x)
+            or (residual is not None and residual.stride(-1) != 1)
+        ):
             return self.forward_native(x, residual)
-        out = kernels.rms_norm(x, self.weight, self.eps, residual)
+        out = kernels.rms_norm(x, weight, self.eps, residual)
         return out if residual is None else (out, residual)
-
-    def _fits(self, x: torch.Tensor, residual: torch.Tensor | None, fits) -> bool:
-        return (
-            x.dtype == self.weight.dtype
-            and fits(x)
-            and (residual is None or residual.stride(-1) == 1)
-        )
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Like HF: normalise in float32, cast back, then scale by the weight in the model dtype.

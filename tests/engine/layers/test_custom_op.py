@@ -5,6 +5,7 @@ computes what the reference computes."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,18 @@ def test_bound_silu_and_rotary_equal_the_reference(dtype, monkeypatch):
     exact = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(rotary(qk, cos, sin), rotary.forward_native(qk, cos, sin), **exact)
     assert silu_calls[0] == 1 and rope_calls[0] == 1
+
+
+@needs_kernels
+def test_a_copy_of_a_bound_op_runs_its_own_forward():
+    """bind sets the instance's forward (a bound method): a copy's is the copy's."""
+    norm = RMSNorm(64)
+    norm.bind("cpu")
+    twin = copy.deepcopy(norm)
+    twin.weight.data.fill_(2.0)
+    assert twin.dispatch == "cpu" and twin.forward.__self__ is twin
+    x, _ = _norm_inputs(torch.float32)
+    torch.testing.assert_close(twin(x), 2 * norm(x))
 
 
 def test_other_devices_and_switched_off_cuda_bind_the_reference(monkeypatch):

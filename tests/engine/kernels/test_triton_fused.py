@@ -106,6 +106,48 @@ def test_off_the_gpu_the_layers_keep_their_paths():
     assert not fused_ops.rope_fits(x.view(4, 2, 32), cos, x[:, :16])  # sin not contiguous
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_cuda_forms_call_them_and_keep_the_reference_values(dtype, monkeypatch):
+    """The layers' forward_cuda (bound by hand here: off a GPU, on the interpreter's CPU
+    tensors) gives the torch path's values, and takes the torch path for what the kernels
+    cannot take (a 3-D norm input, a rotary sin that is not contiguous)."""
+    from engine.layers.activation import SiluAndMul
+    from engine.layers.rotary import ApplyRotary
+
+    calls = {name: 0 for name in ("rms_norm", "silu_and_mul", "rope")}
+    for name in calls:
+        real = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *a, _n=name, _f=real: _count(calls, _n, _f, a))
+    g = torch.Generator().manual_seed(5)
+    norm, act, rotary = RMSNorm(64).to(dtype).to(DEVICE), SiluAndMul(), ApplyRotary()
+    for op in (norm, act, rotary):
+        op.bind("cuda")
+    x = torch.randn(6, 64, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(6, 64, generator=g).to(dtype).to(DEVICE)
+    torch.testing.assert_close(norm(x), norm.forward_native(x), **TOL[dtype])
+    got, got_res = norm(x, res.clone())
+    want, want_res = norm.forward_native(x, res.clone())
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got_res, want_res, **TOL[dtype])
+    assert torch.equal(norm(x.view(2, 3, 64)), norm.forward_native(x.view(2, 3, 64)))
+    torch.testing.assert_close(act(x), act.forward_native(x), **TOL[dtype])
+    cos, sin = (
+        RotaryEmbedding(32, 64, 10000.0).to(DEVICE).lookup(torch.arange(6, device=DEVICE), dtype)
+    )
+    qk = x.view(6, 2, 32)
+    torch.testing.assert_close(
+        rotary(qk, cos, sin), rotary.forward_native(qk, cos, sin), **TOL[dtype]
+    )
+    odd = torch.cat((sin, sin), -1)[..., :16]  # [6, 1, 16], rows 32 apart: not contiguous
+    assert torch.equal(rotary(qk, cos, odd), rotary.forward_native(qk, cos, odd))
+    assert calls == {"rms_norm": 2, "silu_and_mul": 1, "rope": 1}
+
+
+def _count(calls: dict, name: str, kernel, args):
+    calls[name] += 1
+    return kernel(*args)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_a_model_on_cuda_takes_them_and_keeps_its_tokens(tiny_llama_dir, monkeypatch):

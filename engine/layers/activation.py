@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.kernels.cpu import fused_ops as cpu_fused
-from engine.layers import gpu_fused
+from engine.layers.ops import CustomOp, triton_fused
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_fused.supports(x):  # one C call, on the calling thread for decode batches
-            return cpu_fused.silu_and_mul(x)
-        if x.dim() == 2 and gpu_fused.supports(x):  # one kernel for SiLU and the product
-            return gpu_fused.silu_and_mul(x)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_fused.fits(x):  # one C call, on the calling thread for decode batches
+            return cpu_fused.silu_and_mul(x)
+        return self.forward_native(x)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = triton_fused()
+        if kernels.fits(x):  # one kernel for SiLU and the product
+            return kernels.silu_and_mul(x)
+        return self.forward_native(x)

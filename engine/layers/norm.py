@@ -6,35 +6,53 @@ import torch
 from torch import nn
 
 from engine.kernels.cpu import fused_ops as cpu_fused
-from engine.layers import gpu_fused
+from engine.layers.ops import CustomOp, triton_fused
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    """norm(x), or with a residual: (norm(x + residual), x + residual), the residual updated
+    in place. One C call on the CPU, one Triton kernel on CUDA (engine.layers.ops binds them)
+    for [T, H] rows with unit last stride in the weight's dtype; else the torch ops."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.fused = None  # cpu_fused, gpu_fused or False (the torch ops): decided at first use
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
-        if self.fused is None:
-            fits = x.dim() == 2 and self.weight.dtype == x.dtype
-            self.fused = next((k for k in (cpu_fused, gpu_fused) if fits and k.supports(x)), False)
-        if (
-            self.fused
-            and x.dim() == 2
-            and x.stride(-1) == 1
-            and (residual is None or residual.stride(-1) == 1)
-        ):
-            out = self.fused.rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = residual.add_(x)  # the residual stream is ours to update in place
         return self._norm(residual), residual
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        weight = self.weight  # (a module attribute lookup costs more than the checks)
+        if (
+            x.dtype is not weight.dtype
+            or not cpu_fused.fits(x)
+            or (residual is not None and residual.stride(-1) != 1)
+        ):
+            return self.forward_native(x, residual)
+        out = cpu_fused.rms_norm(x, weight, self.eps, residual)
+        return out if residual is None else (out, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernels = triton_fused()
+        weight = self.weight  # (a module attribute lookup costs more than the checks)
+        if (
+            x.dtype is not weight.dtype
+            or not kernels.fits(x)
+            or (residual is not None and residual.stride(-1) != 1)
+        ):
+            return self.forward_native(x, residual)
+        out = kernels.rms_norm(x, weight, self.eps, residual)
+        return out if residual is None else (out, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Like HF: normalise in float32, cast back, then scale by the weight in the model dtype.

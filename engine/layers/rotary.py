@@ -1,7 +1,8 @@
 """Rotary position embedding (HF "rotate half" layout) with a precomputed cos/sin cache.
 
-The model looks cos/sin up once per step (lookup) and every layer applies them (apply), so
-no layer recomputes frequencies. Supports rope_type "default" and "llama3".
+The model looks cos/sin up once per step (RotaryEmbedding.lookup) and every attention layer
+applies them with its ApplyRotary op, so no layer recomputes frequencies. Supports rope_type
+"default" and "llama3".
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.kernels.cpu import fused_ops as cpu_fused
-from engine.layers import gpu_fused
+from engine.layers.ops import CustomOp, triton_fused
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -66,17 +67,26 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, D] (any heads: q and k can be rotated together)."""
-        out = cpu_fused.rope(x, cos, sin)  # one C call on CPU; None: the torch ops below
-        if out is None:
-            out = gpu_fused.rope(x, cos, sin)  # one Triton kernel on CUDA
-        if out is not None:
-            return out
-        return RotaryEmbedding.apply_torch(x, cos, sin)
-
-    @staticmethod
     def apply_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The reference for the C kernel."""
+        """The reference for the kernels (ApplyRotary's native forward)."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class ApplyRotary(CustomOp):
+    """Rotate x [T, heads, D] (any heads: q and k can be rotated together) by the cos/sin of
+    RotaryEmbedding.lookup: one C call on the CPU, one Triton kernel on CUDA, where they take
+    the tensors (engine.layers.ops binds them); else the torch ops. Holds no state."""
+
+    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return RotaryEmbedding.apply_torch(x, cos, sin)
+
+    def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = cpu_fused.rope(x, cos, sin)  # None: the kernel cannot take these tensors
+        return self.forward_native(x, cos, sin) if out is None else out
+
+    def forward_cuda(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        kernels = triton_fused()
+        if kernels.rope_fits(x, cos, sin):
+            return kernels.rope(x, cos, sin)
+        return self.forward_native(x, cos, sin)

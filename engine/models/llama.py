@@ -16,7 +16,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import ApplyRotary, RotaryEmbedding
 from engine.models.hf_config import HFModelConfig
 
 
@@ -41,6 +41,7 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = ApplyRotary()
 
     def forward(
         self,
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qk[:, h:].reshape(t * hkv, d)).view(t, hkv, d)
             qk = torch.cat((q, k), dim=1)
         # q and k are adjacent: rotate both with one set of ops.
-        qk = RotaryEmbedding.apply(qk, *rope)
+        qk = self.rotary(qk, *rope)
         o = self.attn(qk[:, :h], qk[:, h:], qkv[:, h + hkv :], meta)
         return self.o_proj(o)
 

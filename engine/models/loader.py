@@ -22,6 +22,7 @@ from torch import nn
 from engine.config import DEFAULT_MODEL
 from engine.gguf.convert import CONVERTER_VERSION, convert_gguf, linked_tensors
 from engine.gguf.source import default_gguf_path
+from engine.layers.ops import bind_custom_ops
 from engine.models.hf_config import HFModelConfig, load_hf_config, max_model_len_for
 from engine.models.registry import get_model_class
 from engine.paths import default_cache_dir
@@ -133,7 +134,8 @@ def load_model(
     seed: int = 0,
     prepare: Callable[[nn.Module], set[str]] | None = None,
 ) -> nn.Module:
-    """Build the model for model_dir/config.json and fill its weights; returns it in eval mode.
+    """Build the model for model_dir/config.json and fill its weights; returns it in eval mode,
+    its fused ops bound to device's kernels (engine.layers.ops).
 
     max_position: the longest context to serve, if beyond max_position_embeddings (rope cache).
     prepare: called on the built model before its weights load; returns the names of the
@@ -157,6 +159,7 @@ def load_model(
     else:
         _check_folder(model_dir)
         _load_safetensors(model, model_dir, held)
+    bind_custom_ops(model, device)  # the fused ops' forward for this device, chosen once
     return model.eval()
 
 

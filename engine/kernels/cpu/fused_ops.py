@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from engine.kernels.cpu import ops
+from engine.kernels.cpu import build, ops
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -28,15 +28,21 @@ def _load() -> ctypes.CDLL | None:
     return ops.library()
 
 
+def available() -> bool:
+    """Whether the kernels are on: built, and TESSERA_CPU_KERNELS not 0 (asked once, when the
+    layers' ops are bound to the CPU: engine.layers.ops)."""
+    return build.kernels_enabled() and _load() is not None
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether rms_norm / silu_and_mul take x, the kernels being on: a float32/bfloat16
+    [T, H] with unit last stride (on the CPU)."""
+    return x.dtype in _SUFFIX and x.dim() == 2 and x.stride(-1) == 1
+
+
 def supports(x: torch.Tensor) -> bool:
     """Whether these kernels take x: a CPU float32/bfloat16 tensor with unit last stride."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in _SUFFIX
-        and x.dim() == 2
-        and x.stride(-1) == 1
-        and _load() is not None
-    )
+    return x.device.type == "cpu" and fits(x) and _load() is not None
 
 
 def rms_norm(
@@ -75,9 +81,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """RotaryEmbedding.apply in one C call: x [T, heads, D] (heads D apart, unit last stride),
-    cos/sin [T, 1, D/2] contiguous, all one dtype -> a new contiguous [T, heads, D]. None
-    where the kernel cannot take these tensors (the caller runs torch)."""
+    """ApplyRotary (engine.layers.rotary) in one C call: x [T, heads, D] (heads D apart, unit
+    last stride), cos/sin [T, 1, D/2] contiguous, all one dtype -> a new contiguous
+    [T, heads, D]. None where the kernel cannot take these tensors (the caller runs torch)."""
     if x.dtype not in _SUFFIX or x.device.type != "cpu" or x.dim() != 3:
         return None
     t, heads, d = x.shape

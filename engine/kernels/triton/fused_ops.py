@@ -13,6 +13,10 @@ model's dtype, normalized in fp32, cast, then scaled by the weight in the model'
 rotary product rounded, then their sum or difference; SiLU's output rounded, then the
 product. Under the interpreter the casts to bf16 truncate instead (see the package's
 docstring): within an ulp a rounding there.
+
+The layers' ops (engine/layers/norm.py, activation.py, rotary.py) call them once bound to CUDA
+(engine/layers/ops.py), for the tensors fits / rope_fits accept, and run the torch ops for
+the others.
 """
 
 from __future__ import annotations
@@ -20,6 +24,29 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether rms_norm / silu_and_mul take x: a float [T, H] with unit last stride."""
+    return x.dtype in DTYPES and x.dim() == 2 and x.stride(-1) == 1
+
+
+def rope_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether rope takes these: x [T, heads, D] (D even, unit last stride), cos/sin
+    [T, 1, D/2] contiguous in x's dtype."""
+    return (
+        x.dim() == 3
+        and x.dtype in DTYPES
+        and x.stride(-1) == 1
+        and x.shape[-1] % 2 == 0
+        and cos.dtype == x.dtype
+        and sin.dtype == x.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.numel() * 2 == x.shape[0] * x.shape[2]
+    )
 
 
 @triton.jit

@@ -138,6 +138,7 @@ def test_gated_mlp_on_w4_tiles_fuses_above_the_w4_kernel_rows():
 
     torch.manual_seed(8)
     mlp = GatedMLP(64, 64)
+    mlp.act.bind("cpu")  # SiLU-and-mul in C, as in a loaded model: the epilogue's arithmetic
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         layer.w4 = cpu_w4.quantize_groups(torch.randn(*layer.weight.shape) * 0.1)
         layer.weight = torch.nn.Parameter(layer.w4.data, requires_grad=False)

@@ -15,12 +15,14 @@ def _require(x: torch.Tensor) -> None:
 
 
 def _torch_norm(norm: RMSNorm, x, residual=None):
-    """The reference: RMSNorm's torch path (the kernel switched off for this module)."""
-    norm.fused = False
-    try:
-        return norm(x, residual)
-    finally:
-        norm.fused = None
+    """The reference: RMSNorm's torch path."""
+    return norm.forward_native(x, residual)
+
+
+def _on_cpu(op):
+    """op bound to the CPU's kernels, as the loader binds a model's (engine.layers.ops)."""
+    op.bind("cpu")
+    return op
 
 
 # bf16: the torch path and the kernel round at the same steps; only the order of the sum of
@@ -35,7 +37,7 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     h = 72
     x = (torch.randn(rows, h, generator=g) * 3).to(dtype)
     _require(x)
-    norm = RMSNorm(h, eps=1e-5).to(dtype)
+    norm = _on_cpu(RMSNorm(h, eps=1e-5).to(dtype))
     norm.weight.data = (torch.rand(h, generator=g) + 0.5).to(dtype)
     res = torch.randn(rows, h, generator=g).to(dtype)
 
@@ -51,7 +53,7 @@ def test_rms_norm_on_a_strided_view():
     wide = torch.randn(6, 100)
     x = wide[:, 10:74]
     _require(x)
-    norm = RMSNorm(64)
+    norm = _on_cpu(RMSNorm(64))
     torch.testing.assert_close(norm(x), _torch_norm(norm, x.contiguous()))
 
 
@@ -75,7 +77,7 @@ def test_silu_and_mul_matches_torch(dtype, rows):
         assert (got == want).float().mean() > 0.99
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(SiluAndMul()(x), got, rtol=0, atol=0)  # the layer uses it
+    torch.testing.assert_close(_on_cpu(SiluAndMul())(x), got, rtol=0, atol=0)  # the layer uses it
     strided = torch.cat([x, x[:, :8]], dim=1)[:, : 2 * 100]  # rows of a wider tensor
     torch.testing.assert_close(cpu_fused.silu_and_mul(strided), got, rtol=0, atol=0)
 
@@ -85,7 +87,7 @@ def test_silu_and_mul_matches_torch(dtype, rows):
 def test_rope_matches_torch_exactly(dtype, rows):
     """q and k heads of a qkv projection (a strided view), rotated in one call: bf16 rounds
     where the torch ops do, so the values are the same; float32 may fuse a multiply-add."""
-    from engine.layers.rotary import RotaryEmbedding
+    from engine.layers.rotary import ApplyRotary, RotaryEmbedding
 
     g = torch.Generator().manual_seed(rows)
     heads, kv_heads, d = 6, 2, 32
@@ -99,5 +101,5 @@ def test_rope_matches_torch_exactly(dtype, rows):
     assert got is not None and got.is_contiguous()
     exact = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(got, RotaryEmbedding.apply_torch(qk, cos, sin), **exact)
-    torch.testing.assert_close(RotaryEmbedding.apply(qk, cos, sin), got, rtol=0, atol=0)
+    torch.testing.assert_close(_on_cpu(ApplyRotary())(qk, cos, sin), got, rtol=0, atol=0)
     assert cpu_fused.rope(qk.transpose(0, 1), cos, sin) is None  # heads not D apart: torch

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("triton")
 
 from engine.kernels.triton import fused_ops  # noqa: E402
-from engine.layers import gpu_fused  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
+from engine.layers.ops import CustomOp, bind_custom_ops  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -30,11 +30,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _torch_norm(norm: RMSNorm, x, residual=None):
-    norm.fused = False  # the torch ops
-    try:
-        return norm(x, residual)
-    finally:
-        norm.fused = None
+    return norm.forward_native(x, residual)  # the torch ops
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,20 +95,65 @@ def test_empty_batches_launch_nothing():
 
 
 def test_off_the_gpu_the_layers_keep_their_paths():
-    """A CPU tensor is never the Triton kernels' (the CPU has its C kernels or torch)."""
+    """A CPU model's ops are never bound to the Triton kernels (the CPU has its C kernels or
+    torch); tensors the kernels cannot take are refused by fits / rope_fits."""
     x = torch.randn(4, 64)
-    assert not gpu_fused.supports(x)
-    assert gpu_fused.rope(x.view(4, 2, 32), x[:, :16].reshape(4, 1, 16), x[:, :16]) is None
     norm = RMSNorm(64)
-    norm(x)
-    assert norm.fused is not gpu_fused
+    assert bind_custom_ops(norm, "cpu") != "cuda" and norm.dispatch != "cuda"
+    assert not fused_ops.fits(x.to(torch.int32)) and not fused_ops.fits(x.t())
+    cos = x[:, :16].contiguous().view(4, 1, 16)
+    assert fused_ops.rope_fits(x.view(4, 2, 32), cos, cos)
+    assert not fused_ops.rope_fits(x.view(4, 2, 32), cos, x[:, :16])  # sin not contiguous
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_cuda_forms_call_them_and_keep_the_reference_values(dtype, monkeypatch):
+    """The layers' forward_cuda (bound by hand here: off a GPU, on the interpreter's CPU
+    tensors) gives the torch path's values, and takes the torch path for what the kernels
+    cannot take (a 3-D norm input, a rotary sin that is not contiguous)."""
+    from engine.layers.activation import SiluAndMul
+    from engine.layers.rotary import ApplyRotary
+
+    calls = {name: 0 for name in ("rms_norm", "silu_and_mul", "rope")}
+    for name in calls:
+        real = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *a, _n=name, _f=real: _count(calls, _n, _f, a))
+    g = torch.Generator().manual_seed(5)
+    norm, act, rotary = RMSNorm(64).to(dtype).to(DEVICE), SiluAndMul(), ApplyRotary()
+    for op in (norm, act, rotary):
+        op.bind("cuda")
+    x = torch.randn(6, 64, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(6, 64, generator=g).to(dtype).to(DEVICE)
+    torch.testing.assert_close(norm(x), norm.forward_native(x), **TOL[dtype])
+    got, got_res = norm(x, res.clone())
+    want, want_res = norm.forward_native(x, res.clone())
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got_res, want_res, **TOL[dtype])
+    assert torch.equal(norm(x.view(2, 3, 64)), norm.forward_native(x.view(2, 3, 64)))
+    torch.testing.assert_close(act(x), act.forward_native(x), **TOL[dtype])
+    cos, sin = (
+        RotaryEmbedding(32, 64, 10000.0).to(DEVICE).lookup(torch.arange(6, device=DEVICE), dtype)
+    )
+    qk = x.view(6, 2, 32)
+    torch.testing.assert_close(
+        rotary(qk, cos, sin), rotary.forward_native(qk, cos, sin), **TOL[dtype]
+    )
+    odd = torch.cat((sin, sin), -1)[..., :16]  # [6, 1, 16], rows 32 apart: not contiguous
+    assert torch.equal(rotary(qk, cos, odd), rotary.forward_native(qk, cos, odd))
+    assert calls == {"rms_norm": 2, "silu_and_mul": 1, "rope": 1}
+
+
+def _count(calls: dict, name: str, kernel, args):
+    calls[name] += 1
+    return kernel(*args)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_a_model_on_cuda_takes_them_and_keeps_its_tokens(tiny_llama_dir, monkeypatch):
-    """The engine on CUDA: the norms pick the fused kernels, and float32 greedy tokens equal
-    those of the torch ops (the kernels switched off)."""
+    """The engine on CUDA: the fused ops (norms, rotary, SiLU-and-mul) are bound to the
+    kernels at load, and float32 greedy tokens equal those of the torch ops (the kernels
+    switched off by TESSERA_GPU_FUSED=0 before the load)."""
     from engine import LLM, SamplingParams
 
     prompts = [list(range(5 + 3 * i, 30 + 5 * i)) for i in range(4)]
@@ -120,11 +161,13 @@ def test_a_model_on_cuda_takes_them_and_keeps_its_tokens(tiny_llama_dir, monkeyp
     tokens = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(gpu_fused, "_kernels", lambda: None)
+            monkeypatch.setenv("TESSERA_GPU_FUSED", "0")  # read when the model's ops are bound
         llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=64)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        norms = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, RMSNorm)]
-        assert all((m.fused is gpu_fused) == fused for m in norms)
+        model = llm.engine.executor.runner.model
+        ops = [m for m in model.modules() if isinstance(m, CustomOp)]  # norms, rotary, SiLU
+        assert len({type(m) for m in ops}) == 3
+        assert all((m.dispatch == "cuda") == fused for m in ops)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
         llm.shutdown()
     assert tokens[0] == tokens[1]

@@ -106,3 +106,22 @@ def test_layer_picks_the_kernel_and_captures_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(static_out.cpu(), block.cpu()(x2), **TOL[torch.float32])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_moe_models_on_cuda_keep_the_cpu_tokens(tiny_mixtral_dir, tiny_qwen2_moe_dir):
+    """The engine on CUDA (the fused kernel, CUDA graphs) gives the CPU path's float32 greedy
+    tokens for Mixtral and Qwen2-MoE."""
+    from engine import LLM, SamplingParams
+
+    prompts = [list(range(5 + 3 * i, 30 + 5 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for model_dir in (tiny_mixtral_dir, tiny_qwen2_moe_dir):
+        tokens = []
+        for device in ("cuda", "cpu"):
+            llm = LLM(str(model_dir), dtype="float32", device=device, num_blocks=64)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens.append([list(o.outputs[0].token_ids) for o in outs])
+            llm.shutdown()
+        assert tokens[0] == tokens[1]

@@ -79,10 +79,16 @@ def test_no_tokens():
 
 
 @pytest.mark.cuda
-def test_layer_picks_the_kernel_and_captures_in_a_graph():
+def test_layer_picks_the_kernel_and_captures_in_a_graph(monkeypatch):
     """On CUDA the MoE layer runs the fused kernel (no host sync: it replays in a CUDA graph)
     and gives the CPU path's output."""
     from engine.layers.moe import SparseMoeBlock
+
+    calls = []
+    real = fused_moe.fused_experts
+    monkeypatch.setattr(
+        fused_moe, "fused_experts", lambda *a: calls.append(a[0].device) or real(*a)
+    )
 
     torch.manual_seed(0)
     block = SparseMoeBlock(64, 16, 4, 32, renormalize=True)
@@ -93,6 +99,7 @@ def test_layer_picks_the_kernel_and_captures_in_a_graph():
     block = block.cuda()
     static_x = x.cuda()
     torch.testing.assert_close(block(static_x).cpu(), want, **TOL[torch.float32])
+    assert calls and calls[-1].type == "cuda", "the layer did not take the fused kernel"
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

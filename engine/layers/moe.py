@@ -25,6 +25,7 @@ from torch import nn
 from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from engine.layers.activation import SiluAndMul
 from engine.layers.mlp import GatedMLP
+from engine.layers.quantization.unquantized import linear_by_rows
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GATE, UP, DOWN = 0, 1, 2  # shard ids of one expert's three checkpoint tensors
@@ -65,12 +66,18 @@ def select_experts(
 _silu_and_mul = SiluAndMul()
 
 
+class GemmChoice:
+    """What linear_by_rows decides once per weight shape (the C GEMM's rows, AMX): one per
+    stacked weight, its experts all alike."""
+
+
 def experts_cpu(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    gemms: tuple[GemmChoice, GemmChoice] | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
 
@@ -78,7 +85,9 @@ def experts_cpu(
     matmul over its tokens gathered, SiLU-and-mul, one down matmul, and its weighted rows are
     added into the output (float32, experts in ascending order). The loop is over experts, never
     over tokens; the per-expert counts are read on the host (one sync: this is not the CUDA
-    path)."""
+    path). With gemms, each matmul runs where the unquantized linear layers' would (the C GEMM
+    for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized)."""
+    g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
@@ -92,11 +101,15 @@ def experts_cpu(
         if n == 0:
             continue
         rows = tokens[start : start + n]
-        h = _silu_and_mul(F.linear(x.index_select(0, rows), w13[e]))
-        y = F.linear(h, w2[e]).to(torch.float32).mul_(weights[start : start + n])
+        h = _silu_and_mul(_linear(g13, x.index_select(0, rows), w13[e]))
+        y = _linear(g2, h, w2[e]).to(torch.float32).mul_(weights[start : start + n])
         out.index_add_(0, rows, y)
         start += n
     return out.to(x.dtype)
+
+
+def _linear(choice: GemmChoice | None, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w) if choice is None else linear_by_rows(choice, x, w, None)
 
 
 class ReplicatedGate(nn.Module):
@@ -150,6 +163,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
+        self._gemms = (GemmChoice(), GemmChoice())
         for param, shards in (
             (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
             (self.w2_weight, {(e, DOWN) for e in range(num_experts)}),
@@ -183,7 +197,7 @@ class FusedMoE(nn.Module):
         if fused is not None:
             out = fused.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         else:
-            out = experts_cpu(x, self.w13_weight, self.w2_weight, weights, ids)
+            out = experts_cpu(x, self.w13_weight, self.w2_weight, weights, ids, self._gemms)
         return tp_all_reduce(out) if self.reduce_results else out
 
 

@@ -13,6 +13,7 @@ from engine.layers.moe import (
     GATE,
     UP,
     FusedMoE,
+    GemmChoice,
     SparseMoeBlock,
     expert_weight_target,
     experts_cpu,
@@ -43,9 +44,10 @@ def uneven_ids(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> t
     return torch.stack([torch.multinomial(odds, top_k, generator=gen) for _ in range(tokens)])
 
 
+@pytest.mark.parametrize("gemms", [False, True], ids=["torch", "layer-gemms"])
 @pytest.mark.parametrize("experts, top_k", [(8, 2), (16, 4)])
 @pytest.mark.parametrize("tokens", [1, 5, 37])
-def test_experts_cpu_matches_per_token_reference(experts, top_k, tokens):
+def test_experts_cpu_matches_per_token_reference(experts, top_k, tokens, gemms):
     gen = torch.Generator().manual_seed(experts * 100 + tokens)
     hidden, inter = 48, 40
     x = torch.randn(tokens, hidden, generator=gen)
@@ -55,11 +57,13 @@ def test_experts_cpu_matches_per_token_reference(experts, top_k, tokens):
     weights = torch.rand(tokens, top_k, generator=gen)
     counts = torch.bincount(ids.reshape(-1), minlength=experts)
     assert counts[-1] == 0
-    got = experts_cpu(x, w13, w2, weights, ids)
+    choices = (GemmChoice(), GemmChoice()) if gemms else None
+    got = experts_cpu(x, w13, w2, weights, ids, choices)
     want = naive_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     # bf16 weights and activations: within bf16's precision of the float64 reference
-    got16 = experts_cpu(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    choices = (GemmChoice(), GemmChoice()) if gemms else None
+    got16 = experts_cpu(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, choices)
     torch.testing.assert_close(got16.double(), want, atol=0.05, rtol=0.03)
 
 

@@ -1,5 +1,6 @@
 """One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
-(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM.
+(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM. The MLP is pluggable:
+make_mlp(cfg, layer_idx) builds each layer's (the mixtures of experts of engine.models.moe).
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.

@@ -7,6 +7,7 @@ vocab_size equals the tokenizer's. Nothing is downloaded.
     tiny_llama_dir     Llama, GQA (4 heads / 2 KV heads), hidden 64, 3 layers
     tiny_qwen2_dir     Qwen2ForCausalLM: qkv bias, tied embeddings
     tiny_llama3_dir    Llama with llama3 rope scaling
+    tiny_mixtral_dir, tiny_qwen2_moe_dir, tiny_qwen3_moe_dir   mixtures of experts (MOE_MODELS)
     make_tiny_model    factory: make_tiny_model("name", arch="llama", **config_overrides) -> Path
     default_model_dir  the default GGUF model converted once per session (slow: ~15 s)
 """
@@ -93,8 +94,8 @@ def build_tokenizer(
 
 
 def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random model of arch ("llama", "qwen2" or "qwen3") with its tokenizer in
-    out_dir.
+    """Save a tiny random model of arch ("llama", "qwen2", "qwen3", or the mixtures of experts
+    "mixtral", "qwen2_moe", "qwen3_moe") with its tokenizer in out_dir.
 
     Weights are drawn wider than HF's default init (and norms/biases are randomised too) so
     logits are peaked: greedy decoding then has clear margins, and every weight matters.
@@ -128,11 +129,18 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
         initializer_range=0.1,
     )
     kwargs.update(overrides)
+    import transformers
+
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     }[arch]
+    if isinstance(config_cls, str):
+        config_cls, model_cls = getattr(transformers, config_cls), getattr(transformers, model_cls)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).float().eval()
     with torch.no_grad():
@@ -183,6 +191,46 @@ def tiny_qwen2_dir(make_tiny_model) -> Path:
 def tiny_qwen3_dir(make_tiny_model) -> Path:
     """Qwen3: q/k normalized per head, heads wider than hidden / heads (32 against 16)."""
     return make_tiny_model("tiny-qwen3", arch="qwen3", head_dim=32, seed=3)
+
+
+# Mixtures of experts: 8 or 16 experts of width 32, several tokens per step on each expert and
+# some on none; Qwen3-MoE keeps its layer 1 dense (mlp_only_layers), Qwen2-MoE has a shared
+# expert and top-k weights left unnormalized.
+MOE_MODELS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, seed=4),
+    "qwen2_moe": dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        seed=5,
+    ),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        head_dim=32,
+        seed=6,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-mixtral", arch="mixtral", **MOE_MODELS["mixtral"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-qwen2-moe", arch="qwen2_moe", **MOE_MODELS["qwen2_moe"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-qwen3-moe", arch="qwen3_moe", **MOE_MODELS["qwen3_moe"])
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,23 @@ class HFModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     sliding_window: int | None = None  # only when the model actually uses it
+    # Mixture of experts (0 experts: a dense model). Layer i has the experts unless it is in
+    # mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen's rule; Mixtral: every layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k weights to sum to 1 (Mixtral: always)
+    moe_scoring_func: str = "softmax"
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
 
 def _ids(value: Any) -> list[int]:
@@ -66,8 +83,8 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     window = raw.get("sliding_window")
     if not window:
         return None
-    if raw.get("model_type") in ("qwen2", "qwen3"):
-        # Qwen2/3 configs carry a window but only use it with use_sliding_window.
+    if raw.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        # Qwen2/3 (and their MoE) configs carry a window but only use it with use_sliding_window.
         uses = raw.get("use_sliding_window", False) or "sliding_attention" in (
             raw.get("layer_types") or []
         )
@@ -82,7 +99,10 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     theta, scaling = _rope(raw)
-    attention_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
+    if model_type == "qwen2_moe":  # transformers 5 names it qkv_bias; older configs omit it
+        attention_bias = bool(raw.get("qkv_bias", raw.get("attention_bias", True)))
+    else:
+        attention_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
     eos = _ids(raw.get("eos_token_id"))
     for tok in _ids((generation or {}).get("eos_token_id")):
         if tok not in eos:
@@ -104,14 +124,35 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
-        o_proj_bias=attention_bias and model_type != "qwen2",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        o_proj_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=raw.get("hidden_act", "silu"),
         dtype=str(dtype) if dtype else None,
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
+        **_moe(raw, model_type),
+    )
+
+
+def _moe(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields: Mixtral's num_local_experts (its experts as wide as intermediate_size,
+    top-k always renormalized), Qwen's num_experts / moe_intermediate_size / norm_topk_prob."""
+    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if not experts:
+        return {}
+    mixtral = model_type == "mixtral"
+    inter = raw.get("moe_intermediate_size") or raw["intermediate_size"]
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=True if mixtral else bool(raw.get("norm_topk_prob", False)),
+        moe_scoring_func=str(raw.get("scoring_func", "softmax")),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[int(i) for i in raw.get("mlp_only_layers") or []],
     )
 
 

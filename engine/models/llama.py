@@ -1,11 +1,14 @@
 """One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
-(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM.
+(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM. The MLP is pluggable:
+make_mlp(cfg, layer_idx) builds each layer's (the mixtures of experts of engine.models.moe).
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -68,11 +71,18 @@ class LlamaMLP(GatedMLP):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
 
+def dense_mlp(cfg: HFModelConfig, layer_idx: int) -> nn.Module:
+    return LlamaMLP(cfg)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: HFModelConfig):
+    """Attention, then the MLP: the dense gated MLP, or what the model's make_mlp builds for
+    this layer (a mixture of experts: engine.models.moe)."""
+
+    def __init__(self, cfg: HFModelConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,10 +104,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: HFModelConfig, max_position: int):
+    def __init__(
+        self,
+        cfg: HFModelConfig,
+        max_position: int,
+        make_mlp: Callable[[HFModelConfig, int], nn.Module] = dense_mlp,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling
@@ -124,13 +141,17 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # layer index -> its MLP (a subclass's mixture of experts, engine.models.moe)
+    make_mlp = staticmethod(dense_mlp)
 
     def __init__(self, cfg: HFModelConfig, max_position: int | None = None):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         self.config = cfg
-        self.model = LlamaModel(cfg, max(cfg.max_position_embeddings, max_position or 0))
+        self.model = LlamaModel(
+            cfg, max(cfg.max_position_embeddings, max_position or 0), self.make_mlp
+        )
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -195,6 +195,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     expected: dict[str, set] = {}  # merged fragment -> the shard ids that fill it
     for dst, shard_id in packed.values():
         expected.setdefault(dst, set()).add(shard_id)
+    # name -> (parameter, shard id) or None: a model whose tensors the packed mapping cannot
+    # place (engine.models.moe: one checkpoint tensor per expert into stacked parameters)
+    remap = getattr(model, "map_checkpoint_name", None)
     loaded: dict[str, set] = {}
     seen: set[str] = set()  # checkpoint names read
 
@@ -202,11 +205,15 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
         seen.add(ckpt_name)
         if "rotary_emb.inv_freq" in ckpt_name:
             return
-        target, shard = ckpt_name, None
-        for src, (dst, shard_id) in packed.items():
-            if f".{src}." in ckpt_name:
-                target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
-                break
+        mapped = remap(ckpt_name) if remap is not None else None
+        if mapped is not None:  # the model's own rule first (a MoE's per-expert tensors)
+            target, shard = mapped
+        else:
+            target, shard = ckpt_name, None
+            for src, (dst, shard_id) in packed.items():
+                if f".{src}." in ckpt_name:
+                    target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
+                    break
         if target in held:
             return
         param = params.get(target)
@@ -229,7 +236,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     def unfilled() -> list[str]:
         out = []
         for name in (n for n in params if n not in held):
-            want = next((ids for frag, ids in expected.items() if f".{frag}." in name), {None})
+            want = getattr(params[name], "expected_shards", None) or next(
+                (ids for frag, ids in expected.items() if f".{frag}." in name), {None}
+            )
             if loaded.get(name, set()) != want:
                 out.append(name)
         return out

@@ -143,6 +143,8 @@ class DecodePlan:
         model = getattr(causal_lm, "model", None)
         if not enabled() or not len(getattr(model, "layers", ())):
             return None
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+            return None  # a mixture of experts (engine.layers.moe): not planned
         linears = [m for layer in model.layers for m in _linears(layer)]
         w4 = all(_has_w4(m) for m in linears)
         # the MLP's SiLU pass inside gate_up's GEMM (mlp_w8a8's path) needs I % 16 == 0

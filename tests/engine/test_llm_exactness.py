@@ -14,11 +14,12 @@ from engine import LLM, SamplingParams
 NUM_NEW = 12
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+def hf_greedy(model_dir, prompts: list[list[int]], num_new: int, **load) -> list[list[int]]:
     """Reference: HF forward with its own KV cache, one prompt at a time (no padding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **load)
+    model.eval()
     results = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -104,3 +105,38 @@ def test_other_architectures_match_hf(request, fixture):
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     got, _ = engine_greedy(model_dir, prompts, max_num_batched_tokens=32)
     assert [g[0] for g in got] == expected
+
+
+@pytest.mark.parametrize(
+    "fixture", ["tiny_mixtral_dir", "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir"]
+)
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("prefix-caching", dict(enable_prefix_caching=True)),
+        ("no-prefix-caching", dict(enable_prefix_caching=False)),
+        ("chunked-prefill", dict(max_num_batched_tokens=16)),
+    ],
+)
+def test_mixture_of_experts_match_hf(request, fixture, name, kwargs):
+    """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE (a dense layer among the MoE ones):
+    HF's greedy tokens, whichever way the cache is filled."""
+    model_dir = request.getfixturevalue(fixture)
+    from engine.models.loader import load_hf_config
+
+    prompts = make_prompts(load_hf_config(model_dir).vocab_size)
+    expected = _moe_reference(model_dir, prompts)
+    got, stats = engine_greedy(model_dir, prompts, **kwargs)
+    assert [g[0] for g in got] == expected
+    if name == "prefix-caching":
+        assert stats.prefix_cache_hits >= 16, "the shared prefix was not served from the cache"
+
+
+_MOE_REFERENCES: dict = {}
+
+
+def _moe_reference(model_dir, prompts):
+    key = str(model_dir)
+    if key not in _MOE_REFERENCES:
+        _MOE_REFERENCES[key] = hf_greedy(model_dir, prompts, NUM_NEW, attn_implementation="eager")
+    return _MOE_REFERENCES[key]

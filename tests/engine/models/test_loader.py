@@ -207,3 +207,48 @@ def test_dummy_weights_are_drawn_on_the_gpu(tiny_llama_dir):
     assert host.seen == []
     w = model.model.layers[0].self_attn.qkv_proj.weight
     assert w.device.type == "cuda" and 0.01 < w.float().std().item() < 0.03
+
+
+def test_moe_experts_stacked_from_per_expert_tensors(tiny_mixtral_dir, tiny_qwen2_moe_dir):
+    """Mixtral's block_sparse_moe.experts.E.w1/w3/w2 and Qwen's experts.E.gate/up/down_proj
+    land in w13 [E, 2I, H] (gate | up) and w2 [E, H, I]; routers and the shared expert too."""
+    for model_dir, (gate, up, down), block in (
+        (tiny_mixtral_dir, ("w1", "w3", "w2"), "block_sparse_moe"),
+        (tiny_qwen2_moe_dir, ("gate_proj", "up_proj", "down_proj"), "mlp"),
+    ):
+        model = load_model(model_dir, dtype="float32")
+        sd = _hf_state(model_dir)
+        for i, layer in enumerate(model.model.layers):
+            p = f"model.layers.{i}.{block}."
+            moe = layer.mlp
+            assert torch.equal(moe.gate.weight, sd[p + "gate.weight"])
+            for e in range(model.config.num_experts):
+                x = f"{p}experts.{e}."
+                want = torch.cat([sd[x + f"{gate}.weight"], sd[x + f"{up}.weight"]])
+                assert torch.equal(moe.experts.w13_weight[e], want)
+                assert torch.equal(moe.experts.w2_weight[e], sd[x + f"{down}.weight"])
+            if block == "mlp":
+                assert torch.equal(
+                    moe.shared_expert_gate.weight, sd[p + "shared_expert_gate.weight"]
+                )
+                assert torch.equal(
+                    moe.shared_expert.down_proj.weight, sd[p + "shared_expert.down_proj.weight"]
+                )
+
+
+def test_missing_expert_weight_is_reported(tiny_qwen3_moe_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    sd = _hf_state(tiny_qwen3_moe_dir)
+    del sd["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    shutil.copy(tiny_qwen3_moe_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"missing.*layers\.2\.mlp\.experts\.w13_weight"):
+        load_model(tmp_path, dtype="float32")
+
+
+def test_moe_dummy_load(tiny_mixtral_dir, tmp_path):
+    shutil.copy(tiny_mixtral_dir / "config.json", tmp_path / "config.json")
+    model = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
+    w13 = model.model.layers[0].mlp.experts.w13_weight
+    assert w13.shape == (8, 64, 64) and 0.01 < w13.float().std() < 0.03

@@ -215,3 +215,18 @@ def test_no_host_sync_on_cuda(runner) -> None:
     reqs, params, sampler = _every_stage("cuda")
     logits = torch.randn(len(reqs), 1000, device="cuda")
     _sample_without_sync(reqs, params, sampler, logits)
+
+
+def test_moe_routing_and_alignment_do_not_sync() -> None:
+    """The fused MoE's host side (engine.kernels.triton.fused_moe): the routing's top-k and the
+    expert alignment are device ops only, so a MoE layer's CUDA path captures in a graph. (The
+    CPU experts path reads its per-expert counts: it is not the CUDA path.)"""
+    pytest.importorskip("triton")
+    from engine.kernels.triton.fused_moe import moe_align_block_size
+    from engine.layers.moe import select_experts
+
+    logits = torch.randn(13, 8, generator=torch.Generator().manual_seed(0))
+    with NoHostSync():
+        for scoring in ("softmax", "sigmoid"):
+            _, ids = select_experts(logits, 2, True, scoring)
+        moe_align_block_size(ids, 16, 8)

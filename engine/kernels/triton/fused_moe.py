@@ -1,0 +1,192 @@
+"""Fused mixture-of-experts on CUDA: every (token, k) pair routed to its expert, two grouped
+GEMMs for all experts at once.
+
+moe_align_block_size sorts the T * top_k pairs by expert and pads each expert's run to a
+multiple of BLOCK_M, so each block of BLOCK_M rows belongs to one expert (expert_ids[block]).
+Then one launch of _fused_moe_kernel per projection, a grid of (blocks, N tiles):
+
+  1. gate_up: rows of x gathered by pair (pair // top_k), times w13[e]^T, with SiLU-and-mul
+     in the epilogue (the gate and up tiles of the same columns are two accumulators):
+     intermediate [T * top_k, I] in x's dtype;
+  2. down: intermediate rows times w2[e]^T, each row scaled by its routing weight in the
+     epilogue: [T * top_k, H] in float32;
+
+and the top-k rows of each token are summed (one torch reduction) and cast to x's dtype.
+
+No host sync, so it captures into a CUDA graph: the alignment is torch ops on the device
+(scatter_add counts, a stable sort, cumsums, searchsorted) into buffers sized by the static
+bound T * top_k + min(E, T * top_k) * (BLOCK_M - 1); the grid is that bound's block count, and
+blocks past the device-side padded total (num_tokens_post_padded) return at once. Block sizes
+depend only on the shapes.
+
+Under TRITON_INTERPRET=1 (the tests without a GPU) the operands are upcast to float32 before
+each dot: the interpreter's bf16 arithmetic is broken (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    N,
+    K,
+    num_valid,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    A_DIV: tl.constexpr,  # a's row of pair p is p // A_DIV (top_k for x, 1 for the intermediate)
+    SILU_MUL: tl.constexpr,  # b has 2N rows (gate | up): c = silu(a b_gate^T) * (a b_up^T)
+    MUL_WEIGHT: tl.constexpr,  # c's row p scaled by weights[p]
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 operands: full-precision dot (no tf32)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)  # padding rows hold num_valid
+    row_ok = pairs < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = (pairs // A_DIV).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (
+        b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+        + offs_k[:, None] * stride_bk
+    )  # fmt: skip
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        if SILU_MUL:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            if IEEE:
+                acc_up += tl.dot(a, b_up, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, b_up)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per block from the average pairs an expert gets (shapes only, never the routing)."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, top_k] -> (sorted_ids, expert_ids, num_tokens_post_padded).
+
+    sorted_ids [P]: the flat pair indices (t * top_k + k) grouped by expert in ascending order,
+    each expert's run padded with num_pairs to a multiple of block_m, P a static upper bound;
+    expert_ids [P / block_m]: each block's expert; num_tokens_post_padded [1]: the padded
+    total (the blocks past it are not used). Device-side torch ops only: no host sync."""
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    bound = n + min(num_experts, n) * (block_m - 1)
+    padded_len = triton.cdiv(bound, block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    first = counts.cumsum(0) - counts  # each expert's first position among the sorted pairs
+    rank = torch.arange(n, device=device) - first[sorted_experts]
+    dest = starts[sorted_experts] + rank
+    sorted_ids = torch.full((padded_len,), n, dtype=torch.int64, device=device)
+    sorted_ids.scatter_(0, dest, order)
+    block_starts = torch.arange(0, padded_len, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids, ends[-1:]
+
+
+def _launch(a, b, c, weights, sorted_ids, expert_ids, num_post, n, a_div, silu, mul_weight, bm):
+    k = a.shape[1]
+    block_n = 64 if n >= 64 else 32
+    block_k = 64 if k >= 64 else 32
+    fp32 = a.dtype == torch.float32
+    grid = (sorted_ids.numel() // bm, triton.cdiv(n, block_n))
+    _fused_moe_kernel[grid](
+        a, b, c, weights, sorted_ids, expert_ids, num_post,
+        n, k, weights.numel(),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_DIV=a_div, SILU_MUL=silu, MUL_WEIGHT=mul_weight,
+        UPCAST=_INTERPRET and not fp32, IEEE=fp32,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights / topk_ids [T, top_k]
+    -> sum_k topk_weights[t, k] * w2[e] (silu(w13[e, :I] x) * w13[e, I:] x), e = topk_ids[t, k];
+    [T, H] in x's dtype."""
+    t, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    n = t * top_k
+    if t == 0:
+        return torch.empty_like(x)
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    bm = block_m_for(n, num_experts)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, bm, num_experts)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _launch(x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, top_k, True, False, bm)
+    out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+    _launch(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm)
+    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

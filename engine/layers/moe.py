@@ -1,0 +1,256 @@
+"""Mixture-of-experts: a router picks top_k of num_experts gated MLPs per token, whose outputs
+are summed with the router's weights (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+FusedMoE holds every expert's weights stacked, w13 [E, 2I, H] (gate | up) and w2 [E, H, I], and
+runs them where the tensors are: on CUDA one fused Triton kernel per projection
+(engine.kernels.triton.fused_moe: tokens sorted by expert, SiLU-and-mul in the first GEMM's
+epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it. Models
+name neither.
+
+Tensor parallelism as the dense MLP: every expert is split on I (w13 column-wise, w2 row-wise),
+each rank sums its partial outputs and one all-reduce follows. The router and the shared
+expert's gate are replicated and never quantized (small, and their scores pick experts).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from engine.layers.activation import SiluAndMul
+from engine.layers.mlp import GatedMLP
+from engine.layers.quantization.unquantized import linear_by_rows
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+GATE, UP, DOWN = 0, 1, 2  # shard ids of one expert's three checkpoint tensors
+
+
+@functools.cache
+def _triton_moe():
+    if os.environ.get("TESSERA_GPU_FUSED") == "0":
+        return None
+    try:  # imports triton: never on a CPU-only path
+        from engine.kernels.triton import fused_moe
+    except ImportError:
+        return None
+    return fused_moe
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64).
+
+    Scores are softmax (Mixtral, Qwen) or sigmoid over the experts, in float32; the top_k
+    scores are the weights, divided by their sum with renormalize (Mixtral always, Qwen where
+    norm_topk_prob)."""
+    logits = router_logits.float()
+    if scoring_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"MoE scoring function {scoring_func!r} is not one of {SCORING_FUNCS}")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+_silu_and_mul = SiluAndMul()
+
+
+class GemmChoice:
+    """What linear_by_rows decides once per weight shape (the C GEMM's rows, AMX): one per
+    stacked weight, its experts all alike."""
+
+
+def experts_cpu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gemms: tuple[GemmChoice, GemmChoice] | None = None,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
+
+    The (token, k) pairs are sorted by expert; each expert that has tokens runs one gate_up
+    matmul over its tokens gathered, SiLU-and-mul, one down matmul, and its weighted rows are
+    added into the output (float32, experts in ascending order). The loop is over experts, never
+    over tokens; the per-expert counts are read on the host (one sync: this is not the CUDA
+    path). With gemms, each matmul runs where the unquantized linear layers' would (the C GEMM
+    for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized)."""
+    g13, g2 = gemms if gemms is not None else (None, None)
+    t, k = topk_ids.shape
+    num_experts = w13.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    weights = topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        h = _silu_and_mul(_linear(g13, x.index_select(0, rows), w13[e]))
+        y = _linear(g2, h, w2[e]).to(torch.float32).mul_(weights[start : start + n])
+        out.index_add_(0, rows, y)
+        start += n
+    return out.to(x.dtype)
+
+
+def _linear(choice: GemmChoice | None, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w) if choice is None else linear_by_rows(choice, x, w, None)
+
+
+class ReplicatedGate(nn.Module):
+    """y = x W^T with W [out, in] whole on every rank: a router (out = num_experts) or a shared
+    expert's gate (out = 1). Not a LinearBase, so no --quantization method takes it."""
+
+    def __init__(self, input_size: int, output_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """num_experts gated MLPs of intermediate size I, stacked: w13_weight [E, 2I/tp, H],
+    w2_weight [E, H, I/tp]. forward(x [T, H], router_logits [T, E]) -> [T, H], all-reduced over
+    the tensor-parallel group unless reduce_results is False.
+
+    Each checkpoint tensor loads through weight_loader(param, tensor, (expert, GATE|UP|DOWN));
+    a parameter's `expected_shards` tells the loader which it needs before it is whole."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+        reduce_results: bool = True,
+    ):
+        super().__init__()
+        if scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"MoE scoring function {scoring_func!r} is not one of {SCORING_FUNCS}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts {num_experts}")
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({self.tp_size})"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.scoring_func = renormalize, scoring_func
+        self.reduce_results = reduce_results
+        self.inter = inter = intermediate_size // self.tp_size  # this rank's share
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, inter), requires_grad=False
+        )
+        self._gemms = (GemmChoice(), GemmChoice())
+        for param, shards in (
+            (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
+            (self.w2_weight, {(e, DOWN) for e in range(num_experts)}),
+        ):
+            param.weight_loader = self.weight_loader
+            param.expected_shards = shards
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]
+    ) -> None:
+        """One expert's gate [I, H], up [I, H] or down [H, I], this rank's slice of I."""
+        expert, which = shard_id
+        i = self.inter
+        if which == DOWN:
+            dst, src = param.data[expert], loaded.narrow(1, self.tp_rank * i, i)
+        else:
+            dst = param.data[expert].narrow(0, which * i, i)
+            src = loaded.narrow(0, self.tp_rank * i, i)
+        if dst.shape != src.shape:
+            raise ValueError(
+                f"expert weight shape mismatch: checkpoint {tuple(loaded.shape)} (this rank's "
+                f"slice {tuple(src.shape)}), model {tuple(dst.shape)}"
+            )
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(
+            router_logits, self.top_k, self.renormalize, self.scoring_func
+        )
+        fused = _triton_moe() if x.is_cuda else None
+        if fused is not None:
+            out = fused.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        else:
+            out = experts_cpu(x, self.w13_weight, self.w2_weight, weights, ids, self._gemms)
+        return tp_all_reduce(out) if self.reduce_results else out
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a MoE decoder layer: gate (the router) -> experts, plus, where the model has
+    one, a shared expert every token runs (Qwen2-MoE: scaled by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        scoring_func: str = "softmax",
+        shared_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
+    ):
+        super().__init__()
+        self.gate = ReplicatedGate(hidden_size, num_experts)
+        self.experts = FusedMoE(
+            num_experts, top_k, hidden_size, intermediate_size, renormalize, scoring_func
+        )
+        self.shared_expert = (
+            GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        )
+        self.shared_expert_gate = (
+            ReplicatedGate(hidden_size, 1)
+            if shared_intermediate_size and shared_expert_gate
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def expert_weight_target(
+    ckpt_name: str, proj_shards: dict[str, int]
+) -> tuple[str, tuple[int, int]] | None:
+    """A checkpoint's per-expert tensor ("<prefix>.experts.<e>.<proj>.weight", proj a key of
+    proj_shards) -> (the stacked parameter's name, (e, shard)); None for any other name."""
+    m = _EXPERT_TENSOR.match(ckpt_name)
+    if m is None or m["proj"] not in proj_shards:
+        return None
+    shard = proj_shards[m["proj"]]
+    param = "w2_weight" if shard == DOWN else "w13_weight"
+    return f"{m['prefix']}.experts.{param}", (int(m["expert"]), shard)

@@ -127,7 +127,7 @@ def test_moe_models_on_cuda_keep_the_cpu_tokens(tiny_mixtral_dir, tiny_qwen2_moe
     for model_dir in (tiny_mixtral_dir, tiny_qwen2_moe_dir):
         tokens = []
         for device in ("cuda", "cpu"):
-            llm = LLM(str(model_dir), dtype="float32", device=device, num_blocks=64)
+            llm = LLM(str(model_dir), dtype="float32", device=device, num_kv_blocks=64)
             outs = llm.generate(prompts, params, use_tqdm=False)
             tokens.append([list(o.outputs[0].token_ids) for o in outs])
             llm.shutdown()

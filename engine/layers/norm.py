@@ -30,20 +30,15 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        weight = self.weight  # (a module attribute lookup costs more than the checks)
-        if (
-            x.dtype is not weight.dtype
-            or not cpu_fused.fits(x)
-            or (residual is not None and residual.stride(-1) != 1)
-        ):
-            return self.forward_native(x, residual)
-        out = cpu_fused.rms_norm(x, weight, self.eps, residual)
-        return out if residual is None else (out, residual)
+        return self._fused(cpu_fused, x, residual)
 
     def forward_cuda(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernels = triton_fused()
+        return self._fused(triton_fused(), x, residual)
+
+    def _fused(self, kernels, x: torch.Tensor, residual: torch.Tensor | None):
+        """One kernel call where it takes these tensors (the C or the Triton module)."""
         weight = self.weight  # (a module attribute lookup costs more than the checks)
         if (
             x.dtype is not weight.dtype

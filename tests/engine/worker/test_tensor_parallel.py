@@ -1,4 +1,5 @@
-"""Tensor parallelism inside the layers: 2 gloo ranks give the same logits as one process."""
+"""Tensor parallelism inside the layers: 2 gloo ranks give the same logits as one process,
+dense models and mixtures of experts."""
 
 from __future__ import annotations
 
@@ -62,13 +63,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tp2_matches_tp1(tiny_llama_dir, tiny_qwen2_dir, make_tiny_model, tmp_path):
+def test_tp2_matches_tp1(
+    tiny_llama_dir,
+    tiny_qwen2_dir,
+    tiny_mixtral_dir,
+    tiny_qwen2_moe_dir,
+    tiny_qwen3_moe_dir,
+    make_tiny_model,
+    tmp_path,
+):
     torch.set_num_threads(1)
     # Odd vocab (a padded last shard) and biases on every projection (row-parallel bias).
     odd = make_tiny_model(
         "tiny-llama-odd-vocab", vocab_size=387, attention_bias=True, mlp_bias=True, seed=3
     )
-    dirs = [tiny_llama_dir, tiny_qwen2_dir, odd]
+    # The mixtures of experts: every expert split on its intermediate size (w13 column-wise,
+    # w2 row-wise, one all-reduce after); Qwen2-MoE's shared expert as the dense MLP.
+    moe = [tiny_mixtral_dir, tiny_qwen2_moe_dir, tiny_qwen3_moe_dir]
+    dirs = [tiny_llama_dir, tiny_qwen2_dir, odd, *moe]
     # and an int8 KV cache: each rank quantizes its own heads, each head on its own
     expected = [_logits(d) for d in dirs] + [_logits(tiny_llama_dir, kv_int8=True)]
     out = tmp_path / "tp2.pt"

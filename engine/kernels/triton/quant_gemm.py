@@ -44,6 +44,7 @@ the kernel to, and a CPU fallback (dequantize, then a dense matmul).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ import triton.language as tl
 
 DECODE_M = 16  # up to this many rows: a decode tile (BLOCK_M = 16) with split-K
 MAX_SPLIT_K = 16
+_RESHAPE_FAILED: list[str] = []  # why the reshape unpack failed to compile, once it has
 
 
 @triton.jit
@@ -79,6 +81,7 @@ def _w_int_gemm_kernel(
     HAS_G_IDX: tl.constexpr,
     HAS_PERM: tl.constexpr,
     GROUP_PER_TILE: tl.constexpr,  # every K tile lies in one group: one scale row a tile
+    UNPACK_RESHAPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,11 +113,24 @@ def _w_int_gemm_kernel(
             other=0.0,
         )
         wk_ok = k_ok[:, None] & n_ok[None, :]
-        packed = tl.load(
-            qw_ptr + (offs_k // PACK)[:, None] * stride_qk + offs_n[None, :], mask=wk_ok, other=0
-        )
-        # an arithmetic shift of a negative word: the mask drops the copied sign bits
-        q = (packed >> ((offs_k % PACK) * BITS)[:, None]) & MASK
+        # (an arithmetic shift of a negative word: the mask drops the copied sign bits)
+        if UNPACK_RESHAPE:  # each word loaded once, its PACK values spread by a reshape
+            offs_w = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            packed = tl.load(
+                qw_ptr + offs_w[:, None] * stride_qk + offs_n[None, :],
+                mask=(offs_w[:, None] < K // PACK) & n_ok[None, :],
+                other=0,
+            )
+            shifts = tl.arange(0, PACK) * BITS
+            q = (packed[:, None, :] >> shifts[None, :, None]) & MASK  # [BK / PACK, PACK, BN]
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        else:  # each word loaded once per value it holds (the same cache line PACK times)
+            packed = tl.load(
+                qw_ptr + (offs_k // PACK)[:, None] * stride_qk + offs_n[None, :],
+                mask=wk_ok,
+                other=0,
+            )
+            q = (packed >> ((offs_k % PACK) * BITS)[:, None]) & MASK
         if GROUP_PER_TILE:
             g = tl.minimum(k0, K - 1) // group_size  # a split's last tiles may lie past K
             s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -173,6 +189,9 @@ class GemmLaunch:
     split_k: int
     num_warps: int
     num_stages: int
+    # "reshape": a tile's packed words loaded once each and unpacked by a broadcast shift and
+    # a reshape; "gather": one load a value (AutoGPTQ's Triton form: each word PACK times)
+    unpack: str = "reshape"
 
 
 def _check(qweight, scales, zeros, g_idx, bits, group_size) -> tuple[int, int, int]:
@@ -324,10 +343,12 @@ def w_int_gemm(
     perm: torch.Tensor | None = None,
     split_k: int | None = None,
     launch: GemmLaunch | None = None,
+    unpack: str | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W, W in the canonical packed form (module docstring), in x's
     dtype (fp16/bf16; fp32 works too). perm: from repack_for_kernel (row k of the weight
-    multiplies x[:, perm[k]]). split_k / launch: override the planned tiling (tests)."""
+    multiplies x[:, perm[k]]). split_k / launch / unpack ("reshape" | "gather"): override
+    the planned launch (tests, benchmarks)."""
     k, n, group_size = _check(qweight, scales, zeros, g_idx, bits, group_size)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
@@ -352,29 +373,49 @@ def w_int_gemm(
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     dot = _dot_dtype(x.dtype, x.device)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
-    _w_int_gemm_kernel[grid](
-        x2, qweight, scales,
-        qweight if zeros is None else zeros,  # unread without zeros
-        qweight if g_idx is None else g_idx,
-        qweight if perm is None else perm,
-        out,
-        m, n, k, group_size, tiles_per_split,
-        x2.stride(0), qweight.stride(0), scales.stride(0),
-        0 if zeros is None else zeros.stride(0),
-        out.stride(-2), out.stride(0) if split > 1 else 0,
-        BITS=bits,
-        HAS_ZEROS=zeros is not None,
-        HAS_G_IDX=g_idx is not None,
-        HAS_PERM=perm is not None,
-        GROUP_PER_TILE=group_per_tile,
-        BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k,
-        DOT_DTYPE=dot,
-        DOT_IEEE=dot == tl.float32,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-    )  # fmt: skip
+
+    def run(unpack: str) -> None:
+        _w_int_gemm_kernel[grid](
+            x2, qweight, scales,
+            qweight if zeros is None else zeros,  # unread without zeros
+            qweight if g_idx is None else g_idx,
+            qweight if perm is None else perm,
+            out,
+            m, n, k, group_size, tiles_per_split,
+            x2.stride(0), qweight.stride(0), scales.stride(0),
+            0 if zeros is None else zeros.stride(0),
+            out.stride(-2), out.stride(0) if split > 1 else 0,
+            BITS=bits,
+            HAS_ZEROS=zeros is not None,
+            HAS_G_IDX=g_idx is not None,
+            HAS_PERM=perm is not None,
+            GROUP_PER_TILE=group_per_tile,
+            UNPACK_RESHAPE=unpack == "reshape",
+            BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n,
+            BLOCK_K=launch.block_k,
+            DOT_DTYPE=dot,
+            DOT_IEEE=dot == tl.float32,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+        )  # fmt: skip
+
+    unpack = unpack or launch.unpack
+    if unpack == "reshape" and _RESHAPE_FAILED:
+        unpack = "gather"
+    try:
+        run(unpack)
+    except Exception as e:  # the reshape form failed to compile on this GPU / Triton: the other
+        if unpack != "reshape" or x.device.type != "cuda":
+            raise
+        _RESHAPE_FAILED.append(f"{type(e).__name__}: {e}")
+        warnings.warn(
+            f"quant_gemm: the reshape unpack failed ({_RESHAPE_FAILED[0][:300]}); "
+            "using one load a value from now on",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        run("gather")
     if split > 1:
         torch.sum(out, dim=0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
     return y.reshape(*lead, n)

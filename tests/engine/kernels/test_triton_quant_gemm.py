@@ -97,13 +97,15 @@ def test_pack_unpack_and_dequantize_match_the_format(bits):
     "k,n,group_size",
     [(256, 72, 32), (192, 100, 64), (384, 40, 128), (200, 56, -1), (96, 24, 32)],
 )
-def test_grouped_gemm_matches_the_reference(k, n, group_size, bits, sym, dtype):
+@pytest.mark.parametrize("unpack", ["reshape", "gather"])
+def test_grouped_gemm_matches_the_reference(k, n, group_size, bits, sym, dtype, unpack):
     """Decode rows (1, 5: one 16-row tile) and prefill rows (70: two 64-row tiles), with N and
-    K off the tile sizes, each K tile in one group (or, for 200 / -1, one group in all)."""
+    K off the tile sizes, each K tile in one group (or, for 200 / -1, one group in all); the
+    packed words unpacked either way."""
     qweight, scales, zeros, _ = _dev(*_make(k, n, bits, group_size, sym, False, dtype, seed=k))
     for m in (1, 5, 70):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
-        y = qg.w_int_gemm(x, qweight, scales, zeros, None, bits, group_size)
+        y = qg.w_int_gemm(x, qweight, scales, zeros, None, bits, group_size, unpack=unpack)
         _check_close(y, x, qweight, scales, zeros, None, bits, group_size)
 
 
@@ -147,7 +149,9 @@ def test_act_order_raw_and_repacked(group_size, bits, sym, dtype):
     assert torch.equal(got, want[repacked.perm.cpu().long()])
     for m in (1, 33):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
-        y = qg.w_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size)
+        y = qg.w_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, unpack="gather")
+        _check_close(y, x, qweight, scales, zeros, g_idx, bits, group_size)
+        y = qg.w_int_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, unpack="reshape")
         _check_close(y, x, qweight, scales, zeros, g_idx, bits, group_size)
         y2 = qg.quant_gemm(x, repacked)
         _check_close(y2, x, qweight, scales, zeros, g_idx, bits, group_size)

@@ -10,7 +10,8 @@ For each linear of a Llama-3-8B layer (qkv 4096 -> 6144, o 4096 -> 4096, gate_up
   fp8 weight (rowwise scaling), where the GPU has FP8 matmuls (capability >= 8.9);
 - fp8 linear: engine.kernels.fp8.fp8_linear, the per-token quantization of x included;
 - w4a16: engine.kernels.triton.quant_gemm.w_int_gemm, 4-bit, group 128, asymmetric (int32
-  zeros), its planned launch (split-K for the small M);
+  zeros), its planned launch (split-K for the small M), with each of its two ways of
+  unpacking the packed words (`reshape`, the default, and `gather`): which one to keep;
 
 in microseconds per call (CUDA events, best of three loops after a warm-up) and as bandwidth:
 the bytes the call must read (weight, its scales and zeros, x) and write (y), per second, and
@@ -194,12 +195,16 @@ def bench_shape(rows, name, k, n, ms, device, copy_bw, target_s):
                 lambda x=x, deq=deq: rel_err(fp8.fp8_linear(x, w_fp8, w_scale), x.float() @ deq.t()),
             )  # fmt: skip
             del deq
-        time_variant(
-            rows, name, m, f"w4a16 g{GROUP} asym (triton)", device, copy_bw, target_s,
-            w4_bytes + io,
-            Rotation(w4_copies, lambda t, x=x: qg.w_int_gemm(x, *t, None, 4, GROUP)),
-            lambda x=x, ref=ref: rel_err(qg.w_int_gemm(x, qweight, scales, zeros, None, 4, GROUP), ref),
-        )  # fmt: skip
+        for unpack in ("reshape", "gather"):  # the kernel's two ways of unpacking its words
+
+            def w4(t, x=x, unpack=unpack):
+                return qg.w_int_gemm(x, *t, None, 4, GROUP, unpack=unpack)
+
+            time_variant(
+                rows, name, m, f"w4a16 g{GROUP} asym, {unpack} (triton)", device, copy_bw,
+                target_s, w4_bytes + io, Rotation(w4_copies, w4),
+                lambda w4=w4, ref=ref: rel_err(w4((qweight, scales, zeros)), ref),
+            )  # fmt: skip
         free_memory()
     del bf16_copies, w4_copies, fp8_copies
     free_memory()

@@ -308,14 +308,15 @@ def plan_launch(
                 if group_size % bk == 0:
                     block_k = bk
                     break
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    k_tiles = triton.cdiv(k, block_k)
     if m <= DECODE_M:
         block_m, block_n, warps, stages = 16, 64, 4, 4
-    elif m <= 64:
-        block_m, block_n, warps, stages = 32 if m <= 32 else 64, 64, 4, 4
-    else:
-        block_m, block_n, warps, stages = 64, 128, 4, 3
+    else:  # (BLOCK_K at most 64: the pipelined stages of the loads fit in shared memory)
+        block_m, block_n, warps, stages = (32 if m <= 32 else 64), 64, 4, 4
+        if m > 64:
+            block_n, stages = 128, 3
+        block_k = min(block_k, 64)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    k_tiles = triton.cdiv(k, block_k)
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     # split K until there are two programs an SM (each keeping at least 4 K tiles)

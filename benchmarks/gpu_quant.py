@@ -24,7 +24,8 @@ fp8 against W8A8 emulated in fp32).
 
 The table goes to stdout, progress to stderr, the figures as JSON to $OUT/gpu_quant.json when
 $OUT is set (and to --json PATH). --quick: M = 1 and 64, the qkv and down shapes, shorter
-loops. Without a CUDA device only --quick runs: tiny shapes on the CPU with the Triton kernel
+loops. --sweep: at M = 1, W4A16 launches around the planned one too (BLOCK_N, BLOCK_K, split),
+the figures to tune plan_launch by. Without a CUDA device only --quick runs: tiny shapes on the CPU with the Triton kernel
 under the interpreter, a smoke run of the script (its times mean nothing).
 """
 
@@ -126,7 +127,23 @@ def time_variant(rows, shape, m, kind, device, copy_bw, target_s, bytes_moved, r
     )
 
 
-def bench_shape(rows, name, k, n, ms, device, copy_bw, target_s):
+def sweep_launches(qg, m, n, k, device) -> list:
+    """Launches around the planned one at M = 1: BLOCK_N 32/64/128 x BLOCK_K 64/128 x the
+    planned split / 2, x 1, x 2 (the reshape unpack)."""
+    if m != 1:
+        return []
+    planned = qg.plan_launch(m, n, k, GROUP, False, qg._num_sms(device))
+    out = []
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            for split in sorted(
+                {max(1, planned.split_k // 2), planned.split_k, planned.split_k * 2}
+            ):
+                out.append(qg.GemmLaunch(planned.block_m, bn, bk, split, 4, planned.num_stages))
+    return out
+
+
+def bench_shape(rows, name, k, n, ms, device, copy_bw, target_s, sweep=False):
     from engine.kernels import fp8
     from engine.kernels.triton import quant_gemm as qg
 
@@ -205,6 +222,17 @@ def bench_shape(rows, name, k, n, ms, device, copy_bw, target_s):
                 target_s, w4_bytes + io, Rotation(w4_copies, w4),
                 lambda w4=w4, ref=ref: rel_err(w4((qweight, scales, zeros)), ref),
             )  # fmt: skip
+        for launch in sweep_launches(qg, m, n, k, device) if sweep else ():
+
+            def w4s(t, x=x, launch=launch):
+                return qg.w_int_gemm(x, *t, None, 4, GROUP, launch=launch)
+
+            time_variant(
+                rows, name, m,
+                f"w4a16 sweep BN={launch.block_n} BK={launch.block_k} split={launch.split_k}",
+                device, copy_bw, target_s, w4_bytes + io, Rotation(w4_copies, w4s),
+                lambda w4s=w4s, ref=ref: rel_err(w4s((qweight, scales, zeros)), ref),
+            )  # fmt: skip
         free_memory()
     del bf16_copies, w4_copies, fp8_copies
     free_memory()
@@ -239,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="fewer shapes and rows; on a CPU: tiny"
     )
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time W4A16 launches around the planned one at the decode rows (tuning)",
+    )
     return parser
 
 
@@ -263,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (k, n) in linears.items():
         progress(f"{name}: K={k}, N={n}")
         try:
-            bench_shape(rows, name, k, n, ms, device, copy_bw, target_s)
+            bench_shape(rows, name, k, n, ms, device, copy_bw, target_s, args.sweep)
         except Exception as e:
             traceback.print_exc()
             rows.append(Row(name, 0, "setup", note=f"ERROR {type(e).__name__}: {str(e)[:200]}"))

@@ -25,8 +25,9 @@ fp8 against W8A8 emulated in fp32).
 The table goes to stdout, progress to stderr, the figures as JSON to $OUT/gpu_quant.json when
 $OUT is set (and to --json PATH). --quick: M = 1 and 64, the qkv and down shapes, shorter
 loops. --sweep: at M = 1, W4A16 launches around the planned one too (BLOCK_N, BLOCK_K, split),
-the figures to tune plan_launch by. Without a CUDA device only --quick runs: tiny shapes on the CPU with the Triton kernel
-under the interpreter, a smoke run of the script (its times mean nothing).
+the figures to tune plan_launch by. Without a CUDA device only --quick runs: tiny shapes on
+the CPU with the Triton kernel under the interpreter, a smoke run of the script (its times
+mean nothing).
 """
 
 from __future__ import annotations
@@ -209,7 +210,9 @@ def bench_shape(rows, name, k, n, ms, device, copy_bw, target_s, sweep=False):
                 rows, name, m, "fp8 linear (weight-only fallback)", device, copy_bw, target_s,
                 fp8_bytes + io,
                 Rotation(fp8_copies, lambda wq, x=x: fp8.fp8_linear(x, wq, w_scale)),
-                lambda x=x, deq=deq: rel_err(fp8.fp8_linear(x, w_fp8, w_scale), x.float() @ deq.t()),
+                lambda x=x, deq=deq: rel_err(
+                    fp8.fp8_linear(x, w_fp8, w_scale), x.float() @ deq.t()
+                ),
             )  # fmt: skip
             del deq
         for unpack in ("reshape", "gather"):  # the kernel's two ways of unpacking its words
@@ -245,7 +248,8 @@ def fmt_row(r: Row, bf16_us: float | None) -> str:
     share = f"{r.share_of_copy:.0%}" if r.share_of_copy is not None else "-"
     err = f"{r.rel_err:.1e}" if r.rel_err is not None else "-"
     mb = f"{r.bytes_moved / 1e6:.1f}" if r.bytes_moved else "-"
-    return f"| {r.shape} | {r.m} | {r.kind} | {us} | {speed} | {mb} | {bw} | {share} | {err} | {r.note} |"
+    cells = (r.shape, r.m, r.kind, us, speed, mb, bw, share, err, r.note)
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def print_table(rows: list[Row], meta: dict) -> None:
@@ -305,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
         "command": " ".join(["python3", "benchmarks/gpu_quant.py", *(argv or sys.argv[1:])]),
         "device": " / ".join(device_description(device)),
-        "versions": f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton_version()}",
+        "versions": (
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton_version()}"
+        ),
         "copy": fmt_bandwidth(copy_bw) if copy_bw else "not measured (CPU)",
         "total_s": time.monotonic() - started,
     }

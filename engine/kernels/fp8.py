@@ -78,11 +78,13 @@ def dequantize_fp8(
 
 
 def per_token_quant_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]): scale = max|x[m]| / 448 (at
-    least MIN_SCALE), values x / scale rounded to nearest even. The reference of the Triton
+    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]): scale = max|x[m]| * (1 / 448)
+    (at least MIN_SCALE), values x / scale rounded to nearest even. The reference of the Triton
     kernel, and its fallback."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    # a product with the reciprocal (not a division): the same fp32 scale on CPU and CUDA,
+    # where torch divides by a Python scalar that way, and in the Triton kernel
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

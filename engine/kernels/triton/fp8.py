@@ -1,11 +1,12 @@
 """Dynamic per-token fp8 (e4m3) quantization of activations: one program per row.
 
-Row m's scale is max|x[m]| / 448 (at least MIN_SCALE: an all-zero row stays finite) and its
-values x / scale, saturated to +-448 and rounded to nearest even: the bytes
-engine.kernels.fp8.per_token_quant_fp8_torch gives (fp32 division rounded as IEEE division
-rounds, tl.math.div_rn, not the approximate `/`). In torch that is five kernels and an fp32
-copy of x (upcast, abs, amax, divide, cast); here one read of x for the maximum and one for the
-values (small rows: one, held in registers), one byte written a value.
+Row m's scale is max|x[m]| * (1 / 448) (at least MIN_SCALE: an all-zero row stays finite) and
+its values x / scale, saturated to +-448 and rounded to nearest even: the bytes and scales
+engine.kernels.fp8.per_token_quant_fp8_torch gives on either device (the scale a product with
+the fp32 reciprocal, which is what torch's division by a Python scalar computes on CUDA; the
+values an IEEE division, tl.math.div_rn, not Triton's approximate `/`). In torch that is five
+kernels and an fp32 copy of x (upcast, abs, amax, divide, cast); here one read of x for the
+maximum and one for the values (small rows: one, held in registers), one byte written a value.
 
 The bytes are formed with integer ops and stored through a uint8 view (kv_store's
 _e4m3_bits): the interpreter's float8 cast rounds half up, so the tests would otherwise check
@@ -21,6 +22,7 @@ import triton.language as tl
 from engine.kernels.triton.kv_store import _e4m3_bits
 
 FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # a product, as torch's division by a scalar is on CUDA
 MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's floor for a dynamic scale
 MAX_BLOCK = 4096  # a row up to this wide is read once
 
@@ -52,7 +54,7 @@ def _per_token_quant_kernel(
             x = tl.load(src + k0 + cols, mask=ok, other=0.0).to(tl.float32)
             amax_acc = tl.maximum(amax_acc, tl.abs(x))
         amax = tl.max(amax_acc, 0)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+    scale = tl.maximum(amax * INV_FP8_MAX, min_scale)
     tl.store(scale_ptr + row, scale)
     if ONE_PASS:
         v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)

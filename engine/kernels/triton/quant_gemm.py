@@ -77,6 +77,8 @@ def _w_int_gemm_kernel(
     stride_om,
     stride_os,
     BITS: tl.constexpr,
+    PACK: tl.constexpr,  # 32 // BITS values a word
+    MASK: tl.constexpr,  # 2**BITS - 1
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     HAS_PERM: tl.constexpr,
@@ -88,8 +90,6 @@ def _w_int_gemm_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
 ):
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -387,6 +387,8 @@ def w_int_gemm(
             0 if zeros is None else zeros.stride(0),
             out.stride(-2), out.stride(0) if split > 1 else 0,
             BITS=bits,
+            PACK=32 // bits,
+            MASK=(1 << bits) - 1,
             HAS_ZEROS=zeros is not None,
             HAS_G_IDX=g_idx is not None,
             HAS_PERM=perm is not None,

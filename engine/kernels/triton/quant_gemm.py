@@ -16,13 +16,16 @@ bits is 4 or 8, group_size a positive divisor of K or -1 (one group: per channel
 multiple of 8 (4 for 8 bits). N is free.
 
 One kernel for every shape: a program takes a BLOCK_M x BLOCK_N tile of y and walks K
-BLOCK_K rows at a time: it loads the packed words of its rows (each word once per row it
-holds: the 8 rows of a word hit the same cache line), shifts and masks out the integers,
-subtracts the zero points, multiplies by the scales in fp32, and feeds the weights in the
-activations' dtype to tl.dot with fp32 accumulation. Decode-sized batches (M <= 16) take
-BLOCK_M = 16 (tl.dot's smallest) and split K across programs (split-K): with only N / BLOCK_N
-tiles of y the GPU would be mostly idle, so each split writes an fp32 partial and torch sums
-them. Prefill takes 64 x 128 tiles and no split.
+BLOCK_K rows at a time: it loads the packed words of its rows ([BLOCK_K / P, BLOCK_N], each
+word once, spread into its P values by a broadcast shift and a reshape; or, the `gather`
+alternative, one load a value, AutoGPTQ's Triton form, which the reshape falls back to should
+it not compile), masks out the integers, subtracts the zero points, multiplies by the scales in
+fp32, and feeds the weights in the activations' dtype to tl.dot with fp32 accumulation.
+Decode-sized batches (M <= 16) take BLOCK_M = 16 (tl.dot's smallest) and split K across
+programs (split-K): with only N / BLOCK_N tiles of y the GPU would be mostly idle, so each
+split writes an fp32 partial and torch sums them (plan_launch splits until there are two
+programs an SM, at any M). Larger M take 32/64 x 64 tiles, prefill 64 x 128. The tiles are
+first guesses, not measured: benchmarks/gpu_quant.py --sweep times the alternatives.
 
 Scales and zeros: where a K tile lies in one group (group_size a multiple of BLOCK_K, or one
 group), one row of them is loaded per tile; otherwise (g_idx, or small groups) one row per k,

@@ -176,7 +176,9 @@ def fp8_linear(
     times w_scale (per-tensor: a scalar; per-channel: [N]). input_scale: a static per-tensor
     activation scale, or None for dynamic per-token scales. W8A8 through _scaled_mm where
     the device has FP8 matmuls and the shape allows it, weight-only otherwise (module
-    docstring). The output is in x's dtype."""
+    docstring). The output is in x's dtype. Scales given as Python floats become tensors on
+    every call (a host-to-device copy on CUDA: not inside a captured graph); Fp8Linear
+    holds them as device tensors."""
     n, k = w_fp8.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
@@ -217,6 +219,8 @@ class Fp8Linear:
             scale = _as_scale(w_scale, device)
             scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(n)
             static = None if input_scale is None else _as_scale(input_scale, device).reshape(())
+            if static is None and scale.numel() == 1:  # per-token x: rowwise, one scale a column
+                scale = scale.expand(n).contiguous()
             return cls("fp8", w_fp8.contiguous(), scale, static, bias)
         return cls("dequantized", dequantize_fp8(w_fp8, w_scale, dtype), None, None, bias)
 

@@ -47,6 +47,7 @@ the kernel to, and a CPU fallback (dequantize, then a dense matmul).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -293,10 +294,17 @@ def repack_for_kernel(
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return _cuda_sms(index)
     return 1  # the interpreter: as few programs as can be
 
 
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)  # called on every GEMM: the hot path's host time
 def plan_launch(
     m: int, n: int, k: int, group_size: int, per_k_groups: bool, sms: int
 ) -> GemmLaunch:

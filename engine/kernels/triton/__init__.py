@@ -3,6 +3,9 @@
 kv_store: this step's K/V into the paged cache through the slot mapping (bf16/fp16/fp32, or
 fp8 e4m3 with per-tensor scales); paged_attention: one varlen kernel for decodes and prefill
 chunks over the block table, with a context-split (flash-decoding) reduce for small batches.
+Imported by their users, not here: quant_gemm (W4A16 / W8A16 GEMM over GPTQ-style packed
+integer weights, dequantized in the loop) and fp8 (dynamic per-token fp8 activation
+quantization, for engine.kernels.fp8).
 
 Importing this package imports triton: only the triton backend does, when it is chosen. Under
 TRITON_INTERPRET=1 (set before the first import) the kernels run on CPU tensors, which is how

@@ -32,6 +32,7 @@ from engine.options import (
     parse_bool,
     parse_bytes,
 )
+from engine.reasoning import REASONING_PARSER_CHOICES
 
 # Measured on 2 Zen 5 cores (tessera bench compare, 128-token prompts and outputs): 1024
 # against 2048 gave TTFT p50 0.7 vs 1.3 s at 32 streams and 1.2 vs 1.5 s at 128, throughput
@@ -93,6 +94,16 @@ class EngineArgs:
         kind="bool",
     )
     seed: int = option("Seed for weights (dummy) and for unseeded sampling.", 0, int)
+    reasoning_parser: str | None = option(
+        "A reasoning model's think-section format: qwen3 or deepseek_r1 (`<think>` ... "
+        "`</think>`). Chat replies then carry the thinking as `reasoning_content` and the "
+        "answer as `content` (streamed as such too); a grammar (response_format, a forced "
+        "tool call) applies after the thinking where the chat template opened it for the "
+        "model, and from the first token otherwise. Default: none (the think section stays "
+        "in `content`).",
+        None,
+        choices=REASONING_PARSER_CHOICES,
+    )
     max_model_len: int | None = option(
         "Context length: prompt + output tokens (default: the model's).", None, optional_int
     )
@@ -188,6 +199,7 @@ class EngineArgs:
                 device=self.device,
                 attention_backend=self.attention_backend,
                 enforce_eager=self.enforce_eager,
+                reasoning_parser=self.reasoning_parser,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

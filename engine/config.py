@@ -11,6 +11,7 @@ from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
 from engine.core.request_queue import POLICIES
 from engine.layers.quantization import QUANTIZATION_CHOICES
+from engine.reasoning import REASONING_PARSER_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -143,6 +144,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     # No CUDA graphs: every step eager (engine.worker.cuda_graph); vLLM's name.
     enforce_eager: bool = False
+    # A reasoning model's think-section format (engine.reasoning): grammars wait for its end.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -167,6 +170,11 @@ class ModelConfig:
             self.attention_backend in ATTENTION_BACKEND_CHOICES,
             f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}; "
             f"got {self.attention_backend!r}",
+        )
+        _check(
+            self.reasoning_parser in (None, *REASONING_PARSER_CHOICES),
+            f"reasoning_parser must be {', '.join(REASONING_PARSER_CHOICES)} or unset; "
+            f"got {self.reasoning_parser!r}",
         )
         if self.max_model_len is not None:
             _check(

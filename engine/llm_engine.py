@@ -27,9 +27,11 @@ from engine.models.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from engine.protocol import EngineRequest, Tenancy
+from engine.reasoning import PROMPT_TAIL_TOKENS, REASONING_FORMATS, StartState
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarError, StructuredOutputManager
+from engine.structured_output.manager import TextWatch
 from engine.worker.async_output import PendingOutput
 from engine.worker.executor import Executor
 from engine.worker.model_runner import resolve_device
@@ -65,6 +67,7 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         # Models with several end tokens (Llama 3) stop on all of them.
         self.extra_eos_ids = [t for t in hf_config.eos_token_ids if t != self.eos_token_id]
+        self.reasoning = REASONING_FORMATS.get(config.model.reasoning_parser or "")
 
         self.executor = Executor(config, model_dir)
         self.num_blocks = self.executor.determine_num_blocks()
@@ -184,6 +187,7 @@ class LLMEngine:
             error = grammar.error()
             if error is not None:
                 raise GrammarError(str(error))
+            grammar.waiting = self._reasoning_watch(request.prompt_token_ids)
         tenancy = request.tenancy
         scheduled = Request(
             request_id=request.request_id,
@@ -206,6 +210,21 @@ class LLMEngine:
             return
         self.scheduler.add_request(scheduled)  # its checks first: a refusal leaves no state
         self.output_processor.add_request(rid, text, ids, params)
+
+    def _reasoning_watch(self, prompt_token_ids: list[int]) -> TextWatch | None:
+        """For a reasoning model whose prompt leaves it thinking: the watch that holds the
+        grammar until the think section ends (engine.reasoning). None: the grammar applies
+        from the first token (no reasoning format, or the template did not open one)."""
+        fmt = self.reasoning
+        if fmt is None:
+            return None
+        tail = self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], False)
+        if fmt.start_state(tail) is not StartState.REASONING:
+            return None
+        return TextWatch(fmt.end, self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @property
     def num_waiting(self) -> int:
@@ -330,8 +349,9 @@ class LLMEngine:
         for sr in so.scheduled:
             if sr.sample:
                 request = requests.get(sr.request_id)
-                if request is not None and request.grammar is not None:
-                    rows.append((sr.request_id, request.grammar))
+                grammar = None if request is None else request.grammar
+                if grammar is not None and grammar.active:  # not while the model reasons
+                    rows.append((sr.request_id, grammar))
         return self.structured.start_bitmask(rows)
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -65,9 +65,11 @@ def build_tokenizer(
     corpus: list[str] | None = None,
     chat_template: str | None = CHATML_TEMPLATE,
     bos_token: str = "<|im_start|>",
+    added_tokens: tuple[str, ...] = (),
 ):
     """Train a byte-level BPE on `corpus` (default _CORPUS) and save it as a HF fast
-    tokenizer in out_dir, with the ChatML special tokens and `chat_template`."""
+    tokenizer in out_dir, with the ChatML special tokens, `added_tokens` (whole tokens that
+    are not special: decoding keeps them, as Qwen3's <think>) and `chat_template`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -88,17 +90,25 @@ def build_tokenizer(
         pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
     )
+    fast.add_tokens(list(added_tokens))
     fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_tiny_model(
+    out_dir: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    tokenizer: dict | None = None,
+    **overrides,
+) -> Path:
     """Save a tiny random model of arch ("llama", "qwen2", "qwen3", or the mixtures of experts
     "mixtral", "qwen2_moe", "qwen3_moe") with its tokenizer in out_dir.
 
     Weights are drawn wider than HF's default init (and norms/biases are randomised too) so
     logits are peaked: greedy decoding then has clear margins, and every weight matters.
+    `tokenizer`: build_tokenizer's arguments (a chat template, special tokens).
     """
     import torch
     from transformers import (
@@ -111,7 +121,7 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
     )
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out_dir)
+    tok = build_tokenizer(out_dir, **(tokenizer or {}))
     kwargs = dict(
         vocab_size=len(tok),
         hidden_size=64,
@@ -185,6 +195,23 @@ def tiny_llama_dir(make_tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(make_tiny_model) -> Path:
     return make_tiny_model("tiny-qwen2", arch="qwen2", tie_word_embeddings=True, seed=1)
+
+
+# A reasoning model's template: the generation prompt opens the think section (DeepSeek-R1's
+# way), unless chat_template_kwargs' enable_thinking is false, which closes an empty one (Qwen3's).
+REASONING_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n' }}{% endif %}",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoning_dir(make_tiny_model) -> Path:
+    """A tiny Llama whose tokenizer has <think> and </think> as whole tokens (the last two
+    ids) and whose template opens the think section (REASONING_TEMPLATE)."""
+    tokenizer = dict(chat_template=REASONING_TEMPLATE, added_tokens=("<think>", "</think>"))
+    return make_tiny_model("tiny-reasoning", tokenizer=tokenizer, seed=5)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from typing import Any
 
 from msgspec import UNSET
 
+from api.openai.reasoning import ReasoningSplit
 from api.openai.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -101,11 +102,15 @@ class _Formatter:
             self._token_text[token_id] = text
         return text
 
-    def _new(self, index: int, c: CompletionOutput) -> tuple[str, list[TokenLogprobs] | None]:
-        """The text and logprobs of choice `index` not sent yet; marks them sent."""
+    def _new(
+        self, index: int, c: CompletionOutput, text: str | None = None
+    ) -> tuple[str, list[TokenLogprobs] | None]:
+        """The text (c.text, or the part of it given) and logprobs of choice `index` not sent
+        yet; marks them sent."""
+        text = c.text if text is None else text
         sent = self._sent_text.get(index, 0)
-        delta = c.text[sent:] if len(c.text) > sent else ""
-        self._sent_text[index] = max(sent, len(c.text))
+        delta = text[sent:] if len(text) > sent else ""
+        self._sent_text[index] = max(sent, len(text))
         lps = None
         if c.logprobs is not None:
             k = self._sent_tokens.get(index, 0)
@@ -116,7 +121,9 @@ class _Formatter:
 
 class ChatFormatter(_Formatter):
     """`tools`: the request's ToolPlan; each choice's text is then read for tool calls (as
-    it streams, too) and a reply that calls tools ends with finish_reason "tool_calls"."""
+    it streams, too) and a reply that calls tools ends with finish_reason "tool_calls".
+    `reasoning`: the think section is split off first (`reasoning_content`); the content and
+    the tool calls are read from what follows it."""
 
     def __init__(
         self,
@@ -126,11 +133,21 @@ class ChatFormatter(_Formatter):
         params: SamplingParams,
         logprobs: bool,
         tools: ToolPlan | None = None,
+        reasoning: ReasoningSplit | None = None,
     ) -> None:
         super().__init__(rid, model, tokenizer, params)
         self.want_logprobs = logprobs
         self.tools = tools if tools is not None and tools.active else None
+        self.reasoning = reasoning
         self._streamers: dict[int, ToolStreamer] = {}
+        self._sent_reasoning: dict[int, int] = {}  # choice index -> reasoning characters sent
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
+        """(reasoning to show, the answer's text) of a choice's output so far."""
+        if self.reasoning is None:
+            return None, text
+        thinking, answer = self.reasoning.split(text, final)
+        return (thinking if self.reasoning.include else None), answer
 
     def _streamer(self, index: int) -> ToolStreamer:
         streamer = self._streamers.get(index)
@@ -140,13 +157,18 @@ class ChatFormatter(_Formatter):
         return streamer
 
     def _message(self, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
-        if self.tools is None:
-            return ChatResponseMessage(content=c.text), c.finish_reason
-        content, calls = self._streamer(c.index).parse(c.text)
+        thinking, text = self._split(c.text, final=True)
+        extra = {} if thinking is None else {"reasoning_content": thinking}
+        if self.reasoning is not None and not text:
+            text = None  # all thinking (cut off by max_tokens): no answer, not an empty one
+        if self.tools is None or text is None:
+            return ChatResponseMessage(content=text, **extra), c.finish_reason
+        content, calls = self._streamer(c.index).parse(text)
         if not calls:
-            return ChatResponseMessage(content=content), c.finish_reason
+            return ChatResponseMessage(content=content, **extra), c.finish_reason
         tool_calls = [ToolCall(id=t.id, function=FunctionCall(t.name, t.arguments)) for t in calls]
-        return ChatResponseMessage(content=content, tool_calls=tool_calls), _finish(c, True)
+        message = ChatResponseMessage(content=content, tool_calls=tool_calls, **extra)
+        return message, _finish(c, True)
 
     def _logprobs(self, lps: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         if not self.want_logprobs or lps is None:
@@ -206,15 +228,22 @@ class ChatFormatter(_Formatter):
             if c.index in self._done:
                 continue
             _check_finish(c)
-            delta, lps = self._new(c.index, c)
             finish = c.finish_reason
+            thinking, text = self._split(c.text, final=finish is not None)
+            delta, lps = self._new(c.index, c, text)
+            deltas = []
+            if thinking is not None:
+                sent = self._sent_reasoning.get(c.index, 0)
+                if len(thinking) > sent:
+                    deltas.append(DeltaMessage(reasoning_content=thinking[sent:]))
+                    self._sent_reasoning[c.index] = len(thinking)
             if self.tools is not None:
                 streamer = self._streamer(c.index)
-                deltas = [_delta(d) for d in streamer.update(c.text, final=finish is not None)]
+                deltas += [_delta(d) for d in streamer.update(text, final=finish is not None)]
                 if finish is not None:
                     finish = _finish(c, streamer.called)
-            else:
-                deltas = [DeltaMessage(content=delta)] if delta else []
+            elif delta:
+                deltas.append(DeltaMessage(content=delta))
             if lps and not deltas:
                 deltas = [DeltaMessage()]
             for k, d in enumerate(deltas):

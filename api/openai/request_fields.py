@@ -73,6 +73,7 @@ CHAT_IMPLEMENTED = _SAMPLING | {
     "chat_template_kwargs",
     "documents",
     "add_generation_prompt",
+    "include_reasoning",  # vLLM: with --reasoning-parser
 }
 
 COMPLETION_IMPLEMENTED = _SAMPLING | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -91,9 +92,8 @@ CHAT_IGNORED = _IGNORED_COMMON | {
     "prompt_cache_key",  # prefix caching is automatic
     "prompt_cache_retention",  # ditto: cached blocks live until evicted
     "safety_identifier",  # OpenAI's abuse-monitoring id; `user` is the one recorded
-    "reasoning_effort",  # no reasoning models: nothing to budget
-    "verbosity",  # ditto
-    "include_reasoning",  # vLLM: no reasoning parser
+    "reasoning_effort",  # no thinking budget: a reasoning model thinks as long as it does
+    "verbosity",  # no such control in the open models served
 }
 COMPLETION_IGNORED = _IGNORED_COMMON
 

@@ -42,6 +42,7 @@ from api.openai.inputs import (
     sampling_params,
     template_extras,
 )
+from api.openai.reasoning import reasoning_split
 from api.openai.request_fields import check_fields
 from api.openai.schemas import (
     ChatCompletionRequest,
@@ -135,7 +136,12 @@ class OpenAIController(Controller):
         params = await constrain(params, tools, engine)
 
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormatter(rid, engine.model_name, engine.tokenizer, params, data.logprobs, tools)
+        reasoning = reasoning_split(
+            server.settings.reasoning_parser, engine.tokenizer, prompt, data
+        )
+        fmt = ChatFormatter(
+            rid, engine.model_name, engine.tokenizer, params, data.logprobs, tools, reasoning
+        )
         reserved = len(prompt) + max_tokens * params.n
         ticket = await _ticket(request, principal, rid, data, reserved, arrived)
         gen = await _admit(

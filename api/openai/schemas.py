@@ -143,6 +143,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: with --reasoning-parser, false leaves the thinking out of the reply
+    include_reasoning: bool = True
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -214,6 +216,7 @@ class ChatResponseMessage(Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # --reasoning-parser: the think section
 
 
 class ChatChoice(Struct):
@@ -251,6 +254,7 @@ class DeltaToolCall(Struct, kw_only=True):
 class DeltaMessage(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 

@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,48 @@ _COMPILE_THREADS = 2
 SUPPORTED_FORMS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
+class TextWatch:
+    """Watches a request's output tokens for a closing text (a reasoning model's
+    `</think>`, engine.reasoning): `feed` is True once the text has appeared. Tags are
+    ASCII, so decoding token by token finds them whatever the tokenizer splits them into."""
+
+    __slots__ = ("text", "token_text", "_tail")
+
+    def __init__(self, text: str, token_text: Callable[[int], str], tail: str = ""):
+        self.text = text
+        self.token_text = token_text
+        self._tail = tail
+
+    def feed(self, token: int) -> bool:
+        self._tail = (self._tail + self.token_text(token))[-2 * len(self.text) :]
+        return self.text in self._tail
+
+    def copy(self) -> TextWatch:
+        return TextWatch(self.text, self.token_text, self._tail)
+
+
 class RequestGrammar:
-    """One request's grammar state: the compile future, then its own matcher."""
+    """One request's grammar state: the compile future, then its own matcher. With a
+    `waiting` watch (a reasoning model thinking first), tokens pass unconstrained and
+    unmatched until the watch sees the reasoning end; the grammar applies from there."""
 
-    __slots__ = ("future", "_matcher", "submitted")
+    __slots__ = ("future", "_matcher", "submitted", "waiting")
 
-    def __init__(self, future: concurrent.futures.Future, matcher: Matcher | None = None):
+    def __init__(
+        self,
+        future: concurrent.futures.Future,
+        matcher: Matcher | None = None,
+        waiting: TextWatch | None = None,
+    ):
         self.future = future
         self._matcher = matcher
         self.submitted = time.monotonic()
+        self.waiting = waiting
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (not while the model reasons)."""
+        return self.waiting is None
 
     def ready(self) -> bool:
         """Whether the grammar is compiled (or failed: see error())."""
@@ -68,20 +102,25 @@ class RequestGrammar:
         return self._matcher
 
     def accept_token(self, token: int) -> None:
+        if self.waiting is not None:
+            if self.waiting.feed(token):
+                self.waiting = None  # the reasoning ended with this token: the answer is next
+            return
         if not self.matcher.accept_token(token):
             # Only a token outside the mask gets here (the mask was not applied): the matcher
             # is now in its error state, which is_terminated() reports.
             logger.warning("structured output: token %d rejected by the grammar", token)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.waiting is None and self.matcher.is_terminated()
 
     def failed(self) -> bool:
-        return self.matcher.failed()
+        return self.waiting is None and self.matcher.failed()
 
     def fork(self) -> RequestGrammar:
         """A copy for a forked sample: same grammar, its own matcher state."""
-        return RequestGrammar(self.future, self.matcher.fork())
+        waiting = None if self.waiting is None else self.waiting.copy()
+        return RequestGrammar(self.future, self.matcher.fork(), waiting)
 
 
 @dataclass(slots=True)

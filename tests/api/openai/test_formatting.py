@@ -139,3 +139,55 @@ def test_abort_and_error_are_not_openai_finish_reasons(tok, reason, status):
     # An output that never finished (the engine dropped it) is an error, not a success.
     with pytest.raises(APIError, match="aborted"):
         fmt.response([out(["x"], [[1]])], [[1]])
+
+
+def _reasoning(state="reasoning", include=True):
+    from api.openai.reasoning import ReasoningSplit
+    from engine.reasoning import REASONING_FORMATS, StartState
+
+    return ReasoningSplit(REASONING_FORMATS["deepseek_r1"], StartState(state), include)
+
+
+def test_chat_reasoning_streams_apart_and_the_whole_reply_agrees(tok):
+    """--reasoning-parser: the think section goes out as reasoning_content deltas (a cut-off
+    `</think>` held back), the answer as content; the non-streaming reply says the same."""
+    texts = [
+        "Let me",
+        "Let me think</th",
+        "Let me think</think>\n\nPar",
+        "Let me think</think>\n\nParis.",
+    ]
+    fmt = ChatFormatter("c", "m", tok, SamplingParams(), logprobs=False, reasoning=_reasoning())
+    deltas = []
+    for k, text in enumerate(texts):
+        final = ["stop"] if k == len(texts) - 1 else None
+        for e in fmt.update_events(0, out([text], [list(range(k + 1))], finish=final), None):
+            deltas.append(encode(e)["choices"][0]["delta"])
+    thinking = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    assert (thinking, content) == ("Let me think", "Paris.")
+    assert {"reasoning_content": "Let me"} in deltas and {"reasoning_content": " think"} in deltas
+    whole = ChatFormatter("c", "m", tok, SamplingParams(), logprobs=False, reasoning=_reasoning())
+    body = encode(whole.response([out([texts[-1]], [[1]], finish=["stop"])], [[1, 2, 3]]))
+    message = body["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Let me think", "Paris.")
+
+
+def test_chat_reasoning_left_out_or_absent(tok):
+    text = "hidden</think>shown"
+    hidden = ChatFormatter(
+        "c", "m", tok, SamplingParams(), False, reasoning=_reasoning(include=False)
+    )
+    message = encode(hidden.response([out([text], [[1]], finish=["stop"])], [[1]]))["choices"][0]
+    assert (
+        "reasoning_content" not in message["message"] and message["message"]["content"] == "shown"
+    )
+    closed = ChatFormatter("c", "m", tok, SamplingParams(), False, reasoning=_reasoning("answer"))
+    message = encode(closed.response([out([text], [[1]], finish=["stop"])], [[1]]))["choices"][0]
+    assert "reasoning_content" not in message["message"] and message["message"]["content"] == text
+    # all thinking, cut off by max_tokens: no answer at all
+    cut = ChatFormatter("c", "m", tok, SamplingParams(), False, reasoning=_reasoning())
+    message = encode(cut.response([out(["still thinking"], [[1]], finish=["length"])], [[1]]))
+    assert message["choices"][0]["message"] == {
+        "content": None, "role": "assistant", "reasoning_content": "still thinking"
+    }  # fmt: skip

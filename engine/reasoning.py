@@ -1,0 +1,87 @@
+"""Reasoning models' think sections: where the reasoning ends and the answer begins.
+
+Qwen3 and DeepSeek-R1 style models write their reasoning between `<think>` and `</think>`
+before the answer. `--reasoning-parser NAME` (vLLM's flag) names the format: the API splits
+the output into `reasoning_content` and `content` (ReasoningFormat.split), and the engine
+holds a request's grammar (structured output, forced tool calls) until the reasoning has
+ended, so the constraint applies to the answer and not to the thinking (StartState,
+RequestGrammar.wait_for).
+
+Whether the output starts inside a think section is read from the end of the prompt, as the
+chat template left it: a template that opened `<think>` for the model (DeepSeek-R1, Qwen3's
+thinking variants) starts it inside; one that closed an empty section (Qwen3 with
+`enable_thinking: false`) starts it in the answer; with neither, `deepseek_r1` assumes the
+model thinks first and `qwen3` waits to see whether the output opens `<think>` itself.
+A new format is one entry in REASONING_FORMATS. No torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# How many of the prompt's last tokens are read for an opened or closed think section: the
+# generation prompt's tags, not a think section in an earlier turn of the conversation.
+PROMPT_TAIL_TOKENS = 16
+
+
+class StartState(enum.Enum):
+    REASONING = "reasoning"  # the output starts inside the think section
+    ANSWER = "answer"  # the prompt closed the section: no reasoning in the output
+    UNDECIDED = "undecided"  # reasoning only if the output opens the section itself
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    # With no tag in the prompt's tail: does the model think first (DeepSeek-R1's older
+    # templates did not write the opening tag) or only when it writes `start` (Qwen3)?
+    thinks_unprompted: bool = False
+
+    def start_state(self, prompt_tail: str) -> StartState:
+        """The output's start state from the prompt's last PROMPT_TAIL_TOKENS tokens' text."""
+        opened, closed = prompt_tail.rfind(self.start), prompt_tail.rfind(self.end)
+        if opened > closed:
+            return StartState.REASONING
+        if closed >= 0:
+            return StartState.ANSWER
+        return StartState.REASONING if self.thinks_unprompted else StartState.UNDECIDED
+
+    def split(self, text: str, state: StartState, final: bool) -> tuple[str | None, str]:
+        """(reasoning, answer) of the output text so far; reasoning None where the output has
+        no think section. Until `final`, a tag cut off at the end is held back (it is neither
+        part yet), so successive splits of a growing text only ever append to both parts."""
+        if state is StartState.ANSWER:
+            return None, text
+        body = text.lstrip()
+        if body.startswith(self.start):
+            body = body[len(self.start) :]
+        elif not final and self.start.startswith(body):  # nothing yet, or a cut-off tag
+            return ("" if state is StartState.REASONING else None), ""
+        elif state is StartState.UNDECIDED:
+            return None, text
+        else:
+            body = text
+        i = body.find(self.end)
+        if i >= 0:
+            return body[:i], body[i + len(self.end) :].lstrip()
+        if not final:
+            body = body[: len(body) - _cut_off(body, self.end)]
+        return body, ""
+
+
+def _cut_off(text: str, tag: str) -> int:
+    """Length of the longest end of text that is a proper beginning of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+REASONING_FORMATS = {
+    "qwen3": ReasoningFormat("qwen3"),
+    "deepseek_r1": ReasoningFormat("deepseek_r1", thinks_unprompted=True),
+}
+REASONING_PARSER_CHOICES = tuple(REASONING_FORMATS)

@@ -107,6 +107,17 @@ class EngineArgs:
     max_model_len: int | None = option(
         "Context length: prompt + output tokens (default: the model's).", None, optional_int
     )
+    generation_config: str = option(
+        "Sampling defaults for what a request leaves unset (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, and max_new_tokens as max_tokens): auto = the model "
+        "folder's generation_config.json (logged at start; none where it has none), vllm = "
+        "none (temperature 1, no top-p/k), or a folder holding a generation_config.json.",
+        "auto",
+    )
+    chat_template: str | None = option(
+        "A chat template to use instead of the tokenizer's: a file's path, or the Jinja "
+        "template itself (default: the tokenizer's).",
+    )
     # --- scheduler ---
     max_num_seqs: int = option("Most sequences in one batch.", 256, int)
     max_num_batched_tokens: int | None = option(
@@ -200,6 +211,8 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 enforce_eager=self.enforce_eager,
                 reasoning_parser=self.reasoning_parser,
+                generation_config=self.generation_config,
+                chat_template=self.chat_template,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

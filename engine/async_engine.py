@@ -41,6 +41,7 @@ class AsyncEngine:
         self.config: EngineConfig = engine.config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults
         self.model_name = engine.config.served_model_name or engine.config.model.model
         self.stuck_after_s = stuck_after_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

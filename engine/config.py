@@ -146,6 +146,10 @@ class ModelConfig:
     enforce_eager: bool = False
     # A reasoning model's think-section format (engine.reasoning): grammars wait for its end.
     reasoning_parser: str | None = None
+    # Sampling defaults: auto (the model's generation_config.json) | vllm (none) | a folder.
+    generation_config: str = "auto"
+    # A chat template replacing the tokenizer's: a file's path or the template itself.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _check(

@@ -50,7 +50,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -61,6 +61,10 @@ class LLM:
                     "or one per prompt."
                 )
         return self._run(prompts, params_list, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (--generation-config; vLLM's name)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def chat(
         self,

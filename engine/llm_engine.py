@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.dummy_tokenizer import load_tokenizer
 from engine.errors import QueueFullError
-from engine.models.hf_config import load_hf_config, max_model_len_for
+from engine.models.hf_config import load_hf_config, max_model_len_for, sampling_defaults
 from engine.models.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
@@ -32,6 +32,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarError, StructuredOutputManager
 from engine.structured_output.manager import TextWatch
+from engine.tokenizer import read_chat_template
 from engine.worker.async_output import PendingOutput
 from engine.worker.executor import Executor
 from engine.worker.model_runner import resolve_device
@@ -68,6 +69,16 @@ class LLMEngine:
         # Models with several end tokens (Llama 3) stop on all of them.
         self.extra_eos_ids = [t for t in hf_config.eos_token_ids if t != self.eos_token_id]
         self.reasoning = REASONING_FORMATS.get(config.model.reasoning_parser or "")
+        if config.model.chat_template is not None:
+            self.tokenizer.hf.chat_template = read_chat_template(config.model.chat_template)
+        self.sampling_defaults = sampling_defaults(model_dir, config.model.generation_config)
+        if self.sampling_defaults:
+            SamplingParams(**self.sampling_defaults)  # a bad file is a start-up error
+            logger.info(
+                "Sampling defaults from generation_config.json (for what a request leaves "
+                "unset; --generation-config vllm ignores them): %s",
+                self.sampling_defaults,
+            )
 
         self.executor = Executor(config, model_dir)
         self.num_blocks = self.executor.determine_num_blocks()

@@ -72,6 +72,8 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: Any  # engine.tokenizer.Tokenizer
+    # SamplingParams fields a request falls back to (--generation-config), e.g. temperature
+    sampling_defaults: dict[str, Any]
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's cumulative output after each step that changed it; stopping the

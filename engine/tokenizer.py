@@ -79,7 +79,7 @@ class Tokenizer:
         (joined with newlines, as vLLM does). template_kwargs (tools=..., documents=..., or a
         template's own switches) go to the template as variables.
         """
-        if not self.has_chat_template:
+        if not self.has_chat_template and template_kwargs.get("chat_template") is None:
             raise ValueError(
                 "this model's tokenizer has no chat template: use a completion (plain prompt) "
                 "instead, or a model whose tokenizer_config.json defines chat_template"
@@ -202,3 +202,13 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return delta
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself where it is a template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat_template {value!r}: no such file (nor a Jinja template)")

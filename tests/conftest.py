@@ -197,6 +197,20 @@ def tiny_qwen2_dir(make_tiny_model) -> Path:
     return make_tiny_model("tiny-qwen2", arch="qwen2", tie_word_embeddings=True, seed=1)
 
 
+@pytest.fixture(scope="session")
+def genconf_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with sampling defaults in its generation_config.json (greedy, top-k 5,
+    5 new tokens; do_sample, which vLLM does not read, too)."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("genconf") / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    defaults = {"temperature": 0.0, "top_k": 5, "max_new_tokens": 5, "do_sample": True}
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **defaults}))
+    return folder
+
+
 # A reasoning model's template: the generation prompt opens the think section (DeepSeek-R1's
 # way), unless chat_template_kwargs' enable_thinking is false, which closes an empty one (Qwen3's).
 REASONING_TEMPLATE = CHATML_TEMPLATE.replace(

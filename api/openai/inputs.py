@@ -139,6 +139,8 @@ def template_extras(data: Any) -> dict[str, Any]:
         )
     if data.documents is not None:
         extras["documents"] = data.documents
+    if getattr(data, "chat_template", None) is not None:  # allowed by the route's flag check
+        extras["chat_template"] = data.chat_template
     return extras
 
 
@@ -235,7 +237,11 @@ def check_priority(priority: int | None) -> None:
         )
 
 
-def sampling_params(data: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    data: Any, max_tokens: int, logprobs: int | None, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The request's SamplingParams; `defaults` (the model's generation_config.json, engine's
+    sampling_defaults) fill what the request leaves unset, before the API's own."""
     stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
     bias = None
     if data.logit_bias:
@@ -245,18 +251,24 @@ def sampling_params(data: Any, max_tokens: int, logprobs: int | None) -> Samplin
             raise invalid_request(
                 "logit_bias keys must be token ids (integers as strings).", "logit_bias"
             ) from None
+    defaults = defaults or {}
+
+    def given(name: str, fallback: Any) -> Any:
+        value = getattr(data, name)
+        return defaults.get(name, fallback) if value is None else value
+
     try:
         return SamplingParams(
             n=1 if data.n is None else data.n,
             max_tokens=max_tokens,
             min_tokens=data.min_tokens or 0,
-            temperature=1.0 if data.temperature is None else data.temperature,
-            top_p=1.0 if data.top_p is None else data.top_p,
-            top_k=data.top_k or 0,
-            min_p=data.min_p or 0.0,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             presence_penalty=data.presence_penalty or 0.0,
             frequency_penalty=data.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if data.repetition_penalty is None else data.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias=bias,
             seed=data.seed,
             stop=stop,

@@ -31,6 +31,7 @@ logger = logging.getLogger("tessera.api")
 _SAMPLING = {
     "model",
     "priority",  # vLLM's scheduling class, never better than the key's (api/tenants/tenancy.py)
+    "cache_salt",  # vLLM: prefix-cache isolation within the key's or tenant's scope
     "max_tokens",
     "temperature",
     "top_p",
@@ -74,6 +75,7 @@ CHAT_IMPLEMENTED = _SAMPLING | {
     "documents",
     "add_generation_prompt",
     "include_reasoning",  # vLLM: with --reasoning-parser
+    "chat_template",  # vLLM: with --trust-request-chat-template
 }
 
 COMPLETION_IMPLEMENTED = _SAMPLING | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -139,7 +141,6 @@ _REJECTED_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_unset, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (_only(False), "return_tokens_as_token_ids is not supported"),
     "return_token_ids": (_only(False), "return_token_ids is not supported; use /tokenize"),
-    "cache_salt": (_unset, "cache_salt is not supported"),
     "kv_transfer_params": (_unset, "disaggregated serving is not supported"),
     "vllm_xargs": (_unset, "vllm_xargs is not supported"),
     "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern is not supported"),
@@ -161,7 +162,6 @@ CHAT_REJECTED = _REJECTED_COMMON | {
     "echo": (_only(False), "echo is not supported on chat completions"),
     "continue_final_message": (_only(False), "continue_final_message is not supported"),
     "add_special_tokens": (_only(False), "the chat template writes the special tokens"),
-    "chat_template": (_unset, "per-request chat templates are not accepted"),
     "best_of": (_only(1), "best_of is not supported; use n"),
 }
 COMPLETION_REJECTED = _REJECTED_COMMON | {

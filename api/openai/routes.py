@@ -110,6 +110,12 @@ class OpenAIController(Controller):
         max_tokens = data.max_completion_tokens
         if max_tokens is None:
             max_tokens = data.max_tokens
+        if data.chat_template is not None and not server.settings.trust_request_chat_template:
+            raise invalid_request(
+                "Per-request chat templates are off: the server accepts them with "
+                "--trust-request-chat-template.",
+                "chat_template",
+            )
         refuse_chat_that_cannot_fit(  # from sizes alone: before the template's work
             data.messages,
             data.tools if tools is not None and tools.active else None,
@@ -125,13 +131,17 @@ class OpenAIController(Controller):
             template_kwargs=template_extras(data),
             prepare=functools.partial(template_input, plan=tools, parser=parser),
         )
+        unset = max_tokens is None
         max_tokens = fit_context(len(prompt), max_tokens, engine.max_model_len, "messages")
+        if unset:  # the rest of the context, or less: the model's max_new_tokens
+            max_tokens = min(max_tokens, engine.sampling_defaults.get("max_tokens", max_tokens))
         top = data.top_logprobs
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         check_priority(data.priority)
         logprobs = (top or 0) if data.logprobs else None
-        params = sampling_params(data, max_tokens, logprobs)  # bounded: ~4 ms at the limits
+        defaults = engine.sampling_defaults
+        params = sampling_params(data, max_tokens, logprobs, defaults)  # ~4 ms at the limits
         params = await with_structured_outputs(data, params, engine)
         params = await constrain(params, tools, engine)
 
@@ -145,8 +155,9 @@ class OpenAIController(Controller):
         reserved = len(prompt) + max_tokens * params.n
         ticket = await _ticket(request, principal, rid, data, reserved, arrived)
         gen = await _admit(
-            server, engine, request, principal, ticket, [rid], [prompt], params, data.priority
-        )
+            server, engine, request, principal, ticket, [rid], [prompt], params, data.priority,
+            data.cache_salt,
+        )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
             return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
@@ -190,7 +201,7 @@ class OpenAIController(Controller):
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         check_priority(data.priority)
-        params = sampling_params(data, max_tokens, data.logprobs)
+        params = sampling_params(data, max_tokens, data.logprobs, engine.sampling_defaults)
         params = await with_structured_outputs(data, params, engine)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -205,8 +216,9 @@ class OpenAIController(Controller):
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
         ticket = await _ticket(request, principal, cid, data, reserved, arrived)
         gen = await _admit(
-            server, engine, request, principal, ticket, rids, prompts, params, data.priority
-        )
+            server, engine, request, principal, ticket, rids, prompts, params, data.priority,
+            data.cache_salt,
+        )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
             return _sse_response(request, gen, ticket, fmt, include_usage)  # type: ignore[return-value]
@@ -314,6 +326,7 @@ async def _admit(
     prompts: list[list[int]],
     params: SamplingParams,
     requested_priority: int | None = None,
+    cache_salt: str | None = None,
 ) -> Generation:
     """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
     closing the Generation settles the ticket, whatever happens. The deadline counts from
@@ -325,6 +338,7 @@ async def _admit(
         requested_priority,
         ticket.arrived,
         server.settings.request_timeout,
+        cache_salt,
     )
     metrics = request.app.state.get("metrics")  # api/server/metrics.py's Metrics, when mounted
 

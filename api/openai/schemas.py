@@ -128,6 +128,9 @@ class _SamplingFields(Struct, kw_only=True):
     guided_grammar: str | None = None
     # vLLM's scheduling priority (lower runs first), never better than the key's own.
     priority: int | None = None
+    # vLLM's: requests share prefix-cache blocks only with the same salt (within the key's
+    # or tenant's own scope, api/tenants/tenancy.py)
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -145,6 +148,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     # vLLM's: with --reasoning-parser, false leaves the thinking out of the reply
     include_reasoning: bool = True
+    # vLLM's: a template for this request (only with --trust-request-chat-template)
+    chat_template: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

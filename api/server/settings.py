@@ -118,6 +118,13 @@ class Settings(EngineArgs):
         "auto",
         choices=PARSER_CHOICES,
     )
+    trust_request_chat_template: bool = option(
+        "Accept a chat request's own `chat_template` (vLLM's field). Off by default: a "
+        "template is code the server runs (sandboxed Jinja, but its loops are its own).",
+        False,
+        parse_bool,
+        kind="bool",
+    )
     lenient_request_fields: bool = option(
         "Ignore request fields outside OpenAI's and vLLM's documented sets (logged) instead "
         "of refusing them with 400.",

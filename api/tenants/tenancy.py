@@ -25,13 +25,21 @@ from api.keys.auth import Principal
 from engine.protocol import Tenancy
 
 
-def cache_salt(principal: Principal, secret: bytes) -> str | None:
+def cache_salt(principal: Principal, secret: bytes, requested: str | None = None) -> str | None:
+    """The salt of the request's prefix-cache block hashes: its key's or tenant's scope (so
+    scopes never share blocks), and within it the request's own `cache_salt` (vLLM's field:
+    requests with different salts share nothing either, and no salt can reach another
+    scope's blocks)."""
     if principal.cache_scope == "tenant" and principal.tenant_id is not None:
         scope = f"tenant:{principal.tenant_id}"
     elif principal.key_id is not None:
         scope = f"key:{principal.key_id}"
-    else:
+    elif requested is None:
         return None
+    else:
+        scope = "open"
+    if requested is not None:
+        scope += "|salt:" + requested
     return hmac.new(secret, scope.encode(), hashlib.sha256).hexdigest()[:32]
 
 
@@ -51,12 +59,13 @@ def engine_tenancy(
     requested_priority: int | None,
     arrived: float,
     server_timeout: float | None,
+    requested_salt: str | None = None,
 ) -> Tenancy:
     timeout = request_timeout(principal, server_timeout)
     return Tenancy(
         tenant=principal.tenant_id,
         weight=principal.tenant_weight,
-        cache_salt=cache_salt(principal, secret),
+        cache_salt=cache_salt(principal, secret, requested_salt),
         priority=effective_priority(principal, requested_priority),
         deadline=None if timeout is None else arrived + timeout,
     )

@@ -171,6 +171,40 @@ def load_hf_config(model_dir: str | Path) -> HFModelConfig:
         raise ValueError(f"{path} lacks the field {e.args[0]!r}") from None
 
 
+# generation_config.json's sampling fields -> SamplingParams' names: the defaults a request
+# falls back to for what it leaves unset (vLLM's --generation-config auto).
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(model_dir: str | Path, generation_config: str) -> dict[str, Any]:
+    """The sampling defaults of --generation-config: `auto`, the model folder's
+    generation_config.json (none where it has none); `vllm`, none (the API's own defaults);
+    else a folder holding a generation_config.json."""
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(
+            f"generation_config {generation_config!r}: no generation_config.json there"
+        )
+    raw = json.loads(path.read_text())
+    return {
+        ours: raw[theirs]
+        for theirs, ours in _GENERATION_DEFAULTS.items()
+        if raw.get(theirs) is not None
+    }
+
+
 def max_model_len_for(cfg: HFModelConfig, requested: int | None) -> int:
     """The context length to serve: the model's own unless a shorter one is requested.
 

@@ -46,3 +46,14 @@ def test_the_tighter_timeout_wins_and_becomes_a_deadline():
     t = engine_tenancy(key("a", tenant_weight=2.0), SECRET, None, 100.0, 30.0)
     assert (t.tenant, t.weight, t.deadline, t.priority) == ("a", 2.0, 130.0, 0)
     assert engine_tenancy(STATIC, SECRET, None, 100.0, None).tenant is None
+
+
+def test_a_requests_cache_salt_splits_its_scope_and_never_reaches_another():
+    a = cache_salt(key("a"), SECRET)
+    salted = cache_salt(key("a"), SECRET, "x")
+    assert salted not in (a, None) and cache_salt(key("a"), SECRET, "x") == salted
+    assert cache_salt(key("a"), SECRET, "y") != salted
+    assert cache_salt(key("b"), SECRET, "x") != salted  # the same salt under another key
+    # an open or static server: the request's salt alone (no salt: everything shared)
+    assert cache_salt(ANONYMOUS, SECRET, "x") not in (None, salted)
+    assert cache_salt(STATIC, SECRET, "x") == cache_salt(ANONYMOUS, SECRET, "x")

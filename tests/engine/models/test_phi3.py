@@ -210,3 +210,34 @@ def test_phi3_tp2_matches_tp1(tiny_phi3_dir, tiny_phi4_mini_dir, tmp_path):
     for got, want in zip(torch.load(out), expected, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_plan_takes_longrope_not_partial_rotary(
+    tiny_phi3_longrope_dir, tiny_phi4_mini_dir, monkeypatch
+):
+    """The CPU's decode plan (engine.worker.cpu_graph) reads the model's cos/sin, so LongRoPE
+    runs in it, token for token as the modules do; its rotary turns whole heads, so a partial
+    rotary model (Phi-4-mini) is not planned."""
+    from engine import LLM, SamplingParams
+    from engine.kernels.cpu import w4 as cpu_w4
+
+    if not cpu_w4.available():
+        pytest.skip("the plan runs the 4-bit (AVX512-VNNI or AVX2) kernels")
+    prompts = [[5, 17, 33, 101, 7], [9, 8, 7, 6, 5, 4, 3, 250, 12, 99]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(model_dir) -> tuple[bool, list[list[int]]]:
+        llm = LLM(
+            str(model_dir), dtype="bfloat16", quantization="w4a8", num_kv_blocks=40, max_num_seqs=4
+        )
+        planned = llm.engine.executor.runner._step_graph is not None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+        return planned, [list(o.outputs[0].token_ids) for o in outs]
+
+    planned, tokens = run(tiny_phi3_longrope_dir)
+    assert planned
+    monkeypatch.setenv("TESSERA_DECODE_PLAN", "0")
+    assert run(tiny_phi3_longrope_dir) == (False, tokens)
+    monkeypatch.delenv("TESSERA_DECODE_PLAN")
+    assert not run(tiny_phi4_mini_dir)[0]

@@ -8,6 +8,9 @@ vocab_size equals the tokenizer's. Nothing is downloaded.
     tiny_qwen2_dir     Qwen2ForCausalLM: qkv bias, tied embeddings
     tiny_llama3_dir    Llama with llama3 rope scaling
     tiny_mixtral_dir, tiny_qwen2_moe_dir, tiny_qwen3_moe_dir   mixtures of experts (MOE_MODELS)
+    tiny_phi3_dir      Phi3ForCausalLM: fused qkv_proj / gate_up_proj checkpoint tensors
+    tiny_phi3_longrope_dir   Phi-3 with LongRoPE (original context 56 of 512)
+    tiny_phi4_mini_dir Phi-4-mini's shape: LongRoPE, partial rotary (half of each head), tied
     make_tiny_model    factory: make_tiny_model("name", arch="llama", **config_overrides) -> Path
     default_model_dir  the default GGUF model converted once per session (slow: ~15 s)
 """
@@ -103,8 +106,8 @@ def build_tiny_model(
     tokenizer: dict | None = None,
     **overrides,
 ) -> Path:
-    """Save a tiny random model of arch ("llama", "qwen2", "qwen3", or the mixtures of experts
-    "mixtral", "qwen2_moe", "qwen3_moe") with its tokenizer in out_dir.
+    """Save a tiny random model of arch ("llama", "qwen2", "qwen3", "phi3", or the mixtures of
+    experts "mixtral", "qwen2_moe", "qwen3_moe") with its tokenizer in out_dir.
 
     Weights are drawn wider than HF's default init (and norms/biases are randomised too) so
     logits are peaked: greedy decoding then has clear margins, and every weight matters.
@@ -148,6 +151,7 @@ def build_tiny_model(
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     }[arch]
     if isinstance(config_cls, str):
         config_cls, model_cls = getattr(transformers, config_cls), getattr(transformers, model_cls)
@@ -284,6 +288,60 @@ def tiny_llama3_dir(make_tiny_model) -> Path:
         "original_max_position_embeddings": 32,
     }
     return make_tiny_model("tiny-llama3", rope_theta=500000.0, rope_scaling=scaling, seed=2)
+
+
+def longrope_scaling(rotary_dim: int, original: int, seed: int = 0) -> dict:
+    """A "longrope" rope_scaling: short factors near 1, long ones up to 16 (Phi-3's shape)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = rotary_dim // 2
+    short = (1.0 + 0.5 * torch.rand(n, generator=g)).tolist()
+    long = (1.0 + 15.0 * torch.linspace(0, 1, n) ** 2).tolist()
+    return {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": original,
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-phi3", arch="phi3", seed=7)
+
+
+# The test prompts are at most 48 tokens and decode 12 more: with an original context of 56
+# the longest ones decode past it (HF switches to the long factors there, as we do).
+PHI3_ORIGINAL_CONTEXT = 56
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope_dir(make_tiny_model) -> Path:
+    scaling = longrope_scaling(16, PHI3_ORIGINAL_CONTEXT)
+    return make_tiny_model(
+        "tiny-phi3-longrope",
+        arch="phi3",
+        rope_scaling=scaling,
+        original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+        seed=8,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_phi4_mini_dir(make_tiny_model) -> Path:
+    """Phi-4-mini's shape: LongRoPE over half of each head (partial_rotary_factor), tied
+    embeddings."""
+    scaling = longrope_scaling(8, PHI3_ORIGINAL_CONTEXT, seed=1)
+    return make_tiny_model(
+        "tiny-phi4-mini",
+        arch="phi3",
+        rope_scaling=scaling,
+        original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=True,
+        seed=9,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,21 @@
 
 The model looks cos/sin up once per step (RotaryEmbedding.lookup) and every attention layer
 applies them with its ApplyRotary op, so no layer recomputes frequencies. Supports rope_type
-"default" and "llama3".
+"default", "llama3" and "longrope" (Phi-3 / Phi-4), and rotary on the first rotary_dim dims of
+each head only (partial_rotary_factor: the model rotates that slice, the rest passes through).
+
+LongRoPE: transformers picks the short factors while a forward's largest position is below
+original_max_position_embeddings and the long ones beyond it, for the whole forward (and keeps
+the keys it cached before). Here the choice is per position: positions below
+original_max_position_embeddings take the short factors, later ones the long factors. That
+is HF's rotation, token for token, for every prompt up to original_max_position_embeddings,
+decoding past it included (HF's decode steps there rotate only the new token, with the long
+factors; the cached keys keep the short ones); a longer prompt keeps the short factors for
+its first original_max_position_embeddings positions, where HF re-rotates the whole prompt with
+the long ones. A position's rotation never depends on the batch or the request, so the prefix
+cache, chunked prefill and preemption stay exact. Both sets are scaled by the attention factor
+(sqrt(1 + log(factor) / log(original)) unless the config gives attention_factor), as HF scales
+cos and sin.
 """
 
 from __future__ import annotations
@@ -32,31 +46,73 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def longrope_parameters(
+    dim: int, base: float, scaling: dict
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(short inv_freq, long inv_freq, attention factor) of a "longrope" scaling dict over
+    rotary dim dim: transformers' _compute_longrope_parameters, both factor sets. scaling
+    holds short_factor, long_factor, original_max_position_embeddings and factor
+    (engine.models.hf_config fills factor in as max_position_embeddings / original when the
+    config has none)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.numel() != dim // 2:
+            raise ValueError(
+                f"rope_scaling {key} has {ext.numel()} entries; the rotary dimension "
+                f"({dim}) needs {dim // 2}"
+            )
+        inv.append(1.0 / (ext * base**shape))
+    return inv[0], inv[1], float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin of every position up to max_position over rotary_dim (default head_dim)."""
+
     def __init__(
         self,
         head_dim: int,
         max_position: int,
         base: float,
         rope_scaling: dict | None = None,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
-        if rope_type not in (None, "default", "llama3"):
+        if rope_type not in (None, "default", "llama3", "longrope"):
             raise ValueError(
-                f"rope_scaling type {rope_type!r} is not supported (supported: default, llama3)"
+                f"rope_scaling type {rope_type!r} is not supported "
+                "(supported: default, llama3, longrope)"
             )
         self.head_dim = head_dim
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        if rope_type == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+        dim = self.rotary_dim = rotary_dim or head_dim
+        if dim % 2 or dim > head_dim:
+            raise ValueError(f"rotary dimension {dim} must be even and at most head_dim {head_dim}")
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())  # [P, D/2], float32 like HF
+        if rope_type == "longrope":
+            short, long, attention_factor = longrope_parameters(dim, base, rope_scaling)
+            original = int(rope_scaling["original_max_position_embeddings"])
+            freqs = torch.cat(  # [P, D/2]: short factors below original, long ones from it
+                (torch.outer(t[:original], short), torch.outer(t[original:], long))
+            )
+            cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        else:
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            if rope_type == "llama3":
+                inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+            freqs = torch.outer(t, inv_freq.float())  # [P, D/2], float32 like HF
+            cos, sin = freqs.cos(), freqs.sin()
         # Not a state-dict buffer: it is derived from the config, never loaded.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -27,6 +27,7 @@ class HFModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # None for plain rope; else has "rope_type"
+    # (longrope: short_factor, long_factor, original_max_position_embeddings and factor)
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v (Qwen2: True)
     qk_norm: bool  # an RMSNorm over each head of q and k before rotary (Qwen3)
@@ -37,6 +38,8 @@ class HFModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     sliding_window: int | None = None  # only when the model actually uses it
+    # rotary on the first int(head_dim * partial_rotary_factor) dims of each head (Phi-4-mini)
+    partial_rotary_factor: float = 1.0
     # Mixture of experts (0 experts: a dense model). Layer i has the experts unless it is in
     # mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen's rule; Mixtral: every layer).
     num_experts: int = 0
@@ -62,7 +65,8 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, the scaling dict or None, partial_rotary_factor)."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
@@ -72,11 +76,35 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw.get("rope_scaling") or {})
+    partial = float(
+        scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
+    )
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if raw.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's older names for it (transformers' Phi3Config maps them)
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     scaling["rope_type"] = rope_type
-    return theta, scaling
+    if rope_type == "longrope":
+        _longrope(raw, scaling)
+    return theta, scaling, partial
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Complete a longrope scaling dict as transformers reads it: the pretraining context
+    (original_max_position_embeddings, Phi-3 keeps it at the config's top level) and factor
+    (when absent: max_position_embeddings / original_max_position_embeddings)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ValueError(f"rope_scaling type 'longrope' needs a {key} list")
+    original = scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not original:
+        raise ValueError("rope_scaling type 'longrope' needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original)
+    if scaling.get("factor") is None:
+        scaling["factor"] = int(raw.get("max_position_embeddings", 2048)) / int(original)
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
@@ -98,7 +126,7 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
     model_type = raw.get("model_type", "")
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
-    theta, scaling = _rope(raw)
+    theta, scaling, partial_rotary_factor = _rope(raw)
     if model_type == "qwen2_moe":  # transformers 5 names it qkv_bias; older configs omit it
         attention_bias = bool(raw.get("qkv_bias", raw.get("attention_bias", True)))
     else:
@@ -132,6 +160,7 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
+        partial_rotary_factor=partial_rotary_factor,
         **_moe(raw, model_type),
     )
 

@@ -1,6 +1,7 @@
 """One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
-(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM. The MLP is pluggable:
-make_mlp(cfg, layer_idx) builds each layer's (the mixtures of experts of engine.models.moe).
+(qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM; Phi-3 / Phi-4 (LongRoPE,
+partial rotary) through engine.models.phi3. The MLP is pluggable: make_mlp(cfg, layer_idx)
+builds each layer's (the mixtures of experts of engine.models.moe).
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.
@@ -21,6 +22,11 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import ApplyRotary, RotaryEmbedding
 from engine.models.hf_config import HFModelConfig
+
+
+def rotary_dim(cfg: HFModelConfig) -> int:
+    """The dims of each head that rotary rotates (transformers: int(head_dim * factor))."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
 class LlamaAttention(nn.Module):
@@ -45,6 +51,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = ApplyRotary()
+        self.rotary_dim = rotary_dim(cfg)
 
     def forward(
         self,
@@ -61,7 +68,11 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qk[:, h:].reshape(t * hkv, d)).view(t, hkv, d)
             qk = torch.cat((q, k), dim=1)
         # q and k are adjacent: rotate both with one set of ops.
-        qk = self.rotary(qk, *rope)
+        r = self.rotary_dim
+        if r == d:
+            qk = self.rotary(qk, *rope)
+        else:  # partial rotary (Phi-4-mini): the first r dims of each head; the rest pass
+            qk = torch.cat((self.rotary(qk[..., :r].contiguous(), *rope), qk[..., r:]), dim=-1)
         o = self.attn(qk[:, :h], qk[:, h:], qkv[:, h + hkv :], meta)
         return self.o_proj(o)
 
@@ -117,7 +128,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, rotary_dim(cfg)
         )
 
     def forward(

@@ -2,7 +2,8 @@
 
 resolve_model: a local HF folder as is; the default model name or a .gguf file converted once
 into the user cache. load_model: the model class from config.json, weights from safetensors
-through each parameter's weight_loader (tensor-parallel sharding), or random ("dummy"); a
+through each parameter's weight_loader (tensor-parallel sharding; a fused checkpoint tensor such
+as Phi-3's qkv_proj split into its shards first), or random ("dummy"); a
 converted GGUF's linear weights, left in the file, from the file (engine.gguf.convert.linked_tensors).
 """
 
@@ -198,12 +199,27 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     # name -> (parameter, shard id) or None: a model whose tensors the packed mapping cannot
     # place (engine.models.moe: one checkpoint tensor per expert into stacked parameters)
     remap = getattr(model, "map_checkpoint_name", None)
+    # name -> [(parameter, shard id, offset, size)] or None: a checkpoint tensor that fuses
+    # several of a merged parameter's shards (Phi-3's qkv_proj, gate_up_proj), split on dim 0
+    # into the shards, each then loaded (and split for tensor parallelism) as its own tensor
+    fused = getattr(model, "fused_checkpoint_shards", None)
     loaded: dict[str, set] = {}
     seen: set[str] = set()  # checkpoint names read
 
     def fill(ckpt_name: str, tensor: Callable[[], torch.Tensor], source: str) -> None:
         seen.add(ckpt_name)
         if "rotary_emb.inv_freq" in ckpt_name:
+            return
+        parts = fused(ckpt_name) if fused is not None else None
+        if parts is not None:
+            whole = tensor()
+            total = sum(size for *_, size in parts)
+            if whole.shape[0] != total:
+                raise ValueError(
+                    f"{source}: {ckpt_name!r} has {whole.shape[0]} rows; its parts need {total}"
+                )
+            for target, shard, offset, size in parts:
+                place(ckpt_name, target, shard, whole.narrow(0, offset, size), source)
             return
         mapped = remap(ckpt_name) if remap is not None else None
         if mapped is not None:  # the model's own rule first (a MoE's per-expert tensors)
@@ -214,6 +230,15 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
                 if f".{src}." in ckpt_name:
                     target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), shard_id
                     break
+        place(ckpt_name, target, shard, tensor, source)
+
+    def place(
+        ckpt_name: str,
+        target: str,
+        shard,
+        tensor: torch.Tensor | Callable[[], torch.Tensor],
+        source: str,
+    ) -> None:
         if target in held:
             return
         param = params.get(target)
@@ -222,10 +247,11 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
                 return
             raise ValueError(f"{source}: unexpected weight {ckpt_name!r}")
         loader = getattr(param, "weight_loader", _default_loader)
+        data = tensor if isinstance(tensor, torch.Tensor) else tensor()
         if shard is None:
-            loader(param, tensor())
+            loader(param, data)
         else:
-            loader(param, tensor(), shard)
+            loader(param, data, shard)
         loaded.setdefault(target, set()).add(shard)
 
     for file in _weight_files(model_dir):

@@ -161,6 +161,8 @@ class DecodePlan:
                     m.bias is not None and m.bias.dtype != torch.bfloat16 for m in _linears(layer)
                 )
                 or getattr(layer.self_attn, "q_norm", None) is not None  # Qwen3's: not planned
+                # partial rotary (Phi-4-mini): the plan's rotary turns whole heads
+                or layer.self_attn.rotary_dim != layer.self_attn.head_dim
                 or cache is None
                 or cache.device.type != "cpu"
                 or not cache.is_contiguous()

@@ -125,18 +125,45 @@ def test_mixture_of_experts_match_hf(request, fixture, name, kwargs):
     from engine.models.loader import load_hf_config
 
     prompts = make_prompts(load_hf_config(model_dir).vocab_size)
-    expected = _moe_reference(model_dir, prompts)
+    expected = _eager_reference(model_dir, prompts)
     got, stats = engine_greedy(model_dir, prompts, **kwargs)
     assert [g[0] for g in got] == expected
     if name == "prefix-caching":
         assert stats.prefix_cache_hits >= 16, "the shared prefix was not served from the cache"
 
 
-_MOE_REFERENCES: dict = {}
+@pytest.mark.parametrize(
+    "fixture", ["tiny_phi3_dir", "tiny_phi3_longrope_dir", "tiny_phi4_mini_dir"]
+)
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("prefix-caching", dict(enable_prefix_caching=True)),
+        ("no-prefix-caching", dict(enable_prefix_caching=False)),
+        ("chunked-prefill", dict(max_num_batched_tokens=16)),
+    ],
+)
+def test_phi3_match_hf(request, fixture, name, kwargs):
+    """Phi-3 (fused qkv_proj / gate_up_proj split at load), Phi-3 with LongRoPE (original
+    context 56: the 48-token prompts decode past it, onto the long factors) and Phi-4-mini's
+    partial rotary with LongRoPE: HF's greedy tokens, whichever way the cache is filled."""
+    model_dir = request.getfixturevalue(fixture)
+    from engine.models.loader import load_hf_config
+
+    prompts = make_prompts(load_hf_config(model_dir).vocab_size)
+    expected = _eager_reference(model_dir, prompts)
+    got, stats = engine_greedy(model_dir, prompts, **kwargs)
+    assert [g[0] for g in got] == expected
+    if name == "prefix-caching":
+        assert stats.prefix_cache_hits >= 16, "the shared prefix was not served from the cache"
 
 
-def _moe_reference(model_dir, prompts):
+_REFERENCES: dict = {}
+
+
+def _eager_reference(model_dir, prompts):
+    """HF's greedy tokens with eager attention, once per model folder."""
     key = str(model_dir)
-    if key not in _MOE_REFERENCES:
-        _MOE_REFERENCES[key] = hf_greedy(model_dir, prompts, NUM_NEW, attn_implementation="eager")
-    return _MOE_REFERENCES[key]
+    if key not in _REFERENCES:
+        _REFERENCES[key] = hf_greedy(model_dir, prompts, NUM_NEW, attn_implementation="eager")
+    return _REFERENCES[key]

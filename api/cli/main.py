@@ -38,6 +38,7 @@ logger = logging.getLogger("tessera.api")
 BENCHMARKS = (
     "serve",
     "throughput",
+    "latency",
     "scheduler",
     "auth",
     "decode",

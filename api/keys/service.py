@@ -48,11 +48,11 @@ from api.keys.fields import (
     validate_name,
 )
 from api.tenants.service import (
-    TenantNotFound,
     TenantRecord,
     insert_tenant,
     own_tenant_name,
     tenant_record,
+    tenant_row,
 )
 from api.usage.service import GROUP_BY, UsageBucket, aggregate_usage
 
@@ -143,7 +143,7 @@ class KeyService:
                 session, own_tenant_name(fields["name"], key_id), {}, tenant_id=key_id
             )
         else:
-            tenant = await _tenant(session, tenant_id)
+            tenant = await tenant_row(session, tenant_id)
             if tenant.disabled_at is not None:
                 raise ValueError(f"tenant {tenant_id!r} is disabled")
         row = ApiKey(
@@ -189,7 +189,7 @@ class KeyService:
             if "tenant_id" in fields:
                 if fields["tenant_id"] is None:
                     raise ValueError("tenant_id cannot be null: every key belongs to a tenant")
-                await _tenant(session, fields["tenant_id"])
+                await tenant_row(session, fields["tenant_id"])
             for attr, value in _column_values(fields).items():
                 setattr(row, attr, value)
             await session.commit()
@@ -285,13 +285,6 @@ class KeyService:
         if row is None:
             raise KeyNotFound(key_id)
         return row
-
-
-async def _tenant(session: AsyncSession, tenant_id: str) -> Tenant:
-    tenant = await session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise TenantNotFound(tenant_id)
-    return tenant
 
 
 __all__ = [

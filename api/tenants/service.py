@@ -134,7 +134,7 @@ class TenantService:
     async def update(self, tenant_id: str, **changes: Any) -> TenantRecord:
         fields = validate_tenant_fields(changes)
         async with self.db.session(write=True) as session:
-            row = await _row(session, tenant_id)
+            row = await tenant_row(session, tenant_id)
             name = fields.pop("name", None)
             if name is not None and name != row.name:
                 if await session.scalar(select(Tenant.id).where(Tenant.name == name)):
@@ -161,11 +161,19 @@ class TenantService:
         return record
 
 
-async def _row(session: AsyncSession, tenant_id: str) -> Tenant:
+async def tenant_row(session: AsyncSession, tenant_id: str) -> Tenant:
+    """The tenant's row in `session`; TenantNotFound if there is none."""
     row = await session.get(Tenant, tenant_id)
     if row is None:
         raise TenantNotFound(tenant_id)
     return row
 
 
-__all__ = ["TenantNotFound", "TenantRecord", "TenantService", "own_tenant_name", "tenant_record"]
+__all__ = [
+    "TenantNotFound",
+    "TenantRecord",
+    "TenantService",
+    "own_tenant_name",
+    "tenant_record",
+    "tenant_row",
+]

@@ -171,6 +171,16 @@ def print_json(value: Any, out: TextIO) -> None:
     print(json.dumps(msgspec.to_builtins(value), indent=2), file=out)
 
 
+async def for_each_id(
+    ids: Sequence[str], action: Callable[[str], Awaitable[Any]], verb: str, out: TextIO
+) -> None:
+    """`action` on each id in turn (revoke, disable), each confirmed with a line: the first
+    unknown id stops there (exit status 2)."""
+    for item_id in ids:
+        record = await action(item_id)
+        print(f"{verb} {record.id} ({record.name}).", file=out)
+
+
 def print_listing(
     records: Sequence[R],
     as_json: bool,

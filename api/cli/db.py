@@ -34,6 +34,7 @@ from api.admin.schemas import key_info, key_with_secret
 from api.cli.common import (
     Failed,
     database_options,
+    for_each_id,
     limit_options,
     limits,
     max_request_seconds_option,
@@ -196,9 +197,7 @@ async def _keys_rotate(keys: KeyService, args: argparse.Namespace, out: TextIO) 
 
 
 async def _keys_revoke(keys: KeyService, args: argparse.Namespace, out: TextIO) -> None:
-    for key_id in args.ids:
-        record = await keys.revoke(key_id)
-        print(f"Revoked {record.id} ({record.name}).", file=out)
+    await for_each_id(args.ids, keys.revoke, "Revoked", out)
 
 
 async def _keys_list(keys: KeyService, args: argparse.Namespace, out: TextIO) -> None:

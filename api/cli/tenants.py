@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from api.admin.schemas import tenant_info
 from api.cli.common import (
     database_options,
+    for_each_id,
     limit_options,
     limits,
     max_request_seconds_option,
@@ -119,9 +120,7 @@ async def _update(tenants: TenantService, args: argparse.Namespace, out: TextIO)
 
 
 async def _delete(tenants: TenantService, args: argparse.Namespace, out: TextIO) -> None:
-    for tenant_id in args.ids:
-        record = await tenants.disable(tenant_id)
-        print(f"Disabled {record.id} ({record.name}).", file=out)
+    await for_each_id(args.ids, tenants.disable, "Disabled", out)
 
 
 async def _list(tenants: TenantService, args: argparse.Namespace, out: TextIO) -> None:

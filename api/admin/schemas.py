@@ -2,6 +2,12 @@
 
 Other tools are written against these shapes; change them only compatibly. Limits are
 positive integers or null (= unlimited). Times are RFC 3339 date-times in UTC.
+
+The limits a key and a tenant share are written once per role: `CreateLimits`, `UpdateLimits`
+and `InfoLimits`. They are keyword-only, and msgspec orders a keyword-only field after the
+others (in the JSON and the OpenAPI schema): so each shape is a head over its limits (the
+fields before them) and a keyword-only class over that head (the fields after), and its
+fields keep the order the wire format always had.
 """
 
 from __future__ import annotations
@@ -28,14 +34,57 @@ TenantId = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
 UNSET = msgspec.UNSET
 
 
-class KeyCreate(msgspec.Struct, forbid_unknown_fields=True):
-    name: Name
-    allowed_models: list[ModelName] | None = None
+class CreateLimits(msgspec.Struct, kw_only=True):
+    """A create body's limits, key and tenant alike."""
+
     rpm_limit: Limit | None = None
     tpm_limit: BigLimit | None = None
     max_parallel: Limit | None = None
     token_budget: BigLimit | None = None
     budget_period: BudgetPeriod = "total"
+
+
+class UpdateLimits(msgspec.Struct, kw_only=True):
+    """A PATCH body's limits: only the fields present change; an explicit null means
+    unlimited."""
+
+    rpm_limit: Limit | None | msgspec.UnsetType = UNSET
+    tpm_limit: BigLimit | None | msgspec.UnsetType = UNSET
+    max_parallel: Limit | None | msgspec.UnsetType = UNSET
+    token_budget: BigLimit | None | msgspec.UnsetType = UNSET
+    budget_period: BudgetPeriod | msgspec.UnsetType = UNSET
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the body sets (all of the shape's, not only the limits)."""
+        return {
+            f: getattr(self, f)
+            for f in self.__struct_fields__
+            if getattr(self, f) is not msgspec.UNSET
+        }
+
+
+class InfoLimits(msgspec.Struct, kw_only=True):
+    """A key's or a tenant's limits as a response shows them."""
+
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel: int | None
+    token_budget: int | None
+    budget_period: str
+    budget_used: int
+
+
+def info_limits(record: Any) -> dict[str, Any]:
+    """A KeyRecord's or TenantRecord's InfoLimits fields."""
+    return {f: getattr(record, f) for f in InfoLimits.__struct_fields__}
+
+
+class _KeyCreateHead(CreateLimits):
+    name: Name
+    allowed_models: list[ModelName] | None = None
+
+
+class KeyCreate(_KeyCreateHead, kw_only=True, forbid_unknown_fields=True):
     priority: Priority = 0
     expires_at: datetime | None = None
     metadata: dict[str, Any] | None = None
@@ -55,16 +104,14 @@ def _check_expiry(expires_at: Any) -> None:
         )
 
 
-class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
-    """PATCH body: only the fields present change; an explicit null means unlimited."""
-
+class _KeyUpdateHead(UpdateLimits):
     name: Name | msgspec.UnsetType = UNSET
     allowed_models: list[ModelName] | None | msgspec.UnsetType = UNSET
-    rpm_limit: Limit | None | msgspec.UnsetType = UNSET
-    tpm_limit: BigLimit | None | msgspec.UnsetType = UNSET
-    max_parallel: Limit | None | msgspec.UnsetType = UNSET
-    token_budget: BigLimit | None | msgspec.UnsetType = UNSET
-    budget_period: BudgetPeriod | msgspec.UnsetType = UNSET
+
+
+class KeyUpdate(_KeyUpdateHead, kw_only=True, forbid_unknown_fields=True):
+    """PATCH body: only the fields present change; an explicit null means unlimited."""
+
     priority: Priority | msgspec.UnsetType = UNSET
     expires_at: datetime | None | msgspec.UnsetType = UNSET
     metadata: dict[str, Any] | None | msgspec.UnsetType = UNSET
@@ -74,57 +121,38 @@ class KeyUpdate(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _check_expiry(self.expires_at)
 
-    def changes(self) -> dict[str, Any]:
-        return _changes(self)
 
-
-def _changes(body: msgspec.Struct) -> dict[str, Any]:
-    return {
-        f: getattr(body, f) for f in body.__struct_fields__ if getattr(body, f) is not msgspec.UNSET
-    }
-
-
-class TenantCreate(msgspec.Struct, forbid_unknown_fields=True):
+class _TenantCreateHead(CreateLimits):
     name: Name
     weight: Weight = 1.0
-    rpm_limit: Limit | None = None
-    tpm_limit: BigLimit | None = None
-    max_parallel: Limit | None = None
-    token_budget: BigLimit | None = None
-    budget_period: BudgetPeriod = "total"
+
+
+class TenantCreate(_TenantCreateHead, kw_only=True, forbid_unknown_fields=True):
     prefix_cache_scope: CacheScope = "key"
     max_request_seconds: Seconds | None = None
 
 
-class TenantUpdate(msgspec.Struct, forbid_unknown_fields=True):
-    """PATCH body: only the fields present change; an explicit null means unlimited."""
-
+class _TenantUpdateHead(UpdateLimits):
     name: Name | msgspec.UnsetType = UNSET
     weight: Weight | msgspec.UnsetType = UNSET
-    rpm_limit: Limit | None | msgspec.UnsetType = UNSET
-    tpm_limit: BigLimit | None | msgspec.UnsetType = UNSET
-    max_parallel: Limit | None | msgspec.UnsetType = UNSET
-    token_budget: BigLimit | None | msgspec.UnsetType = UNSET
-    budget_period: BudgetPeriod | msgspec.UnsetType = UNSET
+
+
+class TenantUpdate(_TenantUpdateHead, kw_only=True, forbid_unknown_fields=True):
+    """PATCH body: only the fields present change; an explicit null means unlimited."""
+
     prefix_cache_scope: CacheScope | msgspec.UnsetType = UNSET
     max_request_seconds: Seconds | None | msgspec.UnsetType = UNSET
     disabled: bool | msgspec.UnsetType = UNSET
 
-    def changes(self) -> dict[str, Any]:
-        return _changes(self)
 
-
-class TenantInfo(msgspec.Struct):
+class _TenantInfoHead(InfoLimits):
     id: str
     object: str
     name: str
     weight: float
-    rpm_limit: int | None
-    tpm_limit: int | None
-    max_parallel: int | None
-    token_budget: int | None
-    budget_period: str
-    budget_used: int
+
+
+class TenantInfo(_TenantInfoHead, kw_only=True):
     prefix_cache_scope: str
     max_request_seconds: float | None
     created_at: datetime
@@ -139,16 +167,11 @@ class TenantList(msgspec.Struct):
 
 def tenant_info(r: TenantRecord) -> TenantInfo:
     return TenantInfo(
+        **info_limits(r),
         id=r.id,
         object="tenant",
         name=r.name,
         weight=r.weight,
-        rpm_limit=r.rpm_limit,
-        tpm_limit=r.tpm_limit,
-        max_parallel=r.max_parallel,
-        token_budget=r.token_budget,
-        budget_period=r.budget_period,
-        budget_used=r.budget_used,
         prefix_cache_scope=r.prefix_cache_scope,
         max_request_seconds=r.max_request_seconds,
         created_at=r.created_at,
@@ -209,7 +232,7 @@ def parse_time(value: str, param: str) -> datetime:
     )
 
 
-class KeyInfo(msgspec.Struct):
+class _KeyInfoHead(InfoLimits):
     id: str
     object: str
     name: str
@@ -218,12 +241,9 @@ class KeyInfo(msgspec.Struct):
     expires_at: datetime | None
     revoked_at: datetime | None
     allowed_models: list[str] | None
-    rpm_limit: int | None
-    tpm_limit: int | None
-    max_parallel: int | None
-    token_budget: int | None
-    budget_period: str
-    budget_used: int
+
+
+class KeyInfo(_KeyInfoHead, kw_only=True):
     priority: int
     metadata: dict[str, Any]
     previous_key_valid_until: datetime | None
@@ -231,7 +251,7 @@ class KeyInfo(msgspec.Struct):
     max_request_seconds: float | None
 
 
-class KeyWithSecret(KeyInfo):
+class KeyWithSecret(KeyInfo, kw_only=True):
     """Returned by create and rotate: the only responses that carry the key itself."""
 
     key: str = ""
@@ -272,6 +292,7 @@ def key_with_secret(record: KeyRecord, key: str) -> KeyWithSecret:
 
 def _key_fields(r: KeyRecord) -> dict[str, Any]:
     return {
+        **info_limits(r),
         "id": r.id,
         "object": "api_key",
         "name": r.name,
@@ -280,12 +301,6 @@ def _key_fields(r: KeyRecord) -> dict[str, Any]:
         "expires_at": r.expires_at,
         "revoked_at": r.revoked_at,
         "allowed_models": list(r.allowed_models) if r.allowed_models is not None else None,
-        "rpm_limit": r.rpm_limit,
-        "tpm_limit": r.tpm_limit,
-        "max_parallel": r.max_parallel,
-        "token_budget": r.token_budget,
-        "budget_period": r.budget_period,
-        "budget_used": r.budget_used,
         "priority": r.priority,
         "metadata": r.metadata,
         "previous_key_valid_until": r.previous_valid_until,

@@ -27,26 +27,26 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
-import msgspec
-
-from api.admin.schemas import key_info
+from api.admin.schemas import key_info, key_with_secret
 from api.cli.common import (
     Failed,
     database_options,
+    for_each_id,
+    limit_options,
     limits,
-    positive,
-    print_table,
+    max_request_seconds_option,
+    print_json,
+    print_listing,
+    run_service,
     run_with_database,
-    seconds,
     when,
 )
 from api.db.migrate import head_revisions, schema_drift
 from api.db.session import Database, redact
-from api.keys.service import BUDGET_PERIODS, KeyRecord, KeyService
+from api.keys.service import KeyRecord, KeyService
 
 
 def _datetime(text: str) -> datetime:
@@ -83,11 +83,7 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     create.add_argument(
         "--allowed-models", type=_models, default=None, help="comma-separated (default: all)"
     )
-    create.add_argument("--rpm", dest="rpm_limit", type=positive, help="requests per minute")
-    create.add_argument("--tpm", dest="tpm_limit", type=positive, help="tokens per minute")
-    create.add_argument("--max-parallel", type=positive, help="requests at the same time")
-    create.add_argument("--token-budget", type=positive, help="tokens per budget period")
-    create.add_argument("--budget-period", choices=BUDGET_PERIODS, default="total")
+    limit_options(create)
     create.add_argument("--priority", type=int, default=0, help="lower runs first (default 0)")
     expiry = create.add_mutually_exclusive_group()
     expiry.add_argument("--expires-at", type=_datetime, help="ISO 8601 (UTC if no offset)")
@@ -96,9 +92,7 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     create.add_argument(
         "--tenant", dest="tenant_id", default=None, help="tenant id (default: one of its own)"
     )
-    create.add_argument(
-        "--max-request-seconds", type=seconds, default=None, help="longest a request may run"
-    )
+    max_request_seconds_option(create)
     create.add_argument("--json", action="store_true", help="print the key as JSON")
 
     listing = actions.add_parser("list", help="list keys (never their secrets)")
@@ -151,19 +145,13 @@ def add_subcommands(subparsers: Any) -> None:
 
 
 def run_keys(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    handlers: dict[str, Callable[[KeyService, argparse.Namespace, TextIO], Awaitable[None]]] = {
+    actions = {
         "create": _keys_create,
         "list": _keys_list,
         "revoke": _keys_revoke,
         "rotate": _keys_rotate,
     }
-    handler = handlers[args.keys_command]
-
-    async def run(db: Database, stream: TextIO) -> None:
-        await db.ensure_schema()
-        await handler(KeyService(db), args, stream)
-
-    return run_with_database(args, run, out)
+    return run_service(args, KeyService, actions[args.keys_command], out)
 
 
 def run_db(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -171,13 +159,9 @@ def run_db(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return run_with_database(args, handlers[args.db_command], out)
 
 
-def _info(record: KeyRecord) -> dict[str, Any]:
-    return msgspec.to_builtins(key_info(record))
-
-
 def _print_secret(record: KeyRecord, plaintext: str, as_json: bool, out: TextIO, verb: str) -> None:
     if as_json:
-        print(json.dumps({**_info(record), "key": plaintext}, indent=2), file=out)
+        print_json(key_with_secret(record, plaintext), out)
         return
     print(f"{verb} API key {record.name!r} (id {record.id}).", file=out)
     print("Store it now; it is not shown again:", file=out)
@@ -213,22 +197,18 @@ async def _keys_rotate(keys: KeyService, args: argparse.Namespace, out: TextIO) 
 
 
 async def _keys_revoke(keys: KeyService, args: argparse.Namespace, out: TextIO) -> None:
-    for key_id in args.ids:
-        record = await keys.revoke(key_id)
-        print(f"Revoked {record.id} ({record.name}).", file=out)
+    await for_each_id(args.ids, keys.revoke, "Revoked", out)
 
 
 async def _keys_list(keys: KeyService, args: argparse.Namespace, out: TextIO) -> None:
-    records = await keys.list(include_revoked=not args.active, tenant_id=args.tenant_id)
-    if args.json:
-        print(json.dumps([_info(r) for r in records], indent=2), file=out)
-        return
-    if not records:
-        print("No API keys. Create one with `tessera keys create NAME`.", file=out)
-        return
-    rows = [("ID", "NAME", "TENANT", "PREFIX", "CREATED", "EXPIRES", "REVOKED", "LIMITS")]
-    rows += [
-        (
+    print_listing(
+        await keys.list(include_revoked=not args.active, tenant_id=args.tenant_id),
+        args.json,
+        out,
+        info=key_info,
+        empty="No API keys. Create one with `tessera keys create NAME`.",
+        header=("ID", "NAME", "TENANT", "PREFIX", "CREATED", "EXPIRES", "REVOKED", "LIMITS"),
+        row=lambda r: (
             r.id,
             r.name,
             r.tenant.name if r.tenant is not None else r.tenant_id,
@@ -237,10 +217,8 @@ async def _keys_list(keys: KeyService, args: argparse.Namespace, out: TextIO) ->
             when(r.expires_at),
             when(r.revoked_at),
             limits(r),
-        )
-        for r in records
-    ]
-    print_table(rows, out)
+        ),
+    )
 
 
 async def _db_upgrade(db: Database, out: TextIO) -> None:

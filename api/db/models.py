@@ -1,6 +1,6 @@
 """SQLAlchemy 2.0 models: API keys, quota leases and the usage ledger.
 
-Tables
+Tables (the limits both tenants and keys have are LimitColumns, written once)
     tenants         one row per tenant (team): its scheduling weight, prefix-cache scope,
                     maximum request duration and its own budget / rpm / tpm / parallel
                     limits, counted like a key's (`budget_used`, `budget_period_start`).
@@ -73,12 +73,10 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-class Tenant(Base):
-    __tablename__ = "tenants"
+class LimitColumns:
+    """The columns of the limits a tenant and a key both have (api/keys/fields.py LIMIT_FIELDS)
+    and of the running token count of the budget period (api/quotas/service.py)."""
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200), unique=True)
-    weight: Mapped[float] = mapped_column(Double(), default=1.0)
     rpm_limit: Mapped[int | None] = mapped_column(Integer())
     tpm_limit: Mapped[int | None] = mapped_column(BigInteger())
     max_parallel: Mapped[int | None] = mapped_column(Integer())
@@ -86,14 +84,22 @@ class Tenant(Base):
     budget_period: Mapped[str] = mapped_column(String(8), default="total")
     budget_used: Mapped[int] = mapped_column(BigInteger(), default=0)
     budget_period_start: Mapped[float | None] = mapped_column(Double())
+    max_request_seconds: Mapped[float | None] = mapped_column(Double())
+
+
+class Tenant(LimitColumns, Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    weight: Mapped[float] = mapped_column(Double(), default=1.0)
     # "key": each key's prompts hash apart; "tenant": the tenant's keys share cached blocks.
     prefix_cache_scope: Mapped[str] = mapped_column(String(8), default="key")
-    max_request_seconds: Mapped[float | None] = mapped_column(Double())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
-class ApiKey(Base):
+class ApiKey(LimitColumns, Base):
     __tablename__ = "api_keys"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -106,16 +112,8 @@ class ApiKey(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     allowed_models: Mapped[list[str] | None] = mapped_column(JSON())
-    rpm_limit: Mapped[int | None] = mapped_column(Integer())
-    tpm_limit: Mapped[int | None] = mapped_column(BigInteger())
-    max_parallel: Mapped[int | None] = mapped_column(Integer())
-    token_budget: Mapped[int | None] = mapped_column(BigInteger())
-    budget_period: Mapped[str] = mapped_column(String(8), default="total")
-    budget_used: Mapped[int] = mapped_column(BigInteger(), default=0)
-    budget_period_start: Mapped[float | None] = mapped_column(Double())
     priority: Mapped[int] = mapped_column(Integer(), default=0)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
-    max_request_seconds: Mapped[float | None] = mapped_column(Double())
     # `metadata` is reserved on declarative classes; the column keeps the public name.
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON())
 

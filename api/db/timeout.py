@@ -3,7 +3,7 @@ and the console: a locked table or a hung database answers 503 after the timeout
 holding the request (and its connection) until the lock goes away, however long that is.
 
     keys = TimedService(KeyService(db), timeout=5.0)
-    await keys.list()          # TimeoutError after 5 s: api/admin/routes.py and the app's
+    await keys.list()          # TimeoutError after 5 s: api/admin/common.py and the app's
                                # handler turn it into 503 service_unavailable
 
 The API's own lookups (key cache, quotas, ledger) have their own deadlines.

@@ -43,6 +43,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from api.db.models import utcnow
 from api.db.session import Database
+from api.keys.fields import has_limits
 from api.keys.service import KEY_PREFIX, KeyRecord, KeyService, digest_key
 from api.server.errors import APIError, invalid_api_key, permission_denied, unavailable
 
@@ -86,10 +87,7 @@ class Principal:
 
     @property
     def has_limits(self) -> bool:
-        return self.tenant_limited or any(
-            v is not None
-            for v in (self.rpm_limit, self.tpm_limit, self.max_parallel, self.token_budget)
-        )
+        return self.tenant_limited or has_limits(self)
 
     @classmethod
     def from_record(cls, record: KeyRecord) -> Principal:

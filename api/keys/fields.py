@@ -2,13 +2,15 @@
 
 validate_fields() (keys) and validate_tenant_fields() (tenants) are shared by the admin API,
 the CLI and the services: they raise ValueError with a message a user can act on, and
-return the settings normalised.
+return the settings normalised. The limits a key and a tenant both have (LIMIT_FIELDS) are
+written once here: their defaults, their checks, and `Limits`, the base of both records.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,32 +23,61 @@ PREFIX_CACHE_SCOPES = ("key", "tenant")
 _INT32 = 2**31 - 1
 _INT63 = 2**63 - 1
 
-# Fields a caller may set on create/update, with their defaults.
-KEY_FIELDS: dict[str, Any] = {
-    "allowed_models": None,
+# The limits a key and a tenant both have (None: unlimited), with their defaults. A tenant's
+# apply to the sum of its keys' requests on top of each key's own (the tighter wins).
+LIMIT_FIELDS: dict[str, Any] = {
     "rpm_limit": None,
     "tpm_limit": None,
     "max_parallel": None,
     "token_budget": None,
     "budget_period": "total",
+    "max_request_seconds": None,
+}
+
+# Fields a caller may set on create/update, with their defaults.
+KEY_FIELDS: dict[str, Any] = {
+    "allowed_models": None,
+    **LIMIT_FIELDS,
     "priority": 0,
     "expires_at": None,
     "metadata": None,
     "tenant_id": None,  # None on create: a tenant of the key's own
-    "max_request_seconds": None,
 }
 
 # Fields a caller may set on a tenant, with their defaults.
-TENANT_FIELDS: dict[str, Any] = {
-    "weight": 1.0,
-    "rpm_limit": None,
-    "tpm_limit": None,
-    "max_parallel": None,
-    "token_budget": None,
-    "budget_period": "total",
-    "prefix_cache_scope": "key",
-    "max_request_seconds": None,
-}
+TENANT_FIELDS: dict[str, Any] = {"weight": 1.0, **LIMIT_FIELDS, "prefix_cache_scope": "key"}
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Limits:
+    """The limits of a key's or a tenant's record (KeyRecord, TenantRecord)."""
+
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel: int | None
+    token_budget: int | None
+    budget_period: str
+    budget_used: int  # reserved + used tokens in the current budget period
+    max_request_seconds: float | None = None
+
+    @property
+    def has_limits(self) -> bool:
+        return has_limits(self)
+
+
+def has_limits(x: Any) -> bool:
+    """Whether a record or principal has a rate, parallel or budget limit (quotas count it)."""
+    return any(v is not None for v in (x.rpm_limit, x.tpm_limit, x.max_parallel, x.token_budget))
+
+
+def limits_of(row: Any, now: datetime) -> dict[str, Any]:
+    """A key's or a tenant's row's limits, as Limits takes them: the budget used counts only
+    while the period it was counted in is the current one."""
+    current = row.budget_period_start == period_start(row.budget_period, now)
+    return {
+        **{field: getattr(row, field) for field in LIMIT_FIELDS},
+        "budget_used": row.budget_used if current else 0,
+    }
 
 
 def _limit(field: str, value: Any, maximum: int) -> int | None:
@@ -74,14 +105,8 @@ def validate_fields(changes: dict[str, Any]) -> dict[str, Any]:
             out[field] = validate_name(value)
         elif field == "allowed_models":
             out[field] = _models(value)
-        elif field in ("rpm_limit", "max_parallel"):
-            out[field] = _limit(field, value, _INT32)
-        elif field in ("tpm_limit", "token_budget"):
-            out[field] = _limit(field, value, _INT63)
-        elif field == "budget_period":
-            if value not in BUDGET_PERIODS:
-                raise ValueError(f"budget_period must be one of {', '.join(BUDGET_PERIODS)}")
-            out[field] = value
+        elif field in LIMIT_FIELDS:
+            out[field] = _check_limit(field, value)
         elif field == "priority":
             if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
                 raise ValueError(
@@ -99,8 +124,6 @@ def validate_fields(changes: dict[str, Any]) -> dict[str, Any]:
             if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 32):
                 raise ValueError("tenant_id must be a tenant's id")
             out[field] = value
-        elif field == "max_request_seconds":
-            out[field] = _duration(value)
     return out
 
 
@@ -128,10 +151,24 @@ def validate_tenant_fields(changes: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(value, bool):
                 raise ValueError("disabled must be true or false")
             out[field] = value
-        elif field in ("name", "rpm_limit", "tpm_limit", "max_parallel", "token_budget",
-                       "budget_period", "max_request_seconds"):  # fmt: skip
-            out.update(validate_fields({field: value}))
+        elif field == "name":
+            out[field] = validate_name(value)
+        elif field in LIMIT_FIELDS:
+            out[field] = _check_limit(field, value)
     return out
+
+
+def _check_limit(field: str, value: Any) -> Any:
+    """One of LIMIT_FIELDS, checked and normalised."""
+    if field in ("rpm_limit", "max_parallel"):
+        return _limit(field, value, _INT32)
+    if field in ("tpm_limit", "token_budget"):
+        return _limit(field, value, _INT63)
+    if field == "budget_period":
+        if value not in BUDGET_PERIODS:
+            raise ValueError(f"budget_period must be one of {', '.join(BUDGET_PERIODS)}")
+        return value
+    return _duration(value)
 
 
 def _duration(value: Any) -> float | None:

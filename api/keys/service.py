@@ -42,16 +42,17 @@ from api.db.session import Database
 from api.keys.fields import (
     BUDGET_PERIODS,
     KEY_FIELDS,
-    period_start,
+    Limits,
+    limits_of,
     validate_fields,
     validate_name,
 )
 from api.tenants.service import (
-    TenantNotFound,
     TenantRecord,
     insert_tenant,
     own_tenant_name,
     tenant_record,
+    tenant_row,
 )
 from api.usage.service import GROUP_BY, UsageBucket, aggregate_usage
 
@@ -68,8 +69,9 @@ class KeyNotFound(LookupError):
 
 
 @dataclass(slots=True, frozen=True)
-class KeyRecord:
-    """A key as the rest of the app sees it: everything but the digests."""
+class KeyRecord(Limits):
+    """A key as the rest of the app sees it: everything but the digests (its limits are
+    Limits' fields, keyword-only)."""
 
     id: str
     name: str
@@ -78,17 +80,10 @@ class KeyRecord:
     expires_at: datetime | None
     revoked_at: datetime | None
     allowed_models: tuple[str, ...] | None
-    rpm_limit: int | None
-    tpm_limit: int | None
-    max_parallel: int | None
-    token_budget: int | None
-    budget_period: str
-    budget_used: int  # reserved + used tokens in the current budget period
     priority: int
     metadata: dict[str, Any]
     previous_valid_until: datetime | None
     tenant_id: str = ""
-    max_request_seconds: float | None = None
     tenant: TenantRecord | None = None
 
     def is_active(self, now: datetime) -> bool:
@@ -104,8 +99,8 @@ def digest_key(key: str) -> str:
 
 
 def _record(row: ApiKey, now: datetime, tenant: Tenant | None = None) -> KeyRecord:
-    current = row.budget_period_start == period_start(row.budget_period, now)
     return KeyRecord(
+        **limits_of(row, now),
         id=row.id,
         name=row.name,
         key_prefix=row.key_prefix,
@@ -113,17 +108,10 @@ def _record(row: ApiKey, now: datetime, tenant: Tenant | None = None) -> KeyReco
         expires_at=row.expires_at,
         revoked_at=row.revoked_at,
         allowed_models=tuple(row.allowed_models) if row.allowed_models is not None else None,
-        rpm_limit=row.rpm_limit,
-        tpm_limit=row.tpm_limit,
-        max_parallel=row.max_parallel,
-        token_budget=row.token_budget,
-        budget_period=row.budget_period,
-        budget_used=row.budget_used if current else 0,
         priority=row.priority,
         metadata=dict(row.metadata_ or {}),
         previous_valid_until=row.previous_valid_until,
         tenant_id=row.tenant_id,
-        max_request_seconds=row.max_request_seconds,
         tenant=tenant_record(tenant, now) if tenant is not None else None,
     )
 
@@ -155,7 +143,7 @@ class KeyService:
                 session, own_tenant_name(fields["name"], key_id), {}, tenant_id=key_id
             )
         else:
-            tenant = await _tenant(session, tenant_id)
+            tenant = await tenant_row(session, tenant_id)
             if tenant.disabled_at is not None:
                 raise ValueError(f"tenant {tenant_id!r} is disabled")
         row = ApiKey(
@@ -201,7 +189,7 @@ class KeyService:
             if "tenant_id" in fields:
                 if fields["tenant_id"] is None:
                     raise ValueError("tenant_id cannot be null: every key belongs to a tenant")
-                await _tenant(session, fields["tenant_id"])
+                await tenant_row(session, fields["tenant_id"])
             for attr, value in _column_values(fields).items():
                 setattr(row, attr, value)
             await session.commit()
@@ -297,13 +285,6 @@ class KeyService:
         if row is None:
             raise KeyNotFound(key_id)
         return row
-
-
-async def _tenant(session: AsyncSession, tenant_id: str) -> Tenant:
-    tenant = await session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise TenantNotFound(tenant_id)
-    return tenant
 
 
 __all__ = [

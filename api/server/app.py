@@ -27,7 +27,7 @@ from litestar.types import ControllerRouterHandler
 from sqlalchemy.exc import SQLAlchemyError
 
 import engine as engine_pkg
-from api.admin.routes import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
+from api.admin.routes import ADMIN_CONTROLLERS, ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME
 from api.openai.routes import OpenAIController
 from api.openai.streaming import ClientDisconnected
 from api.server.access import Access
@@ -85,7 +85,7 @@ def create_app(
     access = Access(settings, metrics)
     handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
     if access.keys is not None:
-        handlers.append(AdminController)
+        handlers.extend(ADMIN_CONTROLLERS)
     cpu_pool = WorkerPool(settings.cpu_workers)  # CPU-heavy request steps (api/server/offload.py)
     metrics.registry.register(WorkerPoolCollector(cpu_pool))
     state.on_engine.append(lambda engine: cpu_pool.start(getattr(engine, "tokenizer", None)))

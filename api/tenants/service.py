@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from api.db.models import ApiKey, Tenant, utcnow
 from api.db.session import Database
-from api.keys.fields import TENANT_FIELDS, period_start, validate_tenant_fields
+from api.keys.fields import TENANT_FIELDS, Limits, limits_of, validate_tenant_fields
 
 
 class TenantNotFound(LookupError):
@@ -41,44 +41,26 @@ class TenantNotFound(LookupError):
 
 
 @dataclass(slots=True, frozen=True)
-class TenantRecord:
+class TenantRecord(Limits):
+    """A tenant; its limits are Limits' fields (keyword-only), its `budget_used` the reserved +
+    used tokens of all its keys in the current period."""
+
     id: str
     name: str
     weight: float
-    rpm_limit: int | None
-    tpm_limit: int | None
-    max_parallel: int | None
-    token_budget: int | None
-    budget_period: str
-    budget_used: int  # reserved + used tokens of all its keys in the current period
     prefix_cache_scope: str
-    max_request_seconds: float | None
     created_at: datetime
     disabled_at: datetime | None
     keys: int = 0  # its keys, revoked ones included (list/get only)
 
-    @property
-    def has_limits(self) -> bool:
-        return any(
-            v is not None
-            for v in (self.rpm_limit, self.tpm_limit, self.max_parallel, self.token_budget)
-        )
-
 
 def tenant_record(row: Tenant, now: datetime, keys: int = 0) -> TenantRecord:
-    current = row.budget_period_start == period_start(row.budget_period, now)
     return TenantRecord(
+        **limits_of(row, now),
         id=row.id,
         name=row.name,
         weight=row.weight,
-        rpm_limit=row.rpm_limit,
-        tpm_limit=row.tpm_limit,
-        max_parallel=row.max_parallel,
-        token_budget=row.token_budget,
-        budget_period=row.budget_period,
-        budget_used=row.budget_used if current else 0,
         prefix_cache_scope=row.prefix_cache_scope,
-        max_request_seconds=row.max_request_seconds,
         created_at=row.created_at,
         disabled_at=row.disabled_at,
         keys=keys,
@@ -152,7 +134,7 @@ class TenantService:
     async def update(self, tenant_id: str, **changes: Any) -> TenantRecord:
         fields = validate_tenant_fields(changes)
         async with self.db.session(write=True) as session:
-            row = await _row(session, tenant_id)
+            row = await tenant_row(session, tenant_id)
             name = fields.pop("name", None)
             if name is not None and name != row.name:
                 if await session.scalar(select(Tenant.id).where(Tenant.name == name)):
@@ -179,11 +161,19 @@ class TenantService:
         return record
 
 
-async def _row(session: AsyncSession, tenant_id: str) -> Tenant:
+async def tenant_row(session: AsyncSession, tenant_id: str) -> Tenant:
+    """The tenant's row in `session`; TenantNotFound if there is none."""
     row = await session.get(Tenant, tenant_id)
     if row is None:
         raise TenantNotFound(tenant_id)
     return row
 
 
-__all__ = ["TenantNotFound", "TenantRecord", "TenantService", "own_tenant_name", "tenant_record"]
+__all__ = [
+    "TenantNotFound",
+    "TenantRecord",
+    "TenantService",
+    "own_tenant_name",
+    "tenant_record",
+    "tenant_row",
+]

@@ -15,7 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components
 from litestar.testing import AsyncTestClient
 
-from api.admin.routes import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
+from api.admin.routes import ADMIN_CONTROLLERS, ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME
 from api.db.session import Database
 from api.keys.auth import Authenticator, Principal
 from api.keys.service import KeyService
@@ -57,7 +57,7 @@ def make_app(database_url: str, extra_routes: tuple = ()) -> Litestar:
         app_db, mode="keys", static_keys=[], admin_token=ADMIN, cache_ttl=2.0
     )
     return Litestar(
-        route_handlers=[AdminController, whoami, *extra_routes],
+        route_handlers=[*ADMIN_CONTROLLERS, whoami, *extra_routes],
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
         dependencies={"principal": Provide(provide_principal, sync_to_thread=False)},
         on_shutdown=[app_db.dispose],

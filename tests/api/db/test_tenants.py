@@ -239,9 +239,10 @@ def test_principal_from_a_key_and_its_tenant() -> None:
     from api.tenants.service import TenantRecord
 
     now = datetime.now()
-    t = TenantRecord("t1", "t", 2.0, None, None, None, None, "total", 0, "key", 60.0, now, None)
-    k = KeyRecord("k1", "k", "tsr-", now, None, None, None, None, None, None, None, "total", 0,
-                  0, {}, None, "t1", None, t)  # fmt: skip
+    unlimited = dict(rpm_limit=None, tpm_limit=None, max_parallel=None, token_budget=None,
+                     budget_period="total", budget_used=0)  # fmt: skip
+    t = TenantRecord("t1", "t", 2.0, "key", now, None, **unlimited, max_request_seconds=60.0)
+    k = KeyRecord("k1", "k", "tsr-", now, None, None, None, 0, {}, None, "t1", t, **unlimited)
     p = Principal.from_record(k)
     assert (p.tenant_id, p.tenant_weight, p.cache_scope, p.request_timeout) == (
         "t1",

@@ -37,6 +37,8 @@ class HFModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     sliding_window: int | None = None  # only when the model actually uses it
+    # config.json's quantization_config (a quantized checkpoint's format), None for float ones
+    quantization_config: dict[str, Any] | None = None
 
 
 def _ids(value: Any) -> list[int]:
@@ -76,6 +78,11 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window)
 
 
+def _quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    q = raw.get("quantization_config") or raw.get("compression_config")  # CT's older key
+    return dict(q) if isinstance(q, dict) else None
+
+
 def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> HFModelConfig:
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type", "")
@@ -112,6 +119,7 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
+        quantization_config=_quantization_config(raw),
     )
 
 

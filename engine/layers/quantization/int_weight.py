@@ -1,0 +1,239 @@
+"""Integer weight-only checkpoints (GPTQ, AWQ, compressed-tensors' pack-quantized) on the CPU.
+
+`IntWeightOnlyMethod` is what their formats share: each format names its checkpoint tensors
+and says how one converts into the loading layout (engine.layers.quantization.packed); after
+loading, the layer gets the fastest CPU kernel its scheme maps onto, exactly (nothing is
+requantized):
+- 4-bit, groups a multiple of 32 (per-channel included) and no act-order, K a multiple of 64,
+  a bfloat16 model: the w4 tiles of `--quantization w4a8` and GGUF Q4 (engine.kernels.cpu.w4):
+  each group of 32 keeps the codes, its scale s and minimum -zero * s in float16 (w = s * q +
+  m, the same values up to the float16 rounding of an asymmetric minimum) and runs where a
+  GGUF Q4_1 layer runs: the w4 kernel up to 12 rows, AMX-bf16 tiles or the batch kernel
+  above, the one-call decode plan (PackedW4LinearMethod);
+- 8-bit symmetric, per-channel scales: int8 rows with float32 row scales on the C GEMM
+  (`--quantization int8`'s kernel; with int8 activations from a few rows where the checkpoint
+  quantizes them too: W8A8, `--quantization w8a8`'s);
+- anything else (asymmetric 8-bit, 8-bit groups, act-order's g_idx, a float32 or float16
+  model, K not a multiple of 64, no kernel on this CPU): the canonical packed weight
+  (packed.PackedWeight), dequantized per call for one GEMM (DequantLinearMethod), a correct
+  fallback that the start-up log names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.kernels.cpu import w8a8 as cpu_w8a8
+from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.gguf import GGUFW4LinearMethod
+from engine.layers.quantization.int8 import Int8LinearMethod
+from engine.layers.quantization.packed import (
+    GIdxLoader,
+    ShardLoader,
+    dequantize,
+    from_loading_layout,
+    ignored_loader,
+)
+from engine.layers.quantization.w8a8 import W8A8LinearMethod
+
+
+def register(layer: nn.Module, name: str, tensor: torch.Tensor, loader) -> None:
+    param = nn.Parameter(tensor, requires_grad=False)
+    param.weight_loader = loader
+    setattr(layer, name, param)
+
+
+def register_bias(layer: nn.Module, output_size: int, bias: bool) -> None:
+    if bias:
+        register(layer, "bias", torch.empty(output_size), layer.weight_loader)
+    else:
+        layer.register_parameter("bias", None)
+
+
+class PackedW4LinearMethod(GGUFW4LinearMethod):
+    """A checkpoint's 4-bit groups as w4 tiles (layer.w4; layer.weight is their bytes): every
+    path of a GGUF Q4 layer, the decode plan's included."""
+
+
+class CheckpointInt8LinearMethod(Int8LinearMethod):
+    """int8 rows and float32 row scales from the checkpoint (nothing to requantize)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+
+class CheckpointW8A8LinearMethod(W8A8LinearMethod):
+    """The same with int8 activations from w8a8_min_rows rows (a W8A8 checkpoint)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.packed_int8 = cpu_w8a8.pack_weight(layer.weight.data)
+
+
+class DequantLinearMethod(LinearMethodBase):
+    """layer.packed (a PackedWeight) dequantized for each call, one GEMM in x's dtype: the
+    fallback for schemes no kernel takes (no float copy is kept between calls)."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        w = dequantize(layer.packed).to(x.dtype)  # [K, N]
+        return F.linear(x, w.t(), None if bias is None else bias.to(x.dtype))
+
+
+def _w4_refusal(bits, group, k, zeros, g_idx, dtype, device) -> str | None:
+    if bits != 4:
+        return f"{bits}-bit"
+    if g_idx is not None:
+        return "act-order (g_idx)"
+    if group % cpu_w4.GROUP or k % cpu_w4.K_MULTIPLE:
+        return f"groups of {group} over K={k} (w4 tiles: groups of 32, K a multiple of 64)"
+    if dtype != torch.bfloat16:
+        return f"a {str(dtype).removeprefix('torch.')} model (the w4 kernel takes bfloat16)"
+    if device.type != "cpu":
+        return f"{device.type} (the w4 tiles are the CPU's)"
+    if not cpu_w4.available():
+        return "no w4 kernel on this CPU (AVX512-VNNI or AVX2)"
+    return None
+
+
+def _to_w4(codes, scales, zeros) -> cpu_w4.Q4Weight | None:
+    """Codes [N, K], float32 scales and zeros [N, G] -> w4 tiles standing for (q - z) * s
+    (None where a minimum overflows float16)."""
+    n, k = codes.shape
+    per = scales.shape[1]
+    rep = (k // per) // cpu_w4.GROUP  # tiles' groups of 32 per checkpoint group
+    s = scales.repeat_interleave(rep, dim=1)
+    z = torch.full_like(s, 8.0) if zeros is None else zeros.float().repeat_interleave(rep, 1)
+    s16 = s.half()
+    m16 = (-z * s16.float()).half()
+    if not (torch.isfinite(s16).all() and torch.isfinite(m16).all()):
+        return None
+    return cpu_w4.pack_groups(codes.view(n, k // cpu_w4.GROUP, cpu_w4.GROUP), s16, m16)
+
+
+def finish_int_layer(
+    layer: nn.Module,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    group: int,
+    act_quant: bool = False,
+) -> str:
+    """Give a loaded layer (codes [N, K], float32 scales and int zeros [N, G], g_idx [K], this
+    rank's) its kernel form and method; returns the path taken, for the start-up log."""
+    n, k = codes.shape
+    dtype = layer.bias.dtype if layer.bias is not None else torch.get_default_dtype()
+    dtype = getattr(layer, "model_dtype", dtype)
+    device = codes.device
+    if zeros is not None and bool((zeros == (1 << (bits - 1))).all()):
+        zeros = None  # symmetric after all (GPTQ stores sym zero points)
+    trivial = g_idx is not None and scales.shape[1] * group == k
+    if trivial and torch.equal(g_idx.long(), torch.arange(k, device=device) // group):
+        g_idx = None  # act-order off: the trivial order
+    why = _w4_refusal(bits, group, k, zeros, g_idx, dtype, device)
+    if why is None:
+        w4 = _to_w4(codes, scales, zeros)
+        if w4 is not None:
+            layer.w4 = w4
+            layer.weight = nn.Parameter(w4.data, requires_grad=False)
+            layer.quant_method = PackedW4LinearMethod()
+            return "w4 tiles (w4 kernel; AMX-bf16 or batch kernel above 12 rows)"
+        why = "a group minimum overflows float16"
+    elif bits == 8 and zeros is None and g_idx is None and scales.shape[1] == 1:
+        if device.type == "cpu" and cpu_gemm.available(dtype, torch.int8):
+            layer.weight = nn.Parameter((codes.to(torch.int16) - 128).to(torch.int8),
+                                        requires_grad=False)  # fmt: skip
+            layer.weight_scale = scales[:, 0].float().contiguous()
+            if act_quant:
+                layer.quant_method = CheckpointW8A8LinearMethod()
+                layer.quant_method.process_weights_after_loading(layer)
+                return "int8 rows (w8a8: int8 activations from 13 rows, 8 with AMX)"
+            layer.quant_method = CheckpointInt8LinearMethod()
+            return "int8 rows (int8 C GEMM)"
+        why = "no int8 C GEMM here"
+    elif bits == 8:
+        why = "8-bit asymmetric, grouped or act-order"
+    layer.packed = from_loading_layout(codes, scales, zeros, g_idx, bits, group, dtype)
+    layer.register_parameter("weight", None)
+    layer.quant_method = DequantLinearMethod()
+    return f"dequantized per call, fallback ({why})"
+
+
+class IntWeightOnlyMethod(LinearMethodBase):
+    """A checkpoint's integer weights while they load: subclasses name the tensors (CODES,
+    SCALES, ZEROS, G_IDX) and convert each into the loading layout (convert_*); after loading,
+    finish_int_layer picks the kernel."""
+
+    CODES = SCALES = ZEROS = G_IDX = ""
+    EXTRA: tuple[str, ...] = ()  # read and dropped
+
+    def __init__(self, bits: int, group_size: int, symmetric: bool, act_order: bool,
+                 act_quant: bool = False):  # fmt: skip
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        self.act_order, self.act_quant = act_order, act_quant
+
+    def convert_codes(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def convert_scales(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def convert_zeros(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def groups(self, k: int) -> int:
+        return 1 if self.group_size <= 0 else k // self.group_size
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
+        name = getattr(layer, "prefix", type(layer).__name__)
+        k, n = input_size, output_size
+        per_row = self.group_size <= 0  # one scale per output row (channel strategy)
+        group = k if per_row else self.group_size
+        row_parallel = layer.tp_dim == 1 and layer.tp_size > 1
+        # act-order on a row-parallel shard: its rows' groups are anywhere in the full K
+        full_groups = self.act_order and row_parallel and not per_row
+        if not full_groups and k % group:
+            where = " of this tensor-parallel shard" if row_parallel else ""
+            raise ValueError(
+                f"{name}: quantization_config group_size {self.group_size} does not divide the "
+                f"input features{where} ({k})"
+            )
+        g = (k * layer.tp_size) // group if full_groups else k // group
+        layer.quant_group = group
+        layer.quant_bits = self.bits
+        register(layer, self.CODES, torch.zeros(n, k, dtype=torch.uint8),
+                 ShardLoader(layer, self.convert_codes, name=name))  # fmt: skip
+        per_row = self.group_size <= 0
+        register(layer, self.SCALES, torch.zeros(n, g, dtype=torch.float32),
+                 ShardLoader(layer, self.convert_scales, not (full_groups or per_row), name))  # fmt: skip
+        if self.ZEROS:
+            z = torch.full((n, g), 1 << (self.bits - 1), dtype=torch.int32)
+            register(layer, self.ZEROS, z,
+                     ShardLoader(layer, self.convert_zeros, not (full_groups or per_row), name))  # fmt: skip
+        if self.G_IDX:  # optional: a checkpoint without act-order may leave it out
+            first = layer.tp_rank * k if full_groups else 0
+            register(layer, self.G_IDX, (torch.arange(k, dtype=torch.int32) + first) // group,
+                     GIdxLoader(layer, name))  # fmt: skip
+            getattr(layer, self.G_IDX).optional = True
+        for extra in self.EXTRA:
+            register(layer, extra, torch.zeros(0), ignored_loader)
+            getattr(layer, extra).optional = True
+        register_bias(layer, n, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        codes = getattr(layer, self.CODES).data
+        scales = getattr(layer, self.SCALES).data
+        zeros = getattr(layer, self.ZEROS).data if self.ZEROS else None
+        g_idx = getattr(layer, self.G_IDX).data if self.G_IDX else None
+        for name in (self.CODES, self.SCALES, self.ZEROS, self.G_IDX, *self.EXTRA):
+            if name:
+                delattr(layer, name)
+        layer.quant_path = finish_int_layer(
+            layer, codes, scales, zeros, g_idx, self.bits, layer.quant_group, self.act_quant
+        )

@@ -107,7 +107,9 @@ class Fp8LinearMethod(LinearMethodBase):
             why = "fp8 checkpoint"
         else:
             q, scale = quantize_rows_fp8(layer.weight.data)
+            layer.weight_scale = None
             why = "quantized at load"
+        del layer.weight, layer.weight_scale
         layer.weight = nn.Parameter(q.to(dtype).contiguous(), requires_grad=False)
         layer.weight_scale = scale.float().contiguous()
         layer.quant_path = (

@@ -111,19 +111,22 @@ def write_gptq(src: Path, dst: Path, bits=4, group=32, sym=True, desc_act=False,
     state = _state(src)
     out, deq = dict(state), {}
     gen = torch.Generator().manual_seed(seed)
+    orders: dict[tuple, torch.Tensor] = {}
     for name in _linear_names(state):
         w = out.pop(f"{name}.weight").float()
         k = w.shape[1]
         g = k if group == -1 else group
         g_idx = torch.arange(k, dtype=torch.int32) // g
-        if desc_act:  # act-order: row perm[i] is the i-th quantized, groups in that order
+        # one order per input: the merged projections share theirs, as GPTQ's Hessian does
+        prefix, kind = name.rsplit(".", 1)
+        shared = (prefix, kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+        if desc_act and shared in orders:
+            g_idx = orders[shared].clone()
+        elif desc_act:  # act-order: row perm[i] is the i-th quantized, groups in that order
             perm = torch.randperm(k, generator=gen)
             g_idx = torch.empty(k, dtype=torch.int32)
             g_idx[perm] = torch.arange(k, dtype=torch.int32) // g
-        # one order per input: the merged projections share theirs, as GPTQ's Hessian does
-        if desc_act and name.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "up_proj"):
-            g_idx = out[name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-                        .replace("up_proj", "gate_proj") + ".g_idx"]  # fmt: skip
+            orders[shared] = g_idx
         # v1 stores zero - 1: a zero point of 0 would not survive it (real v1 files have none)
         min_zero = 0 if v2 else 1
         codes, scales, zeros, deq[name] = _int_quantize(w, bits, g, sym, g_idx, min_zero)

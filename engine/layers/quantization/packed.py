@@ -175,17 +175,20 @@ class ShardLoader:
 
 class GIdxLoader:
     """g_idx [K] (a row's group, act-order): every merged shard must agree (they share their
-    input); a row-parallel rank keeps its rows (their groups index the full scales)."""
+    input); a row-parallel rank keeps its rows (their groups index the full scales with
+    act-order, else the rank's own, from group_offset)."""
 
-    def __init__(self, layer: nn.Module, name: str = ""):
-        self.layer, self.name = layer, name
+    def __init__(self, layer: nn.Module, name: str = "", group_offset: int = 0):
+        # group_offset: the first group of a row-parallel rank whose scales are its own groups
+        # (no act-order), subtracted so that g_idx indexes them
+        self.layer, self.name, self.group_offset = layer, name, group_offset
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         layer = self.layer
         full = loaded.to(torch.int32)
         if layer.tp_dim == 1 and layer.tp_size > 1:
             k = param.shape[0]
-            full = full.narrow(0, layer.tp_rank * k, k)
+            full = full.narrow(0, layer.tp_rank * k, k) - self.group_offset
         if full.shape != param.shape:
             raise ValueError(f"{self.name}: g_idx of {tuple(loaded.shape)}, expected {param.shape}")
         if getattr(param, "g_idx_loaded", False) and not torch.equal(param.data, full):

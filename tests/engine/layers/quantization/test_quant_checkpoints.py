@@ -62,28 +62,37 @@ FORMATS = {
     ),
     "awq-g32": (functools.partial(qw.write_awq, group=32), PackedW4LinearMethod),
     "ct-w4a16-group-sym": (
-        functools.partial(qw.write_compressed_tensors, fmt="pack-quantized",
-                          weights={**W4A16, "symmetric": True}),  # fmt: skip
+        functools.partial(
+            qw.write_compressed_tensors, fmt="pack-quantized", weights={**W4A16, "symmetric": True}
+        ),  # fmt: skip
         PackedW4LinearMethod,
     ),
     "ct-w4a16-group-asym": (
-        functools.partial(qw.write_compressed_tensors, fmt="pack-quantized",
-                          weights={**W4A16, "symmetric": False}),  # fmt: skip
+        functools.partial(
+            qw.write_compressed_tensors, fmt="pack-quantized", weights={**W4A16, "symmetric": False}
+        ),  # fmt: skip
         PackedW4LinearMethod,
     ),
     "ct-w4a16-channel": (
-        functools.partial(qw.write_compressed_tensors, fmt="pack-quantized",
-                          weights=dict(num_bits=4, type="int", strategy="channel")),  # fmt: skip
+        functools.partial(
+            qw.write_compressed_tensors,
+            fmt="pack-quantized",
+            weights=dict(num_bits=4, type="int", strategy="channel"),
+        ),  # fmt: skip
         PackedW4LinearMethod,
     ),
     "ct-w8a16-channel": (
-        functools.partial(qw.write_compressed_tensors, fmt="pack-quantized",
-                          weights=dict(num_bits=8, type="int", strategy="channel")),  # fmt: skip
+        functools.partial(
+            qw.write_compressed_tensors,
+            fmt="pack-quantized",
+            weights=dict(num_bits=8, type="int", strategy="channel"),
+        ),  # fmt: skip
         CheckpointInt8LinearMethod,
     ),
     "ct-w8a8-int": (
         functools.partial(
-            qw.write_compressed_tensors, fmt="int-quantized",
+            qw.write_compressed_tensors,
+            fmt="int-quantized",
             weights=dict(num_bits=8, type="int", strategy="channel"),
             input_activations=dict(num_bits=8, type="int", strategy="token", dynamic=True),
         ),  # fmt: skip
@@ -91,7 +100,8 @@ FORMATS = {
     ),
     "ct-fp8-channel-dynamic": (
         functools.partial(
-            qw.write_compressed_tensors, fmt="float-quantized",
+            qw.write_compressed_tensors,
+            fmt="float-quantized",
             weights=dict(num_bits=8, type="float", strategy="channel"),
             input_activations=dict(num_bits=8, type="float", strategy="token", dynamic=True),
         ),  # fmt: skip
@@ -99,7 +109,8 @@ FORMATS = {
     ),
     "ct-fp8-tensor-static": (
         functools.partial(
-            qw.write_compressed_tensors, fmt="float-quantized",
+            qw.write_compressed_tensors,
+            fmt="float-quantized",
             weights=dict(num_bits=8, type="float", strategy="tensor"),
             input_activations=dict(num_bits=8, type="float", strategy="tensor", dynamic=False),
         ),  # fmt: skip
@@ -190,7 +201,7 @@ def _hf_greedy(ref, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 
 PROMPTS = [[5, 17, 99, 3, 42], [200, 7, 7, 31, 64, 80, 11, 150, 3, 9, 12, 13, 14, 2, 300, 6, 8]]
-GAP_TOL = {"float32": 1e-3, "bfloat16": 0.25}
+GAP_TOL = {"float32": 1e-3, "bfloat16": 0.05}
 
 
 def _assert_greedy_agrees(ours: list[int], theirs: list[int], gaps: list[float], tol: float):
@@ -344,3 +355,62 @@ def test_a_group_that_does_not_divide_the_layer_is_named(written, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="group_size 48 does not divide"):
         _load(bad, "float32")
+
+
+# -- tensor parallelism: qweight / scales / zeros / g_idx split across 2 gloo ranks ---------------
+
+TP_FORMATS = ["gptq4-g32-asym", "gptq4-actorder", "gptq8-channel", "awq-g32", "ct-w4a16-channel",
+              "ct-w8a16-channel", "ct-fp8-tensor-static"]  # fmt: skip
+TP_PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
+
+
+def _tp_logits(folder) -> torch.Tensor:
+    from engine.attention.backends.torch import TorchAttentionBackend
+    from engine.attention.metadata import common_metadata_from_seqs
+    from engine.distributed import get_tp_size
+
+    model, _ = _load(folder, "float32")
+    cfg = model.config
+    hkv = cfg.num_key_value_heads // get_tp_size()
+    for attn in model.attention_layers():
+        attn.kv_cache = torch.zeros(2, 8, 8, hkv, cfg.head_dim)
+        attn.kv_scales = None
+    heads = cfg.num_attention_heads // get_tp_size()
+    backend = TorchAttentionBackend(8, heads, hkv, cfg.head_dim, torch.float32)
+    for attn in model.attention_layers():
+        attn.backend = backend
+    with torch.inference_mode():
+        meta = backend.build_metadata(common_metadata_from_seqs([(0, len(TP_PROMPT), [5, 2])], 8))
+        positions = torch.arange(len(TP_PROMPT))
+        return model.compute_logits(model(torch.tensor(TP_PROMPT), positions, meta))
+
+
+def _tp_worker(rank: int, port: int, folders: list, out_file: str) -> None:
+    from engine.distributed import destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
+    try:
+        results = [_tp_logits(f) for f in folders]
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    torch.set_num_threads(1)
+    folders = [written(f)[0] for f in TP_FORMATS]
+    expected = [_tp_logits(f) for f in folders]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tp2.pt"
+    mp.spawn(_tp_worker, args=(port, folders, str(out)), nprocs=2, join=True)
+    for fmt, got, want in zip(TP_FORMATS, torch.load(out), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=fmt)

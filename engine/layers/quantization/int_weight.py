@@ -4,8 +4,8 @@
 and says how one converts into the loading layout (engine.layers.quantization.packed); after
 loading, the layer gets the fastest CPU kernel its scheme maps onto, exactly (nothing is
 requantized):
-- 4-bit, groups a multiple of 32 (per-channel included) and no act-order, K a multiple of 64,
-  a bfloat16 model: the w4 tiles of `--quantization w4a8` and GGUF Q4 (engine.kernels.cpu.w4):
+- 4-bit, groups a multiple of 32 (per-channel included), K a multiple of 64, a bfloat16
+  model: the w4 tiles of `--quantization w4a8` and GGUF Q4 (engine.kernels.cpu.w4):
   each group of 32 keeps the codes, its scale s and minimum -zero * s in float16 (w = s * q +
   m, the same values up to the float16 rounding of an asymmetric minimum) and runs where a
   GGUF Q4_1 layer runs: the w4 kernel up to 12 rows, AMX-bf16 tiles or the batch kernel
@@ -13,7 +13,8 @@ requantized):
 - 8-bit symmetric, per-channel scales: int8 rows with float32 row scales on the C GEMM
   (`--quantization int8`'s kernel; with int8 activations from a few rows where the checkpoint
   quantizes them too: W8A8, `--quantization w8a8`'s);
-- anything else (asymmetric 8-bit, 8-bit groups, act-order's g_idx, a float32 or float16
+- anything else (asymmetric 8-bit, 8-bit groups or act-order, act-order over a row-parallel
+  shard, a float32 or float16
   model, K not a multiple of 64, no kernel on this CPU): the canonical packed weight
   (packed.PackedWeight), dequantized per call for one GEMM (DequantLinearMethod), a correct
   fallback that the start-up log names.
@@ -29,7 +30,7 @@ from engine.kernels.cpu import gemm as cpu_gemm
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.layers.quantization.base import LinearMethodBase
-from engine.layers.quantization.gguf import GGUFW4LinearMethod
+from engine.layers.quantization.gguf import GGUFW4LinearMethod, w4_large_batch_linear
 from engine.layers.quantization.int8 import Int8LinearMethod
 from engine.layers.quantization.packed import (
     GIdxLoader,
@@ -57,6 +58,20 @@ def register_bias(layer: nn.Module, output_size: int, bias: bool) -> None:
 class PackedW4LinearMethod(GGUFW4LinearMethod):
     """A checkpoint's 4-bit groups as w4 tiles (layer.w4; layer.weight is their bytes): every
     path of a GGUF Q4 layer, the decode plan's included."""
+
+
+class PermutedW4LinearMethod(LinearMethodBase):
+    """Act-order's 4-bit groups as w4 tiles over rows sorted by group (layer.w4, layer.act_perm:
+    row k of the tiles is the checkpoint's row act_perm[k]): x's columns are gathered in that
+    order for each call (exllama's way), then the w4 paths run. Not the decode plan's (it
+    reads the tiles with x as it is)."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x.index_select(-1, layer.act_perm)
+        y = cpu_w4.linear(x, layer.w4, bias)
+        return y if y is not None else w4_large_batch_linear(x, layer.w4, bias)
 
 
 class CheckpointInt8LinearMethod(Int8LinearMethod):
@@ -100,6 +115,17 @@ def _w4_refusal(bits, group, k, zeros, g_idx, dtype, device) -> str | None:
     return None
 
 
+def _act_order_perm(g_idx: torch.Tensor | None, group: int, groups: int) -> torch.Tensor | None:
+    """Act-order's rows sorted by group (int64 [K]) where every group has `group` rows, so the
+    sorted rows are contiguous groups the w4 tiles take; else None."""
+    if g_idx is None or groups * group != g_idx.numel():
+        return None
+    counts = torch.bincount(g_idx.long(), minlength=groups)
+    if counts.numel() != groups or not bool((counts == group).all()):
+        return None
+    return torch.argsort(g_idx.long(), stable=True)
+
+
 def _to_w4(codes, scales, zeros) -> cpu_w4.Q4Weight | None:
     """Codes [N, K], float32 scales and zeros [N, G] -> w4 tiles standing for (q - z) * s
     (None where a minimum overflows float16)."""
@@ -136,12 +162,17 @@ def finish_int_layer(
     trivial = g_idx is not None and scales.shape[1] * group == k
     if trivial and torch.equal(g_idx.long(), torch.arange(k, device=device) // group):
         g_idx = None  # act-order off: the trivial order
-    why = _w4_refusal(bits, group, k, zeros, g_idx, dtype, device)
+    perm = _act_order_perm(g_idx, group, scales.shape[1]) if bits == 4 else None
+    why = _w4_refusal(bits, group, k, zeros, None if perm is not None else g_idx, dtype, device)
     if why is None:
-        w4 = _to_w4(codes, scales, zeros)
+        w4 = _to_w4(codes if perm is None else codes[:, perm], scales, zeros)
         if w4 is not None:
             layer.w4 = w4
             layer.weight = nn.Parameter(w4.data, requires_grad=False)
+            if perm is not None:
+                layer.act_perm = perm
+                layer.quant_method = PermutedW4LinearMethod()
+                return "w4 tiles, rows sorted by group (act-order: x's columns gathered per call)"
             layer.quant_method = PackedW4LinearMethod()
             return "w4 tiles (w4 kernel; AMX-bf16 or batch kernel above 12 rows)"
         why = "a group minimum overflows float16"

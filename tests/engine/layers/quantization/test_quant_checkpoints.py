@@ -35,6 +35,7 @@ from engine.layers.quantization.int_weight import (
     CheckpointW8A8LinearMethod,
     DequantLinearMethod,
     PackedW4LinearMethod,
+    PermutedW4LinearMethod,
 )
 from engine.layers.quantization.packed import dequantize
 from engine.models.loader import load_model
@@ -50,7 +51,7 @@ FORMATS = {
     ),
     "gptq4-actorder": (
         functools.partial(qw.write_gptq, bits=4, group=32, desc_act=True),
-        DequantLinearMethod,
+        PermutedW4LinearMethod,
     ),
     "gptq8-channel": (
         functools.partial(qw.write_gptq, bits=8, group=-1),
@@ -143,6 +144,10 @@ def _loaded_weight(layer) -> torch.Tensor:
     m = layer.quant_method
     if isinstance(m, PackedW4LinearMethod):
         return cpu_w4.dequantize(layer.w4)
+    if isinstance(m, PermutedW4LinearMethod):  # tile row k is the checkpoint's act_perm[k]
+        w = torch.empty(layer.w4.out_features, layer.w4.in_features)
+        w[:, layer.act_perm] = cpu_w4.dequantize(layer.w4)
+        return w
     if isinstance(m, DequantLinearMethod):
         return dequantize(layer.packed).t()
     if isinstance(m, (Int8LinearMethod, Fp8LinearMethod)):
@@ -175,7 +180,10 @@ def test_each_layer_unpacks_to_the_checkpoints_values(written, fmt, dtype):
         want = torch.cat([deq[p] for p in parts])
         got = _loaded_weight(module)
         if dtype == "bfloat16":
-            if want_bf16 is PackedW4LinearMethod and not cpu_w4.available():
+            if (
+                want_bf16 in (PackedW4LinearMethod, PermutedW4LinearMethod)
+                and not cpu_w4.available()
+            ):
                 want_bf16 = DequantLinearMethod
             assert isinstance(module.quant_method, want_bf16), (name, paths)
         # exact, but for the scales' rounding to the model dtype (fallback) or a group minimum's

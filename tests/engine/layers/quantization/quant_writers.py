@@ -45,9 +45,10 @@ def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], qcfg: dict | 
     return dst
 
 
-def _linear_names(state: dict[str, torch.Tensor]) -> list[str]:
+def _linear_names(state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> list[str]:
+    """The decoder layers' linear layers to quantize (those whose kind is in skip stay float)."""
     return [k[: -len(".weight")] for k in state if k.endswith(".weight")
-            and k.rsplit(".", 2)[-2] in LINEARS]  # fmt: skip
+            and k.rsplit(".", 2)[-2] in LINEARS and k.rsplit(".", 2)[-2] not in skip]  # fmt: skip
 
 
 # -- GPTQ -----------------------------------------------------------------------------------
@@ -140,10 +141,10 @@ def write_gptq(src: Path, dst: Path, bits=4, group=32, sym=True, desc_act=False,
     return _write(src, dst, out, qcfg, "float16"), deq
 
 
-def write_awq(src: Path, dst: Path, group=32) -> tuple[Path, dict]:
+def write_awq(src: Path, dst: Path, group=32, skip: tuple[str, ...] = ()) -> tuple[Path, dict]:
     state = _state(src)
     out, deq = dict(state), {}
-    for name in _linear_names(state):
+    for name in _linear_names(state, skip):
         w = out.pop(f"{name}.weight").float()
         g_idx = torch.arange(w.shape[1], dtype=torch.int32) // group
         codes, scales, zeros, deq[name] = _int_quantize(w, 4, group, False, g_idx)
@@ -151,17 +152,17 @@ def write_awq(src: Path, dst: Path, group=32) -> tuple[Path, dict]:
         out[f"{name}.qzeros"] = torch.from_numpy(_pack_along_cols(zeros.numpy(), 4, AWQ_ORDER))
         out[f"{name}.scales"] = scales
     qcfg = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-            "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
+            "version": "gemm", "modules_to_not_convert": list(skip) or None}  # fmt: skip
     return _write(src, dst, out, qcfg, "float16"), deq
 
 
 # -- FP8 (quant_method "fp8") ---------------------------------------------------------------
 
 
-def write_fp8(src: Path, dst: Path) -> tuple[Path, dict]:
+def write_fp8(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> tuple[Path, dict]:
     state = _state(src)
     out, deq = dict(state), {}
-    for name in _linear_names(state):
+    for name in _linear_names(state, skip):
         w = out.pop(f"{name}.weight").float()
         s = w.abs().max() / 448.0
         q = (w / s).to(torch.float8_e4m3fn)
@@ -169,7 +170,7 @@ def write_fp8(src: Path, dst: Path) -> tuple[Path, dict]:
         out[f"{name}.weight_scale"] = s.reshape(())
         out[f"{name}.input_scale"] = torch.tensor(0.05)
         deq[name] = q.float() * s
-    qcfg = {"quant_method": "fp8", "activation_scheme": "static"}
+    qcfg = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": list(skip)}
     return _write(src, dst, out, qcfg, "bfloat16"), deq
 
 
@@ -178,7 +179,7 @@ def write_fp8(src: Path, dst: Path) -> tuple[Path, dict]:
 
 def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
                              input_activations: dict | None = None,
-                             ignore=("lm_head",)) -> tuple[Path, dict]:  # fmt: skip
+                             skip: tuple[str, ...] = ()) -> tuple[Path, dict]:  # fmt: skip
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
@@ -190,7 +191,7 @@ def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
     compressor = BaseCompressor.get_value_from_registry(fmt)
     state = _state(src)
     out, deq = dict(state), {}
-    for name in _linear_names(state):
+    for name in _linear_names(state, skip):
         w = out.pop(f"{name}.weight").float()
         if args.strategy == "group":
             g = w.view(w.shape[0], -1, args.group_size)
@@ -210,7 +211,8 @@ def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
              "input_activations": None if acts is None else acts.model_dump(),
              "output_activations": None, "format": fmt}  # fmt: skip
     qcfg = {"quant_method": "compressed-tensors", "format": fmt,
-            "config_groups": {"group_0": group}, "ignore": list(ignore),
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head", *(f"re:.*{kind}$" for kind in skip)],
             "quantization_status": "compressed", "kv_cache_scheme": None}  # fmt: skip
     return _write(src, dst, out, json.loads(json.dumps(qcfg, default=str)), "bfloat16"), deq
 

@@ -254,6 +254,41 @@ def test_qwen2_biases_and_tied_embeddings(tiny_qwen2_dir, tmp_path, fmt):
         _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, GAP_TOL["float32"])
 
 
+@pytest.mark.parametrize(
+    "writer",
+    [
+        functools.partial(qw.write_awq, group=32, skip=("down_proj", "o_proj")),
+        functools.partial(qw.write_fp8, skip=("down_proj", "o_proj")),
+        functools.partial(qw.write_compressed_tensors, fmt="pack-quantized",
+                          weights={**W4A16, "symmetric": True}, skip=("down_proj", "o_proj")),
+    ],
+    ids=["awq-modules_to_not_convert", "fp8-ignored_layers", "ct-ignore"],
+)  # fmt: skip
+def test_ignore_lists_keep_those_layers_in_float(tiny_llama_dir, tmp_path, writer):
+    if "compressed" in str(writer.func):
+        pytest.importorskip("compressed_tensors")
+    folder, deq = writer(tiny_llama_dir, tmp_path / "q")
+    model, paths = _load(folder, "float32")
+    assert set(paths["down_proj"]) == {"unquantized (not quantized in the checkpoint)"}
+    assert set(paths["o_proj"]) == {"unquantized (not quantized in the checkpoint)"}
+    assert "unquantized (not quantized in the checkpoint)" not in paths["qkv_proj"]
+    from safetensors.torch import load_file
+
+    float_state = load_file(str(tiny_llama_dir / "model.safetensors"))
+    layer = model.model.layers[1].mlp.down_proj
+    assert torch.equal(layer.weight, float_state["model.layers.1.mlp.down_proj.weight"])
+    ref = qw.reference_model(tiny_llama_dir, deq)
+    llm = LLM(str(folder), dtype="float32", seed=0, num_blocks=64, max_model_len=256)
+    try:
+        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, GAP_TOL["float32"])
+
+
 def test_start_up_log_names_the_method_and_each_layer_kinds_kernel(written, caplog):
     folder, _ = written("gptq4-g32-sym")
     with caplog.at_level(logging.INFO, logger="tessera.engine"):

@@ -249,7 +249,8 @@ class IntWeightOnlyMethod(LinearMethodBase):
                      ShardLoader(layer, self.convert_zeros, not (full_groups or per_row), name))  # fmt: skip
         if self.G_IDX:  # optional: a checkpoint without act-order may leave it out
             first = layer.tp_rank * k if full_groups else 0
-            offset = 0 if full_groups or not row_parallel else (layer.tp_rank * k) // group
+            own_groups = row_parallel and not (full_groups or per_row)
+            offset = (layer.tp_rank * k) // group if own_groups else 0
             register(layer, self.G_IDX, (torch.arange(k, dtype=torch.int32) + first) // group,
                      GIdxLoader(layer, name, offset))  # fmt: skip
             getattr(layer, self.G_IDX).optional = True

@@ -424,12 +424,14 @@ TP_FORMATS = ["gptq4-g32-asym", "gptq4-actorder", "gptq8-channel", "awq-g32", "c
 TP_PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
 
 
-def _tp_logits(folder) -> torch.Tensor:
+def _tp_logits(folder, paths: list | None = None) -> torch.Tensor:
     from engine.attention.backends.torch import TorchAttentionBackend
     from engine.attention.metadata import common_metadata_from_seqs
     from engine.distributed import get_tp_size
 
-    model, _ = _load(folder, "float32")
+    model, taken = _load(folder, "float32")
+    if paths is not None:
+        paths.append({kind: dict(c) for kind, c in taken.items()})
     cfg = model.config
     hkv = cfg.num_key_value_heads // get_tp_size()
     for attn in model.attention_layers():
@@ -451,9 +453,9 @@ def _tp_worker(rank: int, port: int, folders: list, out_file: str) -> None:
     torch.set_num_threads(1)
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
     try:
-        results = [_tp_logits(f) for f in folders]
-        if rank == 0:
-            torch.save(results, out_file)
+        paths: list = []
+        results = [_tp_logits(f, paths) for f in folders]
+        torch.save((results, paths), f"{out_file}.{rank}")
     finally:
         destroy_distributed()
 
@@ -472,5 +474,9 @@ def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "tp2.pt"
     mp.spawn(_tp_worker, args=(port, folders, str(out)), nprocs=2, join=True)
-    for fmt, got, want in zip(TP_FORMATS, torch.load(out), expected, strict=True):
+    (logits, paths0), (_, paths1) = (torch.load(f"{out}.{rank}") for rank in (0, 1))
+    for fmt, got, want in zip(TP_FORMATS, logits, expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=fmt)
+    assert paths0 == paths1  # both ranks' shards take the same kernels
+    int8 = paths0[TP_FORMATS.index("gptq8-channel")]
+    assert set(int8["o_proj"]) == {"int8 rows (int8 C GEMM)"}  # g_idx rebased on rank 1 too

@@ -228,3 +228,37 @@ def reference_model(src: Path, deq: dict[str, torch.Tensor]):
         for name, w in deq.items():
             params[f"{name}.weight"].copy_(w)
     return model
+
+
+def write_ct_actorder(src: Path, dst: Path, group=32, seed=0) -> tuple[Path, dict]:
+    """compressed-tensors' older W4A16 with `actorder: "group"` (the package's own writer has
+    dropped it): weight_g_idx beside codes packed by the package's pack_to_int32."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    state = _state(src)
+    out, deq = dict(state), {}
+    gen = torch.Generator().manual_seed(seed)
+    orders: dict[tuple, torch.Tensor] = {}
+    for name in _linear_names(state):
+        w = out.pop(f"{name}.weight").float()
+        k = w.shape[1]
+        prefix, kind = name.rsplit(".", 1)
+        shared = (prefix, kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+        if shared not in orders:
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[torch.randperm(k, generator=gen)] = torch.arange(k, dtype=torch.int32) // group
+            orders[shared] = g_idx
+        g_idx = orders[shared].clone()
+        codes, scales, _, deq[name] = _int_quantize(w, 4, group, True, g_idx)
+        signed = (codes.t() - 8).to(torch.int8).contiguous()  # [N, K] in -8..7
+        out[f"{name}.weight_packed"] = pack_to_int32(signed, 4)
+        out[f"{name}.weight_scale"] = scales.t().contiguous()
+        out[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
+        out[f"{name}.weight_g_idx"] = g_idx
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": group, "actorder": "group", "dynamic": False}  # fmt: skip
+    qcfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None}},
+            "ignore": ["lm_head"], "quantization_status": "compressed"}  # fmt: skip
+    return _write(src, dst, out, qcfg, "float16"), deq

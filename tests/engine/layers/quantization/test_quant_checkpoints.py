@@ -82,6 +82,7 @@ FORMATS = {
         ),  # fmt: skip
         PackedW4LinearMethod,
     ),
+    "ct-w4a16-actorder": (qw.write_ct_actorder, PermutedW4LinearMethod),
     "ct-w8a16-channel": (
         functools.partial(
             qw.write_compressed_tensors,

@@ -74,6 +74,49 @@ class PermutedW4LinearMethod(LinearMethodBase):
         return y if y is not None else w4_large_batch_linear(x, layer.w4, bias)
 
 
+class PackedQ8LinearMethod(LinearMethodBase):
+    """8-bit groups (of 32, or a multiple: each 32 keeps its group's scale) as the Q8 tiles of a
+    GGUF Q8_0 LM head (layer.q8, a cpu_w4.Q8Tiles; layer.act_perm as PermutedW4LinearMethod's):
+    w = s * u + m with the codes u, scales s and minimums m = -zero * s in float16; x as int8
+    per 32, float32 sums (cpu_w4.linear_q8), any number of rows."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if layer.act_perm is not None:
+            x = x.index_select(-1, layer.act_perm)
+        y = cpu_w4.linear_q8(x.contiguous(), layer.q8)
+        if y is None:
+            raise RuntimeError(f"the Q8 tile kernel refused a {x.dtype} call of {tuple(x.shape)}")
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def _to_q8(codes, scales, zeros) -> cpu_w4.Q8Tiles | None:
+    """Codes [N, K] (0..255), float32 scales and zeros [N, G] -> Q8 tiles standing for (u - z) * s
+    (None where a minimum overflows float16)."""
+    n, k = codes.shape
+    rep = (k // scales.shape[1]) // cpu_w4.GROUP
+    s16 = scales.repeat_interleave(rep, dim=1).half()
+    z = 128.0 if zeros is None else zeros.float().repeat_interleave(rep, dim=1)
+    m16 = (-z * s16.float()).half()
+    if not (torch.isfinite(s16).all() and torch.isfinite(m16).all()):
+        return None
+    return cpu_w4.pack_q8_groups(codes.view(n, k // cpu_w4.GROUP, cpu_w4.GROUP), s16, m16)
+
+
+def _q8_refusal(group, k, dtype, device) -> str | None:
+    if group % cpu_w4.GROUP or k % cpu_w4.K_MULTIPLE:
+        return f"groups of {group} over K={k} (Q8 tiles: groups of 32, K a multiple of 64)"
+    if dtype != torch.bfloat16:
+        return f"a {str(dtype).removeprefix('torch.')} model (the Q8 tile kernel takes bfloat16)"
+    if device.type != "cpu":
+        return f"{device.type} (the Q8 tiles are the CPU's)"
+    if not cpu_w4.q8_available():
+        return "no Q8 tile kernel on this CPU (AVX512-VNNI or AVX2)"
+    return None
+
+
 class CheckpointInt8LinearMethod(Int8LinearMethod):
     """int8 rows and float32 row scales from the checkpoint (nothing to requantize)."""
 
@@ -86,6 +129,56 @@ class CheckpointW8A8LinearMethod(W8A8LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_int8 = cpu_w8a8.pack_weight(layer.weight.data)
+
+
+class GroupedDequantLinearMethod(LinearMethodBase):
+    """The CPU's fallback: layer.codes uint8 [G, group, N] (rows sorted by group where
+    act-order permuted them: layer.act_perm), layer.group_scales and layer.group_zs (zero *
+    scale) [G, 1, N] in the model dtype. A call of at most `group` rows multiplies x by the
+    integer codes group by group (one batched GEMM on the codes widened once) and scales the
+    [G, rows, N] partial sums; larger calls dequantize the weight once for one GEMM. One
+    byte a weight, no float copy between calls."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        codes, s, zs = layer.codes, layer.group_scales, layer.group_zs
+        groups, group, n = codes.shape
+        k = groups * group
+        x2 = x.reshape(-1, k).to(s.dtype)
+        if layer.act_perm is not None:
+            x2 = x2.index_select(1, layer.act_perm)
+        rows = x2.shape[0]
+        q = codes.to(s.dtype)
+        if rows <= group:
+            xg = x2.view(rows, groups, group).transpose(0, 1)  # [G, rows, group]
+            partial = torch.bmm(xg, q)  # [G, rows, N]: x . codes per group
+            y = (partial * s).sum(0) - (xg.sum(-1, keepdim=True) * zs).sum(0)
+        else:
+            y = x2 @ torch.addcmul(-zs, q, s).view(k, n)
+        y = y.to(x.dtype).view(*x.shape[:-1], n)
+        return y if bias is None else y + bias
+
+
+def _grouped_codes(layer, codes, scales, zeros, g_idx, bits, group, dtype) -> bool:
+    """Give layer GroupedDequantLinearMethod's tensors; False where the groups are not
+    contiguous blocks of `group` rows even sorted (a row-parallel shard under act-order)."""
+    n, k = codes.shape
+    groups = scales.shape[1]
+    perm = None
+    if g_idx is not None:
+        perm = _act_order_perm(g_idx, group, groups)
+        if perm is None:
+            return False
+        codes = codes[:, perm]
+    elif groups * group != k:
+        return False
+    z = torch.full_like(scales, float(1 << (bits - 1))) if zeros is None else zeros.float()
+    layer.codes = codes.t().contiguous().view(groups, group, n)
+    layer.group_scales = scales.t().to(dtype).contiguous().view(groups, 1, n)
+    layer.group_zs = (z * scales).t().to(dtype).contiguous().view(groups, 1, n)
+    layer.act_perm = perm
+    return True
 
 
 class DequantLinearMethod(LinearMethodBase):
@@ -189,11 +282,30 @@ def finish_int_layer(
             return "int8 rows (int8 C GEMM)"
         why = "no int8 C GEMM here"
     elif bits == 8:
-        why = "8-bit asymmetric, grouped or act-order"
-    layer.packed = from_loading_layout(codes, scales, zeros, g_idx, bits, group, dtype)
+        perm = _act_order_perm(g_idx, group, scales.shape[1])
+        why = _q8_refusal(group, k, dtype, device)
+        if why is None and g_idx is not None and perm is None:
+            why = "act-order over a row-parallel shard"
+        if why is None:
+            q8 = _to_q8(codes if perm is None else codes[:, perm], scales, zeros)
+            if q8 is not None:
+                layer.q8, layer.act_perm = q8, perm
+                layer.weight = nn.Parameter(q8.data, requires_grad=False)
+                layer.in_features = k
+                layer.quant_method = PackedQ8LinearMethod()
+                kind = "asymmetric " if zeros is not None else ""
+                order = ", rows sorted by group (act-order)" if perm is not None else ""
+                return f"Q8 tiles ({kind}8-bit groups of {group}{order}; x as int8 per 32)"
+            why = "a group minimum overflows float16"
     layer.register_parameter("weight", None)
+    layer.in_features = k
+    if device.type == "cpu" and _grouped_codes(layer, codes, scales, zeros, g_idx, bits, group,
+                                               dtype):  # fmt: skip
+        layer.quant_method = GroupedDequantLinearMethod()
+        return f"fallback: codes x per group, or dequantized for large calls ({why})"
+    layer.packed = from_loading_layout(codes, scales, zeros, g_idx, bits, group, dtype)
     layer.quant_method = DequantLinearMethod()
-    return f"dequantized per call, fallback ({why})"
+    return f"fallback: dequantized per call ({why})"
 
 
 class IntWeightOnlyMethod(LinearMethodBase):

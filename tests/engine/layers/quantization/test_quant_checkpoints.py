@@ -34,6 +34,8 @@ from engine.layers.quantization.int_weight import (
     CheckpointInt8LinearMethod,
     CheckpointW8A8LinearMethod,
     DequantLinearMethod,
+    GroupedDequantLinearMethod,
+    PackedQ8LinearMethod,
     PackedW4LinearMethod,
     PermutedW4LinearMethod,
 )
@@ -59,7 +61,11 @@ FORMATS = {
     ),
     "gptq8-g32-asym-v2": (
         functools.partial(qw.write_gptq, bits=8, group=32, sym=False, v2=True),
-        DequantLinearMethod,
+        PackedQ8LinearMethod,
+    ),
+    "gptq8-g32-actorder": (
+        functools.partial(qw.write_gptq, bits=8, group=32, desc_act=True),
+        PackedQ8LinearMethod,
     ),
     "awq-g32": (functools.partial(qw.write_awq, group=32), PackedW4LinearMethod),
     "ct-w4a16-group-sym": (
@@ -151,6 +157,22 @@ def _loaded_weight(layer) -> torch.Tensor:
         return w
     if isinstance(m, DequantLinearMethod):
         return dequantize(layer.packed).t()
+    if isinstance(m, GroupedDequantLinearMethod):
+        w = layer.codes.float() * layer.group_scales.float() - layer.group_zs.float()
+        w = w.reshape(-1, w.shape[-1]).t()  # [N, K], rows sorted by group under act-order
+        if layer.act_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, layer.act_perm] = w
+        return out
+    if isinstance(m, PackedQ8LinearMethod):  # tile row k is the checkpoint's act_perm[k]
+        x = torch.eye(layer.q8.in_features, dtype=torch.bfloat16)  # one-hot rows: x as int8 exact
+        w = cpu_w4.linear_q8(x, layer.q8).t()
+        if layer.act_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, layer.act_perm] = w
+        return out
     if isinstance(m, (Int8LinearMethod, Fp8LinearMethod)):
         return layer.weight.float() * layer.weight_scale[:, None]
     raise AssertionError(f"unexpected method {type(m).__name__}")

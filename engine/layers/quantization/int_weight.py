@@ -2,22 +2,27 @@
 
 `IntWeightOnlyMethod` is what their formats share: each format names its checkpoint tensors
 and says how one converts into the loading layout (engine.layers.quantization.packed); after
-loading, the layer gets the fastest CPU kernel its scheme maps onto, exactly (nothing is
-requantized):
+loading, the layer gets the fastest CPU kernel its scheme maps onto (finish_int_layer), on the
+checkpoint's own values (nothing is requantized):
 - 4-bit, groups a multiple of 32 (per-channel included), K a multiple of 64, a bfloat16
-  model: the w4 tiles of `--quantization w4a8` and GGUF Q4 (engine.kernels.cpu.w4):
-  each group of 32 keeps the codes, its scale s and minimum -zero * s in float16 (w = s * q +
-  m, the same values up to the float16 rounding of an asymmetric minimum) and runs where a
-  GGUF Q4_1 layer runs: the w4 kernel up to 12 rows, AMX-bf16 tiles or the batch kernel
-  above, the one-call decode plan (PackedW4LinearMethod);
+  model: the w4 tiles of `--quantization w4a8` and GGUF Q4 (engine.kernels.cpu.w4): each
+  group of 32 keeps the codes, its scale s and minimum -zero * s in float16 (w = s * q + m,
+  the same values up to the float16 rounding of an asymmetric minimum) and runs where a GGUF
+  Q4_1 layer runs: the w4 kernel up to 12 rows, AMX-bf16 tiles or the batch kernel above,
+  the one-call decode plan (PackedW4LinearMethod); with act-order (g_idx) the rows sorted by
+  group into the same tiles and x's columns gathered in that order per call
+  (PermutedW4LinearMethod, not the decode plan's);
 - 8-bit symmetric, per-channel scales: int8 rows with float32 row scales on the C GEMM
   (`--quantization int8`'s kernel; with int8 activations from a few rows where the checkpoint
   quantizes them too: W8A8, `--quantization w8a8`'s);
-- anything else (asymmetric 8-bit, 8-bit groups or act-order, act-order over a row-parallel
-  shard, a float32 or float16
-  model, K not a multiple of 64, no kernel on this CPU): the canonical packed weight
-  (packed.PackedWeight), dequantized per call for one GEMM (DequantLinearMethod), a correct
-  fallback that the start-up log names.
+- other 8-bit groups (asymmetric, grouped, act-order), same shape conditions: the Q8 tiles of
+  a GGUF Q8_0 LM head with the groups' scales and minimums, x as int8 per 32
+  (PackedQ8LinearMethod);
+- anything else on the CPU (act-order over a row-parallel shard, groups not a multiple of 32,
+  K not of 64, a float32 or float16 model, no kernel on this CPU): the codes by group, one
+  byte a weight, multiplied group by group in torch (GroupedDequantLinearMethod): correct, slow,
+  and named in the start-up log; off the CPU (until the GPU kernels take them) the canonical
+  packed.PackedWeight, dequantized per call (DequantLinearMethod).
 """
 
 from __future__ import annotations

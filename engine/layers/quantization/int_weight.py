@@ -313,6 +313,16 @@ def finish_int_layer(
     return f"fallback: dequantized per call ({why})"
 
 
+def _to_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (K even) -> uint8 [N, K / 2]: k even in the low nibble."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def _from_nibbles(b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], -1)
+
+
 class IntWeightOnlyMethod(LinearMethodBase):
     """A checkpoint's integer weights while they load: subclasses name the tensors (CODES,
     SCALES, ZEROS, G_IDX) and convert each into the loading layout (convert_*); after loading,
@@ -354,9 +364,14 @@ class IntWeightOnlyMethod(LinearMethodBase):
             )
         g = (k * layer.tp_size) // group if full_groups else k // group
         layer.quant_group = group
-        layer.quant_bits = self.bits
-        register(layer, self.CODES, torch.zeros(n, k, dtype=torch.uint8),
-                 ShardLoader(layer, self.convert_codes, name=name))  # fmt: skip
+        layer.in_features_loading = k
+        # 4-bit codes load two to a byte (the checkpoint's own size), unpacked a layer at a time
+        nibbles = self.bits == 4 and k % 2 == 0
+        shape, convert = (n, k), self.convert_codes
+        if nibbles:
+            shape, convert = (n, k // 2), lambda t: _to_nibbles(self.convert_codes(t))
+        register(layer, self.CODES, torch.zeros(shape, dtype=torch.uint8),
+                 ShardLoader(layer, convert, name=name))  # fmt: skip
         per_row = self.group_size <= 0
         register(layer, self.SCALES, torch.zeros(n, g, dtype=torch.float32),
                  ShardLoader(layer, self.convert_scales, not (full_groups or per_row), name))  # fmt: skip
@@ -378,6 +393,9 @@ class IntWeightOnlyMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         codes = getattr(layer, self.CODES).data
+        if codes.shape[1] * 2 == layer.in_features_loading:  # two 4-bit codes a byte
+            codes = _from_nibbles(codes)
+        del layer.in_features_loading
         scales = getattr(layer, self.SCALES).data
         zeros = getattr(layer, self.ZEROS).data if self.ZEROS else None
         g_idx = getattr(layer, self.G_IDX).data if self.G_IDX else None

@@ -16,7 +16,8 @@ After loading, every integer format is GPTQ-style (`PackedWeight`):
 
 While a checkpoint loads, each format's tensors are converted as they are read into one
 output-major loading layout (the formats differ in packing, order and orientation, the layers'
-tensor-parallel slicing does not): codes uint8 [N, K] (unsigned: 0 .. 2**bits - 1), scales
+tensor-parallel slicing does not): codes uint8 [N, K] (unsigned: 0 .. 2**bits - 1; 4-bit ones
+two to a byte, [N, K / 2], so a layer loads in the checkpoint's own size), scales
 float32 [N, G] (exact for float16 and bfloat16 checkpoints), zeros int32 [N, G], g_idx [K].
 `ShardLoader` slices those for this rank (merged q/k/v and gate/up shards, row-parallel group
 boundaries) and `IntWeightOnlyMethod.process_weights_after_loading` (engine.layers.quantization.

@@ -227,6 +227,11 @@ class ModelRunner:
             quantize_model(model, "gguf", gguf_path=gguf)
             return block_parameters(model)
 
+        prepare = None
+        if self.quantization == "gguf":
+            prepare = blocks_first
+        elif ckpt is not None:  # the checkpoint's tensors, not float weights, in those layers
+            prepare = functools.partial(apply_checkpoint_methods, config=ckpt)
         self.model = load_model(
             self.model_dir,
             dtype=m.dtype,
@@ -234,13 +239,7 @@ class ModelRunner:
             device=self.device,
             max_position=self.max_model_len,
             seed=m.seed,
-            prepare=(
-                blocks_first
-                if self.quantization == "gguf"
-                else functools.partial(apply_checkpoint_methods, config=ckpt)
-                if ckpt is not None
-                else None
-            ),
+            prepare=prepare,
         )
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if ckpt is not None:

@@ -443,63 +443,90 @@ def test_a_group_that_does_not_divide_the_layer_is_named(written, tmp_path):
 # -- tensor parallelism: qweight / scales / zeros / g_idx split across 2 gloo ranks ---------------
 
 TP_FORMATS = ["gptq4-g32-asym", "gptq4-actorder", "gptq8-channel", "awq-g32", "ct-w4a16-channel",
-              "ct-w8a16-channel", "ct-fp8-tensor-static"]  # fmt: skip
+              "ct-w8a16-channel", "ct-fp8-tensor-static", "ct-w4a16-group-asym", "gptq8-g32-asym-v2",
+              "ct-w4a16-actorder"]  # fmt: skip
 TP_PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
 
 
-def _tp_logits(folder, paths: list | None = None) -> torch.Tensor:
+def _tp_logits(folder, paths: list | None = None, dtype: str = "float32") -> torch.Tensor:
     from engine.attention.backends.torch import TorchAttentionBackend
     from engine.attention.metadata import common_metadata_from_seqs
     from engine.distributed import get_tp_size
 
-    model, taken = _load(folder, "float32")
+    model, taken = _load(folder, dtype)
+    torch_dtype = getattr(torch, dtype)
     if paths is not None:
         paths.append({kind: dict(c) for kind, c in taken.items()})
     cfg = model.config
     hkv = cfg.num_key_value_heads // get_tp_size()
     for attn in model.attention_layers():
-        attn.kv_cache = torch.zeros(2, 8, 8, hkv, cfg.head_dim)
+        attn.kv_cache = torch.zeros(2, 8, 8, hkv, cfg.head_dim, dtype=torch_dtype)
         attn.kv_scales = None
     heads = cfg.num_attention_heads // get_tp_size()
-    backend = TorchAttentionBackend(8, heads, hkv, cfg.head_dim, torch.float32)
+    backend = TorchAttentionBackend(8, heads, hkv, cfg.head_dim, torch_dtype)
     for attn in model.attention_layers():
         attn.backend = backend
     with torch.inference_mode():
         meta = backend.build_metadata(common_metadata_from_seqs([(0, len(TP_PROMPT), [5, 2])], 8))
         positions = torch.arange(len(TP_PROMPT))
-        return model.compute_logits(model(torch.tensor(TP_PROMPT), positions, meta))
+        return model.compute_logits(model(torch.tensor(TP_PROMPT), positions, meta)).float()
 
 
-def _tp_worker(rank: int, port: int, folders: list, out_file: str) -> None:
+def _tp_worker(rank: int, port: int, folders: list, out_file: str, dtype: str) -> None:
     from engine.distributed import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
     try:
         paths: list = []
-        results = [_tp_logits(f, paths) for f in folders]
+        results = [_tp_logits(f, paths, dtype) for f in folders]
         torch.save((results, paths), f"{out_file}.{rank}")
     finally:
         destroy_distributed()
 
 
-@pytest.mark.slow
-def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
+def _tp2(folders: list, tmp_path, dtype: str) -> tuple[list, list, list]:
     import socket
 
     import torch.multiprocessing as mp
 
-    torch.set_num_threads(1)
-    folders = [written(f)[0] for f in TP_FORMATS]
-    expected = [_tp_logits(f) for f in folders]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "tp2.pt"
-    mp.spawn(_tp_worker, args=(port, folders, str(out)), nprocs=2, join=True)
+    out = tmp_path / f"tp2-{dtype}.pt"
+    mp.spawn(_tp_worker, args=(port, folders, str(out), dtype), nprocs=2, join=True)
     (logits, paths0), (_, paths1) = (torch.load(f"{out}.{rank}") for rank in (0, 1))
+    return logits, paths0, paths1
+
+
+@pytest.mark.slow
+def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
+    torch.set_num_threads(1)
+    folders = [written(f)[0] for f in TP_FORMATS]
+    expected = [_tp_logits(f) for f in folders]
+    logits, paths0, paths1 = _tp2(folders, tmp_path, "float32")
     for fmt, got, want in zip(TP_FORMATS, logits, expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=fmt)
     assert paths0 == paths1  # both ranks' shards take the same kernels
     int8 = paths0[TP_FORMATS.index("gptq8-channel")]
     assert set(int8["o_proj"]) == {"int8 rows (int8 C GEMM)"}  # g_idx rebased on rank 1 too
+
+
+TP_KERNEL_FORMATS = ["gptq4-g32-asym", "gptq4-actorder", "gptq8-g32-asym-v2", "ct-w4a16-group-sym"]
+
+
+@pytest.mark.slow
+def test_tp2_shards_on_the_cpu_kernels(written, tmp_path):
+    """bfloat16: each rank's shards on the w4 / Q8 tiles (act-order's row-parallel shards on
+    the fallback), against one process within bf16 and the kernels' x rounding."""
+    torch.set_num_threads(1)
+    folders = [written(f)[0] for f in TP_KERNEL_FORMATS]
+    expected = [_tp_logits(f, None, "bfloat16") for f in folders]
+    logits, paths0, paths1 = _tp2(folders, tmp_path, "bfloat16")
+    for fmt, got, want in zip(TP_KERNEL_FORMATS, logits, expected, strict=True):
+        assert (got - want).abs().max() <= 0.08 * want.abs().max(), fmt  # seen: 0.013-0.046
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8, fmt
+    assert paths0 == paths1
+    if cpu_w4.available():
+        assert any("w4 tiles" in why for why in paths0[0]["qkv_proj"])
+        assert any("w4 tiles" in why for why in paths0[0]["o_proj"])

@@ -74,8 +74,12 @@ class EngineArgs:
         "of a 4-bit GGUF); w4a8 = w8a8 plus 4-bit weight groups for steps of 1-12 rows (CPUs "
         "with AVX512-VNNI, bfloat16: the fastest single stream); gguf = a .gguf model's linear "
         "weights in the file's own quantization (Q4_0/Q4_1 as the 4-bit kernel's tiles, bit for "
-        "bit; Q8_0, Q4_K, Q5_K, Q6_K as the file's blocks; other types stay dequantized). "
-        "Default: gguf for a .gguf model (the default model too) on the CPU, else none.",
+        "bit; Q8_0, Q4_K, Q5_K, Q6_K as the file's blocks; other types stay dequantized); "
+        "gptq, awq, compressed-tensors, fp8 = a quantized checkpoint's own format, read from its "
+        "config.json quantization_config with no flag (naming another method is a start-up "
+        "error); fp8 on a float checkpoint quantizes its weights to FP8 at load. Default: the "
+        "checkpoint's quantization_config, else gguf for a .gguf model (the default model too) "
+        "on the CPU, else none.",
         None,
         choices=QUANTIZATION_CHOICES,
     )

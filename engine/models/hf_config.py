@@ -57,6 +57,8 @@ class HFModelConfig:
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
+    # config.json's quantization_config (a quantized checkpoint's format), None for float ones
+    quantization_config: dict[str, Any] | None = None
 
 
 def _ids(value: Any) -> list[int]:
@@ -121,6 +123,11 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window)
 
 
+def _quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    q = raw.get("quantization_config") or raw.get("compression_config")  # CT's older key
+    return dict(q) if isinstance(q, dict) else None
+
+
 def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> HFModelConfig:
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type", "")
@@ -161,6 +168,7 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
         partial_rotary_factor=partial_rotary_factor,
+        quantization_config=_quantization_config(raw),
         **_moe(raw, model_type),
     )
 

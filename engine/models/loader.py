@@ -262,6 +262,8 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     def unfilled() -> list[str]:
         out = []
         for name in (n for n in params if n not in held):
+            if getattr(params[name], "optional", False):  # a quantized format's optional tensor
+                continue
             want = getattr(params[name], "expected_shards", None) or next(
                 (ids for frag, ids in expected.items() if f".{frag}." in name), {None}
             )

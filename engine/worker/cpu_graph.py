@@ -70,7 +70,11 @@ def _has_w4(m) -> bool:  # w4a8's 4-bit copy, or a GGUF layer's repacked Q4 bloc
 
 
 def _in_features(m) -> int:  # a GGUF w4 layer's weight is its tiles' bytes
-    return m.w4.in_features if _has_w4(m) else m.weight.shape[1]
+    if _has_w4(m):
+        return m.w4.in_features
+    if m.weight is None:  # a quantized checkpoint's fallback layer: no weight of that shape
+        return m.in_features
+    return m.weight.shape[1]
 
 
 def _amx_w4(m) -> bool:  # a GGUF layer's Q4 tiles, which AMX-bf16 reads above 12 rows

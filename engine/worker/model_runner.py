@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -34,6 +35,12 @@ from engine.config import EngineConfig
 from engine.distributed import get_tp_size
 from engine.gguf.source import gguf_source
 from engine.layers.gpu_sampler import GpuSampler
+from engine.layers.quantization import CHECKPOINT_METHODS
+from engine.layers.quantization.checkpoint import (
+    apply_checkpoint_methods,
+    build_config,
+    finish_checkpoint_methods,
+)
 from engine.layers.quantization.gguf import block_parameters
 from engine.layers.quantization.quantize import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
@@ -203,8 +210,15 @@ class ModelRunner:
             tune_malloc()
             self._threads = StepThreads(self.config.parallel.frontend_threads)
         gguf = gguf_source(m.model)
+        qcfg = self.hf_config.quantization_config
         self.quantization, why = resolve_method(
-            m.quantization, gguf, self.device, m.load_format, get_tp_size()
+            m.quantization, gguf, self.device, m.load_format, get_tp_size(), checkpoint=qcfg
+        )
+        # a checkpoint format: validated now, its layers' methods given before the weights load
+        ckpt = (
+            build_config(self.quantization, qcfg)
+            if self.quantization in CHECKPOINT_METHODS
+            else None
         )
 
         def blocks_first(model: torch.nn.Module) -> set[str]:
@@ -213,6 +227,11 @@ class ModelRunner:
             quantize_model(model, "gguf", gguf_path=gguf)
             return block_parameters(model)
 
+        prepare = None
+        if self.quantization == "gguf":
+            prepare = blocks_first
+        elif ckpt is not None:  # the checkpoint's tensors, not float weights, in those layers
+            prepare = functools.partial(apply_checkpoint_methods, config=ckpt)
         self.model = load_model(
             self.model_dir,
             dtype=m.dtype,
@@ -220,10 +239,12 @@ class ModelRunner:
             device=self.device,
             max_position=self.max_model_len,
             seed=m.seed,
-            prepare=blocks_first if self.quantization == "gguf" else None,
+            prepare=prepare,
         )
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        if self.quantization != "gguf":
+        if ckpt is not None:
+            finish_checkpoint_methods(self.model, ckpt)
+        elif self.quantization != "gguf":
             quantize_model(self.model, self.quantization, gguf_path=gguf)
         if self.device.type == "cpu":
             release_freed_heap()

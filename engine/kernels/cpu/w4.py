@@ -178,11 +178,26 @@ def pack_q8_0(blocks: torch.Tensor, in_features: int, layout: str | None = None)
     if not torch.isfinite(mins).all():
         raise ValueError("a Q8_0 scale's -128d overflows float16")
     u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return pack_q8_groups(u, scales, mins, layout)
+
+
+def pack_q8_groups(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, layout: str | None = None
+) -> Q8Tiles:
+    """uint8 codes [N, G, 32] (0..255), float16 scales and minimums [N, G] -> Q8Tiles in
+    `layout` (default: this build's) standing for w = s * u + m of exactly these values (a
+    Q8_0 block: u = q + 128, m = -128 s; an 8-bit checkpoint's groups: m = -zero * s)."""
+    layout = layout or q8_layout()
+    if layout not in Q8_LAYOUTS:
+        raise ValueError(f"no Q8 tile layout {layout!r}")
+    n, groups = scales.shape
     pad = -n % TILE
-    u, scales, mins = (_pad_rows(v, pad) for v in (u, scales, mins))
-    codes = [_vnni_chunks(u)] if layout == "vnni" else [_tile_chunks(u >> 4), _tile_chunks(u & 15)]
-    data = torch.cat([*codes, _per_group(scales), _per_group(mins)], dim=2)
-    return Q8Tiles(data.reshape(-1, groups * Q8_GROUP_BYTES).contiguous(), n, in_features, layout)
+    u, scales, mins = (_pad_rows(v, pad) for v in (codes, scales, mins))
+    planes = [_vnni_chunks(u)] if layout == "vnni" else [_tile_chunks(u >> 4), _tile_chunks(u & 15)]
+    data = torch.cat([*planes, _per_group(scales), _per_group(mins)], dim=2)
+    return Q8Tiles(
+        data.reshape(-1, groups * Q8_GROUP_BYTES).contiguous(), n, groups * GROUP, layout
+    )
 
 
 def linear_q8(x: torch.Tensor, w: Q8Tiles) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from engine.kernels.cpu import gguf as cpu_gguf
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.quantization import LAYER_METHODS, method_classes
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+from engine.layers.quantization.checkpoint import resolve_checkpoint
 from engine.layers.quantization.gguf import apply_gguf_blocks
 
 
@@ -64,11 +65,23 @@ def resolve_method(
     device: str | torch.device,
     load_format: str = "auto",
     tp_size: int = 1,
+    checkpoint: dict | None = None,
 ) -> tuple[str | None, str]:
     """(the method quantize_model gets, None for the float weights; why) for `--quantization
-    requested`: given, as asked ("none": the float weights, a .gguf model dequantized);
+    requested`: a quantized checkpoint (`checkpoint`, its config.json's quantization_config)
+    loads in its own format, which a flag may name again but not contradict (ValueError);
+    else given, as asked ("none": the float weights, a .gguf model dequantized);
     unset, gguf for a GGUF model (gguf_path, its file) served on the CPU kernels, where the
     file's own 4-bit weights are the fast path, else the float weights."""
+    if checkpoint is not None and load_format == "dummy":
+        raise ValueError(
+            "--load-format dummy draws float weights; this checkpoint is quantized "
+            f"(quantization_config.quant_method {checkpoint.get('quant_method')!r}): load it "
+            "from its files"
+        )
+    picked = resolve_checkpoint(requested, checkpoint)
+    if picked is not None:
+        return picked
     if requested == "none":
         return None, "--quantization none: float weights"
     if requested is not None:

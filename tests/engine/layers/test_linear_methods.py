@@ -369,13 +369,26 @@ def test_quantize_model_refuses_what_the_kernels_cannot_take(make_tiny_model):
 
 def test_every_registry_entry_names_its_two_methods():
     """The registry (the --quantization choices) names importable classes: a linear method and
-    an LM head method for each per-layer format; gguf is per model."""
-    from engine.layers.quantization import LAYER_METHODS, METHODS, method_classes
+    an LM head method for each per-layer format; gguf is per model; a checkpoint format names
+    its QuantizationConfig class."""
+    from engine.layers.quantization import (
+        CHECKPOINT_METHODS,
+        LAYER_METHODS,
+        METHODS,
+        checkpoint_config_class,
+        method_classes,
+    )
     from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
+    from engine.layers.quantization.checkpoint import QuantizationConfig
 
-    assert set(LAYER_METHODS) == set(METHODS) - {"gguf"}
+    assert set(LAYER_METHODS) == set(METHODS) - {"gguf", *CHECKPOINT_METHODS}
     for name in LAYER_METHODS:
         linear, head = method_classes(name)
         assert issubclass(linear, LinearMethodBase) and issubclass(head, LMHeadMethodBase)
+    for name in CHECKPOINT_METHODS:
+        cls = checkpoint_config_class(name)
+        assert issubclass(cls, QuantizationConfig) and cls.name == name
     with pytest.raises(KeyError):
         method_classes("gguf")
+    with pytest.raises(KeyError):
+        method_classes("gptq")

@@ -1,0 +1,198 @@
+"""compressed-tensors checkpoints (llm-compressor's: `quant_method: "compressed-tensors"`).
+
+quantization_config holds `config_groups` (each: `targets` — "Linear", a layer name, or
+"re:<regex>" — and the `weights` / `input_activations` quantization args), a `format` (global
+or per group) and an `ignore` list. Supported:
+- `pack-quantized`: int4 or int8 weights (W4A16 / W8A16), group or channel strategy,
+  symmetric or not, act-order's `weight_g_idx`: `weight_packed` int32 [N, K * bits / 32]
+  (codes + 2**(bits - 1), packed along K, lowest bits first), `weight_scale` [N, G],
+  `weight_zero_point` int32 [N * bits / 32, G] (packed along N) where asymmetric,
+  `weight_shape`; dequant (q - z) * s. Converted into the canonical form (packed.py).
+- `int-quantized` / `naive-quantized`: int8 `weight` [N, K] with `weight_scale` (channel or
+  tensor) and int8 activations (W8A8: dynamic per token, or static `input_scale`, served
+  dynamic per token on the CPU's W8A8 kernel).
+- `float-quantized`: FP8 e4m3 `weight` with per-tensor or per-channel `weight_scale`, static
+  or dynamic activations (engine.layers.quantization.fp8's method).
+Anything else (other formats, bit widths, strategies, activation schemes, a quantized LM head,
+a KV-cache scheme) is a start-up error naming the field and the values Tessera takes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
+from engine.layers.quantization.fp8 import Fp8LinearMethod
+from engine.layers.quantization.int_weight import IntWeightOnlyMethod
+from engine.layers.quantization.packed import unpack_cols
+
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+
+
+def _match(target: str, name: str) -> bool:
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return name == target or name.endswith(f".{target}")
+
+
+class _Scheme:
+    """One config group, validated: (format, weight args, input args)."""
+
+    def __init__(self, key: str, group: dict[str, Any], fmt: str):
+        where = f"config_groups.{key}"
+        self.targets = list(group.get("targets") or [])
+        self.format = group.get("format") or fmt
+        if self.format not in FORMATS:
+            raise unsupported(f"{where}.format" if group.get("format") else "format",
+                              self.format, ", ".join(FORMATS))  # fmt: skip
+        w = group.get("weights") or {}
+        a = group.get("input_activations")
+        self.bits = w.get("num_bits", 8)
+        self.type = w.get("type", "int")
+        self.symmetric = bool(w.get("symmetric", True))
+        self.strategy = w.get("strategy", "tensor")
+        self.group_size = w.get("group_size")
+        self.actorder = w.get("actorder")
+        self.act_quant = a is not None
+        if w.get("dynamic", False):
+            raise unsupported(f"{where}.weights.dynamic", w["dynamic"], "false")
+        if self.format == "pack-quantized":
+            if self.type != "int" or self.bits not in (4, 8):
+                raise unsupported(f"{where}.weights.num_bits", self.bits,
+                                  "4 or 8 (int) for pack-quantized")  # fmt: skip
+            if self.strategy not in ("group", "channel"):
+                raise unsupported(f"{where}.weights.strategy", self.strategy, "group, channel")
+            if self.strategy == "group" and not (isinstance(self.group_size, int)
+                                                 and self.group_size > 0):  # fmt: skip
+                raise unsupported(f"{where}.weights.group_size", self.group_size, "a positive size")
+            if a is not None:
+                raise unsupported(f"{where}.input_activations", a,
+                                  "null (pack-quantized weights are weight-only)")  # fmt: skip
+        elif self.format in ("int-quantized", "naive-quantized"):
+            if self.type != "int" or self.bits != 8:
+                raise unsupported(f"{where}.weights.num_bits", self.bits, "8 (int)")
+            if self.strategy not in ("channel", "tensor"):
+                raise unsupported(f"{where}.weights.strategy", self.strategy, "channel, tensor")
+            if not self.symmetric:
+                raise unsupported(f"{where}.weights.symmetric", False, "true")
+            self._check_activations(where, a, "int")
+        else:  # float-quantized
+            if self.type != "float" or self.bits != 8:
+                raise unsupported(f"{where}.weights.num_bits", self.bits, "8 (float: FP8 e4m3)")
+            if self.strategy not in ("channel", "tensor"):
+                raise unsupported(f"{where}.weights.strategy", self.strategy, "channel, tensor")
+            self._check_activations(where, a, "float")
+        if self.actorder not in (None, "group", "weight", "static", "dynamic"):
+            raise unsupported(f"{where}.weights.actorder", self.actorder, "null, group, weight")
+
+    @staticmethod
+    def _check_activations(where: str, a: dict[str, Any] | None, kind: str) -> None:
+        if a is None:
+            return
+        if a.get("num_bits", 8) != 8 or a.get("type", kind) != kind:
+            raise unsupported(f"{where}.input_activations.num_bits", a.get("num_bits"),
+                              f"8 ({kind})")  # fmt: skip
+        strategy = a.get("strategy", "tensor")
+        if strategy not in ("token", "tensor"):
+            raise unsupported(f"{where}.input_activations.strategy", strategy, "token, tensor")
+
+    def key(self) -> tuple:
+        return (self.format, self.bits, self.type, self.symmetric, self.strategy,
+                self.group_size, self.actorder, self.act_quant)  # fmt: skip
+
+    def method(self) -> LinearMethodBase:
+        if self.format == "float-quantized":
+            return Fp8LinearMethod(checkpoint=True)
+        group = self.group_size if self.strategy == "group" else -1
+        if self.format == "pack-quantized":
+            return CTPackedLinearMethod(self.bits, group, self.symmetric,
+                                        act_order=self.actorder == "group")  # fmt: skip
+        return CTInt8LinearMethod(8, -1, True, False, act_quant=self.act_quant)
+
+    def describe(self) -> str:
+        g = f" {self.group_size}" if self.strategy == "group" else ""
+        w = f"{self.type}{self.bits} {self.strategy}{g} {'sym' if self.symmetric else 'asym'}"
+        return f"{self.format} ({w}{', activations quantized' if self.act_quant else ''})"
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, schemes: list[_Scheme], ignore: list[str]):
+        self.schemes, self.ignore = schemes, ignore
+
+    @classmethod
+    def from_checkpoint(cls, qcfg: dict[str, Any]) -> CompressedTensorsConfig:
+        fmt = qcfg.get("format", "pack-quantized")
+        groups = qcfg.get("config_groups") or {}
+        if not groups:
+            raise unsupported("config_groups", groups, "one or more quantization groups")
+        if qcfg.get("kv_cache_scheme"):
+            raise unsupported("kv_cache_scheme", qcfg["kv_cache_scheme"], "null")
+        schemes = [_Scheme(k, g, fmt) for k, g in groups.items()]
+        return cls(schemes, list(qcfg.get("ignore") or []))
+
+    def scheme_for(self, name: str) -> _Scheme | None:
+        if any(_match(t, name) for t in self.ignore):
+            return None
+        return next((s for s in self.schemes if any(_match(t, name) for t in s.targets)), None)
+
+    def check_lm_head(self) -> None:
+        if self.scheme_for("lm_head") is not None:
+            raise unsupported("ignore", self.ignore,
+                              "a list naming lm_head (the LM head unquantized)")  # fmt: skip
+
+    def linear_method(self, prefix: str, sources: list[str]) -> LinearMethodBase | None:
+        schemes = [self.scheme_for(s) for s in sources]
+        if all(s is None for s in schemes):
+            return None
+        if any(s is None or s.key() != schemes[0].key() for s in schemes):
+            raise ValueError(
+                f"quantization_config gives {sources} different schemes (or ignores some): "
+                "they run as one merged layer"
+            )
+        return schemes[0].method()
+
+    def describe(self) -> str:
+        return "; ".join(s.describe() for s in self.schemes) + (
+            f"; ignore {self.ignore}" if self.ignore else ""
+        )
+
+
+class CTPackedLinearMethod(IntWeightOnlyMethod):
+    CODES, SCALES = "weight_packed", "weight_scale"
+    EXTRA = ("weight_shape",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ZEROS = "" if self.symmetric else "weight_zero_point"
+        self.G_IDX = "weight_g_idx" if self.act_order else ""
+
+    def convert_codes(self, t: torch.Tensor) -> torch.Tensor:
+        return unpack_cols(t, self.bits)  # stored unsigned (q + 2**(bits - 1)): the codes
+
+    def convert_scales(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float()
+
+    def convert_zeros(self, t: torch.Tensor) -> torch.Tensor:
+        offset = 1 << (self.bits - 1)
+        if t.dtype == torch.int32:  # packed along N, stored with the offset
+            return unpack_cols(t.t().contiguous(), self.bits).t()
+        return t.to(torch.int32) + offset  # an unpacked signed zero point
+
+
+class CTInt8LinearMethod(IntWeightOnlyMethod):
+    CODES, SCALES = "weight", "weight_scale"
+    EXTRA = ("input_scale", "input_zero_point", "weight_zero_point")
+
+    def convert_codes(self, t: torch.Tensor) -> torch.Tensor:
+        return (t.to(torch.int16) + 128).to(torch.uint8)
+
+    def convert_scales(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float().reshape(-1, 1)

@@ -1,0 +1,125 @@
+"""FP8 weights: checkpoints in the `quant_method: "fp8"` layout (and compressed-tensors'
+float-quantized, which shares this method), or `--quantization fp8` on a float checkpoint.
+
+A checkpoint layer holds `weight` float8_e4m3fn [N, K], `weight_scale` float32 (one per
+tensor, [] or [1], or one per output row, [N, 1]) and, with static activation scales,
+`input_scale`: W = weight * weight_scale. On the CPU there is no fp8 arithmetic: every e4m3
+value is exact in bfloat16 (and float16, float32), so the weight is kept as those exact values
+in the model dtype and the scale applied per output row after the GEMM — the unquantized
+path's kernels (the C GEMM, AMX-bf16 tiles, oneDNN), no rounding of the weight. Activations
+stay in the model dtype (input_scale is read and unused: more accurate than the checkpoint's
+fp8 activations). `--quantization fp8` on a float checkpoint computes one scale per output row
+at load (max |w| / 448) and rounds the weight to e4m3: that rounding is its accuracy cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
+from engine.layers.quantization.int_weight import register, register_bias
+from engine.layers.quantization.packed import ShardLoader, ignored_loader
+from engine.layers.quantization.unquantized import linear_by_rows
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
+def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn [N, K], float32 scale [N]) with w ~ q * scale[:, None]."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
+    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+
+    def __init__(self, checkpoint: bool, skip: list[str], activation_scheme: str = "dynamic"):
+        self.checkpoint, self.skip, self.activation_scheme = checkpoint, skip, activation_scheme
+
+    @classmethod
+    def from_checkpoint(cls, qcfg: dict[str, Any]) -> Fp8Config:
+        scheme = qcfg.get("activation_scheme", "dynamic")
+        if scheme not in ACTIVATION_SCHEMES:
+            raise unsupported("activation_scheme", scheme, ", ".join(ACTIVATION_SCHEMES))
+        if qcfg.get("weight_block_size") is not None:
+            raise unsupported(
+                "weight_block_size", qcfg["weight_block_size"], "null (per-tensor weight scales)"
+            )
+        skip = list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
+        return cls(True, skip, scheme)
+
+    @classmethod
+    def online(cls) -> Fp8Config:
+        return cls(False, [])
+
+    def linear_method(self, prefix: str, sources: list[str]) -> Fp8LinearMethod | None:
+        skipped = [any(s in src for s in self.skip) for src in sources]
+        if all(skipped) and self.skip:
+            return None
+        if any(skipped):
+            raise ValueError(
+                f"quantization_config.ignored_layers keeps some of {sources} in float and not "
+                "the others: they run as one merged layer"
+            )
+        return Fp8LinearMethod(self.checkpoint, input_scale=self.activation_scheme == "static")
+
+    def describe(self) -> str:
+        if not self.checkpoint:
+            return "FP8 e4m3 weights quantized at load, one scale per output row"
+        return (
+            f"FP8 e4m3 checkpoint, per-tensor weight scales, {self.activation_scheme} activations"
+        )
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """layer.weight: the e4m3 values in the model dtype (exact); layer.weight_scale: float32
+    [N], applied after the GEMM."""
+
+    def __init__(self, checkpoint: bool, input_scale: bool = False):
+        self.checkpoint, self.input_scale = checkpoint, input_scale
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
+        if not self.checkpoint:  # a float checkpoint: quantized after loading
+            return super().create_weights(layer, input_size, output_size, bias)
+        name = getattr(layer, "prefix", "")
+        n, k = output_size, input_size
+        register(layer, "weight", torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                 ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
+        register(layer, "weight_scale", torch.zeros(n, dtype=torch.float32),
+                 ShardLoader(layer, lambda t: t.float().reshape(-1), input_dim=False, name=name))  # fmt: skip
+        # static activation scales: read, unused on the CPU (activations stay in the model dtype)
+        register(layer, "input_scale", torch.zeros(0), ignored_loader)
+        layer.input_scale.optional = True
+        register_bias(layer, n, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = getattr(layer, "model_dtype", torch.get_default_dtype())
+        if self.checkpoint:
+            q, scale = layer.weight.data, layer.weight_scale.data
+            del layer.input_scale
+            why = "fp8 checkpoint"
+        else:
+            q, scale = quantize_rows_fp8(layer.weight.data)
+            layer.weight_scale = None
+            why = "quantized at load"
+        del layer.weight, layer.weight_scale
+        layer.weight = nn.Parameter(q.to(dtype).contiguous(), requires_grad=False)
+        layer.weight_scale = scale.float().contiguous()
+        layer.quant_path = (
+            f"e4m3 values exact in {str(dtype).removeprefix('torch.')}, row scales after the "
+            f"GEMM (C GEMM / AMX-bf16 / oneDNN; {why})"
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = linear_by_rows(layer, x, layer.weight, None)
+        y = (y.float() * layer.weight_scale).to(x.dtype)
+        return y if bias is None else y + bias

@@ -1,0 +1,79 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel: `quant_method: "gptq"`).
+
+Per layer: `qweight` int32 [K / (32 / bits), N] (codes packed along K, lowest bits first),
+`qzeros` int32 [G, N / (32 / bits)] (zero points packed along N), `scales` float16 [G, N], and
+`g_idx` int32 [K] (each input row's group: act-order, `desc_act`). The classic format
+(`checkpoint_format` "gptq", v1) stores each zero point minus 1; "gptq_v2" stores it as is.
+4- and 8-bit, any group size (-1: one per output row), symmetric or not. W[k, n] = (q[k, n] -
+z[g_idx[k], n]) * s[g_idx[k], n] — the canonical form (packed.py) is this format's own, so the
+CPU kernels take it as engine.layers.quantization.int_weight says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
+from engine.layers.quantization.int_weight import IntWeightOnlyMethod
+from engine.layers.quantization.packed import unpack_cols, unpack_rows
+
+BITS = (4, 8)
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+class GPTQConfig(QuantizationConfig):
+    name = "gptq"
+
+    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, v2: bool):
+        self.bits, self.group_size, self.desc_act, self.sym, self.v2 = (
+            bits, group_size, desc_act, sym, v2,
+        )  # fmt: skip
+
+    @classmethod
+    def from_checkpoint(cls, qcfg: dict[str, Any]) -> GPTQConfig:
+        bits = qcfg.get("bits", 4)
+        if bits not in BITS:
+            raise unsupported("bits", bits, ", ".join(map(str, BITS)))
+        group_size = qcfg.get("group_size", -1)
+        if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+            raise unsupported("group_size", group_size, "-1 (per output row) or a positive size")
+        fmt = qcfg.get("checkpoint_format", "gptq")
+        if fmt not in CHECKPOINT_FORMATS:
+            raise unsupported("checkpoint_format", fmt, ", ".join(CHECKPOINT_FORMATS))
+        if qcfg.get("lm_head", False):
+            raise unsupported("lm_head", True, "false (the LM head unquantized)")
+        if qcfg.get("dynamic"):
+            raise unsupported("dynamic", qcfg["dynamic"], "none (one scheme for every layer)")
+        return cls(bits, group_size, bool(qcfg.get("desc_act", False)),
+                   bool(qcfg.get("sym", True)), fmt == "gptq_v2")  # fmt: skip
+
+    def linear_method(self, prefix: str, sources: list[str]) -> GPTQLinearMethod:
+        return GPTQLinearMethod(self.bits, self.group_size, self.sym, self.desc_act, v2=self.v2)
+
+    def describe(self) -> str:
+        return (
+            f"GPTQ {self.bits}-bit, group size {self.group_size}, "
+            f"{'symmetric' if self.sym else 'asymmetric'}"
+            f"{', act-order (desc_act)' if self.desc_act else ''}, "
+            f"{'gptq_v2' if self.v2 else 'gptq (v1: zero points stored minus 1)'}"
+        )
+
+
+class GPTQLinearMethod(IntWeightOnlyMethod):
+    CODES, SCALES, ZEROS, G_IDX = "qweight", "scales", "qzeros", "g_idx"
+
+    def __init__(self, *args, v2: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.v2 = v2
+
+    def convert_codes(self, t: torch.Tensor) -> torch.Tensor:
+        return unpack_rows(t, self.bits).t()
+
+    def convert_scales(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float().t()
+
+    def convert_zeros(self, t: torch.Tensor) -> torch.Tensor:
+        z = unpack_cols(t, self.bits)
+        return (z if self.v2 else z + 1).t()  # v1 stores zero - 1

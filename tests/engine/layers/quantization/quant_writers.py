@@ -1,0 +1,264 @@
+"""Writers of quantized checkpoints in the layouts people download, for the tests.
+
+Each writer takes a float model folder (tests.conftest.build_tiny_model), quantizes its
+decoder layers' linear weights into a format's tensors and config.json quantization_config,
+and returns the folder plus the exact dequantized weight of every quantized layer (float32
+[N, K], by its checkpoint name): the reference HF model runs on those. GPTQ and AWQ are packed
+here by hand, with explicit bit loops independent of engine.layers.quantization.packed;
+compressed-tensors' tensors come from the `compressed-tensors` package itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _state(src: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(src / "model.safetensors"))
+
+
+def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], qcfg: dict | None,
+           dtype: str | None = None) -> Path:  # fmt: skip
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if qcfg is not None:
+        cfg["quantization_config"] = qcfg
+    if dtype is not None:
+        cfg["dtype"] = cfg["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def _linear_names(state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> list[str]:
+    """The decoder layers' linear layers to quantize (those whose kind is in skip stay float)."""
+    return [k[: -len(".weight")] for k in state if k.endswith(".weight")
+            and k.rsplit(".", 2)[-2] in LINEARS and k.rsplit(".", 2)[-2] not in skip]  # fmt: skip
+
+
+# -- GPTQ -----------------------------------------------------------------------------------
+
+
+def _pack_along_rows(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint codes [K, N] -> int32 [K * bits / 32, N]: row k in word k // per at bit
+    (k % per) * bits (AutoGPTQ's pack loop)."""
+    per = 32 // bits
+    k, n = codes.shape
+    out = np.zeros((k // per, n), dtype=np.uint32)
+    for r in range(k // per):
+        for i in range(per):
+            out[r] |= codes[r * per + i].astype(np.uint32) << np.uint32(bits * i)
+    return out.view(np.int32)
+
+
+def _pack_along_cols(codes: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
+    """uint codes [R, C] -> int32 [R, C * bits / 32]: field i of word c holds column
+    c * per + order[i]."""
+    per = 32 // bits
+    r, c = codes.shape
+    order = order or list(range(per))
+    out = np.zeros((r, c // per), dtype=np.uint32)
+    for w in range(c // per):
+        for i in range(per):
+            out[:, w] |= (codes[:, w * per + order[i]].astype(np.uint32) & ((1 << bits) - 1)) << (
+                np.uint32(bits * i)
+            )
+    return out.view(np.int32)
+
+
+def _int_quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor,
+                  min_zero: int = 0):  # fmt: skip
+    """w [N, K] -> (codes [K, N] unsigned, scales fp16 [G, N], zeros [G, N], dequant [N, K]),
+    groups by g_idx (GPTQ's quantizer: sym zero = 2**(bits-1), scales 2 max|w| / maxq)."""
+    n, k = w.shape
+    maxq = (1 << bits) - 1
+    groups = int(g_idx.max()) + 1
+    scales = torch.empty(groups, n)
+    zeros = torch.empty(groups, n)
+    for j in range(groups):
+        rows = w[:, g_idx == j]
+        lo = rows.amin(1).clamp(max=0)
+        hi = rows.amax(1).clamp(min=0)
+        if sym:
+            s = torch.maximum(hi, -lo) * 2 / maxq
+            z = torch.full_like(s, (maxq + 1) / 2)
+        else:
+            s = (hi - lo) / maxq
+            z = torch.round(-lo / s).clamp(min_zero, maxq)
+        scales[j], zeros[j] = s.half().float(), z
+    s_k, z_k = scales[g_idx.long()], zeros[g_idx.long()]  # [K, N]
+    codes = torch.clamp(torch.round(w.t() / s_k) + z_k, 0, maxq)
+    deq = ((codes - z_k) * s_k).t().contiguous()
+    return codes.to(torch.int32), scales.half(), zeros.to(torch.int32), deq
+
+
+def write_gptq(src: Path, dst: Path, bits=4, group=32, sym=True, desc_act=False, v2=False,
+               seed=0) -> tuple[Path, dict]:  # fmt: skip
+    state = _state(src)
+    out, deq = dict(state), {}
+    gen = torch.Generator().manual_seed(seed)
+    orders: dict[tuple, torch.Tensor] = {}
+    for name in _linear_names(state):
+        w = out.pop(f"{name}.weight").float()
+        k = w.shape[1]
+        g = k if group == -1 else group
+        g_idx = torch.arange(k, dtype=torch.int32) // g
+        # one order per input: the merged projections share theirs, as GPTQ's Hessian does
+        prefix, kind = name.rsplit(".", 1)
+        shared = (prefix, kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+        if desc_act and shared in orders:
+            g_idx = orders[shared].clone()
+        elif desc_act:  # act-order: row perm[i] is the i-th quantized, groups in that order
+            perm = torch.randperm(k, generator=gen)
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[perm] = torch.arange(k, dtype=torch.int32) // g
+            orders[shared] = g_idx
+        # v1 stores zero - 1: a zero point of 0 would not survive it (real v1 files have none)
+        min_zero = 0 if v2 else 1
+        codes, scales, zeros, deq[name] = _int_quantize(w, bits, g, sym, g_idx, min_zero)
+        stored = zeros.numpy() if v2 else zeros.numpy() - 1  # v1: zero points minus 1
+        out[f"{name}.qweight"] = torch.from_numpy(_pack_along_rows(codes.numpy(), bits))
+        out[f"{name}.qzeros"] = torch.from_numpy(_pack_along_cols(stored, bits))
+        out[f"{name}.scales"] = scales
+        out[f"{name}.g_idx"] = g_idx
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
+            "sym": sym, "checkpoint_format": "gptq_v2" if v2 else "gptq"}  # fmt: skip
+    return _write(src, dst, out, qcfg, "float16"), deq
+
+
+def write_awq(src: Path, dst: Path, group=32, skip: tuple[str, ...] = ()) -> tuple[Path, dict]:
+    state = _state(src)
+    out, deq = dict(state), {}
+    for name in _linear_names(state, skip):
+        w = out.pop(f"{name}.weight").float()
+        g_idx = torch.arange(w.shape[1], dtype=torch.int32) // group
+        codes, scales, zeros, deq[name] = _int_quantize(w, 4, group, False, g_idx)
+        out[f"{name}.qweight"] = torch.from_numpy(_pack_along_cols(codes.numpy(), 4, AWQ_ORDER))
+        out[f"{name}.qzeros"] = torch.from_numpy(_pack_along_cols(zeros.numpy(), 4, AWQ_ORDER))
+        out[f"{name}.scales"] = scales
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": list(skip) or None}  # fmt: skip
+    return _write(src, dst, out, qcfg, "float16"), deq
+
+
+# -- FP8 (quant_method "fp8") ---------------------------------------------------------------
+
+
+def write_fp8(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> tuple[Path, dict]:
+    state = _state(src)
+    out, deq = dict(state), {}
+    for name in _linear_names(state, skip):
+        w = out.pop(f"{name}.weight").float()
+        s = w.abs().max() / 448.0
+        q = (w / s).to(torch.float8_e4m3fn)
+        out[f"{name}.weight"] = q
+        out[f"{name}.weight_scale"] = s.reshape(())
+        out[f"{name}.input_scale"] = torch.tensor(0.05)
+        deq[name] = q.float() * s
+    qcfg = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": list(skip)}
+    return _write(src, dst, out, qcfg, "bfloat16"), deq
+
+
+# -- compressed-tensors (the package's own compressors) -------------------------------------
+
+
+def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
+                             input_activations: dict | None = None,
+                             skip: tuple[str, ...] = ()) -> tuple[Path, dict]:  # fmt: skip
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**weights)
+    acts = None if input_activations is None else QuantizationArgs(**input_activations)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    state = _state(src)
+    out, deq = dict(state), {}
+    for name in _linear_names(state, skip):
+        w = out.pop(f"{name}.weight").float()
+        if args.strategy == "group":
+            g = w.view(w.shape[0], -1, args.group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+        elif args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        else:
+            lo, hi = w.min().reshape(1), w.max().reshape(1)
+        s, z = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args)
+        deq[name] = fake_quantize(w, s, z, args).float()
+        sd = {"weight": w, "weight_scale": s, "weight_zero_point": z}
+        if acts is not None and not acts.dynamic:
+            sd["input_scale"] = torch.tensor([0.05])
+        for key, t in compressor.compress(sd, scheme).items():
+            out[f"{name}.{key}"] = t
+    group = {"targets": ["Linear"], "weights": args.model_dump(),
+             "input_activations": None if acts is None else acts.model_dump(),
+             "output_activations": None, "format": fmt}  # fmt: skip
+    qcfg = {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head", *(f"re:.*{kind}$" for kind in skip)],
+            "quantization_status": "compressed", "kv_cache_scheme": None}  # fmt: skip
+    return _write(src, dst, out, json.loads(json.dumps(qcfg, default=str)), "bfloat16"), deq
+
+
+def reference_model(src: Path, deq: dict[str, torch.Tensor]):
+    """The HF float32 model of src with every quantized layer's weight its exact dequantized
+    value."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in deq.items():
+            params[f"{name}.weight"].copy_(w)
+    return model
+
+
+def write_ct_actorder(src: Path, dst: Path, group=32, seed=0) -> tuple[Path, dict]:
+    """compressed-tensors' older W4A16 with `actorder: "group"` (the package's own writer has
+    dropped it): weight_g_idx beside codes packed by the package's pack_to_int32."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    state = _state(src)
+    out, deq = dict(state), {}
+    gen = torch.Generator().manual_seed(seed)
+    orders: dict[tuple, torch.Tensor] = {}
+    for name in _linear_names(state):
+        w = out.pop(f"{name}.weight").float()
+        k = w.shape[1]
+        prefix, kind = name.rsplit(".", 1)
+        shared = (prefix, kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+        if shared not in orders:
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[torch.randperm(k, generator=gen)] = torch.arange(k, dtype=torch.int32) // group
+            orders[shared] = g_idx
+        g_idx = orders[shared].clone()
+        codes, scales, _, deq[name] = _int_quantize(w, 4, group, True, g_idx)
+        signed = (codes.t() - 8).to(torch.int8).contiguous()  # [N, K] in -8..7
+        out[f"{name}.weight_packed"] = pack_to_int32(signed, 4)
+        out[f"{name}.weight_scale"] = scales.t().contiguous()
+        out[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
+        out[f"{name}.weight_g_idx"] = g_idx
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": group, "actorder": "group", "dynamic": False}  # fmt: skip
+    qcfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None}},
+            "ignore": ["lm_head"], "quantization_status": "compressed"}  # fmt: skip
+    return _write(src, dst, out, qcfg, "float16"), deq

@@ -57,6 +57,7 @@ class HFModelConfig:
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
+
     # config.json's quantization_config (a quantized checkpoint's format), None for float ones
     quantization_config: dict[str, Any] | None = None
 

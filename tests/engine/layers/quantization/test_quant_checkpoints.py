@@ -249,7 +249,7 @@ def _assert_greedy_agrees(ours: list[int], theirs: list[int], gaps: list[float],
 def test_greedy_tokens_follow_the_dequantized_reference(written, tiny_llama_dir, fmt, dtype):
     folder, deq = written(fmt)
     ref = qw.reference_model(tiny_llama_dir, deq)
-    llm = LLM(str(folder), dtype=dtype, seed=0, num_blocks=64, max_model_len=256)
+    llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256)
     try:
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
         assert llm.engine.executor.runner.quantization == qcfg["quant_method"]  # no flag
@@ -266,7 +266,7 @@ def test_greedy_tokens_follow_the_dequantized_reference(written, tiny_llama_dir,
 def test_qwen2_biases_and_tied_embeddings(tiny_qwen2_dir, tmp_path, fmt):
     folder, deq = FORMATS[fmt][0](tiny_qwen2_dir, tmp_path / fmt)
     ref = qw.reference_model(tiny_qwen2_dir, deq)
-    llm = LLM(str(folder), dtype="float32", seed=0, num_blocks=64, max_model_len=256)
+    llm = LLM(str(folder), dtype="float32", seed=0, num_kv_blocks=64, max_model_len=256)
     try:
         params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -301,7 +301,7 @@ def test_ignore_lists_keep_those_layers_in_float(tiny_llama_dir, tmp_path, write
     layer = model.model.layers[1].mlp.down_proj
     assert torch.equal(layer.weight, float_state["model.layers.1.mlp.down_proj.weight"])
     ref = qw.reference_model(tiny_llama_dir, deq)
-    llm = LLM(str(folder), dtype="float32", seed=0, num_blocks=64, max_model_len=256)
+    llm = LLM(str(folder), dtype="float32", seed=0, num_kv_blocks=64, max_model_len=256)
     try:
         params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -327,7 +327,7 @@ def test_start_up_log_names_the_method_and_each_layer_kinds_kernel(written, capl
 def test_fp8_on_a_float_checkpoint_quantizes_at_load(tiny_llama_dir):
     from engine.layers.quantization.fp8 import quantize_rows_fp8
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization="fp8", num_blocks=64,
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization="fp8", num_kv_blocks=64,
               max_model_len=256)  # fmt: skip
     try:
         model = llm.engine.executor.runner.model
@@ -419,14 +419,14 @@ def test_a_quantized_lm_head_is_refused_at_start_up(tiny_llama_dir):
 def test_start_up_errors_come_from_the_engine(written, tmp_path):
     folder, _ = written("gptq4-g32-sym")
     with pytest.raises(ValueError, match="--quantization w8a8 contradicts"):
-        LLM(str(folder), quantization="w8a8", num_blocks=64, max_model_len=256)
+        LLM(str(folder), quantization="w8a8", num_kv_blocks=64, max_model_len=256)
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"]["bits"] = 3
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantization_config.bits = 3"):
-        LLM(str(bad), num_blocks=64, max_model_len=256)
+        LLM(str(bad), num_kv_blocks=64, max_model_len=256)
 
 
 def test_a_group_that_does_not_divide_the_layer_is_named(written, tmp_path):

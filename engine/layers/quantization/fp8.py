@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kernels.fp8 import Fp8Linear, supports_fp8_matmul
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
 from engine.layers.quantization.int_weight import register, register_bias
@@ -110,6 +111,15 @@ class Fp8LinearMethod(LinearMethodBase):
             layer.weight_scale = None
             why = "quantized at load"
         del layer.weight, layer.weight_scale
+        if supports_fp8_matmul(q.device):  # Ada / Hopper: float8 weights, _scaled_mm
+            layer.fp8 = Fp8Linear.prepare(q, scale.float(), None, None, dtype)
+            if layer.fp8.path == "fp8":
+                layer.register_parameter("weight", None)
+                layer.quant_path = (
+                    f"float8 e4m3 through torch._scaled_mm, x quantized per token ({why})"
+                )
+                return
+            del layer.fp8  # a shape _scaled_mm refuses: the model dtype's GEMM below
         layer.weight = nn.Parameter(q.to(dtype).contiguous(), requires_grad=False)
         layer.weight_scale = scale.float().contiguous()
         layer.quant_path = (
@@ -120,6 +130,9 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if layer.weight is None:  # float8 on the GPU (process_weights_after_loading)
+            y = layer.fp8(x)
+            return y if bias is None else y + bias.to(y.dtype)
         y = linear_by_rows(layer, x, layer.weight, None)
         y = (y.float() * layer.weight_scale).to(x.dtype)
         return y if bias is None else y + bias

@@ -39,6 +39,7 @@ from engine.layers.quantization.gguf import GGUFW4LinearMethod, w4_large_batch_l
 from engine.layers.quantization.int8 import Int8LinearMethod
 from engine.layers.quantization.packed import (
     GIdxLoader,
+    PackedWeight,
     ShardLoader,
     dequantize,
     from_loading_layout,
@@ -239,6 +240,36 @@ def _to_w4(codes, scales, zeros) -> cpu_w4.Q4Weight | None:
     return cpu_w4.pack_groups(codes.view(n, k // cpu_w4.GROUP, cpu_w4.GROUP), s16, m16)
 
 
+class TritonIntLinearMethod(LinearMethodBase):
+    """layer.gemm_weight (engine.kernels.triton.quant_gemm's QuantGemmWeight, repacked once at
+    load): the W4A16 / W8A16 Triton GEMM, dequantizing in its inner loop (CUDA)."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from engine.kernels.triton.quant_gemm import quant_gemm
+
+        y = quant_gemm(x, layer.gemm_weight)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def _triton_int(layer: nn.Module, packed: PackedWeight) -> str | None:
+    """Give layer the Triton GEMM's form of packed; None, or why the kernel cannot serve."""
+    try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
+        from engine.kernels.triton.quant_gemm import repack_for_kernel
+    except ImportError as e:
+        return f"triton is unavailable ({e})"
+    try:
+        layer.gemm_weight = repack_for_kernel(
+            packed.qweight, packed.scales, packed.zeros, packed.g_idx, packed.bits,
+            packed.group_size,
+        )  # fmt: skip
+    except ValueError as e:  # a shape the kernel refuses
+        return str(e)
+    layer.quant_method = TritonIntLinearMethod()
+    return None
+
+
 def finish_int_layer(
     layer: nn.Module,
     codes: torch.Tensor,
@@ -248,13 +279,27 @@ def finish_int_layer(
     bits: int,
     group: int,
     act_quant: bool = False,
+    triton: bool | None = None,
 ) -> str:
     """Give a loaded layer (codes [N, K], float32 scales and int zeros [N, G], g_idx [K], this
-    rank's) its kernel form and method; returns the path taken, for the start-up log."""
+    rank's) its kernel form and method; returns the path taken, for the start-up log.
+    triton: the Triton GEMM (None: on CUDA; True: also for CPU tensors, the tests' way under
+    TRITON_INTERPRET=1)."""
     n, k = codes.shape
     dtype = layer.bias.dtype if layer.bias is not None else torch.get_default_dtype()
     dtype = getattr(layer, "model_dtype", dtype)
     device = codes.device
+    if triton if triton is not None else device.type == "cuda":
+        layer.register_parameter("weight", None)
+        layer.in_features = k
+        packed = from_loading_layout(codes, scales, zeros, g_idx, bits, group, dtype)
+        why = _triton_int(layer, packed)
+        if why is None:
+            order = ", act-order rows sorted by group" if packed.g_idx is not None else ""
+            return f"Triton W{bits}A16 GEMM (engine/kernels/triton/quant_gemm.py{order})"
+        layer.packed = packed
+        layer.quant_method = DequantLinearMethod()
+        return f"fallback: dequantized per call ({why})"
     if zeros is not None and bool((zeros == (1 << (bits - 1))).all()):
         zeros = None  # symmetric after all (GPTQ stores sym zero points)
     trivial = g_idx is not None and scales.shape[1] * group == k

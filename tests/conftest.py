@@ -152,6 +152,7 @@ def build_tiny_model(
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     }[arch]
     if isinstance(config_cls, str):
         config_cls, model_cls = getattr(transformers, config_cls), getattr(transformers, model_cls)
@@ -304,6 +305,28 @@ def longrope_scaling(rotary_dim: int, original: int, seed: int = 0) -> dict:
         "long_factor": long,
         "original_max_position_embeddings": original,
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(make_tiny_model) -> Path:
+    """Gemma 3 (text): GeGLU, four norms a layer, q/k norms, query_pre_attn_scalar other than
+    head_dim, local and global layers alternating (pattern 2) with their own rope bases, the
+    global ones linearly scaled; tied embeddings, logits soft-capped."""
+    return make_tiny_model(
+        "tiny-gemma3",
+        arch="gemma3",
+        seed=8,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=512,
+        sliding_window_pattern=2,
+        rope_local_base_freq=10000.0,
+        rope_theta=1000000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        tie_word_embeddings=True,
+        final_logit_softcapping=30.0,
+    )
 
 
 @pytest.fixture(scope="session")

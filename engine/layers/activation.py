@@ -26,3 +26,16 @@ class SiluAndMul(CustomOp):
         if kernels.fits(x):  # one kernel for SiLU and the product
             return kernels.silu_and_mul(x)
         return self.forward_native(x)
+
+
+class GeluTanhAndMul(CustomOp):
+    """x = [gate | up] -> gelu(gate, tanh approximation) * up: GeGLU (Gemma's
+    gelu_pytorch_tanh). The torch ops on every device."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+# config.json's hidden_act -> the gated MLP's activation
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}

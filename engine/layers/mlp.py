@@ -1,11 +1,11 @@
-"""The gated (SwiGLU) MLP: down(silu(gate) * up) over a merged gate_up projection."""
+"""The gated MLP: down(act(gate) * up) over a merged gate_up projection (SwiGLU; GeGLU)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import GATED_ACTIVATIONS
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -13,12 +13,14 @@ class GatedMLP(nn.Module):
     """gate_up_proj -> SiluAndMul -> down_proj, or one fused call where gate_up's linear
     method has one for this call (w8a8's int8 path: one C pass between the two GEMMs)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ):
         super().__init__()
         i = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [i, i], bias=bias)
         self.down_proj = RowParallelLinear(i, hidden_size, bias=bias)
-        self.act = SiluAndMul()
+        self.act = GATED_ACTIVATIONS[act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj

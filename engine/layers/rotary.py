@@ -87,10 +87,10 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
-        if rope_type not in (None, "default", "llama3", "longrope"):
+        if rope_type not in (None, "default", "linear", "llama3", "longrope"):
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported "
-                "(supported: default, llama3, longrope)"
+                "(supported: default, linear, llama3, longrope)"
             )
         self.head_dim = head_dim
         dim = self.rotary_dim = rotary_dim or head_dim
@@ -108,6 +108,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             if rope_type == "llama3":
                 inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+            elif rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+                inv_freq = inv_freq / float(rope_scaling["factor"])
             freqs = torch.outer(t, inv_freq.float())  # [P, D/2], float32 like HF
             cos, sin = freqs.cos(), freqs.sin()
         # Not a state-dict buffer: it is derived from the config, never loaded.

@@ -40,6 +40,9 @@ class HFModelConfig:
     sliding_window: int | None = None  # only when the model actually uses it
     # rotary on the first int(head_dim * partial_rotary_factor) dims of each head (Phi-4-mini)
     partial_rotary_factor: float = 1.0
+    # config.json as read: a model's own fields (engine.models.gemma3 reads its rope bases,
+    # layer types and scalars from it)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # Mixture of experts (0 experts: a dense model). Layer i has the experts unless it is in
     # mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen's rule; Mixtral: every layer).
     num_experts: int = 0
@@ -160,16 +163,17 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         o_proj_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        hidden_act=raw.get("hidden_act", "silu"),
+        hidden_act=raw.get("hidden_act") or raw.get("hidden_activation") or "silu",
         dtype=str(dtype) if dtype else None,
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=_sliding_window(raw),
         partial_rotary_factor=partial_rotary_factor,
         quantization_config=_quantization_config(raw),
+        raw=raw,
         **_moe(raw, model_type),
     )
 

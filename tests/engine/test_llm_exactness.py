@@ -133,7 +133,7 @@ def test_mixture_of_experts_match_hf(request, fixture, name, kwargs):
 
 
 @pytest.mark.parametrize(
-    "fixture", ["tiny_phi3_dir", "tiny_phi3_longrope_dir", "tiny_phi4_mini_dir"]
+    "fixture", ["tiny_phi3_dir", "tiny_phi3_longrope_dir", "tiny_phi4_mini_dir", "tiny_gemma3_dir"]
 )
 @pytest.mark.parametrize(
     "name, kwargs",
@@ -143,10 +143,11 @@ def test_mixture_of_experts_match_hf(request, fixture, name, kwargs):
         ("chunked-prefill", dict(max_num_batched_tokens=16)),
     ],
 )
-def test_phi3_match_hf(request, fixture, name, kwargs):
+def test_phi3_and_gemma3_match_hf(request, fixture, name, kwargs):
     """Phi-3 (fused qkv_proj / gate_up_proj split at load), Phi-3 with LongRoPE (original
     context 56: the 48-token prompts decode past it, onto the long factors) and Phi-4-mini's
-    partial rotary with LongRoPE: HF's greedy tokens, whichever way the cache is filled."""
+    partial rotary with LongRoPE, and Gemma 3 (its norms, GeGLU, scaled embeddings, local and
+    global rope): HF's greedy tokens, whichever way the cache is filled."""
     model_dir = request.getfixturevalue(fixture)
     from engine.models.loader import load_hf_config
 

@@ -128,6 +128,8 @@ class _SamplingFields(Struct, kw_only=True):
     guided_grammar: str | None = None
     # vLLM's scheduling priority (lower runs first), never better than the key's own.
     priority: int | None = None
+    # vLLM's: each prompt token's logprob and that many top alternatives (PromptLogprob)
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -219,6 +221,19 @@ class ChatResponseMessage(Struct):
     reasoning_content: str | UnsetType = UNSET  # --reasoning-parser: the think section
 
 
+class PromptLogprob(Struct):
+    """vLLM's Logprob: one token's entry in a prompt position's dict (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt position (the first is null) the prompt token's entry
+# and the top alternatives', keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(Struct):
     index: int
     message: ChatResponseMessage
@@ -234,6 +249,7 @@ class ChatCompletionResponse(Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class DeltaFunctionCall(Struct):
@@ -288,6 +304,7 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class CompletionResponse(Struct):

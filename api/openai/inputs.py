@@ -295,7 +295,9 @@ def sampling_params(
             include_stop_str_in_output=data.include_stop_str_in_output,
             ignore_eos=data.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=data.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            prompt_logprobs=getattr(data, "prompt_logprobs", None)
+            if prompt_logprobs is None
+            else prompt_logprobs,
             skip_special_tokens=data.skip_special_tokens,
         )
     except ValueError as e:

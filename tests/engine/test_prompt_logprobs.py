@@ -175,3 +175,21 @@ def test_prompt_rows_in_the_cpu_decode_plan(make_tiny_model, monkeypatch):
     assert runs is not None and runs.get(16, 0) >= 19, runs  # the prompt's one-token steps
     assert len(with_plan) == 20
     assert with_plan == without
+
+
+def test_recompute_preemption_keeps_one_full_copy(tiny_llama_dir, refs):
+    """A pool too small for all: requests are preempted and recomputed; each still gets its
+    prompt logprobs once, whole and right."""
+    prompts, ref = refs
+    llm = LLM(
+        str(tiny_llama_dir), dtype="float32", num_kv_blocks=9, max_model_len=128,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, prompt_logprobs=1, ignore_eos=True)
+        outs = llm.generate(prompts * 2, params, use_tqdm=False)
+        assert llm.engine.scheduler.stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+    for prompt, r, out in zip(prompts * 2, ref * 2, outs, strict=True):
+        check_against_hf(r, prompt, out.prompt_logprobs, 1)

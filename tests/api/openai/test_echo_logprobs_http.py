@@ -5,6 +5,8 @@ against the offline LLM's computation on the same model."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -181,3 +183,36 @@ def test_best_of_returns_the_most_likely_samples(client, server, llm):
     assert post(server, {**base, "best_of": 2, "n": 2, "stream": True}).status_code == 200
     err = post(server, {**base, "best_of": 17}).json()["error"]
     assert err["param"] == "best_of"
+
+
+def sse_chunks(server, body: dict) -> list[dict]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server.base_url + "/v1/completions"
+    r = httpx.post(url, json={**body, "stream": True}, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    lines = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_streamed_prompt_logprobs_and_echo_only(server, llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 1}
+    whole = post(server, body).json()["choices"][0]["prompt_logprobs"]
+    chunks = sse_chunks(server, body)
+    carried = [
+        c["choices"][0]["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c["choices"][0]
+    ]
+    assert carried == [whole]  # once, in the choice's first chunk
+    echo = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+    chunks = sse_chunks(server, echo)
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    values = [
+        v
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for v in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert text == llm.tokenizer.decode(ids, skip_special_tokens=False)
+    assert len(values) == len(ids) and values[0] is None
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -46,6 +46,7 @@ class _RequestState:
     samples: list[_Sample]
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,6 +61,7 @@ class _RequestState:
             finished=self.finished,
             num_cached_tokens=max(self.num_cached_tokens, 0),
             queue_time=self.queue_time,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -118,6 +120,8 @@ class OutputProcessor:
                 state.num_cached_tokens = update.num_cached_tokens
             if state.queue_time is None:
                 state.queue_time = update.queue_time
+            if update.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = update.prompt_logprobs
             sample.token_ids.extend(update.new_token_ids)
             if update.new_logprobs and sample.logprobs is not None:
                 sample.logprobs.extend(update.new_logprobs)

@@ -95,6 +95,10 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # Only for requests that asked for logprobs: one entry per sampled token.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Only for requests that asked for prompt_logprobs and computed prompt rows this step:
+    # (position of the first entry's token, entries), one entry per prompt token at
+    # positions start+1.. that this chunk's rows predict.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -108,6 +112,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
 
 
+# Prompt logprobs, aligned with the prompt: None for the first token (nothing predicts it).
+PromptLogprobs = list[TokenLogprobs | None]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -118,6 +126,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds from arrival until first scheduled
     error: str | None = None
+    # SamplingParams.prompt_logprobs: set from the first output after the prompt is computed
+    # (and kept in the later ones, which are cumulative); None until then or if not asked.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -137,3 +148,5 @@ class RequestUpdate:
     stop_reason: int | str | None
     num_cached_tokens: int
     queue_time: float | None = None  # seconds from arrival to first scheduled, once known
+    # The whole prompt's logprobs, with the first update after the prompt was computed.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -81,6 +81,10 @@ class Request:
     # Structured output: the grammar's state, advanced by every output token. It lives here,
     # not in the runner, so preemption (recompute) and forking keep it.
     grammar: RequestGrammar | None = None
+    # SamplingParams.prompt_logprobs: the entries the runner computed so far (index i for
+    # prompt token i; the first is None), handed over once, with the first sampled token.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -93,6 +93,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    # None: none; k: each prompt token's logprob given the ones before it, and the top k
+    # (vLLM's; the first prompt token has none). Such a request gets no prefix-cache hit.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -138,6 +141,11 @@ class SamplingParams:
             _check(
                 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
             )
         _check(
             len(self.logit_bias or ()) <= MAX_LOGIT_BIAS_ENTRIES,

@@ -34,6 +34,7 @@ from api.openai.schemas import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
+    PromptLogprob,
     PromptTokensDetails,
     ToolCall,
     TopLogprob,
@@ -137,6 +138,7 @@ class ChatFormatter(_Formatter):
     ) -> None:
         super().__init__(rid, model, tokenizer, params)
         self.want_logprobs = logprobs
+        self.want_prompt_logprobs = params.prompt_logprobs is not None
         self.tools = tools if tools is not None and tools.active else None
         self.reasoning = reasoning
         self._streamers: dict[int, ToolStreamer] = {}
@@ -209,6 +211,7 @@ class ChatFormatter(_Formatter):
             model=self.model,
             choices=choices,
             usage=usage_of(outputs, prompts),
+            prompt_logprobs=vllm_prompt_logprobs(self, out) if self.want_prompt_logprobs else UNSET,
         )
 
     def _chunk(self, choice: ChatChunkChoice, usage: Any) -> ChatCompletionChunk:
@@ -283,7 +286,18 @@ def _delta(d: Delta) -> DeltaMessage:
     return DeltaMessage(tool_calls=calls)
 
 
+_FROM_PARAMS: Any = object()
+
+
 class CompletionFormatter(_Formatter):
+    """Completions. `echo`: each prompt's text, put before its choices' text; with `logprobs`
+    the prompt's tokens come first in the choice's logprobs (the first one's null), as
+    OpenAI's legacy completions and vLLM do. `echo_only` (echo with max_tokens 0): the
+    choice is the prompt alone (the one token the engine generated is left out). `n`: the
+    choices per prompt; the engine's params.n may be more (best_of): then the n samples of
+    highest cumulative logprob are returned. `prompt_logprobs`: vLLM's field on each choice.
+    """
+
     def __init__(
         self,
         rid: str,
@@ -291,11 +305,23 @@ class CompletionFormatter(_Formatter):
         tokenizer: Any,
         params: SamplingParams,
         echo: list[str] | None,
+        *,
+        n: int | None = None,
+        logprobs: Any = _FROM_PARAMS,
+        echo_only: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
         super().__init__(rid, model, tokenizer, params)
-        self.want_logprobs = params.logprobs is not None
+        if n is not None:
+            self.n = n
+        self.best_of = params.n
+        # the body's logprobs: the engine's may be set for best_of alone
+        self.want_logprobs = (params.logprobs if logprobs is _FROM_PARAMS else logprobs) is not None
         self.echo = echo
+        self.echo_only = echo_only
+        self.want_prompt_logprobs = prompt_logprobs
         self._offset: dict[int, int] = {}  # choice index -> text offset of its next token
+        self._started: set[int] = set()  # choices whose first chunk went out (streaming)
 
     def _logprobs(self, index: int, lps: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
         if not self.want_logprobs or lps is None:
@@ -306,12 +332,56 @@ class CompletionFormatter(_Formatter):
             text = self.token_text(lp.token_id)
             tokens.append(text)
             values.append(lp.logprob)
-            tops.append({self.token_text(tid): v for tid, v in lp.top})
+            top: dict[str, float] = {}
+            for tid, v in lp.top:  # tokens that read the same (byte pieces): the likelier one
+                top.setdefault(self.token_text(tid), v)
+            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         self._offset[index] = offset
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
+        )
+
+    def _echo_logprobs(self, index: int, out: RequestOutput) -> CompletionLogprobs | None:
+        """The prompt's part of an echoed choice's logprobs: its first token has none."""
+        if not self.want_logprobs:
+            return None
+        entries = out.prompt_logprobs or [None]
+        first = self.token_text(out.prompt_token_ids[0]) if out.prompt_token_ids else ""
+        self._offset[index] = len(first)
+        rest = self._logprobs(index, [e for e in entries[1:] if e is not None])
+        assert rest is not None
+        return CompletionLogprobs(
+            tokens=[first, *rest.tokens],
+            token_logprobs=[None, *rest.token_logprobs],
+            top_logprobs=[None, *rest.top_logprobs],
+            text_offset=[0, *rest.text_offset],
+        )
+
+    def _prompt_logprobs(self, out: RequestOutput) -> Any:
+        if not self.want_prompt_logprobs:
+            return UNSET
+        return vllm_prompt_logprobs(self, out)
+
+    def _chosen(self, out: RequestOutput) -> list[CompletionOutput]:
+        """The n choices of one prompt: all its samples, or with best_of the n of highest
+        cumulative logprob (most likely first)."""
+        samples = sorted(out.outputs, key=lambda c: c.index)
+        if len(samples) <= self.n:
+            return samples
+        return sorted(samples, key=lambda c: -(c.cumulative_logprob or 0.0))[: self.n]
+
+    def _merge(
+        self, head: CompletionLogprobs | None, tail: CompletionLogprobs | None
+    ) -> CompletionLogprobs | None:
+        if head is None or tail is None:
+            return head or tail
+        return CompletionLogprobs(
+            tokens=head.tokens + tail.tokens,
+            token_logprobs=head.token_logprobs + tail.token_logprobs,
+            top_logprobs=head.top_logprobs + tail.top_logprobs,
+            text_offset=head.text_offset + tail.text_offset,
         )
 
     def response(
@@ -321,14 +391,24 @@ class CompletionFormatter(_Formatter):
         choices = []
         for i, out in enumerate(outputs):
             assert out is not None
-            for c in sorted(out.outputs, key=lambda c: c.index):
+            for k, c in enumerate(self._chosen(out)):
+                index = i * self.n + k
                 prefix = self.echo[i] if self.echo else ""
+                head = self._echo_logprobs(index, out) if self.echo else None
+                if self.echo_only:
+                    text, lps = prefix, head
+                else:
+                    text, lps = (
+                        prefix + c.text,
+                        self._merge(head, self._logprobs(index, c.logprobs)),
+                    )
                 choices.append(
                     CompletionChoice(
-                        index=i * self.n + c.index,
-                        text=prefix + c.text,
-                        logprobs=self._logprobs(i * self.n + c.index, c.logprobs),
+                        index=index,
+                        text=text,
+                        logprobs=lps,
                         finish_reason=c.finish_reason,
+                        prompt_logprobs=self._prompt_logprobs(out),
                     )
                 )
         return CompletionResponse(
@@ -344,23 +424,42 @@ class CompletionFormatter(_Formatter):
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
         )
 
+    def _waits_for_prompt(self) -> bool:
+        """Whether a choice's first chunk needs the engine's first output (prompt logprobs)."""
+        return self.want_prompt_logprobs or (bool(self.echo) and self.want_logprobs)
+
     def start_events(self, usage: Any) -> list[Any]:
-        if not self.echo:
+        if not self.echo or self._waits_for_prompt():
             return []
-        return [
-            self._chunk(CompletionChoice(i * self.n + k, text, None, None), usage)
-            for i, text in enumerate(self.echo)
-            for k in range(self.n)
-        ]
+        events = []
+        for i, text in enumerate(self.echo):
+            for k in range(self.n):
+                self._started.add(i * self.n + k)
+                events.append(
+                    self._chunk(CompletionChoice(i * self.n + k, text, None, None), usage)
+                )
+        return events
 
     def update_events(self, prompt: int, out: RequestOutput, usage: Any) -> list[Any]:
         events = []
-        for c in out.outputs:
+        for c in out.outputs:  # streamed: n == best_of (best_of > n cannot stream)
             index = prompt * self.n + c.index
             if index in self._done:
                 continue
             _check_finish(c)
-            delta, lps = self._new(index, c)
+            if index not in self._started:  # the echo and the prompt's logprobs come first
+                self._started.add(index)
+                text = self.echo[prompt] if self.echo else ""
+                head = self._echo_logprobs(index, out) if self.echo else None
+                if text or head is not None or self.want_prompt_logprobs:
+                    choice = CompletionChoice(
+                        index, text, head, None, prompt_logprobs=self._prompt_logprobs(out)
+                    )
+                    events.append(self._chunk(choice, usage))
+            if self.echo_only:
+                delta, lps = "", None
+            else:
+                delta, lps = self._new(index, c)
             if delta or lps or c.finish_reason is not None:
                 if c.finish_reason is not None:
                     self._done.add(index)
@@ -376,6 +475,22 @@ class CompletionFormatter(_Formatter):
         return CompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
         )
+
+
+def vllm_prompt_logprobs(fmt: _Formatter, out: RequestOutput) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt position (the first is null) a dict keyed by token
+    id (as a string): the prompt token's logprob, rank and text, then the top alternatives'."""
+    entries = out.prompt_logprobs or [None]
+    result: list[dict | None] = [None]
+    for e in entries[1:]:
+        if e is None:
+            result.append(None)
+            continue
+        d = {str(e.token_id): PromptLogprob(e.logprob, e.rank, fmt.token_text(e.token_id))}
+        for rank, (tid, v) in enumerate(e.top, start=1):
+            d.setdefault(str(tid), PromptLogprob(v, rank, fmt.token_text(tid)))
+        result.append(d)
+    return result
 
 
 def error_body(exc: BaseException) -> dict:

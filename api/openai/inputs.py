@@ -20,7 +20,7 @@ from api.openai.schemas import ChatMessage
 from api.server.errors import invalid_request, model_not_found
 from api.server.offload import messages_cost
 from engine.protocol import EngineClient
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_N, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _PARAM_NAMES = {f.name for f in dc_fields(SamplingParams)}
@@ -237,11 +237,41 @@ def check_priority(priority: int | None) -> None:
         )
 
 
+def check_best_of(data: Any) -> int:
+    """The engine's sample count for a completions body: best_of (at least n; not with
+    stream when it exceeds n, as on OpenAI), else n."""
+    n = 1 if data.n is None else data.n
+    best_of = data.best_of
+    if best_of is None:
+        return n
+    if isinstance(best_of, bool) or not 1 <= best_of <= MAX_N:
+        raise invalid_request(f"best_of must be between 1 and {MAX_N}, got {best_of}.", "best_of")
+    if best_of < n:
+        raise invalid_request(
+            f"best_of ({best_of}) must be greater than or equal to n ({n}).", "best_of"
+        )
+    if data.stream and best_of > n:
+        raise invalid_request(
+            "best_of greater than n cannot be streamed: the best samples are known only at "
+            "the end; drop stream or set best_of to n.",
+            "best_of",
+        )
+    return best_of
+
+
 def sampling_params(
-    data: Any, max_tokens: int, logprobs: int | None, defaults: dict[str, Any] | None = None
+    data: Any,
+    max_tokens: int,
+    logprobs: int | None,
+    defaults: dict[str, Any] | None = None,
+    *,
+    n: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams; `defaults` (the model's generation_config.json, engine's
-    sampling_defaults) fill what the request leaves unset, before the API's own."""
+    """The body's SamplingParams. defaults: the model's (generation_config.json, the engine's
+    sampling_defaults) for what the body leaves unset, before the API's own; n: the engine's
+    sample count where it differs from the body's (best_of); prompt_logprobs: where it differs
+    from the body's (echo with logprobs)."""
     stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
     bias = None
     if data.logit_bias:
@@ -259,7 +289,7 @@ def sampling_params(
 
     try:
         return SamplingParams(
-            n=1 if data.n is None else data.n,
+            n=n if n is not None else 1 if data.n is None else data.n,
             max_tokens=max_tokens,
             min_tokens=data.min_tokens or 0,
             temperature=given("temperature", 1.0),
@@ -276,6 +306,9 @@ def sampling_params(
             include_stop_str_in_output=data.include_stop_str_in_output,
             ignore_eos=data.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=getattr(data, "prompt_logprobs", None)
+            if prompt_logprobs is None
+            else prompt_logprobs,
             skip_special_tokens=data.skip_special_tokens,
         )
     except ValueError as e:

@@ -76,9 +76,17 @@ CHAT_IMPLEMENTED = _SAMPLING | {
     "add_generation_prompt",
     "include_reasoning",  # vLLM: with --reasoning-parser
     "chat_template",  # vLLM: with --trust-request-chat-template
+    "prompt_logprobs",  # vLLM's
 }
 
-COMPLETION_IMPLEMENTED = _SAMPLING | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+COMPLETION_IMPLEMENTED = _SAMPLING | {
+    "prompt",
+    "echo",
+    "logprobs",
+    "suffix",
+    "best_of",
+    "prompt_logprobs",  # vLLM's
+}
 
 # --- accepted, without effect ---------------------------------------------------------------
 
@@ -135,7 +143,6 @@ _REJECTED_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_only(False), "beam search is not supported"),
     "length_penalty": (_only(1, 1.0), "length_penalty applies to beam search, not supported"),
     "truncate_prompt_tokens": (_unset, "prompt truncation is not supported; shorten the prompt"),
-    "prompt_logprobs": (_unset, "prompt logprobs are not computed"),
     "allowed_token_ids": (_unset, "allowed_token_ids is not supported; use logit_bias"),
     "bad_words": (_unset, "bad_words is not supported; use logit_bias"),
     "logits_processors": (_unset, "custom logits processors are not supported"),

@@ -33,6 +33,7 @@ from api.openai.formatting import ChatFormatter, CompletionFormatter, sse_stream
 from api.openai.inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_prompt,
+    check_best_of,
     check_model,
     check_priority,
     check_stream_options,
@@ -139,6 +140,12 @@ class OpenAIController(Controller):
         if top is not None and not data.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true.", "top_logprobs")
         check_priority(data.priority)
+        if data.stream and data.prompt_logprobs is not None:
+            raise invalid_request(
+                "prompt_logprobs is not available with stream: true on chat completions; "
+                "ask without streaming, or on /v1/completions.",
+                "prompt_logprobs",
+            )
         logprobs = (top or 0) if data.logprobs else None
         defaults = engine.sampling_defaults
         params = sampling_params(data, max_tokens, logprobs, defaults)  # ~4 ms at the limits
@@ -181,15 +188,13 @@ class OpenAIController(Controller):
         check_stream_options(data)
         if data.suffix:
             raise invalid_request("suffix is not supported.", "suffix")
-        if data.best_of is not None and data.best_of != (data.n or 1):
-            raise invalid_request("best_of is not supported; use n.", "best_of")
-        if data.echo and data.logprobs is not None:
-            raise invalid_request(
-                "echo together with logprobs is not supported (prompt logprobs are not "
-                "computed); drop one of them.",
-                "echo",
-            )
+        best_of = check_best_of(data)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
+        # echo with max_tokens 0 (lm-eval's loglikelihood requests): the prompt alone; the
+        # engine generates one token, which the reply leaves out (vLLM's way)
+        echo_only = data.echo and max_tokens == 0
+        if echo_only:
+            max_tokens = 1
         prompts, texts = await completion_prompts(
             data.prompt,
             engine.tokenizer,
@@ -201,7 +206,20 @@ class OpenAIController(Controller):
         for p in prompts:
             fit_context(len(p), max_tokens, engine.max_model_len, "prompt")
         check_priority(data.priority)
-        params = sampling_params(data, max_tokens, data.logprobs, engine.sampling_defaults)
+        n = 1 if data.n is None else data.n
+        # best_of ranks the samples by cumulative logprob: the engine computes the logprobs
+        logprobs = 0 if data.logprobs is None and best_of > n else data.logprobs
+        prompt_logprobs = data.prompt_logprobs
+        if data.echo and data.logprobs is not None:  # the prompt's tokens get logprobs too
+            prompt_logprobs = max(data.logprobs, prompt_logprobs or 0)
+        params = sampling_params(
+            data,
+            max_tokens,
+            logprobs,
+            engine.sampling_defaults,
+            n=best_of,
+            prompt_logprobs=prompt_logprobs,
+        )
         params = await with_structured_outputs(data, params, engine)
 
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -212,7 +230,17 @@ class OpenAIController(Controller):
                 t if t is not None else engine.tokenizer.decode(p, skip_special_tokens=False)
                 for p, t in zip(prompts, texts, strict=True)
             ]
-        fmt = CompletionFormatter(cid, engine.model_name, engine.tokenizer, params, echo)
+        fmt = CompletionFormatter(
+            cid,
+            engine.model_name,
+            engine.tokenizer,
+            params,
+            echo,
+            n=n,
+            logprobs=data.logprobs,
+            echo_only=echo_only,
+            prompt_logprobs=data.prompt_logprobs is not None,
+        )
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
         ticket = await _ticket(request, principal, cid, data, reserved, arrived)
         gen = await _admit(

@@ -131,6 +131,8 @@ class _SamplingFields(Struct, kw_only=True):
     # vLLM's: requests share prefix-cache blocks only with the same salt (within the key's
     # or tenant's own scope, api/tenants/tenancy.py)
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    # vLLM's: each prompt token's logprob and that many top alternatives (PromptLogprob)
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -224,6 +226,19 @@ class ChatResponseMessage(Struct):
     reasoning_content: str | UnsetType = UNSET  # --reasoning-parser: the think section
 
 
+class PromptLogprob(Struct):
+    """vLLM's Logprob: one token's entry in a prompt position's dict (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt position (the first is null) the prompt token's entry
+# and the top alternatives', keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(Struct):
     index: int
     message: ChatResponseMessage
@@ -239,6 +254,7 @@ class ChatCompletionResponse(Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class DeltaFunctionCall(Struct):
@@ -293,6 +309,7 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked
 
 
 class CompletionResponse(Struct):

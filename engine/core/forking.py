@@ -35,7 +35,10 @@ def make_child(parent: Request, index: int) -> Request:
         request_id=child_id(parent.request_id, index),
         prompt_token_ids=parent.prompt_token_ids,
         sampling_params=dataclasses.replace(
-            params, n=1, seed=params.seed + index if params.seed is not None else None
+            params,
+            n=1,
+            seed=params.seed + index if params.seed is not None else None,
+            prompt_logprobs=None,  # the parent's output carries them
         ),
         eos_token_id=parent.eos_token_id,
         arrival_time=parent.arrival_time,

@@ -71,8 +71,9 @@ class KVCacheManager:
         The hit is capped so that at least the last token is recomputed (its logits are
         needed to sample): a prompt that hits entirely gives up its last block.
         Pure lookup: no reference is taken (allocate_slots does that) and no stats change.
+        A request that asks for prompt logprobs computes its whole prompt: no hit (vLLM's).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         extend_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -463,6 +463,7 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_lps = model_runner_output.prompt_logprobs
         manager = self.kv_cache_manager
         caching, bs = manager.enable_caching, manager.block_size
         requests = self.requests
@@ -475,6 +476,8 @@ class Scheduler:
             request = requests.get(rid)
             if request is None:
                 continue  # finished or aborted since schedule()
+            if prompt_lps and rid in prompt_lps:
+                _add_prompt_logprobs(request, *prompt_lps[rid])
             if sr.sample and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
                 if request.status == RequestStatus.PREEMPTED:  # since this step: keep the token
@@ -524,6 +527,7 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,
                     _queue_time(request),
+                    _take_prompt_logprobs(request),
                 )
             )
         if num_finished:
@@ -561,6 +565,7 @@ class Scheduler:
                 request.stop_reason,
                 request.num_cached_tokens,
                 _queue_time(request),
+                _take_prompt_logprobs(request),
             )
         )
 
@@ -579,6 +584,30 @@ class Scheduler:
         self._num_seats += 1
         if copy is not None:
             self._pending_copies.append((child.request_id, *copy))
+
+
+def _add_prompt_logprobs(request: Request, first: int, entries: list) -> None:
+    """A chunk's prompt logprobs (entries for prompt positions first..): a recomputed chunk
+    (after preemption) overwrites what it computed before."""
+    if request.prompt_logprobs_sent:
+        return
+    held = request.prompt_logprobs
+    if held is None:
+        held = request.prompt_logprobs = [None]
+    del held[first:]
+    if len(held) < first:  # never: chunks arrive in order from position 0
+        held.extend([None] * (first - len(held)))
+    held.extend(entries)
+
+
+def _take_prompt_logprobs(request: Request) -> list | None:
+    """The whole prompt's logprobs, once, with the request's first sampled token."""
+    if request.prompt_logprobs_sent or request.sampling_params.prompt_logprobs is None:
+        return None
+    request.prompt_logprobs_sent = True
+    held = request.prompt_logprobs or [None]  # a one-token prompt: just the None
+    request.prompt_logprobs = None
+    return held
 
 
 def _queue_time(request: Request) -> float | None:

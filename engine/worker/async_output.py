@@ -147,6 +147,7 @@ class PendingOutput:
     tokens: HostTokens | list[list[int]]
     num_samples: list[int]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     _output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -161,5 +162,7 @@ class PendingOutput:
             sampled[rid] = row[:m]
             if held.get(rid) is state:  # not dropped (finished, preempted) since
                 state.set_output_token(slot, row[0])
-        self._output = ModelRunnerOutput(sampled_token_ids=sampled, logprobs=self.logprobs)
+        self._output = ModelRunnerOutput(
+            sampled_token_ids=sampled, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs
+        )
         return self._output

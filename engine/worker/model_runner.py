@@ -58,6 +58,7 @@ from engine.worker.async_output import (
 from engine.worker.cpu_graph import DecodePlan
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
+from engine.worker.prompt_logprobs import compute_prompt_logprobs
 from engine.worker.step_graph import StepGraph, StepGraphConfig, StepInputs
 from engine.worker.step_threads import StepThreads
 
@@ -498,9 +499,10 @@ class ModelRunner:
         batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
+        prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
         to_sample = [r.request_id for r in so.scheduled if r.sample]
         if not to_sample:
-            return ModelRunnerOutput(sampled_token_ids=sampled)
+            return ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
         states = [batch[rid] for rid in to_sample]
         if self.gpu_sampler is not None:
             drawn = self._sample_on_device(hidden, last_row, to_sample, states, so.grammar_bitmask)
@@ -519,7 +521,7 @@ class ModelRunner:
                     return ModelRunnerOutput(sampled_token_ids=sampled)
                 mask = _row_mask(so.grammar_bitmask, to_sample)
                 tokens, logprobs = self.sampler(logits, states, mask)
-        out = ModelRunnerOutput(sampled_token_ids=sampled)
+        out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
         for rid, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
             sampled[rid] = toks
             if lps is not None:
@@ -538,9 +540,12 @@ class ModelRunner:
         batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         scheduled = [r.request_id for r in so.scheduled]
+        prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
         to_sample = [r.request_id for r in so.scheduled if r.sample]
         if not to_sample:
-            return ModelRunnerOutput(sampled_token_ids={rid: [] for rid in scheduled})
+            return ModelRunnerOutput(
+                sampled_token_ids={rid: [] for rid in scheduled}, prompt_logprobs=prompt_lps
+            )
         states = [batch[rid] for rid in to_sample]
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if self.gpu_sampler is not None:
@@ -581,6 +586,7 @@ class ModelRunner:
             tokens,
             [s.num_samples for s in states],
             logprobs,
+            prompt_lps,
         )
 
     def _draw_on_device(
@@ -636,6 +642,21 @@ class ModelRunner:
         if logits is None or all(s.sampling_params.logprobs is None for s in states):
             return tokens, [None] * len(states)
         return tokens, self.gpu_sampler.logprobs(logits, states, tokens)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], last_row: dict[str, int]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """The prompt logprobs of this step's prompt rows, for the requests that ask
+        (engine.worker.prompt_logprobs); every rank runs the LM head, the driver keeps them."""
+        return compute_prompt_logprobs(
+            self.model,
+            hidden,
+            scheduled,
+            last_row,
+            self.input_batch.requests,
+            self.hf_config.vocab_size,
+            keep=self.rank == 0,
+        )
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Another rank's view: the driver's samples of the previous step (see multiproc.py)."""

@@ -191,3 +191,51 @@ def test_chat_reasoning_left_out_or_absent(tok):
     assert message["choices"][0]["message"] == {
         "content": None, "role": "assistant", "reasoning_content": "still thinking"
     }  # fmt: skip
+
+
+def test_best_of_keeps_the_most_likely_and_counts_all(tok):
+    o = out(["a", "b", "c"], [[5], [6, 7], [8]], finish=["stop", "length", "stop"])
+    for c, lp in zip(o.outputs, (-3.0, -1.0, -2.0), strict=True):
+        c.cumulative_logprob = lp
+    fmt = CompletionFormatter(
+        "c", "m", tok, SamplingParams(n=3, logprobs=0), None, n=2, logprobs=None
+    )
+    body = encode(fmt.response([o], [[1, 2, 3]]))
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "b"), (1, "c")]
+    assert all(c["logprobs"] is None for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_echo_with_logprobs_puts_the_prompt_first(tok):
+    prompt = tok.encode("Hello world")[:3]
+    gen = TokenLogprobs(prompt[0], -0.5, 2, [(prompt[1], -0.1)])
+    o = out(["x"], [[prompt[0]]], finish=["length"], logprobs=[[gen]], prompt=prompt)
+    o.prompt_logprobs = [
+        None,
+        TokenLogprobs(prompt[1], -1.0, 1, [(prompt[1], -1.0)]),
+        TokenLogprobs(prompt[2], -2.0, 3, [(prompt[0], -0.2)]),
+    ]
+    params = SamplingParams(logprobs=1, prompt_logprobs=1)
+    echo = ["<prompt>"]
+    body = encode(
+        CompletionFormatter("c", "m", tok, params, echo, n=1, logprobs=1).response([o], [prompt])
+    )
+    c = body["choices"][0]
+    assert c["text"] == "<prompt>x"
+    lp = c["logprobs"]
+    assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.5]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == 4
+    texts = [tok.decode([t], skip_special_tokens=False) for t in [*prompt, prompt[0]]]
+    assert lp["tokens"] == texts
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(4)]
+    assert "prompt_logprobs" not in c
+    # echo with max_tokens 0: the prompt alone; vLLM's prompt_logprobs when asked
+    fmt = CompletionFormatter(
+        "c", "m", tok, params, echo, n=1, logprobs=1, echo_only=True, prompt_logprobs=True
+    )
+    c = encode(fmt.response([o], [prompt]))["choices"][0]
+    assert c["text"] == "<prompt>" and c["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
+    pl = c["prompt_logprobs"]
+    assert pl[0] is None
+    assert pl[1] == {str(prompt[1]): {"logprob": -1.0, "rank": 1, "decoded_token": texts[1]}}
+    assert pl[2][str(prompt[2])]["rank"] == 3 and pl[2][str(prompt[0])]["rank"] == 1

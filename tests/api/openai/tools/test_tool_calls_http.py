@@ -250,7 +250,7 @@ def test_tool_choice_without_tools_and_tool_message_without_id(server):
         ("web_search_options", {}),
         ("functions", [{"name": "f"}]),
         ("use_beam_search", True),
-        ("prompt_logprobs", 2),
+        ("truncate_prompt_tokens", 5),
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(server, field, value):

@@ -1,6 +1,7 @@
 """create_app: the Litestar application — routes, auth, error envelope, lifespans.
 
-Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the admin REST API
+Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the Anthropic Messages
+API (/v1/messages, its own error body; an API key, also as x-api-key), the admin REST API
 (/admin/v1; the admin token; mounted with a database), whatever the caller mounts
 (`extra_route_handlers`: `tessera serve` mounts the installed routers of
 api/server/plugins.py, i.e. the console at /console), and the open system routes (/health, /version, /metrics — the last behind
@@ -26,6 +27,7 @@ from litestar.types import ControllerRouterHandler
 
 import engine as engine_pkg
 from api.admin.routes import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
+from api.anthropic.routes import AnthropicController
 from api.openai.routes import OpenAIController
 from api.server.access import Access
 from api.server.affinity import AffinityHeaderMiddleware
@@ -68,7 +70,11 @@ def create_app(
     if tracing is not None:  # tessera:trace_spans_dropped_total
         tracing.register_metrics(metrics.registry)
     access = Access(settings, metrics)
-    handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
+    handlers: list[ControllerRouterHandler] = [
+        OpenAIController,
+        AnthropicController,
+        SystemController,
+    ]
     if access.keys is not None:
         handlers.append(AdminController)
     cpu_pool = WorkerPool(settings.cpu_workers)  # CPU-heavy request steps (api/server/offload.py)

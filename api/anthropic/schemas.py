@@ -91,6 +91,7 @@ class _MessageFields(Struct, kw_only=True, forbid_unknown_fields=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None  # only {"type": "disabled"}
+    cache_control: dict[str, Any] | None = None  # accepted, no effect: prefix caching is automatic
 
 
 class MessagesRequest(_MessageFields, kw_only=True, forbid_unknown_fields=True):

@@ -22,8 +22,9 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import JSONBody
 
 from api.anthropic.errors import EXCEPTION_HANDLERS
+from api.anthropic.formatting import MessageFormatter
 from api.anthropic.schemas import CountTokensRequest, CountTokensResponse, Message, MessagesRequest
-from api.anthropic.translate import MessageFormatter, chat_request, new_message_id
+from api.anthropic.translate import chat_request, new_message_id
 from api.keys.auth import Principal
 from api.openai.inputs import chat_prompt, check_model
 from api.openai.serving import (

@@ -54,7 +54,7 @@ class MessageFormatter:
         self.chat = ChatFormatter(rid, model, tokenizer, params, False, tools)
         self.stop = set(params.stop or ())
 
-    def _stop_reason(self, c: CompletionOutput, finish: str | None) -> tuple[str, str | None]:
+    def stop_reason(self, c: CompletionOutput, finish: str | None) -> tuple[str, str | None]:
         if finish == "tool_calls":
             return "tool_use", None
         if finish == "length":
@@ -77,7 +77,7 @@ class MessageFormatter:
             content.append(
                 ToolUseBlock(id=tool_use_id(call.id), name=call.function.name, input=args)
             )
-        reason, sequence = self._stop_reason(out.outputs[0], choice.finish_reason)
+        reason, sequence = self.stop_reason(out.outputs[0], choice.finish_reason)
         return Message(
             id=self.id,
             model=self.model,
@@ -195,5 +195,5 @@ class _EventStream:
                 events.append(self._delta(self.blocks[call.index], partial))
         if choice.finish_reason is not None:
             events += self._close()
-            self.stop = self.fmt._stop_reason(out.outputs[0], choice.finish_reason)
+            self.stop = self.fmt.stop_reason(out.outputs[0], choice.finish_reason)
         return events

@@ -12,6 +12,7 @@ import time
 import anthropic
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.tokenizer import Tokenizer
 from tests.api.keys_http import MODEL, Admin, start_keys_server
@@ -372,3 +373,24 @@ def test_usage_rows_for_answers_streams_and_refusals(env):
     (refused,) = [r for r in rows if r.request_id not in (whole.id, streamed.id)]
     assert refused.status_code == 404 and refused.completion_tokens == 0
     assert admin.usage(key_id)["requests"] == 3
+
+
+def _length_finishes(server) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:request_success_total" and s.labels == {
+                "model_name": MODEL,
+                "finished_reason": "length",
+            }:
+                return s.value
+    return 0.0
+
+
+def test_messages_count_in_the_engine_metrics(client, env):
+    server = env[0]
+    before = _length_finishes(server)
+    create(client, HELLO, max_tokens=2)
+    with client.messages.stream(model=MODEL, messages=HELLO, max_tokens=2) as stream:
+        stream.get_final_message()
+    assert _length_finishes(server) == before + 2

@@ -394,3 +394,20 @@ def test_messages_count_in_the_engine_metrics(client, env):
     with client.messages.stream(model=MODEL, messages=HELLO, max_tokens=2) as stream:
         stream.get_final_message()
     assert _length_finishes(server) == before + 2
+
+
+def test_the_keys_deadline_holds(env):
+    """A key's max_request_seconds bounds /v1/messages as it bounds chat: a deadline already
+    past when the engine starts the request is a 504, in Anthropic's body."""
+    server, admin, _, _, _ = env
+    _, key = admin.create_key("hasty", max_request_seconds=0.001)
+    headers = {"x-api-key": key}
+    for stream in (False, True):
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 50, "stream": stream}
+        r = httpx.post(server.base_url + "/v1/messages", json=body, headers=headers, timeout=60)
+        assert r.status_code == 504, r.text
+        assert r.json() == {
+            "type": "error",
+            "error": {"type": "api_error", "message": r.json()["error"]["message"]},
+        }
+        assert "time limit" in r.json()["error"]["message"]

@@ -493,15 +493,20 @@ def vllm_prompt_logprobs(fmt: _Formatter, out: RequestOutput) -> list[dict | Non
     return result
 
 
-def error_body(exc: BaseException) -> dict:
+def stream_error(exc: BaseException) -> APIError:
+    """The error a stream that already started ends with, in-band."""
     if isinstance(exc, APIError):
-        return exc.to_body()
+        return exc
     if isinstance(exc, QueueFullError | EngineDeadError):
-        return unavailable(f"The engine stopped serving this request: {exc}").to_body()
+        return unavailable(f"The engine stopped serving this request: {exc}")
     if isinstance(exc, ValueError):
-        return invalid_request(str(exc)).to_body()
+        return invalid_request(str(exc))
     logger.exception("Stream failed", exc_info=exc)
-    return APIError(500, "Internal error while streaming.", "server_error").to_body()
+    return APIError(500, "Internal error while streaming.", "server_error")
+
+
+def error_body(exc: BaseException) -> dict:
+    return stream_error(exc).to_body()
 
 
 async def sse_stream(gen: Generation, fmt: Any, include_usage: bool) -> AsyncIterator[bytes]:

@@ -1,6 +1,7 @@
 """create_app: the Litestar application — routes, auth, error envelope, lifespans.
 
-Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the admin REST API
+Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the Anthropic Messages
+API (/v1/messages, its own error body; an API key, also as x-api-key), the admin REST API
 (/admin/v1; the admin token; mounted with a database), whatever the caller mounts
 (`extra_route_handlers`: `tessera serve` mounts the installed routers of
 api/server/plugins.py, i.e. the console at /console), and the open system routes (/health, /version, /metrics — the last behind
@@ -18,21 +19,20 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from litestar import Litestar, Request, Response
+from litestar import Litestar
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components
 from litestar.types import ControllerRouterHandler
-from sqlalchemy.exc import SQLAlchemyError
 
 import engine as engine_pkg
 from api.admin.routes import ADMIN_CONTROLLERS, ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME
+from api.anthropic.routes import AnthropicController
 from api.openai.routes import OpenAIController
-from api.openai.streaming import ClientDisconnected
 from api.server.access import Access
 from api.server.affinity import AffinityHeaderMiddleware
-from api.server.errors import APIError, unavailable
+from api.server.error_map import error_handlers
+from api.server.errors import APIError
 from api.server.lifespan import ServerState, make_access_lifespan, make_lifespan
 from api.server.metrics import Metrics, MetricsPlugin
 from api.server.offload import WorkerPool, WorkerPoolCollector
@@ -41,22 +41,9 @@ from api.server.request_context import RequestIdMiddleware
 from api.server.settings import Settings
 from api.server.system import SystemController
 from api.server.tracing import Tracing
-from api.usage.refusals import record_refusal
-from engine.errors import EngineDeadError, QueueFullError
 from engine.protocol import EngineClient
 
 logger = logging.getLogger("tessera.api")
-
-_STATUS_CODES = {
-    400: ("invalid_request_error", None),
-    401: ("invalid_request_error", "invalid_api_key"),
-    403: ("permission_denied", "permission_denied"),
-    404: ("invalid_request_error", "not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"),
-    415: ("invalid_request_error", "unsupported_media_type"),
-    429: ("rate_limit_exceeded", "rate_limit_exceeded"),
-}
 
 
 def create_app(
@@ -83,7 +70,11 @@ def create_app(
     if tracing is not None:  # tessera:trace_spans_dropped_total
         tracing.register_metrics(metrics.registry)
     access = Access(settings, metrics)
-    handlers: list[ControllerRouterHandler] = [OpenAIController, SystemController]
+    handlers: list[ControllerRouterHandler] = [
+        OpenAIController,
+        AnthropicController,
+        SystemController,
+    ]
     if access.keys is not None:
         handlers.extend(ADMIN_CONTROLLERS)
     cpu_pool = WorkerPool(settings.cpu_workers)  # CPU-heavy request steps (api/server/offload.py)
@@ -101,16 +92,7 @@ def create_app(
         on_startup=[document_errors_at_startup],  # the error envelope in the OpenAPI doc
         on_shutdown=[cpu_pool.shutdown, *([tracing.shutdown] if tracing is not None else [])],
         state=State(app_state),
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_exception,
-            QueueFullError: _engine_unavailable,
-            EngineDeadError: _engine_unavailable,
-            ClientDisconnected: _client_gone,
-            TimeoutError: _database_unavailable,  # --db-timeout (admin REST, console)
-            SQLAlchemyError: _database_unavailable,
-            Exception: _internal_error,
-        },
+        exception_handlers=error_handlers(APIError.to_body),  # the OpenAI envelope
         plugins=[MetricsPlugin(metrics)],  # GET /metrics, HTTP counters, app.state.metrics
         middleware=[
             AffinityHeaderMiddleware
@@ -151,69 +133,3 @@ def engine_stats(state: ServerState) -> dict[str, Any]:
             generation_tokens_total=s.generation_tokens_total,
         )
     return body
-
-
-def _api_error(request: Request, exc: APIError) -> Response:
-    record_refusal(request, exc.status_code)  # a generation refused before admission
-    return Response(exc.to_body(), status_code=exc.status_code, headers=exc.headers)
-
-
-def _http_exception(request: Request, exc: HTTPException) -> Response:
-    """Litestar's own errors (bad JSON, validation, 404 route, 405, 413) in the envelope."""
-    status = exc.status_code
-    type_, code = _STATUS_CODES.get(status, ("server_error", None))
-    message, param = exc.detail, None
-    if isinstance(exc, ValidationException):
-        message, param = _validation_message(exc)
-    elif status == 413:
-        limit = request.app.state.server.settings.max_body_size
-        message = (
-            f"The request body is larger than this server accepts ({limit} bytes); "
-            "send a smaller body or raise --max-body-size."
-        )
-    elif status == 404:
-        message = f"No route for {request.method} {request.url.path}."
-    err = APIError(status, message, type_, code=code, param=param)
-    record_refusal(request, status)
-    return Response(err.to_body(), status_code=status, headers=dict(exc.headers or {}))
-
-
-def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
-    extra = exc.extra if isinstance(exc.extra, list) else []
-    problems, param = [], None
-    for item in extra:
-        if not isinstance(item, dict):
-            continue
-        key = item.get("key")
-        msg = item.get("message", "invalid value")
-        if key == "data" and str(msg).strip("'") == "data":  # Litestar's: a missing body
-            return "The request body is empty: send a JSON object.", None
-        if key and key != "body":
-            param = param or key.removeprefix("$.")
-            problems.append(f"`{key.removeprefix('$.')}`: {msg}")
-        else:
-            problems.append(str(msg))
-    if not problems:
-        return f"Invalid request: {exc.detail}", None
-    return "Invalid request body: " + "; ".join(problems) + ".", param
-
-
-def _engine_unavailable(_request: Request, exc: Exception) -> Response:
-    err = unavailable(str(exc) or "The engine cannot take requests now; retry shortly.", 1)
-    return _api_error(_request, err)
-
-
-def _database_unavailable(request: Request, exc: Exception) -> Response:
-    logger.warning("Database unavailable on %s (%s)", request.url.path, type(exc).__name__)
-    return _api_error(request, unavailable("The database is unavailable; try again shortly."))
-
-
-def _client_gone(_request: Request, _exc: Exception) -> Response:
-    # The client left while its request waited for the engine; nobody reads this.
-    return Response(b"", status_code=499)
-
-
-def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.error("Unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    err = APIError(500, "Internal server error.", "server_error", code="internal_error")
-    return _api_error(request, err)

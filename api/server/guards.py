@@ -37,7 +37,12 @@ async def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> No
     (api/server/login_throttle.py): a wrong token that is not shaped like a database key counts
     as a failure, and while the client is locked out the admin token is not compared (401,
     like any wrong key); database keys are never held back."""
-    header = connection.headers.get("authorization")
+    await authenticate_header(connection, connection.headers.get("authorization"))
+
+
+async def authenticate_header(connection: ASGIConnection, header: str | None) -> None:
+    """require_api_key's work on an `Authorization`-style header (`Bearer <key>`), wherever
+    the caller found the key (api/anthropic/ also reads `x-api-key`)."""
     auth = _authenticator(connection)
     throttle = api_throttle_of(connection.app)
     token = _bearer_token(header) if header else None

@@ -2,7 +2,8 @@
 
 `document_errors` rewrites the generated document once at start-up: every operation lists
 each error status its route can return (400/401/403/404/413/415/429/503, as applicable)
-with the OpenAI error envelope the server actually sends, in place of Litestar's default
+with the error body the server actually sends (the OpenAI envelope; Anthropic's on
+/v1/messages), in place of Litestar's default
 400 body; /health documents its 503. `document_request_bodies` marks the bodies that refuse
 unknown fields (`additionalProperties: false`), as the server does. `OfflineSwagger` serves
 Swagger UI from the vendored files of the `swagger-ui-bundle` package (Apache-2.0) under
@@ -23,6 +24,8 @@ from litestar.enums import MediaType
 from litestar.openapi.plugins import OpenAPIRenderPlugin
 from litestar.params import FromPath
 
+from api.anthropic.errors import ERROR_COMPONENT as ANTHROPIC_ERROR_COMPONENT
+from api.anthropic.errors import ERROR_SCHEMA as ANTHROPIC_ERROR_SCHEMA
 from api.openai.request_fields import documented_fields
 from api.server.allow import fix_options_handlers
 
@@ -56,8 +59,10 @@ _DESCRIPTIONS = {
     429: "Over a rate limit or the token budget (Retry-After, x-ratelimit-*).",
     503: "Queue full, loading, draining, engine down or database unavailable (Retry-After).",
 }
-_GENERATION = {"/v1/chat/completions", "/v1/completions"}
-_TOKENIZER = {"/tokenize", "/detokenize"}
+_GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+_TOKENIZER = {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
+# Routes whose errors are Anthropic's body, not the OpenAI envelope (api/anthropic/errors.py).
+_ANTHROPIC = {"/v1/messages", "/v1/messages/count_tokens"}
 _OPEN = {"/health", "/version"}
 
 
@@ -83,15 +88,18 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
     """Rewrite the rendered document (a dict, in place): see the module docstring."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components[ERROR_SCHEMA] = _ERROR_COMPONENT
+    components[ANTHROPIC_ERROR_SCHEMA] = ANTHROPIC_ERROR_COMPONENT
+    anthropic_ref = {"$ref": f"#/components/schemas/{ANTHROPIC_ERROR_SCHEMA}"}
     for path, item in schema.get("paths", {}).items():
         for method, operation in item.items():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
             responses = operation["responses"]
+            ref = anthropic_ref if path in _ANTHROPIC else _REF
             for status in sorted(error_statuses(path, operation)):
                 responses[str(status)] = {
                     "description": _DESCRIPTIONS[status],
-                    "content": {"application/json": {"schema": _REF}},
+                    "content": {"application/json": {"schema": ref}},
                 }
             if path == "/health" and "200" in responses and method == "get":
                 responses["503"] = {**responses["200"], "description": _DESCRIPTIONS[503]}

@@ -1,10 +1,10 @@
 """Ledger rows for generation requests refused before they had a ticket.
 
-A request to /v1/chat/completions or /v1/completions that an authenticated key sent but
-that ended in an error before admission (a 400 for a bad parameter, 403, 404, 413, 415)
-still gets its usage row: the status the client got, no tokens, no finish reason. From
-admission on (api/openai/routes.py `_ticket`), the accountant writes the row itself, 429s
-and 503s included, so every request has exactly one.
+A request to /v1/chat/completions, /v1/completions or /v1/messages that an authenticated
+key sent but that ended in an error before admission (a 400 for a bad parameter, 403, 404,
+413, 415) still gets its usage row: the status the client got, no tokens, no finish reason.
+From admission on (api/openai/serving.py `open_ticket`), the accountant writes the row
+itself, 429s and 503s included, so every request has exactly one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 LEDGER_OWNED = "tessera_ledger_owned"  # request.state: the accountant writes this row
 BODY_MODEL = "tessera_body_model"  # request.state: the body's `model`, when it had one
-_ROUTES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+_ROUTES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl", "/v1/messages": "msg"}
 
 
 def record_refusal(request: Any, status: int) -> None:

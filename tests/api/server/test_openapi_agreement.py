@@ -37,6 +37,15 @@ MINIMAL = {
     },
     ("post", "/v1/completions"): {"model": "m", "prompt": "hi"},
     ("post", "/tokenize"): {"prompt": "hi"},
+    ("post", "/v1/messages"): {
+        "model": "m",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    ("post", "/v1/messages/count_tokens"): {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    },
     ("post", "/detokenize"): {"tokens": [1]},
     ("post", "/admin/v1/keys"): {"name": "another"},
     ("post", "/admin/v1/tenants"): {"name": "another"},

@@ -7,6 +7,7 @@ import re
 import pytest
 from litestar.testing import TestClient
 
+from api.anthropic.errors import ERROR_SCHEMA as ANTHROPIC_ERROR_SCHEMA
 from api.server.app import create_app
 from api.server.openapi import ERROR_SCHEMA
 from api.server.settings import Settings
@@ -50,3 +51,21 @@ def test_openapi_documents_the_error_envelope(client):
         for s in statuses:
             assert responses[str(s)]["content"]["application/json"]["schema"] == ref
     assert "503" in doc["paths"]["/health"]["get"]["responses"]
+
+
+def test_openapi_documents_the_anthropic_routes_with_their_error_body(client):
+    doc = client.get("/docs/openapi.json").json()
+    ref = {"$ref": f"#/components/schemas/{ANTHROPIC_ERROR_SCHEMA}"}
+    error = doc["components"]["schemas"][ANTHROPIC_ERROR_SCHEMA]
+    assert error["required"] == ["type", "error"]
+    want = {
+        "/v1/messages": {400, 401, 403, 404, 413, 415, 429, 503},
+        "/v1/messages/count_tokens": {400, 401, 403, 404, 413, 415, 503},
+    }
+    for path, statuses in want.items():
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {int(s) for s in responses if s != "200"} == statuses, path
+        for s in statuses:
+            assert responses[str(s)]["content"]["application/json"]["schema"] == ref
+    body = doc["components"]["schemas"]["MessagesRequest"]
+    assert body["additionalProperties"] is False and "max_tokens" in body["required"]

@@ -1,0 +1,175 @@
+"""LoRA on a linear layer: stacked per-slot A/B and the step's batched apply.
+
+Every LoRA-capable linear layer (qkv, o, gate_up, down) gets a `LoRALayer` as its `lora`
+attribute (engine.layers.linear calls `lora.apply(x, y)` after its own product, before a
+row-parallel layer's all-reduce). It holds, for each of max_loras resident slots,
+
+    a [max_loras, n * R, in]    the slices' A stacked on rank (n: 3 for qkv, 2 for gate_up)
+    b [max_loras, out, n * R]   each slice's B (scaling folded in) in its rows of the merged
+                                output and its columns of the rank: block-diagonal
+
+packed to each slot's own width (sum of its slices' ranks), so a rank-8 adapter costs rank 8
+in a slot of max_lora_rank. All layers share one `LoRABatch`, the step's token -> slot
+mapping, set once per step by the runner (engine.lora.manager). Applying it:
+
+    torch (any device): per adapter in the step, never per token,
+        y[rows_g] += (x[rows_g] @ A_g^T) @ B_g^T        rows_g: a slice, or an index gather
+    triton (CUDA): shrink then expand over the tokens grouped by adapter (punica / S-LoRA
+        style, engine.kernels.triton.lora), one launch each for every adapter of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LoRABatch:
+    """One step's token -> adapter slot mapping, shared by every LoRA layer of a model.
+
+    set(ranges) takes (slot, first row, row count) for each scheduled request with an
+    adapter; rows of the base model are in none. `groups` (the torch path) holds each slot's
+    rows as a slice when contiguous, else an index tensor; the Triton path reads the same
+    rows sorted by slot (token_rows) with each segment's start, length and slot.
+    """
+
+    def __init__(self, device: torch.device, kernel: str = "torch") -> None:
+        self.device = device
+        self.kernel = kernel  # "torch" | "triton"
+        self.active = False
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.token_rows: torch.Tensor | None = None
+        self.seg_start: torch.Tensor | None = None
+        self.seg_len: torch.Tensor | None = None
+        self.seg_slot: torch.Tensor | None = None
+        self.max_rows = 0
+
+    def clear(self) -> None:
+        self.active = False
+        self.groups = []
+
+    def set(self, ranges: list[tuple[int, int, int]]) -> None:
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        for slot, start, n in ranges:
+            spans = by_slot.setdefault(slot, [])
+            if spans and spans[-1][1] == start:  # adjacent rows of the same adapter: merge
+                spans[-1] = (spans[-1][0], start + n)
+            else:
+                spans.append((start, start + n))
+        if not by_slot:
+            self.clear()
+            return
+        self.active = True
+        if self.kernel == "triton":
+            self._set_segments(by_slot)
+            return
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, spans in by_slot.items():
+            if len(spans) == 1:
+                groups.append((slot, slice(*spans[0])))
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
+                groups.append((slot, rows))
+        self.groups = groups
+
+    def _set_segments(self, by_slot: dict[int, list[tuple[int, int]]]) -> None:
+        rows, starts, lens, slots = [], [], [], []
+        for slot, spans in by_slot.items():
+            starts.append(len(rows))
+            for a, b in spans:
+                rows.extend(range(a, b))
+            lens.append(len(rows) - starts[-1])
+            slots.append(slot)
+        host = torch.tensor(rows + starts + lens + slots, dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        n, s = len(rows), len(slots)
+        self.token_rows = dev[:n]
+        self.seg_start, self.seg_len, self.seg_slot = (
+            dev[n : n + s],
+            dev[n + s : n + 2 * s],
+            dev[n + 2 * s :],
+        )
+        self.max_rows = max(lens)
+
+
+class LoRALayer:
+    """The slots of one linear layer (see the module's docstring). slices: (first output
+    row, rows) of each slice in this rank's output; in_features: this rank's input size."""
+
+    def __init__(
+        self,
+        batch: LoRABatch,
+        slices: list[tuple[int, int]],
+        in_features: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.batch = batch
+        self.slices = slices
+        out_features = sum(size for _, size in slices)
+        width = len(slices) * max_rank
+        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
+        self.width = [0] * max_loras  # each slot's packed rank (0: not targeted)
+        self.width_t = torch.zeros(max_loras, dtype=torch.int32, device=device)
+
+    @property
+    def active(self) -> bool:
+        """Whether this step adds a delta (a fused path over the layer must step aside)."""
+        return self.batch.active
+
+    def set_slot(
+        self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+    ) -> None:
+        """Put an adapter's slices (this rank's A [r, in], B [rows, r]; None where it does
+        not target one) into a slot; None clears the slot."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        offset = 0
+        for (row, size), ab in zip(self.slices, slices or [None] * len(self.slices), strict=True):
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            self.a[slot, offset : offset + r].copy_(a)
+            self.b[slot, row : row + size, offset : offset + r].copy_(b)
+            offset += r
+        self.width[slot] = offset
+        self.width_t[slot] = offset
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + this step's LoRA deltas (in place): x [..., in], y [..., out]."""
+        batch = self.batch
+        if not batch.active:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.view(-1, y.shape[-1])
+        if batch.kernel == "triton":
+            from engine.kernels.triton.lora import lora_shrink_expand
+
+            lora_shrink_expand(
+                x2,
+                y2,
+                self.a,
+                self.b,
+                self.width_t,
+                batch.token_rows,
+                batch.seg_start,
+                batch.seg_len,
+                batch.seg_slot,
+                batch.max_rows,
+            )
+            return y
+        for slot, rows in batch.groups:
+            w = self.width[slot]
+            if not w:
+                continue
+            a, b = self.a[slot, :w], self.b[slot, :, :w]
+            if isinstance(rows, slice):
+                y2[rows].addmm_(x2[rows] @ a.T, b.T)
+            else:
+                y2.index_add_(0, rows, (x2.index_select(0, rows) @ a.T) @ b.T)
+        return y

@@ -240,10 +240,9 @@ class EngineArgs:
             served_model_name=self.served_model_name,
             max_num_queued_requests=self.max_num_queued_requests,
             lora=LoRAConfig(
+                enabled=self.enable_lora,
                 max_loras=self.max_loras,
                 max_lora_rank=self.max_lora_rank,
                 max_cpu_loras=self.max_cpu_loras,
-            )
-            if self.enable_lora
-            else None,
+            ),
         )

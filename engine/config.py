@@ -183,10 +183,12 @@ MAX_LORA_RANK_LIMIT = 512
 
 @dataclass(slots=True)
 class LoRAConfig:
-    """Multi-LoRA serving (engine.lora): max_loras adapters resident at once (the most one
-    step mixes), max_lora_rank the largest rank an adapter may have (the slots' width), and
-    max_cpu_loras loaded adapters kept in host memory (an LRU) beyond the resident ones."""
+    """Multi-LoRA serving (engine.lora), when enabled: max_loras adapters resident at once
+    (the most one step mixes), max_lora_rank the largest rank an adapter may have (the slots'
+    width), and max_cpu_loras loaded adapters kept in host memory (an LRU), resident ones
+    included."""
 
+    enabled: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
@@ -215,15 +217,15 @@ class EngineConfig:
     served_model_name: str | None = None
     # Longest waiting queue before add_request refuses (None: unbounded).
     max_num_queued_requests: int | None = None
-    # Multi-LoRA serving; None: off (a request naming an adapter is refused).
-    lora: LoRAConfig | None = None
+    # Multi-LoRA serving; off by default (a request naming an adapter is refused).
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _check(
             self.scheduler.block_size == self.cache.block_size,
             "scheduler.block_size must equal cache.block_size",
         )
-        if self.lora is not None:
+        if self.lora.enabled:
             self.scheduler.max_loras = self.lora.max_loras
         _check(
             self.max_num_queued_requests is None or self.max_num_queued_requests >= 0,

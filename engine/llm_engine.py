@@ -183,7 +183,7 @@ class LLMEngine:
         """ValueError unless LoRA is enabled and the adapter's folder fits the base model
         (engine.lora.adapter: its config and tensor shapes, read once per lora_int_id), and
         its lora_int_id names no other adapter."""
-        if self.config.lora is None:
+        if not self.config.lora.enabled:
             raise ValueError(
                 f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled: start the "
                 "engine with enable_lora=True (--enable-lora)"

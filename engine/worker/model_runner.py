@@ -230,7 +230,7 @@ class ModelRunner:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if self.quantization != "gguf":
             quantize_model(self.model, self.quantization, gguf_path=gguf)
-        if self.config.lora is not None:
+        if self.config.lora.enabled:
             from engine.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(

@@ -73,3 +73,80 @@ def test_mixed_batch_matches_merged_models(tiny_llama_dir, llama_adapters):
     assert got == want
     assert llm.engine.scheduler.stats().kv_usage == 0.0
     llm.shutdown()
+
+
+def test_fewer_slots_than_adapters_in_flight(tiny_llama_dir, llama_adapters):
+    """max_loras=1 with three adapters and the base in flight: adapters take turns in the
+    one slot (and, with max_cpu_loras=1, are read again from their folders)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 7, seed=11)
+    assign = [2, 0, None, 1, 0, 2, 1]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    llm, got = _run(tiny_llama_dir, llama_adapters, prompts, assign, max_loras=1, max_cpu_loras=1)
+    assert got == want
+    manager = llm.engine.executor.runner.lora_manager
+    assert manager.num_swaps >= 3 and manager.num_loads >= 3
+    llm.shutdown()
+
+
+def test_prefix_cache_is_never_shared_across_adapters(tiny_llama_dir, llama_adapters):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 4, seed=5, shared=48)  # three full blocks in common
+    llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=2)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    a0 = LoRARequest("a0", 1, str(llama_adapters[0]))
+    a1 = LoRARequest("a1", 2, str(llama_adapters[1]))
+    first = llm.generate(prompts[0], params, lora_request=a0, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    # the same prefix: another adapter and the base model miss, the same adapter hits
+    other, base, same = (
+        llm.generate(prompts[i], params, lora_request=lora, use_tqdm=False)[0]
+        for i, lora in ((1, a1), (2, None), (3, a0))
+    )
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert same.num_cached_tokens == 48
+    want = [
+        merged_greedy(tiny_llama_dir, d, [p], NUM_NEW)[0]
+        for d, p in zip(
+            [llama_adapters[0], llama_adapters[1], None, llama_adapters[0]], prompts, strict=True
+        )
+    ]
+    got = [o.outputs[0].token_ids for o in (first, other, base, same)]
+    assert got == want
+    llm.shutdown()
+
+
+def test_chunked_prefill_with_adapters(tiny_llama_dir, llama_adapters):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 6, seed=3, shared=20)
+    assign = [0, 1, 2, None, 2, 0]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    llm, got = _run(
+        tiny_llama_dir, llama_adapters, prompts, assign, max_loras=2, max_num_batched_tokens=16
+    )
+    assert got == want
+    llm.shutdown()
+
+
+def test_qwen2_mixed_batch(tiny_qwen2_dir, tmp_path):
+    """Qwen2: biases on q/k/v, tied embeddings."""
+    from transformers import AutoConfig
+
+    adapters = [
+        make_adapter(tiny_qwen2_dir, tmp_path / "q0", r=8, alpha=16, seed=4),
+        make_adapter(tiny_qwen2_dir, tmp_path / "q1", r=16, alpha=32, targets=["k_proj", "down_proj"], seed=5),
+        make_adapter(tiny_qwen2_dir, tmp_path / "q2", r=4, alpha=8, targets=["v_proj", "up_proj"], seed=6),
+    ]  # fmt: skip
+    vocab = AutoConfig.from_pretrained(str(tiny_qwen2_dir)).vocab_size
+    prompts = _prompts(vocab, 5, seed=9)
+    assign = [0, 1, None, 2, 1]
+    want = _expected(tiny_qwen2_dir, adapters, prompts, assign)
+    llm, got = _run(tiny_qwen2_dir, adapters, prompts, assign, max_loras=3)
+    assert got == want
+    llm.shutdown()

@@ -52,7 +52,9 @@ def _expected(model_dir, adapters, prompts, assign):
 
 
 def _run(model_dir, adapters, prompts, assign, **kwargs):
-    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, **kwargs)
+    llm = LLM(
+        str(model_dir), dtype="float32", seed=0, enable_lora=True, num_kv_blocks=128, **kwargs
+    )
     loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
@@ -96,7 +98,14 @@ def test_prefix_cache_is_never_shared_across_adapters(tiny_llama_dir, llama_adap
 
     vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
     prompts = _prompts(vocab, 4, seed=5, shared=48)  # three full blocks in common
-    llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=2)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=128,
+        seed=0,
+        enable_lora=True,
+        max_loras=2,
+    )
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     a0 = LoRARequest("a0", 1, str(llama_adapters[0]))
     a1 = LoRARequest("a1", 2, str(llama_adapters[1]))

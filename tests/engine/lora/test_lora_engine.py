@@ -159,3 +159,20 @@ def test_qwen2_mixed_batch(tiny_qwen2_dir, tmp_path):
     llm, got = _run(tiny_qwen2_dir, adapters, prompts, assign, max_loras=3)
     assert got == want
     llm.shutdown()
+
+
+def test_quantized_base_weights_take_adapters(tiny_llama_dir, llama_adapters):
+    """int8 weights (a quantized linear method): the deltas are added after its product, so an
+    adapter changes the tokens as it does over float weights (compared at the first token,
+    where int8's own error has not compounded)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 4, seed=13)
+    assign = [0, None, 1, 2]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    llm, got = _run(
+        tiny_llama_dir, llama_adapters, prompts, assign, max_loras=3, quantization="int8"
+    )
+    llm.shutdown()
+    assert [g[0] for g in got] == [w[0] for w in want]

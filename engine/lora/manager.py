@@ -68,8 +68,9 @@ class LoRAManager:
     ) -> None:
         self.config = config
         self.hf_config = hf_config
-        self.dtype = dtype
         self.batch = LoRABatch(device, lora_kernel(device))
+        # the slots' dtype: the model's on CUDA, float32 on the CPU (engine.lora.layers)
+        self.dtype = dtype if self.batch.kernel == "triton" else torch.float32
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         for i, decoder in enumerate(model.model.layers):
             owners = {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn}
@@ -84,7 +85,7 @@ class LoRAManager:
                     layer.input_size,
                     config.max_loras,
                     config.max_lora_rank,
-                    dtype,
+                    self.dtype,
                     device,
                 )
                 layer.lora = state

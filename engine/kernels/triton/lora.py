@@ -2,15 +2,17 @@
 
 A step's rows are grouped by adapter slot on the host (engine.lora.layers.LoRABatch): the
 rows sorted by slot (token_rows) and, per segment (one adapter), its start in that list, its
-length and its slot. Two launches per layer, whatever the mix of adapters:
+length and its slot. One shrink per layer and one expand per slice of its output (q, k, v of
+a merged qkv; gate, up), whatever the mix of adapters:
 
-    shrink  s[p, :w]  = x[token_rows[p]] @ A[slot]^T[:, :w]      s: [rows with an adapter, W]
-    expand  y[token_rows[p]] += s[p, :w] @ B[slot][:, :w]^T      in place, y's dtype
+    shrink  s[p, :w]  = x[token_rows[p]] @ A[slot, :w]^T                 s: [rows, W]
+    expand  y[token_rows[p], slice i] += s[p, off_i : off_i + r_i] @ B[slot, slice i, :r_i]^T
 
-w is the slot's packed rank (A [max_loras, W, in], B [max_loras, out, W]; width per slot),
-so a rank-8 adapter in a rank-64 slot reads rank 8. Each program takes one segment's tile of
-BLOCK_M rows and BLOCK_N outputs; a row is in one segment only, so expand's read-add-write
-needs no atomics. Rows of the base model are in no segment and untouched.
+A [max_loras, W, in] holds each slot's slices' A packed on the rank (w: its total, off_i and
+r_i: slice i's offset and rank, 0 where the adapter does not target it); B [max_loras, out,
+R] each slice's B in its rows. A rank-8 adapter in a rank-64 slot reads rank 8. Each program
+takes one segment's tile of BLOCK_M rows and BLOCK_N outputs; a row is in one segment only,
+so expand's read-add-write needs no atomics. Rows of the base model are in no segment.
 
 s is float32; expand rounds it to the weights' dtype before its dot, as the torch reference
 (x @ A^T in the model's dtype) does. Under TRITON_INTERPRET=1 (tests without a GPU) the
@@ -100,7 +102,10 @@ def _expand_kernel(
     s_ptr,
     b_ptr,
     y_ptr,
-    width_ptr,
+    off_ptr,
+    rank_ptr,
+    slice_idx,
+    num_slices,
     rows_ptr,
     seg_start_ptr,
     seg_len_ptr,
@@ -121,9 +126,10 @@ def _expand_kernel(
     pid_n = tl.program_id(2)
     length = tl.load(seg_len_ptr + seg)
     slot = tl.load(seg_slot_ptr + seg)
-    width = tl.load(width_ptr + slot)
+    width = tl.load(rank_ptr + slot * num_slices + slice_idx)  # this slice's rank
     if pid_m * BLOCK_M >= length or width == 0:
         return
+    col = tl.load(off_ptr + slot * num_slices + slice_idx)  # its columns of s
     start = tl.load(seg_start_ptr + seg)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
@@ -138,7 +144,7 @@ def _expand_kernel(
         kk = k0 + offs_k
         mask_k = kk < width
         s = tl.load(
-            s_ptr + pos[:, None] * stride_sm + kk[None, :],
+            s_ptr + pos[:, None] * stride_sm + col + kk[None, :],
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
@@ -171,18 +177,22 @@ def lora_shrink_expand(
     a: torch.Tensor,
     b: torch.Tensor,
     width: torch.Tensor,
+    slice_off: torch.Tensor,
+    slice_rank: torch.Tensor,
+    slices: list[tuple[int, int]],
     token_rows: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
     seg_slot: torch.Tensor,
     max_rows: int,
 ) -> None:
-    """y[rows of segment g] += (x[rows] @ A[slot_g, :w]^T) @ B[slot_g, :, :w]^T, in place.
-    x [T, K] and y [T, N] with unit last strides; a [S, W, K], b [S, N, W] contiguous."""
+    """y[rows of segment g] += the LoRA delta of slot_g (see the module's docstring), in
+    place. x [T, K] and y [T, N] with unit last strides; a [S, W, K], b [S, N, R], width
+    [S], slice_off and slice_rank [S, len(slices)] contiguous; slices: (first row, rows)."""
     num_rows, num_segs = token_rows.numel(), seg_slot.numel()
     if num_rows == 0:
         return
-    K, N, W = x.shape[1], y.shape[1], a.shape[1]
+    K, W = x.shape[1], a.shape[1]
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     fp32 = a.dtype == torch.float32
     upcast = _INTERPRET and not fp32
@@ -195,9 +205,11 @@ def lora_shrink_expand(
         K, x.stride(0), a.stride(0), a.stride(1), s.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=64, UPCAST=upcast, IEEE=fp32,
     )  # fmt: skip
-    bn = _block_n(N)
-    _expand_kernel[(num_segs, grid_m, triton.cdiv(N, bn))](
-        s, b, y, width, token_rows, seg_start, seg_len, seg_slot,
-        N, s.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=16, UPCAST=upcast, IEEE=fp32,
-    )  # fmt: skip
+    for i, (row, size) in enumerate(slices):
+        bn = _block_n(size)
+        _expand_kernel[(num_segs, grid_m, triton.cdiv(size, bn))](
+            s, b[:, row:], y[:, row:], slice_off, slice_rank, i, len(slices),
+            token_rows, seg_start, seg_len, seg_slot,
+            size, s.stride(0), b.stride(0), b.stride(1), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=16, UPCAST=upcast, IEEE=fp32,
+        )  # fmt: skip

@@ -51,13 +51,14 @@ def _expected(model_dir, adapters, prompts, assign):
     return out
 
 
-def _run(model_dir, adapters, prompts, assign, **kwargs):
-    llm = LLM(
-        str(model_dir), dtype="float32", seed=0, enable_lora=True, num_kv_blocks=128, **kwargs
-    )
+def _run(model_dir, adapters, prompts, assign, n: int = 1, **kwargs):
+    kwargs.setdefault("num_kv_blocks", 128)
+    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, **kwargs)
     loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign]
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, n=n)
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    if n > 1:  # greedy samples are all the same
+        assert all(len({tuple(c.token_ids) for c in o.outputs}) == 1 for o in outs)
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
@@ -176,3 +177,28 @@ def test_quantized_base_weights_take_adapters(tiny_llama_dir, llama_adapters):
     )
     llm.shutdown()
     assert [g[0] for g in got] == [w[0] for w in want]
+
+
+def test_preemption_and_forks_keep_each_adapter(tiny_llama_dir, llama_adapters):
+    """A small KV cache (recompute preemption: a preempted request comes back under the
+    max_loras rule) and n=2 (the forked sample keeps its parent's adapter)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 6, seed=17)
+    assign = [1, 0, 2, None, 0, 1]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    llm, got = _run(
+        tiny_llama_dir,
+        llama_adapters,
+        prompts,
+        assign,
+        n=2,
+        max_loras=2,
+        num_kv_blocks=16,
+        max_model_len=64,
+        block_size=8,
+    )
+    assert got == want
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+    llm.shutdown()

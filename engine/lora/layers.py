@@ -23,6 +23,7 @@ mapping, set once per step by the runner (engine.lora.manager). Applying it:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -75,18 +76,20 @@ class LoRABatch:
         self.groups = groups
 
     def _set_segments(self, by_slot: dict[int, list[tuple[int, int]]]) -> None:
-        rows, starts, lens, slots = [], [], [], []
+        starts, lens, slots = [], [], []
+        n = 0
         for slot, spans in by_slot.items():
-            starts.append(len(rows))
-            for a, b in spans:
-                rows.extend(range(a, b))
-            lens.append(len(rows) - starts[-1])
+            starts.append(n)
+            lens.append(sum(b - a for a, b in spans))
             slots.append(slot)
-        host = torch.tensor(rows + starts + lens + slots, dtype=torch.int32)
+            n += lens[-1]
+        spans = [span for group in by_slot.values() for span in group]
+        rows = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b in spans])
+        host = torch.from_numpy(np.concatenate([rows, np.array(starts + lens + slots, np.int32)]))
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        n, s = len(rows), len(slots)
+        s = len(slots)
         self.token_rows = dev[:n]
         self.seg_start, self.seg_len, self.seg_slot = (
             dev[n : n + s],

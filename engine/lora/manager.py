@@ -13,6 +13,7 @@ The scheduler never mixes more than max_loras adapters in a step, so slots alway
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 
 import torch
@@ -32,10 +33,12 @@ Shard = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
 
 def lora_kernel(device: torch.device) -> str:
     """torch (grouped matmuls) on the CPU; the Triton shrink/expand kernels on CUDA where
-    triton imports (TESSERA_LORA_KERNEL=torch forces the reference)."""
-    import os
-
-    if device.type != "cuda" or os.environ.get("TESSERA_LORA_KERNEL") == "torch":
+    triton imports. TESSERA_LORA_KERNEL=torch forces the reference; =triton the kernels on any
+    device (the tests, on CPU tensors under TRITON_INTERPRET=1)."""
+    forced = os.environ.get("TESSERA_LORA_KERNEL")
+    if forced in ("torch", "triton"):
+        return forced
+    if device.type != "cuda":
         return "torch"
     try:
         import triton  # noqa: F401

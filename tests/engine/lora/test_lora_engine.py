@@ -202,3 +202,22 @@ def test_preemption_and_forks_keep_each_adapter(tiny_llama_dir, llama_adapters):
     assert got == want
     assert llm.engine.scheduler.stats().num_preemptions > 0
     llm.shutdown()
+
+
+def test_the_triton_kernels_serve_a_mixed_batch(tiny_llama_dir, llama_adapters, monkeypatch):
+    """The whole engine on the Triton shrink/expand (under the interpreter without a GPU)."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    monkeypatch.setenv("TESSERA_LORA_KERNEL", "triton")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 4, seed=19)
+    assign = [0, 2, None, 1]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    llm, got = _run(tiny_llama_dir, llama_adapters, prompts, assign, max_loras=3)
+    assert llm.engine.executor.runner.lora_manager.batch.kernel == "triton"
+    llm.shutdown()
+    assert got == want

@@ -1,12 +1,13 @@
 """Tessera's engine: paged KV cache, continuous batching, Llama-family model runner.
 
 Public API: LLM (offline), LLMEngine, AsyncEngine, EngineArgs (every option, written once),
-EngineConfig, SamplingParams, StructuredOutputsParams.
+EngineConfig, SamplingParams, StructuredOutputsParams, LoRARequest.
 The engine never imports the web layer (api/, console/).
 """
 
 from engine.args import EngineArgs
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -18,6 +19,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "ModelConfig",
     "ParallelConfig",
     "RequestOutput",

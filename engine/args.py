@@ -19,6 +19,7 @@ from engine.config import (
     LOAD_FORMAT_CHOICES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -179,6 +180,30 @@ class EngineArgs:
     enable_prefix_caching: bool = option(
         "Reuse KV blocks of shared prompt prefixes.", True, parse_bool, kind="bool"
     )
+    # --- LoRA adapters ---
+    enable_lora: bool = option(
+        "Serve LoRA adapters (PEFT folders) over the base model: a request names one "
+        "(LLM.generate's lora_request), and a batch mixes requests of several adapters and "
+        "the base. Steps with adapters run eagerly (no CPU decode plan, no CUDA graph).",
+        False,
+        parse_bool,
+        kind="bool",
+    )
+    max_loras: int = option(
+        "LoRA: adapters resident at once, the most one step mixes; requests of further "
+        "adapters wait for a slot while the others run.",
+        1,
+        int,
+    )
+    max_lora_rank: int = option(
+        "LoRA: the largest adapter rank accepted (the slots are this wide).", 16, int
+    )
+    max_cpu_loras: int | None = option(
+        "LoRA: loaded adapters kept in host memory (least recently used evicted), resident "
+        "ones included (default: max_loras).",
+        None,
+        optional_int,
+    )
     # --- parallelism ---
     tensor_parallel_size: int = option("Tensor-parallel ranks (worker processes).", 1, int)
     collective_timeout: float = option(
@@ -243,4 +268,10 @@ class EngineArgs:
             ),
             served_model_name=self.served_model_name,
             max_num_queued_requests=self.max_num_queued_requests,
+            lora=LoRAConfig(
+                enabled=self.enable_lora,
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras,
+            ),
         )

@@ -120,6 +120,8 @@ class AsyncEngine:
             raise EngineDeadError("The engine is not running.")
         request_id = request.request_id
         request.params = self.engine.validate_request(request.prompt_token_ids, request.params)
+        if request.adapter is not None:  # LoRA on, the folder fits the model (read once)
+            self.engine.check_adapter(request.adapter)
         limit = self.config.max_num_queued_requests
         if limit is not None and self._num_queued() >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")

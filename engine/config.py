@@ -77,6 +77,9 @@ class SchedulerConfig:
     # Schedule step t+1 while step t computes (engine.async_scheduling): None = auto, on for
     # CUDA with one rank; the engine replaces it with the resolved value (vLLM's name).
     async_scheduling: bool | None = None
+    # LoRA: the most distinct adapters one step may mix (None: LoRA off); requests of other
+    # adapters wait for a slot while the rest run.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
@@ -187,6 +190,35 @@ class ModelConfig:
             )
 
 
+MAX_LORA_RANK_LIMIT = 512
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (engine.lora), when enabled: max_loras adapters resident at once
+    (the most one step mixes), max_lora_rank the largest rank an adapter may have (the slots'
+    width), and max_cpu_loras loaded adapters kept in host memory (an LRU), resident ones
+    included."""
+
+    enabled: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        _check(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")
+        _check(
+            1 <= self.max_lora_rank <= MAX_LORA_RANK_LIMIT,
+            f"max_lora_rank must be between 1 and {MAX_LORA_RANK_LIMIT}, got {self.max_lora_rank}",
+        )
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check(
+            self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
+        )
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,12 +229,16 @@ class EngineConfig:
     served_model_name: str | None = None
     # Longest waiting queue before add_request refuses (None: unbounded).
     max_num_queued_requests: int | None = None
+    # Multi-LoRA serving; off by default (a request naming an adapter is refused).
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _check(
             self.scheduler.block_size == self.cache.block_size,
             "scheduler.block_size must equal cache.block_size",
         )
+        if self.lora.enabled:
+            self.scheduler.max_loras = self.lora.max_loras
         _check(
             self.max_num_queued_requests is None or self.max_num_queued_requests >= 0,
             f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}",

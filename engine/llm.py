@@ -3,6 +3,10 @@
 from engine import LLM, SamplingParams
 llm = LLM()
 outs = llm.generate(["Hello", "Paris is"], SamplingParams(max_tokens=32, temperature=0))
+
+LoRA adapters (PEFT folders), as vLLM's:
+llm = LLM(model_dir, enable_lora=True, max_loras=4)
+outs = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from tqdm import tqdm
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -42,8 +47,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs enable_lora=True."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -60,7 +68,16 @@ class LLM:
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts: pass one, "
                     "or one per prompt."
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"Got {len(loras)} LoRA requests for {len(prompts)} prompts: pass one, "
+                    "or one per prompt."
+                )
+        return self._run(prompts, params_list, use_tqdm, loras)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (--generation-config; vLLM's name)."""
@@ -72,22 +89,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(
-        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
         # Validate everything first so a bad prompt leaves nothing half-queued.
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 order[request_id] = len(order)
         except Exception:
             for request_id in order:

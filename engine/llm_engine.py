@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.dummy_tokenizer import load_tokenizer
 from engine.errors import QueueFullError
+from engine.lora.request import LoRARequest
 from engine.models.hf_config import load_hf_config, max_model_len_for, sampling_defaults
 from engine.models.loader import resolve_model
 from engine.output_processor import OutputProcessor
@@ -58,6 +59,9 @@ class LLMEngine:
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.vocab_size = hf_config.vocab_size
+        self.hf_config = hf_config
+        # LoRA adapters whose folders were checked, by lora_int_id (engine.lora.adapter)
+        self._adapters: dict[int, LoRARequest] = {}
         self.tokenizer = load_tokenizer(
             config.model.tokenizer,
             Path(model_dir),
@@ -153,11 +157,13 @@ class LLMEngine:
         tenant_weight: float = 1.0,
         deadline: float | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request given as separate fields (the offline API's form): the
         EngineRequest built from them, then admit + add. tenant/tenant_weight: whose share it
         draws on under the "fair" policy (the tenant's latest weight wins); deadline: a
-        time.monotonic() value past which the engine ends it with finish_reason "timeout"."""
+        time.monotonic() value past which the engine ends it with finish_reason "timeout";
+        lora_request: the LoRA adapter to run it with (enable_lora)."""
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -168,6 +174,7 @@ class LLMEngine:
             params or SamplingParams(),
             Tenancy(tenant, tenant_weight, cache_salt, priority, deadline),
             prompt_text=prompt_text,
+            adapter=lora_request,
             arrival_time=arrival_time,
         )
         self.add(self.admit(request))
@@ -179,10 +186,34 @@ class LLMEngine:
         if request.request_id in self.output_processor.states:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
         request.params = self.validate_request(request.prompt_token_ids, request.params)
+        if request.adapter is not None:
+            self.check_adapter(request.adapter)
         limit = self.config.max_num_queued_requests
         if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
         return request
+
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """ValueError unless LoRA is enabled and the adapter's folder fits the base model
+        (engine.lora.adapter: its config and tensor shapes, read once per lora_int_id), and
+        its lora_int_id names no other adapter."""
+        if not self.config.lora.enabled:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled: start the "
+                "engine with enable_lora=True (--enable-lora)"
+            )
+        known = self._adapters.get(lora.lora_int_id)
+        if known is not None:
+            if known != lora:
+                raise ValueError(
+                    f"lora_int_id {lora.lora_int_id} is already adapter {known.lora_name!r} "
+                    f"({known.lora_path}): give {lora.lora_name!r} another id"
+                )
+            return
+        from engine.lora.adapter import read_adapter
+
+        read_adapter(lora.lora_path, self.hf_config, self.config.lora.max_lora_rank, check=True)
+        self._adapters[lora.lora_int_id] = lora
 
     def add(self, request: EngineRequest) -> None:
         """Queue an admitted request: the scheduler's Request made from it, with the model's
@@ -211,6 +242,7 @@ class LLMEngine:
             tenant=tenancy.tenant,
             tenant_weight=tenancy.weight,
             deadline=tenancy.deadline,
+            lora_request=request.adapter,
         )
         if request.arrival_time is not None:
             scheduled.arrival_time = request.arrival_time

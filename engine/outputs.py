@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequestData:
     # Tokens sampled before this admission (a copy: the runner appends its own samples).
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass(slots=True)

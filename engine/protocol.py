@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,14 +51,14 @@ class Tenancy:
 class EngineRequest:
     """One engine request: its id, the prompt's token ids, how to sample, and whose it is.
     `prompt_text` (the prompt as given, when it was text) is echoed in outputs; `adapter`
-    names a LoRA adapter (room for it: None is the base model)."""
+    is the LoRA adapter it runs with (engine.lora.LoRARequest; None: the base model)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     tenancy: Tenancy = field(default_factory=Tenancy)
     prompt_text: str | None = None
-    adapter: str | None = None
+    adapter: LoRARequest | None = None
     arrival_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.lora.request import LoRARequest
     from engine.structured_output.manager import RequestGrammar
 
 
@@ -57,6 +58,8 @@ class Request:
     tenant: str | None = None  # whose service this is, under the "fair" policy
     tenant_weight: float = 1.0  # the tenant's share relative to others (the latest one wins)
     deadline: float | None = None  # time.monotonic() past which the engine ends it ("timeout")
+    # The LoRA adapter it runs with (None: the base model); mixed into its block hashes.
+    lora_request: LoRARequest | None = None
     # n > 1: children are forked from the parent once the prompt is computed.
     parent_id: str | None = None
     sample_index: int = 0

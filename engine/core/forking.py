@@ -47,6 +47,7 @@ def make_child(parent: Request, index: int) -> Request:
         tenant=parent.tenant,
         tenant_weight=parent.tenant_weight,
         deadline=parent.deadline,
+        lora_request=parent.lora_request,
         parent_id=parent.request_id,
         sample_index=index,
     )

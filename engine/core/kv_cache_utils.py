@@ -4,7 +4,9 @@ Block hashing. A full block's hash is a SHA-256 digest of (parent block's digest
 token ids, extra keys), so it names the whole token prefix up to the block's end, not just the
 block. The per-request ``cache_salt`` is mixed into the first block only, which makes every
 later block of a salted request differ from an unsalted (or differently salted) one: tenants
-never share cache entries. Because the digest is cryptographic and covers the full chain,
+never share cache entries. A request's LoRA adapter is mixed in the same way (its
+LoRARequest.cache_key, before the salt): blocks are never shared across adapters or with the
+base model. Because the digest is cryptographic and covers the full chain,
 two different prefixes never map to the same hash in practice (a collision would be a
 SHA-256 collision), so a hash hit needs no token-by-token check. Digests are stable across
 processes and restarts (no PYTHONHASHSEED dependence).
@@ -58,6 +60,8 @@ def extend_block_hashes(request: Request, block_size: int) -> None:
         return
     parent = hashes[-1] if hashes else None
     salt = request.cache_salt.encode() if request.cache_salt else None
+    if request.lora_request is not None:
+        salt = request.lora_request.cache_key + (salt or b"")
     for i in range(start, num_full):
         block = tokens[i * block_size : (i + 1) * block_size]
         parent = hash_block_tokens(parent, block, salt if i == 0 else None)

@@ -246,9 +246,18 @@ class Scheduler:
         preempted_ids: list[str] = []
         manager = self.kv_cache_manager
         running = self.running
+        max_loras = self.config.max_loras
+        step_loras: set[int] = set()  # the adapters of this step's requests (LoRA only)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if max_loras and request.lora_request is not None:
+                lid = request.lora_request.lora_int_id
+                if lid not in step_loras:
+                    if len(step_loras) >= max_loras:
+                        i += 1  # no slot this step: it keeps its blocks and waits a step
+                        continue
+                    step_loras.add(lid)
             pending = request.num_output_placeholders
             if pending and self._ends_on_placeholder(request):
                 i += 1  # its last token is being sampled: nothing more to compute
@@ -312,10 +321,29 @@ class Scheduler:
         seat_preemptions_left = len(self.running)
         preempted_now: set[str] = set()
         seated: Request | None = None  # the request a seat is being made for, kept as next
+        # LoRA: the adapters of the running requests, at most max_loras; a waiting request
+        # of another adapter is set aside (put back in order below) so the others go on.
+        max_loras = self.config.max_loras
+        loras = _adapters(self.running) if max_loras else set()
+        skipped: list[Request] = []
         while waiting and budget > 0:
             request = seated if seated is not None else waiting.peek_request()
             if request.request_id in preempted_now:
                 break
+            lora = request.lora_request
+            if (
+                max_loras
+                and lora is not None
+                and lora.lora_int_id not in loras
+                and len(loras) >= max_loras
+            ):
+                if seated is not None:
+                    waiting.remove_request(request)
+                    seated = None
+                else:
+                    waiting.pop_request()
+                skipped.append(request)
+                continue
             num_seats = seats(request)
             if self._num_seats + num_seats > self.config.max_num_seqs:
                 counters = self.tenant_counters
@@ -359,8 +387,12 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             self.running.append(request)
             self._num_seats += num_seats
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             scheduled[request.request_id] = self._schedule_one(request, num_new, new)
             budget -= num_new
+        for request in reversed(skipped):  # back at the front, in their order
+            waiting.prepend_request(request)
         return budget
 
     def _schedule_one(
@@ -391,6 +423,7 @@ class Scheduler:
                 params,
                 list(request.output_token_ids),
                 request.eos_token_id,
+                request.lora_request,
             )
             num_sent = 0
         self._num_sent_blocks[rid] = len(table)
@@ -608,6 +641,10 @@ def _take_prompt_logprobs(request: Request) -> list | None:
     held = request.prompt_logprobs or [None]  # a one-token prompt: just the None
     request.prompt_logprobs = None
     return held
+
+
+def _adapters(requests: list[Request]) -> set[int]:
+    return {r.lora_request.lora_int_id for r in requests if r.lora_request is not None}
 
 
 def _queue_time(request: Request) -> float | None:

@@ -5,6 +5,10 @@ rank's slice of a full checkpoint tensor. ColumnParallel splits output features 
 communication), RowParallel splits input features and all-reduces its output. How the weights
 are stored and multiplied is the layer's `quant_method` (engine.layers.quantization):
 unquantized until the loader's quantize_model gives it another.
+
+A layer may carry a LoRA state (`lora`, engine.lora.layers.LoRALayer, attached by the runner
+when LoRA is enabled): its per-adapter deltas are added to the layer's own product, before a
+row-parallel layer's all-reduce, which then sums the ranks' partial deltas too.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ def _divide(n: int, d: int, what: str) -> int:
 class LinearBase(nn.Module):
     """y = x W^T (+ b); tp_dim is the weight dimension split across ranks (None: replicated)."""
 
+    lora = None  # a LoRALayer (engine.lora.layers) when LoRA is enabled
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
+        self.input_size, self.output_size = input_size, output_size  # this rank's
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
@@ -40,8 +47,16 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         _copy(param, loaded)
 
+    @property
+    def lora_active(self) -> bool:
+        """Whether this step adds LoRA deltas here (a fused path over it must step aside)."""
+        return self.lora is not None and self.lora.active
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            y = self.lora.apply(x, y)
+        return y
 
 
 class ReplicatedLinear(LinearBase):
@@ -115,8 +130,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        y = tp_all_reduce(self.quant_method.apply(self, x, None))
+            return super().forward(x)
+        y = self.quant_method.apply(self, x, None)
+        if self.lora is not None:  # A split on the input: the all-reduce sums the deltas too
+            y = self.lora.apply(x, y)
+        y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -24,7 +24,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        fused = gate_up.quant_method.apply_gated_mlp(gate_up, down, x)
-        if fused is not None:
-            return fused
+        if not (gate_up.lora_active or down.lora_active):  # a LoRA step runs them one by one
+            fused = gate_up.quant_method.apply_gated_mlp(gate_up, down, x)
+            if fused is not None:
+                return fused
         return down(self.act(gate_up(x)))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class CachedRequestState:
     block_ids: np.ndarray  # int32, grown by doubling; the table is its first num_blocks
     num_blocks: int = 0
     num_samples: int = 1  # of the step that last scheduled it
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -51,6 +53,7 @@ class CachedRequestState:
             eos_token_id=new.eos_token_id,
             token_ids=[*new.prompt_token_ids, *outputs],
             block_ids=np.zeros(_MIN_BLOCK_CAPACITY, dtype=np.int32),
+            lora_request=new.lora_request,
         )
 
     @property

@@ -9,6 +9,10 @@ logits of each sampling request's last token -> Sampler (on CUDA the sync-free G
 engine.layers.gpu_sampler, unless a request asks for logprobs) -> the sampled tokens appended
 to the input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
 
+With LoRA enabled (engine.lora) the runner's LoRAManager puts each step's adapters into
+resident slots and maps the step's rows to them before the forward; a step with adapters runs
+eagerly (the step graphs, the CPU decode plan and CUDA's captured graphs, hold no LoRA).
+
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
 input batch and the next step feeds them from the device (engine.worker.async_output).
@@ -202,6 +206,7 @@ class ModelRunner:
         )
         self._step_graph: StepGraph | None = None
         self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
+        self.lora_manager = None  # engine.lora.manager.LoRAManager, when LoRA is enabled
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -247,6 +252,12 @@ class ModelRunner:
             finish_checkpoint_methods(self.model, ckpt)
         elif self.quantization != "gguf":
             quantize_model(self.model, self.quantization, gguf_path=gguf)
+        if self.config.lora.enabled:
+            from engine.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(
+                self.model, self.hf_config, self.config.lora, self.dtype, self.device
+            )
         if self.device.type == "cpu":
             release_freed_heap()
         head_dim = self.hf_config.head_dim
@@ -667,7 +678,19 @@ class ModelRunner:
         ids, positions, seqs, last_row = self.input_batch.step_inputs(scheduled)
         fed = self._prev.feed(ids, last_row, self.device) if self._prev is not None else None
         common = common_metadata_from_seqs(seqs, self.block_size)
-        return self._run_model(ids, positions, common, fed), last_row
+        eager = False
+        if self.lora_manager is not None:  # each request's rows -> its adapter's slot
+            requests = self.input_batch.requests
+            rows = [
+                (
+                    requests[r.request_id].lora_request,
+                    last_row[r.request_id] - r.num_tokens + 1,
+                    r.num_tokens,
+                )
+                for r in scheduled
+            ]
+            eager = self.lora_manager.prepare(rows)
+        return self._run_model(ids, positions, common, fed, eager), last_row
 
     def _run_model(
         self,
@@ -675,11 +698,13 @@ class ModelRunner:
         positions: list[int],
         common: CommonAttentionMetadata,
         fed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        eager: bool = False,
     ) -> torch.Tensor:
         """The step graph's output where it takes this step, else the eager forward's.
-        fed: (rows, device values) of input ids that are placeholders (async scheduling)."""
+        fed: (rows, device values) of input ids that are placeholders (async scheduling);
+        eager: skip the step graph (a step with LoRA adapters)."""
         step = StepInputs(ids, positions, common, fed)
-        graph = self._step_graph
+        graph = None if eager else self._step_graph
         if graph is not None:  # a graph without eager_inputs fills static buffers of its own
             if graph.eager_inputs:
                 self._eager_inputs(step)

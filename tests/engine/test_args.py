@@ -39,6 +39,10 @@ OTHER_VALUES = {
     "kv_cache_dtype": "int8",
     "gpu_memory_utilization": 0.5,
     "enable_prefix_caching": False,
+    "enable_lora": True,
+    "max_loras": 4,
+    "max_lora_rank": 64,
+    "max_cpu_loras": 8,
     "tensor_parallel_size": 2,
     "collective_timeout": 12.0,
     "frontend_threads": 1,
@@ -97,3 +101,7 @@ def test_bad_values_are_refused_by_the_config():
         EngineArgs(max_num_queued_requests=-1).create_engine_config()
     with pytest.raises(ValueError, match="frontend_threads"):
         EngineArgs(frontend_threads=-1).create_engine_config()
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        EngineArgs(enable_lora=True, max_lora_rank=0).create_engine_config()
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2).create_engine_config()

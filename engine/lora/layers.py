@@ -1,0 +1,212 @@
+"""LoRA on a linear layer: stacked per-slot A/B and the step's batched apply.
+
+Every LoRA-capable linear layer (qkv, o, gate_up, down) gets a `LoRALayer` as its `lora`
+attribute (engine.layers.linear calls `lora.apply(x, y)` after its own product, before a
+row-parallel layer's all-reduce). It holds, for each of max_loras resident slots,
+
+    a [max_loras, n * R, in]    the slices' A stacked on rank (n: 3 for qkv, 2 for gate_up)
+    b [max_loras, out, n * R]   each slice's B (scaling folded in) in its rows of the merged
+                                output and its columns of the rank: block-diagonal
+
+packed to each slot's own width (sum of its slices' ranks), so a rank-8 adapter costs rank 8
+in a slot of max_lora_rank. All layers share one `LoRABatch`, the step's token -> slot
+mapping, set once per step by the runner (engine.lora.manager). Applying it:
+
+    torch (any device): per adapter in the step, never per token,
+        y[rows_g] += (x[rows_g] @ A_g^T) @ B_g^T        rows_g: a slice, or an index gather
+        On the CPU the slots are float32 whatever the model's dtype: there a bf16 GEMM of a
+        few rows costs 4-5x a float32 one (measured: 4 rows x 576 -> 48 -> 960, 89 us in
+        bf16, 22 us with the rows cast to float32), and the deltas are small.
+    triton (CUDA): shrink then expand over the tokens grouped by adapter (punica / S-LoRA
+        style, engine.kernels.triton.lora), one launch each for every adapter of the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class LoRABatch:
+    """One step's token -> adapter slot mapping, shared by every LoRA layer of a model.
+
+    set(ranges) takes (slot, first row, row count) for each scheduled request with an
+    adapter; rows of the base model are in none. `groups` (the torch path) holds each slot's
+    rows as a slice when contiguous, else an index tensor; the Triton path reads the same
+    rows sorted by slot (token_rows) with each segment's start, length and slot.
+    """
+
+    def __init__(self, device: torch.device, kernel: str = "torch") -> None:
+        self.device = device
+        self.kernel = kernel  # "torch" | "triton"
+        self.active = False
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.token_rows: torch.Tensor | None = None
+        self.seg_start: torch.Tensor | None = None
+        self.seg_len: torch.Tensor | None = None
+        self.seg_slot: torch.Tensor | None = None
+        self.max_rows = 0
+
+    def clear(self) -> None:
+        self.active = False
+        self.groups = []
+
+    def set(self, ranges: list[tuple[int, int, int]]) -> None:
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        for slot, start, n in ranges:
+            spans = by_slot.setdefault(slot, [])
+            if spans and spans[-1][1] == start:  # adjacent rows of the same adapter: merge
+                spans[-1] = (spans[-1][0], start + n)
+            else:
+                spans.append((start, start + n))
+        if not by_slot:
+            self.clear()
+            return
+        self.active = True
+        if self.kernel == "triton":
+            self._set_segments(by_slot)
+            return
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, spans in by_slot.items():
+            if len(spans) == 1:
+                groups.append((slot, slice(*spans[0])))
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
+                groups.append((slot, rows))
+        self.groups = groups
+
+    def _set_segments(self, by_slot: dict[int, list[tuple[int, int]]]) -> None:
+        starts, lens, slots = [], [], []
+        n = 0
+        for slot, spans in by_slot.items():
+            starts.append(n)
+            lens.append(sum(b - a for a, b in spans))
+            slots.append(slot)
+            n += lens[-1]
+        spans = [span for group in by_slot.values() for span in group]
+        rows = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b in spans])
+        host = torch.from_numpy(np.concatenate([rows, np.array(starts + lens + slots, np.int32)]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        s = len(slots)
+        self.token_rows = dev[:n]
+        self.seg_start, self.seg_len, self.seg_slot = (
+            dev[n : n + s],
+            dev[n + s : n + 2 * s],
+            dev[n + 2 * s :],
+        )
+        self.max_rows = max(lens)
+
+
+class LoRALayer:
+    """The slots of one linear layer (see the module's docstring). slices: (first output
+    row, rows) of each slice in this rank's output; in_features: this rank's input size."""
+
+    def __init__(
+        self,
+        batch: LoRABatch,
+        slices: list[tuple[int, int]],
+        in_features: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.batch = batch
+        self.slices = slices
+        n = len(slices)
+        out_features = sum(size for _, size in slices)
+        self.a = torch.zeros(max_loras, n * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        # per slot: its packed rank (0: not targeted) and (first row, rows, offset in the
+        # shrink's output, rank) of each slice it targets
+        self.width = [0] * max_loras
+        self.parts: list[list[tuple[int, int, int, int]]] = [[] for _ in range(max_loras)]
+        # the same on the device for the Triton kernels: width [S]; offset and rank [S, n]
+        self.width_t = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.slice_off = torch.zeros(max_loras, n, dtype=torch.int32, device=device)
+        self.slice_rank = torch.zeros(max_loras, n, dtype=torch.int32, device=device)
+
+    @property
+    def active(self) -> bool:
+        """Whether this step adds a delta (a fused path over the layer must step aside)."""
+        return self.batch.active
+
+    def set_slot(
+        self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+    ) -> None:
+        """Put an adapter's slices (this rank's A [r, in], B [rows, r]; None where it does
+        not target one) into a slot; None clears the slot."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        offset, parts = 0, []
+        offs, ranks = [0] * len(self.slices), [0] * len(self.slices)
+        for i, ((row, size), ab) in enumerate(
+            zip(self.slices, slices or [None] * len(self.slices), strict=True)
+        ):
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            self.a[slot, offset : offset + r].copy_(a)
+            self.b[slot, row : row + size, :r].copy_(b)
+            parts.append((row, size, offset, r))
+            offs[i], ranks[i] = offset, r
+            offset += r
+        self.width[slot], self.parts[slot] = offset, parts
+        self.width_t[slot] = offset
+        self.slice_off[slot] = torch.tensor(offs, dtype=torch.int32)
+        self.slice_rank[slot] = torch.tensor(ranks, dtype=torch.int32)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + this step's LoRA deltas (in place): x [..., in], y [..., out]."""
+        batch = self.batch
+        if not batch.active:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.view(-1, y.shape[-1])
+        if batch.kernel == "triton":
+            from engine.kernels.triton.lora import lora_shrink_expand
+
+            lora_shrink_expand(
+                x2,
+                y2,
+                self.a,
+                self.b,
+                self.width_t,
+                self.slice_off,
+                self.slice_rank,
+                self.slices,
+                batch.token_rows,
+                batch.seg_start,
+                batch.seg_len,
+                batch.seg_slot,
+                batch.max_rows,
+            )
+            return y
+        a_all, b_all = self.a, self.b
+        for slot, rows in batch.groups:
+            w = self.width[slot]
+            if not w:
+                continue
+            gathered = not isinstance(rows, slice)
+            xs = x2.index_select(0, rows) if gathered else x2[rows]
+            s = xs.to(a_all.dtype) @ a_all[slot, :w].T  # (float32 slots over bf16: the CPU's)
+            parts = self.parts[slot]
+            if gathered:
+                delta = torch.zeros(s.shape[0], y2.shape[1], dtype=s.dtype, device=s.device)
+                for row, size, off, r in parts:
+                    delta[:, row : row + size] = (
+                        s[:, off : off + r] @ b_all[slot, row : row + size, :r].T
+                    )
+                y2.index_add_(0, rows, delta.to(y2.dtype))
+                continue
+            for row, size, off, r in parts:
+                out = y2[rows, row : row + size]
+                b = b_all[slot, row : row + size, :r]
+                if s.dtype == y2.dtype:
+                    out.addmm_(s[:, off : off + r], b.T)
+                else:
+                    out.add_(s[:, off : off + r] @ b.T)
+        return y

@@ -1,0 +1,170 @@
+"""The runner's side of multi-LoRA: resident slots, the LRU of loaded adapters, a step's
+mapping.
+
+    manager = LoRAManager(model, hf_config, lora_config, dtype, device)   # after quantizing
+    active = manager.prepare([(lora_request or None, first_row, rows), ...])  # every step
+
+`prepare` puts every adapter of the step into a slot (a free one, else the least recently
+used one that this step does not need), loading it from the CPU cache (max_cpu_loras
+adapters, least recently used evicted) or from its folder, then sets the shared LoRABatch.
+The scheduler never mixes more than max_loras adapters in a step, so slots always suffice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from engine.config import LoRAConfig
+from engine.distributed import get_tp_rank, get_tp_size
+from engine.lora.adapter import SLICES, read_adapter
+from engine.lora.layers import LoRABatch, LoRALayer
+from engine.lora.request import LoRARequest
+from engine.models.hf_config import HFModelConfig
+
+logger = logging.getLogger("tessera.engine")
+
+Shard = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
+
+
+def lora_kernel(device: torch.device) -> str:
+    """torch (grouped matmuls) on the CPU; the Triton shrink/expand kernels on CUDA where
+    triton imports. TESSERA_LORA_KERNEL=torch forces the reference; =triton the kernels on any
+    device (the tests, on CPU tensors under TRITON_INTERPRET=1)."""
+    forced = os.environ.get("TESSERA_LORA_KERNEL")
+    if forced in ("torch", "triton"):
+        return forced
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
+def _slices(layer: nn.Module, name: str) -> list[tuple[int, int]]:
+    """(first row, rows) of each slice of a layer's output on this rank."""
+    tp = get_tp_size()
+    if name == "qkv_proj":
+        q = layer.num_heads * layer.head_dim
+        kv = layer.num_kv_heads * layer.head_dim
+        return [(0, q), (q, kv), (q + kv, kv)]
+    if name == "gate_up_proj":
+        i = layer.output_sizes[0] // tp
+        return [(0, i), (i, i)]
+    return [(0, layer.output_size)]
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config: HFModelConfig,
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.batch = LoRABatch(device, lora_kernel(device))
+        # the slots' dtype: the model's on CUDA, float32 on the CPU (engine.lora.layers)
+        self.dtype = dtype if self.batch.kernel == "triton" else torch.float32
+        self.layers: dict[tuple[int, str], LoRALayer] = {}
+        for i, decoder in enumerate(model.model.layers):
+            owners = {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn}
+            owners["gate_up_proj"] = owners["down_proj"] = decoder.mlp
+            for name in SLICES:
+                layer = getattr(owners[name], name, None)
+                if layer is None or not hasattr(layer, "lora_active"):
+                    continue  # a mixture of experts: its MLP takes no adapter
+                state = LoRALayer(
+                    self.batch,
+                    _slices(layer, name),
+                    layer.input_size,
+                    config.max_loras,
+                    config.max_lora_rank,
+                    self.dtype,
+                    device,
+                )
+                layer.lora = state
+                self.layers[(i, name)] = state
+        self.slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot
+        self._slot_use: OrderedDict[int, None] = OrderedDict(
+            (s, None) for s in range(config.max_loras)
+        )
+        self._cpu: OrderedDict[int, Shard] = OrderedDict()  # lora_int_id -> this rank's shard
+        self.num_loads = 0  # adapters read from their folders (tests, logs)
+        self.num_swaps = 0  # adapters copied into a slot
+
+    # -- adapters -----------------------------------------------------------------------
+
+    def _load(self, request: LoRARequest) -> Shard:
+        """This rank's weights of an adapter: from the CPU cache, else read from its folder."""
+        cached = self._cpu.get(request.lora_int_id)
+        if cached is not None:
+            self._cpu.move_to_end(request.lora_int_id)
+            return cached
+        adapter = read_adapter(request.lora_path, self.hf_config, self.config.max_lora_rank)
+        shard = adapter.shard(self.hf_config, get_tp_rank(), get_tp_size(), self.dtype)
+        self.num_loads += 1
+        while len(self._cpu) >= self.config.max_cpu_loras:
+            evicted, _ = self._cpu.popitem(last=False)
+            logger.debug("LoRA adapter %d evicted from the CPU cache", evicted)
+        self._cpu[request.lora_int_id] = shard
+        return shard
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forget an adapter: its CPU copy and its slot."""
+        self._cpu.pop(lora_int_id, None)
+        for slot, held in enumerate(self.slots):
+            if held == lora_int_id:
+                self._fill(slot, None, None)
+
+    def _fill(self, slot: int, lora_int_id: int | None, shard: Shard | None) -> None:
+        for key, layer in self.layers.items():
+            layer.set_slot(slot, shard.get(key) if shard is not None else None)
+        self.slots[slot] = lora_int_id
+
+    def _slot_for(self, request: LoRARequest, needed: set[int]) -> int:
+        lid = request.lora_int_id
+        if lid in self.slots:
+            slot = self.slots.index(lid)
+        else:
+            # a free slot first, else the least recently used one this step does not need
+            free = [s for s in self._slot_use if self.slots[s] is None]
+            victims = free or [s for s in self._slot_use if self.slots[s] not in needed]
+            if not victims:
+                raise RuntimeError(
+                    f"a step needs more than max_loras ({self.config.max_loras}) adapters"
+                )
+            slot = victims[0]
+            self._fill(slot, lid, self._load(request))
+            self.num_swaps += 1
+        self._slot_use.move_to_end(slot)
+        return slot
+
+    # -- a step -------------------------------------------------------------------------
+
+    def prepare(self, rows: list[tuple[LoRARequest | None, int, int]]) -> bool:
+        """Make the step's adapters resident and set the token mapping; whether any row of
+        the step has an adapter (then it runs eagerly)."""
+        needed = {req.lora_int_id for req, _, _ in rows if req is not None}
+        if not needed:
+            self.batch.clear()
+            return False
+        slot_of: dict[int, int] = {}
+        ranges = []
+        for req, start, n in rows:
+            if req is None:
+                continue
+            slot = slot_of.get(req.lora_int_id)
+            if slot is None:
+                slot = slot_of[req.lora_int_id] = self._slot_for(req, needed)
+            ranges.append((slot, start, n))
+        self.batch.set(ranges)
+        return True

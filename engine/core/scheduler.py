@@ -84,8 +84,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: the model's, where every layer has one (the largest;
+        HFModelConfig.kv_sliding_window): each request's blocks behind it are freed."""
         if scheduler_config.block_size != cache_config.block_size:
             raise ValueError(
                 f"scheduler block_size ({scheduler_config.block_size}) must equal cache "
@@ -102,7 +108,10 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = bool(scheduler_config.async_scheduling)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            sliding_window=sliding_window,
         )
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # VTC counters, under the "fair" policy only (None: nothing is charged).

@@ -1,6 +1,8 @@
 """One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
 (qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM. The MLP is pluggable:
 make_mlp(cfg, layer_idx) builds each layer's (the mixtures of experts of engine.models.moe).
+Each layer's attention takes its sliding window from the config (cfg.layer_sliding_windows:
+Mistral every layer, Qwen2/3 per use_sliding_window / max_window_layers / layer_types).
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.
@@ -24,7 +26,7 @@ from engine.models.hf_config import HFModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: HFModelConfig):
+    def __init__(self, cfg: HFModelConfig, layer_idx: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
@@ -40,7 +42,11 @@ class LlamaAttention(nn.Module):
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
         )
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+            scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.layer_sliding_window(layer_idx),
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -79,9 +85,9 @@ class LlamaDecoderLayer(nn.Module):
     """Attention, then the MLP: the dense gated MLP, or what the model's make_mlp builds for
     this layer (a mixture of experts: engine.models.moe)."""
 
-    def __init__(self, cfg: HFModelConfig, mlp: nn.Module | None = None):
+    def __init__(self, cfg: HFModelConfig, mlp: nn.Module | None = None, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -113,7 +119,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, make_mlp(cfg, i), i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(

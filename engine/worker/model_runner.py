@@ -157,7 +157,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # this rank's GPU is the current one (kernel launches)
             torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
-        # Raises if the requested length exceeds what the model (or its sliding window) allows.
+        # Raises if the requested length exceeds what the model allows (max_position_embeddings).
         self.max_model_len = max_model_len_for(
             self.hf_config, config.model.max_model_len or config.scheduler.max_model_len
         )

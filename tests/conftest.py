@@ -135,6 +135,7 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -231,6 +232,42 @@ def tiny_qwen2_moe_dir(make_tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(make_tiny_model) -> Path:
     return make_tiny_model("tiny-qwen3-moe", arch="qwen3_moe", **MOE_MODELS["qwen3_moe"])
+
+
+# Sliding-window models, window 16 (one block): Mistral windows every layer (the KV cache
+# frees blocks behind it); Qwen2 with use_sliding_window windows layers >= max_window_layers
+# (1 here: layer 0 global, a hybrid model that keeps every block), or all of them (0).
+SLIDING_WINDOW = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_sw_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-mistral-sw", arch="mistral", sliding_window=SLIDING_WINDOW, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_sw_dir(make_tiny_model) -> Path:
+    return make_tiny_model(
+        "tiny-qwen2-sw",
+        arch="qwen2",
+        use_sliding_window=True,
+        sliding_window=SLIDING_WINDOW,
+        max_window_layers=1,
+        seed=8,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_all_sw_dir(make_tiny_model) -> Path:
+    return make_tiny_model(
+        "tiny-qwen2-all-sw",
+        arch="qwen2",
+        use_sliding_window=True,
+        sliding_window=SLIDING_WINDOW,
+        max_window_layers=0,
+        tie_word_embeddings=True,
+        seed=9,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -271,6 +271,22 @@ def tiny_qwen2_all_sw_dir(make_tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral_sw_dir(make_tiny_model) -> Path:
+    """Mixtral with a window on every layer (the KV cache frees behind it)."""
+    moe = {**MOE_MODELS["mixtral"], "sliding_window": SLIDING_WINDOW}
+    return make_tiny_model("tiny-mixtral-sw", arch="mixtral", **moe)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_sw_dir(make_tiny_model) -> Path:
+    """Qwen2-MoE with use_sliding_window: transformers' default windows its even layers below
+    max_window_layers (layers 0 and 2 of 3 here: a hybrid model)."""
+    moe = {**MOE_MODELS["qwen2_moe"], "use_sliding_window": True}
+    moe |= {"sliding_window": SLIDING_WINDOW, "max_window_layers": 3}
+    return make_tiny_model("tiny-qwen2-moe-sw", arch="qwen2_moe", **moe)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama3_dir(make_tiny_model) -> Path:
     scaling = {
         "rope_type": "llama3",

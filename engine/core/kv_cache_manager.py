@@ -33,6 +33,22 @@ from engine.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
 from engine.request import Request
 
 
+def blocks_per_request(
+    max_model_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    max_chunk: int | None = None,
+) -> int:
+    """The most blocks one request holds at once (block 0 not counted): its whole context;
+    under a sliding window on every layer with chunked prefill (chunks of at most max_chunk
+    tokens), the window behind a chunk and the chunk, wherever they fall on the blocks."""
+    full = -(-max_model_len // block_size)
+    if sliding_window is None or max_chunk is None:
+        return full
+    span = sliding_window - 1 + max_chunk  # positions from the first key to the last query
+    return min(full, (span + block_size - 2) // block_size + 1)
+
+
 class NoFreeBlocksError(RuntimeError):
     """fork() found no free block for the copy-on-write of a partial last block."""
 

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.fair import TenantCounters, fair_victim, seat_victim, tenant_of
 from engine.core.forking import child_id, fork_samples, seats
-from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
+from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError, blocks_per_request
 from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.core.stop import check_stop, reaches_length
 from engine.outputs import (
@@ -98,11 +98,21 @@ class Scheduler:
                 f"block_size ({cache_config.block_size})"
             )
         bs = cache_config.block_size
-        if (num_blocks - 1) * bs < scheduler_config.max_model_len:
+        chunk = (
+            scheduler_config.max_num_batched_tokens
+            if scheduler_config.enable_chunked_prefill
+            else None
+        )
+        need = blocks_per_request(scheduler_config.max_model_len, bs, sliding_window, chunk)
+        if num_blocks - 1 < need:
+            what = (
+                f"one sequence of max_model_len ({scheduler_config.max_model_len}) tokens"
+                if need * bs >= scheduler_config.max_model_len
+                else f"one sequence's window ({sliding_window} tokens) and chunk ({need} blocks)"
+            )
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {bs} tokens, block 0 reserved) cannot hold "
-                f"one sequence of max_model_len ({scheduler_config.max_model_len}) tokens: give "
-                f"it more blocks or lower max_model_len"
+                f"{what}: give it more blocks or lower max_model_len"
             )
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len

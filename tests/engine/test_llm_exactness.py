@@ -208,6 +208,25 @@ def test_sliding_window_models_match_hf(request, fixture, kv_window, name, kwarg
         assert stats.num_preemptions > 0, "the pool was meant to force preemption"
 
 
+@pytest.mark.parametrize(
+    "fixture, windows",
+    [("tiny_mixtral_sw_dir", [16, 16, 16]), ("tiny_qwen2_moe_sw_dir", [16, None, 16])],
+)
+def test_sliding_window_mixtures_of_experts_match_hf(request, fixture, windows):
+    """Mixtral (every layer) and Qwen2-MoE (its even layers below max_window_layers): the
+    per-layer windows transformers gives them, its greedy tokens (chunked prefill, prefix
+    caching)."""
+    model_dir = request.getfixturevalue(fixture)
+    from engine.models.loader import load_hf_config
+
+    hf_config = load_hf_config(model_dir)
+    assert hf_config.layer_sliding_windows == windows
+    prompts = sliding_window_prompts(hf_config.vocab_size)
+    expected = _sw_reference(model_dir, prompts)
+    got, _ = engine_greedy(model_dir, prompts, num_new=SW_NUM_NEW, max_num_batched_tokens=16)
+    assert [g[0] for g in got] == expected
+
+
 def test_sliding_window_n2_forks_match_hf(tiny_mistral_sw_dir):
     """n = 2 forks of a request whose early blocks were dropped behind the window."""
     from engine.models.loader import load_hf_config
@@ -220,9 +239,16 @@ def test_sliding_window_n2_forks_match_hf(tiny_mistral_sw_dir):
 
 
 def test_sliding_window_model_serves_its_whole_context(tiny_mistral_sw_dir):
-    """No cap at the window: max_model_len is max_position_embeddings, and a long request
-    holds its window's blocks only (ceil(16 / 16) + 1 after a decode step)."""
-    llm = LLM(str(tiny_mistral_sw_dir), dtype="float32", seed=0, num_kv_blocks=40)
+    """No cap at the window: max_model_len is max_position_embeddings (512), served from a
+    cache of 7 usable blocks (112 tokens: the window behind a 64-token chunk fits), and a
+    long request holds its window's blocks only (ceil(16 / 16) + 1 after a decode step)."""
+    llm = LLM(
+        str(tiny_mistral_sw_dir),
+        dtype="float32",
+        seed=0,
+        num_kv_blocks=8,
+        max_num_batched_tokens=64,
+    )
     assert llm.engine.max_model_len == 512
     manager = llm.engine.scheduler.kv_cache_manager
     assert manager.sliding_window == 16

@@ -17,7 +17,7 @@ from core_testing import (
     step,
 )
 
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager, blocks_per_request
 from engine.request import Request
 
 BS = 16
@@ -226,3 +226,32 @@ def test_run_until_done_without_window_is_unchanged():
     sched.add_request(make_request("x", list(range(40)), max_tokens=20))
     transcript = run_until_done(sched, runner, check=True)
     assert transcript.tokens["x"] == reference_generate(list(range(40)), 20)
+
+
+def test_a_windowed_model_needs_a_cache_for_its_window_and_chunk_only():
+    """One request's most blocks at once: its whole context without a window or without
+    chunked prefill (a whole prompt at once); else the window behind a chunk plus the chunk,
+    at the worst alignment. A cache that small serves a long context."""
+    assert blocks_per_request(4096, BS) == 256
+    assert blocks_per_request(4096, BS, W, None) == 256
+    for window in (1, 15, 16, 17, 40):
+        for chunk in (1, 5, 16, 64):
+            worst = max(
+                (p + chunk - 1) // BS - max(0, p - window + 1) // BS + 1 for p in range(300)
+            )
+            assert blocks_per_request(4096, BS, window, chunk) == worst, (window, chunk)
+    assert blocks_per_request(40, BS, W, 64) == 3  # never more than the context's
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len"):
+        make_scheduler(num_blocks=10, max_model_len=4096, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="window"):
+        make_scheduler(
+            num_blocks=8, max_model_len=4096, max_num_batched_tokens=64, sliding_window=W
+        )
+    sched = make_scheduler(
+        num_blocks=9, max_model_len=4096, max_num_batched_tokens=64, sliding_window=W
+    )
+    runner = FakeRunner(9, BS, window=W)
+    prompt = [i % 97 for i in range(300)]
+    sched.add_request(make_request("long", prompt, max_tokens=200))
+    transcript = run_until_done(sched, runner, check=True)
+    assert transcript.tokens["long"] == reference_generate(prompt, 200, window=W)

@@ -310,7 +310,7 @@ class AsyncEngine:
                         status=status,
                         num_prompt_tokens=r.num_prompt_tokens,
                         num_output_tokens=r.num_output_tokens,
-                        num_blocks=len(manager.get_block_ids(r.request_id))
+                        num_blocks=manager.num_held_blocks(r.request_id)
                         if status == "running"
                         else 0,
                         arrival_time=r.arrival_time,

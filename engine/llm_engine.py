@@ -87,7 +87,25 @@ class LLMEngine:
         self.executor = Executor(config, model_dir)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.init_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        # A model whose every layer has a sliding window frees each request's blocks behind
+        # it; a hybrid one (some global layers) keeps them all (engine.core.kv_cache_manager).
+        sliding_window = hf_config.kv_sliding_window()
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, sliding_window=sliding_window
+        )
+        if sliding_window is not None:
+            logger.info(
+                "Sliding window of %d tokens on every layer: each request keeps the KV blocks "
+                "of its last %d tokens only",
+                sliding_window,
+                sliding_window,
+            )
+        elif hf_config.sliding_window is not None:
+            logger.info(
+                "Sliding window of %d tokens on some layers only: every KV block is kept (the "
+                "global layers read them)",
+                hf_config.sliding_window,
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured output: grammars compile on the manager's threads; a request whose grammar
         # is not ready yet waits here, outside the scheduler, so nothing else waits for it.

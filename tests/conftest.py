@@ -148,6 +148,7 @@ def build_tiny_model(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -279,6 +280,58 @@ def tiny_qwen3_moe_dir(make_tiny_model) -> Path:
     return make_tiny_model("tiny-qwen3-moe", arch="qwen3_moe", **MOE_MODELS["qwen3_moe"])
 
 
+# Sliding-window models, window 16 (one block): Mistral windows every layer (the KV cache
+# frees blocks behind it); Qwen2 with use_sliding_window windows layers >= max_window_layers
+# (1 here: layer 0 global, a hybrid model that keeps every block), or all of them (0).
+SLIDING_WINDOW = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_sw_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-mistral-sw", arch="mistral", sliding_window=SLIDING_WINDOW, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_sw_dir(make_tiny_model) -> Path:
+    return make_tiny_model(
+        "tiny-qwen2-sw",
+        arch="qwen2",
+        use_sliding_window=True,
+        sliding_window=SLIDING_WINDOW,
+        max_window_layers=1,
+        seed=8,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_all_sw_dir(make_tiny_model) -> Path:
+    return make_tiny_model(
+        "tiny-qwen2-all-sw",
+        arch="qwen2",
+        use_sliding_window=True,
+        sliding_window=SLIDING_WINDOW,
+        max_window_layers=0,
+        tie_word_embeddings=True,
+        seed=9,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_sw_dir(make_tiny_model) -> Path:
+    """Mixtral with a window on every layer (the KV cache frees behind it)."""
+    moe = {**MOE_MODELS["mixtral"], "sliding_window": SLIDING_WINDOW}
+    return make_tiny_model("tiny-mixtral-sw", arch="mixtral", **moe)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_sw_dir(make_tiny_model) -> Path:
+    """Qwen2-MoE with use_sliding_window: transformers' default windows its even layers below
+    max_window_layers (layers 0 and 2 of 3 here: a hybrid model)."""
+    moe = {**MOE_MODELS["qwen2_moe"], "use_sliding_window": True}
+    moe |= {"sliding_window": SLIDING_WINDOW, "max_window_layers": 3}
+    return make_tiny_model("tiny-qwen2-moe-sw", arch="qwen2_moe", **moe)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(make_tiny_model) -> Path:
     scaling = {
@@ -319,7 +372,7 @@ def tiny_gemma3_dir(make_tiny_model) -> Path:
         head_dim=16,
         query_pre_attn_scalar=24,
         hidden_activation="gelu_pytorch_tanh",
-        sliding_window=512,
+        sliding_window=16,  # the prompts and their generation run past it on the local layers
         sliding_window_pattern=2,
         rope_local_base_freq=10000.0,
         rope_theta=1000000.0,

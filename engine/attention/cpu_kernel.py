@@ -49,12 +49,15 @@ def paged_decode(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """out/q [n, H, D] (rows may be strided, heads contiguous), caches [blocks, bs, Hkv, D]
     contiguous (an int8 cache tiled inside blocks, engine.attention.kv_int8), block_tables
     [n, max_blocks] int64, context_lens [n] int64, scratch float32
     [threads, size] (one row per thread; see the C source for the size). An int8 cache comes
-    with its scales, float32 [blocks, Hkv, bs] each (engine.attention.kv_int8)."""
+    with its scales, float32 [blocks, Hkv, bs] each (engine.attention.kv_int8). window: a
+    sliding window, each row attending only its last `window` keys; the blocks before the
+    one holding the first of them are never read (a freed block's entry may be anything)."""
     lib = load_kernel()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is unavailable (see kernel_supports)")
@@ -76,7 +79,7 @@ def paged_decode(
         out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, block_tables.data_ptr(),
         block_tables.shape[1], context_lens.data_ptr(), n, h, k_cache.shape[2], d,
-        k_cache.shape[1], scale, scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
+        k_cache.shape[1], window or 0, scale, scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
     )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """PagedAttention: the attention layer of every model, over a flattened batch.
 
 It holds its KV cache (and the int8 cache's scales) and the backend, all bound by the model
-runner; per step it writes this step's K/V through the backend, then lets the backend attend.
-No device or kernel is named here: that is the backend's (engine.attention.backends).
+runner, and its sliding window if it has one (the backend reads it); per step it writes this
+step's K/V through the backend, then lets the backend attend. No device or kernel is named
+here: that is the backend's (engine.attention.backends).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from engine.attention.kv_spec import KVCacheSpec
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -26,6 +34,9 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Query position i attends key j iff i - sliding_window < j <= i (HF's sliding-window
+        # mask); None: every earlier key.
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.kv_scales: torch.Tensor | None = None  # float32, with an int8 cache
         self.kv_spec: KVCacheSpec | None = None  # the cache's layout (None: the model's dtype)

@@ -114,8 +114,8 @@ class BlockPool:
         index = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
-                continue
+            if block.block_hash is not None or block is self.null_block:
+                continue  # cached already; or dropped behind a sliding window
             block_hash = hashes[i]
             if block_hash not in index:
                 block.block_hash = block_hash

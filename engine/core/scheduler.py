@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.fair import TenantCounters, fair_victim, seat_victim, tenant_of
 from engine.core.forking import child_id, fork_samples, seats
-from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError
+from engine.core.kv_cache_manager import KVCacheManager, NoFreeBlocksError, blocks_per_request
 from engine.core.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.core.stop import check_stop, reaches_length
 from engine.outputs import (
@@ -84,25 +84,44 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: the model's, where every layer has one (the largest;
+        HFModelConfig.kv_sliding_window): each request's blocks behind it are freed."""
         if scheduler_config.block_size != cache_config.block_size:
             raise ValueError(
                 f"scheduler block_size ({scheduler_config.block_size}) must equal cache "
                 f"block_size ({cache_config.block_size})"
             )
         bs = cache_config.block_size
-        if (num_blocks - 1) * bs < scheduler_config.max_model_len:
+        chunk = (
+            scheduler_config.max_num_batched_tokens
+            if scheduler_config.enable_chunked_prefill
+            else None
+        )
+        need = blocks_per_request(scheduler_config.max_model_len, bs, sliding_window, chunk)
+        if num_blocks - 1 < need:
+            what = (
+                f"one sequence of max_model_len ({scheduler_config.max_model_len}) tokens"
+                if need * bs >= scheduler_config.max_model_len
+                else f"one sequence's window ({sliding_window} tokens) and chunk ({need} blocks)"
+            )
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {bs} tokens, block 0 reserved) cannot hold "
-                f"one sequence of max_model_len ({scheduler_config.max_model_len}) tokens: give "
-                f"it more blocks or lower max_model_len"
+                f"{what}: give it more blocks or lower max_model_len"
             )
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = bool(scheduler_config.async_scheduling)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            sliding_window=sliding_window,
         )
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # VTC counters, under the "fair" policy only (None: nothing is charged).

@@ -82,20 +82,26 @@ def _plus_one(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class Gemma3Attention(LlamaAttention):
-    def __init__(self, cfg: HFModelConfig, layer_type: str):
-        super().__init__(cfg)
+    def __init__(self, cfg: HFModelConfig, layer_idx: int, layer_type: str):
+        super().__init__(cfg, layer_idx)
         scalar = float(cfg.raw.get("query_pre_attn_scalar", cfg.head_dim))
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, scalar**-0.5)
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+            scalar**-0.5,
+            sliding_window=cfg.layer_sliding_window(layer_idx),  # local layers' window
+        )
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.layer_type = layer_type
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: HFModelConfig, layer_type: str):
+    def __init__(self, cfg: HFModelConfig, layer_idx: int, layer_type: str):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma3Attention(cfg, layer_type)
+        self.self_attn = Gemma3Attention(cfg, layer_idx, layer_type)
         self.mlp = GatedMLP(h, cfg.intermediate_size, act=cfg.hidden_act)
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
@@ -126,7 +132,9 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, t) for t in layer_types(cfg))
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, t) for i, t in enumerate(layer_types(cfg))
+        )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = nn.ModuleDict(
             {

@@ -37,7 +37,10 @@ class HFModelConfig:
     dtype: str | None  # the checkpoint's torch dtype name, e.g. "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
-    sliding_window: int | None = None  # only when the model actually uses it
+    # Each layer's sliding window (None: full attention), transformers' rule for the model
+    # (_layer_sliding_windows); empty: none anywhere. sliding_window: the largest of them.
+    layer_sliding_windows: list[int | None] = field(default_factory=list)
+    sliding_window: int | None = None
     # rotary on the first int(head_dim * partial_rotary_factor) dims of each head (Phi-4-mini)
     partial_rotary_factor: float = 1.0
     # config.json as read: a model's own fields (engine.models.gemma3 reads its rope bases,
@@ -53,6 +56,19 @@ class HFModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        windows = self.layer_sliding_windows
+        return windows[layer_idx] if windows else None
+
+    def kv_sliding_window(self) -> int | None:
+        """The window the KV cache may drop blocks behind: the largest window where every
+        layer has one (a block out of every layer's window is read by none); None where any
+        layer attends globally (a hybrid model keeps every block) or none has a window."""
+        windows = self.layer_sliding_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
@@ -113,18 +129,52 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any]) -> None:
         scaling["factor"] = int(raw.get("max_position_embeddings", 2048)) / int(original)
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
+def _layer_sliding_windows(raw: dict[str, Any], num_layers: int) -> list[int | None]:
+    """Each layer's window as transformers (5.x) decides it; a list, since models alternate.
+
+    - Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE: none without use_sliding_window. With it: the
+      layers layer_types marks "sliding_attention"; without layer_types, transformers'
+      default for it: Qwen2 and Qwen3 layers >= max_window_layers (28 unless given),
+      Qwen2-MoE the even layers below max_window_layers; Qwen3-MoE every layer (its
+      attention reads sliding_window, not layer_types).
+    - Any other model with layer_types (Ministral, Gemma 3, gpt-oss): the layers it marks;
+      Gemma 3 without them: every sliding_window_pattern-th layer (6) global, the rest local.
+    - Else (Mistral, Mixtral): every layer.
+    Empty where no layer has one.
+    """
     window = raw.get("sliding_window")
     if not window:
-        return None
-    if raw.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        # Qwen2/3 (and their MoE) configs carry a window but only use it with use_sliding_window.
-        uses = raw.get("use_sliding_window", False) or "sliding_attention" in (
-            raw.get("layer_types") or []
-        )
-        if not uses:
-            return None
-    return int(window)
+        return []
+    window = int(window)
+    model_type = raw.get("model_type")
+    types = raw.get("layer_types")
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not raw.get("use_sliding_window", False):
+            return []
+        first = int(raw.get("max_window_layers", 28))
+        if model_type == "qwen3_moe":
+            types = None
+        elif not types and model_type == "qwen2_moe":
+            types = [
+                "sliding_attention" if i % 2 == 0 and i < first else "full_attention"
+                for i in range(num_layers)
+            ]
+        elif not types:
+            types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
+    if not types and model_type == "gemma3_text":  # transformers' Gemma3TextConfig default
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        windows = [window if t == "sliding_attention" else None for t in types]
+        return windows if any(w is not None for w in windows) else []
+    return [window] * num_layers
 
 
 def _quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -147,10 +197,12 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         if tok not in eos:
             eos.append(tok)
     dtype = raw.get("dtype", raw.get("torch_dtype"))
+    num_layers = int(raw["num_hidden_layers"])
+    windows = _layer_sliding_windows(raw, num_layers)
     return HFModelConfig(
         architecture=archs[0] if archs else "",
         model_type=model_type,
-        num_hidden_layers=int(raw["num_hidden_layers"]),
+        num_hidden_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
         num_attention_heads=heads,
@@ -170,7 +222,8 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         dtype=str(dtype) if dtype else None,
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
-        sliding_window=_sliding_window(raw),
+        layer_sliding_windows=windows,
+        sliding_window=max((w for w in windows if w is not None), default=None),
         partial_rotary_factor=partial_rotary_factor,
         quantization_config=_quantization_config(raw),
         raw=raw,
@@ -248,25 +301,14 @@ def sampling_defaults(model_dir: str | Path, generation_config: str) -> dict[str
 
 
 def max_model_len_for(cfg: HFModelConfig, requested: int | None) -> int:
-    """The context length to serve: the model's own unless a shorter one is requested.
-
-    Sliding-window attention is not implemented, so a model whose window is shorter than the
-    context is capped at the window (full attention within it is then exact).
-    """
+    """The context length to serve: the model's own (max_position_embeddings, a sliding-window
+    model's too: its layers attend within their windows) unless a shorter one is requested."""
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)
     if requested is None:
         return limit
     if requested > limit:
-        why = (
-            f"its sliding window ({cfg.sliding_window} tokens; sliding-window attention is "
-            "not supported)"
-            if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings
-            else f"max_position_embeddings ({cfg.max_position_embeddings})"
-        )
         raise ValueError(
-            f"max_model_len {requested} is longer than the model supports: {why}; "
-            f"lower --max-model-len to at most {limit}"
+            f"max_model_len {requested} is longer than the model supports: "
+            f"max_position_embeddings ({limit}); lower --max-model-len to at most {limit}"
         )
     return requested

@@ -1,7 +1,9 @@
 """One Llama-family implementation: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2
 (qkv bias), Qwen3 (an RMSNorm over each head of q and k), SmolLM; Phi-3 / Phi-4 (LongRoPE,
 partial rotary) through engine.models.phi3. The MLP is pluggable: make_mlp(cfg, layer_idx)
-builds each layer's (the mixtures of experts of engine.models.moe).
+builds each layer's (the mixtures of experts of engine.models.moe). Each layer's attention
+takes its sliding window from the config (cfg.layer_sliding_windows: Mistral every layer,
+Qwen2/3 per use_sliding_window / max_window_layers / layer_types).
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.
@@ -30,7 +32,7 @@ def rotary_dim(cfg: HFModelConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: HFModelConfig):
+    def __init__(self, cfg: HFModelConfig, layer_idx: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
@@ -46,7 +48,11 @@ class LlamaAttention(nn.Module):
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
         )
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+            scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.layer_sliding_window(layer_idx),
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -90,9 +96,9 @@ class LlamaDecoderLayer(nn.Module):
     """Attention, then the MLP: the dense gated MLP, or what the model's make_mlp builds for
     this layer (a mixture of experts: engine.models.moe)."""
 
-    def __init__(self, cfg: HFModelConfig, mlp: nn.Module | None = None):
+    def __init__(self, cfg: HFModelConfig, mlp: nn.Module | None = None, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.mlp = mlp if mlp is not None else LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -124,7 +130,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, make_mlp(cfg, i), i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(

@@ -23,7 +23,8 @@ engine.kernels.cpu.w8a8); where that GEMM runs on AMX tiles the boundary is 8 ro
 (w8a8.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
 rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
 attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it
-does not fit, runs the modules. TESSERA_DECODE_PLAN=0 turns it off.
+does not fit, runs the modules (a model with sliding-window layers too: the plan passes no
+window to the attention kernel, the modules do). TESSERA_DECODE_PLAN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ class DecodePlan:
             return None
         if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
             return None  # a mixture of experts (engine.layers.moe): not planned
+        if any(layer.self_attn.attn.sliding_window is not None for layer in model.layers):
+            return None  # sliding-window layers: the modules run them (the C kernel's window)
         linears = [m for layer in model.layers for m in _linears(layer)]
         w4 = all(_has_w4(m) for m in linears)
         # the MLP's SiLU pass inside gate_up's GEMM (mlp_w8a8's path) needs I % 16 == 0

@@ -20,6 +20,8 @@ their outputs are dropped. Graphs are captured on padding rows at the longest co
 Steps a graph does not take run eagerly: any step with a prefill chunk, a batch above the
 ladder, a backend whose launches depend on the step's contents (`cuda_graph_capturable`), more
 than one tensor-parallel rank (capturing collectives is not wired up yet), `--enforce-eager`.
+A layer's sliding window is a constant argument of its attention launch (the triton
+backend's), so a sliding-window model's decode steps are captured like any other's.
 
 How a step is captured is a strategy: CudaGraphCapture (torch.cuda.CUDAGraph, on CUDA) or
 EagerReplay (each "replay" calls the step again over the same static buffers: the runner's

@@ -36,6 +36,7 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.kv_spec import KVCacheSpec
 from engine.attention.metadata import CommonAttentionMetadata, common_metadata_from_seqs
 from engine.config import EngineConfig
+from engine.core.kv_cache_manager import blocks_per_request
 from engine.distributed import get_tp_size
 from engine.gguf.source import gguf_source
 from engine.layers.gpu_sampler import GpuSampler
@@ -169,7 +170,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # this rank's GPU is the current one (kernel launches)
             torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
-        # Raises if the requested length exceeds what the model (or its sliding window) allows.
+        # Raises if the requested length exceeds what the model allows (max_position_embeddings).
         self.max_model_len = max_model_len_for(
             self.hf_config, config.model.max_model_len or config.scheduler.max_model_len
         )
@@ -337,7 +338,7 @@ class ModelRunner:
             torch_allocated=torch.cuda.memory_allocated(dev),
             peak_growth=max(0, peak - before),
         )
-        blocks = -(-self.max_model_len // self.block_size) + 1  # one request + block 0
+        blocks = self._blocks_per_request() + 1  # one request + block 0
         self._graph_reserve = self.graph_reserve_bytes()
         budget = kv_cache_budget(
             profile,
@@ -402,15 +403,28 @@ class ModelRunner:
         current = torch.cuda.current_device() if self.device.type == "cuda" else None
         return str(self.device), current
 
+    def _blocks_per_request(self) -> int:
+        """The most blocks one request holds (engine.core.kv_cache_manager): its context, or
+        where every layer has a sliding window and prefill is chunked, its window and chunk."""
+        sched = self.config.scheduler
+        return blocks_per_request(
+            self.max_model_len,
+            self.block_size,
+            self.hf_config.kv_sliding_window(),
+            sched.max_num_batched_tokens if sched.enable_chunked_prefill else None,
+        )
+
     def _check_fits(self, num_blocks: int) -> None:
         usable = (num_blocks - 1) * self.block_size  # block 0 is reserved
-        if usable < self.max_model_len:
-            need = (-(-self.max_model_len // self.block_size) + 1) * self.kv_block_bytes()
+        per_request = self._blocks_per_request()
+        if num_blocks - 1 < per_request:
+            need = (per_request + 1) * self.kv_block_bytes()
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {self.block_size} tokens, {max(usable, 0)} "
                 f"usable tokens) cannot hold one request of max_model_len {self.max_model_len} "
-                f"tokens: lower --max-model-len to at most {max(usable, 0)}, or raise "
-                f"--kv-cache-memory to at least {need} bytes ({need / 2**20:.1f} MiB)"
+                f"tokens ({per_request} blocks): lower --max-model-len to at most "
+                f"{max(usable, 0)}, or raise --kv-cache-memory to at least {need} bytes "
+                f"({need / 2**20:.1f} MiB)"
             )
 
     def init_kv_cache(self, num_blocks: int) -> None:

@@ -1,7 +1,9 @@
 """Greedy output of the whole engine, token for token, against HF transformers (fp32).
 
 Every scheduling path that changes how the KV cache is filled must leave the tokens unchanged:
-prefix caching on and off, chunked prefill, recompute preemption, and n=2 forks.
+prefix caching on and off, chunked prefill, recompute preemption, and n=2 forks; and
+sliding-window models (Mistral, Qwen2 with use_sliding_window) with prompts and generations
+well past their window.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def engine_greedy(model_dir, prompts, *, n: int = 1, **llm_kwargs) -> list[list[list[int]]]:
+def engine_greedy(
+    model_dir, prompts, *, n: int = 1, num_new: int = NUM_NEW, **llm_kwargs
+) -> list[list[list[int]]]:
     llm = LLM(str(model_dir), dtype="float32", seed=0, **llm_kwargs)
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, n=n)
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True, n=n)
     # The shared-prefix prompts run after the others finish, so their prefix is cached.
     first = llm.generate(prompts[:-1], params, use_tqdm=False)
     last = llm.generate(prompts[-1:], params, use_tqdm=False)
@@ -168,3 +172,126 @@ def _eager_reference(model_dir, prompts):
     if key not in _REFERENCES:
         _REFERENCES[key] = hf_greedy(model_dir, prompts, NUM_NEW, attn_implementation="eager")
     return _REFERENCES[key]
+
+
+# -- sliding-window models -----------------------------------------------------------------
+
+SW_NUM_NEW = 40  # every prompt's generation runs past the window (16)
+_SW_REFERENCES: dict = {}
+
+
+def sliding_window_prompts(vocab_size: int) -> list[list[int]]:
+    """Under, across and over the window; two sharing a 40-token prefix (2 full blocks: the
+    second's hit starts behind its window) that run last, after the first's blocks were
+    dropped behind the window and freed (still cached)."""
+    g = torch.Generator().manual_seed(4321)
+    shared = torch.randint(3, vocab_size, (40,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (5, 17, 40, 48)]
+    prompts += [shared + torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (7, 13)]
+    return prompts
+
+
+def _sw_reference(model_dir, prompts):
+    key = str(model_dir)
+    if key not in _SW_REFERENCES:  # eager attention: transformers' own sliding-window mask
+        _SW_REFERENCES[key] = hf_greedy(model_dir, prompts, SW_NUM_NEW, attn_implementation="eager")
+    return _SW_REFERENCES[key]
+
+
+@pytest.mark.parametrize(
+    "fixture, kv_window",
+    [
+        ("tiny_mistral_sw_dir", 16),  # every layer windowed: blocks behind it freed
+        ("tiny_qwen2_all_sw_dir", 16),
+        ("tiny_qwen2_sw_dir", None),  # layer 0 global: every block kept
+    ],
+)
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("prefix-caching", dict(enable_prefix_caching=True)),
+        ("no-prefix-caching", dict(enable_prefix_caching=False)),
+        ("chunked-prefill", dict(max_num_batched_tokens=16)),
+        ("chunked-prefill-across-the-edge", dict(block_size=8, max_num_batched_tokens=11)),
+        ("torch-backend", dict(attention_backend="torch", max_num_batched_tokens=32)),
+        ("preemption", dict(num_kv_blocks=8, max_model_len=112, max_num_batched_tokens=64)),
+    ],
+)
+def test_sliding_window_models_match_hf(request, fixture, kv_window, name, kwargs):
+    """Mistral (sliding_window 16 on every layer) and Qwen2 with use_sliding_window (every
+    layer, or layers >= max_window_layers = 1): HF's greedy tokens (eager attention, float32)
+    past the window, however the cache is filled, and the context is not capped at it."""
+    model_dir = request.getfixturevalue(fixture)
+    from engine.models.loader import load_hf_config
+
+    hf_config = load_hf_config(model_dir)
+    assert hf_config.kv_sliding_window() == kv_window
+    prompts = sliding_window_prompts(hf_config.vocab_size)
+    expected = _sw_reference(model_dir, prompts)
+    got, stats = engine_greedy(model_dir, prompts, num_new=SW_NUM_NEW, **kwargs)
+    assert [g[0] for g in got] == expected
+    if name == "prefix-caching":
+        assert stats.prefix_cache_hits >= 32, "the shared prefix was not served from the cache"
+    if name == "preemption":
+        assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+
+
+@pytest.mark.parametrize(
+    "fixture, windows",
+    [("tiny_mixtral_sw_dir", [16, 16, 16]), ("tiny_qwen2_moe_sw_dir", [16, None, 16])],
+)
+def test_sliding_window_mixtures_of_experts_match_hf(request, fixture, windows):
+    """Mixtral (every layer) and Qwen2-MoE (its even layers below max_window_layers): the
+    per-layer windows transformers gives them, its greedy tokens (chunked prefill, prefix
+    caching)."""
+    model_dir = request.getfixturevalue(fixture)
+    from engine.models.loader import load_hf_config
+
+    hf_config = load_hf_config(model_dir)
+    assert hf_config.layer_sliding_windows == windows
+    prompts = sliding_window_prompts(hf_config.vocab_size)
+    expected = _sw_reference(model_dir, prompts)
+    got, _ = engine_greedy(model_dir, prompts, num_new=SW_NUM_NEW, max_num_batched_tokens=16)
+    assert [g[0] for g in got] == expected
+
+
+def test_sliding_window_n2_forks_match_hf(tiny_mistral_sw_dir):
+    """n = 2 forks of a request whose early blocks were dropped behind the window."""
+    from engine.models.loader import load_hf_config
+
+    prompts = sliding_window_prompts(load_hf_config(tiny_mistral_sw_dir).vocab_size)
+    expected = _sw_reference(tiny_mistral_sw_dir, prompts)
+    got, _ = engine_greedy(tiny_mistral_sw_dir, prompts, n=2, num_new=SW_NUM_NEW)
+    for samples, want in zip(got, expected, strict=True):
+        assert samples == [want, want]
+
+
+def test_sliding_window_model_serves_its_whole_context(tiny_mistral_sw_dir):
+    """No cap at the window: max_model_len is max_position_embeddings (512), served from a
+    cache of 7 usable blocks (112 tokens: the window behind a 64-token chunk fits), and a
+    long request holds its window's blocks only (ceil(16 / 16) + 1 after a decode step)."""
+    llm = LLM(
+        str(tiny_mistral_sw_dir),
+        dtype="float32",
+        seed=0,
+        num_kv_blocks=8,
+        max_num_batched_tokens=64,
+    )
+    assert llm.engine.max_model_len == 512
+    manager = llm.engine.scheduler.kv_cache_manager
+    assert manager.sliding_window == 16
+    most = []
+    real = manager.allocate_slots
+
+    def spy(request, *args, **kwargs):
+        out = real(request, *args, **kwargs)
+        if out is not None and request.num_computed_tokens >= 100:
+            most.append(manager.num_held_blocks(request.request_id))
+        return out
+
+    manager.allocate_slots = spy
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    out = llm.generate([list(range(3, 103))], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 300
+    assert most and max(most) <= 2
+    llm.shutdown()

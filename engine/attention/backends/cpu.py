@@ -4,11 +4,14 @@ a bf16/float32 cache or the int8 one (engine.attention.kv_int8).
 All decodes and the tokens of the leading prefill chunks of modest context share one padded
 block table: a prefill token is a query at its position, its chunk's K/V written first. The
 prefill chunks past kernel_prefill_max_context() run on the torch path, exactly as the torch
-backend runs them.
+backend runs them. A layer's sliding window: the kernel takes it as an argument (each row
+reads from the block of its first key in the window), the torch path's chunks are masked to
+it (TorchAttentionBackend.for_window).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,6 +193,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
             num_rows=rows,
         )
 
+    def _window_metadata(self, metadata, window: int) -> CpuAttentionMetadata:
+        """The same kernel rows (the kernel applies the window itself), the torch path's
+        prefill chunks masked to the window."""
+        common = metadata.common
+        first_req = common.num_reqs - len(metadata.prefills)
+        prefills, need = self._prefill_chunks(common, first_req, FreshTensors(self.device), window)
+        workspace = self._get_workspace(need) if need else None
+        return dataclasses.replace(metadata, prefills=prefills, workspace=workspace, windowed={})
+
     # -- a layer's step -----------------------------------------------------------------
 
     def write_kv(self, layer, k, v, kv_cache, metadata) -> None:
@@ -205,6 +217,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, layer, q, k, v, kv_cache, metadata: CpuAttentionMetadata) -> torch.Tensor:
         t = q.shape[0]
         out = q.new_empty(t, layer.num_heads, layer.head_dim)
+        metadata = self.for_window(metadata, layer.sliding_window)
         kd = metadata.kernel_decode
         if kd is not None:
             assert kv_cache is not None
@@ -212,7 +225,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ks, vs = (None, None) if scales is None else (scales[0], scales[1])
             cpu_kernel.paged_decode(
                 out[:n], q[:n], kv_cache[0], kv_cache[1], kd.block_tables, kd.context_lens,
-                kd.scratch, layer.scale, ks, vs,
+                kd.scratch, layer.scale, ks, vs, layer.sliding_window,
             )  # fmt: skip
         self._torch_rows(layer, q, k, v, kv_cache, metadata, out)
         return out.view(t, -1)

@@ -4,6 +4,12 @@ Decodes are split into a few groups of similar length so that padding to the lon
 context stays small; each group is one gather + one attention call per layer, whatever its
 size. Each prefill chunk is one SDPA call: causal over its own fresh K/V when it starts at
 position 0, else over its gathered prefix and itself under a mask.
+
+A layer with a sliding window W (layer.sliding_window) attends only keys i - W < j <= i. The
+step's metadata is built once without a window; a windowed layer's variant is built from the
+same common metadata the first time a layer of that window asks (metadata.for_window), then
+shared by the others: each sequence gathers from the block holding its first key in the
+window (the blocks before it may be freed: engine.core.kv_cache_manager), masked to the window.
 """
 
 from __future__ import annotations
@@ -30,15 +36,18 @@ class DecodeGroup:
     end: int
     num_blocks: int  # blocks gathered per sequence (the group's longest context, rounded up)
     block_table: torch.Tensor  # [n * num_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] additive: 0 or -inf past the context
+    # [n, 1, 1, num_blocks * block_size] additive: 0 on the keys attended (the context, within
+    # the window), -inf elsewhere
+    mask: torch.Tensor
 
 
 @dataclass(slots=True)
 class PrefillChunk:
     start: int  # rows [start, end) of the flattened batch
     end: int
-    context_len: int  # keys attended: cached prefix + this chunk
-    # None when the chunk starts at position 0: it attends causally to its own fresh K/V.
+    context_len: int  # keys gathered: from the first gathered block's to this chunk's last
+    # None when the chunk starts at position 0: it attends to its own fresh K/V, causally
+    # (mask None) or under a sliding window's mask.
     block_table: torch.Tensor | None  # [num_blocks] int64
     mask: torch.Tensor | None  # [chunk, context_len] bool, True = may attend
 
@@ -52,6 +61,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     # Scratch for gathered K/V, [2, n, block_size, kv_heads, head_dim] per use; reused by every
     # group and layer (they run one after another), so it is allocated once, not per layer.
     workspace: torch.Tensor | None = None
+    # What it was built from, and its sliding-window variants by window (built on first use).
+    common: CommonAttentionMetadata | None = None
+    windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict)
 
     def gather_buffer(self, num_blocks: int) -> torch.Tensor:
         assert self.workspace is not None
@@ -148,12 +160,33 @@ class TorchAttentionBackend(AttentionBackend):
         check_static_capacity(common, static.max_rows, static.max_blocks)
         return self._build(common, StaticTensors(static.storage), static)
 
-    def _build(self, common, tensors, static: TorchStaticMetadata | None) -> TorchAttentionMetadata:
-        groups = self._decode_groups(common, tensors)
-        prefills, need = self._prefill_chunks(common, common.num_decodes, tensors)
+    def _build(
+        self, common, tensors, static: TorchStaticMetadata | None, window: int | None = None
+    ) -> TorchAttentionMetadata:
+        groups = self._decode_groups(common, tensors, window)
+        prefills, need = self._prefill_chunks(common, common.num_decodes, tensors, window)
         for g in groups:
             need = max(need, g.block_table.numel())
         return self._metadata(common, groups, prefills, need, static)
+
+    def for_window(
+        self, metadata: TorchAttentionMetadata, window: int | None
+    ) -> TorchAttentionMetadata:
+        """The step's metadata for a layer of this sliding window (None: the metadata itself).
+        Built once a step per window, from the common metadata, on fresh tensors."""
+        common = metadata.common
+        if window is None or common is None or common.max_seq_len <= window:
+            return metadata  # no query sees a key fall out of the window
+        windowed = metadata.windowed.get(window)
+        if windowed is None:
+            windowed = metadata.windowed[window] = self._window_metadata(metadata, window)
+        return windowed
+
+    def _window_metadata(
+        self, metadata: TorchAttentionMetadata, window: int
+    ) -> TorchAttentionMetadata:
+        assert metadata.common is not None
+        return self._build(metadata.common, FreshTensors(self.device), None, window)
 
     def _metadata(
         self, common, groups, prefills, need, static, cls=TorchAttentionMetadata, **extra
@@ -174,10 +207,13 @@ class TorchAttentionBackend(AttentionBackend):
             prefills=prefills,
             block_size=self.block_size,
             workspace=workspace,
+            common=common,
             **extra,
         )
 
-    def _decode_groups(self, common: CommonAttentionMetadata, tensors) -> list[DecodeGroup]:
+    def _decode_groups(
+        self, common: CommonAttentionMetadata, tensors, window: int | None = None
+    ) -> list[DecodeGroup]:
         b = common.num_decodes
         if b == 0:
             return []
@@ -190,9 +226,22 @@ class TorchAttentionBackend(AttentionBackend):
         groups = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             ctx = seq_lens[lo:hi].astype(np.int64)
-            nb = -(-int(ctx.max()) // bs)
-            table = block_table[lo:hi, :nb].astype(np.int64)  # block 0 pads: it is reserved
-            valid = np.arange(nb * bs)[None, :] < ctx[:, None]
+            if window is None:
+                nb = -(-int(ctx.max()) // bs)
+                table = block_table[lo:hi, :nb].astype(np.int64)  # block 0 pads: it is reserved
+                valid = np.arange(nb * bs)[None, :] < ctx[:, None]
+            else:  # each row from the block of its first key in the window
+                first = np.maximum(ctx - window, 0) // bs
+                ends = -(-ctx // bs)
+                nb = int((ends - first).max())
+                idx = first[:, None] + np.arange(nb)[None, :]
+                held = idx < ends[:, None]
+                rows = block_table[lo:hi]
+                table = np.where(
+                    held, np.take_along_axis(rows, np.minimum(idx, rows.shape[1] - 1), 1), 0
+                ).astype(np.int64)
+                pos = first[:, None] * bs + np.arange(nb * bs)[None, :]
+                valid = (pos < ctx[:, None]) & (pos >= ctx[:, None] - window)
             mask = torch.zeros((hi - lo, 1, 1, nb * bs), dtype=self.dtype)
             mask.masked_fill_(~torch.from_numpy(valid)[:, None, None, :], float("-inf"))
             groups.append(
@@ -207,10 +256,10 @@ class TorchAttentionBackend(AttentionBackend):
         return groups
 
     def _prefill_chunks(
-        self, common: CommonAttentionMetadata, first_req: int, tensors
+        self, common: CommonAttentionMetadata, first_req: int, tensors, window: int | None = None
     ) -> tuple[list[PrefillChunk], int]:
         """The torch path's chunks for requests [first_req, num_reqs), and the blocks the
-        largest prefix gather needs."""
+        largest prefix gather needs; under a sliding window, each masked to it."""
         bs = self.block_size
         qsl = common.query_start_loc_np
         seq_lens = common.seq_lens_np
@@ -220,15 +269,25 @@ class TorchAttentionBackend(AttentionBackend):
         for r in range(first_req, common.num_reqs):
             row, end, ctx = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
             start = ctx - (end - row)
-            if start == 0:
+            windowed = window is not None and ctx > window
+            if start == 0 and not windowed:
                 prefills.append(PrefillChunk(row, end, ctx, None, None))
                 continue
-            nb = -(-ctx // bs)
-            table = torch.from_numpy(block_table[r, :nb].astype(np.int64))
+            # the blocks from the one holding the first query's first key
+            first = max(0, start - window + 1) // bs if windowed else 0
             q_pos = torch.arange(start, ctx)
-            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            prefills.append(PrefillChunk(row, end, ctx, tensors.put(table), tensors.put(mask)))
-            need = max(need, nb)
+            k_pos = torch.arange(first * bs, ctx)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if windowed:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            if start == 0:  # a fresh prompt longer than the window: its own K/V, masked
+                prefills.append(PrefillChunk(row, end, ctx, None, tensors.put(mask)))
+                continue
+            nb = -(-ctx // bs)
+            table = torch.from_numpy(block_table[r, first:nb].astype(np.int64))
+            chunk = PrefillChunk(row, end, ctx - first * bs, tensors.put(table), tensors.put(mask))
+            prefills.append(chunk)
+            need = max(need, nb - first)
         return prefills, need
 
     def _workspace_of(self, num_blocks: int) -> torch.Tensor:
@@ -251,6 +310,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         t = q.shape[0]
+        metadata = self.for_window(metadata, layer.sliding_window)
         groups = metadata.decode_groups
         if len(groups) == 1 and not metadata.prefills:  # the common all-decode step: no copy
             return self._decode(layer, q, groups[0], kv_cache, metadata).reshape(t, -1)
@@ -291,7 +351,13 @@ class TorchAttentionBackend(AttentionBackend):
             kh = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vh = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=True
+                qh,
+                kh,
+                vh,
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=layer.scale,
+                enable_gqa=True,
             )
         else:
             assert kv_cache is not None

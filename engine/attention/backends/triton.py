@@ -10,7 +10,8 @@ A graph runner's hooks: allocate_static_metadata sizes device buffers for its la
 once (the split launch's partial results included); fill_static_metadata copies a step's
 tables into them in place (copy_(..., non_blocking=True)). A launch's shape follows only the
 batch's size and query lengths, never its contexts, so a graph captured for a batch size
-replays for any context. Padding requests of a padded batch: one query token each, slot
+replays for any context (a layer's sliding window is a launch argument, the same every
+step). Padding requests of a padded batch: one query token each, slot
 PAD_SLOT_ID (written nowhere) and seq_len 0 (no keys read, zeros out).
 
 Triton is imported when a backend is built, never when this module is: a CPU install can
@@ -225,6 +226,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
             metadata.tile_req, metadata.tile_qstart, metadata.launch,
             layer.scale, kv_fp8.K_SCALE, kv_fp8.V_SCALE, metadata.partials,
+            layer.sliding_window,
         )  # fmt: skip
         return out.view(t, -1)
 
@@ -238,8 +240,19 @@ class TritonAttentionBackend(AttentionBackend):
             if seq_lens[r] != hi - lo:
                 raise RuntimeError("a step over cached tokens needs the KV cache bound")
             qh, kh, vh = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            mask, window = None, layer.sliding_window
+            if window is not None and hi - lo > window:
+                pos = torch.arange(hi - lo, device=q.device)
+                diff = pos[:, None] - pos[None, :]
+                mask = (diff >= 0) & (diff < window)
             o = F.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=True
+                qh,
+                kh,
+                vh,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=layer.scale,
+                enable_gqa=True,
             )
             out[lo:hi] = o[0].transpose(0, 1)
         return out

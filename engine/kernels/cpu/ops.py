@@ -51,9 +51,10 @@ _SILU_MUL = [_P, _I64, _P, _I64, _I64, _I64, _INT]
 # x, ldx, cos, sin, out, rows, heads, D, threads
 _ROPE = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
 # out, out_stride, q, q_stride, k_cache, v_cache, k_scales, v_scales, block_tables,
-# max_blocks, context_lens, n, H, Hkv, D, block_size, scale, scratch, scratch_size, threads
+# max_blocks, context_lens, n, H, Hkv, D, block_size, window (0: none), scale, scratch,
+# scratch_size, threads
 _DECODE = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _INT, _INT, _INT, _INT]
-_DECODE += [_F32, _P, _I64, _INT]
+_DECODE += [_INT, _F32, _P, _I64, _INT]
 # k_cache, v_cache, k_scales, v_scales, slots, n, k, k_stride, v, v_stride, Hkv, D, block_size
 _KV8_WRITE = [_P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _INT, _INT, _INT]
 

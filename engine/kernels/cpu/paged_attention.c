@@ -38,6 +38,13 @@ static inline void softmax_rows(float* s, int H, int64_t L) {
   }
 }
 
+/* The first `skip` keys of each row of s [H][stride] masked out before the softmax: the keys
+   of a sliding window's first block that lie before the window (their weights become 0). */
+static inline void mask_before_window(float* s, int H, int64_t stride, int64_t skip) {
+  for (int r = 0; r < H; ++r)
+    for (int64_t l = 0; l < skip; ++l) s[r * stride + l] = -INFINITY;
+}
+
 /* One sequence: q [H][D] -> out [H][D] over its L cached tokens, block by block.
    Pass 1: scores s[r][l] = q_r . k_l (all Hkv heads of a token are one contiguous row);
    softmax per row; pass 2: each row's accumulator stays in registers over a float V tile.
@@ -45,8 +52,8 @@ static inline void softmax_rows(float* s, int H, int64_t L) {
    Scratch: H*D (q) + H*D (acc) + bs*Hkv*D (tile) + H*L (scores) floats. */
 #define DEFINE_ONE(NAME, T, LOAD, STORE)                                                       \
 static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const float* ksc,       \
-    const float* vsc, const int64_t* table, int64_t L, int H, int Hkv, const int D, int bs,   \
-    float scale, float* scratch) {                                                           \
+    const float* vsc, const int64_t* table, int64_t L, int64_t skip, int H, int Hkv,         \
+    const int D, int bs, float scale, float* scratch) {                                      \
   const int G = H / Hkv;                                                                     \
   float* qf = scratch; float* acc = qf + H * D; float* tile = acc + H * D;                   \
   float* s = tile + (int64_t)bs * Hkv * D;                                                   \
@@ -74,6 +81,7 @@ static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const floa
         }                                                                                    \
     }                                                                                        \
   }                                                                                          \
+  mask_before_window(s, H, L, skip);                                                         \
   softmax_rows(s, H, L);                                                                     \
   memset(acc, 0, sizeof(float) * H * D);                                                     \
   for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
@@ -212,7 +220,7 @@ static inline void softmax_numerators_bf16(const float* s, int H, int64_t L, uin
 
 static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint16_t* kc,
     const uint16_t* vc, const float* ksc, const float* vsc, const int64_t* table, int64_t L,
-    int H, int Hkv, const int D, int bs,
+    int64_t skip, int H, int Hkv, const int D, int bs,
     float scale, float* scratch) {
   const int G = H / Hkv;
   const int64_t Lp = (L + 1) & ~(int64_t)1;
@@ -252,7 +260,10 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
       }
     }
   }
+  mask_before_window(s, H, L, skip);
   softmax_numerators_bf16(s, H, L, p, Lp, inv);
+  for (int r = 0; r < H; ++r)  /* exp512 stops at e^-87: those weights exactly 0 */
+    for (int64_t l = 0; l < skip; ++l) p[r * Lp + l] = 0;
   /* acc keeps each 32 dims in pair order: unpacklo's lanes (dims 8k..8k+3 in 128-bit lane k)
      then unpackhi's (8k+4..8k+7); put back in order as the rows are stored */
   memset(acc, 0, sizeof(float) * H * D);
@@ -290,10 +301,10 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
 
 static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc,
     const uint16_t* vc, const float* ksc, const float* vsc, const int64_t* table, int64_t L,
-    int H, int Hkv, const int D, int bs,
+    int64_t skip, int H, int Hkv, const int D, int bs,
     float scale, float* scratch) {
-  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch);
-  else one_bf16_generic(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch);
+  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch);
+  else one_bf16_generic(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch);
 }
 #else
 #define one_bf16 one_bf16_generic
@@ -395,8 +406,8 @@ void kv_write(char* kc, char* vc, const int64_t* slots, int64_t n, const char* k
    Scratch: H*D (q) + H*D (acc) + H*L (scores) floats. */
 #define DEFINE_ONE_KV8(NAME, T, LOAD, STORE)                                                  \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
-    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
-    const int D, int bs, float scale, float* scratch) {                                      \
+    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int64_t skip,      \
+    int H, int Hkv, const int D, int bs, float scale, float* scratch) {                      \
   const int G = H / Hkv;                                                                     \
   float* qf = scratch; float* acc = qf + H * D; float* s = acc + H * D;                      \
   for (int i = 0; i < H * D; ++i) qf[i] = LOAD(q[i]) * scale;                                \
@@ -413,6 +424,7 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
         s[r * L + l0 + j] = dot * ksb[h * bs + j];                                           \
       }                                                                                      \
   }                                                                                          \
+  mask_before_window(s, H, L, skip);                                                         \
   softmax_rows(s, H, L);                                                                     \
   memset(acc, 0, sizeof(float) * H * D);                                                     \
   for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
@@ -488,8 +500,8 @@ static inline __attribute__((always_inline)) void v_tile(const int GN, const int
 
 #define DEFINE_ONE_KV8_AVX512(NAME, T, LOAD, STORE_ROW)                                       \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
-    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
-    const int D, int bs, float scale, float* scratch) {                                      \
+    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int64_t skip,      \
+    int H, int Hkv, const int D, int bs, float scale, float* scratch) {                      \
   const int G = H / Hkv;                                                                     \
   const int64_t Lp = (L + 15) & ~(int64_t)15;                                                \
   float* acc = scratch; float* s = acc + H * D;                                              \
@@ -539,6 +551,7 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
         }                                                                                    \
       }                                                                                      \
   }                                                                                          \
+  mask_before_window(s, H, Lp, skip);  /* e^-87 at most: quantized to 0 below */           \
   softmax512(s, H, L, Lp);                                                                   \
   for (int r = 0; r < H; ++r) {  /* w = p * V's token scale -> int16, zero past L */          \
     const int h = r / G; float* sr = s + r * Lp;                                             \
@@ -601,10 +614,10 @@ DEFINE_ONE_KV8_AVX512(one_kv8_bf16_avx512, uint16_t, bf2f, store512_bf16)
 
 #define DEFINE_ONE_KV8_DISPATCH(NAME, T, SUFFIX)                                              \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
-    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int H, int Hkv,     \
-    const int D, int bs, float scale, float* scratch) {                                      \
-  if (KV8_VNNI(D, bs)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
-  else one_kv8_##SUFFIX##_generic(out, q, kc, vc, ksc, vsc, table, L, H, Hkv, D, bs, scale, scratch); \
+    const float* ksc, const float* vsc, const int64_t* table, int64_t L, int64_t skip,      \
+    int H, int Hkv, const int D, int bs, float scale, float* scratch) {                      \
+  if (KV8_VNNI(D, bs)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch); \
+  else one_kv8_##SUFFIX##_generic(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch); \
 }
 DEFINE_ONE_KV8_DISPATCH(one_kv8_f32, float, f32)
 DEFINE_ONE_KV8_DISPATCH(one_kv8_bf16, uint16_t, bf16)
@@ -612,23 +625,29 @@ DEFINE_ONE_KV8_DISPATCH(one_kv8_bf16, uint16_t, bf16)
 /* A decode batch of n rows on OpenMP threads: this links torch's own libgomp (same soname,
    already loaded), so it shares torch's thread pool instead of competing with it. Longest
    rows (they come sorted by context) are handed out first. scratch: one slice per thread.
-   ks / vs: the int8 cache's scales (unused, may be NULL, for a cache in the model's dtype). */
+   ks / vs: the int8 cache's scales (unused, may be NULL, for a cache in the model's dtype).
+   window > 0: a sliding window, each row attending only its last `window` keys (positions
+   ctx - window .. ctx - 1): its table read from the block holding the first of them, the
+   keys before it in that block masked; blocks before it are never read (they may be freed). */
 #define DEFINE_BATCH(NAME, ONE, T, CT)                                                        \
 void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const CT* kc, const CT* vc, \
     const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx,  \
-    int64_t n, int H, int Hkv, int D, int bs, float scale, float* scratch,                   \
+    int64_t n, int H, int Hkv, int D, int bs, int window, float scale, float* scratch,       \
     int64_t scratch_size, int nthreads) {                                                    \
   _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                    \
   for (int64_t i = 0; i < n; ++i) {                                                          \
     const int64_t b = n - 1 - i;                                                             \
     float* sc = scratch + omp_get_thread_num() * scratch_size;                               \
-    T* o = out + b * out_stride; const T* qq = q + b * q_stride; const int64_t* t = bt + b * max_nb; \
+    const int64_t lo = window > 0 && ctx[b] > window ? ctx[b] - window : 0;                  \
+    const int64_t b0 = lo / bs, skip = lo - b0 * bs, L = ctx[b] - b0 * bs;                   \
+    T* o = out + b * out_stride; const T* qq = q + b * q_stride;                             \
+    const int64_t* t = bt + b * max_nb + b0;                                                 \
     switch (D) {                                                                             \
-      case 16: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 16, bs, scale, sc); break;      \
-      case 32: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 32, bs, scale, sc); break;      \
-      case 64: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 64, bs, scale, sc); break;      \
-      case 128: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, 128, bs, scale, sc); break;    \
-      default: ONE(o, qq, kc, vc, ks, vs, t, ctx[b], H, Hkv, D, bs, scale, sc);              \
+      case 16: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 16, bs, scale, sc); break;      \
+      case 32: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 32, bs, scale, sc); break;      \
+      case 64: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 64, bs, scale, sc); break;      \
+      case 128: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 128, bs, scale, sc); break;    \
+      default: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, D, bs, scale, sc);              \
     }                                                                                        \
   }                                                                                          \
 }

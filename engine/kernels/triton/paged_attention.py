@@ -8,7 +8,9 @@ QUERIES_PER_KV query heads that share one KV head, BLOCK_M rows in all, so the h
 group go through one tl.dot per key tile. It walks the keys TILE_N at a time (FP8_TILE_N for
 an fp8 cache), reading K/V in place through the block table (each key's block looked up: no
 gather into a workspace), with an online softmax in fp32 (in the log2 domain) and a causal
-mask within the chunk.
+mask within the chunk. A sliding window W (a runtime argument: the launch's shape does not
+change with it) masks keys j <= i - W out and starts the walk at the tile holding the tile's
+first query's first key; keys before that one are never loaded (their blocks may be freed).
 
 Small decode batches leave most of the GPU idle, so there the keys of each tile are split
 into NUM_SPLITS ranges run by separate programs (flash-decoding); each writes its running
@@ -39,6 +41,8 @@ TILE_N = 64  # keys per iteration
 # H200 (one layer's decode, 32/8 heads x 128) 128 keys took fp8 0.77-0.95x the time of 64
 # (B = 64-256, 1k-8k tokens) and bf16 0.98-1.12x: each dtype keeps its best.
 FP8_TILE_N = 128
+# The window argument of a layer without one: past any position (an int32 kernel argument).
+NO_WINDOW = 2**30
 
 
 @dataclass(slots=True)
@@ -114,6 +118,7 @@ def _paged_attention_kernel(
     part_l_ptr,
     qk_scale,  # the softmax scale times log2(e), times the K scale of an fp8 cache
     v_scale,
+    window,  # a query at position i attends keys j > i - window (no window: a huge one)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -167,10 +172,13 @@ def _paged_attention_kernel(
 
     # The keys this tile's last query attends, and this split's share of their tiles.
     kv_len = cached + tl.minimum(q_first + BLOCK_Q, q_len)
-    num_key_tiles = tl.cdiv(kv_len, TILE)
+    # the first key the tile's first query attends: the walk starts at its key tile
+    kv_start = tl.maximum(cached + q_first - window + 1, 0)
+    first_key_tile = kv_start // TILE
+    num_key_tiles = tl.cdiv(kv_len, TILE) - first_key_tile
     per_split = tl.cdiv(num_key_tiles, NUM_SPLITS)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, num_key_tiles)
+    lo = first_key_tile + split * per_split
+    hi = tl.minimum(lo + per_split, first_key_tile + num_key_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -179,7 +187,7 @@ def _paged_attention_kernel(
     cache_head = kv_head * stride_cache_head
     for j in range(lo, hi):
         keys = j * TILE + tl.arange(0, TILE)
-        key_ok = keys < kv_len
+        key_ok = (keys < kv_len) & (keys >= kv_start)
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv_off = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token + cache_head
         k = tl.load(
@@ -193,6 +201,7 @@ def _paged_attention_kernel(
             s = tl.dot(q, k)
         s = s * qk_scale
         attend = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        attend = attend & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(attend, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
@@ -287,12 +296,14 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """out [T, H, D] = attention of q [T, H, D] over kv_cache [2, blocks, bs, Hkv, D] (an fp8
     cache: values times the scales). block_table int32 [num_reqs, >= blocks of each request]
     (any row stride), seq_lens / query_start_loc int32, tile_req / tile_qstart int32 from
     `launch`. partials: flat fp32 buffers (out, max, sum) of at least T * H * splits * D and
-    T * H * splits values, for a split launch; allocated here when not given."""
+    T * H * splits values, for a split launch; allocated here when not given. window: a
+    sliding window (a query at position i attends keys i - window < j <= i); None: none."""
     t, num_heads, head_dim = q.shape
     if t == 0 or launch.num_tiles == 0:
         return out
@@ -323,6 +334,7 @@ def paged_attention(
         part_out, part_m, part_l,
         # q . (k * k_scale) = (q . k) * k_scale: the K scale rides on the softmax scale
         float(scale) * (float(k_scale) if fp8 else 1.0) * 1.4426950408889634, float(v_scale),
+        NO_WINDOW if window is None else int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),

@@ -19,3 +19,19 @@ def mixed_step(
     seqs.append((10, 7, [free.pop() for _ in range(-(-17 // bs))]))
     seqs.append((0, 23, [free.pop() for _ in range(-(-23 // bs))]))
     return seqs, len(ctx) + 7
+
+
+def drop_blocks_before_window(
+    seqs: list[tuple[int, int, list[int]]], window: int, block_size: int
+) -> tuple[list[tuple[int, int, list[int]]], list[int]]:
+    """What the KV cache manager leaves of a step's block tables under a sliding window: a
+    request's blocks wholly before its first query's window (positions < start - window + 1)
+    are freed. -> (the seqs, those entries replaced by the null block 0 on every other
+    request and kept on the rest; the dropped blocks' ids, for a test to poison: a kernel
+    that reads one at all, even masked, then gives NaN)."""
+    out, dropped = [], []
+    for r, (start, n, ids) in enumerate(seqs):
+        gone = max(0, start - window + 1) // block_size
+        dropped += ids[:gone]
+        out.append((start, n, [0] * gone + list(ids[gone:]) if r % 2 == 0 else list(ids)))
+    return out, dropped

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from attention_testing import mixed_step
+from attention_testing import drop_blocks_before_window, mixed_step
 
 from engine.attention import kv_int8
 from engine.attention.backends import (
@@ -85,8 +85,9 @@ def _inputs(seqs, heads, kv_heads, d, bs, num_blocks, dtype, int8, seed=0):
     return cache, scales, q, k, v
 
 
-def _exact(cache, q, seqs) -> torch.Tensor:
-    """float64 attention of every query row over the written (float) cache, token by token."""
+def _exact(cache, q, seqs, window: int | None = None) -> torch.Tensor:
+    """float64 attention of every query row over the written (float) cache, token by token;
+    with a window, over keys i - window < j <= i only (transformers' sliding-window mask)."""
     kv_heads, d = cache.shape[-2:]
     heads, rows, row = q.shape[1], [], 0
     for start, n, ids in seqs:
@@ -94,9 +95,10 @@ def _exact(cache, q, seqs) -> torch.Tensor:
         values = cache[1][list(ids)].reshape(-1, kv_heads, d).double()
         for j in range(n):
             length = start + j + 1
+            first = 0 if window is None else max(0, length - window)
             qg = q[row].double().view(kv_heads, heads // kv_heads, d)
-            scores = torch.einsum("hgd,lhd->hgl", qg, keys[:length]) * d**-0.5
-            rows.append(torch.einsum("hgl,lhd->hgd", scores.softmax(-1), values[:length]))
+            scores = torch.einsum("hgd,lhd->hgl", qg, keys[first:length]) * d**-0.5
+            rows.append(torch.einsum("hgl,lhd->hgd", scores.softmax(-1), values[first:length]))
             row += 1
     return torch.stack(rows).reshape(row, -1)
 
@@ -160,6 +162,102 @@ def test_cpu_backend_matches_torch_reference(
     row = 0
     for r, (start, n, _) in enumerate(seqs):
         if int8 and start == 0 and n > 1 and r < kernel_reqs:
+            same_inputs[row : row + n] = False
+        row += n
+    torch.testing.assert_close(
+        out[same_inputs].float(), ref[same_inputs].float(), atol=ATOL[dtype, int8], rtol=0
+    )
+
+
+WINDOWS = [1, 7, 16, 33]  # one key; under a block; a block exactly; over two blocks
+
+
+def _windowed(seqs, window, bs, cache, scales):
+    """The step as the manager leaves it under the window (engine.core.kv_cache_manager), the
+    dropped blocks poisoned with NaN (an int8 cache: their scales)."""
+    seqs, dropped = drop_blocks_before_window(seqs, window, bs)
+    if dropped:
+        (scales if scales is not None else cache)[:, dropped] = float("nan")
+    return seqs
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("bs", [16, 8])
+def test_torch_reference_with_a_sliding_window_matches_float64(scenario, window, bs):
+    """A layer with a sliding window attends keys i - W < j <= i only: ragged decodes past
+    the window, prefix hits and chunks across its edge, fresh prompts longer than it; the
+    blocks wholly before a request's window freed (the null block in its table) or poisoned,
+    never read. A layer without a window in the same step still attends everything."""
+    heads, kv_heads, head_dim = 8, 2, 32
+    num_blocks = NUM_BLOCKS * 16 // bs
+    seqs = _step(scenario, bs, num_blocks)
+    cache, _, q, k, v = _inputs(seqs, heads, kv_heads, head_dim, bs, num_blocks, torch.float32, 0)
+    full_cache = cache.clone()
+    seqs_w = _windowed(seqs, window, bs, cache, None)
+    backend = TorchAttentionBackend(bs, heads, kv_heads, head_dim, torch.float32)
+    meta = backend.build_metadata(common_metadata_from_seqs(seqs_w, bs))
+    attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
+    attn.kv_cache, attn.backend = cache.clone(), backend
+    with torch.inference_mode():
+        out = attn(q, k, v, meta)
+    assert not out.isnan().any()
+    exact = _exact(attn.kv_cache, q, seqs_w, window)
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=0)
+    # the same step's metadata serves a layer without a window (on an unpoisoned cache)
+    full_meta = backend.build_metadata(common_metadata_from_seqs(seqs, bs))
+    out_full, full_attn = _attend(backend, full_cache, None, q, k, v, full_meta)
+    with torch.inference_mode():
+        attn.kv_cache = full_cache.clone()
+        out_w = attn(q, k, v, full_meta)  # windowed layer first, then a full one: both right
+        out_full2 = full_attn(q, k, v, full_meta)
+    torch.testing.assert_close(
+        out_full.double(), _exact(full_attn.kv_cache, q, seqs), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(out_full2, out_full, atol=0, rtol=0)
+    torch.testing.assert_close(
+        out_w.double(), _exact(attn.kv_cache, q, seqs, window), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True], ids=["kv-model-dtype", "kv-int8"])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_cpu_backend_with_a_sliding_window_matches_torch(
+    scenario, window, dtype, int8, head_dim, monkeypatch
+):
+    """The C kernels take the window (each row from the block of its first key, the keys
+    before it in that block masked): every kernel variant against the torch reference (head
+    dim 48: the plain loops where 64 takes AVX-512's), the freed blocks never read; the long
+    prefill chunks on the torch path masked too."""
+    heads, kv_heads = 8, 2
+    _cpu_or_skip(dtype, kv_heads, head_dim)
+    bs, num_blocks = 16, NUM_BLOCKS
+    limit = 40 if scenario == "long-prefill" else cpu_backend.KERNEL_PREFILL_MAX_CONTEXT
+    monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", limit)
+    monkeypatch.setattr(cpu_backend, "AMX_KERNEL_PREFILL_MAX_CONTEXT", limit)
+    seqs = _step(scenario, bs, num_blocks)
+    cache, scales, q, k, v = _inputs(seqs, heads, kv_heads, head_dim, bs, num_blocks, dtype, int8)
+    seqs = _windowed(seqs, window, bs, cache, scales)
+    common = common_metadata_from_seqs(seqs, bs)
+    torch_backend = TorchAttentionBackend(bs, heads, kv_heads, head_dim, dtype)
+    cpu = CpuAttentionBackend(bs, heads, kv_heads, head_dim, dtype)
+    outs = []
+    for backend in (torch_backend, cpu):
+        attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, sliding_window=window)
+        attn.kv_cache, attn.kv_scales = cache.clone(), None if scales is None else scales.clone()
+        attn.kv_spec = kv_int8.Int8KVCacheSpec(bs, kv_heads, head_dim, dtype) if int8 else None
+        attn.backend = backend
+        with torch.inference_mode():
+            outs.append(attn(q, k, v, backend.build_metadata(common)))
+    ref, out = outs
+    assert not ref.isnan().any() and not out.isnan().any()
+    same_inputs = torch.ones(q.shape[0], dtype=torch.bool)  # as in the test above
+    row = 0
+    for start, n, _ in seqs:
+        if int8 and start == 0 and n > 1 and start + n <= limit:
             same_inputs[row : row + n] = False
         row += n
     torch.testing.assert_close(

@@ -26,9 +26,11 @@ from engine.worker.input_batch import InputBatch
 VOCAB = 97
 
 
-def next_token(history: list[int], sample_index: int = 0) -> int:
-    """The fake model: a deterministic function of the token history."""
-    return (sum(history) * 31 + len(history) + 7 * sample_index) % VOCAB
+def next_token(history: list[int], sample_index: int = 0, window: int | None = None) -> int:
+    """The fake model: a deterministic function of the token history (with a sliding window:
+    of its last `window` tokens and its length only)."""
+    seen = history if window is None else history[-window:]
+    return (sum(seen) * 31 + len(history) + 7 * sample_index) % VOCAB
 
 
 def reference_generate(
@@ -37,12 +39,13 @@ def reference_generate(
     sample_index: int = 0,
     eos_token_id: int | None = None,
     max_model_len: int = 10**9,
+    window: int | None = None,
 ) -> list[int]:
     """What the fake model generates for one request run alone (sample_index: which of n)."""
     history = list(prompt)
     out: list[int] = []
     while len(out) < max_tokens and len(history) < max_model_len:
-        token = next_token(history, sample_index if not out else 0)
+        token = next_token(history, sample_index if not out else 0, window)
         out.append(token)
         history.append(token)
         if token == eos_token_id:
@@ -51,8 +54,14 @@ def reference_generate(
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """window: a sliding-window model. Each scheduled chunk then reads back the keys its
+    queries attend, positions from start - window + 1 to its end, through its block table
+    (the entries before them may name freed blocks, since reused: never read), and the
+    fake model sees only the last `window` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.batch = InputBatch()
         self.step_tokens: dict[str, list[int]] = {}  # the token ids each request computed last
@@ -73,12 +82,22 @@ class FakeRunner:
         for sr in out.scheduled:  # write the whole batch's K/V first, as a real runner does
             state = self.batch[sr.request_id]
             table = state.block_table
-            assert 0 not in table, "the null block is never in a block table"
+            first = 0 if self.window is None else max(0, sr.start_pos - self.window + 1)
+            end = sr.start_pos + sr.num_tokens
+            needed = table[first // bs : -(-end // bs)]
+            assert 0 not in needed, "the null block is never read nor written"
             tokens = state.token_ids[sr.start_pos : sr.start_pos + sr.num_tokens]
             assert len(tokens) == sr.num_tokens
             self.step_tokens[sr.request_id] = tokens
             for j, token in enumerate(tokens):
                 self.slots[self.slot(table, sr.start_pos + j)] = token
+        if self.window is not None:  # every chunk's queries read their windows' keys
+            for sr in out.scheduled:
+                state = self.batch[sr.request_id]
+                end = sr.start_pos + sr.num_tokens
+                first = max(0, sr.start_pos - self.window + 1)
+                seen = [self.slot_value(state.block_table, p) for p in range(first, end)]
+                assert seen == state.token_ids[first:end], f"{sr.request_id}: a window's KV"
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
             if not sr.sample:
@@ -86,10 +105,13 @@ class FakeRunner:
             state = self.batch[sr.request_id]
             end = sr.start_pos + sr.num_tokens
             assert end == len(state.token_ids), f"{sr.request_id}: samples before its last token"
-            history = [self.slot_value(state.block_table, p) for p in range(end)]
             expected = state.prompt_token_ids + state.output_token_ids
-            assert history == expected, f"{sr.request_id}: KV read back differs from its tokens"
-            sampled[sr.request_id] = [next_token(history, i) for i in range(sr.num_samples)]
+            first = 0 if self.window is None else max(0, end - self.window)
+            history = [self.slot_value(state.block_table, p) for p in range(first, end)]
+            assert history == expected[first:], f"{sr.request_id}: KV read back differs"
+            sampled[sr.request_id] = [
+                next_token(expected, i, self.window) for i in range(sr.num_samples)
+            ]
         self.batch.append_sampled(sampled)  # what a rank-0 runner does after sampling
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
@@ -112,7 +134,10 @@ def check_runner_state(scheduler: Scheduler, runner: FakeRunner) -> None:
         assert state.token_ids == request.all_token_ids, rid
         assert state.prompt_token_ids == request.prompt_token_ids, rid
         assert state.output_token_ids == request.output_token_ids, rid
-        assert state.block_table.tolist() == manager.get_block_ids(rid), rid
+        # Blocks dropped behind a sliding window: the null block in the scheduler's table,
+        # the runner's still names them (it is sent appended ids only) and never reads them.
+        dropped = manager.num_dropped_blocks.get(rid, 0)
+        assert state.block_table.tolist()[dropped:] == manager.get_block_ids(rid)[dropped:], rid
         assert state.sampling_params == request.sampling_params, rid
         assert state.eos_token_id == request.eos_token_id, rid
 
@@ -156,6 +181,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
+    sliding_window: int | None = None,
 ) -> Scheduler:
     if max_model_len is None:
         max_model_len = min(256, (num_blocks - 1) * block_size)
@@ -168,7 +194,7 @@ def make_scheduler(
         block_size=block_size,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(sched, cache, num_blocks)
+    return Scheduler(sched, cache, num_blocks, sliding_window=sliding_window)
 
 
 def check_invariants(scheduler: Scheduler) -> None:
@@ -180,7 +206,10 @@ def check_invariants(scheduler: Scheduler) -> None:
     free_set = set(free_ids)
     assert len(free_ids) == len(free_set) == pool.num_free_blocks
     assert 0 not in free_ids, "the null block is never free"
-    held = Counter(b.block_id for blocks in manager.req_to_blocks.values() for b in blocks)
+    null = pool.null_block  # in the tables of requests past a sliding window: not a hold
+    held = Counter(
+        b.block_id for blocks in manager.req_to_blocks.values() for b in blocks if b is not null
+    )
     for block in pool.blocks[1:]:
         assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref count"
         # Exactly one of two states: in the free queue (ref 0) or referenced.
@@ -192,7 +221,9 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert sum(b.block_hash is not None for b in pool.blocks) == len(index)
     for rid, blocks in manager.req_to_blocks.items():
         assert manager.get_block_ids(rid) == [b.block_id for b in blocks]
-        assert len(set(manager.get_block_ids(rid))) == len(blocks)
+        dropped = manager.num_dropped_blocks.get(rid, 0)
+        assert all(b is null for b in blocks[:dropped]) and null not in blocks[dropped:]
+        assert len(set(manager.get_block_ids(rid)[dropped:])) == len(blocks) - dropped
     running = {r.request_id for r in scheduler.running}
     waiting = {r.request_id for r in scheduler.waiting}
     assert len(running) == len(scheduler.running) and len(waiting) == len(scheduler.waiting)

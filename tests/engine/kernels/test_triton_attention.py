@@ -82,10 +82,10 @@ def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0):
     return tuple(x.to(DEVICE) for x in (cache, q, k, v))
 
 
-def _attend(backend, cache, q, k, v, meta):
+def _attend(backend, cache, q, k, v, meta, window=None):
     """Through the layer: write this step's K/V, then attend. -> (out [T, H*D], the cache)."""
     _, _, bs, kv_heads, d = cache.shape
-    attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5)
+    attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5, sliding_window=window)
     attn.kv_cache, attn.backend = cache.clone(), backend
     if cache.dtype == kv_fp8.FP8_DTYPE:
         attn.kv_spec = kv_fp8.Fp8KVCacheSpec(bs, kv_heads, d, q.dtype)
@@ -268,6 +268,42 @@ def test_split_and_unsplit_launches_agree():
         torch.testing.assert_close(out, outs[0][1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 70])  # 70: past a key tile
+@pytest.mark.parametrize(
+    "scenario,dtype,splits",
+    [("mixed", torch.float32, 1), ("prefix", torch.bfloat16, 1), ("decode", torch.float32, 4)],
+)
+def test_sliding_window_matches_torch_reference(window, scenario, dtype, splits):
+    """A layer's sliding window (keys i - W < j <= i): decodes past it (split along their
+    contexts too), chunks across its edge over several query tiles, a fresh prompt longer
+    than it. The blocks wholly before a request's window are freed (the null block in its
+    table) or poisoned with NaN: the kernel never loads them."""
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    seqs = _step(scenario, bs, seed=window)
+    cache, q, k, v = _inputs(seqs, heads, kv_heads, d, bs, dtype, False)
+    dropped = []
+    for r, (start, n, ids) in enumerate(seqs):  # as the KV cache manager frees them
+        gone = max(0, start - window + 1) // bs
+        dropped += ids[:gone]
+        if r % 2 == 0:
+            seqs[r] = (start, n, [0] * gone + ids[gone:])
+    assert dropped
+    cache[:, dropped] = float("nan")
+    common = common_metadata_from_seqs(seqs, bs)
+    target = splits * len(seqs) * kv_heads if splits > 1 else None
+    ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, dtype, device=DEVICE)
+    backend = TritonAttentionBackend(
+        bs, heads, kv_heads, d, dtype, DEVICE, split_target_programs=target
+    )
+    meta = backend.build_metadata(common)
+    assert meta.launch.num_splits == splits
+    ref_meta = ref_backend.build_metadata(common)
+    ref, _ = _attend(ref_backend, cache, q, k, v, ref_meta, window)
+    out, _ = _attend(backend, cache, q, k, v, meta, window)
+    assert bool(torch.isfinite(out.float()).all()) and bool(torch.isfinite(ref.float()).all())
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
 def test_plan_launch_covers_every_query_token_once():
     """The tiles: decodes one per request; a chunk's tokens in tiles of block_q; every
     (token, head) row in exactly one tile; split counts fall as the batch grows."""
@@ -358,13 +394,14 @@ def test_padded_decode_batch_gives_the_unpadded_rows():
     assert torch.equal(padded_cache, out_cache)
 
 
-def test_forward_without_a_cache_is_causal_attention():
+@pytest.mark.parametrize("window", [None, 4])
+def test_forward_without_a_cache_is_causal_attention(window):
     """Before the KV cache is sized (the runner's profile run) a prompt attends causally to
-    its own K/V, as the torch backend does then."""
+    its own K/V (within a layer's sliding window), as the torch backend does then."""
     seqs = [(0, 5, [1]), (0, 9, [2])]
     common = common_metadata_from_seqs(seqs, 16)
     _, q, k, v = _inputs(seqs, 8, 2, 16, 16, torch.float32, False)
-    attn = PagedAttention(8, 2, 16, 0.25)
+    attn = PagedAttention(8, 2, 16, 0.25, sliding_window=window)
     outs = []
     for backend in (TorchAttentionBackend(16, 8, 2, 16, torch.float32),
                     TritonAttentionBackend(16, 8, 2, 16, torch.float32)):  # fmt: skip

@@ -143,20 +143,44 @@ def test_config_old_rope_format_and_generation_eos():
     assert parse_hf_config({**_BASE, "rope_scaling": {"type": "default"}}).rope_scaling is None
 
 
-def test_sliding_window_caps_max_model_len():
+def test_sliding_window_models_keep_their_whole_context_and_a_window_per_layer():
+    """A sliding-window model serves max_position_embeddings (its layers attend within their
+    windows); each layer's window follows transformers' rule for the model."""
     mistral = parse_hf_config(
         {**_BASE, "model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
     )
-    assert max_model_len_for(mistral, None) == 4096
-    with pytest.raises(ValueError, match="sliding window.*at most 4096"):
-        max_model_len_for(mistral, 8192)
+    assert max_model_len_for(mistral, None) == 32768
+    assert max_model_len_for(mistral, 8192) == 8192
+    with pytest.raises(ValueError, match="max_position_embeddings.*at most 32768"):
+        max_model_len_for(mistral, 40000)
+    n = mistral.num_hidden_layers
+    assert mistral.layer_sliding_windows == [4096] * n and mistral.kv_sliding_window() == 4096
     # Qwen2 carries a window it does not use unless use_sliding_window is set.
     qwen = parse_hf_config(
         {**_BASE, "model_type": "qwen2", "max_position_embeddings": 32768, "sliding_window": 4096}
     )
     assert max_model_len_for(qwen, None) == 32768 and qwen.attention_bias
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        max_model_len_for(qwen, 40000)
+    assert qwen.layer_sliding_windows == [] and qwen.sliding_window is None
+    assert qwen.kv_sliding_window() is None and qwen.layer_sliding_window(0) is None
+    # With it: layers >= max_window_layers (a hybrid model: the cache keeps every block)...
+    qwen_sw = {**_BASE, "model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 64}
+    qwen_sw |= {"use_sliding_window": True, "max_window_layers": 2}
+    hybrid = parse_hf_config(qwen_sw)
+    assert hybrid.layer_sliding_windows == [None, None, 64, 64] and hybrid.sliding_window == 64
+    assert hybrid.kv_sliding_window() is None
+    # ...or every layer from 0; layer_types, where the file has them, decide.
+    assert parse_hf_config({**qwen_sw, "max_window_layers": 0}).kv_sliding_window() == 64
+    types = ["sliding_attention", "full_attention"] * 2
+    assert parse_hf_config({**qwen_sw, "layer_types": types}).layer_sliding_windows == [
+        64, None, 64, None,
+    ]  # fmt: skip
+    moe = parse_hf_config({**qwen_sw, "model_type": "qwen2_moe", "max_window_layers": 3})
+    assert moe.layer_sliding_windows == [64, None, 64, None]  # even layers below 3
+    moe3 = parse_hf_config({**qwen_sw, "model_type": "qwen3_moe"})
+    assert moe3.layer_sliding_windows == [64] * 4  # every layer, whatever max_window_layers
+    gemma_like = {**_BASE, "num_hidden_layers": 4, "sliding_window": 8, "layer_types": types}
+    assert parse_hf_config(gemma_like).layer_sliding_windows == [8, None, 8, None]
+    assert parse_hf_config(_BASE).layer_sliding_windows == []
 
 
 def test_dummy_serves_from_a_folder_without_weights(tiny_llama_dir, tmp_path):

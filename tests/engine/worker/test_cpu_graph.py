@@ -132,3 +132,14 @@ def test_a_model_with_qk_norms_runs_through_the_modules(make_tiny_model, monkeyp
     with_plan, runs, _ = _generate(path, "w4a8", "auto", True, monkeypatch)
     without, _, _ = _generate(path, "w4a8", "auto", False, monkeypatch)
     assert runs is None and with_plan == without
+
+
+def test_a_sliding_window_model_runs_through_the_modules(tiny_mistral_sw_dir, monkeypatch):
+    """The plan passes no window to the attention kernel: a Mistral whose layers have one
+    (16 tokens; prompts up to 140) builds none, and its tokens are the modules' own, which
+    pass it (bf16, 4-bit weights, the int8 cache: the kernel's every windowed path)."""
+    if not cpu_w4.available():
+        pytest.skip("the plan runs the 4-bit (AVX512-VNNI or AVX2) kernels")
+    with_plan, runs, _ = _generate(tiny_mistral_sw_dir, "w4a8", "int8", True, monkeypatch)
+    without, _, _ = _generate(tiny_mistral_sw_dir, "w4a8", "int8", False, monkeypatch)
+    assert runs is None and with_plan == without

@@ -149,15 +149,18 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
     assert graphs.run(StepInputs([*ids[:2], 1, 2, 3], [*positions[:2], 0, 1, 2], mixed)) is None
 
 
-def test_engine_greedy_output_through_the_graph_runner(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_mistral_sw_dir"])
+def test_engine_greedy_output_through_the_graph_runner(request, fixture) -> None:
     """The whole engine's greedy tokens, with the runner's step graph swapped for the graph
-    runner (EagerReplay): the same as the eager engine's, decode steps through the buckets."""
+    runner (EagerReplay): the same as the eager engine's, decode steps through the buckets;
+    a sliding-window model's too (window 16, contexts past it)."""
     from engine import LLM, SamplingParams
 
+    model_dir = request.getfixturevalue(fixture)
     prompts = [list(range(10 + 7 * i, 25 + 9 * i)) for i in range(5)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", num_kv_blocks=96, block_size=BLOCK, max_num_seqs=8)
-    llm = LLM(str(tiny_llama_dir), device="cpu", attention_backend="torch", **kw)
+    llm = LLM(str(model_dir), device="cpu", attention_backend="torch", **kw)
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     runner = llm.engine.executor.runner
     assert runner._step_graph is None  # float32 on the CPU: no decode plan

@@ -94,7 +94,7 @@ def test_longrope_cos_sin_match_hf_rotary(partial):
 
 def test_phi3_configs():
     """Phi-3-mini-128k's config (older "su" name, original context at the top level), Phi-4-mini's
-    partial rotary, and Phi-3-mini-4k's sliding window (capped as Mistral's)."""
+    partial rotary, and Phi-3-mini-4k's sliding window (on every layer, no context cap)."""
     short, long = _factors(8, seed=0)
     mini_128k = parse_hf_config(
         {
@@ -129,9 +129,9 @@ def test_phi3_configs():
         RotaryEmbedding(16, 64, 10000.0, phi4_mini.rope_scaling)
 
     mini_4k = parse_hf_config({**_PHI3, "max_position_embeddings": 4096, "sliding_window": 2047})
-    assert mini_4k.rope_scaling is None and max_model_len_for(mini_4k, None) == 2047
-    with pytest.raises(ValueError, match="sliding window.*at most 2047"):
-        max_model_len_for(mini_4k, 4096)
+    # the window is attended per layer (no context cap): every layer has it, as HF's Phi-3
+    assert mini_4k.rope_scaling is None and max_model_len_for(mini_4k, None) == 4096
+    assert mini_4k.layer_sliding_windows == [2047] * mini_4k.num_hidden_layers
 
     with pytest.raises(ValueError, match="original_max_position_embeddings"):
         parse_hf_config(

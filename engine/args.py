@@ -177,6 +177,13 @@ class EngineArgs:
     )
     # --- parallelism ---
     tensor_parallel_size: int = option("Tensor-parallel ranks (worker processes).", 1, int)
+    pipeline_parallel_size: int = option(
+        "Pipeline stages: each holds a contiguous share of the layers (and their KV cache) "
+        'on tensor_parallel_size ranks of its own; TESSERA_PP_LAYER_PARTITION="a,b,..." '
+        "overrides the balanced split.",
+        1,
+        int,
+    )
     collective_timeout: float = option(
         "Seconds a tensor-parallel rank waits for its peers (a collective, a worker's reply) "
         "before the engine is declared dead (the server exits non-zero).",
@@ -234,6 +241,7 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
                 frontend_threads=self.frontend_threads,
                 collective_timeout_s=self.collective_timeout,
             ),

@@ -47,7 +47,7 @@ class LLMEngine:
         hf_config = load_hf_config(model_dir)
         max_model_len = max_model_len_for(hf_config, config.model.max_model_len)
         config.model.max_model_len = max_model_len
-        tp = config.parallel.tensor_parallel_size
+        tp = config.parallel.world_size  # (async scheduling: one rank only)
         self.async_scheduling = resolve_async_scheduling(
             config.scheduler.async_scheduling, resolve_device(config.model.device).type, tp
         )

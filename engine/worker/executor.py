@@ -1,9 +1,9 @@
 """Executor: runs the model runner(s) for the engine.
 
-tensor_parallel_size == 1: the runner lives in this process.
-tensor_parallel_size > 1: rank 0 in this process, ranks 1..N-1 in worker processes
-(see engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and
-keeps its own persistent input batch (engine/worker/input_batch.py). A worker that dies
+One rank (tensor_parallel_size * pipeline_parallel_size == 1): the runner lives in this
+process. More: rank 0 in this process, ranks 1..N-1 in worker processes (see
+engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and keeps its
+own persistent input batch (engine/worker/input_batch.py). A worker that dies
 makes every later call raise EngineDeadError; on_dead listeners hear of it at once.
 """
 
@@ -22,7 +22,7 @@ class Executor:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
         self.workers = None
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.world_size > 1:
             from engine.worker.multiproc import WorkerGroup
 
             self.workers = WorkerGroup(config, model_dir)

@@ -1,10 +1,17 @@
-"""Tensor-parallel worker processes.
+"""Tensor- and pipeline-parallel worker processes.
 
 Rank 0 (the driver) runs in the engine's process; ranks 1..N-1 run `_worker_main` in spawned
 processes. Every step the driver sends the step payload down a pipe to each worker (msgpack,
 see step_payload.py: the SchedulerOutput's changes and the tokens the driver sampled the step
 before, O(batch) bytes), runs its own shard, and the layers' all-reduces keep the ranks in
 lockstep. Only rank 0 samples. Replies (ready, ok, error) are small and stay pickled.
+
+Pipeline parallelism: world = tensor_parallel_size * pipeline_parallel_size ranks, rank 0 the
+first stage's first TP rank (engine.distributed). Every rank still gets every step's payload;
+the stages pass hidden states along point to point, and the last stage's first TP rank (the
+output rank) samples and sends the step's ModelRunnerOutput back in its reply; the driver
+appends those tokens to its own batch and sends them on with the next step, as with TP. One
+batch is in flight at a time: a step ends when the last stage has sampled.
 
 Devices: on CUDA rank r binds cuda:r (torch.cuda.set_device) before anything touches CUDA,
 and the group's backend follows the resolved device (nccl for CUDA, gloo for CPU).
@@ -89,6 +96,7 @@ def _worker_main(
     conn: Connection,
     parent_pid: int,
     num_threads: int,
+    pp_size: int = 1,
 ) -> None:
     die_with_parent(parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,8 +117,10 @@ def _worker_main(
         bind_cuda_device(device)  # first: this rank's context and communicator on its GPU
         timeout_s = config.parallel.collective_timeout_s
         conn.send(("joining", None))  # imported: the driver joins the group only now
-        init_distributed(rank, world_size, init_method, backend_for(device), timeout_s)
+        init_distributed(rank, world_size, init_method, backend_for(device), timeout_s, pp_size)
         runner = ModelRunner(config, model_dir=model_dir, rank=rank)
+        # Under pipeline parallelism the rank that samples answers with the step's output.
+        answers = runner.samples and pp_size > 1
         runner.load_model()
         conn.send(("ready", None))
         while True:
@@ -120,8 +130,8 @@ def _worker_main(
             if method == _EXECUTE:
                 so, prev_sampled = decode_step(body)
                 runner.append_sampled(prev_sampled)
-                runner.execute_model(so)
-                conn.send(("ok", None))  # the step's result lives on rank 0
+                out = runner.execute_model(so)
+                conn.send(("ok", out if answers else None))  # else the result is rank 0's
                 continue
             conn.send(("ok", getattr(runner, method)(*msgspec.msgpack.decode(body))))
     except (EOFError, KeyboardInterrupt):
@@ -150,7 +160,11 @@ class WorkerGroup:
         from engine.distributed import backend_for, bind_cuda_device, init_distributed
         from engine.worker.model_runner import ModelRunner, resolve_device
 
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
+        self.pp_size = pp_size = config.parallel.pipeline_parallel_size
+        # The rank whose reply carries the step's output (pipeline parallel): the last
+        # stage's first TP rank; rank 0 itself without pipeline parallelism.
+        self.output_rank = (pp_size - 1) * config.parallel.tensor_parallel_size
         # Resolved here first: too few GPUs fails before any process starts.
         self.device = resolve_device(config.model.device, 0, world_size)
         self.backend = backend_for(self.device)
@@ -179,6 +193,7 @@ class WorkerGroup:
                     child_conn,
                     os.getpid(),
                     num_threads,
+                    pp_size,
                 ),
                 name=f"tessera-tp{rank}",
                 daemon=True,
@@ -195,7 +210,7 @@ class WorkerGroup:
             self._gather(timeout=_READY_TIMEOUT_S)
             bind_cuda_device(self.device)
             torch.set_num_threads(num_threads)
-            init_distributed(0, world_size, init_method, self.backend, self.timeout_s)
+            init_distributed(0, world_size, init_method, self.backend, self.timeout_s, pp_size)
             self.driver = ModelRunner(config, model_dir=model_dir, rank=0)
             self.driver.load_model()
             self._gather(timeout=_READY_TIMEOUT_S)
@@ -205,7 +220,10 @@ class WorkerGroup:
         self._watcher = threading.Thread(target=self._watch, name="tessera-tp-watch", daemon=True)
         self._watcher.start()
         logger.info(
-            "Tensor parallel: %d ranks ready (%s, collective timeout %.0f s)",
+            "Tensor parallel %d x pipeline parallel %d: %d ranks ready (%s, collective "
+            "timeout %.0f s)",
+            config.parallel.tensor_parallel_size,
+            pp_size,
             world_size,
             self.backend,
             self.timeout_s,
@@ -359,7 +377,10 @@ class WorkerGroup:
             self._send(step_message(scheduler_output, self._sampled))
             self._sampled = {}  # sent: never twice, even if this step fails
             result = self.driver.execute_model(scheduler_output)
-            self._gather(self.timeout_s)
+            replies = self._gather(self.timeout_s)
+            if self.output_rank:  # the last stage sampled: its output, in the driver's batch
+                result = replies[self.output_rank - 1]
+                self.driver.append_sampled(result.sampled_token_ids)
         except EngineDeadError:
             raise
         except WorkerExited:

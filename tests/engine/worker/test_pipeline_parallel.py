@@ -1,0 +1,121 @@
+"""Pipeline parallelism on the multiprocessing executor: the layers split into stages that
+pass hidden states point to point (gloo), the last stage samples. Greedy tokens equal the
+single-process engine's at PP=2 and TP=2 x PP=2, with chunked prefill, prefix hits and
+preemption (a small KV pool); each stage holds only its layers' weights and KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.pipeline import PARTITION_ENV, layer_partition, layer_range
+
+
+def test_layer_partition_balanced_and_override(monkeypatch):
+    monkeypatch.delenv(PARTITION_ENV, raising=False)
+    assert layer_partition(3, 2) == [2, 1]  # the remainder before the last stage
+    assert layer_partition(8, 4) == [2, 2, 2, 2]
+    assert layer_partition(10, 4) == [2, 3, 3, 2]
+    assert layer_partition(3, 1) == [3]
+    assert layer_range(10, 2, 4) == (5, 8)
+    assert layer_partition(3, 2, override="1,2") == [1, 2]
+    monkeypatch.setenv(PARTITION_ENV, "1,2")
+    assert layer_range(3, 1, 2) == (1, 3)
+    for bad in ("1,1", "3,0", "a,b", "1,1,1"):
+        with pytest.raises(ValueError, match=PARTITION_ENV):
+            layer_partition(3, 2, override=bad)
+    monkeypatch.delenv(PARTITION_ENV)
+    with pytest.raises(ValueError, match="more than the model's 3 layers"):
+        layer_partition(3, 4)
+
+
+def test_pipeline_parallel_size_is_an_engine_option():
+    from engine.args import EngineArgs
+
+    config = EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2).create_engine_config()
+    assert config.parallel.pipeline_parallel_size == 2 and config.parallel.world_size == 4
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
+        EngineArgs(pipeline_parallel_size=0).create_engine_config()
+
+
+PROMPTS = [
+    list(range(10, 60)),
+    list(range(100, 137)),
+    [3, 9, 27, 81],
+    list(range(200, 219)),
+    list(range(10, 50)) + [7, 7, 7],  # shares 5 blocks with the first: a prefix hit
+]
+
+
+def _params():
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in PROMPTS]
+    params[3] = SamplingParams(n=2, max_tokens=20, temperature=0.0, ignore_eos=True)
+    return params
+
+
+def _generate(model_dir, tp: int = 1, pp: int = 1, **extra):
+    from engine import LLM
+
+    # A small pool and budget: chunked prefill and preemption on both sides.
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_kv_blocks=24,
+        block_size=8,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        device="cpu",
+        **extra,
+    )
+    try:
+        first = llm.generate(PROMPTS[:1], _params()[:1], use_tqdm=False)  # cached for the 5th
+        outs = first + llm.generate(PROMPTS[1:], _params()[1:], use_tqdm=False)
+        stats = llm.engine.scheduler.stats()
+        info = None
+        if pp > 1:
+            group = llm.engine.executor.workers
+            info = (group.driver.num_layers, group.driver.kv_caches.__len__())
+    finally:
+        llm.shutdown()
+    return [[c.token_ids for c in o.outputs] for o in outs], stats, info
+
+
+@pytest.mark.slow
+def test_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
+    torch.set_num_threads(1)
+    want, stats, _ = _generate(tiny_llama_dir)
+    assert stats.num_preemptions > 0
+    got, stats, info = _generate(tiny_llama_dir, pp=2)
+    assert got == want
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert info == (2, 2)  # the driver's stage: layers 0-1 of 3, and only their KV cache
+
+
+@pytest.mark.slow
+def test_tp2_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
+    """Four ranks: two stages of two TP ranks (a TP group per stage), each TP rank sending
+    to its counterpart in the next stage."""
+    torch.set_num_threads(1)
+    want, _, _ = _generate(tiny_llama_dir)
+    got, stats, info = _generate(tiny_llama_dir, tp=2, pp=2)
+    assert got == want
+    assert stats.num_preemptions > 0 and info == (2, 2)
+
+
+@pytest.mark.slow
+def test_pp2_tied_embeddings_and_a_layer_partition(tiny_qwen2_dir, tiny_mixtral_dir, monkeypatch):
+    """Qwen2 ties the LM head to the embedding: the last stage, which has no embedding,
+    loads its own head from the embedding's tensor. TESSERA_PP_LAYER_PARTITION moves the
+    split (the driver keeps one layer); a mixture of experts splits the same way."""
+    torch.set_num_threads(1)
+    for model_dir in (tiny_qwen2_dir, tiny_mixtral_dir):
+        want, _, _ = _generate(model_dir)
+        monkeypatch.setenv(PARTITION_ENV, "1,2")  # the spawned workers inherit it
+        got, _, info = _generate(model_dir, pp=2)
+        monkeypatch.delenv(PARTITION_ENV)
+        assert got == want
+        assert info == (1, 1)

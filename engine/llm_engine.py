@@ -194,6 +194,11 @@ class LLMEngine:
             )
         grammar = None
         if params.structured_outputs is not None:
+            if self.config.parallel.pipeline_parallel_size > 1:
+                # The last stage samples, in another process; the bitmask is filled here.
+                raise GrammarError(
+                    "structured outputs are not supported with pipeline_parallel_size > 1"
+                )
             grammar = self.structured.request_grammar(params.structured_outputs)
             error = grammar.error()
             if error is not None:

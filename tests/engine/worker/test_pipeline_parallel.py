@@ -55,7 +55,7 @@ def _params():
     return params
 
 
-def _generate(model_dir, tp: int = 1, pp: int = 1, **extra):
+def _generate(model_dir, tp: int = 1, pp: int = 1, check=None, **extra):
     from engine import LLM
 
     # A small pool and budget: chunked prefill and preemption on both sides.
@@ -78,10 +78,23 @@ def _generate(model_dir, tp: int = 1, pp: int = 1, **extra):
         info = None
         if pp > 1:
             group = llm.engine.executor.workers
-            info = (group.driver.num_layers, group.driver.kv_caches.__len__())
+            info = (group.driver.num_layers, len(group.driver.kv_caches))
+        if check is not None:
+            check(llm)
     finally:
         llm.shutdown()
     return [[c.token_ids for c in o.outputs] for o in outs], stats, info
+
+
+def _refuses_structured_outputs(llm) -> None:
+    """The grammar's bitmask is filled on the driver, the last stage samples: refused."""
+    from engine import SamplingParams
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.structured_output import GrammarError
+
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    with pytest.raises(GrammarError, match="pipeline_parallel_size"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, structured_outputs=so), use_tqdm=False)
 
 
 @pytest.mark.slow
@@ -89,7 +102,7 @@ def test_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
     torch.set_num_threads(1)
     want, stats, _ = _generate(tiny_llama_dir)
     assert stats.num_preemptions > 0
-    got, stats, info = _generate(tiny_llama_dir, pp=2)
+    got, stats, info = _generate(tiny_llama_dir, pp=2, check=_refuses_structured_outputs)
     assert got == want
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert info == (2, 2)  # the driver's stage: layers 0-1 of 3, and only their KV cache

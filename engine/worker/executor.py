@@ -3,7 +3,8 @@
 One rank (tensor_parallel_size * pipeline_parallel_size == 1): the runner lives in this
 process. More: rank 0 in this process, ranks 1..N-1 in worker processes (see
 engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and keeps its
-own persistent input batch (engine/worker/input_batch.py). A worker that dies
+own persistent input batch (engine/worker/input_batch.py). With
+--distributed-executor-backend ray every rank is a Ray actor instead (ray_executor.py). A worker that dies
 makes every later call raise EngineDeadError; on_dead listeners hear of it at once.
 """
 
@@ -23,10 +24,15 @@ class Executor:
         self.config = config
         self.workers = None
         if config.parallel.world_size > 1:
-            from engine.worker.multiproc import WorkerGroup
+            if config.parallel.distributed_executor_backend == "ray":
+                from engine.worker.ray_executor import RayWorkerGroup
 
-            self.workers = WorkerGroup(config, model_dir)
-            self.runner = self.workers.driver
+                self.workers = RayWorkerGroup(config, model_dir)
+            else:
+                from engine.worker.multiproc import WorkerGroup
+
+                self.workers = WorkerGroup(config, model_dir)
+            self.runner = self.workers.driver  # (None with Ray: every rank is an actor)
         else:
             self.runner = ModelRunner(config, model_dir=model_dir)
             self.runner.load_model()

@@ -81,6 +81,11 @@ _CPU_KV_CAP = 8 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
+# A rank's index among the ranks on its node, and their number (a Ray actor sees only the GPU
+# its bundle holds: local rank 0 of 1); unset: the global rank and world size.
+LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_RANK", "TESSERA_LOCAL_WORLD_SIZE"
+
+
 def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.device:
     """The device tensor-parallel rank `rank` runs on: auto = CUDA when there is one; on
     CUDA each rank gets its own GPU, cuda:<rank> (one node: the rank is the local rank)."""
@@ -90,6 +95,9 @@ def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.dev
         return torch.device(device)
     if not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    if LOCAL_RANK_ENV in os.environ:  # placed by Ray (ray_executor): its GPUs, its index
+        rank = int(os.environ[LOCAL_RANK_ENV])
+        world_size = int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1"))
     check_visible_gpus(world_size, torch.cuda.device_count())
     return torch.device("cuda", rank)
 

@@ -87,6 +87,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def handle_call(runner, message: bytes, answers: bool):
+    """Run one driver message on a worker rank's runner (this loop's and the Ray actors',
+    engine.worker.ray_executor); the reply's value. A step: the previous step's samples
+    first (a rank that samples as rank 0 appended its own), then the step; its output is
+    the reply only where `answers` (the rank that samples), else None (rank 0 has it)."""
+    method, body = _call_decoder.decode(message)
+    if method == _EXECUTE:
+        so, prev_sampled = decode_step(body)
+        if not (runner.rank == 0 and runner.samples):
+            runner.append_sampled(prev_sampled)
+        out = runner.execute_model(so)
+        return out if answers else None
+    return getattr(runner, method)(*msgspec.msgpack.decode(body))
+
+
 def _worker_main(
     config: EngineConfig,
     model_dir: Path,
@@ -124,16 +139,10 @@ def _worker_main(
         runner.load_model()
         conn.send(("ready", None))
         while True:
-            method, body = _call_decoder.decode(conn.recv_bytes())
-            if method == "stop":
+            message = conn.recv_bytes()
+            if _call_decoder.decode(message)[0] == "stop":
                 break
-            if method == _EXECUTE:
-                so, prev_sampled = decode_step(body)
-                runner.append_sampled(prev_sampled)
-                out = runner.execute_model(so)
-                conn.send(("ok", out if answers else None))  # else the result is rank 0's
-                continue
-            conn.send(("ok", getattr(runner, method)(*msgspec.msgpack.decode(body))))
+            conn.send(("ok", handle_call(runner, message, answers)))
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as exc:  # report, then die: the driver turns it into an error

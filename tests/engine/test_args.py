@@ -36,7 +36,12 @@ OTHER_VALUES = {
     "kv_cache_dtype": "int8",
     "gpu_memory_utilization": 0.5,
     "enable_prefix_caching": False,
+    "reasoning_parser": "qwen3",
+    "generation_config": "vllm",
+    "chat_template": "{{ messages }}",
     "tensor_parallel_size": 2,
+    "pipeline_parallel_size": 2,
+    "distributed_executor_backend": "ray",
     "collective_timeout": 12.0,
     "frontend_threads": 1,
 }

@@ -76,8 +76,8 @@ def _generate(model_dir, tp: int = 1, pp: int = 1, check=None, **extra):
         outs = first + llm.generate(PROMPTS[1:], _params()[1:], use_tqdm=False)
         stats = llm.engine.scheduler.stats()
         info = None
-        if pp > 1:
-            group = llm.engine.executor.workers
+        group = llm.engine.executor.workers
+        if pp > 1 and group.driver is not None:
             info = (group.driver.num_layers, len(group.driver.kv_caches))
         if check is not None:
             check(llm)
@@ -132,3 +132,19 @@ def test_pp2_tied_embeddings_and_a_layer_partition(tiny_qwen2_dir, tiny_mixtral_
         monkeypatch.delenv(PARTITION_ENV)
         assert got == want
         assert info == (1, 1)
+
+
+def test_ray_is_imported_only_when_chosen(monkeypatch):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from engine import LLM; import engine.worker.executor; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from engine.worker.ray_executor import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"pip install 'tessera\[ray\]'"):
+        import_ray()

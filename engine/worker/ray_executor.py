@@ -1,0 +1,244 @@
+"""The Ray executor (--distributed-executor-backend ray): every rank in a Ray actor.
+
+Ray is optional (the `ray` extra) and imported only here, only when chosen. The group joins
+the cluster at RAY_ADDRESS, or the one this process already joined, or starts a local one;
+reserves a placement group of one bundle per rank (a GPU each on CUDA, a CPU each on the
+CPU; packed onto as few nodes as will hold them), and starts one actor per rank in its
+bundle. Rank 0's actor picks the rendezvous address (its node's IP and a free port there),
+and every actor joins the torch.distributed group from it, as the multiprocessing workers
+do, then loads its shard or stage. Each step the engine's process sends every actor the same
+payload as the multiprocessing executor's (engine.worker.step_payload) and the actors run
+the same call handler (multiproc.handle_call); the rank that samples (rank 0, or the last
+stage's first TP rank under pipeline parallelism) returns the step's output.
+
+The scheduler stays in the engine's process, which holds no model. An actor that dies (or a
+step past the collective timeout) fails the step: the group kills its actors and is dead for
+good (EngineDeadError), as the multiprocessing group is. shutdown() stops the actors, kills
+them, and removes the placement group; a cluster it started stays up until the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.multiproc import call_message, step_message
+
+logger = logging.getLogger("tessera.engine")
+
+_READY_TIMEOUT_S = 600.0
+_STOP_TIMEOUT_S = 10.0
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(
+            "--distributed-executor-backend ray needs Ray: pip install 'tessera[ray]' "
+            "(or use the default, mp)"
+        ) from None
+    return ray
+
+
+class RankActor:
+    """One rank, in its Ray actor (wrapped with ray.remote by RayWorkerGroup)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, rank: int, on_cuda: bool) -> None:
+        from engine.worker.model_runner import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV
+
+        if on_cuda:  # Ray made this bundle's GPU the only visible one
+            os.environ[LOCAL_RANK_ENV], os.environ[LOCAL_WORLD_SIZE_ENV] = "0", "1"
+        self.config, self.model_dir, self.rank = config, Path(model_dir), rank
+        self.runner = None
+        self.answers = False
+
+    def rendezvous(self) -> str:
+        """This node's address and a free port on it: rank 0's, for every rank to join."""
+        import ray
+
+        from engine.worker.multiproc import free_port
+
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def start(self, init_method: str, num_threads: int) -> int:
+        """Join the group, then load this rank's shard; returns the actor's pid."""
+        import torch
+
+        from engine.distributed import backend_for, bind_cuda_device, init_distributed
+        from engine.worker.model_runner import ModelRunner, resolve_device
+
+        parallel = self.config.parallel
+        torch.set_num_threads(num_threads)
+        device = resolve_device(self.config.model.device, self.rank, parallel.world_size)
+        bind_cuda_device(device)
+        init_distributed(
+            self.rank,
+            parallel.world_size,
+            init_method,
+            backend_for(device),
+            parallel.collective_timeout_s,
+            parallel.pipeline_parallel_size,
+        )
+        self.runner = ModelRunner(self.config, model_dir=self.model_dir, rank=self.rank)
+        self.runner.load_model()
+        self.answers = self.runner.samples
+        return os.getpid()
+
+    def call(self, message: bytes):
+        from engine.worker.multiproc import handle_call
+
+        return handle_call(self.runner, message, self.answers)
+
+    def stop(self) -> None:
+        from engine.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+class RayWorkerGroup:
+    """The multiprocessing WorkerGroup's interface over Ray actors (the driver: none)."""
+
+    driver = None  # every rank is an actor: the engine's process only schedules
+
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        ray = self.ray = import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from engine.worker.model_runner import resolve_device
+
+        parallel = config.parallel
+        world_size = parallel.world_size
+        self.timeout_s = parallel.collective_timeout_s
+        self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+        self._failure: str | None = None
+        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._sampled: dict[str, list[int]] = {}
+        self.actors: list = []
+        self.placement_group = None
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS") or None
+            # A local cluster: a logical CPU per rank at least, whatever the machine has.
+            local = {} if address else {"num_cpus": max(os.cpu_count() or 1, world_size)}
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, **local)
+        on_cuda = resolve_device(config.model.device, 0, 1).type == "cuda"
+        bundle = {"GPU": 1, "CPU": 1} if on_cuda else {"CPU": 1}
+        try:
+            self.placement_group = placement_group([bundle] * world_size, strategy="PACK")
+            ray.get(self.placement_group.ready(), timeout=_READY_TIMEOUT_S)
+            # The workers import this checkout's engine (a local cluster shares its disk).
+            root = str(Path(__file__).resolve().parents[2])
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+            actor_cls = ray.remote(RankActor)
+            for rank in range(world_size):
+                strategy = PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                )
+                self.actors.append(
+                    actor_cls.options(
+                        num_cpus=1,
+                        num_gpus=1 if on_cuda else 0,
+                        scheduling_strategy=strategy,
+                        runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
+                        name=f"tessera-rank{rank}-{os.getpid()}-{id(self):x}",
+                    ).remote(config, str(model_dir), rank, on_cuda)
+                )
+            init_method = ray.get(self.actors[0].rendezvous.remote(), timeout=_READY_TIMEOUT_S)
+            self.pids = ray.get(
+                [a.start.remote(init_method, 1) for a in self.actors], timeout=_READY_TIMEOUT_S
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "Ray: %d ranks on actors (tensor parallel %d x pipeline parallel %d), rendezvous %s",
+            world_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            init_method,
+        )
+
+    # -- liveness -------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        self._failure_callbacks.append(callback)
+        if self._failure is not None:
+            callback(EngineDeadError(self._failure))
+
+    def check_alive(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+
+    def _fail(self, cause: str) -> EngineDeadError:
+        if self._failure is None:
+            self._failure = cause
+            logger.error("The Ray worker group is dead: %s", cause)
+            self._kill_actors()
+            for callback in self._failure_callbacks:
+                try:
+                    callback(EngineDeadError(cause))
+                except Exception:  # noqa: BLE001 - one bad listener must not hide the death
+                    logger.exception("An engine-dead callback failed")
+        return EngineDeadError(self._failure)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def _all(self, message: bytes, timeout: float) -> list:
+        self.check_alive()
+        refs = [a.call.remote(message) for a in self.actors]
+        try:
+            return self.ray.get(refs, timeout=timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise self._fail(f"a Ray worker did not answer in {timeout:.0f} s") from None
+        except self.ray.exceptions.RayActorError as exc:
+            raise self._fail(f"a Ray worker died: {exc}") from None
+        except self.ray.exceptions.RayTaskError as exc:
+            raise self._fail(f"a Ray worker failed: {exc}") from None
+
+    def _call(self, method: str, *args) -> list:
+        import msgspec
+
+        return self._all(call_message(method, msgspec.msgpack.encode(args)), self.timeout_s)
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call("determine_num_blocks"))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call("init_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        message = step_message(scheduler_output, self._sampled)
+        self._sampled = {}  # sent: never twice, even if this step fails
+        result = self._all(message, self.timeout_s)[self.output_rank]
+        self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}
+        return result
+
+    def shutdown(self) -> None:
+        ray = self.ray
+        if self._failure is None and self.actors:
+            with contextlib.suppress(Exception):
+                ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_TIMEOUT_S)
+        self._kill_actors()
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    def _kill_actors(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
+        self.actors = []

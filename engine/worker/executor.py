@@ -63,6 +63,20 @@ class Executor:
             return self.workers.execute_model(scheduler_output)
         return self.runner.execute_model(scheduler_output)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may submit before collecting the oldest (pipeline parallelism:
+        one per stage, so every stage has a batch to work on); 1 otherwise."""
+        return self.workers.max_concurrent_batches if self.workers is not None else 1
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step (max_concurrent_batches > 1 only); collect() returns its output."""
+        self.workers.submit(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (steps are collected in submission order)."""
+        return self.workers.collect()
+
     def shutdown(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()

@@ -213,6 +213,7 @@ class WorkerGroup:
             self.conns.append(parent_conn)
         # What the driver sampled last step: the workers append it before the next one.
         self._sampled: dict[str, list[int]] = {}
+        self._driver_results: list[ModelRunnerOutput] = []  # the steps submitted, in order
         try:
             # Every rank at the rendezvous within moments of the others, however long the
             # workers took to start: the collective timeout need not cover an import.
@@ -380,24 +381,48 @@ class WorkerGroup:
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps submitted before the oldest is collected: one per pipeline stage (the first
+        stage computes batch k+1 while the later ones compute batch k); 1 without PP."""
+        return self.pp_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send a step to every rank and run the driver's share (under PP its stage, which
+        hands the batch on to the next); collect() returns its output. Steps are collected
+        in the order submitted: every rank and stage runs them in that order."""
         self.check_alive()
         try:
             self._send(step_message(scheduler_output, self._sampled))
             self._sampled = {}  # sent: never twice, even if this step fails
-            result = self.driver.execute_model(scheduler_output)
+            self._driver_results.append(self.driver.execute_model(scheduler_output))
+        except Exception as exc:
+            raise self._step_failed(exc) from exc
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output, once every rank has answered for it."""
+        try:
+            result = self._driver_results.pop(0)
             replies = self._gather(self.timeout_s)
             if self.output_rank:  # the last stage sampled: its output, in the driver's batch
                 result = replies[self.output_rank - 1]
                 self.driver.append_sampled(result.sampled_token_ids)
-        except EngineDeadError:
-            raise
-        except WorkerExited:
-            raise self._fail(_EXITED) from None
-        except Exception as exc:  # a rank failed mid-step: the ranks no longer agree
-            raise self._fail(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
-        self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}
+        except Exception as exc:
+            raise self._step_failed(exc) from exc
+        self._sampled.update((rid, t) for rid, t in result.sampled_token_ids.items() if t)
         return result
+
+    def _step_failed(self, exc: Exception) -> EngineDeadError:
+        if isinstance(exc, EngineDeadError):
+            return exc
+        if isinstance(exc, WorkerExited):
+            return self._fail(_EXITED)
+        # a rank failed mid-step: the ranks no longer agree
+        return self._fail(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
 
     def shutdown(self) -> None:
         self._closing.set()

@@ -121,6 +121,8 @@ class RayWorkerGroup:
         self._failure: str | None = None
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._sampled: dict[str, list[int]] = {}
+        self._in_flight: list[list] = []  # each submitted step's replies, oldest first
+        self.parallel = parallel
         self.actors: list = []
         self.placement_group = None
         if not ray.is_initialized():
@@ -196,7 +198,9 @@ class RayWorkerGroup:
 
     def _all(self, message: bytes, timeout: float) -> list:
         self.check_alive()
-        refs = [a.call.remote(message) for a in self.actors]
+        return self._wait([a.call.remote(message) for a in self.actors], timeout)
+
+    def _wait(self, refs: list, timeout: float) -> list:
         try:
             return self.ray.get(refs, timeout=timeout)
         except self.ray.exceptions.GetTimeoutError:
@@ -217,11 +221,27 @@ class RayWorkerGroup:
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One step in flight per pipeline stage (multiproc.WorkerGroup's)."""
+        return self.parallel.pipeline_parallel_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Queue a step on every actor (each runs its calls in order); collect() waits."""
+        self.check_alive()
         message = step_message(scheduler_output, self._sampled)
         self._sampled = {}  # sent: never twice, even if this step fails
-        result = self._all(message, self.timeout_s)[self.output_rank]
-        self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}
+        self._in_flight.append([a.call.remote(message) for a in self.actors])
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (the rank that samples answers with it)."""
+        self.check_alive()
+        result = self._wait(self._in_flight.pop(0), self.timeout_s)[self.output_rank]
+        self._sampled.update((rid, t) for rid, t in result.sampled_token_ids.items() if t)
         return result
 
     def shutdown(self) -> None:

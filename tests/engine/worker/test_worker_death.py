@@ -165,16 +165,16 @@ def test_a_pipeline_stage_killed(tiny_llama_dir, when):
             os.kill(pids[0], signal.SIGKILL)
             params = short
         else:  # killed as the 5th step of the generate starts: the stages mid-exchange
-            executor = llm.engine.executor
-            step, steps = executor.execute_model, []
+            executor = llm.engine.executor  # (under PP the engine submits, then collects)
+            submit, steps = executor.submit, []
 
-            def killing_step(so):
+            def killing_submit(so):
                 steps.append(so)
                 if len(steps) == 5:
                     os.kill(pids[0], signal.SIGKILL)
-                return step(so)
+                return submit(so)
 
-            executor.execute_model = killing_step
+            executor.submit = killing_submit
             params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match=DIED):

@@ -10,8 +10,10 @@ Pipeline parallelism: world = tensor_parallel_size * pipeline_parallel_size rank
 first stage's first TP rank (engine.distributed). Every rank still gets every step's payload;
 the stages pass hidden states along point to point, and the last stage's first TP rank (the
 output rank) samples and sends the step's ModelRunnerOutput back in its reply; the driver
-appends those tokens to its own batch and sends them on with the next step, as with TP. One
-batch is in flight at a time: a step ends when the last stage has sampled.
+appends those tokens to its own batch and sends them on with the next step, as with TP.
+submit() sends a step and runs the driver's stage, collect() waits for the oldest step's
+replies: with pipeline_parallel_size P the engine keeps up to P steps submitted
+(max_concurrent_batches), each rank running them in order off its pipe.
 
 Devices: on CUDA rank r binds cuda:r (torch.cuda.set_device) before anything touches CUDA,
 and the group's backend follows the resolved device (nccl for CUDA, gloo for CPU).

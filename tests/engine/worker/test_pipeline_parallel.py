@@ -181,3 +181,44 @@ def test_pp3_three_batches_in_flight(tiny_llama_dir):
     assert got == want
     assert stats.num_preemptions > 0 and info[:3] == (1, 1, 2)
     assert info[3] > 0  # and requests preempted while batches were in flight
+
+
+@pytest.mark.slow
+async def test_pp2_through_the_async_engine(tiny_llama_dir):
+    """The server's path: concurrent streams through AsyncEngine at PP=2 end with the
+    offline engine's greedy tokens (the step loop's thread drives the batch queue)."""
+    import asyncio
+
+    from engine import EngineArgs, SamplingParams
+    from engine.async_engine import AsyncEngine
+    from engine.protocol import EngineRequest
+
+    torch.set_num_threads(1)
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def run(pp: int) -> list[list[int]]:
+        config = EngineArgs(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            num_kv_blocks=64,
+            block_size=8,
+            max_model_len=128,
+            max_num_batched_tokens=32,
+            pipeline_parallel_size=pp,
+            device="cpu",
+        ).create_engine_config()
+        engine = await AsyncEngine.create(config)
+
+        async def one(i: int) -> list[int]:
+            tokens: list[int] = []
+            async for out in engine.generate(EngineRequest(f"r{i}", prompts[i], params)):
+                tokens = out.outputs[0].token_ids
+            return tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        finally:
+            await engine.shutdown()
+
+    assert await run(2) == await run(1)

@@ -238,6 +238,11 @@ class ModelRunner:
         self.quantization, why = resolve_method(
             m.quantization, gguf, self.device, m.load_format, get_tp_size() * self.pp_size
         )
+        if self.quantization == "gguf" and self.pp_size > 1:
+            raise ValueError(
+                "--quantization gguf (a GGUF file's blocks) runs on one rank: drop "
+                "--pipeline-parallel-size, or load the float weights (--quantization none)"
+            )
 
         def blocks_first(model: torch.nn.Module) -> set[str]:
             # the file's blocks go in before the float weights, which then skip those layers:

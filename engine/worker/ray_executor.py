@@ -13,7 +13,9 @@ stage's first TP rank under pipeline parallelism) returns the step's output.
 
 The scheduler stays in the engine's process, which holds no model. An actor that dies (or a
 step past the collective timeout) fails the step: the group kills its actors and is dead for
-good (EngineDeadError), as the multiprocessing group is. shutdown() stops the actors, kills
+good (EngineDeadError), as the multiprocessing group is. A watcher thread pings the actors
+every second on a concurrency group of their own (a ping never waits behind a step), so a
+dead actor is noticed while the engine is idle too, and the on_dead listeners hear of it. shutdown() stops the actors, kills
 them, and removes the placement group; a cluster it started stays up until the process exits.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +37,9 @@ logger = logging.getLogger("tessera.engine")
 
 _READY_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 10.0
+_WATCH_S = 1.0  # how often the watcher pings the actors
+_PING_TIMEOUT_S = 30.0
+_HEALTH = "health"  # the actors' concurrency group for pings
 
 
 def import_ray():
@@ -91,6 +97,9 @@ class RankActor:
         self.answers = self.runner.samples
         return os.getpid()
 
+    def ping(self) -> bool:
+        return True
+
     def call(self, message: bytes):
         from engine.worker.multiproc import handle_call
 
@@ -120,6 +129,9 @@ class RayWorkerGroup:
         self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
         self._failure: str | None = None
         self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._lock = threading.Lock()  # guards _failure, the callbacks and the actors
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._sampled: dict[str, list[int]] = {}
         self._in_flight: list[list] = []  # each submitted step's replies, oldest first
         self.parallel = parallel
@@ -138,7 +150,7 @@ class RayWorkerGroup:
             # The workers import this checkout's engine (a local cluster shares its disk).
             root = str(Path(__file__).resolve().parents[2])
             path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-            actor_cls = ray.remote(RankActor)
+            actor_cls = ray.remote(concurrency_groups={_HEALTH: 1})(RankActor)
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
@@ -159,6 +171,8 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+        self._watcher = threading.Thread(target=self._watch, name="tessera-ray-watch", daemon=True)
+        self._watcher.start()
         logger.info(
             "Ray: %d ranks on actors (tensor parallel %d x pipeline parallel %d), rendezvous %s",
             world_size,
@@ -174,25 +188,50 @@ class RayWorkerGroup:
         return self._failure
 
     def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        self._failure_callbacks.append(callback)
-        if self._failure is not None:
-            callback(EngineDeadError(self._failure))
+        with self._lock:
+            self._failure_callbacks.append(callback)
+            failure = self._failure
+        if failure is not None:
+            callback(EngineDeadError(failure))
 
     def check_alive(self) -> None:
         if self._failure is not None:
             raise EngineDeadError(self._failure)
 
+    def _watch(self) -> None:
+        """Ping every actor each second (on its health group: never behind a step)."""
+        ray = self.ray
+        while not self._closing.wait(_WATCH_S):
+            with self._lock:
+                actors = list(self.actors)
+            if not actors or self._failure is not None:
+                return
+            refs = [a.ping.options(concurrency_group=_HEALTH).remote() for a in actors]
+            try:
+                ray.get(refs, timeout=_PING_TIMEOUT_S)
+            except ray.exceptions.RayActorError as exc:
+                if not self._closing.is_set():
+                    self._fail(f"a Ray worker died: {exc}")
+                return
+            except Exception:  # noqa: BLE001 - a slow ping: the steps' timeout decides
+                continue
+
     def _fail(self, cause: str) -> EngineDeadError:
-        if self._failure is None:
-            self._failure = cause
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = cause
+                self._kill_actors()
+            callbacks = list(self._failure_callbacks) if first else []
+            failure = self._failure
+        if first:
             logger.error("The Ray worker group is dead: %s", cause)
-            self._kill_actors()
-            for callback in self._failure_callbacks:
-                try:
-                    callback(EngineDeadError(cause))
-                except Exception:  # noqa: BLE001 - one bad listener must not hide the death
-                    logger.exception("An engine-dead callback failed")
-        return EngineDeadError(self._failure)
+        for callback in callbacks:
+            try:
+                callback(EngineDeadError(failure))
+            except Exception:  # noqa: BLE001 - one bad listener must not hide the death
+                logger.exception("An engine-dead callback failed")
+        return EngineDeadError(failure)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -246,10 +285,14 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         ray = self.ray
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(_PING_TIMEOUT_S)
         if self._failure is None and self.actors:
             with contextlib.suppress(Exception):
                 ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_TIMEOUT_S)
-        self._kill_actors()
+        with self._lock:
+            self._kill_actors()
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -64,7 +64,10 @@ def test_pp2_on_ray_actors_equals_one_process(local_ray, tiny_llama_dir):
 
 
 def test_a_dead_rank_actor_marks_the_engine_dead(local_ray, tiny_llama_dir):
+    """An actor killed while the engine is idle: the watcher's ping notices, the on_dead
+    listeners hear of it, and every later step fails at once."""
     import signal
+    import time
 
     from engine import LLM, SamplingParams
     from engine.errors import EngineDeadError
@@ -84,7 +87,13 @@ def test_a_dead_rank_actor_marks_the_engine_dead(local_ray, tiny_llama_dir):
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        deaths: list = []
+        llm.engine.executor.on_dead(deaths.append)
         os.kill(llm.engine.executor.workers.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not deaths and time.monotonic() < deadline:  # idle: the watcher notices
+            time.sleep(0.1)
+        assert len(deaths) == 1 and "Ray worker died" in str(deaths[0])
         with pytest.raises(EngineDeadError, match="Ray worker"):
             llm.generate([[8, 9, 10]], params, use_tqdm=False)
         with pytest.raises(EngineDeadError):  # dead for good

@@ -102,3 +102,14 @@ def test_a_dead_rank_actor_marks_the_engine_dead(local_ray, tiny_llama_dir):
         llm.shutdown()
     assert _alive_rank_actors() == []
     assert _live_placement_groups() == []
+
+
+def test_tp2_pp2_on_four_actors(local_ray, tiny_llama_dir):
+    """Four actors, two stages of two TP ranks, the collectives from rank 0's address."""
+    from tests.engine.worker.test_pipeline_parallel import _generate
+
+    torch.set_num_threads(1)
+    want, _, _ = _generate(tiny_llama_dir)
+    got, _, _ = _generate(tiny_llama_dir, tp=2, pp=2, distributed_executor_backend="ray")
+    assert got == want
+    assert _alive_rank_actors() == [] and _live_placement_groups() == []

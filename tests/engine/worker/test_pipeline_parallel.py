@@ -115,13 +115,36 @@ def _refuses_structured_outputs(llm) -> None:
         llm.generate([[5, 6]], SamplingParams(max_tokens=2, structured_outputs=so), use_tqdm=False)
 
 
+def _sampled_with_logprobs(llm) -> list:
+    """Seeded random samples with their top-3 logprobs (the last stage's sampler)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=11, logprobs=3, ignore_eos=True)
+    out = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
+    return [out.token_ids, out.logprobs]
+
+
 @pytest.mark.slow
 def test_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
     torch.set_num_threads(1)
-    want, stats, _ = _generate(tiny_llama_dir)
+    sampled: list = []
+    want, stats, _ = _generate(
+        tiny_llama_dir, check=lambda llm: sampled.append(_sampled_with_logprobs(llm))
+    )
     assert stats.num_preemptions > 0
-    got, stats, info = _generate(tiny_llama_dir, pp=2, check=_refuses_structured_outputs)
+
+    def check(llm) -> None:
+        _refuses_structured_outputs(llm)
+        sampled.append(_sampled_with_logprobs(llm))
+
+    got, stats, info = _generate(tiny_llama_dir, pp=2, check=check)
     assert got == want
+    (want_tokens, want_lps), (tokens, lps) = sampled
+    assert tokens == want_tokens and len(lps) == 6  # the seeded draw, on the last stage
+    for mine, theirs in zip(lps, want_lps, strict=True):
+        assert mine.token_id == theirs.token_id and mine.rank == theirs.rank
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-5)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     # The driver's stage: layers 0-1 of 3, and only their KV cache; two batches in flight.
     assert info[:3] == (2, 2, 1)

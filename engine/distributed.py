@@ -3,7 +3,7 @@
 With one rank (the default) nothing in torch.distributed is touched. Worker processes call
 init_distributed() before building the model; layers read get_tp_rank()/get_tp_size() when
 they are constructed and shard their weights accordingly, the model reads get_pp_rank()/
-get_pp_size() to build only its stage's layers (engine.models.llama, pp_layer_range).
+get_pp_size() to build only its stage's layers (engine.models.pipeline).
 
 Ranks: world = tp_size * pp_size, rank = pp_rank * tp_size + tp_rank (vLLM's layout): the
 tensor-parallel group is the tp_size ranks of one stage, the pipeline-parallel group of a

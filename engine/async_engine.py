@@ -153,10 +153,6 @@ class AsyncEngine:
         Raises GrammarError, with a message for the user, for an invalid spec, one over the
         size limits, or one still compiling after the compile timeout (the compile goes on
         in its thread and stays cached, but this request is refused in bounded time)."""
-        if self.config.parallel.pipeline_parallel_size > 1:  # (engine.llm_engine.add)
-            raise GrammarError(
-                "structured outputs are not supported with pipeline_parallel_size > 1"
-            )
         manager = self.engine.structured
         future = manager.compile(so)
         if not future.done():

@@ -199,11 +199,6 @@ class LLMEngine:
             )
         grammar = None
         if params.structured_outputs is not None:
-            if self.config.parallel.pipeline_parallel_size > 1:
-                # The last stage samples, in another process; the bitmask is filled here.
-                raise GrammarError(
-                    "structured outputs are not supported with pipeline_parallel_size > 1"
-                )
             grammar = self.structured.request_grammar(params.structured_outputs)
             error = grammar.error()
             if error is not None:
@@ -356,6 +351,8 @@ class LLMEngine:
                     # back (and dropped) before it can be scheduled again: collect them all.
                     while self._batches:
                         outputs += self._collect()
+                # (the rank that samples gets the bitmask with the step: submit waits for it)
+                so.grammar_bitmask = self._start_bitmask(so)
                 self.executor.submit(so)
                 self._count_prompt_tokens(so)
                 self._batches.append(so)

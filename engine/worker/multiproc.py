@@ -33,6 +33,7 @@ kills the other workers, and this and every later call raises EngineDeadError.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -68,6 +69,11 @@ class WorkerExited(RuntimeError):
 
 
 _EXECUTE = "execute_model"
+# A step for the rank that samples when it is not the driver, with the grammar's bitmask
+# (structured outputs), which the engine's process fills: (the step's payload, the mask's
+# request ids, its int32 bytes, its shape).
+_EXECUTE_MASKED = "execute_model_masked"
+_masked_decoder = msgspec.msgpack.Decoder(tuple[msgspec.Raw, list[str], bytes, list[int]])
 
 _encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
@@ -83,6 +89,49 @@ def step_message(so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> byt
     return call_message(_EXECUTE, encode_step(so, prev_sampled))
 
 
+def masked_step_message(so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> bytes:
+    """step_message with the step's grammar bitmask, filled (this waits for it)."""
+    import torch
+
+    bitmask = so.grammar_bitmask
+    mask = bitmask.result().to("cpu", torch.int32).contiguous()
+    body = _encoder.encode(
+        (
+            msgspec.Raw(encode_step(so, prev_sampled)),
+            bitmask.request_ids,
+            mask.numpy().tobytes(),
+            list(mask.shape),
+        )
+    )
+    return call_message(_EXECUTE_MASKED, body)
+
+
+def step_messages(
+    so: SchedulerOutput, prev_sampled: dict[str, list[int]], ranks: range, output_rank: int
+) -> list[bytes]:
+    """The message for each of ranks: the same bytes for all, but the rank that samples, if it
+    is one of them, gets the grammar's bitmask where the step has one (the driver that samples
+    reads the step's own, still filling while its forward runs)."""
+    plain = step_message(so, prev_sampled)
+    if so.grammar_bitmask is None or output_rank not in ranks:
+        return [plain] * len(ranks)
+    masked = masked_step_message(so, prev_sampled)
+    return [masked if r == output_rank else plain for r in ranks]
+
+
+def _decode_masked(body) -> tuple[SchedulerOutput, dict[str, list[int]]]:
+    import torch
+
+    from engine.structured_output.manager import GrammarBitmask
+
+    step, request_ids, data, shape = _masked_decoder.decode(body)
+    so, prev_sampled = decode_step(step)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(torch.frombuffer(bytearray(data), dtype=torch.int32).view(shape))
+    so.grammar_bitmask = GrammarBitmask(request_ids, done)
+    return so, prev_sampled
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -95,8 +144,8 @@ def handle_call(runner, message: bytes, answers: bool):
     first (a rank that samples as rank 0 appended its own), then the step; its output is
     the reply only where `answers` (the rank that samples), else None (rank 0 has it)."""
     method, body = _call_decoder.decode(message)
-    if method == _EXECUTE:
-        so, prev_sampled = decode_step(body)
+    if method in (_EXECUTE, _EXECUTE_MASKED):
+        so, prev_sampled = decode_step(body) if method == _EXECUTE else _decode_masked(body)
         if not (runner.rank == 0 and runner.samples):
             runner.append_sampled(prev_sampled)
         out = runner.execute_model(so)
@@ -399,7 +448,10 @@ class WorkerGroup:
         in the order submitted: every rank and stage runs them in that order."""
         self.check_alive()
         try:
-            self._send(step_message(scheduler_output, self._sampled))
+            ranks = range(1, len(self.conns) + 1)
+            messages = step_messages(scheduler_output, self._sampled, ranks, self.output_rank)
+            for conn, message in zip(self.conns, messages, strict=True):
+                conn.send_bytes(message)
             self._sampled = {}  # sent: never twice, even if this step fails
             self._driver_results.append(self.driver.execute_model(scheduler_output))
         except Exception as exc:

@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.worker.multiproc import call_message, step_message
+from engine.worker.multiproc import call_message, step_messages
 
 logger = logging.getLogger("tessera.engine")
 
@@ -272,9 +272,12 @@ class RayWorkerGroup:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Queue a step on every actor (each runs its calls in order); collect() waits."""
         self.check_alive()
-        message = step_message(scheduler_output, self._sampled)
+        ranks = range(len(self.actors))
+        messages = step_messages(scheduler_output, self._sampled, ranks, self.output_rank)
         self._sampled = {}  # sent: never twice, even if this step fails
-        self._in_flight.append([a.call.remote(message) for a in self.actors])
+        self._in_flight.append(
+            [a.call.remote(m) for a, m in zip(self.actors, messages, strict=True)]
+        )
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest submitted step's output (the rank that samples answers with it)."""

@@ -104,15 +104,19 @@ def _generate(model_dir, tp: int = 1, pp: int = 1, check=None, **extra):
     return [[c.token_ids for c in o.outputs] for o in outs], stats, info
 
 
-def _refuses_structured_outputs(llm) -> None:
-    """The grammar's bitmask is filled on the driver, the last stage samples: refused."""
+CHOICES = ["yes", "no", "maybe so"]
+
+
+def _structured(llm) -> list[str]:
+    """Constrained replies: the bitmask, filled in the engine's process, travels with the
+    step to the last stage, which samples."""
     from engine import SamplingParams
     from engine.sampling_params import StructuredOutputsParams
-    from engine.structured_output import GrammarError
 
-    so = StructuredOutputsParams(choice=["yes", "no"])
-    with pytest.raises(GrammarError, match="pipeline_parallel_size"):
-        llm.generate([[5, 6]], SamplingParams(max_tokens=2, structured_outputs=so), use_tqdm=False)
+    so = StructuredOutputsParams(choice=CHOICES)
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so)
+    outs = llm.generate([[5, 6], [7, 8, 9], list(range(30, 50))], params, use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
 
 
 def _sampled_with_logprobs(llm) -> list:
@@ -128,17 +132,18 @@ def _sampled_with_logprobs(llm) -> list:
 def test_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
     torch.set_num_threads(1)
     sampled: list = []
-    want, stats, _ = _generate(
-        tiny_llama_dir, check=lambda llm: sampled.append(_sampled_with_logprobs(llm))
-    )
-    assert stats.num_preemptions > 0
+    texts: list = []
 
     def check(llm) -> None:
-        _refuses_structured_outputs(llm)
         sampled.append(_sampled_with_logprobs(llm))
+        texts.append(_structured(llm))
+
+    want, stats, _ = _generate(tiny_llama_dir, check=check)
+    assert stats.num_preemptions > 0
 
     got, stats, info = _generate(tiny_llama_dir, pp=2, check=check)
     assert got == want
+    assert texts[1] == texts[0] and all(t in CHOICES for t in texts[1])
     (want_tokens, want_lps), (tokens, lps) = sampled
     assert tokens == want_tokens and len(lps) == 6  # the seeded draw, on the last stage
     for mine, theirs in zip(lps, want_lps, strict=True):

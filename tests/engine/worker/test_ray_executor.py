@@ -39,7 +39,7 @@ def _live_placement_groups() -> list:
 
 
 def test_pp2_on_ray_actors_equals_one_process(local_ray, tiny_llama_dir):
-    from tests.engine.worker.test_pipeline_parallel import _generate
+    from tests.engine.worker.test_pipeline_parallel import CHOICES, _generate, _structured
 
     torch.set_num_threads(1)
     want, _, _ = _generate(tiny_llama_dir)
@@ -50,6 +50,7 @@ def test_pp2_on_ray_actors_equals_one_process(local_ray, tiny_llama_dir):
         seen["pids"] = group.pids
         seen["actors"] = len(_alive_rank_actors())
         seen["groups"] = len(_live_placement_groups())
+        seen["texts"] = _structured(llm)  # the bitmask travels to the actor that samples
 
     got, stats, _ = _generate(
         tiny_llama_dir, pp=2, check=on_actors, distributed_executor_backend="ray"
@@ -58,6 +59,7 @@ def test_pp2_on_ray_actors_equals_one_process(local_ray, tiny_llama_dir):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert len(seen["pids"]) == 2 and os.getpid() not in seen["pids"]
     assert seen["actors"] == 2 and seen["groups"] == 1
+    assert all(t in CHOICES for t in seen["texts"])
     # Torn down: the actors killed, the placement group removed.
     assert _alive_rank_actors() == []
     assert _live_placement_groups() == []

@@ -15,6 +15,7 @@ from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
 from engine.config import (
     DEFAULT_MODEL,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_CHOICES,
     LOAD_FORMAT_CHOICES,
     CacheConfig,
@@ -206,6 +207,20 @@ class EngineArgs:
     )
     # --- parallelism ---
     tensor_parallel_size: int = option("Tensor-parallel ranks (worker processes).", 1, int)
+    pipeline_parallel_size: int = option(
+        "Pipeline stages: each holds a contiguous share of the layers (and their KV cache) "
+        'on tensor_parallel_size ranks of its own; TESSERA_PP_LAYER_PARTITION="a,b,..." '
+        "overrides the balanced split.",
+        1,
+        int,
+    )
+    distributed_executor_backend: str = option(
+        "Where the ranks run when there are several: mp = worker processes on this machine; "
+        "ray = one Ray actor per rank in a placement group (the cluster at RAY_ADDRESS, else "
+        "a local one; needs the `ray` extra).",
+        "mp",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
     collective_timeout: float = option(
         "Seconds a tensor-parallel rank waits for its peers (a collective, a worker's reply) "
         "before the engine is declared dead (the server exits non-zero).",
@@ -263,6 +278,8 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
                 frontend_threads=self.frontend_threads,
                 collective_timeout_s=self.collective_timeout,
             ),

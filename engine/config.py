@@ -25,6 +25,9 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -107,6 +110,11 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # Pipeline stages (engine.models.pipeline): contiguous layers each, tp ranks per stage.
+    pipeline_parallel_size: int = 1
+    # Where ranks beyond one run: mp (worker processes, engine.worker.multiproc) | ray
+    # (one Ray actor per rank, engine.worker.ray_executor).
+    distributed_executor_backend: str = "mp"
     # CPU threads that small steps leave to a serving front end (engine.worker.step_threads);
     # None: measured per band of step sizes (all threads or all but one, whichever is faster).
     frontend_threads: int | None = 0
@@ -114,10 +122,24 @@ class ParallelConfig:
     # reply) before the tensor-parallel group is declared dead (engine.worker.multiproc).
     collective_timeout_s: float = 300.0
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size per stage, pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def __post_init__(self) -> None:
         _check(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}",
+        )
+        _check(
+            self.distributed_executor_backend in DISTRIBUTED_EXECUTOR_BACKENDS,
+            "distributed_executor_backend must be mp or ray, got "
+            f"{self.distributed_executor_backend!r}",
+        )
+        _check(
+            self.pipeline_parallel_size >= 1,
+            f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}",
         )
         _check(
             self.collective_timeout_s > 0,

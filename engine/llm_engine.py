@@ -11,6 +11,7 @@ a thread by AsyncEngine.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -48,7 +49,7 @@ class LLMEngine:
         hf_config = load_hf_config(model_dir)
         max_model_len = max_model_len_for(hf_config, config.model.max_model_len)
         config.model.max_model_len = max_model_len
-        tp = config.parallel.tensor_parallel_size
+        tp = config.parallel.world_size  # (async scheduling: one rank only)
         self.async_scheduling = resolve_async_scheduling(
             config.scheduler.async_scheduling, resolve_device(config.model.device).type, tp
         )
@@ -115,6 +116,10 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, Request] = {}
         # Async scheduling: the step in flight (its SchedulerOutput and pending output).
         self._in_flight: tuple[SchedulerOutput, PendingOutput | ModelRunnerOutput] | None = None
+        # Pipeline parallelism: the steps submitted and not yet collected, oldest first, up
+        # to one per stage (vLLM's batch queue; _step_pipelined).
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self._batches: collections.deque[SchedulerOutput] = collections.deque()
         # Cumulative counters for metrics (read by AsyncEngine's stats snapshot).
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -326,6 +331,7 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or self.output_processor.has_unfinished()
             or self._in_flight is not None  # async scheduling: a step to apply still
+            or bool(self._batches)  # pipeline parallelism: steps to collect still
         )
 
     # -- the loop ---------------------------------------------------------------------------
@@ -341,6 +347,12 @@ class LLMEngine:
                 return failed + self._step_async()
             except BaseException:
                 self._in_flight = None  # its requests are failed or aborted by the caller
+                raise
+        if self.max_concurrent_batches > 1:
+            try:
+                return failed + self._step_pipelined()
+            except BaseException:
+                self._batches.clear()  # the executor is dead: nothing will be collected
                 raise
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -372,6 +384,41 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallelism: submit a step while the earlier ones are still in the later
+        stages, up to one per stage; collect and apply the oldest when the queue is full or
+        nothing more can be scheduled. A request in flight has nothing to compute until its
+        token is back (the scheduler skips it), so consecutive batches hold other requests;
+        every stage runs the batches in order, so a block freed by one batch and reused by
+        the next is written in that order everywhere."""
+        outputs: list[RequestOutput] = []
+        if len(self._batches) < self.max_concurrent_batches:
+            so = self.scheduler.schedule()
+            if not so.is_empty or so.drops_requests:
+                if so.preempted_request_ids:
+                    # A request preempted now may be in a batch in flight; its token must be
+                    # back (and dropped) before it can be scheduled again: collect them all.
+                    while self._batches:
+                        outputs += self._collect()
+                # (the rank that samples gets the bitmask with the step: submit waits for it)
+                so.grammar_bitmask = self._start_bitmask(so)
+                self.executor.submit(so)
+                self._count_prompt_tokens(so)
+                self._batches.append(so)
+                if len(self._batches) < self.max_concurrent_batches and not so.is_empty:
+                    return outputs  # room for another batch: schedule it before waiting
+            elif not self._batches:
+                if self._awaiting_grammar:
+                    self._wait_for_grammars()  # nothing else to do: don't spin
+                return outputs
+        if self._batches:
+            outputs += self._collect()
+        return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        so = self._batches.popleft()
+        return self._apply(so, self.executor.collect())
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch step t+1, then apply step t (engine.async_scheduling)."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.attention.backends.base import AttentionMetadata
 from engine.attention.layer import PagedAttention
+from engine.distributed import get_pp_size
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
@@ -143,6 +144,10 @@ class Gemma3Model(nn.Module):
             }
         )
 
+    def own_layers(self) -> list[Gemma3DecoderLayer]:
+        """This rank's layers: all of them (Gemma 3 is not split into pipeline stages)."""
+        return list(self.layers)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -171,6 +176,10 @@ class Gemma3ForCausalLM(nn.Module):
             raise ValueError(f"hidden_activation {cfg.hidden_act!r} is not supported for Gemma 3")
         if cfg.raw.get("attn_logit_softcapping") is not None:
             raise ValueError("attn_logit_softcapping is not supported (Gemma 3 leaves it unset)")
+        if get_pp_size() > 1:
+            raise ValueError(
+                "Gemma 3 is not split into pipeline stages yet: drop --pipeline-parallel-size"
+            )
         self.config = cfg
         self.model = Gemma3Model(cfg, max(cfg.max_position_embeddings, max_position or 0))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)

@@ -7,6 +7,10 @@ Qwen2/3 per use_sliding_window / max_window_layers / layer_types).
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H] over a flattened batch;
 compute_logits(hidden [S, H]) -> [S, V] float32.
+
+Pipeline parallelism (engine.models.pipeline): a stage builds only its layers (the first also
+the embedding, the last the final norm and the LM head); forward takes the previous stage's
+IntermediateTensors and, on every stage but the last, returns its own.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from torch import nn
 
 from engine.attention.backends.base import AttentionMetadata
 from engine.attention.layer import PagedAttention
+from engine.distributed import get_pp_rank, get_pp_size
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import ApplyRotary, RotaryEmbedding
 from engine.models.hf_config import HFModelConfig
+from engine.models.pipeline import IntermediateTensors, PPMissingLayer, layer_range
 
 
 def rotary_dim(cfg: HFModelConfig) -> int:
@@ -128,23 +134,45 @@ class LlamaModel(nn.Module):
         make_mlp: Callable[[HFModelConfig, int], nn.Module] = dense_mlp,
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, make_mlp(cfg, i), i) for i in range(cfg.num_hidden_layers)
+        pp_rank, pp_size = get_pp_rank(), get_pp_size()
+        self.first_stage, self.last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            if self.first_stage
+            else PPMissingLayer()
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, make_mlp(cfg, i), i)
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.last_stage else None
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, rotary_dim(cfg)
         )
 
+    def own_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's layers, in order (all of them without pipeline parallelism)."""
+        return list(self.layers[self.start_layer : self.end_layer])
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for every layer
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(hidden, residual, rope, meta)
+        if not self.last_stage:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -169,14 +197,42 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             cfg, max(cfg.max_position_embeddings, max_position or 0), self.make_mlp
         )
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = None
+        if self.model.last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings and self.model.first_stage:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, meta, intermediate)
+
+    def stage_checkpoint_name(self, name: str) -> str | None:
+        """Under pipeline parallelism: the name this stage loads a checkpoint tensor as
+        (a tied LM head on a last stage without the embedding: the embedding's tensor), or
+        None for a tensor of another stage (skipped)."""
+        m = self.model
+        if name.startswith("model.layers."):
+            i = int(name.split(".", 3)[2])
+            return name if m.start_layer <= i < m.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if m.first_stage:
+                return name
+            if (
+                self.lm_head is not None
+                and not self.lm_head.tied
+                and self.config.tie_word_embeddings
+            ):
+                return name.replace("model.embed_tokens.", "lm_head.")
+            return None
+        if name.startswith("model.norm.") or name.startswith("lm_head."):
+            return name if m.last_stage else None
+        return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -188,4 +244,4 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The attention modules, in order: the runner binds one KV-cache tensor to each."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.own_layers()]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.config import DEFAULT_MODEL
+from engine.distributed import get_pp_size
 from engine.gguf.convert import CONVERTER_VERSION, convert_gguf, linked_tensors
 from engine.gguf.source import default_gguf_path
 from engine.layers.ops import bind_custom_ops
@@ -203,11 +204,18 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     # several of a merged parameter's shards (Phi-3's qkv_proj, gate_up_proj), split on dim 0
     # into the shards, each then loaded (and split for tensor parallelism) as its own tensor
     fused = getattr(model, "fused_checkpoint_shards", None)
+    # name -> the name this pipeline stage loads it as, or None: another stage's tensor
+    # (engine.models.pipeline); without pipeline parallelism every name is this rank's
+    stage_name = getattr(model, "stage_checkpoint_name", None) if get_pp_size() > 1 else None
     loaded: dict[str, set] = {}
     seen: set[str] = set()  # checkpoint names read
 
     def fill(ckpt_name: str, tensor: Callable[[], torch.Tensor], source: str) -> None:
         seen.add(ckpt_name)
+        if stage_name is not None:
+            ckpt_name = stage_name(ckpt_name)
+            if ckpt_name is None:
+                return
         if "rotary_emb.inv_freq" in ckpt_name:
             return
         parts = fused(ckpt_name) if fused is not None else None

@@ -1,9 +1,10 @@
 """Executor: runs the model runner(s) for the engine.
 
-tensor_parallel_size == 1: the runner lives in this process.
-tensor_parallel_size > 1: rank 0 in this process, ranks 1..N-1 in worker processes
-(see engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and
-keeps its own persistent input batch (engine/worker/input_batch.py). A worker that dies
+One rank (tensor_parallel_size * pipeline_parallel_size == 1): the runner lives in this
+process. More: rank 0 in this process, ranks 1..N-1 in worker processes (see
+engine/worker/multiproc.py); every rank gets the same SchedulerOutput each step, and keeps its
+own persistent input batch (engine/worker/input_batch.py). With
+--distributed-executor-backend ray every rank is a Ray actor instead (ray_executor.py). A worker that dies
 makes every later call raise EngineDeadError; on_dead listeners hear of it at once.
 """
 
@@ -22,11 +23,16 @@ class Executor:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
         self.workers = None
-        if config.parallel.tensor_parallel_size > 1:
-            from engine.worker.multiproc import WorkerGroup
+        if config.parallel.world_size > 1:
+            if config.parallel.distributed_executor_backend == "ray":
+                from engine.worker.ray_executor import RayWorkerGroup
 
-            self.workers = WorkerGroup(config, model_dir)
-            self.runner = self.workers.driver
+                self.workers = RayWorkerGroup(config, model_dir)
+            else:
+                from engine.worker.multiproc import WorkerGroup
+
+                self.workers = WorkerGroup(config, model_dir)
+            self.runner = self.workers.driver  # (None with Ray: every rank is an actor)
         else:
             self.runner = ModelRunner(config, model_dir=model_dir)
             self.runner.load_model()
@@ -56,6 +62,20 @@ class Executor:
         if self.workers is not None:
             return self.workers.execute_model(scheduler_output)
         return self.runner.execute_model(scheduler_output)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may submit before collecting the oldest (pipeline parallelism:
+        one per stage, so every stage has a batch to work on); 1 otherwise."""
+        return self.workers.max_concurrent_batches if self.workers is not None else 1
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step (max_concurrent_batches > 1 only); collect() returns its output."""
+        self.workers.submit(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (steps are collected in submission order)."""
+        return self.workers.collect()
 
     def shutdown(self) -> None:
         if self.workers is not None:

@@ -204,7 +204,9 @@ class InputBatch:
         for rid, tokens in sampled.items():
             if not tokens:
                 continue
-            state = requests[rid]
+            state = requests.get(rid)
+            if state is None:  # preempted or finished while its batch was in flight (PP)
+                continue
             state.append_tokens(tokens[:1] if state.num_samples > 1 else tokens)
 
     def step_inputs(

@@ -13,6 +13,13 @@ With LoRA enabled (engine.lora) the runner's LoRAManager puts each step's adapte
 resident slots and maps the step's rows to them before the forward; a step with adapters runs
 eagerly (the step graphs, the CPU decode plan and CUDA's captured graphs, hold no LoRA).
 
+Pipeline parallelism (engine.models.pipeline): this rank holds one stage's layers and their
+KV cache only. A stage after the first receives the hidden states and residual from the one
+before (engine.distributed.pp_recv), a stage before the last sends its own on; the first TP
+rank of the last stage samples, and its output goes back to the driver in its reply (it
+learns its own tokens, like every rank but the driver, from the next step's payload). Steps
+under pipeline parallelism run eager: no CPU decode plan, no CUDA graphs.
+
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
 input batch and the next step feeds them from the device (engine.worker.async_output).
@@ -37,7 +44,16 @@ from engine.attention.kv_spec import KVCacheSpec
 from engine.attention.metadata import CommonAttentionMetadata, common_metadata_from_seqs
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import blocks_per_request
-from engine.distributed import get_tp_size
+from engine.distributed import (
+    get_pp_rank,
+    get_pp_size,
+    get_tp_rank,
+    get_tp_size,
+    is_first_stage,
+    is_last_stage,
+    pp_recv,
+    pp_send,
+)
 from engine.gguf.source import gguf_source
 from engine.layers.gpu_sampler import GpuSampler
 from engine.layers.quantization import CHECKPOINT_METHODS
@@ -50,6 +66,7 @@ from engine.layers.quantization.gguf import block_parameters
 from engine.layers.quantization.quantize import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
+from engine.models.pipeline import IntermediateTensors, layer_range
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.structured_output.bitmask import RowMask
 from engine.worker import host_memory
@@ -77,6 +94,11 @@ _CPU_KV_CAP = 8 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
+# A rank's index among the ranks on its node, and their number (a Ray actor sees only the GPU
+# its bundle holds: local rank 0 of 1); unset: the global rank and world size.
+LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_RANK", "TESSERA_LOCAL_WORLD_SIZE"
+
+
 def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.device:
     """The device tensor-parallel rank `rank` runs on: auto = CUDA when there is one; on
     CUDA each rank gets its own GPU, cuda:<rank> (one node: the rank is the local rank)."""
@@ -86,6 +108,9 @@ def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.dev
         return torch.device(device)
     if not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    if LOCAL_RANK_ENV in os.environ:  # placed by Ray (ray_executor): its GPUs, its index
+        rank = int(os.environ[LOCAL_RANK_ENV])
+        world_size = int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1"))
     check_visible_gpus(world_size, torch.cuda.device_count())
     return torch.device("cuda", rank)
 
@@ -166,7 +191,8 @@ class ModelRunner:
         )
         self.hf_config = load_hf_config(self.model_dir)
         tp = config.parallel.tensor_parallel_size
-        self.device = resolve_device(config.model.device, rank, tp)
+        pp = config.parallel.pipeline_parallel_size
+        self.device = resolve_device(config.model.device, rank, tp * pp)
         if self.device.type == "cuda":  # this rank's GPU is the current one (kernel launches)
             torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
@@ -174,11 +200,17 @@ class ModelRunner:
         self.max_model_len = max_model_len_for(
             self.hf_config, config.model.max_model_len or config.scheduler.max_model_len
         )
-        if get_tp_size() != tp:
+        if get_tp_size() != tp or get_pp_size() != pp:
             raise ValueError(
-                f"tensor_parallel_size is {tp} but this process is in a group of {get_tp_size()}: "
-                "call engine.distributed.init_distributed() before building the runner"
+                f"tensor_parallel_size is {tp} and pipeline_parallel_size {pp}, but this "
+                f"process is in a group of {get_tp_size()} x {get_pp_size()}: call "
+                "engine.distributed.init_distributed() before building the runner"
             )
+        self.pp_size = pp
+        # This stage's layers; the rank that samples: the last stage's first TP rank.
+        start, end = layer_range(self.hf_config.num_hidden_layers, get_pp_rank(), pp)
+        self.num_layers = end - start
+        self.samples = is_last_stage() and get_tp_rank() == 0
         self.num_kv_heads = self.hf_config.num_key_value_heads // tp
         self.model: torch.nn.Module | None = None
         self.quantization: str | None = None  # the method the model loaded with (resolve_method)
@@ -219,7 +251,12 @@ class ModelRunner:
         gguf = gguf_source(m.model)
         qcfg = self.hf_config.quantization_config
         self.quantization, why = resolve_method(
-            m.quantization, gguf, self.device, m.load_format, get_tp_size(), checkpoint=qcfg
+            m.quantization,
+            gguf,
+            self.device,
+            m.load_format,
+            get_tp_size() * self.pp_size,
+            checkpoint=qcfg,
         )
         # a checkpoint format: validated now, its layers' methods given before the weights load
         ckpt = (
@@ -227,6 +264,11 @@ class ModelRunner:
             if self.quantization in CHECKPOINT_METHODS
             else None
         )
+        if self.quantization == "gguf" and self.pp_size > 1:
+            raise ValueError(
+                "--quantization gguf (a GGUF file's blocks) runs on one rank: drop "
+                "--pipeline-parallel-size, or load the float weights (--quantization none)"
+            )
 
         def blocks_first(model: torch.nn.Module) -> set[str]:
             # the file's blocks go in before the float weights, which then skip those layers:
@@ -248,7 +290,7 @@ class ModelRunner:
             seed=m.seed,
             prepare=prepare,
         )
-        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.dtype = self.model.model.own_layers()[0].input_layernorm.weight.dtype
         if ckpt is not None:
             finish_checkpoint_methods(self.model, ckpt)
         elif self.quantization != "gguf":
@@ -299,7 +341,7 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers (K and V, scales included) on this rank."""
-        return self.hf_config.num_hidden_layers * self.kv_cache_spec().bytes_per_block
+        return self.num_layers * self.kv_cache_spec().bytes_per_block
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -379,6 +421,8 @@ class ModelRunner:
     def graph_reserve_bytes(self) -> int:
         """The step graph's device memory, reserved before the cache is sized (it is built
         after): the CUDA graphs' pool where they will be captured, else 0."""
+        if self.pp_size > 1:  # pipeline stages run eager (_build_step_graph)
+            return 0
         return self._graph_type.reserve_bytes(self.step_graph_config())
 
     @torch.inference_mode()
@@ -392,11 +436,22 @@ class ModelRunner:
         common = common_metadata_from_seqs(
             [(0, n, [0] * (-(-n // self.block_size)))], self.block_size
         )
-        hidden = self.model(ids, pos, self.attn_backend.build_metadata(common))
+        meta = self.attn_backend.build_metadata(common)
+        hidden = self.model(ids, pos, meta, self._dummy_intermediate(n))
+        if not is_last_stage():  # a stage before the last: no LM head (measured apart)
+            return hidden.hidden
         rows = torch.arange(self.config.scheduler.max_num_seqs, device=self.device) % n
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1)
         return logits
+
+    def _dummy_intermediate(self, n: int) -> IntermediateTensors | None:
+        """Zeros standing for the previous stage's output (a profile run's input)."""
+        if is_first_stage():
+            return None
+        shape = (n, self.hf_config.hidden_size)
+        z = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return IntermediateTensors(z, z.clone())
 
     def device_info(self) -> tuple[str, int | None]:
         """(this rank's device, the process's current CUDA device or None): where it runs."""
@@ -431,9 +486,7 @@ class ModelRunner:
         assert self.model is not None, "load_model() first"
         self._check_fits(num_blocks)
         spec = self.kv_cache_spec()
-        kv = spec.allocate(
-            num_blocks, self.device, num_layers=self.hf_config.num_hidden_layers, zeros=self._zeros
-        )
+        kv = spec.allocate(num_blocks, self.device, num_layers=self.num_layers, zeros=self._zeros)
         self.kv_caches, self.kv_scales = kv.storage, kv.scales
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache, attn.kv_scales = kv.layer(i)
@@ -481,6 +534,12 @@ class ModelRunner:
     def _build_step_graph(self) -> StepGraph | None:
         if self._step_graph is not None:  # a re-bound cache: the old graph reads the old one
             self._step_graph.close()
+        if self.pp_size > 1:
+            # The decode plan and the CUDA graphs run a whole model from ids to hidden; a
+            # stage starts from (or ends with) intermediate tensors: eager.
+            if self.rank == 0:
+                logger.info("Pipeline parallel: every step eager (no step graph)")
+            return None
         return self._graph_type.build(self.model, self.step_graph_config())
 
     # -- a step ---------------------------------------------------------------------------
@@ -526,7 +585,7 @@ class ModelRunner:
         sampled = {r.request_id: [] for r in so.scheduled}
         prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
         to_sample = [r.request_id for r in so.scheduled if r.sample]
-        if not to_sample:
+        if not to_sample or hidden is None:  # (None: a stage before the last)
             return ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
         states = [batch[rid] for rid in to_sample]
         if self.gpu_sampler is not None:
@@ -542,7 +601,7 @@ class ModelRunner:
                 tokens, logprobs = [[t] for t in greedy.tolist()], [None] * len(states)
             else:
                 logits = self.model.compute_logits(last)
-                if self.rank != 0:  # only the driver samples; the others ran the collectives
+                if not self.samples:  # one rank samples; the others ran the collectives
                     return ModelRunnerOutput(sampled_token_ids=sampled)
                 mask = _row_mask(so.grammar_bitmask, to_sample)
                 tokens, logprobs = self.sampler(logits, states, mask)
@@ -660,7 +719,7 @@ class ModelRunner:
         logits = None
         if greedy is None:
             logits = self.model.compute_logits(last)
-            if self.rank != 0:
+            if not self.samples:
                 return None
         mask = _row_mask(grammar_bitmask, to_sample) if logits is not None else None
         tokens = self.gpu_sampler.sample(logits, states, rows, greedy, mask).tolist()
@@ -669,10 +728,16 @@ class ModelRunner:
         return tokens, self.gpu_sampler.logprobs(logits, states, tokens)
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], last_row: dict[str, int]
+        self,
+        hidden: torch.Tensor | None,
+        scheduled: list[ScheduledRequest],
+        last_row: dict[str, int],
     ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """The prompt logprobs of this step's prompt rows, for the requests that ask
-        (engine.worker.prompt_logprobs); every rank runs the LM head, the driver keeps them."""
+        (engine.worker.prompt_logprobs); every rank of the last stage runs the LM head, its
+        first keeps them (a stage before the last has no hidden states: None)."""
+        if hidden is None:
+            return {}
         return compute_prompt_logprobs(
             self.model,
             hidden,
@@ -680,15 +745,18 @@ class ModelRunner:
             last_row,
             self.input_batch.requests,
             self.hf_config.vocab_size,
-            keep=self.rank == 0,
+            keep=self.samples,
         )
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Another rank's view: the driver's samples of the previous step (see multiproc.py)."""
         self.input_batch.append_sampled(sampled)
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, int]]:
-        """Run the flattened batch; return hidden [T, H] and each request's last row."""
+    def _forward(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor | None, dict[str, int]]:
+        """Run the flattened batch; return hidden [T, H] (None on a stage before the last)
+        and each request's last row."""
         ids, positions, seqs, last_row = self.input_batch.step_inputs(scheduled)
         fed = self._prev.feed(ids, last_row, self.device) if self._prev is not None else None
         common = common_metadata_from_seqs(seqs, self.block_size)
@@ -713,11 +781,13 @@ class ModelRunner:
         common: CommonAttentionMetadata,
         fed: tuple[torch.Tensor, torch.Tensor] | None = None,
         eager: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The step graph's output where it takes this step, else the eager forward's.
         fed: (rows, device values) of input ids that are placeholders (async scheduling);
         eager: skip the step graph (a step with LoRA adapters)."""
         step = StepInputs(ids, positions, common, fed)
+        if self.pp_size > 1:
+            return self._run_stage(step)
         graph = None if eager else self._step_graph
         if graph is not None:  # a graph without eager_inputs fills static buffers of its own
             if graph.eager_inputs:
@@ -728,6 +798,20 @@ class ModelRunner:
         if step.input_ids is None:
             self._eager_inputs(step)
         return self.model(step.input_ids, step.position_ids, step.attn_metadata)
+
+    def _run_stage(self, step: StepInputs) -> torch.Tensor | None:
+        """This pipeline stage's share of the step: the previous stage's tensors in, this
+        stage's layers, its tensors out to the next stage (None) or the last's hidden."""
+        self._eager_inputs(step)
+        intermediate = None
+        if not is_first_stage():
+            shape = (len(step.ids), self.hf_config.hidden_size)
+            intermediate = IntermediateTensors(*pp_recv([shape, shape], self.dtype, self.device))
+        out = self.model(step.input_ids, step.position_ids, step.attn_metadata, intermediate)
+        if is_last_stage():
+            return out
+        pp_send([out.hidden, out.residual])
+        return None
 
     def _eager_inputs(self, step: StepInputs) -> None:
         """The eager forward's tensors for the step: ids and positions on the device, the

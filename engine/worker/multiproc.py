@@ -1,10 +1,19 @@
-"""Tensor-parallel worker processes.
+"""Tensor- and pipeline-parallel worker processes.
 
 Rank 0 (the driver) runs in the engine's process; ranks 1..N-1 run `_worker_main` in spawned
 processes. Every step the driver sends the step payload down a pipe to each worker (msgpack,
 see step_payload.py: the SchedulerOutput's changes and the tokens the driver sampled the step
 before, O(batch) bytes), runs its own shard, and the layers' all-reduces keep the ranks in
 lockstep. Only rank 0 samples. Replies (ready, ok, error) are small and stay pickled.
+
+Pipeline parallelism: world = tensor_parallel_size * pipeline_parallel_size ranks, rank 0 the
+first stage's first TP rank (engine.distributed). Every rank still gets every step's payload;
+the stages pass hidden states along point to point, and the last stage's first TP rank (the
+output rank) samples and sends the step's ModelRunnerOutput back in its reply; the driver
+appends those tokens to its own batch and sends them on with the next step, as with TP.
+submit() sends a step and runs the driver's stage, collect() waits for the oldest step's
+replies: with pipeline_parallel_size P the engine keeps up to P steps submitted
+(max_concurrent_batches), each rank running them in order off its pipe.
 
 Devices: on CUDA rank r binds cuda:r (torch.cuda.set_device) before anything touches CUDA,
 and the group's backend follows the resolved device (nccl for CUDA, gloo for CPU).
@@ -24,6 +33,7 @@ kills the other workers, and this and every later call raises EngineDeadError.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -59,6 +69,11 @@ class WorkerExited(RuntimeError):
 
 
 _EXECUTE = "execute_model"
+# A step for the rank that samples when it is not the driver, with the grammar's bitmask
+# (structured outputs), which the engine's process fills: (the step's payload, the mask's
+# request ids, its int32 bytes, its shape).
+_EXECUTE_MASKED = "execute_model_masked"
+_masked_decoder = msgspec.msgpack.Decoder(tuple[msgspec.Raw, list[str], bytes, list[int]])
 
 _encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
@@ -74,10 +89,68 @@ def step_message(so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> byt
     return call_message(_EXECUTE, encode_step(so, prev_sampled))
 
 
+def masked_step_message(so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> bytes:
+    """step_message with the step's grammar bitmask, filled (this waits for it)."""
+    import torch
+
+    bitmask = so.grammar_bitmask
+    mask = bitmask.result().to("cpu", torch.int32).contiguous()
+    body = _encoder.encode(
+        (
+            msgspec.Raw(encode_step(so, prev_sampled)),
+            bitmask.request_ids,
+            mask.numpy().tobytes(),
+            list(mask.shape),
+        )
+    )
+    return call_message(_EXECUTE_MASKED, body)
+
+
+def step_messages(
+    so: SchedulerOutput, prev_sampled: dict[str, list[int]], ranks: range, output_rank: int
+) -> list[bytes]:
+    """The message for each of ranks: the same bytes for all, but the rank that samples, if it
+    is one of them, gets the grammar's bitmask where the step has one (the driver that samples
+    reads the step's own, still filling while its forward runs)."""
+    plain = step_message(so, prev_sampled)
+    if so.grammar_bitmask is None or output_rank not in ranks:
+        return [plain] * len(ranks)
+    masked = masked_step_message(so, prev_sampled)
+    return [masked if r == output_rank else plain for r in ranks]
+
+
+def _decode_masked(body) -> tuple[SchedulerOutput, dict[str, list[int]]]:
+    import torch
+
+    from engine.structured_output.manager import GrammarBitmask
+
+    step, request_ids, data, shape = _masked_decoder.decode(body)
+    so, prev_sampled = decode_step(step)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(torch.frombuffer(bytearray(data), dtype=torch.int32).view(shape))
+    so.grammar_bitmask = GrammarBitmask(request_ids, done)
+    return so, prev_sampled
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def handle_call(runner, message: bytes, answers: bool):
+    """Run one driver message on a worker rank's runner (this loop's and the Ray actors',
+    engine.worker.ray_executor); the reply's value. A step: the previous step's samples
+    first (a rank that samples as rank 0 appended its own), then the step; its output is
+    the reply only where `answers` (the rank that samples), else None (rank 0 has it)."""
+    method, body = _call_decoder.decode(message)
+    if method in (_EXECUTE, _EXECUTE_MASKED):
+        so, prev_sampled = decode_step(body) if method == _EXECUTE else _decode_masked(body)
+        if not (runner.rank == 0 and runner.samples):
+            runner.append_sampled(prev_sampled)
+        out = runner.execute_model(so)
+        return out if answers else None
+    return getattr(runner, method)(*msgspec.msgpack.decode(body))
 
 
 def _worker_main(
@@ -89,6 +162,7 @@ def _worker_main(
     conn: Connection,
     parent_pid: int,
     num_threads: int,
+    pp_size: int = 1,
 ) -> None:
     die_with_parent(parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,21 +183,17 @@ def _worker_main(
         bind_cuda_device(device)  # first: this rank's context and communicator on its GPU
         timeout_s = config.parallel.collective_timeout_s
         conn.send(("joining", None))  # imported: the driver joins the group only now
-        init_distributed(rank, world_size, init_method, backend_for(device), timeout_s)
+        init_distributed(rank, world_size, init_method, backend_for(device), timeout_s, pp_size)
         runner = ModelRunner(config, model_dir=model_dir, rank=rank)
+        # Under pipeline parallelism the rank that samples answers with the step's output.
+        answers = runner.samples and pp_size > 1
         runner.load_model()
         conn.send(("ready", None))
         while True:
-            method, body = _call_decoder.decode(conn.recv_bytes())
-            if method == "stop":
+            message = conn.recv_bytes()
+            if _call_decoder.decode(message)[0] == "stop":
                 break
-            if method == _EXECUTE:
-                so, prev_sampled = decode_step(body)
-                runner.append_sampled(prev_sampled)
-                runner.execute_model(so)
-                conn.send(("ok", None))  # the step's result lives on rank 0
-                continue
-            conn.send(("ok", getattr(runner, method)(*msgspec.msgpack.decode(body))))
+            conn.send(("ok", handle_call(runner, message, answers)))
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as exc:  # report, then die: the driver turns it into an error
@@ -150,7 +220,11 @@ class WorkerGroup:
         from engine.distributed import backend_for, bind_cuda_device, init_distributed
         from engine.worker.model_runner import ModelRunner, resolve_device
 
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
+        self.pp_size = pp_size = config.parallel.pipeline_parallel_size
+        # The rank whose reply carries the step's output (pipeline parallel): the last
+        # stage's first TP rank; rank 0 itself without pipeline parallelism.
+        self.output_rank = (pp_size - 1) * config.parallel.tensor_parallel_size
         # Resolved here first: too few GPUs fails before any process starts.
         self.device = resolve_device(config.model.device, 0, world_size)
         self.backend = backend_for(self.device)
@@ -179,6 +253,7 @@ class WorkerGroup:
                     child_conn,
                     os.getpid(),
                     num_threads,
+                    pp_size,
                 ),
                 name=f"tessera-tp{rank}",
                 daemon=True,
@@ -189,13 +264,14 @@ class WorkerGroup:
             self.conns.append(parent_conn)
         # What the driver sampled last step: the workers append it before the next one.
         self._sampled: dict[str, list[int]] = {}
+        self._driver_results: list[ModelRunnerOutput] = []  # the steps submitted, in order
         try:
             # Every rank at the rendezvous within moments of the others, however long the
             # workers took to start: the collective timeout need not cover an import.
             self._gather(timeout=_READY_TIMEOUT_S)
             bind_cuda_device(self.device)
             torch.set_num_threads(num_threads)
-            init_distributed(0, world_size, init_method, self.backend, self.timeout_s)
+            init_distributed(0, world_size, init_method, self.backend, self.timeout_s, pp_size)
             self.driver = ModelRunner(config, model_dir=model_dir, rank=0)
             self.driver.load_model()
             self._gather(timeout=_READY_TIMEOUT_S)
@@ -205,7 +281,10 @@ class WorkerGroup:
         self._watcher = threading.Thread(target=self._watch, name="tessera-tp-watch", daemon=True)
         self._watcher.start()
         logger.info(
-            "Tensor parallel: %d ranks ready (%s, collective timeout %.0f s)",
+            "Tensor parallel %d x pipeline parallel %d: %d ranks ready (%s, collective "
+            "timeout %.0f s)",
+            config.parallel.tensor_parallel_size,
+            pp_size,
             world_size,
             self.backend,
             self.timeout_s,
@@ -353,21 +432,51 @@ class WorkerGroup:
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps submitted before the oldest is collected: one per pipeline stage (the first
+        stage computes batch k+1 while the later ones compute batch k); 1 without PP."""
+        return self.pp_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send a step to every rank and run the driver's share (under PP its stage, which
+        hands the batch on to the next); collect() returns its output. Steps are collected
+        in the order submitted: every rank and stage runs them in that order."""
         self.check_alive()
         try:
-            self._send(step_message(scheduler_output, self._sampled))
+            ranks = range(1, len(self.conns) + 1)
+            messages = step_messages(scheduler_output, self._sampled, ranks, self.output_rank)
+            for conn, message in zip(self.conns, messages, strict=True):
+                conn.send_bytes(message)
             self._sampled = {}  # sent: never twice, even if this step fails
-            result = self.driver.execute_model(scheduler_output)
-            self._gather(self.timeout_s)
-        except EngineDeadError:
-            raise
-        except WorkerExited:
-            raise self._fail(_EXITED) from None
-        except Exception as exc:  # a rank failed mid-step: the ranks no longer agree
-            raise self._fail(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
-        self._sampled = {rid: t for rid, t in result.sampled_token_ids.items() if t}
+            self._driver_results.append(self.driver.execute_model(scheduler_output))
+        except Exception as exc:
+            raise self._step_failed(exc) from exc
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output, once every rank has answered for it."""
+        try:
+            result = self._driver_results.pop(0)
+            replies = self._gather(self.timeout_s)
+            if self.output_rank:  # the last stage sampled: its output, in the driver's batch
+                result = replies[self.output_rank - 1]
+                self.driver.append_sampled(result.sampled_token_ids)
+        except Exception as exc:
+            raise self._step_failed(exc) from exc
+        self._sampled.update((rid, t) for rid, t in result.sampled_token_ids.items() if t)
         return result
+
+    def _step_failed(self, exc: Exception) -> EngineDeadError:
+        if isinstance(exc, EngineDeadError):
+            return exc
+        if isinstance(exc, WorkerExited):
+            return self._fail(_EXITED)
+        # a rank failed mid-step: the ranks no longer agree
+        return self._fail(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
 
     def shutdown(self) -> None:
         self._closing.set()

@@ -44,6 +44,8 @@ OTHER_VALUES = {
     "max_lora_rank": 64,
     "max_cpu_loras": 8,
     "tensor_parallel_size": 2,
+    "pipeline_parallel_size": 2,
+    "distributed_executor_backend": "ray",
     "collective_timeout": 12.0,
     "frontend_threads": 1,
 }

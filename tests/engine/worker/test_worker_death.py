@@ -146,3 +146,43 @@ def test_a_stuck_worker_times_out_the_collective(tiny_llama_dir):
     finally:
         llm.shutdown()
     assert set(_spawned_children()) - before == set()
+
+
+@pytest.mark.parametrize("when", ["between steps", "mid-generate"])
+def test_a_pipeline_stage_killed(tiny_llama_dir, when):
+    """PP=2: the last stage (rank 1, the one that samples) killed between steps or while
+    the driver's stage sends it hidden states: the engine is dead within the bound."""
+    torch.set_num_threads(1)
+    before = set(_spawned_children())
+    options = {**OPTIONS, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}
+    llm = LLM(str(tiny_llama_dir), **options)
+    try:
+        pids = [p.pid for p in llm.engine.executor.workers.procs]
+        assert len(pids) == 1
+        short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], short)[0].outputs[0].token_ids) == 4
+        if when == "between steps":
+            os.kill(pids[0], signal.SIGKILL)
+            params = short
+        else:  # killed as the 5th step of the generate starts: the stages mid-exchange
+            executor = llm.engine.executor  # (under PP the engine submits, then collects)
+            submit, steps = executor.submit, []
+
+            def killing_submit(so):
+                steps.append(so)
+                if len(steps) == 5:
+                    os.kill(pids[0], signal.SIGKILL)
+                return submit(so)
+
+            executor.submit = killing_submit
+            params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=DIED):
+            llm.generate([list(range(10, 20))] * 4, params)
+        assert time.monotonic() - t0 < BOUND_S + 1.0
+        assert _live_workers(pids) == []
+        with pytest.raises(EngineDeadError, match=DIED):
+            llm.generate([[11, 12]], short)
+    finally:
+        llm.shutdown()
+    assert set(_spawned_children()) - before == set()

@@ -34,7 +34,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.orphans import die_with_parent
+from engine.orphans import die_with_parent, name_process
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -56,6 +56,7 @@ def _init_worker(parent_pid: int, tokenizer_pickle: bytes | None) -> None:
     the tokenizer."""
     global _tokenizer
     die_with_parent(parent_pid)
+    name_process("tessera-pool")
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
     os.environ["RAYON_NUM_THREADS"] = "1"  # the Rust tokenizer's pool: one core is ours

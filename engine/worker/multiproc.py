@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.orphans import die_with_parent
+from engine.orphans import die_with_parent, name_process
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.step_payload import decode_step, encode_step
 
@@ -165,6 +165,7 @@ def _worker_main(
     pp_size: int = 1,
 ) -> None:
     die_with_parent(parent_pid)
+    name_process(f"tessera-tp{rank}")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     import torch

@@ -32,13 +32,13 @@ DIED = "tensor-parallel worker rank 1"
 
 
 def _workers(pid: int) -> list[psutil.Process]:
-    """The tensor-parallel workers under pid: spawned processes, not its resource tracker,
-    and not the request pool's workers (api/server/offload.py), which run niced."""
-    parent = psutil.Process(pid)
+    """The tensor-parallel workers under pid, by the name each gives itself as it starts
+    (engine/orphans.name_process: tessera-tpN): not its resource tracker, not the request
+    pool's processes (tessera-pool), however far along their own start-up those are."""
     out = []
-    for child in parent.children():
+    for child in psutil.Process(pid).children():
         try:
-            if "spawn_main" in " ".join(child.cmdline()) and child.nice() == parent.nice():
+            if child.name().startswith("tessera-tp"):
                 out.append(child)
         except psutil.Error:
             continue

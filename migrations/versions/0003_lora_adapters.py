@@ -32,9 +32,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", name=op.f("pk_lora_adapters")),
     )
     with op.batch_alter_table("lora_adapters", schema=None) as batch_op:
-        batch_op.create_index(
-            batch_op.f("ix_lora_adapters_tenant_id"), ["tenant_id"], unique=False
-        )
+        batch_op.create_index(batch_op.f("ix_lora_adapters_tenant_id"), ["tenant_id"], unique=False)
     with op.batch_alter_table("usage_records", schema=None) as batch_op:
         batch_op.add_column(sa.Column("lora_adapter", sa.String(length=200), nullable=True))
 

@@ -243,6 +243,15 @@ async def admit(
             adapters.release(adapter.name)
 
     lora = adapter.request if adapter is not None else None
+    if adapters is not None and adapter is not None:
+        # Unloaded since the request resolved it (its template, its quota awaited): as if
+        # unknown. From here on it counts as in use, no await between the check and that.
+        if adapters.adapters.get(adapter.name) is not adapter:
+            ticket.status_code = 404
+            accountant.settle(ticket, None, prompts)
+            raise model_not_found(adapter.name)
+        adapters.acquire(adapter.name)
+        held[0] = True
     try:
         requests = [
             EngineRequest(rid, ids, params, tenancy, adapter=lora)
@@ -259,11 +268,11 @@ async def admit(
     except BaseException:
         ticket.status_code = 500
         accountant.settle(ticket, None, prompts)
+        if held[0] and adapters is not None and adapter is not None:
+            held[0] = False
+            adapters.release(adapter.name)
         raise
     server.track(gen)
-    if adapters is not None and adapter is not None:
-        adapters.acquire(adapter.name)
-        held[0] = True
     ticket.submitted = time.monotonic()
     try:
         await until_disconnect(gen.start(), request.receive)

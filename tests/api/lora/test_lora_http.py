@@ -16,7 +16,15 @@ import httpx
 import pytest
 
 from tests.api.conftest import ServerProcess
-from tests.api.keys_http import ADMIN_TOKEN, MODEL, Admin, bearer, start_keys_server
+from tests.api.keys_http import (
+    ADMIN_TOKEN,
+    BACKENDS,
+    MODEL,
+    Admin,
+    bearer,
+    fresh_database,
+    start_keys_server,
+)
 from tests.api.usage.test_usage_http import ledger
 from tests.engine.lora.lora_testing import make_adapter
 
@@ -203,10 +211,15 @@ def test_adapters_over_http(start_server, tiny_llama_dir, tmp_path, adapters, of
     assert all(r.lora_adapter == (None if r.model == MODEL else r.model) for r in rows)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_loaded_adapter_and_its_owner_survive_a_restart(
-    start_server, tiny_llama_dir, tmp_path, adapters
+    start_server, tiny_llama_dir, tmp_path, adapters, backend
 ):
-    url = f"sqlite+aiosqlite:///{tmp_path / 'tessera.db'}"
+    with fresh_database(backend, tmp_path) as url:
+        _restart(start_server, tiny_llama_dir, tmp_path, adapters, url)
+
+
+def _restart(start_server, tiny_llama_dir, tmp_path, adapters, url: str) -> None:
     args = ("--enable-lora", "--max-lora-rank", "16")
     server = start_keys_server(start_server, tiny_llama_dir, tmp_path, url, *args)
     admin = Admin(server)
@@ -220,6 +233,7 @@ def test_a_loaded_adapter_and_its_owner_survive_a_restart(
     server = start_keys_server(start_server, tiny_llama_dir, tmp_path, url, *args)
     assert _complete(server, owner, "kept").status_code == 200
     assert _complete(server, other, "kept").status_code == 404
+    server.stop()  # before the database goes
 
 
 def _start_fails(tiny_llama_dir, tmp_path, *args: str) -> str:

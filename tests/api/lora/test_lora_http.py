@@ -209,6 +209,9 @@ def test_adapters_over_http(start_server, tiny_llama_dir, tmp_path, adapters, of
         time.sleep(0.5)
     assert {("pub", "pub"), ("own", "own"), (MODEL, None)} <= named
     assert all(r.lora_adapter == (None if r.model == MODEL else r.model) for r in rows)
+    # Charged to the key's tenant as for the base model (quotas, fair share, the ledger).
+    assert {r.tenant_id for r in rows if r.lora_adapter == "own"} == {tenants["t1"]}
+    assert tenants["t2"] in {r.tenant_id for r in rows if r.lora_adapter == "pub"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

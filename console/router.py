@@ -13,6 +13,7 @@ from litestar import Router
 from litestar.datastructures import CacheControlHeader
 from litestar.static_files import create_static_files_router
 
+from console.adapters import AdaptersController
 from console.auth import LoginController, LogoutController, require_session
 from console.dashboard import DashboardController
 from console.keys import KeysController
@@ -42,6 +43,7 @@ def create_console_router(path: str = "/console") -> Router:
             KeysController,
             TenantsController,
             UsageController,
+            AdaptersController,
             SettingsController,
             static,
         ],

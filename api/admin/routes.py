@@ -19,11 +19,17 @@
                                           (since/until: RFC 3339 with an offset, or Unix
                                           seconds from 2000 to 2100; else 400)
     GET    /admin/v1/engine               engine state (running/waiting, KV usage)
+    GET    /admin/v1/lora_adapters        the served LoRA adapters (api/admin/lora.py)
+    POST   /admin/v1/lora_adapters        load {"lora_name", "lora_path", "tenant_id"?} -> 201
+    DELETE /admin/v1/lora_adapters/{name} unload (409 while requests run it)
+    POST   /v1/load_lora_adapter          vLLM's routes and bodies, under the admin token
+    POST   /v1/unload_lora_adapter
 
 A controller per domain, each an AdminController (api/admin/common.py: the path, the admin
 guard, the tag, the security requirement, the services on app.state and service errors as
 HTTP errors): KeysController (api/admin/keys.py), TenantsController (api/admin/tenants.py),
-UsageController (api/admin/usage.py) and EngineController (here). ADMIN_CONTROLLERS lists
+UsageController (api/admin/usage.py), LoRAController and VLLMLoRAController
+(api/admin/lora.py) and EngineController (here). ADMIN_CONTROLLERS lists
 them for the app; their wire types are api/admin/schemas.py. The app registers
 ADMIN_SECURITY_SCHEME under ADMIN_SECURITY_NAME in its OpenAPIConfig components.
 """
@@ -37,6 +43,7 @@ from litestar.datastructures import State
 
 from api.admin.common import ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME, AdminController
 from api.admin.keys import KeysController
+from api.admin.lora import LoRAController, VLLMLoRAController
 from api.admin.tenants import TenantsController
 from api.admin.usage import UsageController
 
@@ -48,6 +55,13 @@ class EngineController(AdminController):
 
 
 # Every admin controller, registered in this order (the OpenAPI document lists their paths so).
-ADMIN_CONTROLLERS = (KeysController, TenantsController, UsageController, EngineController)
+ADMIN_CONTROLLERS = (
+    KeysController,
+    TenantsController,
+    UsageController,
+    EngineController,
+    LoRAController,
+    VLLMLoRAController,
+)
 
 __all__ = ["ADMIN_CONTROLLERS", "ADMIN_SECURITY_NAME", "ADMIN_SECURITY_SCHEME"]

@@ -321,3 +321,31 @@ def usage_item(b: UsageBucket) -> UsageItem:
         cached_tokens=b.cached_tokens,
         total_tokens=b.total_tokens,
     )
+
+
+# --- LoRA adapters (api/admin/lora.py): vLLM's load / unload bodies, plus the owner ---
+
+
+class LoRAAdapterLoad(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    # The owning tenant: only its keys may call the adapter. None: every key (public).
+    tenant_id: str | None = None
+
+
+class LoRAAdapterUnload(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+
+
+class LoRAAdapterInfo(msgspec.Struct, kw_only=True):
+    name: str
+    path: str
+    tenant_id: str | None  # None: public
+    source: str  # "flag" (--lora-modules) or "admin" (loaded through this API; kept in the DB)
+    created: int
+    running: int  # requests in flight with it
+
+
+class LoRAAdapterList(msgspec.Struct):
+    data: list[LoRAAdapterInfo]
+    object: Literal["list"] = "list"

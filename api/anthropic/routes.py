@@ -26,7 +26,7 @@ from api.anthropic.formatting import MessageFormatter
 from api.anthropic.schemas import CountTokensRequest, CountTokensResponse, Message, MessagesRequest
 from api.anthropic.translate import chat_request, new_message_id
 from api.keys.auth import Principal
-from api.openai.inputs import chat_prompt, check_model
+from api.openai.inputs import chat_prompt
 from api.openai.serving import (
     admit,
     chat_tool_plan,
@@ -34,12 +34,13 @@ from api.openai.serving import (
     open_ticket,
     prepare_chat,
     require_engine,
+    resolve_model,
     run_to_end,
     sse_response,
 )
 from api.openai.tools.plan import template_input
 from api.server.body import require_json_body
-from api.server.deps import check_model_access, provide_principal, provide_server
+from api.server.deps import provide_principal, provide_server
 from api.server.errors import invalid_api_key
 from api.server.guards import authenticate_header
 from api.server.lifespan import ServerState
@@ -80,10 +81,13 @@ class AnthropicController(Controller):
         job = await prepare_chat(chat, request, server)
         engine, params = job.engine, job.params
         rid = new_message_id()
-        fmt = MessageFormatter(rid, engine.model_name, engine.tokenizer, params, job.tools)
+        fmt = MessageFormatter(rid, job.model_name, engine.tokenizer, params, job.tools)
         reserved = len(job.prompt) + job.max_tokens * params.n
-        ticket = await open_ticket(request, principal, rid, chat, reserved, arrived)
-        gen = await admit(server, engine, request, principal, ticket, [rid], [job.prompt], params)
+        ticket = await open_ticket(request, principal, rid, chat, reserved, arrived, job.adapter)
+        gen = await admit(
+            server, engine, request, principal, ticket, [rid], [job.prompt], params,
+            adapter=job.adapter,
+        )  # fmt: skip
         if data.stream:
             return sse_response(request, gen, ticket, fmt.events(gen))  # type: ignore[return-value]
         return await run_to_end(gen, request, ticket, fmt)
@@ -99,8 +103,7 @@ class AnthropicController(Controller):
         """The prompt's token count after the chat template (tools and system included)."""
         chat = chat_request(data)
         engine = require_engine(server, request)
-        check_model_access(request, chat.model)
-        check_model(chat.model, engine)
+        resolve_model(request, server, chat.model, engine)
         parser, tools = chat_tool_plan(chat, server, engine)
         ids = await chat_prompt(
             cpu_pool(request),

@@ -19,7 +19,9 @@ Tables (the limits both tenants and keys have are LimitColumns, written once)
                     `tenant_id` is set when the key's tenant has limits (its windows count
                     the rows of all its keys).
     usage_records   the append-only ledger, one row per request, with the tenant it was
-                    charged to and the client's X-Request-Id.
+                    charged to, the client's X-Request-Id and the LoRA adapter it ran.
+    lora_adapters   the LoRA adapters loaded at run time through the admin API (api/lora/):
+                    name, PEFT folder, owner tenant (NULL: public); loaded again at start.
 
 Any change here needs a migration in migrations/versions (the test suite fails on drift).
 """
@@ -160,6 +162,18 @@ class UsageRow(Base):
     queue_time: Mapped[float | None] = mapped_column(Double())
     latency: Mapped[float | None] = mapped_column(Double())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    # The LoRA adapter the request ran (its name; `model` is what the client asked for).
+    lora_adapter: Mapped[str | None] = mapped_column(String(200))
+
+
+class LoRAAdapterRow(Base):
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    path: Mapped[str] = mapped_column(String(4096))
+    # The owner: only its keys may call the adapter; NULL: every key (public).
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 def utcnow() -> datetime:

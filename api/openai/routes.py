@@ -30,7 +30,6 @@ from api.openai.inputs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_prompt,
     check_best_of,
-    check_model,
     check_priority,
     check_stream_options,
     completion_prompts,
@@ -59,6 +58,7 @@ from api.openai.serving import (
     open_ticket,
     prepare_chat,
     require_engine,
+    resolve_model,
     run_to_end,
     sse_response,
 )
@@ -66,7 +66,7 @@ from api.openai.streaming import SSE_DONE, Generation
 from api.openai.structured import supported_structured_outputs, with_structured_outputs
 from api.openai.tools.plan import active_parser
 from api.server.body import require_json_body
-from api.server.deps import check_model_access, provide_principal, provide_server, require_principal
+from api.server.deps import provide_principal, provide_server, require_principal
 from api.server.errors import invalid_request
 from api.server.lifespan import ServerState
 
@@ -100,13 +100,13 @@ class OpenAIController(Controller):
             server.settings.reasoning_parser, engine.tokenizer, job.prompt, data
         )
         fmt = ChatFormatter(
-            rid, engine.model_name, engine.tokenizer, params, data.logprobs, job.tools, reasoning
+            rid, job.model_name, engine.tokenizer, params, data.logprobs, job.tools, reasoning
         )
         reserved = len(job.prompt) + job.max_tokens * params.n
-        ticket = await open_ticket(request, principal, rid, data, reserved, arrived)
+        ticket = await open_ticket(request, principal, rid, data, reserved, arrived, job.adapter)
         gen = await admit(
             server, engine, request, principal, ticket, [rid], [job.prompt], params,
-            data.priority, data.cache_salt,
+            data.priority, data.cache_salt, adapter=job.adapter,
         )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -126,8 +126,7 @@ class OpenAIController(Controller):
         lenient = server.settings.lenient_request_fields
         check_fields(await request.body(), "completion", lenient=lenient)
         engine = require_engine(server, request)
-        check_model_access(request, data.model)
-        check_model(data.model, engine)
+        adapter = resolve_model(request, server, data.model, engine)
         check_stream_options(data)
         if data.suffix:
             raise invalid_request("suffix is not supported.", "suffix")
@@ -175,7 +174,7 @@ class OpenAIController(Controller):
             ]
         fmt = CompletionFormatter(
             cid,
-            engine.model_name,
+            adapter.name if adapter is not None else engine.model_name,
             engine.tokenizer,
             params,
             echo,
@@ -185,10 +184,10 @@ class OpenAIController(Controller):
             prompt_logprobs=data.prompt_logprobs is not None,
         )
         reserved = sum(len(p) + max_tokens * params.n for p in prompts)
-        ticket = await open_ticket(request, principal, cid, data, reserved, arrived)
+        ticket = await open_ticket(request, principal, cid, data, reserved, arrived, adapter)
         gen = await admit(
             server, engine, request, principal, ticket, rids, prompts, params, data.priority,
-            data.cache_salt,
+            data.cache_salt, adapter=adapter,
         )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -199,21 +198,39 @@ class OpenAIController(Controller):
     async def models(
         self, server: NamedDependency[ServerState], principal: NamedDependency[Principal]
     ) -> ModelList:
-        """The served model, unless the caller's key may not use it."""
+        """The served model and the LoRA adapters the caller may call (vLLM's shape: `root`
+        the adapter's folder, `parent` the base model), less what the key's allowed_models
+        leave out."""
         engine = server.require_engine()
         allowed = principal.allowed_models
-        if allowed is not None and engine.model_name not in allowed:
-            return ModelList(data=[])
-        card = ModelCard(
-            id=engine.model_name,
-            created=int(server.started_at),
-            root=server.settings.model,
-            max_model_len=engine.max_model_len,
-            tool_call_parser=active_parser(server.settings.tool_call_parser, engine.tokenizer)
-            or "none",
-            structured_outputs=supported_structured_outputs(),
-        )
-        return ModelList(data=[card])
+        cards = []
+        if allowed is None or engine.model_name in allowed:
+            cards.append(
+                ModelCard(
+                    id=engine.model_name,
+                    created=int(server.started_at),
+                    root=server.settings.model,
+                    max_model_len=engine.max_model_len,
+                    tool_call_parser=active_parser(
+                        server.settings.tool_call_parser, engine.tokenizer
+                    )
+                    or "none",
+                    structured_outputs=supported_structured_outputs(),
+                )
+            )
+        if server.adapters is not None:
+            cards.extend(
+                ModelCard(
+                    id=a.name,
+                    created=int(a.created),
+                    root=a.path,
+                    parent=engine.model_name,
+                    max_model_len=engine.max_model_len,
+                )
+                for a in server.adapters.visible(principal)
+                if allowed is None or a.name in allowed
+            )
+        return ModelList(data=cards)
 
     @post("/tokenize", status_code=200)
     async def tokenize(
@@ -226,8 +243,7 @@ class OpenAIController(Controller):
         """Token ids of a prompt, or of chat messages rendered with the chat template."""
         engine = server.require_engine()
         if data.model is not None:
-            check_model_access(request, data.model)
-            check_model(data.model, engine)
+            resolve_model(request, server, data.model, engine)
         if (data.prompt is None) == (data.messages is None):
             raise invalid_request("Give exactly one of prompt and messages.", "prompt")
         pool = cpu_pool(request)
@@ -250,8 +266,7 @@ class OpenAIController(Controller):
     ) -> DetokenizeResponse:
         engine = server.require_engine()
         if data.model is not None:
-            check_model_access(request, data.model)
-            check_model(data.model, engine)
+            resolve_model(request, server, data.model, engine)
         vocab = engine.tokenizer.vocab_size
         bad = next((t for t in data.tokens if not 0 <= t < vocab), None)
         if bad is not None:

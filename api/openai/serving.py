@@ -4,10 +4,15 @@ SamplingParams, tools), the usage ticket, admission into the engine, and the ans
 body or as an SSE stream.
 
     job = await prepare_chat(data, request, server)      # 400s, 404, 503 (no engine)
-    ticket = await open_ticket(request, principal, rid, data, reserved, arrived)
-    gen = await admit(server, engine, request, principal, ticket, [rid], [prompt], params)
+    ticket = await open_ticket(request, principal, rid, data, reserved, arrived, job.adapter)
+    gen = await admit(server, engine, request, principal, ticket, [rid], [prompt], params,
+                      adapter=job.adapter)
     return await run_to_end(gen, request, ticket, fmt)   # fmt.response(outputs, prompts)
     return sse_response(request, gen, ticket, chunks)    # chunks yield SETTLE before the last
+
+`model` is the served model or one of the LoRA adapters the caller may call (resolve_model,
+api/lora/registry.py): the adapter rides on the engine requests, its name on the usage row,
+and it counts as in use (not unloadable) until the Generation closes.
 
 Admission maps the engine's refusals to HTTP errors (503 queue full or engine down, 504 past
 the deadline, 499 client gone); from there on closing the Generation settles the ticket
@@ -30,6 +35,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from api.keys.auth import Principal
+from api.lora.registry import Adapter, AdapterNotFound
 from api.openai.context_bound import refuse_chat_that_cannot_fit
 from api.openai.inputs import (
     chat_prompt,
@@ -51,7 +57,14 @@ from api.openai.streaming import (
 from api.openai.structured import with_structured_outputs
 from api.openai.tools.plan import ToolPlan, active_parser, constrain, plan_tools, template_input
 from api.server.deps import check_model_access
-from api.server.errors import APIError, invalid_request, request_timed_out, unavailable
+from api.server.errors import (
+    APIError,
+    invalid_request,
+    model_not_found,
+    request_timed_out,
+    unavailable,
+)
+from api.server.guards import principal_of
 from api.server.lifespan import ServerState
 from api.server.offload import WorkerPool
 from api.tenants.tenancy import engine_tenancy
@@ -75,6 +88,29 @@ class ChatJob:
     params: SamplingParams
     tools: ToolPlan | None
     max_tokens: int
+    adapter: Adapter | None = None  # the LoRA adapter `model` named; None: the base model
+
+    @property
+    def model_name(self) -> str:
+        """What the answer's `model` says: the adapter's name, or the served model's."""
+        return self.adapter.name if self.adapter is not None else self.engine.model_name
+
+
+def resolve_model(request: Request, server: ServerState, model: str, engine: Any) -> Adapter | None:
+    """The LoRA adapter `model` names (None: the served model): 403 when the key's
+    allowed_models leave it out, 404 model_not_found for an unknown name and for an adapter
+    another tenant owns (the same answer: its name is not disclosed)."""
+    check_model_access(request, model)
+    adapters = server.adapters
+    if adapters is not None:
+        try:
+            adapter = adapters.resolve(model, principal_of(request))
+        except AdapterNotFound:
+            raise model_not_found(model) from None
+        if adapter is not None:
+            return adapter
+    check_model(model, engine)
+    return None
 
 
 def chat_tool_plan(data: ChatCompletionRequest, server: ServerState, engine: Any) -> tuple:
@@ -89,8 +125,7 @@ async def prepare_chat(
     """The chat body -> prompt token ids, SamplingParams (grammar included) and tool plan;
     400s name the field to change, 403 / 404 the model, 503 without an engine."""
     engine = require_engine(server, request)
-    check_model_access(request, data.model)
-    check_model(data.model, engine)
+    adapter = resolve_model(request, server, data.model, engine)
     check_stream_options(data)
     parser, tools = chat_tool_plan(data, server, engine)
     max_tokens = data.max_completion_tokens
@@ -135,7 +170,7 @@ async def prepare_chat(
     params = sampling_params(data, max_tokens, logprobs, defaults)  # ~4 ms at the limits
     params = await with_structured_outputs(data, params, engine)
     params = await constrain(params, tools, engine)
-    return ChatJob(engine, prompt, params, tools, max_tokens)
+    return ChatJob(engine, prompt, params, tools, max_tokens, adapter)
 
 
 def accountant_of(request: Request) -> Accountant:
@@ -143,13 +178,22 @@ def accountant_of(request: Request) -> Accountant:
 
 
 async def open_ticket(
-    request: Request, principal: Principal, rid: str, data: Any, reserved: int, arrived: float
+    request: Request,
+    principal: Principal,
+    rid: str,
+    data: Any,
+    reserved: int,
+    arrived: float,
+    adapter: Adapter | None = None,
 ) -> Ticket:
     """accountant.admit; from here on the accountant writes the request's ledger row (before
-    it, a refusal's row comes from api/usage/refusals.py). The body's `user` goes on the row."""
+    it, a refusal's row comes from api/usage/refusals.py). The body's `user` and the LoRA
+    adapter go on the row. Quotas and fair share charge the key's tenant as for the base
+    model."""
     request.state[LEDGER_OWNED] = True
     ticket = await accountant_of(request).admit(principal, rid, data.model, reserved, arrived)
     ticket.end_user = data.user
+    ticket.lora_adapter = adapter.name if adapter is not None else None
     return ticket
 
 
@@ -170,6 +214,7 @@ async def admit(
     params: SamplingParams,
     requested_priority: int | None = None,
     cache_salt: str | None = None,
+    adapter: Adapter | None = None,
 ) -> Generation:
     """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
     closing the Generation settles the ticket, whatever happens. The deadline counts from
@@ -185,16 +230,31 @@ async def admit(
         cache_salt,
     )
     metrics = request.app.state.get("metrics")  # api/server/metrics.py's Metrics, when mounted
+    adapters = server.adapters if adapter is not None else None
+    held = [False]  # the adapter counted as in use (unload answers 409 meanwhile)
 
     def on_close(gen: Generation) -> None:
         if ticket.status_code is None and gen.error is not None:  # refused, or client gone
             ticket.status_code = _status_code(engine_error(gen.error))
         accountant.settle(ticket, gen.latest, gen.prompts)
         server.untrack(gen)
+        if held[0] and adapters is not None and adapter is not None:
+            held[0] = False
+            adapters.release(adapter.name)
 
+    lora = adapter.request if adapter is not None else None
+    if adapters is not None and adapter is not None:
+        # Unloaded since the request resolved it (its template, its quota awaited): as if
+        # unknown. From here on it counts as in use, no await between the check and that.
+        if adapters.adapters.get(adapter.name) is not adapter:
+            ticket.status_code = 404
+            accountant.settle(ticket, None, prompts)
+            raise model_not_found(adapter.name)
+        adapters.acquire(adapter.name)
+        held[0] = True
     try:
         requests = [
-            EngineRequest(rid, ids, params, tenancy)
+            EngineRequest(rid, ids, params, tenancy, adapter=lora)
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
         gen = Generation(
@@ -208,6 +268,9 @@ async def admit(
     except BaseException:
         ticket.status_code = 500
         accountant.settle(ticket, None, prompts)
+        if held[0] and adapters is not None and adapter is not None:
+            held[0] = False
+            adapters.release(adapter.name)
         raise
     server.track(gen)
     ticket.submitted = time.monotonic()

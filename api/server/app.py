@@ -70,6 +70,12 @@ def create_app(
     if tracing is not None:  # tessera:trace_spans_dropped_total
         tracing.register_metrics(metrics.registry)
     access = Access(settings, metrics)
+    if settings.enable_lora:  # the served adapters: --lora-modules and the DB's (api/lora/)
+        from api.lora.modules import parse_lora_modules
+        from api.lora.registry import AdapterRegistry
+
+        state.adapters = AdapterRegistry(parse_lora_modules(settings.lora_modules), access.db)
+        metrics.adapters, metrics.max_loras = state.adapters, settings.max_loras
     handlers: list[ControllerRouterHandler] = [
         OpenAIController,
         AnthropicController,

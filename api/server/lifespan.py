@@ -27,6 +27,7 @@ from engine.protocol import EngineClient
 if TYPE_CHECKING:
     from litestar import Litestar
 
+    from api.lora.registry import AdapterRegistry
     from api.openai.streaming import Generation
     from api.server.access import Access
 
@@ -62,6 +63,9 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None
         # Called with the engine once it is there (the app starts its worker processes).
         self.on_engine: list[Callable[[EngineClient], None]] = []
+        # The served LoRA adapters (api/lora/registry.py), with --enable-lora; started (the
+        # --lora-modules folders checked) once the engine is there, before it is READY.
+        self.adapters: AdapterRegistry | None = None
         self._inflight: set[Generation] = set()
         self._idle: asyncio.Event | None = None
         self._load_task: asyncio.Task | None = None
@@ -115,6 +119,8 @@ class ServerState:
         if self.engine is None:
             self._load_task = asyncio.create_task(self._load(), name="tessera-load-engine")
         else:
+            if self.adapters is not None:
+                await self.adapters.start(self.engine)
             self._watch_engine(self.engine)
 
     async def _load(self) -> None:
@@ -125,11 +131,26 @@ class ServerState:
             engine = await AsyncEngine.create(self.settings.create_engine_config())
         except Exception as exc:  # noqa: BLE001 - any load failure ends the server
             logger.exception("The engine failed to load")
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            self.phase = Phase.FAILED
-            if self.on_fatal is not None:
-                self.on_fatal()
+            self._fail(exc)
             return
+        try:
+            if self.adapters is not None:
+                await self.adapters.start(engine)  # a bad --lora-modules folder: fatal
+        except Exception as exc:  # noqa: BLE001
+            logger.error("Start-up failed: %s", exc)
+            with contextlib.suppress(Exception):
+                await engine.shutdown()
+            self._fail(exc)
+            return
+        self._finish_load(engine, t0)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.load_error = f"{type(exc).__name__}: {exc}"
+        self.phase = Phase.FAILED
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _finish_load(self, engine: EngineClient, t0: float) -> None:
         self.engine = engine
         self._watch_engine(engine)
         # The model, the tokenizer and the imports are ~370,000 long-lived objects: a full

@@ -179,6 +179,28 @@ def _tenant_counters(label: list[str], tenants: dict[str, tuple[int, ...]]) -> I
         yield m
 
 
+class _LoRACollector(Collector):
+    """vLLM's vllm:lora_requests_info: one series whose labels name the adapters in use
+    (value: the scrape time). running_lora_adapters lists the adapters of the requests in
+    flight (running or waiting: the engine does not split them per adapter), comma-separated;
+    waiting_lora_adapters stays empty. Absent without --enable-lora."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        adapters = self.metrics.adapters
+        if adapters is None:
+            return
+        m = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters of the requests in flight (labels); the value is the scrape time.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        m.add_metric([str(self.metrics.max_loras), "", ",".join(adapters.active)], time.time())
+        yield m
+
+
 class Metrics:
     def __init__(
         self,
@@ -215,6 +237,10 @@ class Metrics:
         )
         by_tenant = tenant_label == "id"
         registry.register(_EngineCollector(model_name, lambda: self._stats(), by_tenant))
+        # The served LoRA adapters (api/lora/registry.py), set by the app with --enable-lora.
+        self.adapters: Any = None
+        self.max_loras = 0
+        registry.register(_LoRACollector(self))
         m = ["model_name"]
 
         def hist(name: str, doc: str, buckets: Any) -> Histogram:

@@ -1,7 +1,7 @@
 """The OpenAPI document as the wire is, and the /docs page without a CDN.
 
 `document_errors` rewrites the generated document once at start-up: every operation lists
-each error status its route can return (400/401/403/404/413/415/429/503, as applicable)
+each error status its route can return (400/401/403/404/409/413/415/429/503, as applicable)
 with the error body the server actually sends (the OpenAI envelope; Anthropic's on
 /v1/messages), in place of Litestar's default
 400 body; /health documents its 503. `document_request_bodies` marks the bodies that refuse
@@ -54,6 +54,7 @@ _DESCRIPTIONS = {
     401: "Missing, unknown, revoked or expired key.",
     403: "The key may not use this model.",
     404: "Unknown model or resource.",
+    409: "The LoRA adapter is in use by requests in flight: unload it once they finished.",
     413: "Body larger than --max-body-size.",
     415: "Body not sent as application/json.",
     429: "Over a rate limit or the token budget (Retry-After, x-ratelimit-*).",
@@ -64,6 +65,10 @@ _TOKENIZER = {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
 # Routes whose errors are Anthropic's body, not the OpenAI envelope (api/anthropic/errors.py).
 _ANTHROPIC = {"/v1/messages", "/v1/messages/count_tokens"}
 _OPEN = {"/health", "/version"}
+# The LoRA adapter routes (api/admin/lora.py): 404 without --enable-lora or for an unknown
+# adapter; the unloads 409 while requests run the adapter.
+_LORA = {"/admin/v1/lora_adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+_LORA_UNLOAD = {"/v1/unload_lora_adapter", "/admin/v1/lora_adapters/{name}"}
 
 
 def error_statuses(path: str, operation: dict[str, Any]) -> set[int]:
@@ -81,6 +86,10 @@ def error_statuses(path: str, operation: dict[str, Any]) -> set[int]:
         out |= {400, 403, 404}
     if path in _GENERATION:
         out.add(429)
+    if path in _LORA or path in _LORA_UNLOAD:
+        out.add(404)
+    if path in _LORA_UNLOAD:
+        out.add(409)
     return out
 
 

@@ -140,6 +140,15 @@ class Settings(EngineArgs):
         None,
         optional_float,
     )
+    lora_modules: list[str] = option(
+        "LoRA adapters served from the start, public (vLLM's flag): NAME=PATH or a JSON "
+        'object {"name": ..., "path": ..., "base_model_name": ...}; several per flag, and '
+        "the flag repeatable (env: comma-separated NAME=PATH). A request's `model` naming one "
+        "runs it. Needs --enable-lora; each folder is checked against the model at start.",
+        parse=str,
+        kind="list",
+        factory=list,
+    )
     # --- auth, storage (used by api/keys/auth.py and the services) ---
     auth: str | None = option(
         "keys: API keys from the database (plus any --api-key); static: only the --api-key "
@@ -244,6 +253,19 @@ class Settings(EngineArgs):
             raise ValueError(f"cpu_workers must be at least 1, got {self.cpu_workers}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.lora_modules:
+            from api.lora.modules import parse_lora_modules
+
+            modules = parse_lora_modules(self.lora_modules)
+            if not self.enable_lora:
+                raise ValueError(
+                    f"--lora-modules ({', '.join(m.name for m in modules)}) needs --enable-lora"
+                )
+            clash = next((m.name for m in modules if m.name == self.model_name), None)
+            if clash is not None:
+                raise ValueError(
+                    f"--lora-modules: the adapter name {clash!r} is the served model's name"
+                )
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(
                 f"request_timeout must be positive seconds, got {self.request_timeout}"
@@ -322,6 +344,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
+        elif meta["kind"] == "list" and f.name == "lora_modules":  # vLLM's: several per flag
+            parser.add_argument(flag, nargs="+", action="extend", default=None, help=help_text)
         elif meta["kind"] == "list":
             parser.add_argument(flag, action="append", default=None, help=help_text)
         else:

@@ -63,6 +63,7 @@ class Ticket:
         None  # the HTTP request's X-Request-Id (api/server/request_context.py)
     )
     end_user: str | None = None  # the body's `user` (OpenAI's end-user id)
+    lora_adapter: str | None = None  # the LoRA adapter it runs (api/lora/), None: the base
     settled: bool = False
     release: asyncio.Future[None] | None = None
 
@@ -146,6 +147,7 @@ class Accountant:
                     tenant_id=ticket.tenant_id,
                     x_request_id=ticket.x_request_id,
                     end_user=ticket.end_user,
+                    lora_adapter=ticket.lora_adapter,
                 )
             )
         log.debug(

@@ -60,6 +60,7 @@ class UsageRecord:
     tenant_id: str | None = None
     x_request_id: str | None = None  # the client's X-Request-Id, or the generated one
     end_user: str | None = None  # the body's `user`
+    lora_adapter: str | None = None  # the LoRA adapter it ran (api/lora/), None: the base
 
 
 # Through the raw driver (api/db/raw_store.py): SQLAlchemy's executemany of a batch
@@ -67,8 +68,8 @@ class UsageRecord:
 INSERT_USAGE = """
 INSERT INTO usage_records (request_id, key_id, model, prompt_tokens, completion_tokens,
     cached_tokens, finish_reason, status_code, queue_time, latency, created_at,
-    tenant_id, x_request_id, end_user)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+    tenant_id, x_request_id, end_user, lora_adapter)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 """
 
 
@@ -98,7 +99,7 @@ class UsageRecorder:
         created = self._store.timestamp(r.created_at)
         return (r.request_id, r.key_id, r.model, r.prompt_tokens, r.completion_tokens,
                 r.cached_tokens, r.finish_reason, r.status_code, r.queue_time, r.latency,
-                created, r.tenant_id, r.x_request_id, r.end_user)  # fmt: skip
+                created, r.tenant_id, r.x_request_id, r.end_user, r.lora_adapter)  # fmt: skip
 
     def record(self, row: UsageRecord) -> None:
         if len(self._queue) >= self.max_queue:

@@ -11,7 +11,7 @@ from tests.engine.test_imports import _cycle, _imports, _module_name
 
 ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "api"
-DOMAINS = ("openai", "keys", "tenants", "quotas", "usage", "admin", "db")
+DOMAINS = ("openai", "keys", "tenants", "quotas", "usage", "admin", "db", "lora")
 
 
 def _graph(roots: tuple[str, ...] = ("api", "console")) -> dict[str, set[str]]:

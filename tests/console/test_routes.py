@@ -26,6 +26,7 @@ PAGES = [
     ("/console/keys", "keys-panel"),
     ("/console/tenants", "tenants"),
     ("/console/usage", "usage"),
+    ("/console/adapters", "adapters"),
     ("/console/settings", "settings"),
 ]
 HX = {"HX-Request": "true"}
@@ -326,3 +327,24 @@ async def test_settings_page_shows_config_without_secrets(env, client):
 
 
 MODEL_NAME = "tiny"
+
+
+async def test_the_adapters_page_lists_name_owner_and_path(env, client):
+    from api.lora.registry import AdapterRegistry
+
+    r = await client.get("/console/adapters")
+    assert r.status_code == 200 and "LoRA is off" in r.text  # this engine has no --enable-lora
+    server = env.app.state.server
+    registry = AdapterRegistry([])
+    registry._add("sql", "/adapters/sql", None, None, "flag")
+    registry._add("team", "/adapters/team", "tenant-1", None, "admin")
+    registry.acquire("team")
+    server.adapters = registry
+    try:
+        r = await client.get("/console/adapters", headers=HX)
+    finally:
+        server.adapters = None
+    assert r.status_code == 200
+    assert count(r.text, "<tr>") == 3  # the header and two adapters
+    assert "/adapters/sql" in r.text and "public" in r.text and "--lora-modules" in r.text
+    assert 'href="/console/tenants/tenant-1"' in r.text and "/adapters/team" in r.text

@@ -44,10 +44,10 @@ def test_db_commands(database_url: str, capsys: pytest.CaptureFixture[str]) -> N
     code, _ = run(["db", "check", *url])
     assert code == 1 and "run `tessera db upgrade" in capsys.readouterr().err
     code, out = run(["db", "upgrade", *url])
-    assert code == 0 and "upgraded to revision 0002" in out
+    assert code == 0 and "upgraded to revision 0003" in out
     code, out = run(["db", "upgrade", *url])
-    assert code == 0 and "already at revision 0002" in out
-    assert run(["db", "current", *url]) == (0, "0002 (head)\n")
+    assert code == 0 and "already at revision 0003" in out
+    assert run(["db", "current", *url]) == (0, "0003 (head)\n")
     code, out = run(["db", "check", *url])
     assert code == 0 and "up to date" in out
 

@@ -52,6 +52,9 @@ MINIMAL = {
     ("patch", "/admin/v1/keys/{key_id}"): {},
     ("patch", "/admin/v1/tenants/{tenant_id}"): {},
     ("post", "/admin/v1/keys/{key_id}/rotate"): {},
+    ("post", "/admin/v1/lora_adapters"): {"lora_name": "a", "lora_path": "/nowhere"},
+    ("post", "/v1/load_lora_adapter"): {"lora_name": "a", "lora_path": "/nowhere"},
+    ("post", "/v1/unload_lora_adapter"): {"lora_name": "a"},
 }
 
 
@@ -68,7 +71,8 @@ class Env:
         self.doc = client.get("/docs/openapi.json").json()
 
     def headers(self, path: str) -> dict[str, str]:
-        return self.admin if path.startswith("/admin") else self.user
+        admin = path.startswith("/admin") or path.endswith("_lora_adapter")
+        return self.admin if admin else self.user
 
     def url(self, path: str) -> str:
         return path.replace("{key_id}", self.key_id).replace("{tenant_id}", self.tenant_id)

@@ -109,7 +109,8 @@ def _cache_key(model: str, model_dir: Path, sym: bool) -> str:
         "folder": str(model_dir.resolve()),
         "link": link.read_text() if link.is_file() else None,
         "weights": sorted(
-            (f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model_dir.glob("*.safetensors")
+            (f.name, f.stat().st_size, int(f.stat().st_mtime))
+            for f in model_dir.glob("*.safetensors")
         ),
         "group": GROUP,
         "sym": sym,
@@ -156,7 +157,7 @@ def checkpoint_bytes(folder: Path) -> tuple[int, int]:
     for f in folder.glob("*.safetensors"):
         total += f.stat().st_size
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if k.endswith(_QUANT_SUFFIXES):
                     t = st.get_slice(k)
                     n = 1

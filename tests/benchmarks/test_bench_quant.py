@@ -117,6 +117,7 @@ def test_a_run_on_a_tiny_model(tiny_w4_dir, tmp_path):
     for path, r in result["memory"].items():
         assert "error" not in r, r
         assert r["rss_mib"] > 0 and r["file_mib"] > 0 and r["tokens"] == 4
+        assert r["weights_mib"] >= r["linear_mib"] > 0
         if path != "reference":
             assert 0 < r["quantized_mib"] < r["file_mib"]
             assert r["linear_mib"] > 0

@@ -64,3 +64,4 @@ def test_a_tiny_run_times_both_models(tmp_path):
             assert 0 < r["best_ms"] <= r["median_ms"]
             assert "tokens" not in r
     assert all(r["moe_over_dense"] > 0 for r in result["paths"]["moe"]["rows"])
+    assert all(r["moe_over_dense_best"] > 0 for r in result["paths"]["moe"]["rows"])

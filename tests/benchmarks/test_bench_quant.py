@@ -110,7 +110,7 @@ def test_a_run_on_a_tiny_model(tiny_w4_dir, tmp_path):
         assert [r["batch_size"] for r in res["rows"]] == [1, 4]
         for r in res["rows"]:
             assert 0 < r["best_ms"] <= r["median_ms"]
-            assert r["time_vs_reference"] > 0
+            assert r["time_vs_reference"] > 0 and r["best_vs_reference"] > 0
             if path != "reference":
                 assert 0 <= r["same_tokens"] <= r["batch_size"]
     assert result["memory"].keys() == {"reference", "gptq", "awq"}

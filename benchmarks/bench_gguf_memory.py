@@ -154,8 +154,13 @@ for name, m in model.named_modules():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             linear += t.nbytes
+weights = linear  # and every parameter and buffer besides (embedding, norms, rope tables)
+for t in [*model.parameters(), *model.buffers()]:
+    if t.data_ptr() not in seen:
+        seen.add(t.data_ptr())
+        weights += t.nbytes
 print(json.dumps({"rss_mib": (rss - base) / 1024, "peak_mib": (peak - base) / 1024,
-                  "anon_mib": (anon - base_anon) / 1024,
+                  "anon_mib": (anon - base_anon) / 1024, "weights_mib": weights / 2**20,
                   "linear_mib": linear / 2**20, "tokens": len(out[0].outputs[0].token_ids)}))
 """
 

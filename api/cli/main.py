@@ -51,6 +51,8 @@ BENCHMARKS = (
     "gguf_memory",
     "gguf_kl",
     "hostile",
+    "quant",
+    "moe",
 )
 
 

@@ -1,0 +1,123 @@
+"""`tessera bench quant`: the GPTQ / AWQ checkpoints it builds (once, cached) from a model's
+weights, and a whole run on a tiny Llama whose linear layers the w4 tiles take (K a multiple
+of 64)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks import bench_quant
+
+
+@pytest.fixture(scope="module")
+def tiny_w4_dir(make_tiny_model):
+    return make_tiny_model(
+        "tiny-llama-w4", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, seed=11,
+    )  # fmt: skip
+
+
+def test_checkpoints_are_built_once_in_the_formats_layouts(tiny_w4_dir, tmp_path):
+    from engine.layers.quantization.packed import unpack_cols, unpack_rows
+
+    folders = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, ["gptq", "awq"])
+    assert set(folders) == {"gptq", "awq"}
+    float_state = load_file(str(tiny_w4_dir / "model.safetensors"))
+    for fmt, folder in folders.items():
+        cfg = json.loads((folder / "config.json").read_text())
+        qcfg = cfg["quantization_config"]
+        assert qcfg["quant_method"] == fmt and qcfg["group_size"] == 32
+        assert (folder / "tokenizer.json").is_file()
+        state = load_file(str(folder / "model.safetensors"))
+        # float16 besides the quantized layers: embedding, norms, the untied head
+        assert state["model.embed_tokens.weight"].dtype == torch.float16
+        assert state["lm_head.weight"].dtype == torch.float16
+        assert not any(k.endswith("_proj.weight") for k in state)
+        # the codes stand for the float weight, round-to-nearest in groups of 32
+        name = "model.layers.0.mlp.down_proj"
+        w = float_state[f"{name}.weight"].float()  # [N, K]
+        s = state[f"{name}.scales"].float()  # [G, N]
+        if fmt == "gptq":
+            assert not qcfg["sym"] and qcfg["checkpoint_format"] == "gptq"
+            q = unpack_rows(state[f"{name}.qweight"], 4).float()  # [K, N]
+            z = unpack_cols(state[f"{name}.qzeros"], 4).float() + 1  # v1: zero - 1
+        else:
+            order = [0, 2, 4, 6, 1, 3, 5, 7]
+            q = unpack_cols(state[f"{name}.qweight"], 4, order).float()
+            z = unpack_cols(state[f"{name}.qzeros"], 4, order).float()
+        g = torch.arange(w.shape[1]) // 32
+        deq = ((q - z[g]) * s[g]).t()
+        step = s[g].t()
+        assert ((deq - w).abs() <= step * 0.5 + 1e-3).all()
+        total, quantized = bench_quant.checkpoint_bytes(folder)
+        assert 0 < quantized < total
+    # cached: a second call writes nothing
+    stamp = {f: (p / "model.safetensors").stat().st_mtime_ns for f, p in folders.items()}
+    again = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, ["gptq", "awq"])
+    assert again == folders
+    assert stamp == {f: (p / "model.safetensors").stat().st_mtime_ns for f, p in again.items()}
+    assert [p.name for p in tmp_path.iterdir()] == [folders["gptq"].parent.name]  # no leftovers
+
+
+def test_float_state_reads_a_converted_gguf_folders_linked_blocks(tiny_llama_dir, tmp_path):
+    from gguf import GGUFReader
+
+    from engine.gguf.convert import LINK, _write_weights
+    from tests.engine.gguf.gguf_files import HEADS, KV_HEADS, write_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(tiny_llama_dir, gguf, "Q4_1")
+    linked, full = tmp_path / "linked", tmp_path / "full"
+    heads = {"model_type": "llama", "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+    for folder in (linked, full):
+        folder.mkdir()
+        shutil.copy(tiny_llama_dir / "config.json", folder)
+    _write_weights(GGUFReader(str(gguf)), heads, full)
+    _write_weights(GGUFReader(str(gguf)), heads, linked, every=False)
+    (linked / LINK).write_text(json.dumps({"path": str(gguf), "size": gguf.stat().st_size}))
+    a, b = bench_quant.float_state(linked), load_file(str(full / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name, t in b.items():
+        assert torch.equal(a[name], t), name
+
+
+@pytest.mark.parametrize("argv, message", [(["--context", "9", "8"], "--context"),
+                                           (["--batch-sizes", "0"], "--batch-sizes")])  # fmt: skip
+def test_bad_arguments_are_rejected(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_quant.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_on_a_tiny_model(tiny_w4_dir, tmp_path):
+    out = tmp_path / "quant.json"
+    result = bench_quant.main(
+        ["--model", str(tiny_w4_dir), "--cache-dir", str(tmp_path / "cache"),
+         "--batch-sizes", "1", "4", "--context", "8", "24", "--steps", "2", "--warmup", "1",
+         "--threads", "1", "--json", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text())["paths"].keys() == {"reference", "gptq", "awq"}
+    for path, res in result["paths"].items():
+        assert "error" not in res, res
+        assert res["quantization"] == (None if path == "reference" else path)
+        assert [r["batch_size"] for r in res["rows"]] == [1, 4]
+        for r in res["rows"]:
+            assert 0 < r["best_ms"] <= r["median_ms"]
+            assert r["time_vs_reference"] > 0 and r["best_vs_reference"] > 0
+            if path != "reference":
+                assert 0 <= r["same_tokens"] <= r["batch_size"]
+    assert result["memory"].keys() == {"reference", "gptq", "awq"}
+    for path, r in result["memory"].items():
+        assert "error" not in r, r
+        assert r["rss_mib"] > 0 and r["file_mib"] > 0 and r["tokens"] == 4
+        assert r["weights_mib"] >= r["linear_mib"] > 0
+        if path != "reference":
+            assert 0 < r["quantized_mib"] < r["file_mib"]
+            assert r["linear_mib"] > 0

@@ -12,6 +12,7 @@ from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
 from engine.core.request_queue import POLICIES
 from engine.layers.quantization import QUANTIZATION_CHOICES
 from engine.reasoning import REASONING_PARSER_CHOICES
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -77,6 +78,9 @@ class SchedulerConfig:
     # Schedule step t+1 while step t computes (engine.async_scheduling): None = auto, on for
     # CUDA with one rank; the engine replaces it with the resolved value (vLLM's name).
     async_scheduling: bool | None = None
+    # Speculative decoding (engine.spec_decode): None = off. The scheduler proposes the
+    # drafts; the engine turns async scheduling off while it is on.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")

@@ -9,6 +9,12 @@ logits of each sampling request's last token -> Sampler (on CUDA the sync-free G
 engine.layers.gpu_sampler, unless a request asks for logprobs) -> the sampled tokens appended
 to the input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
 
+Speculative decoding (engine.spec_decode): a request scheduled with drafts is a chunk of its
+last known token and the drafts (the step graphs decline such steps: eager), its logits are
+computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
+the target agrees with and adds one token of its own; on the host sampler, whatever the
+device.
+
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
 input batch and the next step feeds them from the device (engine.worker.async_output).
@@ -39,6 +45,7 @@ from engine.layers.quantization.quantize import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.spec_decode.rejection import verify as verify_drafts
 from engine.structured_output.bitmask import RowMask
 from engine.worker import host_memory
 from engine.worker.async_output import (
@@ -183,6 +190,7 @@ class ModelRunner:
         sampler_cls = AsyncGpuSampler if self.async_scheduling else GpuSampler
         self.gpu_sampler = sampler_cls(params, seed=config.model.seed) if params else None
         self._prev: PrevTokens | None = None  # the last step's ids, on the device
+        self._spec_generator: torch.Generator | None = None  # draft acceptance draws
         self._copies = TokenCopies(self.device)
         self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
@@ -477,14 +485,18 @@ class ModelRunner:
         batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
-        to_sample = [r.request_id for r in so.scheduled if r.sample]
+        out = ModelRunnerOutput(sampled_token_ids=sampled)
+        spec = [r for r in so.scheduled if r.spec_token_ids]
+        if spec and self._verify_drafts(hidden, last_row, spec, out) and self.rank == 0:
+            batch.append_sampled({r.request_id: sampled[r.request_id] for r in spec})
+        to_sample = [r.request_id for r in so.scheduled if r.sample and not r.spec_token_ids]
         if not to_sample:
-            return ModelRunnerOutput(sampled_token_ids=sampled)
+            return out
         states = [batch[rid] for rid in to_sample]
         if self.gpu_sampler is not None:
             drawn = self._sample_on_device(hidden, last_row, to_sample, states, so.grammar_bitmask)
             if drawn is None:  # not the driver: it ran the LM head's collectives, no more
-                return ModelRunnerOutput(sampled_token_ids=sampled)
+                return out
             tokens, logprobs = drawn
         else:
             rows = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
@@ -495,17 +507,51 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(last)
                 if self.rank != 0:  # only the driver samples; the others ran the collectives
-                    return ModelRunnerOutput(sampled_token_ids=sampled)
+                    return out
                 mask = _row_mask(so.grammar_bitmask, to_sample)
                 tokens, logprobs = self.sampler(logits, states, mask)
-        out = ModelRunnerOutput(sampled_token_ids=sampled)
         for rid, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
             sampled[rid] = toks
             if lps is not None:
                 out.logprobs[rid] = lps
         if self.rank == 0:
-            batch.append_sampled(sampled)
+            batch.append_sampled({rid: sampled[rid] for rid in to_sample})
         return out
+
+    def _verify_drafts(
+        self,
+        hidden: torch.Tensor,
+        last_row: dict[str, int],
+        spec: list[ScheduledRequest],
+        out: ModelRunnerOutput,
+    ) -> bool:
+        """Logits at each drafted request's last len(drafts) + 1 rows, then the rejection
+        sampler (engine.spec_decode.rejection): the kept drafts and one more token into out.
+        Every rank computes the logits (the LM head's collectives); only the driver verifies
+        (returns True)."""
+        rows: list[int] = []
+        for r in spec:
+            last, k = last_row[r.request_id], len(r.spec_token_ids)
+            rows.extend(range(last - k, last + 1))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        if self.rank != 0:
+            return False
+        states = [self.input_batch[r.request_id] for r in spec]
+        if self._spec_generator is None:
+            self._spec_generator = torch.Generator(self.device).manual_seed(self.config.model.seed)
+        tokens, logprobs = verify_drafts(
+            logits,
+            states,
+            [r.spec_token_ids for r in spec],
+            self.sampler,
+            self._spec_generator,
+        )
+        for r, toks, lps in zip(spec, tokens, logprobs, strict=True):
+            out.sampled_token_ids[r.request_id] = toks
+            if lps is not None:
+                out.logprobs[r.request_id] = lps
+        return True
 
     def _execute_async(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """The step without waiting for its ids: each sampled request gets a placeholder in

@@ -1,0 +1,50 @@
+"""NgramProposer: prompt-lookup drafts (vLLM's "ngram" method), no model and no torch.
+
+For a request whose tokens so far (prompt + output) end in the n-gram g, with n from
+prompt_lookup_max down to prompt_lookup_min, find the latest earlier occurrence of g and
+propose the (up to k) tokens that followed it. Copy-heavy generation (quoting, editing,
+code, summaries with names) hits often; open-ended text rarely does.
+
+The search is vectorised (numpy): each n compares the windows of the last `lookback`
+tokens with g at once, so a step costs O(lookback * n) machine work, not a Python loop per
+token; lookback bounds it for long contexts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from engine.spec_decode.config import SpeculativeConfig
+
+DEFAULT_LOOKBACK = 4096  # tokens searched back from the end of a request's history
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, lookback: int = DEFAULT_LOOKBACK) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.lookback = lookback
+
+    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+        """Up to k (default: num_speculative_tokens) draft tokens to follow token_ids; []
+        when no n-gram of the allowed lengths recurs."""
+        k = self.k if k is None else min(k, self.k)
+        total = len(token_ids)
+        if k <= 0 or total <= self.min_n:
+            return []
+        start = max(0, total - self.lookback)
+        tokens = np.asarray(token_ids[start:], dtype=np.int64)
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            pattern = tokens[length - n :]
+            # windows starting at 0 .. length-n-1: each is followed by at least one token
+            windows = sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if len(hits):
+                follow = int(hits[-1]) + n  # the latest occurrence
+                return tokens[follow : follow + k].tolist()
+        return []

@@ -1,8 +1,9 @@
 """NgramProposer: prompt-lookup drafts (vLLM's "ngram" method), no model and no torch.
 
 For a request whose tokens so far (prompt + output) end in the n-gram g, with n from
-prompt_lookup_max down to prompt_lookup_min, find the latest earlier occurrence of g and
-propose the (up to k) tokens that followed it. Copy-heavy generation (quoting, editing,
+prompt_lookup_max down to prompt_lookup_min, find an earlier occurrence of g (the latest one
+that k known tokens follow, else the earliest) and propose the (up to k) tokens that
+followed it. Copy-heavy generation (quoting, editing,
 code, summaries with names) hits often; open-ended text rarely does.
 
 The search is vectorised (numpy): each n compares the windows of the last `lookback`
@@ -45,6 +46,9 @@ class NgramProposer:
             windows = sliding_window_view(tokens[: length - 1], n)
             hits = np.flatnonzero((windows == pattern).all(axis=1))
             if len(hits):
-                follow = int(hits[-1]) + n  # the latest occurrence
+                # the latest occurrence followed by k known tokens, else the earliest (the
+                # longest continuation: a run like "a a a" is followed by k tokens only there)
+                full = hits[hits + n + k <= length]
+                follow = int(full[-1] if len(full) else hits[0]) + n
                 return tokens[follow : follow + k].tolist()
         return []

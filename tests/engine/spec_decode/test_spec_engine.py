@@ -123,3 +123,38 @@ def test_logprobs_match(tiny_llama_dir, vocab):
         for x, y in zip(la, lb, strict=True):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_sampling_distribution_unchanged(tiny_llama_dir, vocab):
+    """Temperature 1, top-k 5: the joint distribution of the first two tokens and that of
+    the third are the same with and without speculation (2 x K chi-square, significance
+    0.001, 300 draws each, fixed engine seeds: deterministic). The prompt holds every
+    token once, so each decode step after the first gets a draft: mostly rejected (the
+    residual draw), some accepted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from stats_testing import chi2_critical, two_sample
+
+    g = torch.Generator().manual_seed(0)
+    perm = [t for t in torch.randperm(vocab, generator=g).tolist() if t > 10]
+    prompt = perm + [perm[5]] * 8
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True)
+    draws = {}
+    for seed, spec in ((0, None), (1, {**SPEC, "num_speculative_tokens": 2})):
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            speculative_config=spec,
+            async_scheduling=False,
+            seed=seed,
+        )
+        outs = llm.generate([prompt] * 300, params, use_tqdm=False)
+        draws[spec is not None] = [tuple(o.outputs[0].token_ids) for o in outs]
+        stats = llm.engine.scheduler.stats().spec_decoding
+        llm.shutdown()
+    assert stats.num_drafts >= 290 and stats.num_accepted_tokens > 0
+    for part in (lambda t: t[:2], lambda t: t[2]):
+        stat, df = two_sample([part(t) for t in draws[False]], [part(t) for t in draws[True]])
+        assert stat < chi2_critical(df), (stat, df)

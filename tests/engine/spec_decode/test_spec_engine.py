@@ -158,3 +158,36 @@ def test_sampling_distribution_unchanged(tiny_llama_dir, vocab):
     for part in (lambda t: t[:2], lambda t: t[2]):
         stat, df = two_sample([part(t) for t in draws[False]], [part(t) for t in draws[True]])
         assert stat < chi2_critical(df), (stat, df)
+
+
+async def test_async_engine_streams_and_counts(tiny_llama_dir, vocab):
+    """Through AsyncEngine (the server's engine): streamed outputs grow by the accepted
+    drafts, the text is the greedy one, and the stats snapshot carries the counters."""
+    from engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.async_engine import AsyncEngine
+    from engine.protocol import EngineRequest
+    from engine.spec_decode import parse_speculative_config
+
+    prompt = _copy_prompts(vocab, 1)[0]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ref, _, _, _ = _run(tiny_llama_dir, [prompt], params, spec=False)
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(
+            max_model_len=256, speculative_config=parse_speculative_config(SPEC)
+        ),
+    )
+    engine = await AsyncEngine.create(config)
+    try:
+        seen = []
+        async for out in engine.generate(EngineRequest("r", prompt, params)):
+            seen.append(list(out.outputs[0].token_ids))
+        assert seen[-1] == ref[0][0][0] and out.outputs[0].text == ref[0][0][1]
+        assert len(seen) < 20  # some steps emitted several tokens
+        stats = engine.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+        assert sum(stats.spec_decode_accepted_per_pos) == stats.spec_decode_num_accepted_tokens
+        assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_accepted_tokens
+    finally:
+        await engine.shutdown()

@@ -51,6 +51,7 @@ BENCHMARKS = (
     "gguf_memory",
     "gguf_kl",
     "hostile",
+    "spec",
 )
 
 

@@ -191,3 +191,13 @@ async def test_async_engine_streams_and_counts(tiny_llama_dir, vocab):
         assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_accepted_tokens
     finally:
         await engine.shutdown()
+
+
+def test_async_scheduling_is_turned_off(tiny_llama_dir):
+    """Auto async scheduling gives way to speculation; asking for both is refused."""
+    with pytest.raises(ValueError, match="async scheduling"):
+        LLM(str(tiny_llama_dir), dtype="float32", speculative_config=SPEC, async_scheduling=True)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", speculative_config=SPEC)
+    assert llm.engine.async_scheduling is False
+    assert llm.engine.config.scheduler.async_scheduling is False
+    llm.shutdown()

@@ -6,9 +6,10 @@ that k known tokens follow, else the earliest) and propose the (up to k) tokens 
 followed it. Copy-heavy generation (quoting, editing,
 code, summaries with names) hits often; open-ended text rarely does.
 
-The search is vectorised (numpy): each n compares the windows of the last `lookback`
-tokens with g at once, so a step costs O(lookback * n) machine work, not a Python loop per
-token; lookback bounds it for long contexts.
+The search is vectorised (numpy): one comparison over the last `lookback` tokens finds
+where the last token occurred before, and each n then extends only those candidates
+backwards, so a step costs O(lookback + candidates * n) machine work, never a Python loop
+per token; lookback bounds it for long contexts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -40,11 +40,17 @@ class NgramProposer:
         start = max(0, total - self.lookback)
         tokens = np.asarray(token_ids[start:], dtype=np.int64)
         length = len(tokens)
+        # Every match of any length ends with the last token: find those ends once (each
+        # followed by at least one token), then extend the candidates backwards.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+        if not len(ends):
+            return []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            pattern = tokens[length - n :]
-            # windows starting at 0 .. length-n-1: each is followed by at least one token
-            windows = sliding_window_view(tokens[: length - 1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            cand = ends[ends >= n - 1]
+            ok = np.ones(len(cand), dtype=bool)
+            for j in range(1, n):
+                ok &= tokens[cand - j] == tokens[length - 1 - j]
+            hits = cand[ok] - (n - 1)  # start of each earlier occurrence
             if len(hits):
                 # the latest occurrence followed by k known tokens, else the earliest (the
                 # longest continuation: a run like "a a a" is followed by k tokens only there)

@@ -85,3 +85,29 @@ def test_engine_args_flag():
     assert EngineArgs().create_engine_config().scheduler.speculative_config is None
     with pytest.raises(ValueError, match="speculative_config"):
         EngineArgs(speculative_config={"method": "medusa"}).create_engine_config()
+
+
+def _naive(tokens, k, lo, hi):
+    """The proposer's rule, spelled out: longest n first; among the earlier occurrences of
+    the last n tokens, the latest with k tokens after it, else the earliest."""
+    total = len(tokens)
+    for n in range(min(hi, total - 1), lo - 1, -1):
+        pattern = tokens[total - n :]
+        starts = [s for s in range(total - n) if tokens[s : s + n] == pattern]
+        if starts:
+            full = [s for s in starts if s + n + k <= total]
+            s = full[-1] if full else starts[0]
+            return tokens[s + n : s + n + k]
+    return []
+
+
+def test_matches_the_naive_rule_on_random_histories():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        assert proposer(k, lo, hi).propose(tokens) == _naive(tokens, k, lo, hi), (tokens, k, lo, hi)

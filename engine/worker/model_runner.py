@@ -358,8 +358,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_step(self) -> torch.Tensor:
         """The largest step: a prefill of the whole token budget (no KV cache yet: it writes
-        nowhere), then the logits of max_num_seqs rows (returned) and the sampler's float32
-        probabilities."""
+        nowhere), then the logits of max_num_seqs rows (with speculative decoding, of every
+        draft position the budget allows) and the sampler's float32 probabilities."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
@@ -367,7 +367,11 @@ class ModelRunner:
             [(0, n, [0] * (-(-n // self.block_size)))], self.block_size
         )
         hidden = self.model(ids, pos, self.attn_backend.build_metadata(common))
-        rows = torch.arange(self.config.scheduler.max_num_seqs, device=self.device) % n
+        num_rows = self.config.scheduler.max_num_seqs
+        spec = self.config.scheduler.speculative_config
+        if spec is not None:  # verification: logits at every draft position (budget-bound)
+            num_rows = max(num_rows, min(num_rows * (1 + spec.num_speculative_tokens), n))
+        rows = torch.arange(num_rows, device=self.device) % n
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1)
         return logits

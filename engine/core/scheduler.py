@@ -22,7 +22,8 @@ end as "timeout" (a heap by deadline, so the per-step check is a peek).
 
 Speculative decoding (engine.spec_decode, scheduler_config.speculative_config): a running
 request whose next step is a plain decode gets drafts from the n-gram proposer and is
-scheduled with 1 + len(drafts) tokens (the budget and its KV slots count them all). The
+scheduled with 1 + len(drafts) tokens (the budget and its KV slots count them all; where
+the slots are short, the drafts are dropped rather than anyone preempted). The
 runner returns the drafts it kept plus one token; update_from_output rolls the rejected
 positions back (num_computed_tokens drops by their count) before registering full blocks in
 the prefix cache, so only blocks of real, computed tokens are ever cached. The blocks the
@@ -308,6 +309,10 @@ class Scheduler:
                 drafts = self._propose(request, budget - 1)
                 num_new += len(drafts)
             while manager.allocate_slots(request, num_new) is None:
+                if drafts:  # speculation never preempts anyone: drop the drafts first
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim_index = self._pick_victim()
                 victim = running.pop(victim_index)
                 if victim_index < i:

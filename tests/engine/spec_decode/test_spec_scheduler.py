@@ -28,7 +28,7 @@ VOCAB = 50
 
 def copy_model(history: list[int]) -> int:
     """A fake model that mostly copies: the token PERIOD back, bent now and then."""
-    if len(history) % 5 == 0:
+    if len(history) % 5 == 0 or len(history) < PERIOD:
         return (sum(history[-3:]) * 13 + 1) % VOCAB
     return history[-PERIOD]
 
@@ -217,3 +217,21 @@ def test_no_drafts_where_unsupported():
     assert not any(seen["seeded"]) and not any(seen["fork"]) and not any(seen["last"])
     assert any(seen["plain"])
     assert max(seen["plain"]) <= 3
+
+
+def test_drafts_never_preempt():
+    """Where the drafts' slots would need a block nobody has free, the drafts go, not a
+    running request."""
+    scheduler = make(num_blocks=3, budget=64, max_model_len=16)
+    runner = SpecRunner(3, 8)
+    scheduler.add_request(make_request("a", [1, 2, 3, 1, 2, 3, 1], max_tokens=8, temperature=0.0))
+    scheduler.add_request(make_request("b", [9, 8, 7, 6, 5], max_tokens=2, temperature=0.0))
+    so = scheduler.schedule()  # both prefills: one block each, none left
+    scheduler.update_from_output(so, runner(so))
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    so = scheduler.schedule()
+    by_id = {sr.request_id: sr for sr in so.scheduled}
+    assert by_id["a"].num_tokens == 1 and by_id["a"].spec_token_ids == []
+    assert scheduler.num_preemptions == 0 and "b" in by_id
+    scheduler.update_from_output(so, runner(so))
+    check_invariants(scheduler)

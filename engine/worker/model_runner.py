@@ -10,7 +10,8 @@ engine.layers.gpu_sampler, unless a request asks for logprobs) -> the sampled to
 to the input batch (rank 0; the other ranks get them with the next step, see multiproc.py).
 
 Speculative decoding (engine.spec_decode): a request scheduled with drafts is a chunk of its
-last known token and the drafts (the step graphs decline such steps: eager), its logits are
+last known token and the drafts (CUDA graphs decline such steps: eager; the CPU's decode
+plan takes them, the attention kernel having their rows), its logits are
 computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
 the target agrees with and adds one token of its own; on the host sampler, whatever the
 device.

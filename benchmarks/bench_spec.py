@@ -2,13 +2,15 @@
 
     tessera bench spec [--model M] [--dtype bfloat16] [--streams 1,8] [--output-len 128]
                        [--num-speculative-tokens 3] [--prompt-lookup-max 4]
-                       [--prompt-lookup-min 1] [--json PATH]
+                       [--prompt-lookup-min 1] [--rounds 2] [--json PATH]
 
 Two workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
 goes on copying, so the n-gram lookups hit) and open-ended ones (instructions to write
 something new: few hits). Each runs at every stream count (that many requests at once) on
-one engine without speculation and one with it, greedy with ignore_eos so both produce
-the same tokens. Reports per workload and stream count the mean time per output token
+one engine without speculation and one with it, both loaded at once and their runs
+interleaved (--rounds of each, the order alternating; the best counts), greedy with
+ignore_eos so both produce the same tokens (up to the roundings of their different kernel
+paths on quantized models, see the README). Reports per workload and stream count the mean time per output token
 (TPOT, after the first token) of each engine, their ratio (plain / speculative: above 1,
 speculation pays), the draft acceptance rate and the mean tokens per verification step,
 and whether both engines produced the same tokens.
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--streams must be comma-separated integers, got {args.streams!r}")
     if not streams or min(streams) < 1:
         parser.error("--streams needs stream counts of at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.output_len < 2:
         parser.error("--output-len must be at least 2 (TPOT needs a second token)")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -133,32 +138,41 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_lookup_min": args.prompt_lookup_min,
     }
     common = dict(dtype=args.dtype, max_num_seqs=max(streams), seed=args.seed)
+    # Both engines loaded at once and their runs interleaved (the order alternating by
+    # round), so a shared machine's load swings hit both sides alike; the best round counts.
+    engines = {
+        "plain": LLM(args.model, speculative_config=None, **common),
+        "ngram": LLM(args.model, speculative_config=spec, **common),
+    }
+    for llm in engines.values():
+        for workload in workloads:  # warm-up: first-step costs out of the timings
+            run_streams(llm, prompts_for(llm, workload, 1, 4), 4)
     runs: dict[str, dict] = {}
-    for side, config in (("plain", None), ("ngram", spec)):
-        llm = LLM(args.model, speculative_config=config, **common)
-        for workload in workloads:
-            warm = prompts_for(llm, workload, 1, 4)
-            run_streams(llm, warm, 4)  # warm-up: first-step costs out of the timings
-            for n in streams:
-                before = spec_counts(llm)
-                tpot, tokens = run_streams(
-                    llm, prompts_for(llm, workload, n, args.output_len), args.output_len
-                )
-                after = spec_counts(llm)
-                runs[f"{side}/{workload}/{n}"] = {
-                    "tpot_s": statistics.fmean(tpot),
-                    "tokens": tokens,
-                    "drafts": after[0] - before[0],
-                    "draft_tokens": after[1] - before[1],
-                    "accepted": after[2] - before[2],
-                }
-                print(
-                    f"{side} {workload} x{n}: TPOT {runs[f'{side}/{workload}/{n}']['tpot_s'] * 1e3:.2f} ms",
-                    flush=True,
-                )
+    for workload in workloads:
+        for n in streams:
+            for r in range(args.rounds):
+                for side in ("plain", "ngram") if r % 2 == 0 else ("ngram", "plain"):
+                    llm = engines[side]
+                    before = spec_counts(llm)
+                    tpot, tokens = run_streams(
+                        llm, prompts_for(llm, workload, n, args.output_len), args.output_len
+                    )
+                    after = spec_counts(llm)
+                    key = f"{side}/{workload}/{n}"
+                    run = {
+                        "tpot_s": statistics.fmean(tpot),
+                        "tokens": tokens,
+                        "drafts": after[0] - before[0],
+                        "draft_tokens": after[1] - before[1],
+                        "accepted": after[2] - before[2],
+                    }
+                    if key not in runs or run["tpot_s"] < runs[key]["tpot_s"]:
+                        runs[key] = run
+                    print(f"{side} {workload} x{n}: TPOT {run['tpot_s'] * 1e3:.2f} ms", flush=True)
+    for llm in engines.values():
         llm.shutdown()
-        del llm
-        gc.collect()
+    del engines, llm
+    gc.collect()
     rows = []
     for workload in workloads:
         for n in streams:

@@ -11,7 +11,12 @@ from benchmarks import bench_spec
 
 
 def test_bad_arguments_are_rejected(capsys):
-    for argv in (["--streams", "0"], ["--output-len", "1"], ["--workloads", "poems"]):
+    for argv in (
+        ["--streams", "0"],
+        ["--output-len", "1"],
+        ["--workloads", "poems"],
+        ["--rounds", "0"],
+    ):
         with pytest.raises(SystemExit) as e:
             bench_spec.main(argv)
         assert e.value.code == 2

@@ -35,6 +35,7 @@ from engine.options import (
     parse_bytes,
 )
 from engine.reasoning import REASONING_PARSER_CHOICES
+from engine.spec_decode.config import parse_speculative_config
 
 # Measured on 2 Zen 5 cores (tessera bench compare, 128-token prompts and outputs): 1024
 # against 2048 gave TTFT p50 0.7 vs 1.3 s at 32 streams and 1.2 vs 1.5 s at 128, throughput
@@ -159,6 +160,16 @@ class EngineArgs:
         parse_bool,
         kind="bool",
     )
+    speculative_config: str | dict | None = option(
+        "Speculative decoding, vLLM's JSON: "
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1} proposes the tokens that followed the last n-gram earlier in '
+        "the request (prompt lookup) and verifies them in one step; greedy output is token for "
+        "token the same, sampling keeps its distribution. Pays on copy-heavy outputs "
+        "(editing, quoting, code); turns async scheduling off. Draft models and EAGLE are not "
+        "supported yet. Default: off.",
+        None,
+    )
     # --- KV cache ---
     block_size: int = option("KV cache block size in tokens.", 16, int)
     num_kv_blocks: int | None = option(
@@ -275,6 +286,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 policy=self.scheduling_policy or "fcfs",
                 async_scheduling=self.async_scheduling,
+                speculative_config=parse_speculative_config(self.speculative_config),
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

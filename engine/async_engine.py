@@ -322,6 +322,7 @@ class AsyncEngine:
     def _publish_stats(self, alive: bool = True) -> None:
         engine = self.engine
         s = engine.scheduler.stats()
+        spec = s.spec_decoding
         self._stats = EngineStats(
             num_running=s.num_running,
             num_waiting=engine.num_waiting,
@@ -335,6 +336,10 @@ class AsyncEngine:
             prompt_tokens_total=engine.prompt_tokens_total,
             generation_tokens_total=engine.generation_tokens_total,
             num_steps=engine.num_steps,
+            spec_decode_num_drafts=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
             last_step_time=time.monotonic(),
             loop_alive=alive,
         )

@@ -12,6 +12,7 @@ from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
 from engine.core.request_queue import POLICIES
 from engine.layers.quantization import QUANTIZATION_CHOICES
 from engine.reasoning import REASONING_PARSER_CHOICES
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -83,6 +84,9 @@ class SchedulerConfig:
     # LoRA: the most distinct adapters one step may mix (None: LoRA off); requests of other
     # adapters wait for a slot while the rest run.
     max_loras: int | None = None
+    # Speculative decoding (engine.spec_decode): None = off. The scheduler proposes the
+    # drafts; the engine turns async scheduling off while it is on.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
@@ -264,6 +268,11 @@ class EngineConfig:
         _check(
             self.max_num_queued_requests is None or self.max_num_queued_requests >= 0,
             f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}",
+        )
+        _check(
+            self.scheduler.speculative_config is None or self.parallel.pipeline_parallel_size == 1,
+            "speculative_config is not supported with pipeline_parallel_size > 1 yet "
+            "(the last stage would verify drafts the driver proposed); drop one of them",
         )
         if self.cache.kv_cache_dtype == "fp8":
             backend, device = self.model.attention_backend, self.model.device

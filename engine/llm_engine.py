@@ -53,6 +53,14 @@ class LLMEngine:
         self.async_scheduling = resolve_async_scheduling(
             config.scheduler.async_scheduling, resolve_device(config.model.device).type, tp
         )
+        if config.scheduler.speculative_config is not None and self.async_scheduling:
+            if config.scheduler.async_scheduling:  # asked for both
+                raise ValueError(
+                    "speculative_config does not run with async scheduling yet: drop "
+                    "--async-scheduling (speculative decoding turns it off)"
+                )
+            logger.info("Speculative decoding is on: async scheduling is off")
+            self.async_scheduling = False
         config.scheduler = dataclasses.replace(
             config.scheduler, max_model_len=max_model_len, async_scheduling=self.async_scheduling
         )

@@ -122,12 +122,21 @@ class OutputProcessor:
                 state.queue_time = update.queue_time
             if update.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = update.prompt_logprobs
-            sample.token_ids.extend(update.new_token_ids)
-            if update.new_logprobs and sample.logprobs is not None:
-                sample.logprobs.extend(update.new_logprobs)
-                sample.cumulative_logprob += sum(lp.logprob for lp in update.new_logprobs)
             detok = sample.detokenizer
-            detok.update(update.new_token_ids)
+            new_ids, new_lps = update.new_token_ids, update.new_logprobs
+            if len(new_ids) > 1:  # (speculative decoding) a stop string ends it mid-update
+                for i, token in enumerate(new_ids):
+                    detok.update((token,))
+                    if detok.stopped:
+                        new_ids = new_ids[: i + 1]
+                        new_lps = new_lps[: i + 1] if new_lps else new_lps
+                        break
+            else:
+                detok.update(new_ids)
+            sample.token_ids.extend(new_ids)
+            if new_lps and sample.logprobs is not None:
+                sample.logprobs.extend(new_lps)
+                sample.cumulative_logprob += sum(lp.logprob for lp in new_lps)
             if detok.stopped:
                 sample.finish_reason = FinishReason.STOP.value
                 sample.stop_reason = detok.stop_reason

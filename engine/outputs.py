@@ -49,6 +49,10 @@ class ScheduledRequest:
     sample: bool
     # How many tokens to sample from the last position: n for a parent's first sample, else 1.
     num_samples: int = 1
+    # Speculative decoding: draft tokens fed after the last known token (they are the last
+    # len(spec_token_ids) of num_tokens). The runner verifies them: its output for the request
+    # is the drafts it kept plus one token of its own (engine.spec_decode.rejection).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class ModelRunnerOutput:
     # Sampled tokens per scheduled request id; an empty list for a prefill chunk that does not
     # reach the end of the prompt; n tokens for a parent's first sample.
     sampled_token_ids: dict[str, list[int]]
+    # A request scheduled with drafts gets its kept drafts plus one token (1..k+1 tokens).
     # Only for requests that asked for logprobs: one entry per sampled token.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Only for requests that asked for prompt_logprobs and computed prompt rows this step:

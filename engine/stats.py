@@ -36,6 +36,12 @@ class EngineStats:
     prompt_tokens_total: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # Speculative decoding, cumulative (all 0 / empty while it is off): requests scheduled
+    # with drafts (per step), draft tokens, accepted ones, and accepted per draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
     last_step_time: float = 0.0  # time.monotonic() at the end of the last step
     loop_alive: bool = False
     requests: tuple[RequestInfo, ...] = field(default_factory=tuple)

@@ -53,6 +53,7 @@ BENCHMARKS = (
     "hostile",
     "quant",
     "moe",
+    "spec",
 )
 
 

@@ -155,11 +155,45 @@ class _EngineCollector(Collector):
         )
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield gauge("tessera:kv_cache_blocks", "KV-cache blocks in the pool.", s.num_blocks)
+        if s.spec_decode_accepted_per_pos:  # speculative decoding is on
+            yield from _spec_decode_counters(label, s)
         if self.by_tenant:
             yield from _tenant_counters(label, s.tenants)
         yield gauge(
             "tessera:engine_loop_alive", "1 while the engine step loop runs.", int(s.loop_alive)
         )
+
+
+def _spec_decode_counters(label: list[str], s: EngineStats) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters; acceptance rate = accepted / draft tokens."""
+    for name, doc, value in (
+        (
+            "vllm:spec_decode_num_drafts",
+            "Requests scheduled with drafts, per step.",
+            s.spec_decode_num_drafts,
+        ),
+        (
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens proposed.",
+            s.spec_decode_num_draft_tokens,
+        ),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            s.spec_decode_num_accepted_tokens,
+        ),
+    ):
+        m = CounterMetricFamily(name, doc, labels=["model_name"])
+        m.add_metric(label, value)
+        yield m
+    m = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in their proposal (0-based).",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(s.spec_decode_accepted_per_pos):
+        m.add_metric([*label, str(pos)], value)
+    yield m
 
 
 _TENANT_SERIES = (

@@ -20,6 +20,18 @@ policy, each tenant's prompt and prefix-hit tokens are counted (stats().tenants)
 request with a deadline that passes is handed back by expired_requests() for the engine to
 end as "timeout" (a heap by deadline, so the per-step check is a peek).
 
+Speculative decoding (engine.spec_decode, scheduler_config.speculative_config): a running
+request whose next step is a plain decode gets drafts from the n-gram proposer and is
+scheduled with 1 + len(drafts) tokens (the budget and its KV slots count them all; where
+the slots are short, the drafts are dropped rather than anyone preempted). The
+runner returns the drafts it kept plus one token; update_from_output rolls the rejected
+positions back (num_computed_tokens drops by their count) before registering full blocks in
+the prefix cache, so only blocks of real, computed tokens are ever cached. The blocks the
+rejected positions used stay with the request (the next steps fill them) and go back when it
+finishes or is preempted, like any other. No drafts for n > 1 samples, seeded requests
+(their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
+async scheduling off.
+
 Step inputs are incremental (vLLM v1's NewRequestData / CachedRequestData): a request's
 prompt, sampling params and eos id go to the runner once (NewRequestData, when it is first
 scheduled, again after a preemption, and for each forked sample); each step then carries only
@@ -57,6 +69,7 @@ from engine.outputs import (
 )
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_N
+from engine.spec_decode.ngram import NgramProposer
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -80,6 +93,26 @@ class SchedulerStats:
     num_preemptions: int
     # tenant -> (prefix_cache_queries, prefix_cache_hits, generation_tokens), cumulative
     tenants: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
+
+
+@dataclasses.dataclass(slots=True)
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counts (vLLM's vllm:spec_decode_* counters)."""
+
+    num_drafts: int = 0  # requests scheduled with at least one draft token, per step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i]: drafts accepted at position i (0-based) of their proposal
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
+        )
 
 
 class Scheduler:
@@ -117,6 +150,17 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = bool(scheduler_config.async_scheduling)
+        spec = scheduler_config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        if self.proposer is not None and self.async_scheduling:
+            raise ValueError(
+                "speculative_config needs async scheduling off (the engine turns it off)"
+            )
+        self.spec_stats = (
+            SpecDecodingStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
+            if spec is not None
+            else None
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
@@ -169,6 +213,7 @@ class Scheduler:
             m.prefix_cache_hits,
             self.num_preemptions,
             self._tenants_snapshot(),
+            self.spec_stats.copy() if self.spec_stats is not None else None,
         )
 
     def _tenants_snapshot(self) -> dict[str, tuple[int, int, int]]:
@@ -287,7 +332,15 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (the runner returned no token for it)
                 i += 1
                 continue
+            drafts: list[int] = []
+            if num_new == 1 and self.proposer is not None and budget > 1:
+                drafts = self._propose(request, budget - 1)
+                num_new += len(drafts)
             while manager.allocate_slots(request, num_new) is None:
+                if drafts:  # speculation never preempts anyone: drop the drafts first
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim_index = self._pick_victim()
                 victim = running.pop(victim_index)
                 if victim_index < i:
@@ -298,7 +351,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._schedule_one(request, num_new, new)
+                scheduled[request.request_id] = self._schedule_one(request, num_new, new, drafts)
                 budget -= num_new
                 i += 1
                 continue
@@ -414,8 +467,27 @@ class Scheduler:
             waiting.prepend_request(request)
         return budget
 
+    def _propose(self, request: Request, limit: int) -> list[int]:
+        """Draft tokens for a decode step of at most `limit` of them: never more than the
+        request may still emit after the step's own token (max_tokens, max_model_len)."""
+        sp = request.sampling_params
+        if sp.n > 1 or request.parent_id is not None or sp.seed is not None:
+            return []
+        if request.grammar is not None:
+            return []
+        k = min(limit, self.max_model_len - request.num_tokens - 1)
+        if sp.max_tokens is not None:
+            k = min(k, sp.max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, k)
+
     def _schedule_one(
-        self, request: Request, num_new: int, new: dict[str, NewRequestData]
+        self,
+        request: Request,
+        num_new: int,
+        new: dict[str, NewRequestData],
+        drafts: list[int] | None = None,
     ) -> ScheduledRequest:
         rid = request.request_id
         start = request.num_computed_tokens
@@ -429,7 +501,8 @@ class Scheduler:
             if n_prompt > first:
                 counters.charge(tenant_of(request), prompt_tokens=n_prompt - first)
                 request.num_charged_prompt_tokens = n_prompt
-        sample = end == len(request.all_token_ids) + request.num_output_placeholders
+        num_drafts = len(drafts) if drafts else 0
+        sample = end - num_drafts == len(request.all_token_ids) + request.num_output_placeholders
         if sample and self.async_scheduling:
             request.num_output_placeholders += 1
         params = request.sampling_params
@@ -453,6 +526,7 @@ class Scheduler:
             table[num_sent:],
             sample,
             seats(request) if sample and params.n > 1 else 1,
+            drafts if drafts else [],
         )
 
     def _unschedule(
@@ -539,9 +613,16 @@ class Scheduler:
                 continue
             start = sr.start_pos
             end = start + sr.num_tokens
+            tokens = sampled.get(rid)
+            spec = sr.spec_token_ids
+            if spec:  # roll the rejected drafts' positions back
+                num_rejected = len(spec) - (len(tokens) - 1 if tokens else 0)
+                request.num_computed_tokens -= num_rejected
+                end -= num_rejected
+                self._count_spec(len(spec), len(spec) - num_rejected)
+                end = min(end, request.num_tokens)  # the kept drafts are cached below
             if caching and end // bs > start // bs:
                 manager.cache_blocks(request, end)  # this step completed a block's K/V
-            tokens = sampled.get(rid)
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue
             lps = logprobs.get(rid) if logprobs else None
@@ -568,6 +649,8 @@ class Scheduler:
                     break
             else:
                 finish_reason = None
+                if spec and caching:  # full blocks the kept drafts completed
+                    manager.cache_blocks(request)
             updates.append(
                 RequestUpdate(
                     rid,
@@ -585,6 +668,16 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
+
+    def _count_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
+        stats = self.spec_stats
+        assert stats is not None
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
+        per_pos = stats.accepted_per_pos
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     def _apply_to_preempted(
         self,

@@ -189,10 +189,10 @@ class InputBatch:
             if r.new_block_ids:
                 state.append_blocks(r.new_block_ids)
             state.num_samples = r.num_samples
-            if r.start_pos + r.num_tokens > len(state.token_ids):
+            if r.start_pos + r.num_tokens - len(r.spec_token_ids) > len(state.token_ids):
                 raise RuntimeError(
                     f"request {r.request_id!r}: the step computes tokens up to position "
-                    f"{r.start_pos + r.num_tokens - 1} but the runner knows only "
+                    f"{r.start_pos + r.num_tokens - len(r.spec_token_ids) - 1} but the runner knows only "
                     f"{len(state.token_ids)} tokens"
                 )
 
@@ -214,7 +214,9 @@ class InputBatch:
     ) -> tuple[list[int], list[int], list[tuple[int, int, np.ndarray]], dict[str, int]]:
         """The flattened batch: input ids, positions, (start_pos, num_tokens, block table) per
         request for the attention metadata builder (decodes first, by start_pos ascending,
-        then the prefill chunks in scheduling order), and each request's last row."""
+        then the prefill chunks in scheduling order), and each request's last row. A request
+        with drafts (speculative decoding) is a chunk: its last known token, then the drafts;
+        its rows for verification are the last len(drafts) + 1 up to its last row."""
         requests = self.requests
         decodes = sorted((r for r in scheduled if r.num_tokens == 1), key=_start_pos)
         prefills = [r for r in scheduled if r.num_tokens != 1]
@@ -231,7 +233,11 @@ class InputBatch:
         for r in prefills:
             state = requests[r.request_id]
             start, end = r.start_pos, r.start_pos + r.num_tokens
-            ids.extend(state.token_ids[start:end])
+            if r.spec_token_ids:
+                ids.extend(state.token_ids[start : end - len(r.spec_token_ids)])
+                ids.extend(r.spec_token_ids)
+            else:
+                ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             seqs.append((start, r.num_tokens, state.block_table))
             last_row[r.request_id] = len(ids) - 1

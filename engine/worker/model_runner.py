@@ -20,6 +20,13 @@ rank of the last stage samples, and its output goes back to the driver in its re
 learns its own tokens, like every rank but the driver, from the next step's payload). Steps
 under pipeline parallelism run eager: no CPU decode plan, no CUDA graphs.
 
+Speculative decoding (engine.spec_decode): a request scheduled with drafts is a chunk of its
+last known token and the drafts (CUDA graphs decline such steps: eager; the CPU's decode
+plan takes them, the attention kernel having their rows), its logits are
+computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
+the target agrees with and adds one token of its own; on the host sampler, whatever the
+device.
+
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
 input batch and the next step feeds them from the device (engine.worker.async_output).
@@ -68,6 +75,7 @@ from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.models.pipeline import IntermediateTensors, layer_range
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.spec_decode.rejection import verify as verify_drafts
 from engine.structured_output.bitmask import RowMask
 from engine.worker import host_memory
 from engine.worker.async_output import (
@@ -228,6 +236,7 @@ class ModelRunner:
         sampler_cls = AsyncGpuSampler if self.async_scheduling else GpuSampler
         self.gpu_sampler = sampler_cls(params, seed=config.model.seed) if params else None
         self._prev: PrevTokens | None = None  # the last step's ids, on the device
+        self._spec_generator: torch.Generator | None = None  # draft acceptance draws
         self._copies = TokenCopies(self.device)
         self.attn_backend: AttentionBackend | None = None  # chosen when the model loads
         self._threads: StepThreads | None = None  # CPU only: set when the model loads
@@ -428,8 +437,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_step(self) -> torch.Tensor:
         """The largest step: a prefill of the whole token budget (no KV cache yet: it writes
-        nowhere), then the logits of max_num_seqs rows (returned) and the sampler's float32
-        probabilities."""
+        nowhere), then the logits of max_num_seqs rows (with speculative decoding, of every
+        draft position the budget allows) and the sampler's float32 probabilities."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
@@ -440,7 +449,11 @@ class ModelRunner:
         hidden = self.model(ids, pos, meta, self._dummy_intermediate(n))
         if not is_last_stage():  # a stage before the last: no LM head (measured apart)
             return hidden.hidden
-        rows = torch.arange(self.config.scheduler.max_num_seqs, device=self.device) % n
+        num_rows = self.config.scheduler.max_num_seqs
+        spec = self.config.scheduler.speculative_config
+        if spec is not None:  # verification: logits at every draft position (budget-bound)
+            num_rows = max(num_rows, min(num_rows * (1 + spec.num_speculative_tokens), n))
+        rows = torch.arange(num_rows, device=self.device) % n
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1)
         return logits
@@ -584,14 +597,20 @@ class ModelRunner:
         hidden, last_row = self._forward(so.scheduled)
         sampled = {r.request_id: [] for r in so.scheduled}
         prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
-        to_sample = [r.request_id for r in so.scheduled if r.sample]
-        if not to_sample or hidden is None:  # (None: a stage before the last)
-            return ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
+        out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
+        if hidden is None:  # a stage before the last: the last stage samples
+            return out
+        spec = [r for r in so.scheduled if r.spec_token_ids]
+        if spec and self._verify_drafts(hidden, last_row, spec, out) and self.rank == 0:
+            batch.append_sampled({r.request_id: sampled[r.request_id] for r in spec})
+        to_sample = [r.request_id for r in so.scheduled if r.sample and not r.spec_token_ids]
+        if not to_sample:
+            return out
         states = [batch[rid] for rid in to_sample]
         if self.gpu_sampler is not None:
             drawn = self._sample_on_device(hidden, last_row, to_sample, states, so.grammar_bitmask)
             if drawn is None:  # not the driver: it ran the LM head's collectives, no more
-                return ModelRunnerOutput(sampled_token_ids=sampled)
+                return out
             tokens, logprobs = drawn
         else:
             rows = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
@@ -602,17 +621,51 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(last)
                 if not self.samples:  # one rank samples; the others ran the collectives
-                    return ModelRunnerOutput(sampled_token_ids=sampled)
+                    return out
                 mask = _row_mask(so.grammar_bitmask, to_sample)
                 tokens, logprobs = self.sampler(logits, states, mask)
-        out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
         for rid, toks, lps in zip(to_sample, tokens, logprobs, strict=True):
             sampled[rid] = toks
             if lps is not None:
                 out.logprobs[rid] = lps
         if self.rank == 0:
-            batch.append_sampled(sampled)
+            batch.append_sampled({rid: sampled[rid] for rid in to_sample})
         return out
+
+    def _verify_drafts(
+        self,
+        hidden: torch.Tensor,
+        last_row: dict[str, int],
+        spec: list[ScheduledRequest],
+        out: ModelRunnerOutput,
+    ) -> bool:
+        """Logits at each drafted request's last len(drafts) + 1 rows, then the rejection
+        sampler (engine.spec_decode.rejection): the kept drafts and one more token into out.
+        Every rank computes the logits (the LM head's collectives); only the driver verifies
+        (returns True)."""
+        rows: list[int] = []
+        for r in spec:
+            last, k = last_row[r.request_id], len(r.spec_token_ids)
+            rows.extend(range(last - k, last + 1))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        if self.rank != 0:
+            return False
+        states = [self.input_batch[r.request_id] for r in spec]
+        if self._spec_generator is None:
+            self._spec_generator = torch.Generator(self.device).manual_seed(self.config.model.seed)
+        tokens, logprobs = verify_drafts(
+            logits,
+            states,
+            [r.spec_token_ids for r in spec],
+            self.sampler,
+            self._spec_generator,
+        )
+        for r, toks, lps in zip(spec, tokens, logprobs, strict=True):
+            out.sampled_token_ids[r.request_id] = toks
+            if lps is not None:
+                out.logprobs[r.request_id] = lps
+        return True
 
     def _execute_async(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """The step without waiting for its ids: each sampled request gets a placeholder in

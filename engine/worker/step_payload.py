@@ -2,7 +2,7 @@
 
 One step's payload is its SchedulerOutput plus the driver's sampled tokens of the previous
 step (the workers do not sample, so that is how they learn them). Each scheduled request is a
-flat array (id, start, count, new block ids, sample, num_samples), not a map of field names;
+flat array (id, start, count, new block ids, sample, num_samples, drafts), not a map of field names;
 prompts and sampling params travel once, in NewRequestData. So a decode step costs O(batch)
 bytes whatever the context length (test: tests/engine/worker/test_step_payload.py).
 """
@@ -13,7 +13,7 @@ import msgspec
 
 from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 
-_Scheduled = tuple[str, int, int, list[int], bool, int]
+_Scheduled = tuple[str, int, int, list[int], bool, int, list[int]]
 _Step = tuple[
     list[_Scheduled],  # scheduled
     int,  # num_batched_tokens
@@ -32,7 +32,15 @@ def encode_step(so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> byte
     return _encoder.encode(
         (
             [
-                (r.request_id, r.start_pos, r.num_tokens, r.new_block_ids, r.sample, r.num_samples)
+                (
+                    r.request_id,
+                    r.start_pos,
+                    r.num_tokens,
+                    r.new_block_ids,
+                    r.sample,
+                    r.num_samples,
+                    r.spec_token_ids,
+                )
                 for r in so.scheduled
             ],
             so.num_batched_tokens,

@@ -33,6 +33,7 @@ OTHER_VALUES = {
     "scheduling_policy": "priority",
     "enable_chunked_prefill": False,
     "async_scheduling": False,
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
     "block_size": 32,
     "num_kv_blocks": 77,
     "kv_cache_memory": 1 << 20,

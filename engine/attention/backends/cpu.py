@@ -1,12 +1,13 @@
 """The cpu backend: the compiled C paged-attention kernels (engine.attention.cpu_kernel), over
 a bf16/float32 cache or the int8 one (engine.attention.kv_int8).
 
-All decodes and the tokens of the leading prefill chunks of modest context share one padded
-block table: a prefill token is a query at its position, its chunk's K/V written first. The
-prefill chunks past kernel_prefill_max_context() run on the torch path, exactly as the torch
-backend runs them. A layer's sliding window: the kernel takes it as an argument (each row
-reads from the block of its first key in the window), the torch path's chunks are masked to
-it (TorchAttentionBackend.for_window).
+All decodes and the tokens of the leading prefill chunks of modest context (or of a few
+tokens: speculative decoding's verification rows) share one padded block table: a prefill
+token is a query at its position, its chunk's K/V written first. The other prefill chunks,
+past kernel_prefill_max_context(), run on the torch path, exactly as the torch backend runs
+them. A layer's sliding window: the kernel takes it as an argument (each row reads from the
+block of its first key in the window), the torch path's chunks are masked to it
+(TorchAttentionBackend.for_window).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ KERNEL_PREFILL_MAX_CONTEXT = 2048
 # SDPA against the kernel: 0.90x the tokens/s at 32-token prompts, level at 64, 1.05x at
 # 130, 1.29x at 500. The kernel answers one query row at a time on the vector units.
 AMX_KERNEL_PREFILL_MAX_CONTEXT = 64
+# Chunks of at most this many query tokens run on the kernel whatever their context: a
+# speculative-decoding verification row (the last token and its drafts) is a few decode rows,
+# and gathering its whole context for SDPA cost 10x the kernel's time (8 streams of 4-token
+# rows on machine F's AMX: 17.5 s of torch rows against 1.7 s of kernel rows in one profile).
+KERNEL_SMALL_CHUNK = 16
 
 
 def kernel_prefill_max_context() -> int:
@@ -123,7 +129,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         seq_lens = common.seq_lens_np
         num_kernel_reqs = common.num_decodes
         limit = kernel_prefill_max_context()
-        while num_kernel_reqs < common.num_reqs and seq_lens[num_kernel_reqs] <= limit:
+        query_lens = common.query_lens_np
+        while num_kernel_reqs < common.num_reqs and (
+            seq_lens[num_kernel_reqs] <= limit or query_lens[num_kernel_reqs] <= KERNEL_SMALL_CHUNK
+        ):
             num_kernel_reqs += 1
         kernel = self._kernel_rows(common, num_kernel_reqs, static) if num_kernel_reqs else None
         tensors = (

@@ -312,3 +312,32 @@ def test_by_default_no_series_names_a_key_or_a_tenant():
     assert value(by_tenant, "tessera:generation_tokens_by_tenant_total", **labels) == 5
     with pytest.raises(ValueError, match="tenant_label"):
         Metrics(MODEL, tenant_label="name")
+
+
+def test_spec_decode_counters():
+    """vLLM's speculative-decoding counters, present only while it is on."""
+    from engine.stats import EngineStats
+
+    stats = EngineStats(
+        loop_alive=True,
+        spec_decode_num_drafts=7,
+        spec_decode_num_draft_tokens=20,
+        spec_decode_num_accepted_tokens=9,
+        spec_decode_accepted_per_pos=(6, 2, 1),
+    )
+    text = Metrics(MODEL, stats=lambda: stats).render().decode()
+    assert value(text, "vllm:spec_decode_num_drafts_total", model_name=MODEL) == 7
+    assert value(text, "vllm:spec_decode_num_draft_tokens_total", model_name=MODEL) == 20
+    assert value(text, "vllm:spec_decode_num_accepted_tokens_total", model_name=MODEL) == 9
+    for pos, n in enumerate((6, 2, 1)):
+        assert (
+            value(
+                text,
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                model_name=MODEL,
+                position=str(pos),
+            )
+            == n
+        )
+    off = Metrics(MODEL, stats=lambda: EngineStats(loop_alive=True)).render().decode()
+    assert "spec_decode" not in off

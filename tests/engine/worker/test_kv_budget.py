@@ -164,3 +164,11 @@ def test_the_profiled_step_is_the_largest_one(tiny_llama_dir):
     logits = runner._profile_step()
     assert logits.shape == (40, runner.hf_config.vocab_size)
     assert torch.isfinite(logits).all()
+    # speculative decoding: logits at every draft position the step budget allows
+    from engine.spec_decode import SpeculativeConfig
+
+    config.scheduler.speculative_config = SpeculativeConfig(num_speculative_tokens=3)
+    config.scheduler.max_num_seqs = 4
+    assert runner._profile_step().shape == (16, runner.hf_config.vocab_size)
+    config.scheduler.max_num_seqs = 10
+    assert runner._profile_step().shape == (32, runner.hf_config.vocab_size)  # the budget

@@ -97,3 +97,18 @@ def test_payload_round_trips():
     assert received["a"].sampling_params == params and received["a"].eos_token_id == 2
     assert received["a#1"].sampling_params.seed == 4 and len(received["a#1"].output_token_ids) == 1
     assert received["a#1"].prompt_token_ids == list(range(30))
+
+
+def test_drafts_travel_to_the_workers():
+    """A request scheduled with drafts (speculative decoding) keeps them on the wire."""
+    from engine.outputs import ScheduledRequest, SchedulerOutput
+
+    so = SchedulerOutput(
+        scheduled=[
+            ScheduledRequest("a", 9, 4, [3], True, 1, [5, 6, 7]),
+            ScheduledRequest("b", 0, 9, [1, 2], True),
+        ],
+        num_batched_tokens=13,
+    )
+    back, prev = decode_step(encode_step(so, {"a": [4]}))
+    assert back.scheduled == so.scheduled and prev == {"a": [4]}

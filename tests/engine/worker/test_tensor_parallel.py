@@ -90,7 +90,7 @@ def test_tp2_matches_tp1(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _generate(model_dir, tp: int, prompts, params) -> list[list[list[int]]]:
+def _generate(model_dir, tp: int, prompts, params, **extra) -> list[list[list[int]]]:
     from engine import LLM
 
     # A small pool and budget: chunked prefill and preemption on both sides.
@@ -103,10 +103,14 @@ def _generate(model_dir, tp: int, prompts, params) -> list[list[list[int]]]:
         max_num_batched_tokens=32,
         tensor_parallel_size=tp,
         device="cpu",
+        **extra,
     )
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         preempted = llm.engine.scheduler.stats().num_preemptions
+        spec = llm.engine.scheduler.stats().spec_decoding
+        if spec is not None:
+            assert spec.num_accepted_tokens > 0
     finally:
         llm.shutdown()
     return [[c.token_ids for c in o.outputs] for o in outs], preempted
@@ -124,4 +128,19 @@ def test_tp2_engine_greedy_equals_tp1(tiny_llama_dir):
     want, preempted = _generate(tiny_llama_dir, 1, prompts, params)
     got, _ = _generate(tiny_llama_dir, 2, prompts, params)
     assert preempted > 0
+    assert got == want
+
+
+def test_tp2_speculative_greedy_equals_tp1(tiny_llama_dir):
+    """n-gram speculation at TP=2: the drafts travel in the step payload, both ranks compute
+    the verification rows' logits, and the driver's kept tokens reach the worker a step later."""
+    from engine import SamplingParams
+
+    torch.set_num_threads(1)
+    unit = list(range(30, 41))
+    prompts = [unit * 3 + unit[:3], list(range(100, 137)), [7, 8, 9] * 6]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in prompts]
+    want, _ = _generate(tiny_llama_dir, 1, prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    got, _ = _generate(tiny_llama_dir, 2, prompts, params, speculative_config=spec)
     assert got == want

@@ -1,0 +1,15 @@
+"""Speculative decoding: proposers that guess a request's next tokens cheaply, and the
+verification that keeps the target model's output distribution exact.
+
+config.py   SpeculativeConfig and the `--speculative-config` JSON parser (no torch)
+ngram.py    NgramProposer: prompt lookup, the last n-gram's earlier continuation (no torch)
+rejection.py  verification of a step's drafts against the target's logits (torch)
+
+The scheduler proposes (it holds each request's tokens) and schedules 1 + len(drafts)
+tokens; the runner verifies and returns the accepted drafts plus one token of its own; the
+scheduler rolls back the rejected positions (engine.core.scheduler).
+"""
+
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
+__all__ = ["SpeculativeConfig", "parse_speculative_config"]

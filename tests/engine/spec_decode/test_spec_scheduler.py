@@ -1,0 +1,237 @@
+"""The scheduler's side of n-gram speculative decoding, with a fake paged runner (no model):
+drafts are scheduled with their KV slots and counted in the budget, rejected positions are
+rolled back, only blocks of real computed tokens reach the prefix cache, and no block leaks
+or is freed twice, under random acceptance, preemption, chunked prefill and prefix hits."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+
+from core_testing import FakeRunner, check_invariants, check_runner_state, make_request  # noqa: E402
+
+from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from engine.core.kv_cache_utils import extend_block_hashes  # noqa: E402
+from engine.core.scheduler import Scheduler  # noqa: E402
+from engine.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.spec_decode import SpeculativeConfig  # noqa: E402
+
+PERIOD = 7
+VOCAB = 50
+
+
+def copy_model(history: list[int]) -> int:
+    """A fake model that mostly copies: the token PERIOD back, bent now and then."""
+    if len(history) % 5 == 0 or len(history) < PERIOD:
+        return (sum(history[-3:]) * 13 + 1) % VOCAB
+    return history[-PERIOD]
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    history, out = list(prompt), []
+    while len(out) < max_tokens:
+        out.append(copy_model(history))
+        history.append(out[-1])
+    return out
+
+
+class SpecRunner(FakeRunner):
+    """FakeRunner with drafts: writes the step's known tokens and drafts into their slots,
+    reads each verification position's history back through the block table, and keeps
+    drafts while they match the model (greedy), or a random number of them (accept_rng)."""
+
+    def __init__(self, num_blocks, block_size, accept_rng: random.Random | None = None):
+        super().__init__(num_blocks, block_size)
+        self.accept_rng = accept_rng
+
+    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.update(out)
+        for src, dst in out.blocks_to_copy:
+            bs = self.block_size
+            self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
+        for sr in out.scheduled:
+            state = self.batch[sr.request_id]
+            table = state.block_table
+            assert 0 not in table
+            n_known = sr.num_tokens - len(sr.spec_token_ids)
+            tokens = state.token_ids[sr.start_pos : sr.start_pos + n_known] + sr.spec_token_ids
+            assert len(tokens) == sr.num_tokens
+            for j, token in enumerate(tokens):
+                self.slots[self.slot(table, sr.start_pos + j)] = token
+        sampled: dict[str, list[int]] = {}
+        for sr in out.scheduled:
+            if not sr.sample:
+                continue
+            state = self.batch[sr.request_id]
+            drafts = sr.spec_token_ids
+            base = sr.start_pos + sr.num_tokens - len(drafts)
+            assert base == len(state.token_ids)
+            history = [self.slot_value(state.block_table, p) for p in range(base)]
+            assert history == state.token_ids, f"{sr.request_id}: KV read back differs"
+            emitted = []
+            if self.accept_rng is not None and drafts:
+                a = self.accept_rng.randint(0, len(drafts))
+                emitted = drafts[:a] + [self.accept_rng.randrange(VOCAB)]
+            else:
+                for j in range(len(drafts) + 1):
+                    ctx = history + drafts[:j]
+                    back = [self.slot_value(state.block_table, p) for p in range(len(ctx))]
+                    assert back == ctx
+                    target = copy_model(ctx)
+                    emitted.append(target)
+                    if j == len(drafts) or drafts[j] != target:
+                        break
+            sampled[sr.request_id] = emitted
+        self.batch.append_sampled(sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def make(num_blocks=40, block_size=8, budget=64, max_model_len=120, k=3, caching=True):
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3),
+    )
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
+    return Scheduler(config, cache, num_blocks)
+
+
+def check_cached_hashes(scheduler: Scheduler) -> None:
+    """Every block a running request has registered holds the hash of its real tokens."""
+    manager = scheduler.kv_cache_manager
+    bs = manager.block_size
+    for request in scheduler.running:
+        rid = request.request_id
+        num_cached = manager.num_cached_blocks.get(rid, 0)
+        assert num_cached * bs <= request.num_computed_tokens <= request.num_tokens
+        fresh = Request(rid, list(request.all_token_ids), request.sampling_params)
+        fresh.cache_salt = request.cache_salt
+        extend_block_hashes(fresh, bs)
+        for i, block in enumerate(manager.req_to_blocks[rid][:num_cached]):
+            assert block.block_hash == fresh.block_hashes[i], (rid, i)
+
+
+def drive(scheduler, runner, requests, check=True, limit=2000):
+    for r in requests:
+        scheduler.add_request(r)
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        for sr in so.scheduled:
+            assert sr.num_tokens >= 1 + len(sr.spec_token_ids)
+            if sr.spec_token_ids:
+                assert sr.sample
+        assert so.num_batched_tokens == sum(sr.num_tokens for sr in so.scheduled)
+        assert so.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        for u in scheduler.update_from_output(so, runner(so)):
+            outputs[u.request_id] += u.new_token_ids
+        if check:
+            check_invariants(scheduler)
+            check_runner_state(scheduler, runner)
+            check_cached_hashes(scheduler)
+        steps += 1
+        assert steps < limit
+    return outputs, steps
+
+
+def _prompts(rng: random.Random, count: int) -> list[list[int]]:
+    out = []
+    for _ in range(count):
+        unit = [rng.randrange(VOCAB) for _ in range(PERIOD)]
+        out.append(unit * rng.randint(1, 4) + unit[: rng.randint(0, PERIOD)])
+    return out
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("num_blocks,budget", [(40, 64), (16, 64), (40, 8)])
+def test_greedy_exact_with_acceptances(caching, num_blocks, budget):
+    rng = random.Random(num_blocks * 100 + budget)
+    prompts = _prompts(rng, 6)
+    prompts.append(prompts[0] + [1, 2, 3])  # a prefix hit (when caching)
+    requests = [
+        make_request(f"r{i}", p, max_tokens=rng.randint(1, 30), temperature=0.0)
+        for i, p in enumerate(prompts)
+    ]
+    scheduler = make(num_blocks=num_blocks, budget=budget, caching=caching)
+    free0 = scheduler.kv_cache_manager.num_free_blocks
+    runner = SpecRunner(num_blocks, 8)
+    outputs, _ = drive(scheduler, runner, requests)
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert outputs[r.request_id] == reference(prompt, r.sampling_params.max_tokens)
+    stats = scheduler.stats().spec_decoding
+    assert stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # some were rejected too
+    assert scheduler.kv_cache_manager.num_free_blocks == free0
+    if num_blocks == 16:
+        assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_acceptance_block_accounting(seed):
+    """Property-style: random prompts, lengths and acceptance counts; the invariants hold
+    after every step and every block is free again at the end."""
+    rng = random.Random(seed)
+    num_blocks = rng.choice([16, 24, 40])
+    budget = rng.choice([8, 16, 64])
+    scheduler = make(num_blocks=num_blocks, budget=budget, k=rng.randint(1, 5))
+    free0 = scheduler.kv_cache_manager.num_free_blocks
+    runner = SpecRunner(num_blocks, 8, accept_rng=rng)
+    prompts = _prompts(rng, 8)
+    requests = [
+        make_request(f"r{i}", p, max_tokens=rng.randint(1, 40), temperature=0.0)
+        for i, p in enumerate(prompts)
+    ]
+    outputs, _ = drive(scheduler, runner, requests)
+    for r in requests:
+        assert len(outputs[r.request_id]) == r.sampling_params.max_tokens  # never more
+    assert scheduler.kv_cache_manager.num_free_blocks == free0
+    assert scheduler.stats().spec_decoding.num_draft_tokens > 0
+
+
+def test_no_drafts_where_unsupported():
+    """n > 1, seeded requests and max_tokens' last token get no drafts."""
+    scheduler = make()
+    prompt = [1, 2, 3, 4] * 4
+    scheduler.add_request(make_request("seeded", prompt, max_tokens=8, temperature=1.0, seed=1))
+    scheduler.add_request(make_request("fork", prompt, max_tokens=8, temperature=1.0, n=2))
+    scheduler.add_request(make_request("last", prompt, max_tokens=2, temperature=0.0))
+    scheduler.add_request(make_request("plain", prompt, max_tokens=8, temperature=0.0))
+    runner = SpecRunner(40, 8)
+    seen: dict[str, list[int]] = {}
+    for _ in range(4):
+        so = scheduler.schedule()
+        for sr in so.scheduled:
+            seen.setdefault(sr.request_id.split("#")[0].split("-")[0], []).append(
+                len(sr.spec_token_ids)
+            )
+        scheduler.update_from_output(so, runner(so))
+    assert not any(seen["seeded"]) and not any(seen["fork"]) and not any(seen["last"])
+    assert any(seen["plain"])
+    assert max(seen["plain"]) <= 3
+
+
+def test_drafts_never_preempt():
+    """Where the drafts' slots would need a block nobody has free, the drafts go, not a
+    running request."""
+    scheduler = make(num_blocks=3, budget=64, max_model_len=16)
+    runner = SpecRunner(3, 8)
+    scheduler.add_request(make_request("a", [1, 2, 3, 1, 2, 3, 1], max_tokens=8, temperature=0.0))
+    scheduler.add_request(make_request("b", [9, 8, 7, 6, 5], max_tokens=2, temperature=0.0))
+    so = scheduler.schedule()  # both prefills: one block each, none left
+    scheduler.update_from_output(so, runner(so))
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    so = scheduler.schedule()
+    by_id = {sr.request_id: sr for sr in so.scheduled}
+    assert by_id["a"].num_tokens == 1 and by_id["a"].spec_token_ids == []
+    assert scheduler.num_preemptions == 0 and "b" in by_id
+    scheduler.update_from_output(so, runner(so))
+    check_invariants(scheduler)

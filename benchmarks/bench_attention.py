@@ -86,6 +86,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict:
             )
             attn.kv_scales = kv_int8.allocate_scales(blocks, bs, hkv, "cpu")
             attn.kv_scales.fill_(0.01)
+            attn.kv_spec = kv_int8.Int8KVCacheSpec(bs, hkv, d, dtype)  # the torch path's ops
         else:
             attn.kv_cache.copy_(torch.randn(attn.kv_cache.shape, generator=g))
         layers.append(attn)

@@ -17,6 +17,15 @@ vocab_size equals the tokenizer's. Nothing is downloaded.
 
 from __future__ import annotations
 
+import os as _os
+
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. Triton must
+# see this before anything imports it: some test modules import triton while being collected
+# (pytest.importorskip), before tests/engine/conftest.py, and a kernel defined against the
+# other mode then fails mid-suite ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not _os.path.exists("/dev/nvidiactl"):
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import sys
 from collections.abc import Callable
 from pathlib import Path

@@ -34,6 +34,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.group_failure import GroupFailure
 from engine.worker.multiproc import call_message, step_messages
 
 logger = logging.getLogger("tessera.engine")
@@ -131,9 +132,8 @@ class RayWorkerGroup:
         world_size = parallel.world_size
         self.timeout_s = parallel.collective_timeout_s
         self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
-        self._failure: str | None = None
-        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._lock = threading.Lock()  # guards _failure, the callbacks and the actors
+        self._dead = GroupFailure("The Ray worker group")  # why it broke; set once
+        self._lock = self._dead.lock  # also guards the actors
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self._sampled: dict[str, list[int]] = {}
@@ -213,18 +213,13 @@ class RayWorkerGroup:
 
     @property
     def failure(self) -> str | None:
-        return self._failure
+        return self._dead.cause
 
     def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        with self._lock:
-            self._failure_callbacks.append(callback)
-            failure = self._failure
-        if failure is not None:
-            callback(EngineDeadError(failure))
+        self._dead.add_listener(callback)
 
     def check_alive(self) -> None:
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
+        self._dead.raise_if_dead()
 
     def _watch(self) -> None:
         """Ping every actor each second (on its health group: never behind a step)."""
@@ -232,7 +227,7 @@ class RayWorkerGroup:
         while not self._closing.wait(_WATCH_S):
             with self._lock:
                 actors = list(self.actors)
-            if not actors or self._failure is not None:
+            if not actors or self._dead.cause is not None:
                 return
             refs = [a.ping.options(concurrency_group=_HEALTH).remote() for a in actors]
             try:
@@ -245,21 +240,7 @@ class RayWorkerGroup:
                 continue
 
     def _fail(self, cause: str) -> EngineDeadError:
-        with self._lock:
-            first = self._failure is None
-            if first:
-                self._failure = cause
-                self._kill_actors()
-            callbacks = list(self._failure_callbacks) if first else []
-            failure = self._failure
-        if first:
-            logger.error("The Ray worker group is dead: %s", cause)
-        for callback in callbacks:
-            try:
-                callback(EngineDeadError(failure))
-            except Exception:  # noqa: BLE001 - one bad listener must not hide the death
-                logger.exception("An engine-dead callback failed")
-        return EngineDeadError(failure)
+        return self._dead.fail(lambda: cause, self._kill_actors)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -319,7 +300,7 @@ class RayWorkerGroup:
         self._closing.set()
         if self._watcher is not None:
             self._watcher.join(_PING_TIMEOUT_S)
-        if self._failure is None and self.actors:
+        if self._dead.cause is None and self.actors:
             with contextlib.suppress(Exception):
                 ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_TIMEOUT_S)
         with self._lock:

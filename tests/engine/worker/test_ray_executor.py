@@ -4,9 +4,10 @@ node, two CPUs each, both on this machine: ray.cluster_utils.Cluster), CPU bundl
 PP=2 through Ray gives the single-process engine's greedy tokens, its two one-rank stages
 packed on one node (a node that holds both stages gets both); TP=2 x PP=2 too, each stage's two
 TP ranks on one node and the two stages on the two nodes (Ray's actor table says where each
-actor runs). Removing the worker node makes the engine dead (the watcher notices while it is
-idle, every later step fails); shutdown leaves no actor and no placement group, and the
-cluster's teardown no Ray process. Skipped without Ray (the `ray` extra)."""
+actor runs). A stage that no node can hold fails, saying what the nodes hold. Removing the
+worker node makes the engine dead (the watcher notices while it is idle, every later step
+fails); shutdown leaves no actor and no placement group, and the cluster's teardown no Ray
+process. Skipped without Ray (the `ray` extra)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,35 @@ def test_pp2_on_ray_equals_one_process_with_both_stages_on_one_node(
     assert nodes[0] == nodes[1] and seen["nodes"] == [nodes[0], nodes[1]]
     assert all(t in CHOICES for t in seen["texts"])
     # Torn down: the actors killed, the placement group removed.
+    assert _rank_actors() == []
+    assert _live_placement_groups() == []
+
+
+def test_a_stage_no_node_can_hold_fails_saying_what_the_nodes_hold(
+    two_nodes, tiny_llama_dir, monkeypatch
+):
+    """TP=4: one stage's four CPUs must share a node, but each node has two (four in all). The
+    placement group never fits; past its wait (shortened here) the engine fails, saying what
+    a stage needs and what each node holds, and leaves no actor or placement group."""
+    from engine import LLM
+    from engine.worker import ray_executor
+
+    monkeypatch.setattr(ray_executor, "_READY_TIMEOUT_S", 5.0)
+    want = (
+        r"could not place 1 pipeline stage\(s\) of \{'CPU': 4\} each .* must fit on one "
+        r"node, and its 2 node\(s\) hold: CPU 2; CPU 2"
+    )
+    with pytest.raises(RuntimeError, match=want):
+        LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            num_kv_blocks=24,
+            block_size=8,
+            max_model_len=128,
+            tensor_parallel_size=4,
+            device="cpu",
+            distributed_executor_backend="ray",
+        )
     assert _rank_actors() == []
     assert _live_placement_groups() == []
 

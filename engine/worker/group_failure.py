@@ -22,7 +22,7 @@ Listener = Callable[[EngineDeadError], None]
 
 class GroupFailure:
     def __init__(self, group: str) -> None:
-        self.group = group  # for the log line: "the tensor-parallel group", ...
+        self.group = group  # for the log line: "The tensor-parallel group", ...
         self.lock = threading.Lock()
         self._cause: str | None = None
         self._listeners: list[Listener] = []

@@ -4,22 +4,25 @@ Ray is optional (the `ray` extra) and imported only here, only when chosen. The 
 the cluster at RAY_ADDRESS, or the one this process already joined, or starts a local one;
 reserves a placement group of one bundle per pipeline stage, sized for the stage's TP ranks
 (tp GPUs on CUDA, tp CPUs on the CPU), and starts each rank's actor in its stage's bundle. A
-bundle lives on one node, so a TP group never straddles nodes (its all-reduces stay on
-NVLink); the stages are packed (PACK: on as few nodes as hold them, one node when it can,
+bundle lives on one node, so a TP group never straddles nodes (its all-reduces stay inside
+the node); the stages are packed (PACK: on as few nodes as hold them, one node when it can,
 else a stage per node as they fit), so stages cross the network only when a node cannot hold
-them, and then only the point-to-point activations do. Rank 0's actor picks the rendezvous address (its node's IP and a free port there),
-and every actor joins the torch.distributed group from it, as the multiprocessing workers
-do, then loads its shard or stage. Each step the engine's process sends every actor the same
-payload as the multiprocessing executor's (engine.worker.step_payload) and the actors run
-the same call handler (multiproc.handle_call); the rank that samples (rank 0, or the last
-stage's first TP rank under pipeline parallelism) returns the step's output.
+them, and then only the point-to-point activations do. Rank 0's actor picks the rendezvous
+address (its node's IP and a free port there), and every actor joins the torch.distributed
+group from it, as the multiprocessing workers do, then loads its shard or stage. Each step
+the engine's process sends every actor the same payload as the multiprocessing executor's
+(engine.worker.step_payload) and the actors run the same call handler
+(multiproc.handle_call); the rank that samples (rank 0, or the last stage's first TP rank
+under pipeline parallelism) returns the step's output.
 
 The scheduler stays in the engine's process, which holds no model. An actor that dies (or a
 step past the collective timeout) fails the step: the group kills its actors and is dead for
 good (EngineDeadError), as the multiprocessing group is. A watcher thread pings the actors
 every second on a concurrency group of their own (a ping never waits behind a step), so a
-dead actor is noticed while the engine is idle too, and the on_dead listeners hear of it. shutdown() stops the actors, kills
-them, and removes the placement group; a cluster it started stays up until the process exits.
+dead actor is noticed while the engine is idle too, and the on_dead listeners hear of it
+(group_failure.GroupFailure, shared with the multiprocessing group). shutdown() stops the
+actors, kills them, and removes the placement group; a cluster it started stays up until the
+process exits.
 """
 
 from __future__ import annotations

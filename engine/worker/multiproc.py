@@ -53,6 +53,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.orphans import die_with_parent, name_process
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.group_failure import GroupFailure
 from engine.worker.step_payload import decode_step, encode_step
 
 logger = logging.getLogger("tessera.engine")
@@ -233,9 +234,8 @@ class WorkerGroup:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         # Each rank computes at once: split the cores instead of oversubscribing them.
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
-        self._failure: str | None = None  # why the group broke; set once
-        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._lock = threading.Lock()  # guards _failure and the processes' reaping
+        self._dead = GroupFailure("The tensor-parallel group")  # why it broke; set once
+        self._lock = self._dead.lock  # also guards the processes' reaping
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         ctx = mp.get_context("spawn")
@@ -296,20 +296,15 @@ class WorkerGroup:
     @property
     def failure(self) -> str | None:
         """Why the group is dead, or None while it is alive."""
-        return self._failure
+        return self._dead.cause
 
     def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call callback(error) once when the group dies (from the thread that notices)."""
-        with self._lock:
-            self._failure_callbacks.append(callback)
-            failure = self._failure
-        if failure is not None:
-            callback(EngineDeadError(failure))
+        self._dead.add_listener(callback)
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if the group broke or a worker has exited."""
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
+        self._dead.raise_if_dead()
         if wait_ready([p.sentinel for p in self.procs], timeout=0):
             raise self._fail(_EXITED)
 
@@ -325,27 +320,17 @@ class WorkerGroup:
         """Mark the group dead (the first reason wins), kill the workers left, tell the
         callbacks; returns the error to raise. read_pipes: look for a worker's error reply
         (only on the thread that drives the group: the pipes are not shared)."""
-        with self._lock:
-            first = self._failure is None
-            if first:
-                # The workers that exited, then what failed (a worker's own error says why).
-                reasons = self._deaths(_DEATH_GRACE_S)
-                if read_pipes:
-                    reasons += self._pending_errors()
-                if cause != _EXITED or not reasons:
-                    reasons.append(cause)
-                self._failure = "; ".join(reasons)
-                self._kill_workers()
-            callbacks = list(self._failure_callbacks) if first else []
-            failure = self._failure
-        if first:
-            logger.error("The tensor-parallel group is dead: %s", failure)
-        for callback in callbacks:
-            try:
-                callback(EngineDeadError(failure))
-            except Exception:  # noqa: BLE001 - one bad listener must not hide the death
-                logger.exception("An engine-dead callback failed")
-        return EngineDeadError(failure)
+
+        def describe() -> str:
+            # The workers that exited, then what failed (a worker's own error says why).
+            reasons = self._deaths(_DEATH_GRACE_S)
+            if read_pipes:
+                reasons += self._pending_errors()
+            if cause != _EXITED or not reasons:
+                reasons.append(cause)
+            return "; ".join(reasons)
+
+        return self._dead.fail(describe, self._kill_workers)
 
     def _deaths(self, grace: float) -> list[str]:
         """The workers that exited (waiting up to grace for the first), as sentences."""
@@ -389,8 +374,7 @@ class WorkerGroup:
         results = []
         for rank, conn in enumerate(self.conns, start=1):
             while not conn.poll():
-                if self._failure is not None:
-                    raise EngineDeadError(self._failure)
+                self._dead.raise_if_dead()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RuntimeError(
@@ -482,7 +466,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         self._closing.set()
         with self._lock:
-            if self._failure is None:
+            if self._dead.cause is None:
                 for conn in self.conns:
                     with contextlib.suppress(Exception):
                         conn.send_bytes(call_message("stop", _encoder.encode(())))
@@ -490,7 +474,7 @@ class WorkerGroup:
                 for proc in self.procs:
                     proc.join(max(0.1, deadline - time.monotonic()))
             self._kill_workers()
-            failed = self._failure is not None
+            failed = self._dead.cause is not None
         if self._watcher is not None:
             self._watcher.join(2 * _WATCH_S)
         for conn in self.conns:

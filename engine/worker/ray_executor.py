@@ -2,21 +2,27 @@
 
 Ray is optional (the `ray` extra) and imported only here, only when chosen. The group joins
 the cluster at RAY_ADDRESS, or the one this process already joined, or starts a local one;
-reserves a placement group of one bundle per rank (a GPU each on CUDA, a CPU each on the
-CPU; packed onto as few nodes as will hold them), and starts one actor per rank in its
-bundle. Rank 0's actor picks the rendezvous address (its node's IP and a free port there),
-and every actor joins the torch.distributed group from it, as the multiprocessing workers
-do, then loads its shard or stage. Each step the engine's process sends every actor the same
-payload as the multiprocessing executor's (engine.worker.step_payload) and the actors run
-the same call handler (multiproc.handle_call); the rank that samples (rank 0, or the last
-stage's first TP rank under pipeline parallelism) returns the step's output.
+reserves a placement group of one bundle per pipeline stage, sized for the stage's TP ranks
+(tp GPUs on CUDA, tp CPUs on the CPU), and starts each rank's actor in its stage's bundle. A
+bundle lives on one node, so a TP group never straddles nodes (its all-reduces stay inside
+the node); the stages are packed (PACK: on as few nodes as hold them, one node when it can,
+else a stage per node as they fit), so stages cross the network only when a node cannot hold
+them, and then only the point-to-point activations do. Rank 0's actor picks the rendezvous
+address (its node's IP and a free port there), and every actor joins the torch.distributed
+group from it, as the multiprocessing workers do, then loads its shard or stage. Each step
+the engine's process sends every actor the same payload as the multiprocessing executor's
+(engine.worker.step_payload) and the actors run the same call handler
+(multiproc.handle_call); the rank that samples (rank 0, or the last stage's first TP rank
+under pipeline parallelism) returns the step's output.
 
 The scheduler stays in the engine's process, which holds no model. An actor that dies (or a
 step past the collective timeout) fails the step: the group kills its actors and is dead for
 good (EngineDeadError), as the multiprocessing group is. A watcher thread pings the actors
 every second on a concurrency group of their own (a ping never waits behind a step), so a
-dead actor is noticed while the engine is idle too, and the on_dead listeners hear of it. shutdown() stops the actors, kills
-them, and removes the placement group; a cluster it started stays up until the process exits.
+dead actor is noticed while the engine is idle too, and the on_dead listeners hear of it
+(group_failure.GroupFailure, shared with the multiprocessing group). shutdown() stops the
+actors, kills them, and removes the placement group; a cluster it started stays up until the
+process exits.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.group_failure import GroupFailure
 from engine.worker.multiproc import call_message, step_messages
 
 logger = logging.getLogger("tessera.engine")
@@ -73,8 +80,9 @@ class RankActor:
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
-    def start(self, init_method: str, num_threads: int) -> int:
-        """Join the group, then load this rank's shard; returns the actor's pid."""
+    def start(self, init_method: str, num_threads: int) -> tuple[int, str]:
+        """Join the group, then load this rank's shard; returns the actor's pid and node."""
+        import ray
         import torch
 
         from engine.distributed import backend_for, bind_cuda_device, init_distributed
@@ -95,7 +103,7 @@ class RankActor:
         self.runner = ModelRunner(self.config, model_dir=self.model_dir, rank=self.rank)
         self.runner.load_model()
         self.answers = self.runner.samples
-        return os.getpid()
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def ping(self) -> bool:
         return True
@@ -127,9 +135,8 @@ class RayWorkerGroup:
         world_size = parallel.world_size
         self.timeout_s = parallel.collective_timeout_s
         self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
-        self._failure: str | None = None
-        self._failure_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._lock = threading.Lock()  # guards _failure, the callbacks and the actors
+        self._dead = GroupFailure("The Ray worker group")  # why it broke; set once
+        self._lock = self._dead.lock  # also guards the actors
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self._sampled: dict[str, list[int]] = {}
@@ -143,17 +150,19 @@ class RayWorkerGroup:
             local = {} if address else {"num_cpus": max(os.cpu_count() or 1, world_size)}
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **local)
         on_cuda = resolve_device(config.model.device, 0, 1).type == "cuda"
-        bundle = {"GPU": 1, "CPU": 1} if on_cuda else {"CPU": 1}
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        # One bundle per stage: its TP ranks on one node; rank r is stage r // tp.
+        stage = {"GPU": tp, "CPU": tp} if on_cuda else {"CPU": tp}
         try:
-            self.placement_group = placement_group([bundle] * world_size, strategy="PACK")
-            ray.get(self.placement_group.ready(), timeout=_READY_TIMEOUT_S)
+            self.placement_group = placement_group([stage] * pp, strategy="PACK")
+            self._wait_placed(stage, pp)
             # The workers import this checkout's engine (a local cluster shares its disk).
             root = str(Path(__file__).resolve().parents[2])
             path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
             actor_cls = ray.remote(concurrency_groups={_HEALTH: 1})(RankActor)
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
+                    self.placement_group, placement_group_bundle_index=rank // tp
                 )
                 self.actors.append(
                     actor_cls.options(
@@ -165,38 +174,55 @@ class RayWorkerGroup:
                     ).remote(config, str(model_dir), rank, on_cuda)
                 )
             init_method = ray.get(self.actors[0].rendezvous.remote(), timeout=_READY_TIMEOUT_S)
-            self.pids = ray.get(
+            started = ray.get(
                 [a.start.remote(init_method, 1) for a in self.actors], timeout=_READY_TIMEOUT_S
             )
         except BaseException:
             self.shutdown()
             raise
+        self.pids = [pid for pid, _ in started]
+        self.node_ids = [node for _, node in started]  # each rank's Ray node
         self._watcher = threading.Thread(target=self._watch, name="tessera-ray-watch", daemon=True)
         self._watcher.start()
         logger.info(
-            "Ray: %d ranks on actors (tensor parallel %d x pipeline parallel %d), rendezvous %s",
+            "Ray: %d ranks on actors (tensor parallel %d x pipeline parallel %d) on %d node(s) "
+            "(stage: node %s), rendezvous %s",
             world_size,
-            parallel.tensor_parallel_size,
-            parallel.pipeline_parallel_size,
+            tp,
+            pp,
+            len(set(self.node_ids)),
+            ", ".join(f"{s}: {self.node_ids[s * tp][:8]}" for s in range(pp)),
             init_method,
         )
+
+    def _wait_placed(self, stage: dict, stages: int) -> None:
+        """Wait for the placement group; a cluster with no room says what it lacks."""
+        ray = self.ray
+        try:
+            ray.get(self.placement_group.ready(), timeout=_READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+            held = "; ".join(
+                ", ".join(f"{k} {v:g}" for k, v in sorted(r.items()) if k in stage) or "none"
+                for r in nodes
+            )
+            raise RuntimeError(
+                f"the Ray cluster could not place {stages} pipeline stage(s) of {stage} each "
+                f"in {_READY_TIMEOUT_S:.0f} s: a stage's tensor-parallel ranks must fit on one "
+                f"node, and its {len(nodes)} node(s) hold: {held}"
+            ) from None
 
     # -- liveness -------------------------------------------------------------------------
 
     @property
     def failure(self) -> str | None:
-        return self._failure
+        return self._dead.cause
 
     def add_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        with self._lock:
-            self._failure_callbacks.append(callback)
-            failure = self._failure
-        if failure is not None:
-            callback(EngineDeadError(failure))
+        self._dead.add_listener(callback)
 
     def check_alive(self) -> None:
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
+        self._dead.raise_if_dead()
 
     def _watch(self) -> None:
         """Ping every actor each second (on its health group: never behind a step)."""
@@ -204,7 +230,7 @@ class RayWorkerGroup:
         while not self._closing.wait(_WATCH_S):
             with self._lock:
                 actors = list(self.actors)
-            if not actors or self._failure is not None:
+            if not actors or self._dead.cause is not None:
                 return
             refs = [a.ping.options(concurrency_group=_HEALTH).remote() for a in actors]
             try:
@@ -217,21 +243,7 @@ class RayWorkerGroup:
                 continue
 
     def _fail(self, cause: str) -> EngineDeadError:
-        with self._lock:
-            first = self._failure is None
-            if first:
-                self._failure = cause
-                self._kill_actors()
-            callbacks = list(self._failure_callbacks) if first else []
-            failure = self._failure
-        if first:
-            logger.error("The Ray worker group is dead: %s", cause)
-        for callback in callbacks:
-            try:
-                callback(EngineDeadError(failure))
-            except Exception:  # noqa: BLE001 - one bad listener must not hide the death
-                logger.exception("An engine-dead callback failed")
-        return EngineDeadError(failure)
+        return self._dead.fail(lambda: cause, self._kill_actors)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -291,7 +303,7 @@ class RayWorkerGroup:
         self._closing.set()
         if self._watcher is not None:
             self._watcher.join(_PING_TIMEOUT_S)
-        if self._failure is None and self.actors:
+        if self._dead.cause is None and self.actors:
             with contextlib.suppress(Exception):
                 ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_TIMEOUT_S)
         with self._lock:

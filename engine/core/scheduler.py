@@ -32,6 +32,11 @@ finishes or is preempted, like any other. No drafts for n > 1 samples, seeded re
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.
 
+Pooling requests (Request.pooling_params, a pooling engine's only kind) are prefilled like
+any prompt, chunked or not, never sampled: the chunk that ends the prompt comes back with the
+request's vector (ModelRunnerOutput.pooled), and update_from_output finishes it there ("stop",
+no token, its blocks freed). Mean and CLS pooling get no prefix-cache hit (kv_cache_manager).
+
 Step inputs are incremental (vLLM v1's NewRequestData / CachedRequestData): a request's
 prompt, sampling params and eos id go to the runner once (NewRequestData, when it is first
 scheduled, again after a preemption, and for each forked sample); each step then carries only

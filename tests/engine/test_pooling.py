@@ -188,3 +188,21 @@ def test_causal_lm_folder_pools_with_runner_pooling(tiny_qwen2_dir):
         torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=1e-4)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pooling_matches_hf(make_embedding_model):
+    """Two gloo ranks on the CPU: the worker rank runs the layers' collectives and pools
+    nothing, the driver pools; the vectors are HF's."""
+    torch.set_num_threads(1)
+    folder = make_embedding_model(
+        "st-mean_tokens", arch="llama", pooling_mode="mean_tokens", normalize=True, seed=12
+    )
+    llm = make_llm(folder, tensor_parallel_size=2)
+    try:
+        outs = llm.embed(PROMPTS[:3], use_tqdm=False)
+        for prompt, out in zip(PROMPTS[:3], outs, strict=True):
+            want = reference(folder, llm.tokenizer.encode(prompt), "MEAN", normalize=True)
+            torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=1e-4)
+    finally:
+        llm.shutdown()

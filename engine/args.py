@@ -34,6 +34,7 @@ from engine.options import (
     parse_bool,
     parse_bytes,
 )
+from engine.pooling_params import RUNNER_CHOICES
 from engine.reasoning import REASONING_PARSER_CHOICES
 from engine.spec_decode.config import parse_speculative_config
 
@@ -87,6 +88,16 @@ class EngineArgs:
         choices=QUANTIZATION_CHOICES,
     )
     device: str = option("Device.", "auto", choices=("auto", "cpu", "cuda"))
+    runner: str = option(
+        "What the model serves: generate = text (chat, completions); pooling = embeddings "
+        "(/v1/embeddings, LLM.embed): the prompt's final hidden states pooled as the model's "
+        "sentence-transformers modules say (last token, mean or CLS; normalized or not), else "
+        "last token + L2 normalize. auto = pooling for an embedding model (a `*Model` "
+        "architecture without an LM head such as Qwen3Model, or a folder with modules.json), "
+        "else generate.",
+        "auto",
+        choices=RUNNER_CHOICES,
+    )
     attention_backend: str = option(
         "Attention backend: auto = triton on CUDA where it imports, the C kernels on the CPU "
         "where they run, else torch; torch = dense gather + SDPA (the reference, any device); "
@@ -268,6 +279,7 @@ class EngineArgs:
                 reasoning_parser=self.reasoning_parser,
                 generation_config=self.generation_config,
                 chat_template=self.chat_template,
+                runner=self.runner,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

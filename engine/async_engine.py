@@ -42,6 +42,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults
+        self.runner = engine.runner
+        self.pooler = engine.config.model.pooler
         self.model_name = engine.config.served_model_name or engine.config.model.model
         self.stuck_after_s = stuck_after_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -119,7 +121,7 @@ class AsyncEngine:
         if self._thread is None:
             raise EngineDeadError("The engine is not running.")
         request_id = request.request_id
-        request.params = self.engine.validate_request(request.prompt_token_ids, request.params)
+        self.engine.validate(request)  # params (or pooling params) resolved
         if request.adapter is not None:  # LoRA on, the folder fits the model (read once)
             self.engine.check_adapter(request.adapter)
         limit = self.config.max_num_queued_requests

@@ -11,6 +11,7 @@ from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
 from engine.core.request_queue import POLICIES
 from engine.layers.quantization import QUANTIZATION_CHOICES
+from engine.pooling_params import RUNNER_CHOICES, PoolerConfig
 from engine.reasoning import REASONING_PARSER_CHOICES
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -179,8 +180,16 @@ class ModelConfig:
     generation_config: str = "auto"
     # A chat template replacing the tokenizer's: a file's path or the template itself.
     chat_template: str | None = None
+    # generate | pooling | auto (engine.pooler_config.resolve_runner); the engine replaces
+    # auto with the resolved one, and sets `pooler` (how a pooling model pools) from the folder.
+    runner: str = "auto"
+    pooler: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
+        _check(
+            self.runner in RUNNER_CHOICES,
+            f"runner must be one of {', '.join(RUNNER_CHOICES)}; got {self.runner!r}",
+        )
         _check(
             self.dtype in DTYPE_CHOICES,
             f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",

@@ -4,6 +4,10 @@ from engine import LLM, SamplingParams
 llm = LLM()
 outs = llm.generate(["Hello", "Paris is"], SamplingParams(max_tokens=32, temperature=0))
 
+Embeddings (runner="pooling", or an embedding model's folder with the default auto):
+llm = LLM(embedding_model_dir, runner="pooling")
+vectors = [o.outputs.embedding for o in llm.embed(["Hello", "Paris is"])]
+
 LoRA adapters (PEFT folders), as vLLM's:
 llm = LLM(model_dir, enable_lora=True, max_loras=4)
 outs = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
@@ -21,7 +25,8 @@ from tqdm import tqdm
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -52,11 +57,7 @@ class LLM:
         """Generate for each prompt (text or token ids); outputs come back in prompt order.
         lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine needs enable_lora=True."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -79,6 +80,26 @@ class LLM:
                 )
         return self._run(prompts, params_list, use_tqdm, loras)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), in prompt order, pooled as the
+        model's config says (engine.pooler_config); the engine must run runner="pooling".
+        pooling_params: dimensions (Matryoshka models), normalize."""
+        prompts = _as_prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        outs = self._run(prompts, [params] * len(prompts), use_tqdm, [None] * len(prompts))
+        return [
+            EmbeddingRequestOutput(
+                o.request_id, EmbeddingOutput(o.pooled.tolist()), o.prompt_token_ids
+            )
+            for o in outs
+        ]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (--generation-config; vLLM's name)."""
         return SamplingParams(**self.engine.sampling_defaults)
@@ -99,17 +120,21 @@ class LLM:
     def _run(
         self,
         prompts: list[Prompt],
-        params_list: list[SamplingParams],
+        params_list: list[SamplingParams] | list[PoolingParams],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
+        """params_list: SamplingParams to generate, or PoolingParams to pool."""
         engine = self.engine
         order: dict[str, int] = {}
         # Validate everything first so a bad prompt leaves nothing half-queued.
         try:
             for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, params, lora_request=lora)
+                if isinstance(params, PoolingParams):
+                    engine.add_request(request_id, prompt, pooling_params=params)
+                else:
+                    engine.add_request(request_id, prompt, params, lora_request=lora)
                 order[request_id] = len(order)
         except Exception:
             for request_id in order:
@@ -139,3 +164,12 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

@@ -28,6 +28,8 @@ from engine.models.hf_config import load_hf_config, max_model_len_for, sampling_
 from engine.models.loader import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from engine.pooler_config import read_pooler_config, resolve_runner
+from engine.pooling_params import PoolingParams
 from engine.protocol import EngineRequest, Tenancy
 from engine.reasoning import PROMPT_TAIL_TOKENS, REASONING_FORMATS, StartState
 from engine.request import FinishReason, Request, RequestStatus
@@ -41,6 +43,9 @@ from engine.worker.model_runner import resolve_device
 
 logger = logging.getLogger("tessera.engine")
 
+# What the scheduler reads of a pooling request's SamplingParams: one sample, never run.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -49,10 +54,13 @@ class LLMEngine:
         hf_config = load_hf_config(model_dir)
         max_model_len = max_model_len_for(hf_config, config.model.max_model_len)
         config.model.max_model_len = max_model_len
+        self.runner = self._resolve_runner(config, model_dir, hf_config)
         tp = config.parallel.world_size  # (async scheduling: one rank only)
         self.async_scheduling = resolve_async_scheduling(
             config.scheduler.async_scheduling, resolve_device(config.model.device).type, tp
         )
+        if self.runner == "pooling":  # a pooled prompt has no next step to overlap with
+            self.async_scheduling = False
         if config.scheduler.speculative_config is not None and self.async_scheduling:
             if config.scheduler.async_scheduling:  # asked for both
                 raise ValueError(
@@ -134,16 +142,33 @@ class LLMEngine:
         self.generation_tokens_total = 0
         logger.info("Engine ready in %.1f s (model %s)", time.monotonic() - started, model_dir)
 
+    @staticmethod
+    def _resolve_runner(config: EngineConfig, model_dir, hf_config) -> str:
+        """--runner resolved (engine.pooler_config), written back into the config the ranks
+        get, with a pooling model's PoolerConfig; what a pooling engine cannot combine with
+        is refused here."""
+        runner = resolve_runner(config.model.runner, Path(model_dir), hf_config.architecture)
+        config.model.runner = runner
+        if runner != "pooling":
+            return runner
+        config.model.pooler = read_pooler_config(
+            Path(model_dir), hf_config.raw, hf_config.hidden_size
+        )
+        refused = [
+            (config.scheduler.speculative_config is not None, "speculative decoding"),
+            (config.lora.enabled, "LoRA adapters"),
+            (bool(config.scheduler.async_scheduling), "async scheduling"),
+        ]
+        for on, what in refused:
+            if on:
+                raise ValueError(f"--runner pooling does not support {what}; turn it off")
+        logger.info("Runner: pooling, %s", config.model.pooler.source)
+        return runner
+
     # -- requests -------------------------------------------------------------------------
 
-    def validate_request(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> SamplingParams:
-        """Raise ValueError with a user-facing message; return params with max_tokens resolved.
-
-        Pure: touches no engine state, so AsyncEngine calls it on the caller's thread."""
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
             raise ValueError("The prompt is empty: it must contain at least one token.")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
@@ -151,6 +176,49 @@ class LLMEngine:
                 f"Token id {bad} in the prompt is out of range: the vocabulary has "
                 f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})."
             )
+
+    def validate(self, request: EngineRequest) -> None:
+        """validate_request or validate_pooling, as the request is; its params resolved in
+        place. The runner must match: a pooling engine only pools, a generating one only
+        generates. Pure, as validate_request."""
+        if (request.pooling is not None) != (self.runner == "pooling"):
+            if self.runner == "pooling":
+                raise ValueError(
+                    "This model is served by the pooling runner (embeddings): it cannot "
+                    "generate text; start the engine with --runner generate for that."
+                )
+            raise ValueError(
+                "This model is served by the generate runner: embeddings need an engine "
+                "started with --runner pooling (runner='pooling')."
+            )
+        if request.pooling is not None:
+            request.pooling = self.validate_pooling(request.prompt_token_ids, request.pooling)
+            request.params = _POOLING_SAMPLING
+        else:
+            request.params = self.validate_request(request.prompt_token_ids, request.params)
+
+    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> PoolingParams:
+        """Raise ValueError with a user-facing message; return params with the model's
+        pooling filled in (engine.pooling_params.PoolerConfig.resolve)."""
+        self._check_prompt(prompt_token_ids)
+        limit, n_prompt = self.max_model_len, len(prompt_token_ids)
+        if n_prompt > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens; your input has "
+                f"{n_prompt} tokens. Shorten the input."
+            )
+        pooler = self.config.model.pooler
+        assert pooler is not None
+        return pooler.resolve(params)
+
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> SamplingParams:
+        """Raise ValueError with a user-facing message; return params with max_tokens resolved.
+
+        Pure: touches no engine state, so AsyncEngine calls it on the caller's thread."""
+        self._check_prompt(prompt_token_ids)
+        n_prompt = len(prompt_token_ids)
         for name, ids in (
             ("logit_bias", list(params.logit_bias or {})),
             ("stop_token_ids", params.stop_token_ids),
@@ -189,12 +257,14 @@ class LLMEngine:
         deadline: float | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Queue a request given as separate fields (the offline API's form): the
         EngineRequest built from them, then admit + add. tenant/tenant_weight: whose share it
         draws on under the "fair" policy (the tenant's latest weight wins); deadline: a
         time.monotonic() value past which the engine ends it with finish_reason "timeout";
-        lora_request: the LoRA adapter to run it with (enable_lora)."""
+        lora_request: the LoRA adapter to run it with (enable_lora); pooling_params: an
+        embedding request (a pooling engine's kind; params unused)."""
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -207,6 +277,7 @@ class LLMEngine:
             prompt_text=prompt_text,
             adapter=lora_request,
             arrival_time=arrival_time,
+            pooling=pooling_params,
         )
         self.add(self.admit(request))
 
@@ -216,7 +287,7 @@ class LLMEngine:
         params resolved (max_tokens). AsyncEngine checks the same on its loop instead."""
         if request.request_id in self.output_processor.states:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        request.params = self.validate_request(request.prompt_token_ids, request.params)
+        self.validate(request)
         if request.adapter is not None:
             self.check_adapter(request.adapter)
         limit = self.config.max_num_queued_requests
@@ -250,7 +321,7 @@ class LLMEngine:
         """Queue an admitted request: the scheduler's Request made from it, with the model's
         extra EOS ids and its grammar (a request whose grammar still compiles waits for it)."""
         params = request.params
-        if self.extra_eos_ids and not params.ignore_eos:
+        if self.extra_eos_ids and not params.ignore_eos and request.pooling is None:
             params = dataclasses.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_ids]
             )
@@ -274,6 +345,7 @@ class LLMEngine:
             tenant_weight=tenancy.weight,
             deadline=tenancy.deadline,
             lora_request=request.adapter,
+            pooling_params=request.pooling,
         )
         if request.arrival_time is not None:
             scheduled.arrival_time = request.arrival_time

@@ -7,6 +7,7 @@ and groups the n samples of one request under the user's request id.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput, RequestUpdate, TokenLogprobs
 from engine.request import FinishReason
@@ -47,6 +48,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     queue_time: float | None = None
     prompt_logprobs: list | None = None
+    pooled: Any = None  # a pooling request's vector, once its prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -62,6 +64,7 @@ class _RequestState:
             num_cached_tokens=max(self.num_cached_tokens, 0),
             queue_time=self.queue_time,
             prompt_logprobs=self.prompt_logprobs,
+            pooled=self.pooled,
         )
 
 
@@ -122,6 +125,8 @@ class OutputProcessor:
                 state.queue_time = update.queue_time
             if update.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = update.prompt_logprobs
+            if update.pooled is not None:
+                state.pooled = update.pooled
             detok = sample.detokenizer
             new_ids, new_lps = update.new_token_ids, update.new_logprobs
             if len(new_ids) > 1:  # (speculative decoding) a stop string ends it mid-update

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.lora.request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    pooling_params: PoolingParams | None = None  # a pooling request's (resolved)
 
 
 @dataclass(slots=True)
@@ -106,6 +108,9 @@ class ModelRunnerOutput:
     # (position of the first entry's token, entries), one entry per prompt token at
     # positions start+1.. that this chunk's rows predict.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Pooling requests whose prompt this step finished: the pooled vector (a 1-D float32
+    # tensor on the CPU, truncated and normalized as its PoolingParams say).
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -136,6 +141,31 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: set from the first output after the prompt is computed
     # (and kept in the later ones, which are cumulative); None until then or if not asked.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request's vector (a 1-D float32 tensor on the CPU), set when it finished.
+    pooled: Any = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """LLM.embed's result per prompt, as vLLM's: `out.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
 
 
 @dataclass(slots=True)
@@ -157,3 +187,4 @@ class RequestUpdate:
     queue_time: float | None = None  # seconds from arrival to first scheduled, once known
     # The whole prompt's logprobs, with the first update after the prompt was computed.
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: Any = None  # a pooling request's vector, with its final update

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from engine.lora.request import LoRARequest
+from engine.pooling_params import PoolerConfig, PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,7 +52,9 @@ class Tenancy:
 class EngineRequest:
     """One engine request: its id, the prompt's token ids, how to sample, and whose it is.
     `prompt_text` (the prompt as given, when it was text) is echoed in outputs; `adapter`
-    is the LoRA adapter it runs with (engine.lora.LoRARequest; None: the base model)."""
+    is the LoRA adapter it runs with (engine.lora.LoRARequest; None: the base model).
+    `pooling`: an embedding request (a pooling runner's only kind): its prompt is pooled,
+    never sampled (`params` unused), and its one output carries the vector (`pooled`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -60,6 +63,7 @@ class EngineRequest:
     prompt_text: str | None = None
     adapter: LoRARequest | None = None
     arrival_time: float | None = None
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -75,10 +79,15 @@ class EngineClient(Protocol):
     tokenizer: Any  # engine.tokenizer.Tokenizer
     # SamplingParams fields a request falls back to (--generation-config), e.g. temperature
     sampling_defaults: dict[str, Any]
+    # "generate" or "pooling" (--runner): a pooling engine takes only requests with
+    # `pooling` set, a generating one only requests without
+    runner: str
+    pooler: PoolerConfig | None  # how a pooling engine pools (None: a generating engine)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's cumulative output after each step that changed it; stopping the
-        iteration aborts the request. Raises QueueFullError, EngineDeadError, ValueError."""
+        iteration aborts the request. Raises QueueFullError, EngineDeadError, ValueError.
+        A pooling request yields once: finished, its vector in `pooled`."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

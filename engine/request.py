@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora.request import LoRARequest
+    from engine.pooling_params import PoolingParams
     from engine.structured_output.manager import RequestGrammar
 
 
@@ -88,6 +89,9 @@ class Request:
     # prompt token i; the first is None), handed over once, with the first sampled token.
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    # A pooling request (resolved PoolingParams): finished, never sampled, once its prompt
+    # is computed; the runner returns its vector then (ModelRunnerOutput.pooled).
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

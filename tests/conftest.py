@@ -436,3 +436,70 @@ def default_model_dir(tmp_path_factory) -> Path:
     from engine.models.loader import resolve_model
 
     return resolve_model(DEFAULT_MODEL, cache_dir=tmp_path_factory.mktemp("tessera-cache"))
+
+
+def build_embedding_model(
+    out_dir: Path,
+    arch: str = "qwen3",
+    pooling_mode: str | None = None,
+    normalize: bool = True,
+    config_extra: dict | None = None,
+    seed: int = 11,
+    **overrides,
+) -> Path:
+    """A tiny embedding model: build_tiny_model's weights saved by HF's AutoModel (a base-model
+    class, `Qwen3Model` / `LlamaModel`: no LM head, tensor names without `model.`).
+    pooling_mode ("lasttoken", "mean_tokens", "cls_token"): a sentence-transformers folder
+    too (modules.json, 1_Pooling/config.json, a Normalize module if normalize);
+    config_extra: more config.json keys (is_matryoshka, matryoshka_dimensions)."""
+    import json
+
+    from transformers import AutoModel
+
+    build_tiny_model(out_dir, arch, seed=seed, **overrides)
+    base = AutoModel.from_pretrained(str(out_dir), dtype="float32")
+    (out_dir / "model.safetensors").unlink()  # the causal LM's, with its LM head
+    base.save_pretrained(str(out_dir))
+    if config_extra:
+        cfg = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps({**cfg, **config_extra}))
+    if pooling_mode is not None:
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]  # fmt: skip
+        if normalize:
+            modules.append(
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+            )  # fmt: skip
+        (out_dir / "modules.json").write_text(json.dumps(modules))
+        (out_dir / "1_Pooling").mkdir()
+        flags = {
+            f"pooling_mode_{m}": m == pooling_mode
+            for m in ("lasttoken", "mean_tokens", "cls_token", "max_tokens")
+        }
+        (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": base.config.hidden_size, **flags}))  # fmt: skip
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def make_embedding_model(tmp_path_factory) -> Callable[..., Path]:
+    """make_embedding_model("name", **build_embedding_model's options) -> Path, built once."""
+    made: dict[str, Path] = {}
+
+    def make(name: str, **options) -> Path:
+        if name not in made:
+            made[name] = build_embedding_model(tmp_path_factory.mktemp(name), **options)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_dir(tmp_path_factory) -> Path:
+    """Qwen3Model (no LM head: --runner auto pools, last token + normalize), Matryoshka-capable
+    at 16 and 32 of its 64 dimensions."""
+    extra = {"matryoshka_dimensions": [16, 32, 64]}
+    return build_embedding_model(
+        tmp_path_factory.mktemp("tiny-embedding"), head_dim=32, config_extra=extra
+    )

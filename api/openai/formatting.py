@@ -74,7 +74,8 @@ def _check_finish(c: CompletionOutput) -> None:
         raise request_timed_out()
 
 
-def _check_complete(outputs: list[RequestOutput | None]) -> None:
+def check_complete(outputs: list[RequestOutput | None]) -> None:
+    """Raise the error of an output the engine did not finish (aborted, failed, timed out)."""
     for o in outputs:
         if o is None or not o.finished:
             raise unavailable("The request was aborted before it finished; retry it.", 5)
@@ -192,7 +193,7 @@ class ChatFormatter(_Formatter):
     def response(
         self, outputs: list[RequestOutput | None], prompts: list[list[int]]
     ) -> ChatCompletionResponse:
-        _check_complete(outputs)
+        check_complete(outputs)
         out = outputs[0]
         assert out is not None
         choices = [
@@ -387,7 +388,7 @@ class CompletionFormatter(_Formatter):
     def response(
         self, outputs: list[RequestOutput | None], prompts: list[list[int]]
     ) -> CompletionResponse:
-        _check_complete(outputs)
+        check_complete(outputs)
         choices = []
         for i, out in enumerate(outputs):
             assert out is not None

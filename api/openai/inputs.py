@@ -151,15 +151,17 @@ async def completion_prompts(
     pool: Any,
     max_tokens: int | None = None,
     limit: int | None = None,
+    param: str = "prompt",
 ) -> tuple[list[list[int]], list[str | None]]:
     """The prompt field -> (token ids per prompt, text per prompt or None for token prompts).
     With `limit` (max_model_len), a text that cannot fit it with `max_tokens` after it is
-    refused from its length, before it is tokenized."""
+    refused from its length, before it is tokenized. `param`: the field's name (/v1/embeddings'
+    `input` takes the same forms)."""
     if isinstance(prompt, str):
         texts: list[str] | None = [prompt]
         token_prompts = None
     elif not prompt:
-        raise invalid_request("prompt must not be empty.", "prompt")
+        raise invalid_request(f"{param} must not be empty.", param)
     elif all(isinstance(p, str) for p in prompt):
         texts, token_prompts = list(prompt), None
     elif all(isinstance(p, int) for p in prompt):
@@ -168,15 +170,15 @@ async def completion_prompts(
         texts, token_prompts = None, [list(p) for p in prompt]
     else:
         raise invalid_request(
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            f"{param} must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists (not a mix).",
-            "prompt",
+            param,
         )
     count = len(texts if texts is not None else token_prompts)
     if count > max_prompts:
         raise invalid_request(
-            f"prompt holds {count} prompts; at most {max_prompts} are allowed per request.",
-            "prompt",
+            f"{param} holds {count} prompts; at most {max_prompts} are allowed per request.",
+            param,
         )
     if token_prompts is not None:
         vocab = tokenizer.vocab_size
@@ -184,9 +186,9 @@ async def completion_prompts(
             bad = next((t for t in p if not 0 <= t < vocab), None)
             if bad is not None:
                 raise invalid_request(
-                    f"Token id {bad} in the prompt is out of range: the vocabulary has {vocab} "
+                    f"Token id {bad} in the {param} is out of range: the vocabulary has {vocab} "
                     f"tokens (ids 0..{vocab - 1}).",
-                    "prompt",
+                    param,
                 )
         return token_prompts, [None] * len(token_prompts)
     assert texts is not None

@@ -88,6 +88,15 @@ COMPLETION_IMPLEMENTED = _SAMPLING | {
     "prompt_logprobs",  # vLLM's
 }
 
+EMBEDDING_IMPLEMENTED = {
+    "model",
+    "input",
+    "encoding_format",
+    "dimensions",  # Matryoshka models only (config.json's is_matryoshka / matryoshka_dimensions)
+    "user",  # recorded in the usage ledger
+    "truncate_prompt_tokens",  # vLLM's: keep each input's last k tokens
+}
+
 # --- accepted, without effect ---------------------------------------------------------------
 
 _IGNORED_COMMON = {
@@ -106,6 +115,7 @@ CHAT_IGNORED = _IGNORED_COMMON | {
     "verbosity",  # no such control in the open models served
 }
 COMPLETION_IGNORED = _IGNORED_COMMON
+EMBEDDING_IGNORED: set[str] = set()
 
 
 # --- rejected unless harmless ------------------------------------------------------------------
@@ -176,9 +186,15 @@ COMPLETION_REJECTED = _REJECTED_COMMON | {
     "add_special_tokens": (_only(True), "prompts are always tokenized with special tokens"),
 }
 
+EMBEDDING_REJECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "add_special_tokens": (_only(True), "inputs are always tokenized with special tokens"),
+    "normalize": (_unset, "the model's config says whether embeddings are normalized"),
+}
+
 _POLICIES = {
     "chat": (CHAT_IMPLEMENTED, CHAT_IGNORED, CHAT_REJECTED),
     "completion": (COMPLETION_IMPLEMENTED, COMPLETION_IGNORED, COMPLETION_REJECTED),
+    "embedding": (EMBEDDING_IMPLEMENTED, EMBEDDING_IGNORED, EMBEDDING_REJECTED),
 }
 _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _warned: set[str] = set()

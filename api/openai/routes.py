@@ -58,6 +58,7 @@ from api.openai.serving import (
     open_ticket,
     prepare_chat,
     require_engine,
+    require_runner,
     resolve_model,
     run_to_end,
     sse_response,
@@ -127,6 +128,7 @@ class OpenAIController(Controller):
         check_fields(await request.body(), "completion", lenient=lenient)
         engine = require_engine(server, request)
         adapter = resolve_model(request, server, data.model, engine)
+        require_runner(engine, "generate")
         check_stream_options(data)
         if data.suffix:
             raise invalid_request("suffix is not supported.", "suffix")

@@ -164,6 +164,19 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
+class EmbeddingRequest(Struct, kw_only=True):
+    """POST /v1/embeddings (OpenAI's, and vLLM's truncate_prompt_tokens)."""
+
+    model: str
+    # str, list of str, list of token ids, or list of token-id lists (as CompletionRequest)
+    input: str | list[str | int | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # keep the last k tokens of each input (-1: max_model_len); unset: longer inputs are a 400
+    truncate_prompt_tokens: int | None = None
+
+
 class TokenizeRequest(Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
@@ -371,3 +384,22 @@ class ErrorResponse(Struct):
     """The envelope of every error (api/server/errors.py builds it)."""
 
     error: ErrorDetail
+
+
+class EmbeddingData(Struct):
+    index: int
+    # floats, or base64 of little-endian float32 (encoding_format "base64")
+    embedding: list[float] | str
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"

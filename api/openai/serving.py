@@ -71,6 +71,7 @@ from api.tenants.tenancy import engine_tenancy
 from api.usage.accounting import CLIENT_CLOSED, Accountant, Ticket
 from api.usage.refusals import LEDGER_OWNED
 from engine.errors import EngineDeadError, QueueFullError
+from engine.pooling_params import PoolingParams
 from engine.protocol import EngineClient, EngineRequest
 from engine.sampling_params import SamplingParams
 
@@ -126,6 +127,7 @@ async def prepare_chat(
     400s name the field to change, 403 / 404 the model, 503 without an engine."""
     engine = require_engine(server, request)
     adapter = resolve_model(request, server, data.model, engine)
+    require_runner(engine, "generate")
     check_stream_options(data)
     parser, tools = chat_tool_plan(data, server, engine)
     max_tokens = data.max_completion_tokens
@@ -215,11 +217,13 @@ async def admit(
     requested_priority: int | None = None,
     cache_salt: str | None = None,
     adapter: Adapter | None = None,
+    pooling: PoolingParams | None = None,
 ) -> Generation:
     """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
     closing the Generation settles the ticket, whatever happens. The deadline counts from
     the request's arrival (queueing and quota checks included); cache_salt: the body's
-    (vLLM's), within the key's or tenant's own prefix-cache scope."""
+    (vLLM's), within the key's or tenant's own prefix-cache scope; pooling: embedding
+    requests (api/openai/embeddings.py), pooled instead of sampled."""
     accountant = accountant_of(request)
     tenancy = engine_tenancy(
         principal,
@@ -254,7 +258,7 @@ async def admit(
         held[0] = True
     try:
         requests = [
-            EngineRequest(rid, ids, params, tenancy, adapter=lora)
+            EngineRequest(rid, ids, params, tenancy, adapter=lora, pooling=pooling)
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
         gen = Generation(
@@ -309,6 +313,27 @@ def require_engine(server: ServerState, request: Request) -> Any:
             reason = _PHASE_REJECTIONS.get(server.phase.value, "draining")
             metrics.rejected("admission", "engine_dead" if server.engine_error else reason)
         raise
+
+
+_RUNNER_REFUSALS = {
+    "generate": (
+        "This server runs --runner pooling: it serves embeddings (/v1/embeddings), not text "
+        "generation; serve a generative model with --runner generate for that.",
+        "model",
+    ),
+    "pooling": (
+        "This server runs --runner generate: embeddings need a server started with "
+        "--runner pooling and an embedding model.",
+        "model",
+    ),
+}
+
+
+def require_runner(engine: Any, runner: str) -> None:
+    """400 naming the runner when the engine runs the other one (a generative route on a
+    pooling server, /v1/embeddings on a generating one)."""
+    if getattr(engine, "runner", "generate") != runner:
+        raise invalid_request(*_RUNNER_REFUSALS[runner])
 
 
 def engine_error(exc: BaseException) -> BaseException:

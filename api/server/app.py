@@ -28,6 +28,7 @@ from litestar.types import ControllerRouterHandler
 import engine as engine_pkg
 from api.admin.routes import ADMIN_CONTROLLERS, ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME
 from api.anthropic.routes import AnthropicController
+from api.openai.embeddings import EmbeddingsController
 from api.openai.routes import OpenAIController
 from api.server.access import Access
 from api.server.affinity import AffinityHeaderMiddleware
@@ -78,6 +79,7 @@ def create_app(
         metrics.adapters, metrics.max_loras = state.adapters, settings.max_loras
     handlers: list[ControllerRouterHandler] = [
         OpenAIController,
+        EmbeddingsController,
         AnthropicController,
         SystemController,
     ]

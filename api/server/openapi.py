@@ -60,7 +60,7 @@ _DESCRIPTIONS = {
     429: "Over a rate limit or the token budget (Retry-After, x-ratelimit-*).",
     503: "Queue full, loading, draining, engine down or database unavailable (Retry-After).",
 }
-_GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+_GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/embeddings"}
 _TOKENIZER = {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
 # Routes whose errors are Anthropic's body, not the OpenAI envelope (api/anthropic/errors.py).
 _ANTHROPIC = {"/v1/messages", "/v1/messages/count_tokens"}
@@ -176,7 +176,11 @@ class OfflineSwagger(OpenAPIRenderPlugin):
 # --- request bodies: unknown fields ---------------------------------------------------------
 
 # The routes whose top-level fields api/openai/request_fields.py polices, and its name for each.
-_POLICED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_POLICED = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": "embedding",
+}
 
 
 def document_request_bodies(schema: dict[str, Any], app: Any, *, lenient: bool) -> None:

@@ -49,7 +49,9 @@ class Settings(EngineArgs):
         parse_bytes,
     )
     max_prompts_per_request: int = option(
-        "Most prompts one /v1/completions request may batch.", 64, int
+        "Most prompts one /v1/completions request (inputs one /v1/embeddings request) may batch.",
+        64,
+        int,
     )
     shutdown_timeout: float = option(
         "Seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted.",

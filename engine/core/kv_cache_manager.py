@@ -115,9 +115,15 @@ class KVCacheManager:
         The hit is capped so that at least the last token is recomputed (its logits are
         needed to sample): a prompt that hits entirely gives up its last block.
         Pure lookup: no reference is taken (allocate_slots does that) and no stats change.
-        A request that asks for prompt logprobs computes its whole prompt: no hit (vLLM's).
+        A request that asks for prompt logprobs computes its whole prompt: no hit (vLLM's);
+        so does a pooling request that pools more than the last row (mean, CLS): the rows a
+        hit skips would be missing from its vector. Last-token pooling takes the hit (the
+        cap above recomputes the last position).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        pooling = request.pooling_params
+        if pooling is not None and pooling.needs_every_position:
             return [], 0
         extend_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -32,6 +32,11 @@ finishes or is preempted, like any other. No drafts for n > 1 samples, seeded re
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.
 
+Pooling requests (Request.pooling_params, a pooling engine's only kind) are prefilled like
+any prompt, chunked or not, never sampled: the chunk that ends the prompt comes back with the
+request's vector (ModelRunnerOutput.pooled), and update_from_output finishes it there ("stop",
+no token, its blocks freed). Mean and CLS pooling get no prefix-cache hit (kv_cache_manager).
+
 Step inputs are incremental (vLLM v1's NewRequestData / CachedRequestData): a request's
 prompt, sampling params and eos id go to the runner once (NewRequestData, when it is first
 scheduled, again after a preemption, and for each forked sample); each step then carries only
@@ -503,7 +508,7 @@ class Scheduler:
                 request.num_charged_prompt_tokens = n_prompt
         num_drafts = len(drafts) if drafts else 0
         sample = end - num_drafts == len(request.all_token_ids) + request.num_output_placeholders
-        if sample and self.async_scheduling:
+        if sample and self.async_scheduling and request.pooling_params is None:
             request.num_output_placeholders += 1
         params = request.sampling_params
         table = self.kv_cache_manager.req_to_block_ids[rid]
@@ -516,6 +521,7 @@ class Scheduler:
                 list(request.output_token_ids),
                 request.eos_token_id,
                 request.lora_request,
+                request.pooling_params,
             )
             num_sent = 0
         self._num_sent_blocks[rid] = len(table)
@@ -590,6 +596,7 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_lps = model_runner_output.prompt_logprobs
+        pooled = model_runner_output.pooled
         manager = self.kv_cache_manager
         caching, bs = manager.enable_caching, manager.block_size
         requests = self.requests
@@ -623,6 +630,11 @@ class Scheduler:
                 end = min(end, request.num_tokens)  # the kept drafts are cached below
             if caching and end // bs > start // bs:
                 manager.cache_blocks(request, end)  # this step completed a block's K/V
+            if request.pooling_params is not None:
+                if rid in pooled:  # its prompt is computed: done, never sampled
+                    updates.append(self._finish_pooled(request, pooled[rid]))
+                    num_finished += 1
+                continue
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue
             lps = logprobs.get(rid) if logprobs else None
@@ -668,6 +680,24 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
+
+    def _finish_pooled(self, request: Request, vector) -> RequestUpdate:
+        """A pooling request whose prompt is computed ends with its vector ("stop"); its
+        blocks go back now."""
+        self._num_seats -= seats(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestUpdate(
+            request.request_id,
+            request.parent_id,
+            request.sample_index,
+            [],
+            None,
+            request.finish_reason,
+            None,
+            request.num_cached_tokens,
+            _queue_time(request),
+            pooled=vector,
+        )
 
     def _count_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
         stats = self.spec_stats

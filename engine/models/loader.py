@@ -135,6 +135,7 @@ def load_model(
     max_position: int | None = None,
     seed: int = 0,
     prepare: Callable[[nn.Module], set[str]] | None = None,
+    runner: str = "generate",
 ) -> nn.Module:
     """Build the model for model_dir/config.json and fill its weights; returns it in eval mode,
     its fused ops bound to device's kernels (engine.layers.ops).
@@ -151,7 +152,7 @@ def load_model(
         )
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
-    cls = get_model_class(cfg.architecture)
+    cls = get_model_class(cfg.architecture, runner)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with _default_dtype(torch_dtype), torch.device(device):
         model = cls(cfg, max_position=max_position)
@@ -207,11 +208,18 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     # name -> the name this pipeline stage loads it as, or None: another stage's tensor
     # (engine.models.pipeline); without pipeline parallelism every name is this rank's
     stage_name = getattr(model, "stage_checkpoint_name", None) if get_pp_size() > 1 else None
+    # name -> the model's name for it, or None (not loaded): a pooling model's (no LM head;
+    # a base-model checkpoint's names without `model.`), engine.models.pooling
+    rename = getattr(model, "rename_checkpoint", None)
     loaded: dict[str, set] = {}
     seen: set[str] = set()  # checkpoint names read
 
     def fill(ckpt_name: str, tensor: Callable[[], torch.Tensor], source: str) -> None:
         seen.add(ckpt_name)
+        if rename is not None:
+            ckpt_name = rename(ckpt_name)
+            if ckpt_name is None:
+                return
         if stage_name is not None:
             ckpt_name = stage_name(ckpt_name)
             if ckpt_name is None:

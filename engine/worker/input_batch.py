@@ -22,7 +22,9 @@ import torch
 
 from engine.lora.request import LoRARequest
 from engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.worker.pooler import PoolingState
 
 _MIN_BLOCK_CAPACITY = 16
 
@@ -41,6 +43,9 @@ class CachedRequestState:
     num_blocks: int = 0
     num_samples: int = 1  # of the step that last scheduled it
     lora_request: LoRARequest | None = None
+    # A pooling request's params and its vector so far (engine.worker.pooler)
+    pooling_params: PoolingParams | None = None
+    pooling: PoolingState | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -54,6 +59,8 @@ class CachedRequestState:
             token_ids=[*new.prompt_token_ids, *outputs],
             block_ids=np.zeros(_MIN_BLOCK_CAPACITY, dtype=np.int32),
             lora_request=new.lora_request,
+            pooling_params=new.pooling_params,
+            pooling=PoolingState() if new.pooling_params is not None else None,
         )
 
     @property

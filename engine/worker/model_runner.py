@@ -75,6 +75,7 @@ from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.models.pipeline import IntermediateTensors, layer_range
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.pooler_config import resolve_runner
 from engine.spec_decode.rejection import verify as verify_drafts
 from engine.structured_output.bitmask import RowMask
 from engine.worker import host_memory
@@ -88,6 +89,7 @@ from engine.worker.async_output import (
 from engine.worker.cpu_graph import DecodePlan
 from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
+from engine.worker.pooler import pool_step
 from engine.worker.prompt_logprobs import compute_prompt_logprobs
 from engine.worker.step_graph import StepGraph, StepGraphConfig, StepInputs
 from engine.worker.step_threads import StepThreads
@@ -198,6 +200,10 @@ class ModelRunner:
             else resolve_model(config.model.model, load_format=config.model.load_format)
         )
         self.hf_config = load_hf_config(self.model_dir)
+        # pooling: the model has no LM head, and its requests are pooled, never sampled
+        self.runner = resolve_runner(
+            config.model.runner, self.model_dir, self.hf_config.architecture
+        )
         tp = config.parallel.tensor_parallel_size
         pp = config.parallel.pipeline_parallel_size
         self.device = resolve_device(config.model.device, rank, tp * pp)
@@ -298,6 +304,7 @@ class ModelRunner:
             max_position=self.max_model_len,
             seed=m.seed,
             prepare=prepare,
+            runner=self.runner,
         )
         self.dtype = self.model.model.own_layers()[0].input_layernorm.weight.dtype
         if ckpt is not None:
@@ -449,6 +456,8 @@ class ModelRunner:
         hidden = self.model(ids, pos, meta, self._dummy_intermediate(n))
         if not is_last_stage():  # a stage before the last: no LM head (measured apart)
             return hidden.hidden
+        if self.runner == "pooling":  # no LM head: the hidden states are the output
+            return hidden
         num_rows = self.config.scheduler.max_num_seqs
         spec = self.config.scheduler.speculative_config
         if spec is not None:  # verification: logits at every draft position (budget-bound)
@@ -600,6 +609,10 @@ class ModelRunner:
         out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
         if hidden is None:  # a stage before the last: the last stage samples
             return out
+        if self.runner == "pooling":  # nothing is sampled: the finished prompts' vectors
+            if self.samples:
+                out.pooled = pool_step(hidden, so.scheduled, last_row, batch.requests)
+            return out
         spec = [r for r in so.scheduled if r.spec_token_ids]
         if spec and self._verify_drafts(hidden, last_row, spec, out) and self.rank == 0:
             batch.append_sampled({r.request_id: sampled[r.request_id] for r in spec})
@@ -672,6 +685,7 @@ class ModelRunner:
         the input batch, the ids stay on the device for the next step (self._prev) and go to
         the host in the background (engine.worker.async_output)."""
         assert self.rank == 0, "async scheduling runs on one rank"
+        assert self.runner != "pooling", "a pooling engine runs with async scheduling off"
         if not self._begin_step(so):
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch

@@ -98,6 +98,7 @@ def test_health_answers_while_the_largest_chat_body_is_templated(server, auth):
 ROUTES = [
     ("POST", "/v1/chat/completions", False),
     ("POST", "/v1/completions", False),
+    ("POST", "/v1/embeddings", False),
     ("POST", "/tokenize", False),
     ("POST", "/detokenize", False),
     ("POST", "/admin/v1/keys", True),

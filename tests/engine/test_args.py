@@ -20,6 +20,7 @@ OTHER_VALUES = {
     "load_format": "dummy",
     "quantization": "int8",
     "device": "cpu",
+    "runner": "pooling",
     "attention_backend": "torch",
     "enforce_eager": True,
     "seed": 7,

@@ -26,6 +26,10 @@ def test_the_server_fills_unset_fields_from_the_model(start_server, genconf_dir)
         )
     assert e.value.body["param"] == "chat_template"
     assert "--trust-request-chat-template" in e.value.body["message"]
+    # the generate runner does not embed (tests/api/openai/test_embeddings_http.py)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="m", input="Hello")
+    assert "--runner pooling" in e.value.body["message"]
 
 
 def test_cache_salt_keeps_prefix_cache_blocks_apart(start_server, tiny_llama_dir):

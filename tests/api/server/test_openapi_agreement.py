@@ -36,6 +36,7 @@ MINIMAL = {
         "messages": [{"role": "user", "content": "hi"}],
     },
     ("post", "/v1/completions"): {"model": "m", "prompt": "hi"},
+    ("post", "/v1/embeddings"): {"model": "m", "input": "hi"},
     ("post", "/tokenize"): {"prompt": "hi"},
     ("post", "/v1/messages"): {
         "model": "m",

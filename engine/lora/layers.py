@@ -17,6 +17,8 @@ mapping, set once per step by the runner (engine.lora.manager). Applying it:
         On the CPU the slots are float32 whatever the model's dtype: there a bf16 GEMM of a
         few rows costs 4-5x a float32 one (measured: 4 rows x 576 -> 48 -> 960, 89 us in
         bf16, 22 us with the rows cast to float32), and the deltas are small.
+    cpu: the same grouping in one C call per layer for every adapter of the step
+        (engine.kernels.cpu.lora), over the segments the Triton kernels read.
     triton (CUDA): shrink then expand over the tokens grouped by adapter (punica / S-LoRA
         style, engine.kernels.triton.lora), one launch each for every adapter of the step.
 """
@@ -26,19 +28,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.kernels.cpu import lora as cpu_lora
+
 
 class LoRABatch:
     """One step's token -> adapter slot mapping, shared by every LoRA layer of a model.
 
     set(ranges) takes (slot, first row, row count) for each scheduled request with an
     adapter; rows of the base model are in none. `groups` (the torch path) holds each slot's
-    rows as a slice when contiguous, else an index tensor; the Triton path reads the same
-    rows sorted by slot (token_rows) with each segment's start, length and slot.
+    rows as a slice when contiguous, else an index tensor; the C and Triton kernels read the
+    same rows sorted by slot (token_rows) with each segment's start, length and slot.
     """
 
     def __init__(self, device: torch.device, kernel: str = "torch") -> None:
         self.device = device
-        self.kernel = kernel  # "torch" | "triton"
+        self.kernel = kernel  # "torch" | "cpu" | "triton"
         self.active = False
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
         self.token_rows: torch.Tensor | None = None
@@ -63,7 +67,8 @@ class LoRABatch:
             self.clear()
             return
         self.active = True
-        if self.kernel == "triton":
+        if self.kernel != "torch":
+            self.groups = []  # the torch path's, built from the segments if a layer needs them
             self._set_segments(by_slot)
             return
         groups: list[tuple[int, slice | torch.Tensor]] = []
@@ -127,6 +132,9 @@ class LoRALayer:
         self.width_t = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.slice_off = torch.zeros(max_loras, n, dtype=torch.int32, device=device)
         self.slice_rank = torch.zeros(max_loras, n, dtype=torch.int32, device=device)
+        # and each slice's (first row, rows), for the C kernel
+        self.slice_row = torch.tensor([row for row, _ in slices], dtype=torch.int32)
+        self.slice_size = torch.tensor([size for _, size in slices], dtype=torch.int32)
 
     @property
     def active(self) -> bool:
@@ -185,6 +193,34 @@ class LoRALayer:
                 batch.max_rows,
             )
             return y
+        if batch.kernel == "cpu" and cpu_lora.supports(x2, y2, self.a):
+            cpu_lora.lora_apply(
+                x2,
+                y2,
+                self.a,
+                self.b,
+                self.width_t,
+                self.slice_row,
+                self.slice_size,
+                self.slice_off,
+                self.slice_rank,
+                batch.token_rows,
+                batch.seg_start,
+                batch.seg_len,
+                batch.seg_slot,
+            )
+            return y
+        if batch.kernel == "cpu":  # a dtype the kernel does not take: the torch path's groups
+            batch.groups = batch.groups or self._groups_from_segments()
+        return self._apply_torch(x2, y2, y)
+
+    def _groups_from_segments(self) -> list[tuple[int, torch.Tensor]]:
+        b = self.batch
+        segments = zip(b.seg_start.tolist(), b.seg_len.tolist(), b.seg_slot.tolist(), strict=True)
+        return [(slot, b.token_rows[start : start + n].long()) for start, n, slot in segments]
+
+    def _apply_torch(self, x2: torch.Tensor, y2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        batch = self.batch
         a_all, b_all = self.a, self.b
         for slot, rows in batch.groups:
             w = self.width[slot]

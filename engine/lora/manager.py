@@ -32,14 +32,17 @@ Shard = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
 
 
 def lora_kernel(device: torch.device) -> str:
-    """torch (grouped matmuls) on the CPU; the Triton shrink/expand kernels on CUDA where
-    triton imports. TESSERA_LORA_KERNEL=torch forces the reference; =triton the kernels on any
-    device (the tests, on CPU tensors under TRITON_INTERPRET=1)."""
+    """On the CPU the C kernel (engine.kernels.cpu.lora) where the CPU kernels are built, else
+    torch (grouped matmuls); the Triton shrink/expand kernels on CUDA where triton imports.
+    TESSERA_LORA_KERNEL=torch forces the reference; =cpu the C kernel; =triton the Triton
+    kernels on any device (the tests, on CPU tensors under TRITON_INTERPRET=1)."""
     forced = os.environ.get("TESSERA_LORA_KERNEL")
-    if forced in ("torch", "triton"):
+    if forced in ("torch", "cpu", "triton"):
         return forced
     if device.type != "cuda":
-        return "torch"
+        from engine.kernels.cpu import lora as cpu_lora
+
+        return "cpu" if cpu_lora.available() else "torch"
     try:
         import triton  # noqa: F401
     except ImportError:

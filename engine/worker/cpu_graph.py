@@ -44,6 +44,7 @@ from engine.kernels.cpu import ops
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.kernels.cpu import w8a8 as cpu_w8a8
 from engine.kernels.cpu.ops import Layer as _Layer
+from engine.kernels.cpu.ops import LoraLayer as _LoraLayer
 from engine.kernels.cpu.ops import Shape as _Shape
 from engine.kernels.cpu.ops import Step as _Step
 from engine.layers.quantization.gguf import GGUFW4LinearMethod
@@ -96,6 +97,7 @@ class DecodePlan:
 
     eager_inputs = True
     graph_bytes = 0
+    takes_lora = False  # set per plan: steps with LoRA adapters run here too
 
     def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool):
         layers = model.layers
@@ -120,6 +122,25 @@ class DecodePlan:
             self._tensors.append(t)
             return t.data_ptr()
 
+        # LoRA (engine.lora): each linear's slots, read in place; a step's segments in _run
+        self._loras: list[_LoraLayer] = []
+        self._lora_batch = None
+
+        def lora(m) -> int | None:
+            slots = getattr(m, "lora", None)
+            if slots is None or slots.batch.kernel != "cpu":
+                return None
+            self._lora_batch = slots.batch
+            n = len(slots.slices)
+            self._loras.append(
+                _LoraLayer(
+                    ptr(slots.a), ptr(slots.b), ptr(slots.width_t), ptr(slots.slice_row),
+                    ptr(slots.slice_size), ptr(slots.slice_off), ptr(slots.slice_rank),
+                    slots.a.shape[1], slots.b.shape[1], slots.b.shape[2], n,
+                )
+            )  # fmt: skip
+            return ctypes.addressof(self._loras[-1])
+
         for i, layer in enumerate(layers):
             attn = layer.self_attn.attn
             cache, scales = attn.kv_cache, attn.kv_scales
@@ -133,7 +154,10 @@ class DecodePlan:
                 ptr(cache[0]), ptr(cache[1]),
                 None if scales is None else ptr(scales[0]),
                 None if scales is None else ptr(scales[1]),
+                (_P * 4)(*(lora(m) for m in linears)),
             )  # fmt: skip
+        # a step with adapters runs here only where every LoRA layer's slots are the C kernel's
+        self.takes_lora = self._lora_batch is not None
         self._capacity = 0  # rows the step buffers hold
         self._bufs: dict[str, torch.Tensor] = {}
         self._step = _Step()
@@ -288,6 +312,19 @@ class DecodePlan:
         step.context_lens = kd.context_lens.data_ptr()
         step.scratch, step.scratch_size = kd.scratch.data_ptr(), kd.scratch.shape[1]
         step.threads, step.decode_threads = threads, kd.scratch.shape[0]
+        batch = self._lora_batch
+        step.lora_nseg = 0
+        if batch is not None and batch.active:
+            assert batch.seg_slot is not None and batch.token_rows is not None
+            step.lora_rows, step.lora_seg_start = (
+                batch.token_rows.data_ptr(),
+                batch.seg_start.data_ptr(),
+            )
+            step.lora_seg_len, step.lora_seg_slot = (
+                batch.seg_len.data_ptr(),
+                batch.seg_slot.data_ptr(),
+            )
+            step.lora_nseg = batch.seg_slot.numel()
         rc = self._run_fn(
             ctypes.byref(self._shape), ctypes.addressof(self._layers), len(self._layers),
             ctypes.byref(step),

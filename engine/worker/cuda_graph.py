@@ -245,6 +245,7 @@ class CudaGraphRunner:
 
     eager_inputs = False
     graph_bytes = 0  # measured by capture_all
+    takes_lora = False  # a step with adapters runs eagerly
 
     def __init__(
         self,

@@ -11,7 +11,8 @@ to the input batch (rank 0; the other ranks get them with the next step, see mul
 
 With LoRA enabled (engine.lora) the runner's LoRAManager puts each step's adapters into
 resident slots and maps the step's rows to them before the forward; a step with adapters runs
-eagerly (the step graphs, the CPU decode plan and CUDA's captured graphs, hold no LoRA).
+in the CPU decode plan (its GEMMs followed by the C LoRA kernel, engine.kernels.cpu.lora) and
+eagerly elsewhere (CUDA's captured graphs hold no LoRA).
 
 Pipeline parallelism (engine.models.pipeline): this rank holds one stage's layers and their
 KV cache only. A stage after the first receives the hidden states and residual from the one
@@ -851,11 +852,13 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """The step graph's output where it takes this step, else the eager forward's.
         fed: (rows, device values) of input ids that are placeholders (async scheduling);
-        eager: skip the step graph (a step with LoRA adapters)."""
+        eager: a step with LoRA adapters, which only a graph that takes_lora runs."""
         step = StepInputs(ids, positions, common, fed)
         if self.pp_size > 1:
             return self._run_stage(step)
-        graph = None if eager else self._step_graph
+        graph = self._step_graph
+        if eager and graph is not None and not graph.takes_lora:
+            graph = None
         if graph is not None:  # a graph without eager_inputs fills static buffers of its own
             if graph.eager_inputs:
                 self._eager_inputs(step)

@@ -71,6 +71,7 @@ class StepGraph(Protocol):
     # which the runner builds first; False: only the host-side inputs (static buffers of its own).
     eager_inputs: bool
     graph_bytes: int  # device memory the graph holds, measured (0: none)
+    takes_lora: bool  # whether steps with LoRA adapters may run here (else they run eagerly)
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> StepGraph | None:

@@ -15,8 +15,18 @@ typedef uint16_t bf16;
 
 enum { QKV, O, GATE_UP, DOWN };
 
+/* y += the step's LoRA deltas, as the layer's LoRALayer.apply would (lora.c). */
+static int lora(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
+    int64_t K, bf16* y, int64_t N) {
+  const LoraLayer* A = L->lora[which];
+  if (!st->lora_nseg || !A) return 0;
+  return lora_apply_bf16(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start, st->lora_seg_len,
+      st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->b, A->out, A->rank,
+      A->nslices, A->slice_row, A->slice_size, A->slice_off, A->slice_rank, st->threads);
+}
+
 /* y [M][N] (bf16, N apart) = x [M][K] (ldx apart) . W^T + bias, as the layer's module would. */
-static int linear(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
+static int gemm(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
     int64_t K, bf16* y, int64_t N) {
   const int64_t M = st->rows; const int T = st->threads;
   if (!st->w8a8) {  /* above w4.c's rows, AMX-bf16 on the tiles or the batch kernel */
@@ -31,14 +41,21 @@ static int linear(const Layer* L, int which, const Step* st, const bf16* x, int6
       L->bias[which], y, 1, T);
 }
 
+/* The layer's output: its GEMM, then its LoRA deltas. */
+static int linear(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
+    int64_t K, bf16* y, int64_t N) {
+  return gemm(L, which, st, x, ldx, K, y, N) || lora(L, which, st, x, ldx, K, y, N) ? -1 : 0;
+}
+
 /* down(silu(gate) * up), [gate | up] = gate_up(x): w8a8 as cpu_w8a8.mlp_w8a8 (two int8 GEMMs,
    the SiLU pass in the first one's tiles), 4-bit as the modules (SiLU-mul in the model dtype;
    on AMX in gate_up's epilogue where the halves are whole tiles, as GGUFW4LinearMethod's
-   apply_gated_mlp). */
+   apply_gated_mlp). A step with adapters runs the two GEMMs apart on either kind, as the
+   modules do (engine.layers.mlp): the deltas go between the GEMM and the SiLU. */
 static int mlp(const Layer* L, const Shape* s, const Step* st) {
   const int64_t M = st->rows, Hd = s->hidden, I = s->inter; const int T = st->threads;
-  if (!st->w8a8) {
-    if (st->amx && I % 16 == 0 && !L->bias[GATE_UP]) {
+  if (!st->w8a8 || st->lora_nseg) {
+    if (!st->w8a8 && !st->lora_nseg && st->amx && I % 16 == 0 && !L->bias[GATE_UP]) {
       if (amx_bf16_gated_w4(st->normed, Hd, M, Hd, L->w4[GATE_UP], I, st->act, I, T)) return -1;
     } else {
       if (linear(L, GATE_UP, st, st->normed, Hd, Hd, st->gate_up, 2 * I)) return -1;

@@ -58,6 +58,9 @@ _DECODE += [_INT, _F32, _P, _I64, _INT]
 # k_cache, v_cache, k_scales, v_scales, slots, n, k, k_stride, v, v_stride, Hkv, D, block_size
 _KV8_WRITE = [_P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _INT, _INT, _INT]
 
+_LORA = [_P, _I64, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]
+_LORA += [_P, _P, _P, _P, _INT]
+
 Signature = tuple[list[Any], Any]  # (argtypes, restype)
 
 # Every function tessera_kernels.h declares, in its order.
@@ -134,6 +137,10 @@ SIGNATURES: dict[str, Signature] = {
     "silu_mul_bf16": (_SILU_MUL, None),
     "rope_f32": (_ROPE, None),
     "rope_bf16": (_ROPE, None),
+    # lora.c: x, ldx, y, ldy, K, rows, seg_start, seg_len, seg_slot, nseg, a, a_rows, width,
+    # b, out, R, nslices, slice_row, slice_size, slice_off, slice_rank, threads
+    "lora_apply_f32": (_LORA, _INT),
+    "lora_apply_bf16": (_LORA, _INT),
     # paged_attention.c
     "paged_decode_f32": (_DECODE, None),
     "paged_decode_bf16": (_DECODE, None),
@@ -156,11 +163,17 @@ class Shape(ctypes.Structure):
     ] + [("eps", _F32), ("scale", _F32)]
 
 
+class LoraLayer(ctypes.Structure):
+    _fields_ = [
+        (n, _P) for n in ("a", "b", "width", "slice_row", "slice_size", "slice_off", "slice_rank")
+    ] + [(n, _I64) for n in ("a_rows", "out", "rank", "nslices")]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [
         ("in_norm", _P), ("post_norm", _P), ("w4", _P * 4), ("bias", _P * 4),
         ("packed", _P * 4), ("wscale", _P * 4), ("k_cache", _P), ("v_cache", _P),
-        ("k_scales", _P), ("v_scales", _P),
+        ("k_scales", _P), ("v_scales", _P), ("lora", _P * 4),
     ]  # fmt: skip
 
 
@@ -177,11 +190,18 @@ class Step(ctypes.Structure):
         + [("threads", _INT), ("decode_threads", _INT), ("w8a8", _INT)]
         + [(n, _P) for n in STEP_W8A8_BUFFERS]
         + [("amx", _INT)]
+        + [(n, _P) for n in ("lora_rows", "lora_seg_start", "lora_seg_len", "lora_seg_slot")]
+        + [("lora_nseg", _I64)]
     )
 
 
 # Every struct tessera_kernels.h defines, by its C name.
-STRUCTS: dict[str, type[ctypes.Structure]] = {"Shape": Shape, "Layer": Layer, "Step": Step}
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "Shape": Shape,
+    "LoraLayer": LoraLayer,
+    "Layer": Layer,
+    "Step": Step,
+}
 
 # Compiled only where the CPU has the instructions they need (see the header): absent from
 # the library elsewhere, and function() answers None for them.

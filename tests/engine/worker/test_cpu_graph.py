@@ -143,3 +143,55 @@ def test_a_sliding_window_model_runs_through_the_modules(tiny_mistral_sw_dir, mo
     with_plan, runs, _ = _generate(tiny_mistral_sw_dir, "w4a8", "int8", True, monkeypatch)
     without, _, _ = _generate(tiny_mistral_sw_dir, "w4a8", "int8", False, monkeypatch)
     assert runs is None and with_plan == without
+
+
+@pytest.mark.parametrize("weights", ["gguf-q4_1", "w8a8"])
+def test_plan_with_lora_adapters_writes_what_the_modules_write(tiny_llama_dir, tmp_path, weights):
+    """Steps mixing three adapters (ranks 8 and 16, one on q/v alone) and the base run in the
+    plan (each GEMM followed by the C LoRA kernel; the MLP's two GEMMs apart) with the same
+    tokens and logprobs as the modules with the same adapters."""
+    if not cpu_w4.available():
+        pytest.skip("the plan's kernels need AVX512-VNNI or AVX2 and a C compiler")
+    packed = cpu_w8a8.pack_weight(torch.zeros(16, 4, dtype=torch.int8)) is not None
+    if weights == "w8a8" and not packed:
+        pytest.skip("the packed int8 GEMM is not built on this CPU")
+    from engine import LLM, LoRARequest, SamplingParams
+    from engine.layers.quantization.gguf import apply_gguf_blocks
+    from tests.engine.gguf.gguf_files import write_gguf
+    from tests.engine.lora.lora_testing import make_adapter
+
+    adapters = [
+        make_adapter(tiny_llama_dir, tmp_path / "a0", r=8, seed=0),
+        make_adapter(tiny_llama_dir, tmp_path / "a1", r=16, seed=1),
+        make_adapter(tiny_llama_dir, tmp_path / "a2", r=8, targets=["q_proj", "v_proj"], seed=2),
+    ]
+    requests = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    llm = LLM(
+        str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False,
+        max_num_seqs=16, enable_lora=True, max_loras=3, max_lora_rank=16,
+        quantization="w8a8" if weights == "w8a8" else None,
+    )  # fmt: skip
+    runner = llm.engine.executor.runner
+    if weights != "w8a8":
+        path = tmp_path / "tiny-q4_1.gguf"
+        write_gguf(tiny_llama_dir, path, "Q4_1")
+        apply_gguf_blocks(runner.model, path)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, logprobs=3)
+    batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 5, 14)]
+
+    def run() -> list:
+        outs = []
+        for prompts in batches:  # the first prompt of each batch on an adapter: every step has one
+            loras = [None if i % 4 == 3 else requests[i % 3] for i in range(len(prompts))]
+            outs += llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+
+    runner._step_graph = runner._build_step_graph()
+    plan = runner._step_graph
+    assert plan is not None and plan.takes_lora
+    with_plan = run()
+    runner._step_graph = None  # the modules, on the same weights, adapters and KV cache
+    without = run()
+    llm.shutdown()
+    assert with_plan == without
+    assert plan.runs, "no step ran in the plan"

@@ -28,13 +28,16 @@ def _members() -> set[str]:
 
 @pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)
 def test_both_implementations_have_the_protocols_members(cls) -> None:
-    assert _members() == {"build", "reserve_bytes", "run", "close", "eager_inputs", "graph_bytes"}
+    assert _members() == {
+        "build", "reserve_bytes", "run", "close", "eager_inputs", "graph_bytes", "takes_lora"
+    }  # fmt: skip
     for name in _members():
         assert hasattr(cls, name), name
     assert list(inspect.signature(cls.run).parameters) == ["self", "inputs"]
     assert len(inspect.signature(cls.build).parameters) == 2  # (the model, a StepGraphConfig)
     assert list(inspect.signature(cls.reserve_bytes).parameters) == ["config"]
     assert isinstance(cls.eager_inputs, bool) and isinstance(cls.graph_bytes, int)
+    assert isinstance(cls.takes_lora, bool)
     assert isinstance(inspect.getattr_static(cls, "build"), classmethod)
     assert isinstance(inspect.getattr_static(cls, "reserve_bytes"), classmethod)
 
@@ -93,6 +96,7 @@ class _Recording:
     """A step graph that records what it was given and returns a fixed answer."""
 
     graph_bytes = 0
+    takes_lora = False
 
     def __init__(self, eager_inputs: bool, answer: torch.Tensor | None):
         self.eager_inputs = eager_inputs

@@ -109,6 +109,11 @@ void silu_mul_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t ldo, i
 void rope_f32(const float* x, int64_t ldx, const float* cos, const float* sin, float* out, int64_t rows, int64_t heads, int64_t D, int nthreads);
 void rope_bf16(const uint16_t* x, int64_t ldx, const uint16_t* cos, const uint16_t* sin, uint16_t* out, int64_t rows, int64_t heads, int64_t D, int nthreads);
 
+/* ---- lora.c: a step's LoRA deltas on one linear layer, rows grouped by adapter slot (engine.kernels.cpu.lora) ----
+   0, or -1 where its scratch could not be allocated (y untouched). */
+int lora_apply_f32(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const float* a, int64_t a_rows, const int32_t* width, const float* b, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
+int lora_apply_bf16(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const float* a, int64_t a_rows, const int32_t* width, const float* b, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
+
 /* ---- paged_attention.c: decode attention on the paged cache, the int8 KV writer (engine.attention.cpu_kernel) ---- */
 void paged_decode_f32(float* out, int64_t out_stride, const float* q, int64_t q_stride, const float* kc, const float* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, int window, float scale, float* scratch, int64_t scratch_size, int nthreads);
 void paged_decode_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, int window, float scale, float* scratch, int64_t scratch_size, int nthreads);
@@ -124,6 +129,11 @@ typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, inter, block_size, kv_int8;
   float eps, scale;
 } Shape;
+typedef struct {  /* a linear layer's LoRA slots (engine.lora.layers.LoRALayer): lora.c's */
+  const float *a, *b;
+  const int32_t *width, *slice_row, *slice_size, *slice_off, *slice_rank;
+  int64_t a_rows, out, rank, nslices;
+} LoraLayer;
 typedef struct {
   const uint16_t *in_norm, *post_norm;
   const uint8_t* w4[4];      /* 4-bit tiles (w4.c) of qkv, o, gate_up, down, or NULL */
@@ -132,6 +142,7 @@ typedef struct {
   const float* wscale[4];
   void *k_cache, *v_cache;
   float *k_scales, *v_scales;
+  const LoraLayer* lora[4];  /* qkv, o, gate_up, down's LoRA slots, or NULL */
 } Layer;
 typedef struct {
   int64_t rows, max_blocks, scratch_size;
@@ -147,6 +158,8 @@ typedef struct {
   int8_t* hq;
   float* hs;
   int amx;                      /* 4-bit steps above w4.c's rows: the tiles on AMX-bf16 */
+  const int32_t *lora_rows, *lora_seg_start, *lora_seg_len, *lora_seg_slot;
+  int64_t lora_nseg;            /* the step's rows of each adapter slot (0: no adapter) */
 } Step;
 int run_decode(const Shape* s, const Layer* layers, int64_t n_layers, const Step* st);
 

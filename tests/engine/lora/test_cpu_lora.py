@@ -1,0 +1,94 @@
+"""The CPU's batched LoRA kernel (engine.kernels.cpu.lora, lora.c) against the torch reference
+(engine.lora.layers' grouped matmuls): float32 and bf16 activations, ranks 8-64, uneven and
+split token groups, rows of the base model between them, a slot whose layer is not targeted
+and one that skips a slice, and a step large enough to be split over threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.cpu import lora as cpu_lora
+from engine.lora.layers import LoRABatch, LoRALayer
+
+pytestmark = pytest.mark.skipif(not cpu_lora.available(), reason="CPU kernels not built")
+
+
+def _layer(batch, ranks, slices, in_features, seed):
+    """A layer of float32 slots (the CPU's) with random adapters; slot 1 skips the middle
+    slice of a three-slice layer (an adapter of q and v alone); rank 0: not targeted."""
+    g = torch.Generator().manual_seed(seed)
+    layer = LoRALayer(
+        batch, slices, in_features, len(ranks), max(ranks), torch.float32, torch.device("cpu")
+    )
+    for slot, r in enumerate(ranks):
+        if r == 0:
+            layer.set_slot(slot, None)
+            continue
+        parts = []
+        for i, (_, size) in enumerate(slices):
+            a = torch.randn(r, in_features, generator=g) / in_features**0.5
+            b = torch.randn(size, r, generator=g) / r**0.5
+            skip = slot == 1 and len(slices) == 3 and i == 1
+            parts.append(None if skip else (a, b))
+        layer.set_slot(slot, parts)
+    return layer
+
+
+def _apply(kernel, ranks, slices, in_features, ranges, x, y0):
+    batch = LoRABatch(torch.device("cpu"), kernel)
+    batch.set(ranges)
+    layer = _layer(batch, ranks, slices, in_features, seed=1)
+    return layer.apply(x, y0.clone())
+
+
+CASES = [
+    # (ranks per slot, slices (first row, rows), in_features)
+    ([8, 16, 64], [(0, 48), (48, 16), (64, 16)], 64),  # qkv-like, 3 slices
+    ([32, 0, 8], [(0, 40)], 72),  # a slot not targeted; K not a multiple of 16
+    ([16, 64, 8, 16], [(0, 24), (24, 24)], 64),  # gate_up-like
+]
+# uneven groups, split runs of one adapter, base rows between: (slot, first row, rows)
+RANGES = [(0, 0, 1), (2, 1, 17), (1, 18, 3), (0, 24, 7), (2, 31, 1), (1, 40, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("ranks", "slices", "in_features"), CASES)
+def test_the_kernel_matches_the_torch_reference(dtype, ranks, slices, in_features):
+    torch.manual_seed(0)
+    out, num_rows = sum(s for _, s in slices), 45
+    x = torch.randn(num_rows, in_features).to(dtype)
+    y0 = torch.randn(num_rows, out).to(dtype)
+    want = _apply("torch", ranks, slices, in_features, RANGES, x, y0)
+    got = _apply("cpu", ranks, slices, in_features, RANGES, x, y0)
+    # bf16: the same float32 sums in another order, and the torch path's gathered rows round
+    # their delta to bf16 before adding it (this kernel rounds once)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert not torch.equal(got, y0), "no delta applied"
+    base_rows = [21, 22, 23, *range(32, 40)]  # in none of RANGES
+    assert torch.equal(got[base_rows], y0[base_rows]), "rows of the base model changed"
+
+
+def test_a_step_split_over_threads_matches_the_reference():
+    """Enough work to fork (LORA_PAR_WORK), eight adapters over 64 rows, a strided x."""
+    torch.manual_seed(1)
+    slices, in_features = [(0, 576), (576, 192), (768, 192)], 576
+    ranks = [16] * 8
+    ranges = [(i % 8, 2 * i, 2) for i in range(32)]
+    wide = torch.randn(64, 2 * in_features)
+    x = wide[:, :in_features]  # row stride 2K
+    y0 = torch.randn(64, 960)
+    torch.set_num_threads(2)
+    want = _apply("torch", ranks, slices, in_features, ranges, x, y0)
+    got = _apply("cpu", ranks, slices, in_features, ranges, x, y0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_runner_picks_the_kernel_on_the_cpu(monkeypatch):
+    from engine.lora.manager import lora_kernel
+
+    monkeypatch.delenv("TESSERA_LORA_KERNEL", raising=False)
+    assert lora_kernel(torch.device("cpu")) == "cpu"
+    monkeypatch.setenv("TESSERA_LORA_KERNEL", "torch")
+    assert lora_kernel(torch.device("cpu")) == "torch"

@@ -1,7 +1,7 @@
-"""benchmarks/gpu_check.py, the device check: it imports without CUDA and without the web
-stack, its workload is reproducible, and its CPU smoke run (`--quick --device cpu`) prints
-the table and the JSON with every section run (triton and fp8 reported as not available
-where this branch or the CPU lacks them)."""
+"""benchmarks/gpu/, the device check's runner and §1-§5: it imports without CUDA and without
+the web stack, its workload is reproducible, and its CPU smoke run (`--quick --device cpu`)
+prints the summary table first, then the details, and the JSON with every section run
+(triton and fp8 reported as not available where this branch or the CPU lacks them)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from benchmarks.gpu_check import decode_weight_bytes, kv_bytes_per_token, sharegpt_like_workload
+from benchmarks.gpu.models import decode_weight_bytes, kv_bytes_per_token
+from benchmarks.gpu.run import RUN_ORDER, SECTIONS, build_parser, ordered
+from benchmarks.gpu.throughput import sharegpt_like_workload
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # What the GPU machine lacks: any import of these fails, as it would there.
 BLOCK_WEB_STACK = (
     "import sys\nfor name in ('msgspec', 'litestar', 'sqlalchemy'):\n    sys.modules[name] = None\n"
@@ -30,7 +33,8 @@ def _env() -> dict[str, str]:
 
 def test_imports_without_the_web_stack():
     code = BLOCK_WEB_STACK + (
-        "import benchmarks.gpu_check\n"
+        "import benchmarks.gpu.run\n"
+        "for n in benchmarks.gpu.run.SECTIONS: benchmarks.gpu.run.SECTIONS[n][1]()\n"
         "import engine.llm, engine.worker.model_runner\n"  # what the sections import
         "from engine import LLM\n"
         "assert sys.modules.get('msgspec') is None\n"
@@ -62,7 +66,7 @@ def test_sharegpt_like_workload_is_fixed_by_its_seed():
 
 
 def test_llama3_8b_byte_counts():
-    from benchmarks.gpu_check import LLAMA3_8B
+    from benchmarks.gpu.plan import LLAMA3_8B
 
     # 32 x (4096 x 6144 + 4096 x 4096 + 3 x 4096 x 14336) + 128256 x 4096 weights, bf16
     assert decode_weight_bytes(LLAMA3_8B) == 2 * (32 * 218_103_808 + 525_336_576)
@@ -74,8 +78,8 @@ def test_quick_cpu_smoke_run(tmp_path):
     out_dir.mkdir()
     code = BLOCK_WEB_STACK + (
         "import runpy\n"
-        "sys.argv = ['benchmarks/gpu_check.py', '--quick', '--device', 'cpu']\n"
-        "runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')\n"
+        "sys.argv = ['gpu', '--quick', '--device', 'cpu', '--sections', '1', '2', '3', '4', '5']\n"
+        "runpy.run_module('benchmarks.gpu', run_name='__main__')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -86,9 +90,15 @@ def test_quick_cpu_smoke_run(tmp_path):
         timeout=150,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert table[0] == "| § | check | result | vs ceiling / goal | note |"
-    assert {line.split("|")[1].strip() for line in table[1:]} == {"1", "2", "3", "4", "5"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    # the summary first: one line a section, in the run's order, then the details
+    assert lines[0] == "| § | section | status | key figure | goal |"
+    summary = [line.split("|")[1:-1] for line in lines[1:6]]
+    assert [cells[0].strip() for cells in summary] == ["1", "2", "3", "4", "5"]
+    assert all(cells[2].strip().startswith("ok") and cells[3].strip() for cells in summary)
+    assert "tok/s" in summary[3][3] and "output tok/s" in summary[4][3]
+    assert lines[6] == "| § | check | result | vs ceiling / goal | note |"
+    assert {line.split("|")[1].strip() for line in lines[7:]} == {"1", "2", "3", "4", "5"}
     assert "ERROR" not in proc.stdout
 
     result = json.loads((out_dir / "gpu_check.json").read_text())
@@ -123,3 +133,30 @@ def test_quick_cpu_smoke_run(tmp_path):
     (offline,) = sections["5"]["results"]
     assert offline["complete"] and offline["finished"] == offline["requests"] == 16
     assert offline["output_tok_s"] > 0
+
+
+def test_sections_are_chosen_by_number_or_name_and_run_in_the_run_order():
+    args = build_parser().parse_args(["--sections", "5", "moe", "1", "lora", "4"])
+    assert ordered(args.sections) == [1, 7, 8, 4, 5]  # kernels first; §5 right after §4
+    assert ordered(build_parser().parse_args([]).sections) == list(RUN_ORDER)
+    assert sorted(RUN_ORDER) == sorted(SECTIONS)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--sections", "nope"])
+
+
+def test_old_entry_points_still_parse_their_flags():
+    """benchmarks/gpu_check.py and gpu_quant.py are kept for the command lines on record."""
+    for script, flags in (
+        ("gpu_check.py", "--quick --sections 1 2"),
+        ("gpu_quant.py", "--quick --sweep"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, f"benchmarks/{script}", *flags.split(), "--help"],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "--quick" in proc.stdout

@@ -84,7 +84,7 @@ def section_moe(chk: Check, out: Report, budget: Budget) -> None:
                 f"moe {name}, B={b}",
                 f"{t * 1e6:,.1f} µs",
                 f"{fmt_bandwidth(bw)} = {share(bw, copy, 'copy')}",
-                f"{shape}; {note}; {nbytes / 1e6:,.0f} MB touched",
+                f"{shape}; {note}; {nbytes / 1e6:,.2f} MB touched",
             )
             out.result(
                 7,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,30 @@ def test_old_entry_points_still_parse_their_flags():
         )
         assert proc.returncode == 0, proc.stderr
         assert "--quick" in proc.stdout
+
+
+CUDA_MARK = re.compile(r"^(@pytest\.mark\.cuda|pytestmark = pytest\.mark\.cuda)", re.M)
+
+
+def _session_tests() -> list[str]:
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    block = script.split("tests=(", 1)[1].split("\n)", 1)[0]
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+
+def test_the_session_runs_every_cuda_marked_test_file_and_the_new_runner():
+    listed = _session_tests()
+    files = {entry.split("::")[0] for entry in listed}
+    assert all((ROOT / f).is_file() for f in files), files
+    marked = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if CUDA_MARK.search(path.read_text())
+    }
+    assert marked <= files, marked - files
+    # the kernels' own tests before the engines' and the attention shapes' compiles
+    assert listed[-1] == "tests/engine/kernels/test_triton_attention.py"
+    assert listed.index("tests/engine/kernels/test_triton_fused_moe.py") < listed.index(
+        "tests/engine/worker/test_cuda_graph.py"
+    )
+    assert "python3 -m benchmarks.gpu " in (ROOT / "benchmarks" / "gpu_session.sh").read_text()

@@ -5,7 +5,7 @@
 # repository root under the machine's own python3 (its torch and Triton: the project's pins
 # do not apply there):
 #
-#     benchmarks/gpu_session.sh [TEST_SECONDS=180] [CHECK_SECONDS=330] [SECTIONS...]
+#     benchmarks/gpu_session.sh [TEST_SECONDS=170] [CHECK_SECONDS=360] [SECTIONS...]
 #
 # Logs and the check's JSON go to $OUT (default /tmp/tessera-gpu); a summary to stdout, with
 # each failing test's name even when the time limit stops the tests, and the check's summary
@@ -17,8 +17,8 @@ set -u
 out=${OUT:-/tmp/tessera-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-test_s=${1:-180}
-check_s=${2:-330}
+test_s=${1:-170}
+check_s=${2:-360}
 shift $(($# < 2 ? $# : 2))
 sections=("$@")
 

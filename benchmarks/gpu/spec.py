@@ -4,7 +4,8 @@ plan's model with n-gram speculation configured. The engine's proposer is swappe
 that always drafts k tokens (its last token again: the step's cost does not depend on what
 is accepted) or for none, alternating step by step once every prompt is in, so both kinds
 of step share the engine, the contexts and the machine's noise. Speculation turns async
-scheduling off, so a step's wall time is its work. Break-even: a verification step must
+scheduling off, so a step's wall time is its work; the engine runs eager on a GPU (a
+verification step has no graph; the plain step's graph gain is §4's figure). Break-even: a verification step must
 yield more than its cost ratio in tokens a request (1 + accepted drafts) to pay."""
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def section_spec(chk: Check, out: Report, budget: Budget) -> None:
     p = chk.plan
     k = p.spec_tokens
     config = {"method": "ngram", "num_speculative_tokens": k}
-    llm, start_s = start_llm(chk, None, speculative_config=config)
+    # eager on a GPU: a verification step runs eagerly anyway, and no capture at start
+    eager = True if chk.device.type == "cuda" else None
+    llm, start_s = start_llm(chk, eager, speculative_config=config)
     ratios = []
     try:
         out.row(9, "engine start (n-gram speculation)", f"{start_s:.1f} s", note=engine_facts(llm))

@@ -12,7 +12,8 @@
 # table last (the device tool returns the output's tail). The engine needs no web stack and
 # no gguf-py here; the TP test needs msgspec (skipped without it: carry its wheel, see the
 # device tool's notes). Each part stops at its limit, so the call's length is bounded: about
-# TEST_SECONDS + CHECK_SECONDS + 60.
+# TEST_SECONDS + CHECK_SECONDS + 60. GPU_CHECK_FLAGS adds flags to the check (the tests run
+# the errand on a CPU with "--quick --device cpu").
 set -u
 out=${OUT:-/tmp/tessera-gpu}
 mkdir -p "$out"
@@ -47,9 +48,10 @@ echo "tests: exit $? (124: stopped at ${test_s} s)"
 grep -cE " PASSED" "$out/pytest.log" | sed 's/^/passed: /'
 grep -E " (FAILED|ERROR)|^(FAILED|ERROR) | (passed|failed)" "$out/pytest.log" | cut -c1-300
 
+# shellcheck disable=SC2086  # GPU_CHECK_FLAGS: words to split
 timeout -k 5 $((check_s + 30)) python3 -m benchmarks.gpu --time-limit "$check_s" \
     --json "$out/gpu_check.json" ${sections[@]+--sections "${sections[@]}"} \
-    > "$out/gpu_check.log" 2>&1
+    ${GPU_CHECK_FLAGS:-} > "$out/gpu_check.log" 2>&1
 rc=$?
 echo "gpu_check: exit $rc (details in $out/gpu_check.log and gpu_check.json)"
 # the details, then the summary table again: the tail is what comes back first

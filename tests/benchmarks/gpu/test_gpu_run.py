@@ -188,3 +188,38 @@ def test_the_session_runs_every_cuda_marked_test_file_and_the_new_runner():
         "tests/engine/worker/test_cuda_graph.py"
     )
     assert "python3 -m benchmarks.gpu " in (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+
+
+def test_the_session_errand_runs_on_a_cpu_and_ends_with_the_summary(tmp_path):
+    """The whole script, its tests stopped at their limit, the check's chosen sections run
+    quick on the CPU: the summary table is the output's last table (the tail comes back)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {
+        **_env(),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "OUT": str(tmp_path / "out"),
+        "GPU_CHECK_FLAGS": "--quick --device cpu",
+    }
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_session.sh", "3", "120", "ceilings", "lora"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "tests: exit" in out and "gpu_check: exit 0" in out
+    summary = out.index("| § | section | status | key figure | goal |")
+    assert out.index("| § | check | result |") < summary
+    rows = [line for line in out[summary:].splitlines() if line.startswith("| ")][1:]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "8"]
+    assert out.rstrip().splitlines()[-1].startswith("sections: §1 ok")
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert result["meta"]["sections"] == [1, 8]
+    assert result["summary"]["8"]["goal"] == "matches the torch apply: met"

@@ -138,9 +138,16 @@ def apply_to_config(config, hf_config, device) -> str:
             sized["max_num_batched_tokens"] = max(
                 sized["max_num_batched_tokens"], sched.max_model_len
             )
-        config.scheduler = sched = dataclasses.replace(sched, **sized)
         given = sorted({"max_num_seqs", "max_num_batched_tokens"} - set(sized))
         why = f"{', '.join(sized)} by {limits.why}" + (f"; {given[0]} as given" if given else "")
+        if (
+            given == ["max_num_batched_tokens"]
+            and sized["max_num_seqs"] > sched.max_num_batched_tokens
+        ):
+            # no more seats than a step's tokens: a decode of every seat is one step
+            sized["max_num_seqs"] = sched.max_num_batched_tokens
+            why += ", which caps the seats"
+        config.scheduler = sched = dataclasses.replace(sched, **sized)
     return (
         f"max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens "
         f"{sched.max_num_batched_tokens} ({why})"

@@ -151,6 +151,12 @@ def test_the_engine_sizes_what_was_left_unset_on_a_gpu(tmp_path, monkeypatch):
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (300, 8192)
     assert "max_num_seqs as given" in line
 
+    small_steps = EngineArgs(model=str(tmp_path), device="cuda", max_num_batched_tokens=32)
+    config = small_steps.create_engine_config()
+    line = apply_to_config(config, hf, _fake_gpu(monkeypatch, H100))
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (32, 32)
+    assert "which caps the seats" in line
+
 
 def test_cpu_configs_are_left_as_they_are(tmp_path):
     hf = load_hf_config(_config_dir(tmp_path, LLAMA3_8B))

@@ -223,3 +223,39 @@ def test_the_session_errand_runs_on_a_cpu_and_ends_with_the_summary(tmp_path):
     result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert result["meta"]["sections"] == [1, 8]
     assert result["summary"]["8"]["goal"] == "matches the torch apply: met"
+
+
+def test_a_section_stuck_past_its_budget_is_stopped_and_the_next_one_runs(monkeypatch, tmp_path):
+    import dataclasses
+    import signal
+    import time
+
+    import torch
+
+    from benchmarks.gpu import run
+    from benchmarks.gpu.check import Check
+    from benchmarks.gpu.plan import QUICK
+    from benchmarks.gpu.report import Report
+
+    def stuck(chk, out, budget):
+        time.sleep(30)  # one long call that never looks at its budget
+
+    def quick(chk, out, budget):
+        out.summary(2, "done")
+
+    monkeypatch.setattr(run, "SECTIONS", {1: ("stuck", lambda: stuck), 2: ("next", lambda: quick)})
+    monkeypatch.setattr(run, "RUN_ORDER", (1, 2))
+    monkeypatch.setattr(run, "GRACE_S", 1)
+    plan = dataclasses.replace(QUICK, budgets={1: 0.5, 2: 5})
+    report = Report()
+    old = signal.signal(signal.SIGALRM, run._on_alarm)
+    try:
+        started = time.monotonic()
+        chk = Check(plan, torch.device("cpu"), tmp_path, report)
+        run.run_sections([1, 2], plan, 60, started, chk, report)
+        assert time.monotonic() - started < 10
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert report.sections[1].status == "error" and "TimeLimit" in report.sections[1].error
+    assert report.sections[2].status == "ok" and report.sections[2].key == "done"

@@ -7,7 +7,9 @@ model leaves room for on this device:
 
 - CPU: 256 sequences, 1024 tokens a step (measured on 2 cores: smaller prefill chunks
   interleave with the decodes instead of stalling them), whatever the model.
-- CUDA, under 70 GiB: 256 / 2048; 70 GiB and more (H100, H200): 1024 / 8192.
+- CUDA, under 70 GiB: 256 / 2048; 70 GiB and more (H100, H200): 1024 / 8192 (vLLM also
+  keeps the 80 GB A100 in the smaller class, by its name, from a measured regression; this
+  rule knows the memory only: pass the two options on an A100).
 - Seats: no more sequences than the KV cache (90% of the memory less the weights) can give
   MIN_TOKENS_PER_SEQ tokens each (a power of two, at least MIN_SEQS): a model that nearly
   fills the GPU gets fewer seats than it could never fill anyway.

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.gpu_check import LLAMA3_8B, TINY_LLAMA, write_model_folder
+from benchmarks.gpu.models import write_model_folder
+from benchmarks.gpu.plan import LLAMA3_8B, TINY_LLAMA
 from engine import LLM, SamplingParams
 
 

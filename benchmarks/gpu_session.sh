@@ -1,34 +1,46 @@
 #!/usr/bin/env bash
-# A GPU machine's whole errand in one call of a few minutes: the CUDA tests (the `cuda`
-# marker's and the Triton kernels', compiled on the device), then the device check
-# (benchmarks/gpu_check.py). Run from the repository root under the machine's own python3
-# (its torch and Triton: the project's pins do not apply there):
+# A GPU machine's whole errand in one call of under 10 minutes: the CUDA tests (the `cuda`
+# marker's and the Triton kernels', compiled on the device, the cheap ones first), then the
+# device check (python3 -m benchmarks.gpu: every section, each in its budget). Run from the
+# repository root under the machine's own python3 (its torch and Triton: the project's pins
+# do not apply there):
 #
-#     benchmarks/gpu_session.sh [TEST_SECONDS=150] [CHECK_SECONDS=300]
+#     benchmarks/gpu_session.sh [TEST_SECONDS=170] [CHECK_SECONDS=360] [SECTIONS...]
 #
 # Logs and the check's JSON go to $OUT (default /tmp/tessera-gpu); a summary to stdout, with
-# each failing test's name even when the time limit stops the tests. The engine needs no
-# web stack and no gguf-py here; the TP test needs msgspec (skipped without it: carry its
-# wheel, see the device tool's notes). Each part stops at its limit, so the call's length is
-# bounded: about TEST_SECONDS + CHECK_SECONDS + 60.
+# each failing test's name even when the time limit stops the tests, and the check's summary
+# table last (the device tool returns the output's tail). The engine needs no web stack and
+# no gguf-py here; the TP test needs msgspec (skipped without it: carry its wheel, see the
+# device tool's notes). Each part stops at its limit, so the call's length is bounded: about
+# TEST_SECONDS + CHECK_SECONDS + 60. GPU_CHECK_FLAGS adds flags to the check (the tests run
+# the errand on a CPU with "--quick --device cpu").
 set -u
 out=${OUT:-/tmp/tessera-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-test_s=${1:-150}
-check_s=${2:-300}
+test_s=${1:-170}
+check_s=${2:-360}
+shift $(($# < 2 ? $# : 2))
+sections=("$@")
 
 nvidia-smi -L 2>/dev/null
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
-tests=(
+tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' compiles last
+    tests/engine/kernels/test_fp8.py
     tests/engine/kernels/test_triton_fused.py
-    tests/engine/worker/test_cuda_graph.py
-    tests/engine/worker/test_no_host_sync.py
-    tests/engine/worker/test_kv_budget.py
-    tests/engine/worker/test_tp_cuda.py
+    tests/engine/kernels/test_triton_fused_moe.py
+    tests/engine/lora/test_triton_lora.py
+    tests/engine/kernels/test_triton_quant_gemm.py
+    tests/engine/layers/quantization/test_triton_int_method.py
     tests/engine/models/test_loader.py::test_dummy_weights_are_drawn_on_the_gpu
-    tests/engine/kernels/test_triton_attention.py  # last: each shape compiles its kernels
+    tests/engine/worker/test_kv_budget.py
+    tests/engine/worker/test_no_host_sync.py
+    tests/engine/lora/test_lora_engine.py::test_the_triton_kernels_serve_a_mixed_batch
+    tests/engine/spec_decode/test_spec_engine.py  # LLM's default device: the GPU here
+    tests/engine/worker/test_cuda_graph.py
+    tests/engine/worker/test_tp_cuda.py
+    tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )
 timeout -k 5 "$test_s" python3 -m pytest -v -p no:cacheprovider -rfE --timeout 60 \
     "${tests[@]}" > "$out/pytest.log" 2>&1
@@ -36,9 +48,14 @@ echo "tests: exit $? (124: stopped at ${test_s} s)"
 grep -cE " PASSED" "$out/pytest.log" | sed 's/^/passed: /'
 grep -E " (FAILED|ERROR)|^(FAILED|ERROR) | (passed|failed)" "$out/pytest.log" | cut -c1-300
 
-timeout -k 5 $((check_s + 30)) python3 benchmarks/gpu_check.py --time-limit "$check_s" \
-    --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1
+# shellcheck disable=SC2086  # GPU_CHECK_FLAGS: words to split
+timeout -k 5 $((check_s + 30)) python3 -m benchmarks.gpu --time-limit "$check_s" \
+    --json "$out/gpu_check.json" ${sections[@]+--sections "${sections[@]}"} \
+    ${GPU_CHECK_FLAGS:-} > "$out/gpu_check.log" 2>&1
 rc=$?
-echo "gpu_check: exit $rc"
-grep -E "^\| |^sections:" "$out/gpu_check.log" | cut -c1-260
+echo "gpu_check: exit $rc (details in $out/gpu_check.log and gpu_check.json)"
+# the details, then the summary table again: the tail is what comes back first
+sed -n '/^| § | check |/,/^$/p' "$out/gpu_check.log" | cut -c1-220
+sed -n '/^| § | section |/,/^$/p' "$out/gpu_check.log" | cut -c1-400
+grep -E "^sections:" "$out/gpu_check.log"
 [ "$rc" -eq 0 ] || tail -n 5 "$out/gpu_check.log"

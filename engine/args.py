@@ -13,6 +13,13 @@ from dataclasses import dataclass
 
 from engine.attention.backends import ATTENTION_BACKEND_CHOICES
 from engine.attention.kv_spec import KV_CACHE_DTYPE_CHOICES
+from engine.batch_limits import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    LARGE_GPU_MAX_NUM_BATCHED_TOKENS,
+    LARGE_GPU_MAX_NUM_SEQS,
+    default_batch_limits,
+)
 from engine.config import (
     DEFAULT_MODEL,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -38,20 +45,24 @@ from engine.pooling_params import RUNNER_CHOICES
 from engine.reasoning import REASONING_PARSER_CHOICES
 from engine.spec_decode.config import parse_speculative_config
 
-# Measured on 2 Zen 5 cores (tessera bench compare, 128-token prompts and outputs): 1024
+# CPU: measured on 2 Zen 5 cores (tessera bench compare, 128-token prompts and outputs): 1024
 # against 2048 gave TTFT p50 0.7 vs 1.3 s at 32 streams and 1.2 vs 1.5 s at 128, throughput
 # the same or 1-4% better (smaller prefill chunks interleave with the decodes instead of
-# stalling them). GPUs have compute to spare for larger chunks.
-CPU_MAX_NUM_BATCHED_TOKENS = 1024
-GPU_MAX_NUM_BATCHED_TOKENS = 2048
+# stalling them). GPUs: by memory class and model (engine.batch_limits), once the model's
+# config is read; until then the smaller GPU class's.
 
 
-def default_max_num_batched_tokens(device: str) -> int:
+def resolve_device_type(device: str) -> str:
     if device == "auto":
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return GPU_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    """The default before the model is known (the smaller GPU class on CUDA)."""
+    return default_batch_limits(resolve_device_type(device)).max_num_batched_tokens
 
 
 @dataclass(slots=True, kw_only=True)
@@ -137,10 +148,17 @@ class EngineArgs:
         "template itself (default: the tokenizer's).",
     )
     # --- scheduler ---
-    max_num_seqs: int = option("Most sequences in one batch.", 256, int)
+    max_num_seqs: int | None = option(
+        f"Most sequences in one batch (default: {CPU_MAX_NUM_SEQS} on CPU; on a GPU by its "
+        f"memory and the model, up to {LARGE_GPU_MAX_NUM_SEQS}: see the README; logged at "
+        "start).",
+        None,
+        optional_int,
+    )
     max_num_batched_tokens: int | None = option(
-        "Token budget of one engine step (default: "
-        f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {GPU_MAX_NUM_BATCHED_TOKENS} on GPU).",
+        f"Token budget of one engine step (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU; on a "
+        f"GPU by its memory and the model, up to {LARGE_GPU_MAX_NUM_BATCHED_TOKENS}: see the "
+        "README; logged at start).",
         None,
         optional_int,
     )
@@ -261,9 +279,20 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The validated config; ValueError (from its parts) names a bad value."""
+        device_type = resolve_device_type(self.device)
+        provisional = default_batch_limits(device_type)
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = provisional.max_num_seqs
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_max_num_batched_tokens(self.device)
+            max_num_batched_tokens = provisional.max_num_batched_tokens
+        # On a GPU, what was left unset is sized again once the model is read (LLMEngine).
+        unset = tuple(
+            name
+            for name in ("max_num_seqs", "max_num_batched_tokens")
+            if getattr(self, name) is None and device_type == "cuda"
+        )
         return EngineConfig(
             model=ModelConfig(
                 model=self.model or DEFAULT_MODEL,
@@ -290,8 +319,9 @@ class EngineArgs:
                 kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                sized_by_engine=unset,
                 # Replaced by the resolved model length once the model's config is read.
                 max_model_len=max(self.max_model_len or max_num_batched_tokens, 1),
                 enable_chunked_prefill=self.enable_chunked_prefill,

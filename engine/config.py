@@ -88,6 +88,9 @@ class SchedulerConfig:
     # Speculative decoding (engine.spec_decode): None = off. The scheduler proposes the
     # drafts; the engine turns async scheduling off while it is on.
     speculative_config: SpeculativeConfig | None = None
+    # The batch limits left unset on a GPU: the engine sizes them from the device's memory and
+    # the model once its config is read (engine.batch_limits).
+    sized_by_engine: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")

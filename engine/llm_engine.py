@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from engine.async_scheduling import needs_sync, resolve_async_scheduling
+from engine.batch_limits import apply_to_config
 from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.dummy_tokenizer import load_tokenizer
@@ -72,6 +73,7 @@ class LLMEngine:
         config.scheduler = dataclasses.replace(
             config.scheduler, max_model_len=max_model_len, async_scheduling=self.async_scheduling
         )
+        batch_limits = apply_to_config(config, hf_config, resolve_device(config.model.device))
         self.config = config
         self.model_dir = model_dir
         self.max_model_len = max_model_len
@@ -140,7 +142,12 @@ class LLMEngine:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("Engine ready in %.1f s (model %s)", time.monotonic() - started, model_dir)
+        logger.info(
+            "Engine ready in %.1f s (model %s; %s)",
+            time.monotonic() - started,
+            model_dir,
+            batch_limits,
+        )
 
     @staticmethod
     def _resolve_runner(config: EngineConfig, model_dir, hf_config) -> str:

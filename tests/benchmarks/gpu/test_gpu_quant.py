@@ -1,4 +1,4 @@
-"""benchmarks/gpu_quant.py: without CUDA its --quick run (tiny shapes, the Triton kernel under
+"""benchmarks/gpu/quant.py (`python3 -m benchmarks.gpu.quant`): without CUDA its --quick run (tiny shapes, the Triton kernel under
 the interpreter) passes its correctness checks and writes every row, without the web stack."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BLOCK_WEB_STACK = (
     "import sys\nfor n in ('msgspec', 'litestar', 'sqlalchemy'):\n    sys.modules[n] = None\n"
 )
@@ -30,8 +30,8 @@ def test_quick_cpu_run_checks_and_times_every_variant(tmp_path):
     out = tmp_path / "quant.json"
     code = BLOCK_WEB_STACK + (
         "import runpy\n"
-        f"sys.argv = ['gpu_quant.py', '--quick', '--json', {str(out)!r}]\n"
-        "runpy.run_path('benchmarks/gpu_quant.py', run_name='__main__')\n"
+        f"sys.argv = ['quant', '--quick', '--json', {str(out)!r}]\n"
+        "runpy.run_module('benchmarks.gpu.quant', run_name='__main__')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

@@ -1,4 +1,4 @@
-"""The linear layers' weights of a llama or qwen2 GGUF file as the file stores them
+"""The linear layers' weights of a GGUF file as the file stores them
 (`--quantization gguf`): raw blocks per output row, merged the way the model merges its
 projections.
 
@@ -69,12 +69,14 @@ def _merge(parts: list[tuple[str, int, np.ndarray]], in_features: int) -> Blocks
     return Blocks("/".join(r[0] for r in runs), -1, flat, in_features, tuple(segments))
 
 
-# model module -> (its GGUF tensors in shard order, the unpermute head-count key or None)
+# model module -> the ways a file stores it: its GGUF tensors in row order, the first way
+# the file has all of taken (phi3 files keep q/k/v fused in attn_qkv, and gate and up in
+# ffn_up: Phi-3's [q; k; v] and [gate; up] rows, our merged layers' order)
 _GROUPS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
+    "self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)),
+    "self_attn.o_proj": (("attn_output",),),
+    "mlp.gate_up_proj": (("ffn_gate", "ffn_up"), ("ffn_up",)),
+    "mlp.down_proj": (("ffn_down",),),
 }
 
 
@@ -94,10 +96,13 @@ def read_linear_blocks(
     found: dict[str, Blocks] = {}
     skipped: dict[str, str] = {}
     for i in range(n_layers):
-        for module, parts in _GROUPS.items():
+        for module, ways in _GROUPS.items():
             name = f"model.layers.{i}.{module}"
-            ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None for t in ts):
+            for parts in ways:
+                ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+                if all(t is not None for t in ts):
+                    break
+            else:  # (a MoE layer's MLP: its experts are not linear layers)
                 skipped[name] = "missing from the file"
                 continue
             names = [t.type_name for t in ts]

@@ -130,3 +130,53 @@ def read_linear_blocks(
             [(embed.type_name, embed.type_id, embed.data)], embed.shape[0]
         )
     return found, skipped
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A MoE layer's stacked experts as the file's blocks: w13 [E, 2I, row bytes] (each
+    expert's gate rows, then its up rows: FusedMoE's w13 order) and w2 [E, H, row bytes]."""
+
+    w13_type: str
+    w13_type_id: int
+    w13: torch.Tensor  # uint8 [E, 2I, bytes per row of H]
+    w2_type: str
+    w2_type_id: int
+    w2: torch.Tensor  # uint8 [E, H, bytes per row of I]
+    hidden_size: int  # H: w13's in_features
+    intermediate_size: int  # I: w2's in_features
+
+
+def read_expert_blocks(path: str | Path) -> tuple[dict[str, ExpertBlocks], dict[str, str]]:
+    """({"model.layers.N.mlp.experts": ExpertBlocks} for every layer with stacked experts
+    (blk.N.ffn_{gate,up,down}_exps) in block types, {module: why it was left out}): a float
+    tensor, or gate and up in different types (one w13 kernel type per expert)."""
+    from engine.gguf.tensors import tensor_table
+
+    tensors = tensor_table(path)
+    found: dict[str, ExpertBlocks] = {}
+    skipped: dict[str, str] = {}
+    layers = sorted({int(n.split(".")[1]) for n in tensors if n.endswith("_exps.weight")})
+    for i in layers:
+        name = f"model.layers.{i}.mlp.experts"
+        ts = [tensors.get(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+        if any(t is None for t in ts):
+            skipped[name] = "missing from the file"
+            continue
+        gate, up, down = ts
+        types = [t.type_name for t in ts]
+        if any(n in _FLOATS for n in types):
+            skipped[name] = f"{'/'.join(types)} (a float part: not a block type)"
+            continue
+        if gate.type_name != up.type_name:
+            skipped[name] = f"gate {gate.type_name} and up {up.type_name} differ"
+            continue
+        hidden, inter, experts = (int(d) for d in gate.shape)  # the file's (H, I, E)
+        g = gate.data.reshape(experts, inter, -1)
+        u = up.data.reshape(experts, inter, -1)
+        w13 = torch.from_numpy(np.concatenate([g, u], axis=1))  # own copy, [E, 2I, bytes]
+        w2 = torch.from_numpy(np.array(down.data.reshape(experts, hidden, -1)))  # own copy
+        found[name] = ExpertBlocks(
+            gate.type_name, gate.type_id, w13, down.type_name, down.type_id, w2, hidden, inter
+        )
+    return found, skipped

@@ -126,16 +126,21 @@ def test_a_llama_cpp_file_serves_hf_greedy_tokens(
         assert quantization == "gguf"
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == torch.uint8
-    if fixture == "tiny_qwen3_moe_dir":  # the experts dequantized into the MoE layer
+    if fixture == "tiny_qwen3_moe_dir":
         experts = model.model.layers[0].mlp.experts
-        want = torch.stack(
-            [
-                torch.cat([torch.from_numpy(held[f"model.layers.0.mlp.experts.{e}.{p}.weight"])
-                           for p in ("gate_proj", "up_proj")])
-                for e in range(experts.num_experts)
-            ]
-        )  # fmt: skip
-        assert torch.equal(experts.w13_weight, want)
+        assert model.model.layers[1].mlp.gate_up_proj is not None  # the dense layer
+        if type_name == "Q8_0" and cpu_gguf.available():  # the file's stacked blocks, as stored
+            assert experts.w13_weight.dtype == torch.uint8
+            assert experts.w13_weight.shape[:2] == (experts.num_experts, 2 * experts.inter)
+        else:  # F32 experts: dequantized into the layer, each expert's gate then up rows
+            want = torch.stack(
+                [
+                    torch.cat([torch.from_numpy(held[f"model.layers.0.mlp.experts.{e}.{p}.weight"])
+                               for p in ("gate_proj", "up_proj")])
+                    for e in range(experts.num_experts)
+                ]
+            )  # fmt: skip
+            assert torch.equal(experts.w13_weight, want)
 
 
 def test_gemma3_norms_lose_the_one_llama_cpp_adds(gemma3_gguf_dir, tmp_path):
@@ -194,3 +199,30 @@ def test_a_phi3_file_with_one_rope_factor_tensor_is_refused(tiny_phi3_longrope_d
     with pytest.raises(ValueError, match="rope_factors_long / rope_factors_short"):
         _read_config(reader)
     assert json.dumps(_read_config(GGUFReader(str(gguf)))["rope_scaling"])
+
+
+@pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
+@pytest.mark.parametrize("tokens", [3, 300])  # the dot kernel's few rows, the batch paths
+def test_experts_on_the_file_blocks_match_the_dequantized_experts(
+    tiny_qwen3_moe_dir, tmp_path, tokens
+):
+    """A Q8_0 file's stacked experts served from their blocks (gate/up and down on the GGUF
+    kernels, x rounded to int8 per 32) against the same experts dequantized: the MoE layer's
+    output within that rounding, for a few tokens and for hundreds."""
+    from engine.layers.quantization.gguf import GGUFExperts, apply_gguf_blocks, block_parameters
+    from engine.models.loader import load_model
+
+    gguf = tmp_path / "moe.gguf"
+    write_llama_cpp_gguf(tiny_qwen3_moe_dir, gguf, "Q8_0")
+    folder = resolve_model(gguf, cache_dir=tmp_path / "cache")
+    ref = load_model(folder, dtype="float32")
+    model = load_model(folder, dtype="float32")
+    paths = apply_gguf_blocks(model, gguf)
+    assert paths["experts"] == {"Q8_0 stacked blocks on the gguf kernels": 2}  # layers 0, 2
+    assert "model.layers.2.mlp.experts.w13_weight" in block_parameters(model)
+    moe, moe_ref = model.model.layers[2].mlp, ref.model.layers[2].mlp
+    assert isinstance(moe.experts.expert_linear, GGUFExperts)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        y, want = moe(x), moe_ref(x)
+    assert (y - want).abs().max() <= 0.02 * want.abs().max()

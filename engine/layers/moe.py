@@ -4,7 +4,8 @@ are summed with the router's weights (Mixtral, Qwen2-MoE, Qwen3-MoE).
 FusedMoE holds every expert's weights stacked, w13 [E, 2I, H] (gate | up) and w2 [E, H, I], and
 runs them where the tensors are: on CUDA one fused Triton kernel per projection
 (engine.kernels.triton.fused_moe: tokens sorted by expert, SiLU-and-mul in the first GEMM's
-epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it. Models
+epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it (or,
+where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). Models
 name neither.
 
 Tensor parallelism as the dense MLP: every expert is split on I (w13 column-wise, w2 row-wise),

@@ -28,7 +28,9 @@ like the other layers (AMX's decoded rows, or slices dequantized per call); with
 AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch. An embedding not tied
 to the head looks its tokens up in the file's token_embd blocks (GGUFEmbeddingRows: an 8B
 model's 1 GB bf16 table becomes its ~0.3 GB of blocks); a tied one stays the float table the
-head reads.
+head reads. A MoE layer's stacked experts (qwen3moe's ffn_*_exps) keep their blocks too
+(GGUFExperts: each routed expert's gate/up and down on cpu_gguf.linear), unless a part is a
+float tensor or gate and up differ in type.
 """
 
 from __future__ import annotations

@@ -96,6 +96,7 @@ def _same_config(original, converted) -> None:
 CASES = [
     ("tiny_qwen3_moe_dir", "F32"),  # a dense layer among the MoE ones (no router: mlp_only)
     ("tiny_qwen3_moe_dir", "Q8_0"),
+    ("tiny_qwen3_moe_dir", "Q8_0-none"),  # --quantization none: experts dequantized per expert
     ("gemma3_gguf_dir", "F32"),
     ("gemma3_gguf_dir", "Q8_0"),
     ("tiny_phi3_dir", "F16"),
@@ -111,6 +112,7 @@ def test_a_llama_cpp_file_serves_hf_greedy_tokens(
     from engine.kernels.cpu import ops
 
     hf_dir = request.getfixturevalue(fixture)
+    type_name, _, quantization = type_name.partition("-")
     gguf = tmp_path / f"{fixture}-{type_name}.gguf"
     held = write_llama_cpp_gguf(hf_dir, gguf, type_name)
     ops.library()  # built (or found) in the usual cache first: only the model goes to tmp_path
@@ -120,19 +122,21 @@ def test_a_llama_cpp_file_serves_hf_greedy_tokens(
 
     reference = hf_dir if type_name == "F32" else save_as_hf(hf_dir, tmp_path / "held", held)
     prompts = _prompts(load_hf_config(hf_dir).vocab_size)
-    got, (quantization, model) = _engine_greedy(gguf, prompts)
+    got, (served, model) = _engine_greedy(gguf, prompts, quantization=quantization or None)
     assert got == _hf_greedy(reference, prompts)
-    if type_name == "Q8_0" and cpu_gguf.available():  # the layers hold the file's blocks
-        assert quantization == "gguf"
+    blocks = type_name == "Q8_0" and quantization != "none" and cpu_gguf.available()
+    if blocks:  # the layers hold the file's blocks
+        assert served == "gguf"
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == torch.uint8
     if fixture == "tiny_qwen3_moe_dir":
         experts = model.model.layers[0].mlp.experts
         assert model.model.layers[1].mlp.gate_up_proj is not None  # the dense layer
-        if type_name == "Q8_0" and cpu_gguf.available():  # the file's stacked blocks, as stored
+        if blocks:  # the file's stacked blocks, as stored
             assert experts.w13_weight.dtype == torch.uint8
             assert experts.w13_weight.shape[:2] == (experts.num_experts, 2 * experts.inter)
-        else:  # F32 experts: dequantized into the layer, each expert's gate then up rows
+        else:  # dequantized into the layer (from the file, or F32 in the folder), each
+            # expert's gate rows then its up rows
             want = torch.stack(
                 [
                     torch.cat([torch.from_numpy(held[f"model.layers.0.mlp.experts.{e}.{p}.weight"])

@@ -146,6 +146,8 @@ def _tokenizer_metadata(writer: GGUFWriter, hf_dir: Path) -> None:
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
     tc = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    if tc.get("unk_token") in vocab:  # (SpecialVocab writes it where the tokenizer has one)
+        writer.add_unk_token_id(vocab[tc["unk_token"]])
     template = tc.get("chat_template")
     if template is None and (hf_dir / "chat_template.jinja").is_file():
         template = (hf_dir / "chat_template.jinja").read_text()

@@ -1,4 +1,4 @@
-"""The linear layers' weights of a llama or qwen2 GGUF file as the file stores them
+"""The linear layers' weights of a GGUF file as the file stores them
 (`--quantization gguf`): raw blocks per output row, merged the way the model merges its
 projections.
 
@@ -69,12 +69,14 @@ def _merge(parts: list[tuple[str, int, np.ndarray]], in_features: int) -> Blocks
     return Blocks("/".join(r[0] for r in runs), -1, flat, in_features, tuple(segments))
 
 
-# model module -> (its GGUF tensors in shard order, the unpermute head-count key or None)
+# model module -> the ways a file stores it: its GGUF tensors in row order, the first way
+# the file has all of taken (phi3 files keep q/k/v fused in attn_qkv, and gate and up in
+# ffn_up: Phi-3's [q; k; v] and [gate; up] rows, our merged layers' order)
 _GROUPS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
+    "self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)),
+    "self_attn.o_proj": (("attn_output",),),
+    "mlp.gate_up_proj": (("ffn_gate", "ffn_up"), ("ffn_up",)),
+    "mlp.down_proj": (("ffn_down",),),
 }
 
 
@@ -94,10 +96,13 @@ def read_linear_blocks(
     found: dict[str, Blocks] = {}
     skipped: dict[str, str] = {}
     for i in range(n_layers):
-        for module, parts in _GROUPS.items():
+        for module, ways in _GROUPS.items():
             name = f"model.layers.{i}.{module}"
-            ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None for t in ts):
+            for parts in ways:
+                ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+                if all(t is not None for t in ts):
+                    break
+            else:  # (a MoE layer's MLP: its experts are not linear layers)
                 skipped[name] = "missing from the file"
                 continue
             names = [t.type_name for t in ts]
@@ -123,5 +128,55 @@ def read_linear_blocks(
     if "output.weight" in tensors and embed is not None and embed.type_name not in _FLOATS:
         found["embed_tokens"] = _merge(
             [(embed.type_name, embed.type_id, embed.data)], embed.shape[0]
+        )
+    return found, skipped
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A MoE layer's stacked experts as the file's blocks: w13 [E, 2I, row bytes] (each
+    expert's gate rows, then its up rows: FusedMoE's w13 order) and w2 [E, H, row bytes]."""
+
+    w13_type: str
+    w13_type_id: int
+    w13: torch.Tensor  # uint8 [E, 2I, bytes per row of H]
+    w2_type: str
+    w2_type_id: int
+    w2: torch.Tensor  # uint8 [E, H, bytes per row of I]
+    hidden_size: int  # H: w13's in_features
+    intermediate_size: int  # I: w2's in_features
+
+
+def read_expert_blocks(path: str | Path) -> tuple[dict[str, ExpertBlocks], dict[str, str]]:
+    """({"model.layers.N.mlp.experts": ExpertBlocks} for every layer with stacked experts
+    (blk.N.ffn_{gate,up,down}_exps) in block types, {module: why it was left out}): a float
+    tensor, or gate and up in different types (one w13 kernel type per expert)."""
+    from engine.gguf.tensors import tensor_table
+
+    tensors = tensor_table(path)
+    found: dict[str, ExpertBlocks] = {}
+    skipped: dict[str, str] = {}
+    layers = sorted({int(n.split(".")[1]) for n in tensors if n.endswith("_exps.weight")})
+    for i in layers:
+        name = f"model.layers.{i}.mlp.experts"
+        ts = [tensors.get(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+        if any(t is None for t in ts):
+            skipped[name] = "missing from the file"
+            continue
+        gate, up, down = ts
+        types = [t.type_name for t in ts]
+        if any(n in _FLOATS for n in types):
+            skipped[name] = f"{'/'.join(types)} (a float part: not a block type)"
+            continue
+        if gate.type_name != up.type_name:
+            skipped[name] = f"gate {gate.type_name} and up {up.type_name} differ"
+            continue
+        hidden, inter, experts = (int(d) for d in gate.shape)  # the file's (H, I, E)
+        g = gate.data.reshape(experts, inter, -1)
+        u = up.data.reshape(experts, inter, -1)
+        w13 = torch.from_numpy(np.concatenate([g, u], axis=1))  # own copy, [E, 2I, bytes]
+        w2 = torch.from_numpy(np.array(down.data.reshape(experts, hidden, -1)))  # own copy
+        found[name] = ExpertBlocks(
+            gate.type_name, gate.type_id, w13, down.type_name, down.type_id, w2, hidden, inter
         )
     return found, skipped

@@ -1,4 +1,5 @@
-"""Convert a GGUF file of the llama or qwen2 architecture into a Hugging Face folder, once.
+"""Convert a GGUF file (llama.cpp's llama, qwen2, qwen3, qwen3moe, gemma3 or phi3
+architecture: engine.gguf.arch_config) into a Hugging Face folder, once.
 
 The output (config.json, tokenizer files with the chat template, generation_config.json, the
 float32 tensors: norms and biases, and gguf_source.json: the file itself) is written to a
@@ -25,17 +26,20 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.gguf import arch_config
 from engine.kernels.cpu import gguf as cpu_gguf
 from engine.layers.rotary import llama3_inv_freq
 
 logger = logging.getLogger("tessera.engine")
 
 # Bump when the output format changes: old caches are then converted again.
+# (New architectures need no bump: no older converter wrote a folder for them.)
 CONVERTER_VERSION = 3  # 2: Llama 3 rope scaling, Qwen2; 3: linear blocks left in the file
 LINK = "gguf_source.json"  # in a converted folder: the GGUF its linear weights stay in
 
@@ -55,6 +59,25 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# where a model type names a layer tensor otherwise (llama.cpp's tensor_mapping.py)
+_TYPE_LAYER_NAMES = {
+    "gemma3_text": {  # four norms a layer: ffn_norm is the one before the MLP
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "phi3": {  # fused as in Phi-3's checkpoints: [q; k; v] rows, and [gate; up] in ffn_up
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+    "qwen3_moe": {"ffn_gate_inp.weight": "mlp.gate.weight"},  # the router
+}
+# stacked experts [E, rows, cols]: each expert's slice is the checkpoint's per-expert tensor
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -62,14 +85,60 @@ _GLOBAL_NAMES = {
 }
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, model_type: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
+        names = _TYPE_LAYER_NAMES.get(model_type, {})
+        if rest in names:
+            return f"model.layers.{layer}.{names[rest]}"
         if rest in _LAYER_NAMES:
             return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
     return None
+
+
+@dataclass(frozen=True)
+class _ExpertSlice:
+    """One expert's rows of a stacked expert tensor, read like a 2-D GGUF tensor."""
+
+    name: str  # the HF checkpoint's: model.layers.N.mlp.experts.E.gate_proj.weight
+    type_id: int
+    shape: tuple[int, ...]  # as the file stores it: (in_features, out_features)
+    data: np.ndarray  # [out_features, bytes per row] (float rows for a float tensor)
+
+
+def _expert_slices(t) -> list[_ExpertSlice]:
+    """A stacked expert tensor (blk.N.ffn_*_exps.weight, stored [E, rows, cols]) as its
+    experts' 2-D slices (views: nothing is copied); [] for any other tensor."""
+    if not t.name.startswith("blk."):
+        return []
+    _, layer, rest = t.name.split(".", 2)
+    proj = _EXPERT_NAMES.get(rest)
+    if proj is None:
+        return []
+    shape = tuple(int(s) for s in t.shape)  # (cols, rows, E)
+    experts = shape[2]
+    rows = np.asarray(t.data).reshape(experts, shape[1], -1)  # E, rows, row bytes or floats
+    type_id = int(getattr(t, "type_id", getattr(t, "tensor_type", 0)))
+    return [
+        _ExpertSlice(
+            f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", type_id, shape[:2], rows[e]
+        )
+        for e in range(experts)
+    ]
+
+
+def _entries(tensors, model_type: str) -> Iterator[tuple[str, object]]:
+    """(HF name, a tensor _float_tensor reads) for every tensor a model takes from the file,
+    stacked experts as one entry per expert; others (rope_factors_*) are skipped."""
+    for t in tensors:
+        name = _hf_name(t.name, model_type)
+        if name is not None:
+            yield name, t
+            continue
+        for s in _expert_slices(t):
+            yield s.name, s
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -134,15 +203,20 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict | 
 
 def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict | None:
     kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        return {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+        }
     if kind not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (Llama 3's is)")
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear and Llama 3's are)")
     t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return None if t is None else _llama3_scaling(np.asarray(t.data), theta, head_dim)
 
 
-# GGUF architecture -> HF's class; llama.cpp interleaves the rotary halves of q/k rows in
-# "llama" files only (Qwen2 and Qwen3 rotate halves as HF does)
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp interleaves the rotary halves of q/k rows in "llama" files only (the others
+# rotate halves as HF does)
+_ARCHS = arch_config.ARCHS
 
 
 def rows_interleaved(model_type: str) -> bool:
@@ -160,18 +234,20 @@ def _read_config(reader) -> dict:
     def key(name: str, default=None):
         return _field(reader, f"{arch}.{name}", default)
 
-    names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
+    names = set(tensors)
+    hf_class, model_type, extra = _ARCHS[arch]
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     # Qwen3's heads are wider than hidden / heads: llama.cpp writes their width as key_length
     head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
     theta = float(key("rope.freq_base", 10000.0))
     config = {
-        "architectures": [_ARCHS[arch]],
-        "model_type": arch,
+        "architectures": [hf_class],
+        "model_type": model_type,
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": int(key("feed_forward_length", key("expert_feed_forward_length"))),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
@@ -191,10 +267,12 @@ def _read_config(reader) -> dict:
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    else:  # Qwen2: q/k/v biases, Qwen3: none; the sliding window off in every release
+    elif arch in ("qwen2", "qwen3"):  # Qwen2: q/k/v biases, Qwen3: none; no sliding window
         config.update(use_sliding_window=False)
         if arch == "qwen3":
             config.update(attention_bias=False)
+    if extra is not None:
+        config.update(extra(key, tensors, config))
     return config
 
 
@@ -203,9 +281,10 @@ SHARD_BYTES = 512 << 20
 _CHUNK_ROWS = 4096
 
 
-def _float_tensor(t, config: dict) -> torch.Tensor:
-    """One GGUF tensor (gguf-py's ReaderTensor, or engine.gguf.tensors.Tensor) dequantized to
-    float32, q/k rows in HF's order (an array of its own)."""
+def _float_tensor(t, config: dict, name: str | None = None) -> torch.Tensor:
+    """One GGUF tensor (gguf-py's ReaderTensor, engine.gguf.tensors.Tensor, or an expert's
+    slice) dequantized to float32 as HF's checkpoint holds it under name (an array of its
+    own): q/k rows in HF's order, Gemma's norms without the 1 llama.cpp adds."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -222,8 +301,13 @@ def _float_tensor(t, config: dict) -> torch.Tensor:
             w[i : i + _CHUNK_ROWS] = dequantize(t.data[i : i + _CHUNK_ROWS], qtype)
     else:
         w = dequantize(t.data, qtype).reshape(shape)
-    name = _hf_name(t.name)
-    if rows_interleaved(config.get("model_type", "llama")):
+    model_type = config.get("model_type", "llama")
+    name = name or _hf_name(t.name, model_type)
+    if model_type == "gemma3_text" and name.endswith("norm.weight"):
+        # llama.cpp's converter stores Gemma's (1 + w) scale; HF's checkpoint holds w (and
+        # engine.models.gemma3 adds the 1 back at load)
+        w = w - np.float32(1.0)
+    if rows_interleaved(model_type):
         if name.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -248,11 +332,13 @@ def _shards(tensors: list, shard_bytes: int) -> list[list]:
     return shards
 
 
-def left_in_file(t) -> bool:
+def left_in_file(t, model_type: str = "llama") -> bool:
     """Whether a GGUF tensor stays in the file when converting: all but the float32 ones
     (norms, biases: small). The GGUF path keeps the linear layers' blocks as they are; the
-    rest (the embedding, float paths' weights) is dequantized from the file at load."""
-    return _hf_name(t.name) is not None and t.tensor_type.name != "F32"
+    rest (the embedding, stacked experts, float paths' weights) is dequantized from the file
+    at load."""
+    taken = _hf_name(t.name, model_type) is not None or bool(_expert_slices(t))
+    return taken and t.tensor_type.name != "F32"
 
 
 def _write_weights(
@@ -262,15 +348,14 @@ def _write_weights(
     them, or (every=False) those not left_in_file."""
     from safetensors.torch import save_file
 
-    tensors = [
-        t for t in reader.tensors if _hf_name(t.name) is not None and (every or not left_in_file(t))
-    ]
-    shards = _shards(tensors, shard_bytes)
+    model_type = config.get("model_type", "llama")
+    tensors = [t for t in reader.tensors if every or not left_in_file(t, model_type)]
+    shards = _shards([t for t in tensors if next(_entries([t], model_type), None)], shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, 1):
         file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-        tensors = {_hf_name(t.name): _float_tensor(t, config) for t in shard}
+        tensors = {name: _float_tensor(t, config, name) for name, t in _entries(shard, model_type)}
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         if n > 1:
@@ -301,10 +386,9 @@ def linked_tensors(folder: Path) -> Iterator[tuple[str, Callable[[], torch.Tenso
     from engine.gguf.tensors import tensor_table
 
     config = json.loads((folder / "config.json").read_text())
-    for t in tensor_table(path).values():
-        name = _hf_name(t.name)
-        if name is not None:
-            yield name, functools.partial(_float_tensor, t, config)
+    model_type = config.get("model_type", "llama")
+    for name, t in _entries(tensor_table(path).values(), model_type):
+        yield name, functools.partial(_float_tensor, t, config, name)
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:

@@ -4,7 +4,8 @@ are summed with the router's weights (Mixtral, Qwen2-MoE, Qwen3-MoE).
 FusedMoE holds every expert's weights stacked, w13 [E, 2I, H] (gate | up) and w2 [E, H, I], and
 runs them where the tensors are: on CUDA one fused Triton kernel per projection
 (engine.kernels.triton.fused_moe: tokens sorted by expert, SiLU-and-mul in the first GEMM's
-epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it. Models
+epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it (or,
+where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). Models
 name neither.
 
 Tensor parallelism as the dense MLP: every expert is split on I (w13 column-wise, w2 row-wise),
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,7 @@ def experts_cpu(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     gemms: tuple[GemmChoice, GemmChoice] | None = None,
+    expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
 
@@ -86,7 +89,9 @@ def experts_cpu(
     added into the output (float32, experts in ascending order). The loop is over experts, never
     over tokens; the per-expert counts are read on the host (one sync: this is not the CUDA
     path). With gemms, each matmul runs where the unquantized linear layers' would (the C GEMM
-    for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized)."""
+    for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized). With
+    expert_linear(e, GATE or DOWN, x), that runs them instead (a GGUF file's blocks: w13 and w2
+    are then not float weights)."""
     g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -101,8 +106,13 @@ def experts_cpu(
         if n == 0:
             continue
         rows = tokens[start : start + n]
-        h = _silu_and_mul(_linear(g13, x.index_select(0, rows), w13[e]))
-        y = _linear(g2, h, w2[e]).to(torch.float32).mul_(weights[start : start + n])
+        if expert_linear is not None:
+            h = _silu_and_mul(expert_linear(e, GATE, x.index_select(0, rows)))
+            y = expert_linear(e, DOWN, h)
+        else:
+            h = _silu_and_mul(_linear(g13, x.index_select(0, rows), w13[e]))
+            y = _linear(g2, h, w2[e])
+        y = y.to(torch.float32).mul_(weights[start : start + n])
         out.index_add_(0, rows, y)
         start += n
     return out.to(x.dtype)
@@ -164,6 +174,9 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
         self._gemms = (GemmChoice(), GemmChoice())
+        # (e, GATE or DOWN, x) -> x @ expert e's w13 or w2, where the weights are not floats
+        # (engine.layers.quantization.gguf.GGUFExperts: a GGUF file's blocks); CPU only
+        self.expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
         for param, shards in (
             (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
             (self.w2_weight, {(e, DOWN) for e in range(num_experts)}),
@@ -193,11 +206,13 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func
         )
-        fused = _triton_moe() if x.is_cuda else None
+        fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
         if fused is not None:
             out = fused.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         else:
-            out = experts_cpu(x, self.w13_weight, self.w2_weight, weights, ids, self._gemms)
+            out = experts_cpu(
+                x, self.w13_weight, self.w2_weight, weights, ids, self._gemms, self.expert_linear
+            )
         return tp_all_reduce(out) if self.reduce_results else out
 
 

@@ -28,7 +28,9 @@ like the other layers (AMX's decoded rows, or slices dequantized per call); with
 AVX512-VNNI without AMX, Q8_0 rows become tiles read at every batch. An embedding not tied
 to the head looks its tokens up in the file's token_embd blocks (GGUFEmbeddingRows: an 8B
 model's 1 GB bf16 table becomes its ~0.3 GB of blocks); a tied one stays the float table the
-head reads.
+head reads. A MoE layer's stacked experts (qwen3moe's ffn_*_exps) keep their blocks too
+(GGUFExperts: each routed expert's gate/up and down on cpu_gguf.linear), unless a part is a
+float tensor or gate and up differ in type.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from engine.kernels.cpu import gemm as cpu_gemm
 from engine.kernels.cpu import gguf as cpu_gguf
 from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import w4 as cpu_w4
+from engine.layers.moe import DOWN, FusedMoE
 from engine.layers.quantization.base import LinearMethodBase, LMHeadMethodBase
 from engine.layers.quantization.unquantized import greedy_by_rows, linear_by_rows
 
@@ -300,6 +303,52 @@ def _take_embedding_rows(embed: nn.Module, b, tied: bool) -> str:
     )
 
 
+class GGUFExperts:
+    """A MoE layer's experts on the file's stacked blocks (engine.gguf.blocks.ExpertBlocks):
+    FusedMoE.expert_linear, each routed expert's gate/up and down on the GGUF kernels (the dot
+    kernel for the few tokens an expert gets at decode, cpu_gguf.linear's larger-batch paths
+    above). The layer's w13_weight / w2_weight hold the blocks, the only copy."""
+
+    def __init__(self, b):
+        self.w13, self.w2 = b.w13, b.w2
+        self.types = (b.w13_type_id, b.w2_type_id)
+        self.in_features = (b.hidden_size, b.intermediate_size)
+
+    def __call__(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        i = 0 if which != DOWN else 1
+        blocks = (self.w13 if i == 0 else self.w2)[expert]
+        return cpu_gguf.linear(x, blocks, self.types[i], self.in_features[i])
+
+
+def _expert_refusal(module: nn.Module, b) -> str | None:
+    """Why a MoE layer keeps its dequantized experts, or None."""
+    if module.w13_weight.device.type != "cpu":
+        return "runs on the CPU kernels only"
+    if module.tp_size != 1:
+        return "tensor parallel shards keep the float weights"
+    for type_name, type_id, k in (
+        (b.w13_type, b.w13_type_id, b.hidden_size),
+        (b.w2_type, b.w2_type_id, b.intermediate_size),
+    ):
+        if type_name not in cpu_gguf.TYPES:
+            return f"{type_name} has no kernel"
+        why = cpu_gguf.refusal(type_id, k)
+        if why is not None:
+            return f"{type_name}: {why}"
+    want = (module.num_experts, 2 * module.inter, module.w2_weight.shape[1])
+    if (b.w13.shape[0], b.w13.shape[1], b.hidden_size) != want:
+        return "shape differs from the model's"
+    return None
+
+
+def _take_expert_blocks(module: nn.Module, b) -> str:
+    module.w13_weight = nn.Parameter(b.w13, requires_grad=False)
+    module.w2_weight = nn.Parameter(b.w2, requires_grad=False)
+    module.expert_linear = GGUFExperts(b)
+    kinds = b.w13_type if b.w13_type == b.w2_type else f"{b.w13_type}/{b.w2_type}"
+    return f"{kinds} stacked blocks on the gguf kernels"
+
+
 def _kind(name: str) -> str:
     return name.rsplit(".", 1)[-1]  # "model.layers.3.mlp.down_proj" -> "down_proj"
 
@@ -335,13 +384,17 @@ def block_parameters(model: nn.Module) -> set[str]:
     loader must not fill from the float checkpoint after apply_gguf_blocks."""
     methods = (GGUFLinearMethod, GGUFSegmentsLinearMethod)
     heads = (GGUFLMHeadMethod, GGUFQ8TilesHeadMethod)
-    return {
+    held = {
         f"{name}.weight"
         for name, m in model.named_modules()
         if isinstance(getattr(m, "quant_method", None), methods)
         or isinstance(getattr(m, "rows", None), GGUFEmbeddingRows)
         or (isinstance(getattr(m, "quant_method", None), heads) and not m.tied)
     }
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "expert_linear", None), GGUFExperts):
+            held |= {f"{name}.w13_weight", f"{name}.w2_weight"}
+    return held
 
 
 def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Counter]:
@@ -351,7 +404,7 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
     Returns {layer kind: Counter(path taken)}, also logged. Linear layers' paths other than
     "dequantized (why)" hold the file's values. Runs on a loaded model, or on a built one
     before its float weights load (ModelRunner: they then skip block_parameters(model))."""
-    from engine.gguf.blocks import read_linear_blocks
+    from engine.gguf.blocks import read_expert_blocks, read_linear_blocks
     from engine.gguf.convert import rows_interleaved
 
     if not cpu_gguf.available():
@@ -378,6 +431,18 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
             paths.setdefault(kind, Counter())[f"dequantized ({why})"] += 1
             continue
         paths.setdefault(kind, Counter())[_take_blocks(module, b)] += 1
+    experts = [(n, m) for n, m in modules.items() if isinstance(m, FusedMoE)]
+    if experts:
+        found, skipped_experts = read_expert_blocks(gguf_path)
+        for name, module in experts:
+            b = found.pop(name, None)
+            why = (
+                skipped_experts.get(name, "not in the file's block tensors")
+                if b is None
+                else _expert_refusal(module, b)
+            )
+            path = f"dequantized ({why})" if why is not None else _take_expert_blocks(module, b)
+            paths.setdefault("experts", Counter())[path] += 1
     head = getattr(model, "lm_head", None)
     if head is not None and not isinstance(
         head.quant_method, (GGUFLMHeadMethod, GGUFQ8TilesHeadMethod)

@@ -1,6 +1,7 @@
 """create_app: the Litestar application — routes, auth, error envelope, lifespans.
 
-Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the Anthropic Messages
+Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key; /v1/responses in
+api/openai/responses/), the Anthropic Messages
 API (/v1/messages, its own error body; an API key, also as x-api-key), the admin REST API
 (/admin/v1; the admin token; mounted with a database), whatever the caller mounts
 (`extra_route_handlers`: `tessera serve` mounts the installed routers of
@@ -28,6 +29,7 @@ from litestar.types import ControllerRouterHandler
 import engine as engine_pkg
 from api.admin.routes import ADMIN_CONTROLLERS, ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME
 from api.anthropic.routes import AnthropicController
+from api.openai.responses.routes import ResponsesController
 from api.openai.routes import OpenAIController
 from api.server.access import Access
 from api.server.affinity import AffinityHeaderMiddleware
@@ -78,6 +80,7 @@ def create_app(
         metrics.adapters, metrics.max_loras = state.adapters, settings.max_loras
     handlers: list[ControllerRouterHandler] = [
         OpenAIController,
+        ResponsesController,
         AnthropicController,
         SystemController,
     ]

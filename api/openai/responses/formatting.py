@@ -86,7 +86,8 @@ class ResponseFormatter:
         b = self.body
         incomplete = finish == "length"
         text = msgspec.to_builtins(b.text) if b.text is not None else {}
-        text.setdefault("format", {"type": "text"})
+        if text.get("format") is None:
+            text["format"] = {"type": "text"}
         choice = b.tool_choice
         return ResponseObject(
             id=self.id,

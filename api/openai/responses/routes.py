@@ -19,7 +19,7 @@ import time
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.di import NamedDependency, Provide
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 
 from api.keys.auth import Principal
 from api.openai.reasoning import reasoning_split
@@ -128,7 +128,7 @@ class ResponsesController(Controller):
 
     @get("/v1/responses/{response_id:str}")
     async def retrieve(
-        self, response_id: str, request: Request, principal: NamedDependency[Principal]
+        self, response_id: FromPath[str], request: Request, principal: NamedDependency[Principal]
     ) -> ResponseObject:
         """A stored response (404 for an unknown id and for another tenant's)."""
         store = _store_of(request)
@@ -139,7 +139,7 @@ class ResponsesController(Controller):
 
     @delete("/v1/responses/{response_id:str}", status_code=200)
     async def remove(
-        self, response_id: str, request: Request, principal: NamedDependency[Principal]
+        self, response_id: FromPath[str], request: Request, principal: NamedDependency[Principal]
     ) -> DeletedResponse:
         """Delete a stored response (404 for an unknown id and for another tenant's)."""
         store = _store_of(request)

@@ -11,7 +11,8 @@ from pydantic import TypeAdapter
 from transformers import AutoTokenizer
 
 from api.openai.reasoning import ReasoningSplit
-from api.openai.responses.formatting import ResponseFormatter, _EventStream
+from api.openai.responses.events import EventStream
+from api.openai.responses.formatting import ResponseFormatter
 from api.openai.responses.schemas import ResponsesRequest
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.reasoning import REASONING_FORMATS, StartState
@@ -57,7 +58,7 @@ def test_reasoning_is_an_item_whole(tok):
 
 def test_reasoning_streams_as_reasoning_text_events(tok):
     fmt = formatter(tok)
-    stream = _EventStream(fmt, None, None)  # type: ignore[arg-type]
+    stream = EventStream(fmt, None, None)  # type: ignore[arg-type]
     raw: list[bytes] = []
     for k, text in enumerate(TEXTS):
         finish = "stop" if k == len(TEXTS) - 1 else None

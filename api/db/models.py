@@ -22,6 +22,9 @@ Tables (the limits both tenants and keys have are LimitColumns, written once)
                     charged to, the client's X-Request-Id and the LoRA adapter it ran.
     lora_adapters   the LoRA adapters loaded at run time through the admin API (api/lora/):
                     name, PEFT folder, owner tenant (NULL: public); loaded again at start.
+    stored_responses  /v1/responses answers kept for GET, DELETE and previous_response_id
+                    (api/openai/responses/store.py): the response body, the conversation
+                    before it, and its owner (the key's tenant; see `owner`).
 
 Any change here needs a migration in migrations/versions (the test suite fails on drift).
 """
@@ -178,3 +181,19 @@ class LoRAAdapterRow(Base):
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class StoredResponse(Base):
+    __tablename__ = "stored_responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_...
+    # Who may read, continue and delete it: "tenant:<id>" (every key of the tenant), or for
+    # keys without a tenant row (static --api-key, auth none, the admin token) "principal:<name>".
+    owner: Mapped[str] = mapped_column(String(250), index=True)
+    key_id: Mapped[str | None] = mapped_column(String(32))  # the key that created it
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    # The conversation's items before this response's output (instructions excluded, as
+    # OpenAI does: a later request gives its own), as Responses input items.
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON())
+    response: Mapped[dict[str, Any]] = mapped_column(JSON())  # the response object as sent

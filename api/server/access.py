@@ -28,6 +28,7 @@ from api.db.session import Database, redact
 from api.db.timeout import TimedService
 from api.keys.auth import Authenticator
 from api.keys.service import KeyService
+from api.openai.responses.store import ResponseStore
 from api.quotas.service import QuotaService
 from api.server.bootstrap import (
     ADMIN_TOKEN_FILE,
@@ -73,6 +74,8 @@ class Access:
         self.keys = KeyService(self.db) if self.db is not None else None
         self.tenants = TenantService(self.db) if self.db is not None else None
         self.recorder = UsageRecorder(self.db) if self.db is not None else None
+        # /v1/responses with store: true (api/openai/responses/store.py)
+        self.responses = ResponseStore(self.db) if self.db is not None else None
         quotas = QuotaService(self.db) if self.db is not None else None
         self.accountant = Accountant(quotas, self.recorder, metrics)
         # Wrong admin / metrics tokens, per client: the console login, the admin API, /metrics;
@@ -102,6 +105,8 @@ class Access:
             entries["keys"] = TimedService(self.keys, self.settings.db_timeout)
             entries["tenants"] = TimedService(self.tenants, self.settings.db_timeout)
             entries["usage_recorder"] = self.recorder
+        if self.responses is not None:
+            entries["response_store"] = TimedService(self.responses, self.settings.db_timeout)
         return entries
 
     async def start(self) -> None:

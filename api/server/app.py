@@ -1,6 +1,7 @@
 """create_app: the Litestar application — routes, auth, error envelope, lifespans.
 
-Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key), the Anthropic Messages
+Routes: the OpenAI routes (/v1, /tokenize, /detokenize; an API key; /v1/responses in
+api/openai/responses/), the Anthropic Messages
 API (/v1/messages, its own error body; an API key, also as x-api-key), the admin REST API
 (/admin/v1; the admin token; mounted with a database), whatever the caller mounts
 (`extra_route_handlers`: `tessera serve` mounts the installed routers of
@@ -29,6 +30,7 @@ import engine as engine_pkg
 from api.admin.routes import ADMIN_CONTROLLERS, ADMIN_SECURITY_NAME, ADMIN_SECURITY_SCHEME
 from api.anthropic.routes import AnthropicController
 from api.openai.embeddings import EmbeddingsController
+from api.openai.responses.routes import ResponsesController
 from api.openai.routes import OpenAIController
 from api.server.access import Access
 from api.server.affinity import AffinityHeaderMiddleware
@@ -80,6 +82,7 @@ def create_app(
     handlers: list[ControllerRouterHandler] = [
         OpenAIController,
         EmbeddingsController,
+        ResponsesController,
         AnthropicController,
         SystemController,
     ]

@@ -27,6 +27,7 @@ from litestar.params import FromPath
 from api.anthropic.errors import ERROR_COMPONENT as ANTHROPIC_ERROR_COMPONENT
 from api.anthropic.errors import ERROR_SCHEMA as ANTHROPIC_ERROR_SCHEMA
 from api.openai.request_fields import documented_fields
+from api.openai.responses.translate import REFUSED_FIELDS as REFUSED_RESPONSE_FIELDS
 from api.server.allow import fix_options_handlers
 
 ERROR_SCHEMA = "ErrorResponse"
@@ -60,7 +61,13 @@ _DESCRIPTIONS = {
     429: "Over a rate limit or the token budget (Retry-After, x-ratelimit-*).",
     503: "Queue full, loading, draining, engine down or database unavailable (Retry-After).",
 }
-_GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/embeddings"}
+_GENERATION = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/responses",
+}
 _TOKENIZER = {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
 # Routes whose errors are Anthropic's body, not the OpenAI envelope (api/anthropic/errors.py).
 _ANTHROPIC = {"/v1/messages", "/v1/messages/count_tokens"}
@@ -210,6 +217,13 @@ def document_request_bodies(schema: dict[str, Any], app: Any, *, lenient: bool) 
             component.pop("additionalProperties", None)
         else:
             component["additionalProperties"] = False
+    component = _body_component(schema, "/v1/responses")
+    if component is not None:  # fields refused unless harmless: only the harmless values
+        for name, field_schema in REFUSED_RESPONSE_FIELDS.items():
+            component.setdefault("properties", {})[name] = {
+                **field_schema,
+                "description": "Refused unless its value asks for nothing (not supported).",
+            }
 
 
 def _body_component(schema: dict[str, Any], path: str) -> dict[str, Any] | None:

@@ -38,6 +38,7 @@ MINIMAL = {
     ("post", "/v1/completions"): {"model": "m", "prompt": "hi"},
     ("post", "/v1/embeddings"): {"model": "m", "input": "hi"},
     ("post", "/tokenize"): {"prompt": "hi"},
+    ("post", "/v1/responses"): {"model": "m", "input": "hi", "store": False},
     ("post", "/v1/messages"): {
         "model": "m",
         "max_tokens": 1,

@@ -131,6 +131,15 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> Path:
+    """The tiny model trained to call tools (tests/api/openai/tools/tool_model.py), built once
+    a session: the tool-call, Anthropic and Responses modules all serve it."""
+    from tests.api.openai.tools.tool_model import build_tool_model
+
+    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
+
+
 @pytest.fixture(scope="module")
 def start_server(tmp_path_factory) -> Iterator:
     started: list[ServerProcess] = []

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.tokenizer import Tokenizer
 from tests.api.keys_http import MODEL, Admin, start_keys_server
-from tests.api.openai.tools.tool_model import PARIS, TOOLS, build_tool_model
+from tests.api.openai.tools.tool_model import PARIS, TOOLS
 from tests.api.usage.test_usage_http import ledger
 
 pytestmark = pytest.mark.slow
@@ -33,11 +33,6 @@ ANTHROPIC_TOOLS = [
 HELLO = [{"role": "user", "content": "Say hello."}]
 GREEDY = {"temperature": 0}  # this SDK's create() has no temperature argument any more
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from api.db.models import StoredResponse
 from api.db.session import Database
 from engine.tokenizer import Tokenizer
 from tests.api.keys_http import MODEL, Admin, start_keys_server
-from tests.api.openai.tools.tool_model import PARIS, ROUND_TRIP, TOOLS, build_tool_model
+from tests.api.openai.tools.tool_model import PARIS, ROUND_TRIP, TOOLS
 from tests.api.usage.test_usage_http import ledger
 
 pytestmark = pytest.mark.slow
@@ -31,11 +31,6 @@ pytestmark = pytest.mark.slow
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 GREEDY = {"temperature": 0}
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
 @pytest.fixture(scope="module")

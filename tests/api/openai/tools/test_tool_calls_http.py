@@ -12,17 +12,12 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.openai.tools.tool_model import PARIS, ROME, TIME, TOOLS, WEATHER, build_tool_model
+from tests.api.openai.tools.tool_model import PARIS, ROME, TIME, TOOLS, WEATHER
 
 pytestmark = pytest.mark.slow
 
 KEY = "sk-tools"
 MODEL = "tool"
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
 @pytest.fixture(scope="module")

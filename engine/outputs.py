@@ -106,6 +106,9 @@ class ModelRunnerOutput:
     # (position of the first entry's token, entries), one entry per prompt token at
     # positions start+1.. that this chunk's rows predict.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the runner's drafts for each request's next
+    # step (proposed after this step's tokens); the scheduler schedules them next.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -177,6 +177,13 @@ def _row_mask(grammar_bitmask: GrammarBitmask | None, to_sample: list[str]) -> R
     return RowMask([position[grammar_bitmask.request_ids[j]] for j in keep], bitmask)
 
 
+def _wants_drafts(state: CachedRequestState) -> bool:
+    """Whether the scheduler would schedule drafts for the request (Scheduler._propose):
+    none for n > 1 samples, seeded or grammar-constrained ones."""
+    sp = state.sampling_params
+    return sp.n == 1 and sp.seed is None and sp.structured_outputs is None
+
+
 def mem_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -249,6 +256,7 @@ class ModelRunner:
         self._step_graph: StepGraph | None = None
         self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
         self.lora_manager = None  # engine.lora.manager.LoRAManager, when LoRA is enabled
+        self.drafter = None  # engine.spec_decode.draft_model.DraftModel, with a draft model
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -331,6 +339,22 @@ class ModelRunner:
         )
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
+        spec = self.config.scheduler.speculative_config
+        if spec is not None and spec.uses_model:  # beside the target: same device and dtype
+            from engine.spec_decode.draft_model import DraftModel
+
+            self.drafter = DraftModel(
+                spec.model,
+                spec.num_speculative_tokens,
+                self.hf_config,
+                self.device,
+                self.dtype,
+                self.block_size,
+                self.max_model_len,
+                m.attention_backend,
+                self.config.cache.kv_cache_dtype,
+                m.seed,
+            )
         if self.rank == 0:
             logger.info(
                 "Model %s loaded: %s%s (%s) on %s; attention backend: %s (%s)",
@@ -349,8 +373,10 @@ class ModelRunner:
         return self.attn_backend.kv_cache_spec(self.config.cache.kv_cache_dtype)
 
     def kv_block_bytes(self) -> int:
-        """Bytes one block takes across all layers (K and V, scales included) on this rank."""
-        return self.num_layers * self.kv_cache_spec().bytes_per_block
+        """Bytes one block takes across all layers (K and V, scales included) on this rank;
+        with a draft model, its cache's too (the same block ids address both)."""
+        own = self.num_layers * self.kv_cache_spec().bytes_per_block
+        return own + (self.drafter.kv_block_bytes() if self.drafter is not None else 0)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -504,6 +530,8 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache, attn.kv_scales = kv.layer(i)
             attn.kv_spec = spec
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, self._zeros)
         self.num_blocks = num_blocks
         self._step_graph = self._build_step_graph()
         self._log_graph_pool()
@@ -562,7 +590,8 @@ class ModelRunner:
         """Copy every layer's K/V of block src into dst; all copies read the pre-copy state."""
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for t in (*self.kv_caches, *self.kv_scales):
+        drafts = self.drafter.cache_tensors() if self.drafter is not None else ()
+        for t in (*self.kv_caches, *self.kv_scales, *drafts):
             t.index_copy_(1, dst, t.index_select(1, src))
 
     @torch.inference_mode()
@@ -572,6 +601,13 @@ class ModelRunner:
             out = self._execute_async(scheduler_output)
         else:
             out = self._execute(scheduler_output)
+            if self.drafter is not None and scheduler_output.scheduled:
+                out.draft_token_ids = self.drafter.propose(
+                    scheduler_output.scheduled,
+                    self.input_batch.requests,
+                    out.sampled_token_ids,
+                    _wants_drafts,
+                )
         if self._threads is not None:
             self._threads.finish()  # while it measures small steps (step_threads)
         return out

@@ -63,7 +63,9 @@ def _prompts(vocab: int, count: int = 6) -> list[list[int]]:
     return [torch.randint(3, vocab, (4 + 5 * i,), generator=g).tolist() for i in range(count)]
 
 
-def _run(model_dir, prompts, params, spec, **kwargs):
+def _run(model_dir, prompts, params, spec, second_wave=None, **kwargs):
+    """Generate; then second_wave's prompts (same params) on the same engine, whose blocks
+    from the first are cached: prefix hits on blocks the draft filled earlier."""
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -73,6 +75,10 @@ def _run(model_dir, prompts, params, spec, **kwargs):
     )
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
+    if second_wave is not None:
+        outs += llm.generate(second_wave, params[: len(second_wave)], use_tqdm=False)
+        m = engine.scheduler.kv_cache_manager
+        assert m.prefix_cache_hits > 0, "no prefix hit: the second wave proves nothing"
     stats = engine.scheduler.stats().spec_decoding
     free = engine.scheduler.kv_cache_manager.num_free_blocks
     total = engine.num_blocks - 1
@@ -82,57 +88,62 @@ def _run(model_dir, prompts, params, spec, **kwargs):
     return result, stats, free, total, preemptions
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},
-        {"num_kv_blocks": 12, "max_model_len": 128},  # preemption
-        {"max_num_batched_tokens": 16, "max_model_len": 256},  # chunked prefill, tight budget
-        {"enable_prefix_caching": False},
-    ],
-    ids=["plain", "preempt", "chunked", "no-prefix-cache"],
-)
-def test_greedy_identical(tiny_llama_dir, draft_dir, vocab, kwargs):
-    prompts = _prompts(vocab)
-    prompts.append(prompts[4] + prompts[1][:3])  # a prefix hit on the fifth prompt's blocks
-    params = [
-        SamplingParams(max_tokens=24 + i, temperature=0.0, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    ref, _, _, _, _ = _run(tiny_llama_dir, prompts, params, None, **kwargs)
-    got, stats, free, total, preempted = _run(
-        tiny_llama_dir, prompts, params, _spec(draft_dir), **kwargs
-    )
-    assert got == ref
-    assert stats.num_draft_tokens > 0
-    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
-    assert free == total  # every block back (cached ones count as free)
-    if "num_kv_blocks" in kwargs:
-        assert preempted > 0, "the preemption case preempted nobody"
+# Engine settings under test: a roomy cache; a tight one (9 blocks: preemption) with a
+# 32-token budget (prompts chunked to fit the step); no prefix caching.
+CASES = {
+    "plain": {},
+    "preempt-chunked": {"num_kv_blocks": 9, "max_model_len": 128, "max_num_batched_tokens": 32},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+}
+_REFERENCE: dict[str, tuple] = {}  # case -> plain decoding's outputs (shared by the tests)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [{}, {"num_kv_blocks": 12, "max_model_len": 128}, {"max_num_batched_tokens": 16}],
-    ids=["plain", "preempt", "chunked"],
-)
-def test_target_as_its_own_draft_accepts_everything(tiny_llama_dir, vocab, kwargs):
-    """The draft's K/V follows every kept token through prefill chunks, prefix hits, rejected
-    positions and preemption: a draft equal to the target is then never wrong."""
+def _greedy_case(tiny_llama_dir, vocab, case):
+    """The prompts (one shares the fifth's first block), params, second wave (prefix hits
+    on the first wave's cached blocks) and plain decoding's outputs for a case."""
+    kwargs = CASES[case]
     prompts = _prompts(vocab)
     prompts.append(prompts[4] + prompts[1][:3])
     params = [
         SamplingParams(max_tokens=20 + i, temperature=0.0, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    ref, _, _, _, _ = _run(tiny_llama_dir, prompts, params, None, **kwargs)
-    got, stats, free, total, _ = _run(
-        tiny_llama_dir, prompts, params, _spec(tiny_llama_dir, 4), **kwargs
+    wave = [p + [9] for p in prompts[3:]] if kwargs.get("enable_prefix_caching", True) else None
+    if case not in _REFERENCE:
+        _REFERENCE[case] = _run(tiny_llama_dir, prompts, params, None, wave, **kwargs)[0]
+    return prompts, params, wave, _REFERENCE[case]
+
+
+@pytest.mark.parametrize("case", ["preempt-chunked", "no-prefix-cache"])
+def test_greedy_identical(tiny_llama_dir, draft_dir, vocab, case):
+    """A smaller draft of other weights: drafts accepted and rejected, output unchanged."""
+    prompts, params, wave, ref = _greedy_case(tiny_llama_dir, vocab, case)
+    got, stats, free, total, preempted = _run(
+        tiny_llama_dir, prompts, params, _spec(draft_dir), wave, **CASES[case]
+    )
+    assert got == ref
+    assert stats.num_draft_tokens > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert free == total  # every block back (cached ones count as free)
+    if "num_kv_blocks" in CASES[case]:
+        assert preempted > 0, "the tight case preempted nobody"
+
+
+@pytest.mark.parametrize("case", ["plain", "preempt-chunked"])
+def test_target_as_its_own_draft_accepts_everything(tiny_llama_dir, vocab, case):
+    """The draft's K/V follows every kept token through prefill chunks, prefix hits, rejected
+    positions and preemption: a draft equal to the target is then never wrong."""
+    prompts, params, wave, ref = _greedy_case(tiny_llama_dir, vocab, case)
+    got, stats, free, total, preempted = _run(
+        tiny_llama_dir, prompts, params, _spec(tiny_llama_dir, 4), wave, **CASES[case]
     )
     assert got == ref
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert free == total
+    if "num_kv_blocks" in CASES[case]:
+        assert preempted > 0, "the tight case preempted nobody"
 
 
 def test_greedy_stops_and_limits(tiny_llama_dir, draft_dir, vocab):
@@ -140,12 +151,9 @@ def test_greedy_stops_and_limits(tiny_llama_dir, draft_dir, vocab):
     decoding gives; requests with and without drafts share steps (n > 1, a seed)."""
     prompts = _prompts(vocab, 6)
     base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    ref, _, _, _, _ = _run(tiny_llama_dir, prompts[:1], [base], None)
-    tokens = ref[0][0][0]
-    llm_tok = LLM(str(tiny_llama_dir), dtype="float32", async_scheduling=False)
-    tok = llm_tok.tokenizer
-    llm_tok.shutdown()
-    head, more = tok.decode(tokens[:10]), tok.decode(tokens[:14])
+    llm = LLM(str(tiny_llama_dir), dtype="float32", async_scheduling=False)
+    tokens = llm.generate(prompts[:1], base, use_tqdm=False)[0].outputs[0].token_ids
+    head, more = llm.tokenizer.decode(tokens[:10]), llm.tokenizer.decode(tokens[:14])
     stop = more[len(head) :].strip()[:3] or more[-2:]
     params = [
         SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]),
@@ -155,7 +163,9 @@ def test_greedy_stops_and_limits(tiny_llama_dir, draft_dir, vocab):
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2),
         SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True),
     ]
-    ref, _, _, _, _ = _run(tiny_llama_dir, prompts, params, None)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    ref = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
     got, stats, free, total, _ = _run(tiny_llama_dir, prompts, params, _spec(draft_dir))
     assert got == ref
     assert stats.num_draft_tokens > 0

@@ -28,7 +28,10 @@ runner returns the drafts it kept plus one token; update_from_output rolls the r
 positions back (num_computed_tokens drops by their count) before registering full blocks in
 the prefix cache, so only blocks of real, computed tokens are ever cached. The blocks the
 rejected positions used stay with the request (the next steps fill them) and go back when it
-finishes or is preempted, like any other. No drafts for n > 1 samples, seeded requests
+finishes or is preempted, like any other. With a draft model the drafts come from the
+runner (ModelRunnerOutput.draft_token_ids, kept in RunnerDrafts until the request's next
+decode), and a step that samples reserves lookahead slots for the draft's K/V where blocks
+are free. No drafts for n > 1 samples, seeded requests
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.
 

@@ -26,6 +26,10 @@ plan takes them, the attention kernel having their rows), its logits are
 computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
 the target agrees with and adds one token of its own; on the host sampler, whatever the
 device.
+With a draft model (engine.spec_decode.draft_model) the runner also holds the draft and its
+KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); after each
+step the draft reads the step's kept tokens and proposes the next drafts
+(ModelRunnerOutput.draft_token_ids).
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the

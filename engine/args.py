@@ -168,7 +168,9 @@ class EngineArgs:
         "token the same, sampling keeps its distribution. Pays on copy-heavy outputs "
         "(editing, quoting, code); turns async scheduling off. "
         '{"model": PATH, "num_speculative_tokens": 3}: a draft model sharing the target\'s '
-        "tokenizer proposes them (one rank). EAGLE is not supported yet. Default: off.",
+        "tokenizer proposes them (one rank); "
+        '{"method": "eagle", "model": PATH}: an EAGLE-1 head over the target\'s hidden '
+        "states. Default: off.",
         None,
     )
     # --- KV cache ---

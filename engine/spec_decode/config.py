@@ -1,8 +1,8 @@
 """SpeculativeConfig: `--speculative-config` as vLLM spells it (JSON).
 
-Methods: "ngram" (prompt lookup in the scheduler, no model) and "draft_model" (a small model
+Methods: "ngram" (prompt lookup in the scheduler, no model), "draft_model" (a small model
 sharing the target's tokenizer, run by the model runner; {"model": PATH} alone means it, as
-in vLLM). EAGLE heads are refused by name.
+in vLLM) and "eagle" (an EAGLE-1 head over the target's hidden states, on the runner).
 """
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
 # The keys each method reads; "method" and "num_speculative_tokens" are common.
 _METHOD_KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
     "draft_model": ("method", "num_speculative_tokens", "model"),
+    "eagle": ("method", "num_speculative_tokens", "model"),
 }
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-_EAGLE = ("eagle", "eagle3", "mtp", "medusa")
+_LATER = ("eagle3", "mtp", "medusa")
 
 
 def _unsupported(method: object) -> ValueError:
-    extra = " (EAGLE heads are not implemented yet)" if method in _EAGLE else ""
+    extra = " (EAGLE-3, MTP and Medusa heads are not implemented yet)" if method in _LATER else ""
     return ValueError(
         f"speculative_config: method {method!r} is not supported yet (supported: "
         f"{', '.join(SUPPORTED_METHODS)}){extra}"
@@ -51,10 +52,10 @@ class SpeculativeConfig:
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "
                 f"exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+        if self.method != "ngram" and (not isinstance(self.model, str) or not self.model):
             raise ValueError(
-                'speculative_config: method "draft_model" needs "model": the draft model\'s '
-                "folder (a small model with the target's tokenizer)"
+                f'speculative_config: method "{self.method}" needs "model": the draft '
+                "model's (or EAGLE head's) folder"
             )
         if self.method == "ngram" and self.model is not None:
             raise ValueError('speculative_config: method "ngram" takes no "model"')

@@ -76,14 +76,7 @@ class DraftModel:
         self.kv_cache_dtype = kv_cache_dtype
         self.model_dir = resolve_model(path)
         self.hf_config = load_hf_config(self.model_dir)
-        check_draft_config(target_config, self.hf_config, path)
-        self.model = load_model(
-            self.model_dir,
-            dtype=str(dtype).removeprefix("torch."),
-            device=device,
-            max_position=max_model_len,
-            seed=seed,
-        )
+        self.model = self._load(target_config, path, dtype, seed)
         cfg = self.hf_config
         choice = select_backend(
             attention_backend, device, dtype, kv_cache_dtype, cfg.num_key_value_heads, cfg.head_dim
@@ -102,11 +95,26 @@ class DraftModel:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] = []
         logger.info(
-            "Draft model %s loaded (%d layers, %s): %d tokens proposed per step",
+            "%s %s loaded (%d layers, %s): %d tokens proposed per step",
+            self.what,
             self.model_dir.name,
             self.num_layers,
             str(dtype).removeprefix("torch."),
             self.k,
+        )
+
+    what = "Draft model"
+
+    def _load(
+        self, target_config: HFModelConfig, path: str, dtype: torch.dtype, seed: int
+    ) -> torch.nn.Module:
+        check_draft_config(target_config, self.hf_config, path)
+        return load_model(
+            self.model_dir,
+            dtype=str(dtype).removeprefix("torch."),
+            device=self.device,
+            max_position=self.max_model_len,
+            seed=seed,
         )
 
     # -- the KV cache ---------------------------------------------------------------------
@@ -148,10 +156,13 @@ class DraftModel:
         requests: dict[str, CachedRequestState],
         sampled: dict[str, list[int]],
         wants_drafts: Callable[[CachedRequestState], bool],
+        hidden: torch.Tensor | None = None,
+        last_row: dict[str, int] | None = None,
     ) -> dict[str, list[int]]:
         """Feed the step's kept tokens to the draft and propose up to k drafts for each
         request that sampled (and wants_drafts). `requests` already holds the tokens the
-        step emitted (the input batch after append_sampled)."""
+        step emitted (the input batch after append_sampled). hidden, last_row: the target's
+        step (an EAGLE head reads them; a draft model does not)."""
         feeds: list[tuple[int, int, CachedRequestState, str]] = []  # (start, count, state, rid)
         proposing: dict[str, int] = {}  # rid -> number of drafts to propose
         for r in scheduled:

@@ -29,7 +29,8 @@ device.
 With a draft model (engine.spec_decode.draft_model) the runner also holds the draft and its
 KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); after each
 step the draft reads the step's kept tokens and proposes the next drafts
-(ModelRunnerOutput.draft_token_ids).
+(ModelRunnerOutput.draft_token_ids); an EAGLE head (engine.spec_decode.eagle) reads the
+step's hidden states too.
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
@@ -260,7 +261,8 @@ class ModelRunner:
         self._step_graph: StepGraph | None = None
         self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
         self.lora_manager = None  # engine.lora.manager.LoRAManager, when LoRA is enabled
-        self.drafter = None  # engine.spec_decode.draft_model.DraftModel, with a draft model
+        self.drafter = None  # engine.spec_decode.draft_model.DraftModel (or EAGLE's), if any
+        self._step_hidden: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -346,8 +348,12 @@ class ModelRunner:
         spec = self.config.scheduler.speculative_config
         if spec is not None and spec.uses_model:  # beside the target: same device and dtype
             from engine.spec_decode.draft_model import DraftModel
+            from engine.spec_decode.eagle import EagleProposer
 
-            self.drafter = DraftModel(
+            extra = (self.model,) if spec.method == "eagle" else ()
+            cls = EagleProposer if spec.method == "eagle" else DraftModel
+            self.drafter = cls(
+                *extra,
                 spec.model,
                 spec.num_speculative_tokens,
                 self.hf_config,
@@ -606,12 +612,16 @@ class ModelRunner:
         else:
             out = self._execute(scheduler_output)
             if self.drafter is not None and scheduler_output.scheduled:
+                hidden, last_row = self._step_hidden or (None, None)
                 out.draft_token_ids = self.drafter.propose(
                     scheduler_output.scheduled,
                     self.input_batch.requests,
                     out.sampled_token_ids,
                     _wants_drafts,
+                    hidden,
+                    last_row,
                 )
+            self._step_hidden = None
         if self._threads is not None:
             self._threads.finish()  # while it measures small steps (step_threads)
         return out
@@ -635,6 +645,8 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
+        if self.drafter is not None:  # an EAGLE head reads the step's hidden states
+            self._step_hidden = (hidden, last_row)
         sampled = {r.request_id: [] for r in so.scheduled}
         prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
         out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)

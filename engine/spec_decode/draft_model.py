@@ -74,8 +74,11 @@ class DraftModel:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_dtype = kv_cache_dtype
-        self.model_dir = resolve_model(path)
-        self.hf_config = load_hf_config(self.model_dir)
+        try:
+            self.model_dir = resolve_model(path)
+            self.hf_config = load_hf_config(self.model_dir)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config: the {self.what.lower()} {path!r}: {e}") from e
         self.model = self._load(target_config, path, dtype, seed)
         cfg = self.hf_config
         choice = select_backend(

@@ -208,6 +208,8 @@ def test_refusals(tiny_llama_dir, make_tiny_model):
     other = make_tiny_model("tiny-llama-other-vocab", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
         LLM(str(tiny_llama_dir), dtype="float32", speculative_config=_spec(other))
+    with pytest.raises(ValueError, match="speculative_config: the draft model '/nonexistent"):
+        LLM(str(tiny_llama_dir), dtype="float32", speculative_config=_spec("/nonexistent/d"))
     from engine.args import EngineArgs
 
     with pytest.raises(ValueError, match="one rank only"):

@@ -625,9 +625,13 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         num_finished = 0
         charging = self._has_tenants or self.tenant_counters is not None
-        if self.runner_drafts is not None:
+        if self.runner_drafts is not None:  # (not for requests finished since schedule())
             self.runner_drafts.update(
-                (sr.request_id for sr in scheduler_output.scheduled if sr.sample),
+                (
+                    sr.request_id
+                    for sr in scheduler_output.scheduled
+                    if sr.sample and sr.request_id in requests
+                ),
                 model_runner_output.draft_token_ids,
             )
         for sr in scheduler_output.scheduled:

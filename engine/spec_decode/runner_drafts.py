@@ -34,6 +34,10 @@ class RunnerDrafts:
             else:
                 self._drafts.pop(rid, None)
 
+    def __len__(self) -> int:
+        """Requests holding drafts (none once every request has finished)."""
+        return len(self._drafts)
+
     def drop(self, request_id: str) -> None:
         """The request finished or was preempted (a recompute proposes afresh)."""
         self._drafts.pop(request_id, None)

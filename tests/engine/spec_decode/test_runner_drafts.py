@@ -114,6 +114,7 @@ def test_greedy_exact_and_draft_kv_in_sync(caching, num_blocks, budget):
     assert runner.num_proposed > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert scheduler.kv_cache_manager.num_free_blocks == free0
+    assert len(scheduler.runner_drafts) == 0  # nothing kept for finished requests
     if num_blocks == 16:
         assert scheduler.num_preemptions > 0
     if caching and num_blocks == 40:  # (16 blocks: the cached ones get evicted)
@@ -138,3 +139,14 @@ def test_lookahead_slots_and_drafts_dropped_on_preemption():
     assert request.num_computed_tokens == 10  # 8 + the last token + one kept draft
     scheduler._preempt(scheduler.running.pop())
     assert scheduler.runner_drafts.propose("a", 3) == []
+
+
+def test_drafts_of_a_request_aborted_mid_step_are_not_kept():
+    from engine.request import RequestStatus
+
+    scheduler = make(40, 64)
+    scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=8, temperature=0.0))
+    so = scheduler.schedule()
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # while the step ran
+    scheduler.update_from_output(so, ModelRunnerOutput({"a": [4]}, draft_token_ids={"a": [5]}))
+    assert len(scheduler.runner_drafts) == 0

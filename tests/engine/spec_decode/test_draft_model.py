@@ -218,3 +218,27 @@ def test_refusals(tiny_llama_dir, make_tiny_model):
             tensor_parallel_size=2,
             speculative_config=_spec(tiny_llama_dir),
         ).create_engine_config()
+
+
+def test_kv_budget_prices_a_block_at_both_models(tiny_llama_dir, draft_dir):
+    """The same bytes hold fewer blocks with a draft: a block costs the target's layers plus
+    the draft's (tiny-llama: 3 layers of 2 KV heads x 16; the draft: 1 layer of 1 x 16)."""
+    budget = 4 << 20
+    blocks = []
+    for spec in (None, _spec(draft_dir)):
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            kv_cache_memory=budget,
+            speculative_config=spec,
+            async_scheduling=False,
+        )
+        runner = llm.engine.executor.runner
+        per_layer = runner.kv_cache_spec().bytes_per_block  # target: 2 heads x 16
+        blocks.append(llm.engine.num_blocks)
+        if spec is not None:
+            assert runner.drafter.kv_block_bytes() == per_layer // 2
+            assert len(runner.drafter.kv_caches) == 1
+            assert runner.drafter.kv_caches[0].shape[1] == llm.engine.num_blocks
+        llm.shutdown()
+    assert blocks == [budget // (3 * per_layer), budget // (3 * per_layer + per_layer // 2)]

@@ -1,9 +1,11 @@
 """Speculative decoding against plain decoding, in one run: vLLM's ngram method, or with
---draft PATH a draft model (a small model sharing the target's tokenizer).
+--draft PATH a draft model (a small model sharing the target's tokenizer), with --eagle PATH an
+EAGLE-1 head for the target.
 
     tessera bench spec [--model M] [--dtype bfloat16] [--streams 1,8] [--output-len 128]
                        [--num-speculative-tokens 3] [--prompt-lookup-max 4]
-                       [--prompt-lookup-min 1] [--draft PATH] [--rounds 2] [--json PATH]
+                       [--prompt-lookup-min 1] [--draft PATH | --eagle PATH] [--rounds 2]
+                       [--json PATH]
 
 Two workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
 goes on copying, so the n-gram lookups hit) and open-ended ones (instructions to write
@@ -119,6 +121,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="a draft model's folder: measure it instead of the n-gram proposer",
     )
+    parser.add_argument(
+        "--eagle",
+        default=None,
+        help="an EAGLE-1 head's folder: measure it instead of the n-gram proposer",
+    )
     parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
     parser.add_argument("--seed", type=int, default=0)
@@ -144,13 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_lookup_min": args.prompt_lookup_min,
     }
     side = "ngram"
-    if args.draft is not None:
+    if args.draft is not None and args.eagle is not None:
+        parser.error("--draft and --eagle measure one proposer each: give one of them")
+    if args.draft is not None or args.eagle is not None:
         spec = {
-            "method": "draft_model",
-            "model": args.draft,
+            "method": "draft_model" if args.draft is not None else "eagle",
+            "model": args.draft if args.draft is not None else args.eagle,
             "num_speculative_tokens": args.num_speculative_tokens,
         }
-        side = "draft"
+        side = "draft" if args.draft is not None else "eagle"
     common = dict(dtype=args.dtype, max_num_seqs=max(streams), seed=args.seed)
     # Both engines loaded at once and their runs interleaved (the order alternating by
     # round), so a shared machine's load swings hit both sides alike; the best round counts.

@@ -16,6 +16,7 @@ def test_bad_arguments_are_rejected(capsys):
         ["--output-len", "1"],
         ["--workloads", "poems"],
         ["--rounds", "0"],
+        ["--draft", "a", "--eagle", "b"],
     ):
         with pytest.raises(SystemExit) as e:
             bench_spec.main(argv)

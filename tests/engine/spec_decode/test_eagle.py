@@ -136,7 +136,7 @@ def test_random_head_greedy_identical(target_dir, random_head):
     assert stats.num_draft_tokens > 0
 
 
-def test_refusals(tiny_llama_dir, target_dir, mirror_head, tmp_path):
+def test_refusals(target_dir, mirror_head, tmp_path):
     wide = tmp_path / "wide"
     shutil.copytree(mirror_head, wide)
     cfg = json.loads((wide / "config.json").read_text())

@@ -1,8 +1,11 @@
-"""N-gram speculative decoding against plain decoding, in one run (vLLM's ngram method).
+"""Speculative decoding against plain decoding, in one run: vLLM's ngram method, or with
+--draft PATH a draft model (a small model sharing the target's tokenizer), with --eagle PATH an
+EAGLE-1 head for the target.
 
     tessera bench spec [--model M] [--dtype bfloat16] [--streams 1,8] [--output-len 128]
                        [--num-speculative-tokens 3] [--prompt-lookup-max 4]
-                       [--prompt-lookup-min 1] [--rounds 2] [--json PATH]
+                       [--prompt-lookup-min 1] [--draft PATH | --eagle PATH] [--rounds 2]
+                       [--json PATH]
 
 Two workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
 goes on copying, so the n-gram lookups hit) and open-ended ones (instructions to write
@@ -113,6 +116,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="a draft model's folder: measure it instead of the n-gram proposer",
+    )
+    parser.add_argument(
+        "--eagle",
+        default=None,
+        help="an EAGLE-1 head's folder: measure it instead of the n-gram proposer",
+    )
     parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
     parser.add_argument("--seed", type=int, default=0)
@@ -131,18 +144,28 @@ def main(argv: list[str] | None = None) -> dict:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not workloads or set(workloads) - {"copy", "open"}:
         parser.error(f"--workloads must name copy and/or open, got {args.workloads!r}")
-    spec = {
+    spec: dict = {
         "method": "ngram",
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
     }
+    side = "ngram"
+    if args.draft is not None and args.eagle is not None:
+        parser.error("--draft and --eagle measure one proposer each: give one of them")
+    if args.draft is not None or args.eagle is not None:
+        spec = {
+            "method": "draft_model" if args.draft is not None else "eagle",
+            "model": args.draft if args.draft is not None else args.eagle,
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
+        side = "draft" if args.draft is not None else "eagle"
     common = dict(dtype=args.dtype, max_num_seqs=max(streams), seed=args.seed)
     # Both engines loaded at once and their runs interleaved (the order alternating by
     # round), so a shared machine's load swings hit both sides alike; the best round counts.
     engines = {
         "plain": LLM(args.model, speculative_config=None, **common),
-        "ngram": LLM(args.model, speculative_config=spec, **common),
+        side: LLM(args.model, speculative_config=spec, **common),
     }
     for llm in engines.values():
         for workload in workloads:  # warm-up: first-step costs out of the timings
@@ -151,14 +174,14 @@ def main(argv: list[str] | None = None) -> dict:
     for workload in workloads:
         for n in streams:
             for r in range(args.rounds):
-                for side in ("plain", "ngram") if r % 2 == 0 else ("ngram", "plain"):
-                    llm = engines[side]
+                for name in ("plain", side) if r % 2 == 0 else (side, "plain"):
+                    llm = engines[name]
                     before = spec_counts(llm)
                     tpot, tokens = run_streams(
                         llm, prompts_for(llm, workload, n, args.output_len), args.output_len
                     )
                     after = spec_counts(llm)
-                    key = f"{side}/{workload}/{n}"
+                    key = f"{name}/{workload}/{n}"
                     run = {
                         "tpot_s": statistics.fmean(tpot),
                         "tokens": tokens,
@@ -168,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                     }
                     if key not in runs or run["tpot_s"] < runs[key]["tpot_s"]:
                         runs[key] = run
-                    print(f"{side} {workload} x{n}: TPOT {run['tpot_s'] * 1e3:.2f} ms", flush=True)
+                    print(f"{name} {workload} x{n}: TPOT {run['tpot_s'] * 1e3:.2f} ms", flush=True)
     for llm in engines.values():
         llm.shutdown()
     del engines, llm
@@ -176,14 +199,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for workload in workloads:
         for n in streams:
-            plain, ngram = runs[f"plain/{workload}/{n}"], runs[f"ngram/{workload}/{n}"]
+            plain, ngram = runs[f"plain/{workload}/{n}"], runs[f"{side}/{workload}/{n}"]
             drafted = ngram["draft_tokens"]
             rows.append(
                 {
                     "workload": workload,
                     "streams": n,
                     "tpot_plain_ms": round(plain["tpot_s"] * 1e3, 3),
-                    "tpot_ngram_ms": round(ngram["tpot_s"] * 1e3, 3),
+                    f"tpot_{side}_ms": round(ngram["tpot_s"] * 1e3, 3),
                     "tpot_ratio": round(plain["tpot_s"] / ngram["tpot_s"], 3),
                     "acceptance_rate": round(ngram["accepted"] / drafted, 3) if drafted else 0.0,
                     "tokens_per_verification": round(1 + ngram["accepted"] / ngram["drafts"], 3)
@@ -193,13 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
                 }
             )
     print(
-        f"\n{'workload':<9}{'streams':>8}{'TPOT plain':>12}{'TPOT ngram':>12}{'ratio':>8}"
+        f"\n{'workload':<9}{'streams':>8}{'TPOT plain':>12}{'TPOT ' + side:>12}{'ratio':>8}"
         f"{'accept':>8}{'tok/step':>10}{'same':>6}"
     )
     for r in rows:
         print(
             f"{r['workload']:<9}{r['streams']:>8}{r['tpot_plain_ms']:>10.2f}ms"
-            f"{r['tpot_ngram_ms']:>10.2f}ms{r['tpot_ratio']:>8.2f}{r['acceptance_rate']:>8.2f}"
+            f"{r[f'tpot_{side}_ms']:>10.2f}ms{r['tpot_ratio']:>8.2f}{r['acceptance_rate']:>8.2f}"
             f"{r['tokens_per_verification']:>10.2f}{'yes' if r['same_tokens'] else 'no':>6}"
         )
     result = {

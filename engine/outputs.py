@@ -111,6 +111,9 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt this step finished: the pooled vector (a 1-D float32
     # tensor on the CPU, truncated and normalized as its PoolingParams say).
     pooled: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the runner's drafts for each request's next
+    # step (proposed after this step's tokens); the scheduler schedules them next.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

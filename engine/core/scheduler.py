@@ -28,7 +28,10 @@ runner returns the drafts it kept plus one token; update_from_output rolls the r
 positions back (num_computed_tokens drops by their count) before registering full blocks in
 the prefix cache, so only blocks of real, computed tokens are ever cached. The blocks the
 rejected positions used stay with the request (the next steps fill them) and go back when it
-finishes or is preempted, like any other. No drafts for n > 1 samples, seeded requests
+finishes or is preempted, like any other. With a draft model the drafts come from the
+runner (ModelRunnerOutput.draft_token_ids, kept in RunnerDrafts until the request's next
+decode), and a step that samples reserves lookahead slots for the draft's K/V where blocks
+are free. No drafts for n > 1 samples, seeded requests
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.
 
@@ -75,6 +78,7 @@ from engine.outputs import (
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_N
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.runner_drafts import RunnerDrafts
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -156,8 +160,15 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = bool(scheduler_config.async_scheduling)
         spec = scheduler_config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
-        if self.proposer is not None and self.async_scheduling:
+        # The proposer seam: n-gram drafts come from the scheduler's token ids, a draft
+        # model's from the runner (RunnerDrafts holds them between steps).
+        self.proposer = NgramProposer(spec) if spec is not None and not spec.uses_model else None
+        self.runner_drafts = (
+            RunnerDrafts(spec.num_speculative_tokens)
+            if spec is not None and spec.uses_model
+            else None
+        )
+        if spec is not None and self.async_scheduling:
             raise ValueError(
                 "speculative_config needs async scheduling off (the engine turns it off)"
             )
@@ -305,6 +316,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self._num_sent_blocks.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
+        if self.runner_drafts is not None:
+            self.runner_drafts.drop(request.request_id)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -338,7 +351,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts: list[int] = []
-            if num_new == 1 and self.proposer is not None and budget > 1:
+            if num_new == 1 and self.speculating and budget > 1:
                 drafts = self._propose(request, budget - 1)
                 num_new += len(drafts)
             while manager.allocate_slots(request, num_new) is None:
@@ -485,7 +498,13 @@ class Scheduler:
             k = min(k, sp.max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
+        if self.runner_drafts is not None:
+            return self.runner_drafts.propose(request.request_id, k)
         return self.proposer.propose(request.all_token_ids, k)
+
+    @property
+    def speculating(self) -> bool:
+        return self.proposer is not None or self.runner_drafts is not None
 
     def _schedule_one(
         self,
@@ -497,7 +516,6 @@ class Scheduler:
         rid = request.request_id
         start = request.num_computed_tokens
         end = start + num_new
-        request.num_computed_tokens = end
         counters = self.tenant_counters
         if counters is not None and end > request.num_charged_prompt_tokens:
             # Prompt tokens computed for the first time (not hits, not a recompute).
@@ -510,6 +528,14 @@ class Scheduler:
         sample = end - num_drafts == len(request.all_token_ids) + request.num_output_placeholders
         if sample and self.async_scheduling and request.pooling_params is None:
             request.num_output_placeholders += 1
+        if sample and self.runner_drafts is not None:
+            # The draft model's K/V past this step's tokens (RunnerDrafts): best effort,
+            # never a preemption (None leaves the blocks as they were). Before the step's
+            # tokens count as computed: allocate_slots caches the blocks of computed ones.
+            lookahead = min(self.runner_drafts.lookahead, self.max_model_len - end)
+            if lookahead > 0:
+                self.kv_cache_manager.allocate_slots(request, num_new + lookahead)
+        request.num_computed_tokens = end
         params = request.sampling_params
         table = self.kv_cache_manager.req_to_block_ids[rid]
         num_sent = self._num_sent_blocks.get(rid)
@@ -582,6 +608,8 @@ class Scheduler:
         self._num_seats -= seats(request)
         self.kv_cache_manager.free(request)
         self._num_sent_blocks.pop(request.request_id, None)  # the runner drops it
+        if self.runner_drafts is not None:
+            self.runner_drafts.drop(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -604,6 +632,15 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         num_finished = 0
         charging = self._has_tenants or self.tenant_counters is not None
+        if self.runner_drafts is not None:  # (not for requests finished since schedule())
+            self.runner_drafts.update(
+                (
+                    sr.request_id
+                    for sr in scheduler_output.scheduled
+                    if sr.sample and sr.request_id in requests
+                ),
+                model_runner_output.draft_token_ids,
+            )
         for sr in scheduler_output.scheduled:
             rid = sr.request_id
             request = requests.get(rid)

@@ -1,4 +1,9 @@
-"""SpeculativeConfig: `--speculative-config` as vLLM spells it (JSON), n-gram only for now."""
+"""SpeculativeConfig: `--speculative-config` as vLLM spells it (JSON).
+
+Methods: "ngram" (prompt lookup in the scheduler, no model), "draft_model" (a small model
+sharing the target's tokenizer, run by the model runner; {"model": PATH} alone means it, as
+in vLLM) and "eagle" (an EAGLE-1 head over the target's hidden states, on the runner).
+"""
 
 from __future__ import annotations
 
@@ -6,24 +11,37 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
+# The keys each method reads; "method" and "num_speculative_tokens" are common.
+_METHOD_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("method", "num_speculative_tokens", "model"),
+    "eagle": ("method", "num_speculative_tokens", "model"),
+}
+_INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_LATER = ("eagle3", "mtp", "medusa")
+
+
+def _unsupported(method: object) -> ValueError:
+    extra = " (EAGLE-3, MTP and Medusa heads are not implemented yet)" if method in _LATER else ""
+    return ValueError(
+        f"speculative_config: method {method!r} is not supported yet (supported: "
+        f"{', '.join(SUPPORTED_METHODS)}){extra}"
+    )
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 3  # k: drafts proposed per request and step
-    prompt_lookup_max: int = 4  # longest n-gram matched
-    prompt_lookup_min: int = 1  # shortest n-gram matched
+    prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
+    prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
+    model: str | None = None  # the draft model's folder (draft_model)
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_METHODS:
-            raise ValueError(
-                f"speculative_config: method {self.method!r} is not supported yet (supported: "
-                f"{', '.join(SUPPORTED_METHODS)}; draft models and EAGLE are not implemented)"
-            )
-        for name in _KEYS[1:]:
+            raise _unsupported(self.method)
+        for name in _INT_KEYS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
@@ -34,6 +52,18 @@ class SpeculativeConfig:
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "
                 f"exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.method != "ngram" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                f'speculative_config: method "{self.method}" needs "model": the draft '
+                "model's (or EAGLE head's) folder"
+            )
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config: method "ngram" takes no "model"')
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model the runner holds (not from the scheduler's n-gram)."""
+        return self.method != "ngram"
 
 
 def parse_speculative_config(
@@ -53,25 +83,25 @@ def parse_speculative_config(
     if not isinstance(value, dict):
         raise ValueError(
             "speculative_config must be a JSON object such as "
-            '{"method": "ngram", "num_speculative_tokens": 3}, got ' + repr(value)
+            '{"method": "ngram", "num_speculative_tokens": 3} or '
+            '{"model": "/path/to/draft", "num_speculative_tokens": 3}, got ' + repr(value)
         )
     method = value.get("method")
     if method is None:
-        if "model" in value:
+        if "model" not in value:
             raise ValueError(
-                "speculative_config: draft models are not supported yet; use "
-                '{"method": "ngram", ...}'
+                'speculative_config: "method" is required (supported: "ngram"; or give '
+                '"model": a draft model)'
             )
-        raise ValueError('speculative_config: "method" is required (supported: "ngram")')
+        method = "draft_model"  # vLLM's reading of a bare "model"
+        value = {**value, "method": method}
     if method not in SUPPORTED_METHODS:
-        raise ValueError(
-            f"speculative_config: method {method!r} is not supported yet (supported: "
-            f"{', '.join(SUPPORTED_METHODS)}; draft models and EAGLE are not implemented)"
-        )
-    unknown = sorted(set(value) - set(_KEYS))
+        raise _unsupported(method)
+    keys = _METHOD_KEYS[method]
+    unknown = sorted(set(value) - set(keys))
     if unknown:
         raise ValueError(
             f"speculative_config: unknown or unsupported key(s) {', '.join(unknown)} for "
-            f"method 'ngram' (known: {', '.join(_KEYS)})"
+            f"method {method!r} (known: {', '.join(keys)})"
         )
     return SpeculativeConfig(**value)

@@ -27,6 +27,11 @@ plan takes them, the attention kernel having their rows), its logits are
 computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
 the target agrees with and adds one token of its own; on the host sampler, whatever the
 device.
+With a draft model (engine.spec_decode.draft_model) the runner also holds the draft and its
+KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); after each
+step the draft reads the step's kept tokens and proposes the next drafts
+(ModelRunnerOutput.draft_token_ids); an EAGLE head (engine.spec_decode.eagle) reads the
+step's hidden states too.
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
@@ -180,6 +185,13 @@ def _row_mask(grammar_bitmask: GrammarBitmask | None, to_sample: list[str]) -> R
     return RowMask([position[grammar_bitmask.request_ids[j]] for j in keep], bitmask)
 
 
+def _wants_drafts(state: CachedRequestState) -> bool:
+    """Whether the scheduler would schedule drafts for the request (Scheduler._propose):
+    none for n > 1 samples, seeded or grammar-constrained ones."""
+    sp = state.sampling_params
+    return sp.n == 1 and sp.seed is None and sp.structured_outputs is None
+
+
 def mem_available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -256,6 +268,8 @@ class ModelRunner:
         self._step_graph: StepGraph | None = None
         self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
         self.lora_manager = None  # engine.lora.manager.LoRAManager, when LoRA is enabled
+        self.drafter = None  # engine.spec_decode.draft_model.DraftModel (or EAGLE's), if any
+        self._step_hidden: tuple[torch.Tensor, dict[str, int]] | None = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -339,6 +353,26 @@ class ModelRunner:
         )
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
+        spec = self.config.scheduler.speculative_config
+        if spec is not None and spec.uses_model:  # beside the target: same device and dtype
+            from engine.spec_decode.draft_model import DraftModel
+            from engine.spec_decode.eagle import EagleProposer
+
+            extra = (self.model,) if spec.method == "eagle" else ()
+            cls = EagleProposer if spec.method == "eagle" else DraftModel
+            self.drafter = cls(
+                *extra,
+                spec.model,
+                spec.num_speculative_tokens,
+                self.hf_config,
+                self.device,
+                self.dtype,
+                self.block_size,
+                self.max_model_len,
+                m.attention_backend,
+                self.config.cache.kv_cache_dtype,
+                m.seed,
+            )
         if self.rank == 0:
             logger.info(
                 "Model %s loaded: %s%s (%s) on %s; attention backend: %s (%s)",
@@ -357,8 +391,10 @@ class ModelRunner:
         return self.attn_backend.kv_cache_spec(self.config.cache.kv_cache_dtype)
 
     def kv_block_bytes(self) -> int:
-        """Bytes one block takes across all layers (K and V, scales included) on this rank."""
-        return self.num_layers * self.kv_cache_spec().bytes_per_block
+        """Bytes one block takes across all layers (K and V, scales included) on this rank;
+        with a draft model, its cache's too (the same block ids address both)."""
+        own = self.num_layers * self.kv_cache_spec().bytes_per_block
+        return own + (self.drafter.kv_block_bytes() if self.drafter is not None else 0)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -514,6 +550,8 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache, attn.kv_scales = kv.layer(i)
             attn.kv_spec = spec
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, self._zeros)
         self.num_blocks = num_blocks
         self._step_graph = self._build_step_graph()
         self._log_graph_pool()
@@ -572,7 +610,8 @@ class ModelRunner:
         """Copy every layer's K/V of block src into dst; all copies read the pre-copy state."""
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for t in (*self.kv_caches, *self.kv_scales):
+        drafts = self.drafter.cache_tensors() if self.drafter is not None else ()
+        for t in (*self.kv_caches, *self.kv_scales, *drafts):
             t.index_copy_(1, dst, t.index_select(1, src))
 
     @torch.inference_mode()
@@ -582,6 +621,17 @@ class ModelRunner:
             out = self._execute_async(scheduler_output)
         else:
             out = self._execute(scheduler_output)
+            if self.drafter is not None and scheduler_output.scheduled:
+                hidden, last_row = self._step_hidden or (None, None)
+                out.draft_token_ids = self.drafter.propose(
+                    scheduler_output.scheduled,
+                    self.input_batch.requests,
+                    out.sampled_token_ids,
+                    _wants_drafts,
+                    hidden,
+                    last_row,
+                )
+            self._step_hidden = None
         if self._threads is not None:
             self._threads.finish()  # while it measures small steps (step_threads)
         return out
@@ -605,6 +655,8 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
+        if self.drafter is not None:  # an EAGLE head reads the step's hidden states
+            self._step_hidden = (hidden, last_row)
         sampled = {r.request_id: [] for r in so.scheduled}
         prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
         out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)

@@ -16,6 +16,7 @@ def test_bad_arguments_are_rejected(capsys):
         ["--output-len", "1"],
         ["--workloads", "poems"],
         ["--rounds", "0"],
+        ["--draft", "a", "--eagle", "b"],
     ):
         with pytest.raises(SystemExit) as e:
             bench_spec.main(argv)
@@ -46,3 +47,17 @@ def test_a_run_on_a_tiny_model(tiny_llama_dir, tmp_path):
     for r in result["rows"]:
         assert r["same_tokens"] and r["tpot_ratio"] > 0
         assert 0.0 <= r["acceptance_rate"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_draft_model_run(tiny_llama_dir, tmp_path):
+    """--draft: the target as its own draft, so every draft is accepted (up to k + 1 tokens
+    per verification: fewer near max_tokens) and the tokens are plain decoding's."""
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--streams", "2"]
+    argv += ["--output-len", "12", "--workloads", "open", "--rounds", "1"]
+    argv += ["--draft", str(tiny_llama_dir), "--num-speculative-tokens", "2"]
+    result = bench_spec.main(argv)
+    assert result["speculative_config"]["method"] == "draft_model"
+    (row,) = result["rows"]
+    assert row["same_tokens"] and row["tpot_draft_ms"] > 0 and row["tpot_ratio"] > 0
+    assert row["acceptance_rate"] == 1.0 and 2.0 < row["tokens_per_verification"] <= 3.0

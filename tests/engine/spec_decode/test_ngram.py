@@ -53,14 +53,22 @@ def test_parse_config():
     assert c == SpeculativeConfig("ngram", 5, 4, 2)
     assert parse_speculative_config({"method": "ngram"}) == SpeculativeConfig()
     assert parse_speculative_config(c) is c
+    draft = parse_speculative_config('{"model": "/m/draft", "num_speculative_tokens": 4}')
+    assert draft == SpeculativeConfig("draft_model", 4, model="/m/draft")
+    assert draft.uses_model and not c.uses_model
+    eagle = parse_speculative_config({"method": "eagle", "model": "/m/head"})
+    assert eagle == SpeculativeConfig("eagle", 3, model="/m/head") and eagle.uses_model
 
 
 @pytest.mark.parametrize(
     "value,match",
     [
-        ('{"method": "eagle", "model": "x"}', "method 'eagle' is not supported yet"),
-        ('{"model": "some/draft-model", "num_speculative_tokens": 3}', "draft models"),
-        ('{"method": "draft_model"}', "not supported yet"),
+        ('{"method": "eagle3", "model": "x"}', "method 'eagle3' is not supported yet"),
+        ('{"method": "medusa", "model": "x"}', "Medusa heads are not implemented"),
+        ('{"method": "eagle"}', 'needs "model"'),
+        ('{"model": "x", "prompt_lookup_max": 2}', "unknown or unsupported"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "ngram", "model": "x"}', "unknown or unsupported"),
         ('{"num_speculative_tokens": 3}', '"method" is required'),
         ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unknown or unsupported"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),

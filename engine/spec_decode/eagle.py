@@ -1,0 +1,249 @@
+"""EAGLE-1 heads: one Llama decoder layer that drafts from the target's own features.
+
+The head's input at position p is fc(concat(embed(x_{p+1}), h_p)): the target's embedding of
+the token after p and the target's last-layer hidden state at p (after its final norm); its
+output g_p goes through the target's LM head to propose x_{p+2}, and (embed(draft), g) feeds
+the next draft. The checkpoint layout is EAGLE-1's: `fc.weight` [H, 2H] (`fc.bias` where the
+checkpoint has it) and `layers.0.*` (a Llama decoder layer without input_layernorm); the
+embedding and the LM head are the target's (an `embed_tokens` / `lm_head` in the checkpoint
+is a copy of them: not read). Its config.json is a Llama config with the target's hidden size.
+
+EagleProposer is DraftModel with another forward: after each step the head reads the step's
+kept rows (the target's hidden states and the tokens one ahead, so the last kept row of a
+request that sampled carries the emitted token) and writes its K/V there, then k - 1
+one-token steps from its own output. Its KV cache is one layer under the target's block ids,
+as the draft model's is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.layers.linear import ReplicatedLinear
+from engine.layers.ops import bind_custom_ops
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.loader import _default_dtype, _weight_files
+from engine.spec_decode.draft_model import DraftModel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from engine.attention.backends.base import AttentionMetadata
+    from engine.models.hf_config import HFModelConfig
+    from engine.outputs import ScheduledRequest
+    from engine.worker.input_batch import CachedRequestState
+
+_SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "norm.")  # the target's (or unused)
+
+
+class EagleHead(nn.Module):
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+
+    def __init__(self, cfg: HFModelConfig, max_position: int, fc_bias: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.fc = ReplicatedLinear(2 * h, h, bias=fc_bias)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, None, 0)])
+        del self.layers[0].input_layernorm  # EAGLE-1: the fc output goes in un-normed
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim,
+            max(cfg.max_position_embeddings, max_position),
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.fc(torch.cat((embeds, features), dim=-1))
+        layer = self.layers[0]
+        rope = self.rotary_emb.lookup(positions, x.dtype)
+        h = layer.self_attn(x, rope, meta)
+        h, residual = layer.post_attention_layernorm(h, x)
+        return layer.mlp(h) + residual
+
+    def attention_layers(self) -> list:
+        return [self.layers[0].self_attn.attn]
+
+
+def load_eagle_head(
+    model_dir: Path, cfg: HFModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+) -> EagleHead:
+    from safetensors import safe_open
+
+    files = _weight_files(model_dir)
+    if not files:
+        raise ValueError(f"speculative_config: no *.safetensors in the EAGLE head {model_dir}")
+    names: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                names[name.removeprefix("model.")] = file
+    with _default_dtype(dtype), torch.device(device):
+        head = EagleHead(cfg, max_position, fc_bias="fc.bias" in names)
+    params = dict(head.named_parameters())
+    loaded: dict[str, set] = {}
+    for name, file in names.items():
+        if name.startswith(_SHARED_PREFIXES) or "rotary_emb.inv_freq" in name:
+            continue
+        target, shard = name, None
+        for src, (dst, shard_id) in head.packed_modules_mapping.items():
+            if f".{src}." in name:
+                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(
+                f"speculative_config: {model_dir} is not an EAGLE-1 head: unexpected weight "
+                f"{name!r} (expected fc.weight and layers.0.*)"
+            )
+        with safe_open(str(file), framework="pt") as f:
+            key = name if name in f.keys() else f"model.{name}"  # noqa: SIM118
+            tensor = f.get_tensor(key)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"speculative_config: EAGLE weight {name!r} has shape "
+                    f"{tuple(tensor.shape)}, the head needs {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+        elif shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.setdefault(target, set()).add(shard)
+    expected: dict[str, set] = {}
+    for dst, shard_id in head.packed_modules_mapping.values():
+        expected.setdefault(dst, set()).add(shard_id)
+    missing = [
+        n
+        for n in params
+        if loaded.get(n)
+        != next((ids for frag, ids in expected.items() if f".{frag}." in n), {None})
+    ]
+    if missing:
+        raise ValueError(
+            f"speculative_config: the EAGLE head {model_dir} lacks weights: {missing[:5]}"
+        )
+    bind_custom_ops(head, device)
+    return head.eval()
+
+
+class EagleProposer(DraftModel):
+    what = "EAGLE head"
+
+    def __init__(self, target: nn.Module, *args, **kwargs) -> None:
+        self.target = target  # its embedding and LM head are the head's
+        super().__init__(*args, **kwargs)
+
+    def _load(
+        self, target_config: HFModelConfig, path: str, dtype: torch.dtype, seed: int
+    ) -> nn.Module:
+        cfg = self.hf_config
+        if cfg.hidden_size != target_config.hidden_size:
+            raise ValueError(
+                f"speculative_config: the EAGLE head {path!r} has hidden size "
+                f"{cfg.hidden_size}, the target {target_config.hidden_size}: it must be "
+                "trained for this target"
+            )
+        if target_config.kv_sliding_window() is not None:
+            raise ValueError(
+                "speculative_config: EAGLE is not supported with a target whose every layer "
+                "has a sliding window"
+            )
+        return load_eagle_head(self.model_dir, cfg, dtype, self.device, self.max_model_len)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        scheduled: list[ScheduledRequest],
+        requests: dict[str, CachedRequestState],
+        sampled: dict[str, list[int]],
+        wants_drafts: Callable[[CachedRequestState], bool],
+        hidden: torch.Tensor | None = None,
+        last_row: dict[str, int] | None = None,
+    ) -> dict[str, list[int]]:
+        assert hidden is not None and last_row is not None, "EAGLE reads the target's step"
+        # (start, rows, state, rid, first target row): the step's kept rows of each request
+        feeds: list[tuple[int, int, CachedRequestState, str, int]] = []
+        proposing: dict[str, int] = {}
+        for r in scheduled:
+            rid = r.request_id
+            state = requests.get(rid)
+            if state is None or rid not in last_row:
+                continue
+            tokens = sampled.get(rid)
+            kept = r.num_tokens - len(r.spec_token_ids) + (len(tokens) - 1 if tokens else 0)
+            kept = min(kept, len(state.token_ids) - 1 - r.start_pos)  # each row's next token
+            if kept <= 0:
+                continue
+            feeds.append((r.start_pos, kept, state, rid, last_row[rid] - r.num_tokens + 1))
+            bonus = len(state.token_ids) - 1
+            if tokens and r.start_pos + kept == bonus and wants_drafts(state):
+                capacity = state.num_blocks * self.block_size
+                m = min(self.k, self.max_model_len - 1 - bonus, capacity - bonus + 1)
+                if m > 0:
+                    proposing[rid] = m
+        if not feeds:
+            return {}
+        feeds.sort(key=lambda f: (f[1] != 1, f[0] if f[1] == 1 else 0))
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        out_row: dict[str, int] = {}
+        for start, count, state, rid, first in feeds:
+            ids.extend(state.token_ids[start + 1 : start + 1 + count])
+            positions.extend(range(start, start + count))
+            rows.extend(range(first, first + count))
+            out_row[rid] = len(ids) - 1
+        seqs = [(start, count, state.block_table) for start, count, state, _, _ in feeds]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        g = self._forward_head(ids, hidden.index_select(0, index), positions, seqs)
+        if not proposing:
+            return {}
+        order = list(proposing)
+        g = g.index_select(0, torch.tensor([out_row[rid] for rid in order], device=self.device))
+        drafts: dict[str, list[int]] = {rid: [] for rid in order}
+        tokens = self._argmax(g)
+        bonus = {rid: len(requests[rid].token_ids) - 1 for rid in order}
+        for step in range(1, max(proposing.values()) + 1):
+            for rid, t in zip(order, tokens, strict=True):
+                drafts[rid].append(t)
+            keep = [i for i, rid in enumerate(order) if proposing[rid] > step]
+            if not keep:
+                break
+            keep.sort(key=lambda i: bonus[order[i]])  # decode rows sorted by position
+            prev = g.index_select(0, torch.tensor(keep, device=self.device))
+            order = [order[i] for i in keep]
+            at = [bonus[rid] + step - 1 for rid in order]
+            seqs = [(p, 1, requests[rid].block_table) for rid, p in zip(order, at, strict=True)]
+            g = self._forward_head([drafts[rid][-1] for rid in order], prev, at, seqs)
+            tokens = self._argmax(g)
+        return drafts
+
+    def _forward_head(
+        self, ids: list[int], features: torch.Tensor, positions: list[int], seqs: list
+    ) -> torch.Tensor:
+        from engine.attention.metadata import common_metadata_from_seqs
+
+        meta = self.backend.build_metadata(common_metadata_from_seqs(seqs, self.block_size))
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        embeds = self.target.model.embed_tokens(input_ids)
+        return self.model(embeds, features, pos, meta)
+
+    def _argmax(self, hidden: torch.Tensor) -> list[int]:
+        greedy = self.target.greedy_tokens(hidden)
+        if greedy is None:
+            greedy = self.target.compute_logits(hidden).argmax(-1)
+        return greedy.tolist()

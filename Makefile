@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml setup.py Makefile | $(PY)
 
 install: $(STAMP)
 
+# Test files run in parallel, whole files per worker (their module-scoped servers and models stay
+# in one process); each worker computes on one thread (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" -x

@@ -26,6 +26,12 @@ import os as _os
 if not _os.path.exists("/dev/nvidiactl"):
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under `make test` several pytest workers compute at once (pytest-xdist): each gets one torch /
+# OpenMP thread, and the servers and workers it starts inherit it, so two workers fill two cores
+# instead of four threads fighting over them. Tests that need two threads set them.
+if _os.environ.get("PYTEST_XDIST_WORKER"):
+    _os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import sys
 from collections.abc import Callable
 from pathlib import Path

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ import pytest
 
 from api.keys.service import KeyService
 from tests.api.conftest import ServerProcess
+from tests.debian import ensure_debian_binary
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +47,9 @@ NUM_BLOCKS = 512
 
 
 def ensure_chromium() -> None:
-    if CHROMIUM.exists():
-        return
-    if shutil.which("apt-get"):
-        install = ["apt-get", "install", "-y", "-q", "chromium"]
-        if subprocess.run(install, check=False, capture_output=True).returncode != 0:
-            # A fresh machine has no package lists yet.
-            subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
-            subprocess.run(install, check=False, capture_output=True)
-    if not CHROMIUM.exists():
-        message = "Debian chromium is not installed and could not be (apt-get install -y chromium)"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must run the browser tests, not skip them quietly
-        pytest.skip(message)
+    ensure_debian_binary(
+        "chromium", "chromium", lambda: str(CHROMIUM) if CHROMIUM.exists() else None
+    )
 
 
 @pytest.fixture(scope="module")

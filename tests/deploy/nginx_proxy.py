@@ -12,51 +12,18 @@ some other configuration.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from benchmarks.bench_affinity import nginx_binary, render_nginx_config
 from tests.api.conftest import free_port
+from tests.debian import ensure_debian_binary
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deploy" / "nginx" / "nginx.conf"
-
-
-def ensure_debian_binary(name: str, package: str, find=None) -> str:
-    """The path of `name`, installed from Debian's `package` when missing (as CI does on a
-    fresh machine); without apt, a skip (a failure under CI: it must run these tests)."""
-    find = find or (
-        lambda: (
-            shutil.which(name)
-            or next(
-                (p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if Path(p).exists()), None
-            )
-        )
-    )
-    if (found := find()) is not None:
-        return found
-    if shutil.which("apt-get"):
-        install = ["apt-get", "install", "-y", "-q", package]
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        if subprocess.run(install, check=False, capture_output=True, env=env).returncode != 0:
-            # A fresh machine has no package lists yet.
-            subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True)
-            subprocess.run(install, check=False, capture_output=True, env=env)
-    if (found := find()) is None:
-        message = (
-            f"Debian {package} is not installed and could not be (apt-get install -y {package})"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must run these tests, not skip them quietly
-        pytest.skip(message)
-    return found
 
 
 def ensure_nginx() -> str:

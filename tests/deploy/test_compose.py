@@ -117,7 +117,7 @@ def test_nginx_config_is_valid_as_shipped(tmp_path):
 
 
 def test_haproxy_config_is_valid_as_shipped(tmp_path):
-    from tests.deploy.nginx_proxy import ensure_debian_binary
+    from tests.debian import ensure_debian_binary
 
     haproxy = ensure_debian_binary("haproxy", "haproxy")
     out = subprocess.run(

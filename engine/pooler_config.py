@@ -34,8 +34,9 @@ _MODE_NAMES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
 
 
 def is_embedding_architecture(architecture: str) -> bool:
-    """A base-model class (`Qwen3Model`): hidden states out, no LM head."""
-    return architecture.endswith("Model") and not architecture.endswith("ForCausalLM")
+    """A base-model class (`Qwen3Model`): hidden states out, no LM head (`GPT2LMHeadModel`
+    also ends in "Model" and has one)."""
+    return architecture.endswith("Model") and "LMHead" not in architecture
 
 
 def resolve_runner(requested: str, model_dir: Path, architecture: str) -> str:

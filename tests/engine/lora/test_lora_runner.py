@@ -3,6 +3,7 @@ without runs the graph as before; a fused MLP path steps aside while a step adds
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
@@ -16,13 +17,15 @@ BLOCK = 16
 
 
 class _RecordingGraph:
-    """A step graph that declines every step, counting the steps it was asked to take."""
+    """A step graph that declines every step, counting the steps it was asked to take;
+    takes_lora: whether it says it runs steps with adapters (the CPU decode plan does)."""
 
     eager_inputs = False
     graph_bytes = 0
 
-    def __init__(self) -> None:
+    def __init__(self, takes_lora: bool = False) -> None:
         self.asked = 0
+        self.takes_lora = takes_lora
 
     def run(self, inputs):
         self.asked += 1
@@ -38,7 +41,8 @@ def _step(rid, prompt, lora, block):
     return SchedulerOutput([sr], len(prompt), [new])
 
 
-def test_steps_with_adapters_skip_the_step_graph(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("takes_lora", [False, True])
+def test_steps_with_adapters_skip_a_step_graph_without_lora(tiny_llama_dir, tmp_path, takes_lora):
     adapter = make_adapter(tiny_llama_dir, tmp_path / "a", r=8, targets=["q_proj", "gate_proj"])
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"),
@@ -49,12 +53,12 @@ def test_steps_with_adapters_skip_the_step_graph(tiny_llama_dir, tmp_path):
     runner = ModelRunner(config, model_dir=tiny_llama_dir)
     runner.load_model()
     runner.init_kv_cache(40)
-    graph = runner._step_graph = _RecordingGraph()
+    graph = runner._step_graph = _RecordingGraph(takes_lora)
     lora = LoRARequest("a", 1, str(adapter))
     runner.execute_model(_step("r1", [5, 6, 7], lora, 1))
-    assert graph.asked == 0 and runner.lora_manager.batch.active
+    assert graph.asked == int(takes_lora) and runner.lora_manager.batch.active
     runner.execute_model(_step("r2", [5, 6, 7], None, 2))
-    assert graph.asked == 1 and not runner.lora_manager.batch.active
+    assert graph.asked == 1 + int(takes_lora) and not runner.lora_manager.batch.active
     # the layers the adapter targets hold it in slot 0; the others hold nothing
     layer = runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.lora.width == [8]

@@ -28,8 +28,9 @@ MISTRAL_TEMPLATE = (
     '{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}, "id": '
     '"{{ id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}'
     "{%- elif message.role == 'assistant' %}{{ message.content }}{{ eos_token }}"
-    "{%- elif message.role == 'tool' %}{% set id = message.tool_call_id %}" + _CHECK_ID + ""
-    '[TOOL_RESULTS]{"content": {{ message.content | tojson }}, "call_id": "{{ id }}"}'
+    "{%- elif message.role == 'tool' %}{% set id = message.tool_call_id %}"
+    + _CHECK_ID
+    + '[TOOL_RESULTS]{"content": {{ message.content | tojson }}, "call_id": "{{ id }}"}'
     "[/TOOL_RESULTS]"
     "{%- else %}{{ message.content }}{%- endif %}{%- endfor %}"
 )

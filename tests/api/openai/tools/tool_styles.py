@@ -19,8 +19,15 @@ _CHECK_ID = (
     "{% endif %}"
 )
 
+# Tools as `name(argument, ...)` lines, not their whole JSON as the real templates write them:
+# the prompts stay short, and so does training the model (a few hundred steps over them).
+_TOOL_LINES = (
+    "{% for t in tools %}{{ t.function.name }}"
+    "({{ t.function.parameters.properties | join(', ') }})\n{% endfor %}"
+)
+
 MISTRAL_TEMPLATE = (
-    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% if tools %}[AVAILABLE_TOOLS]" + _TOOL_LINES + "[/AVAILABLE_TOOLS]{% endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
     "{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS]["
@@ -47,8 +54,8 @@ MISTRAL_SPECIAL_TOKENS = (
 
 PYTHONIC_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou can call these functions:\n"
-    "{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}"
-    "Call them as [name(argument=value), ...].<|im_end|>\n{% endif %}"
+    + _TOOL_LINES
+    + "Call them as [name(argument=value), ...].<|im_end|>\n{% endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n["
     "{%- for tc in message.tool_calls %}{{ tc.function.name }}("

@@ -5,11 +5,12 @@
     params = await constrain(params, plan, engine)   # required / named / generic: grammar
     plan.streamer()                           # reads the calls out of each choice's output
 
-With a template that renders tools itself (hermes, llama3_json, mistral, pythonic) the tools go
-to the template as `tools=` and `auto` replies are parsed in the template's own format. With the generic
-parser (a template that knows nothing of tools, like the bundled default's) the tools are
-described in a system message, history turns with calls and results become plain text, and
-the reply is held to a JSON envelope by the grammar. `required` and a named function always
+With a template that renders tools itself (hermes, llama3_json, mistral, pythonic) the tools
+go to the template as `tools=` and `auto` replies are parsed in the template's own format (the
+parser's hooks: its call ids, history rewritten for its template, special tokens kept). With
+the generic parser (a template that knows nothing of tools, like the bundled default's) the
+tools are described in a system message, history turns with calls and results become plain
+text, and the reply is held to a JSON envelope by the grammar. `required` and a named function always
 use the envelope, under a JSON schema built from the functions' parameter schemas, so the
 arguments always parse and match.
 """

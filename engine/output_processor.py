@@ -45,6 +45,10 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample]
+    # Tokens whose text is not output when they end the request (eos, stop_token_ids), as
+    # vLLM does; empty with include_stop_str_in_output. Matters with skip_special_tokens
+    # off, where the eos text would otherwise end every answer.
+    silent_stop_ids: frozenset[int] = frozenset()
     num_cached_tokens: int = 0
     queue_time: float | None = None
     prompt_logprobs: list | None = None
@@ -100,7 +104,13 @@ class OutputProcessor:
             )
             for _ in range(params.n)
         ]
-        self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, samples)
+        silent: frozenset[int] = frozenset()
+        if not params.include_stop_str_in_output:
+            eos = self.tokenizer.eos_token_id
+            silent = frozenset([*params.stop_token_ids, *([eos] if eos is not None else [])])
+        self.states[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, samples, silent
+        )
 
     def sample_ids(self, request_id: str) -> list[str]:
         state = self.states.get(request_id)
@@ -129,15 +139,18 @@ class OutputProcessor:
                 state.pooled = update.pooled
             detok = sample.detokenizer
             new_ids, new_lps = update.new_token_ids, update.new_logprobs
+            text_ids = new_ids
+            if update.finish_reason == "stop" and new_ids and new_ids[-1] in state.silent_stop_ids:
+                text_ids = new_ids[:-1]
             if len(new_ids) > 1:  # (speculative decoding) a stop string ends it mid-update
-                for i, token in enumerate(new_ids):
+                for i, token in enumerate(text_ids):
                     detok.update((token,))
                     if detok.stopped:
                         new_ids = new_ids[: i + 1]
                         new_lps = new_lps[: i + 1] if new_lps else new_lps
                         break
             else:
-                detok.update(new_ids)
+                detok.update(text_ids)
             sample.token_ids.extend(new_ids)
             if new_lps and sample.logprobs is not None:
                 sample.logprobs.extend(new_lps)

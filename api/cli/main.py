@@ -54,6 +54,7 @@ BENCHMARKS = (
     "quant",
     "moe",
     "spec",
+    "lora",
 )
 
 

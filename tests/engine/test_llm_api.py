@@ -78,6 +78,28 @@ def test_stop_string_is_cut_from_text(llm):
     assert_no_leak(llm)
 
 
+def test_stop_token_text_is_not_output(llm):
+    """The token that ends a request (eos, a stop_token_id) keeps its id but not its text, as
+    in vLLM, also with skip_special_tokens off; include_stop_str_in_output keeps the text."""
+    tok = llm.tokenizer
+    eos = tok.eos_token_id
+    base = dict(max_tokens=8, temperature=0, min_tokens=3, skip_special_tokens=False)
+    ended = SamplingParams(**base, logit_bias={eos: 100.0})
+    comp = llm.generate("The", ended, use_tqdm=False)[0].outputs[0]
+    assert comp.finish_reason == "stop" and comp.token_ids[-1] == eos
+    assert comp.text == tok.decode(comp.token_ids[:-1], skip_special_tokens=False)
+    kept = SamplingParams(**base, logit_bias={eos: 100.0}, include_stop_str_in_output=True)
+    comp = llm.generate("The", kept, use_tqdm=False)[0].outputs[0]
+    assert comp.text.endswith(tok.decode([eos], skip_special_tokens=False))
+    full = llm.generate("The", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    stop_id = full[0].outputs[0].token_ids[4]
+    by_id = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    comp = llm.generate("The", by_id, use_tqdm=False)[0].outputs[0]
+    assert comp.token_ids[-1] == stop_id and comp.stop_reason == stop_id
+    assert comp.text == tok.decode(comp.token_ids[:-1])
+    assert_no_leak(llm)
+
+
 def test_chat_applies_template(llm):
     out = llm.chat(
         [{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=2), use_tqdm=False

@@ -13,7 +13,9 @@ from __future__ import annotations
 import secrets
 import string
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -36,9 +38,20 @@ class Snapshot:
 
 class ToolParser(ABC):
     """One output format. `final`: the text is complete, so nothing is held back any more
-    (a partial start tag at the end, say, turns out to be content)."""
+    (a partial start tag at the end, say, turns out to be content).
+
+    Class-level hooks for the formats that need them (Mistral's): `call_id` makes the ids
+    its template accepts back, `keeps_special_tokens` says its markers are special tokens
+    that detokenizing must keep, `template_messages` rewrites the history for its template.
+    """
 
     name: str
+    call_id: Callable[[], str] = staticmethod(new_call_id)
+    keeps_special_tokens: bool = False
+
+    @staticmethod
+    def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages
 
     @abstractmethod
     def snapshot(self, text: str, final: bool) -> Snapshot: ...
@@ -67,11 +80,17 @@ class ParsedCall:
 
 class ToolStreamer:
     """One choice's output, parsed as it grows; `max_calls` 1 when parallel_tool_calls is
-    false (later calls are dropped)."""
+    false (later calls are dropped); `new_id` makes the call ids (default: the parser's)."""
 
-    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
+    def __init__(
+        self,
+        parser: ToolParser,
+        max_calls: int | None = None,
+        new_id: Callable[[], str] | None = None,
+    ) -> None:
         self.parser = parser
         self.max_calls = max_calls
+        self.new_id = new_id or parser.call_id
         self.ids: list[str] = []
         self._content = ""
         self._args: list[str] = []
@@ -98,7 +117,7 @@ class ToolStreamer:
             self._content = snap.content
         for i, call in enumerate(snap.calls):
             if i == len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(self.new_id())
                 self._args.append("")
                 out.append(Delta(calls=[CallDelta(i, self.ids[i], call.name, "")]))
             sent = self._args[i]
@@ -111,7 +130,7 @@ class ToolStreamer:
         """The whole output: (content or None, calls), as a non-streaming response has it."""
         snap = self._snap(text, final=True)
         calls = [
-            ParsedCall(self.ids[i] if i < len(self.ids) else new_call_id(), c.name, c.arguments)
+            ParsedCall(self.ids[i] if i < len(self.ids) else self.new_id(), c.name, c.arguments)
             for i, c in enumerate(snap.calls)
         ]
         content = snap.content

@@ -5,11 +5,12 @@
     params = await constrain(params, plan, engine)   # required / named / generic: grammar
     plan.streamer()                           # reads the calls out of each choice's output
 
-With a template that renders tools itself (hermes, llama3_json) the tools go to the template
-as `tools=` and `auto` replies are parsed in the template's own format. With the generic
-parser (a template that knows nothing of tools, like the bundled default's) the tools are
-described in a system message, history turns with calls and results become plain text, and
-the reply is held to a JSON envelope by the grammar. `required` and a named function always
+With a template that renders tools itself (hermes, llama3_json, mistral, pythonic) the tools
+go to the template as `tools=` and `auto` replies are parsed in the template's own format (the
+parser's hooks: its call ids, history rewritten for its template, special tokens kept). With
+the generic parser (a template that knows nothing of tools, like the bundled default's) the
+tools are described in a system message, history turns with calls and results become plain
+text, and the reply is held to a JSON envelope by the grammar. `required` and a named function always
 use the envelope, under a JSON schema built from the functions' parameter schemas, so the
 arguments always parse and match.
 """
@@ -37,7 +38,7 @@ _CHOICES = ("none", "auto", "required")
 @dataclass(slots=True)
 class ToolPlan:
     choice: str  # none | auto | required | named
-    parser: str  # the active parser: hermes | llama3_json | generic
+    parser: str  # the active parser: a name in PARSERS
     tools: list[dict[str, Any]]  # OpenAI-shaped: {"type": "function", "function": {...}}
     named: str | None = None
     parallel: bool = True
@@ -56,7 +57,9 @@ class ToolPlan:
         if not self.active:
             return None
         parser = EnvelopeParser() if self.uses_envelope else PARSERS[self.parser]()
-        return ToolStreamer(parser, max_calls=None if self.parallel else 1)
+        # Ids in the model's own shape even for forced calls: they come back in the history.
+        new_id = PARSERS[self.parser].call_id
+        return ToolStreamer(parser, max_calls=None if self.parallel else 1, new_id=new_id)
 
 
 def active_parser(setting: str, tokenizer: Any) -> str | None:
@@ -136,6 +139,8 @@ def template_input(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables) for the chat template."""
     if parser != "generic":
+        if parser is not None:
+            messages = PARSERS[parser].template_messages(messages)
         if plan is not None and plan.active:
             return messages, {"tools": plan.tools}
         return messages, {}
@@ -199,8 +204,13 @@ async def constrain(
     params: SamplingParams, plan: ToolPlan | None, engine: EngineClient
 ) -> SamplingParams:
     """params held to the envelope's JSON schema (compiled, or a 400 naming `tools`) where
-    the plan needs it; unchanged otherwise."""
-    if plan is None or not plan.uses_envelope:
+    the plan needs it; special tokens kept in the text where the parser reads them (Mistral's
+    [TOOL_CALLS]); unchanged otherwise."""
+    if plan is None or not plan.active:
+        return params
+    if not plan.uses_envelope:
+        if PARSERS[plan.parser].keeps_special_tokens and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         return params
     if params.structured_outputs is not None:
         raise invalid_request(

@@ -101,7 +101,14 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return [{**m, "content": m.get("content") or ""} for m in messages]
 
 
-def build_tool_model(out_dir: Path) -> Path:
+def build_tool_model(
+    out_dir: Path,
+    template: str = HERMES_TEMPLATE,
+    conversations: dict[str, tuple[list[dict], str]] = CONVERSATIONS,
+    special_tokens: tuple[str, ...] = (),
+) -> Path:
+    """Train the model on `conversations` rendered with `template` (default: the Hermes
+    ones); `special_tokens` are whole special tokens of the format (Mistral's markers)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -109,14 +116,17 @@ def build_tool_model(out_dir: Path) -> Path:
     from tests.conftest import _CORPUS, build_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    corpus = list(_CORPUS) + [HERMES_TEMPLATE, json.dumps(TOOLS)]
-    corpus += [r for _, r in CONVERSATIONS.values()]
-    corpus += [m["content"] or "" for msgs, _ in CONVERSATIONS.values() for m in msgs]
-    build_tokenizer(out_dir, vocab_size=512, corpus=corpus, chat_template=HERMES_TEMPLATE)
+    corpus = list(_CORPUS) + [template, json.dumps(TOOLS)]
+    corpus += [r for _, r in conversations.values()]
+    corpus += [m["content"] or "" for msgs, _ in conversations.values() for m in msgs]
+    fast = build_tokenizer(out_dir, vocab_size=512, corpus=corpus, chat_template=template)
+    if special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+        fast.save_pretrained(str(out_dir))
     tok = Tokenizer.from_pretrained(out_dir)
     eos = tok.eos_token_id
     sequences = []
-    for messages, reply in CONVERSATIONS.values():
+    for messages, reply in conversations.values():
         prompt = tok.apply_chat_template(_template_messages(messages), tools=TOOLS)
         target = tok.encode(reply, add_special_tokens=False) + [eos]
         sequences.append((prompt, target))

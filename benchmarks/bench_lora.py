@@ -1,0 +1,243 @@
+"""LoRA's cost per decode step: batches mixing 0, 1 or several adapters against the base model.
+
+    tessera bench lora [--model M] [--dtype bfloat16] [--streams 8,32] [--adapters 0,1,4]
+                       [--ranks 8,16] [--output-len 64] [--rounds 2] [--json PATH]
+
+Adapters are written by peft (ranks cycled from --ranks, on q/k/v/o and the MLP's
+gate/up/down) into a temporary folder. Two engines are loaded at once: the base model
+without LoRA, and the same model with enable_lora (max_loras = the most adapters asked
+for). For each stream count, a batch of that many greedy requests (ignore_eos, so every
+run decodes the same number of steps) runs on the base engine and on the LoRA engine
+with 0 adapters (the base rows of a LoRA engine), 1 adapter (every stream on it) and k
+adapters (streams spread round-robin); the runs are interleaved over --rounds with the
+order alternating, and the best round counts (a shared machine's load swings hit all
+sides alike). The figure is the median wall time of a decode step (every request past
+its first token), and its ratio to the base engine's (above 1: LoRA costs that much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, LoRARequest, SamplingParams
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in your own words why the sky looks blue during the day.",
+    "Describe your ideal weekend in the mountains, with as much detail as you like.",
+    "Invent a new board game and explain its rules to a group of friends.",
+    "List the steps to bake a loaf of bread at home, from flour to the first slice.",
+)
+
+
+def make_adapters(model_dir: Path, out_dir: Path, ranks: list[int], seed: int = 0) -> list[Path]:
+    """One PEFT LoRA folder per rank in `ranks`, random A and B of a modest scale (a delta
+    that changes the tokens without blowing up the logits). The base weights do not matter
+    to an adapter's file: the model is built from its config alone."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    paths = []
+    for i, r in enumerate(ranks):
+        lora = LoraConfig(
+            r=r, lora_alpha=2 * r, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+        )
+        model = get_peft_model(base, lora, adapter_name=f"a{i}")
+        g = torch.Generator().manual_seed(seed + i)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_A" in name or "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[1] ** 0.5)
+        path = out_dir / f"adapter-{i}-r{r}"
+        model.save_pretrained(str(path), selected_adapters=[f"a{i}"])
+        # peft nests a named adapter's files one folder down; engines read the folder itself.
+        nested = path / f"a{i}"
+        if nested.is_dir():
+            for f in nested.iterdir():
+                f.rename(path / f.name)
+            nested.rmdir()
+        base = model.unload()  # the plain model back, for the next adapter
+        paths.append(path)
+    return paths
+
+
+def prompts_for(llm: LLM, count: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    chats = [
+        [{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} (#{i})"}] for i in range(count)
+    ]
+    return [tok.apply_chat_template(m, add_generation_prompt=True) for m in chats]
+
+
+def decode_steps(
+    llm: LLM, prompts: list[list[int]], adapters: list[LoRARequest | None], output_len: int
+) -> tuple[list[float], list[list[int]]]:
+    """All prompts at once (request i on adapters[i]): the wall time of each step taken while
+    every request already had its first token, and each request's tokens."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    tag = time.perf_counter_ns()
+    for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
+        engine.add_request(f"l{i}-{tag}", p, params, lora_request=a)
+    started: set[str] = set()
+    tokens: dict[str, list[int]] = {}
+    steps: list[float] = []
+    while engine.has_unfinished_requests():
+        decoding = len(started) == len(prompts)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if decoding:
+            steps.append(time.perf_counter() - t0)
+        for out in outs:
+            if out.outputs[0].token_ids:
+                started.add(out.request_id)
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    order = sorted(tokens, key=lambda r: int(r.split("-")[0][1:]))
+    return steps, [tokens[r] for r in order]
+
+
+def parse_counts(parser: argparse.ArgumentParser, flag: str, text: str, low: int) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"{flag} must be comma-separated integers, got {text!r}")
+    if not values or min(values) < low:
+        parser.error(f"{flag} needs values of at least {low}, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="tessera bench lora", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model", default=None, help="model folder or .gguf (default: bundled)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--streams", default="8,32", help="comma-separated batch sizes")
+    parser.add_argument("--adapters", default="0,1,4", help="distinct adapters in a batch")
+    parser.add_argument("--ranks", default="8,16", help="adapter ranks, cycled over adapters")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    streams = parse_counts(parser, "--streams", args.streams, 1)
+    counts = parse_counts(parser, "--adapters", args.adapters, 0)
+    ranks = parse_counts(parser, "--ranks", args.ranks, 1)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.output_len < 3:
+        parser.error("--output-len must be at least 3 (decode steps after the first token)")
+    if max(counts) > min(streams):
+        parser.error(f"--adapters {max(counts)} is more than the smallest batch {min(streams)}")
+    n_adapters = max(max(counts), 1)
+    adapter_ranks = [ranks[i % len(ranks)] for i in range(n_adapters)]
+    common = dict(
+        dtype=args.dtype,
+        max_num_seqs=max(streams),
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    engines = {
+        "base": LLM(args.model, **common),
+        "lora": LLM(
+            args.model,
+            enable_lora=True,
+            max_loras=n_adapters,
+            max_lora_rank=max(adapter_ranks),
+            **common,
+        ),
+    }
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
+        folders = make_adapters(engines["lora"].engine.model_dir, Path(tmp), adapter_ranks)
+        requests = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(folders)]
+        # Each cell: which engine, and how many distinct adapters (None: the base engine).
+        cells: list[tuple[str, int | None]] = [("base", None)]
+        cells += [("lora", k) for k in counts]
+        for name, k in cells:  # warm-up: first-step costs and adapter loads out of the timings
+            llm = engines[name]
+            plan = spread(requests, k, 2)
+            decode_steps(llm, prompts_for(llm, 2), plan, 4)
+        best: dict[tuple[int, str], dict] = {}
+        for n in streams:
+            prompts = prompts_for(engines["base"], n)
+            for r in range(args.rounds):
+                for name, k in cells if r % 2 == 0 else cells[::-1]:
+                    steps, tokens = decode_steps(
+                        engines[name], prompts, spread(requests, k, n), args.output_len
+                    )
+                    label = "base" if k is None else f"{k} adapters"
+                    run = {
+                        "step_s": statistics.median(steps),
+                        "steps": len(steps),
+                        "tokens": tokens,
+                    }
+                    if (n, label) not in best or run["step_s"] < best[(n, label)]["step_s"]:
+                        best[(n, label)] = run
+                    print(f"x{n} {label}: step {run['step_s'] * 1e3:.2f} ms", flush=True)
+    model_name = args.model or "default"
+    for llm in engines.values():
+        llm.shutdown()
+    del engines, llm
+    gc.collect()
+    rows = []
+    for n in streams:
+        base = best[(n, "base")]
+        for k in counts:
+            run = best[(n, f"{k} adapters")]
+            rows.append(
+                {
+                    "streams": n,
+                    "adapters": k,
+                    "ranks": adapter_ranks[:k],
+                    "step_base_ms": round(base["step_s"] * 1e3, 3),
+                    "step_lora_ms": round(run["step_s"] * 1e3, 3),
+                    "ratio": round(run["step_s"] / base["step_s"], 3),
+                    "decode_steps": run["steps"],
+                    # 0 adapters: the LoRA engine's base rows must give the base tokens.
+                    "same_tokens_as_base": run["tokens"] == base["tokens"],
+                }
+            )
+    print(f"\n{'streams':>8}{'adapters':>9}{'base step':>12}{'lora step':>12}{'ratio':>8}")
+    for r in rows:
+        print(
+            f"{r['streams']:>8}{r['adapters']:>9}{r['step_base_ms']:>10.2f}ms"
+            f"{r['step_lora_ms']:>10.2f}ms{r['ratio']:>8.2f}"
+        )
+    result = {
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "model": model_name,
+        "dtype": args.dtype,
+        "output_len": args.output_len,
+        "targets": TARGETS,
+        "rows": rows,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def spread(requests: list[LoRARequest], k: int | None, n: int) -> list[LoRARequest | None]:
+    """n streams over k distinct adapters, round-robin (None or 0: all on the base model)."""
+    if not k:
+        return [None] * n
+    return [requests[i % k] for i in range(n)]
+
+
+if __name__ == "__main__":
+    main()

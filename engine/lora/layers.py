@@ -5,8 +5,9 @@ attribute (engine.layers.linear calls `lora.apply(x, y)` after its own product, 
 row-parallel layer's all-reduce). It holds, for each of max_loras resident slots,
 
     a [max_loras, n * R, in]    the slices' A stacked on rank (n: 3 for qkv, 2 for gate_up)
-    b [max_loras, out, n * R]   each slice's B (scaling folded in) in its rows of the merged
-                                output and its columns of the rank: block-diagonal
+    b [max_loras, out, R]       each slice's B (scaling folded in) in its rows of the merged
+                                output, columns 0..its rank (for the C kernel a view of
+                                bt [max_loras, R, out], the layout it reads)
 
 packed to each slot's own width (sum of its slices' ranks), so a rank-8 adapter costs rank 8
 in a slot of max_lora_rank. All layers share one `LoRABatch`, the step's token -> slot
@@ -123,7 +124,15 @@ class LoRALayer:
         n = len(slices)
         out_features = sum(size for _, size in slices)
         self.a = torch.zeros(max_loras, n * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        # The C kernel reads B transposed, [max_loras, max_rank, out] (a rank's row of output
+        # columns contiguous: one vector per 16 columns); b is then a view of it, as the torch
+        # path and set_slot address it. The Triton kernels read b as laid out.
+        self.bt: torch.Tensor | None = None
+        if batch.kernel == "cpu":
+            self.bt = torch.zeros(max_loras, max_rank, out_features, dtype=dtype, device=device)
+            self.b = self.bt.transpose(1, 2)
+        else:
+            self.b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
         # per slot: its packed rank (0: not targeted) and (first row, rows, offset in the
         # shrink's output, rank) of each slice it targets
         self.width = [0] * max_loras
@@ -193,12 +202,12 @@ class LoRALayer:
                 batch.max_rows,
             )
             return y
-        if batch.kernel == "cpu" and cpu_lora.supports(x2, y2, self.a):
+        if self.bt is not None and cpu_lora.supports(x2, y2, self.bt):
             cpu_lora.lora_apply(
                 x2,
                 y2,
                 self.a,
-                self.b,
+                self.bt,
                 self.width_t,
                 self.slice_row,
                 self.slice_size,

@@ -40,6 +40,7 @@ from engine.attention.backends.cpu import CpuAttentionMetadata
 from engine.kernels.cpu import amx_bf16 as cpu_amx
 from engine.kernels.cpu import fused_ops as cpu_fused
 from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu import lora as cpu_lora
 from engine.kernels.cpu import ops
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.kernels.cpu import w8a8 as cpu_w8a8
@@ -128,15 +129,15 @@ class DecodePlan:
 
         def lora(m) -> int | None:
             slots = getattr(m, "lora", None)
-            if slots is None or slots.batch.kernel != "cpu":
+            if slots is None or slots.bt is None or slots.bt.shape[1] > cpu_lora.MAX_RANK:
                 return None
             self._lora_batch = slots.batch
             n = len(slots.slices)
             self._loras.append(
                 _LoraLayer(
-                    ptr(slots.a), ptr(slots.b), ptr(slots.width_t), ptr(slots.slice_row),
+                    ptr(slots.a), ptr(slots.bt), ptr(slots.width_t), ptr(slots.slice_row),
                     ptr(slots.slice_size), ptr(slots.slice_off), ptr(slots.slice_rank),
-                    slots.a.shape[1], slots.b.shape[1], slots.b.shape[2], n,
+                    slots.a.shape[1], slots.bt.shape[2], slots.bt.shape[1], n,
                 )
             )  # fmt: skip
             return ctypes.addressof(self._loras[-1])

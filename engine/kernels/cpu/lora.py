@@ -15,6 +15,7 @@ import torch
 from engine.kernels.cpu import build, ops
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_RANK = ops.CONSTANTS["LORA_MAX_RANK"]  # a slot's rank the kernel takes (its stack block)
 
 
 def available() -> bool:
@@ -22,16 +23,17 @@ def available() -> bool:
     return build.kernels_enabled() and ops.function("lora_apply_f32") is not None
 
 
-def supports(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, y: torch.Tensor, bt: torch.Tensor) -> bool:
     """Whether lora_apply takes these: CPU x/y of one float32/bfloat16 dtype with unit last
-    stride, float32 slots."""
+    stride, float32 slots of rank up to MAX_RANK (bt [slots, R, out])."""
     return (
         x.device.type == "cpu"
         and x.dtype in _SUFFIX
         and y.dtype == x.dtype
         and x.stride(-1) == 1
         and y.stride(-1) == 1
-        and a.dtype == torch.float32
+        and bt.dtype == torch.float32
+        and bt.shape[1] <= MAX_RANK
     )
 
 
@@ -39,7 +41,7 @@ def lora_apply(
     x: torch.Tensor,
     y: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    bt: torch.Tensor,
     width: torch.Tensor,
     slice_row: torch.Tensor,
     slice_size: torch.Tensor,
@@ -51,16 +53,17 @@ def lora_apply(
     seg_slot: torch.Tensor,
 ) -> None:
     """y[rows] += each row's slot's B (A x) in place. x [T, K], y [T, out] (row strides
-    free); a [slots, n*R, K] and b [slots, out, R] contiguous float32; width [slots];
+    free); a [slots, n*R, K] and bt [slots, R, out] (B transposed) contiguous float32;
+    width [slots];
     slice_row / slice_size [n]; slice_off / slice_rank [slots, n]; rows, seg_start, seg_len,
     seg_slot as engine.lora.layers.LoRABatch sets them (int32, contiguous)."""
-    assert a.is_contiguous() and b.is_contiguous()
+    assert a.is_contiguous() and bt.is_contiguous()
     fn = ops.function(f"lora_apply_{_SUFFIX[x.dtype]}")
     rc = fn(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1],
         rows.data_ptr(), seg_start.data_ptr(), seg_len.data_ptr(), seg_slot.data_ptr(),
-        seg_slot.numel(), a.data_ptr(), a.shape[1], width.data_ptr(), b.data_ptr(),
-        b.shape[1], b.shape[2], slice_row.numel(), slice_row.data_ptr(),
+        seg_slot.numel(), a.data_ptr(), a.shape[1], width.data_ptr(), bt.data_ptr(),
+        bt.shape[2], bt.shape[1], slice_row.numel(), slice_row.data_ptr(),
         slice_size.data_ptr(), slice_off.data_ptr(), slice_rank.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

@@ -138,7 +138,7 @@ SIGNATURES: dict[str, Signature] = {
     "rope_f32": (_ROPE, None),
     "rope_bf16": (_ROPE, None),
     # lora.c: x, ldx, y, ldy, K, rows, seg_start, seg_len, seg_slot, nseg, a, a_rows, width,
-    # b, out, R, nslices, slice_row, slice_size, slice_off, slice_rank, threads
+    # bt, out, R, nslices, slice_row, slice_size, slice_off, slice_rank, threads
     "lora_apply_f32": (_LORA, _INT),
     "lora_apply_bf16": (_LORA, _INT),
     # paged_attention.c
@@ -165,7 +165,7 @@ class Shape(ctypes.Structure):
 
 class LoraLayer(ctypes.Structure):
     _fields_ = [
-        (n, _P) for n in ("a", "b", "width", "slice_row", "slice_size", "slice_off", "slice_rank")
+        (n, _P) for n in ("a", "bt", "width", "slice_row", "slice_size", "slice_off", "slice_rank")
     ] + [(n, _I64) for n in ("a_rows", "out", "rank", "nslices")]
 
 

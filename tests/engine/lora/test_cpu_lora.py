@@ -92,3 +92,9 @@ def test_the_runner_picks_the_kernel_on_the_cpu(monkeypatch):
     assert lora_kernel(torch.device("cpu")) == "cpu"
     monkeypatch.setenv("TESSERA_LORA_KERNEL", "torch")
     assert lora_kernel(torch.device("cpu")) == "torch"
+
+
+def test_the_kernel_takes_every_rank_the_engine_allows():
+    from engine.config import MAX_LORA_RANK_LIMIT
+
+    assert cpu_lora.MAX_RANK >= MAX_LORA_RANK_LIMIT

@@ -76,3 +76,26 @@ def test_streamed_reasoning_and_content_add_up_to_the_reply(client, end_think):
     kw["extra_body"] = {**body, "include_reasoning": False}
     hidden = _chat(client, **kw)
     assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(client):
+    """/v1/responses on the same server: the think section is a reasoning item (as chat's
+    reasoning_content), whole and streamed, and the reasoning tokens are counted."""
+    kw = dict(model=client.models.list().data[0].id, temperature=0, store=False)
+    chat = _chat(client, max_tokens=6).choices[0].message
+    r = client.responses.create(input="Is Paris in France?", max_output_tokens=6, **kw)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in r.output] == ["reasoning"]
+    assert r.output[0].content[0].text == chat.reasoning_content
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    deltas, final = [], None  # cut off: the stream ends with response.incomplete, as OpenAI's
+    for event in client.responses.create(
+        input="Is Paris in France?", max_output_tokens=6, stream=True, **kw
+    ):
+        if event.type == "response.reasoning_text.delta":
+            deltas.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert "".join(deltas) == chat.reasoning_content
+    assert final is not None and final.status == "incomplete"
+    assert [item.type for item in final.output] == ["reasoning"]

@@ -31,7 +31,9 @@ rejected positions used stay with the request (the next steps fill them) and go 
 finishes or is preempted, like any other. With a draft model the drafts come from the
 runner (ModelRunnerOutput.draft_token_ids, kept in RunnerDrafts until the request's next
 decode), and a step that samples reserves lookahead slots for the draft's K/V where blocks
-are free. No drafts for n > 1 samples, seeded requests
+are free. A request whose drafts keep being rejected stops drafting for a while
+(engine.spec_decode.backoff: 2, 4, ... 32 decode steps; a kept draft resets it). No drafts for
+n > 1 samples, seeded requests
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.
 
@@ -77,6 +79,7 @@ from engine.outputs import (
 )
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_N
+from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.runner_drafts import RunnerDrafts
 
@@ -172,6 +175,8 @@ class Scheduler:
             raise ValueError(
                 "speculative_config needs async scheduling off (the engine turns it off)"
             )
+        # a request whose drafts keep being rejected stops drafting for a while (backoff.py)
+        self.draft_backoff = DraftBackoff(enabled=spec.draft_backoff) if spec is not None else None
         self.spec_stats = (
             SpecDecodingStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
             if spec is not None
@@ -318,6 +323,8 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
         if self.runner_drafts is not None:
             self.runner_drafts.drop(request.request_id)
+        if self.draft_backoff is not None:
+            self.draft_backoff.drop(request.request_id)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -498,6 +505,9 @@ class Scheduler:
             k = min(k, sp.max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
+        assert self.draft_backoff is not None
+        if not self.draft_backoff.should_draft(request.request_id):
+            return []
         if self.runner_drafts is not None:
             return self.runner_drafts.propose(request.request_id, k)
         return self.proposer.propose(request.all_token_ids, k)
@@ -610,6 +620,8 @@ class Scheduler:
         self._num_sent_blocks.pop(request.request_id, None)  # the runner drops it
         if self.runner_drafts is not None:
             self.runner_drafts.drop(request.request_id)
+        if self.draft_backoff is not None:
+            self.draft_backoff.drop(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -664,6 +676,8 @@ class Scheduler:
                 request.num_computed_tokens -= num_rejected
                 end -= num_rejected
                 self._count_spec(len(spec), len(spec) - num_rejected)
+                assert self.draft_backoff is not None
+                self.draft_backoff.record(rid, len(spec) - num_rejected)
                 end = min(end, request.num_tokens)  # the kept drafts are cached below
             if caching and end // bs > start // bs:
                 manager.cache_blocks(request, end)  # this step completed a block's K/V

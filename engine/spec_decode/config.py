@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
-# The keys each method reads; "method" and "num_speculative_tokens" are common.
+# The keys each method reads; "method", "num_speculative_tokens" and Tessera's own
+# "draft_backoff" are common.
+_COMMON = ("method", "num_speculative_tokens", "draft_backoff")
 _METHOD_KEYS = {
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
-    "draft_model": ("method", "num_speculative_tokens", "model"),
-    "eagle": ("method", "num_speculative_tokens", "model"),
+    "ngram": (*_COMMON, "prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": (*_COMMON, "model"),
+    "eagle": (*_COMMON, "model"),
 }
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 _LATER = ("eagle3", "mtp", "medusa")
@@ -37,6 +39,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
     model: str | None = None  # the draft model's folder (draft_model)
+    # a request whose drafts keep being rejected stops drafting a while (spec_decode.backoff)
+    draft_backoff: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_METHODS:
@@ -47,6 +51,10 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config: {name} must be a positive integer, got {value!r}"
                 )
+        if not isinstance(self.draft_backoff, bool):
+            raise ValueError(
+                f"speculative_config: draft_backoff must be true or false, got {self.draft_backoff!r}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "

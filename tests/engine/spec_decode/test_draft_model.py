@@ -118,8 +118,9 @@ def _greedy_case(tiny_llama_dir, vocab, case):
 def test_greedy_identical(tiny_llama_dir, draft_dir, vocab, case):
     """A smaller draft of other weights: drafts accepted and rejected, output unchanged."""
     prompts, params, wave, ref = _greedy_case(tiny_llama_dir, vocab, case)
+    spec = {**_spec(draft_dir), "draft_backoff": False}  # draft at every step: both outcomes
     got, stats, free, total, preempted = _run(
-        tiny_llama_dir, prompts, params, _spec(draft_dir), wave, **CASES[case]
+        tiny_llama_dir, prompts, params, spec, wave, **CASES[case]
     )
     assert got == ref
     assert stats.num_draft_tokens > 0

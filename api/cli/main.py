@@ -55,6 +55,7 @@ BENCHMARKS = (
     "moe",
     "spec",
     "lora",
+    "pp",
 )
 
 

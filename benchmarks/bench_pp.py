@@ -2,7 +2,7 @@
 same cores (issue 45).
 
     tessera bench pp [--model M] [--dtype bfloat16] [--streams 32] [--prompt-len 64]
-                     [--output-len 64] [--rounds 3] [--cpus 0,1] [--pp-batch-seqs N]
+                     [--output-len 64] [--rounds 3] [--cpus 0,1] [--pp-batch-tokens N]
                      [--json PATH]
 
 Offline generation of N streams (--streams, a list) with fixed prompt and output lengths
@@ -11,11 +11,15 @@ loaded at once: PP = 1 with two torch threads, and PP = 2, two stages (the drive
 and one worker process, gloo between them) of one thread each, so both use the same two cores
 (--cpus: the benchmark pins itself to them, and the worker inherits the mask). Under PP = 2
 the engine keeps up to two batches in flight, but one batch takes every runnable request up
-to max_num_seqs: the PP = 2 engine's max_num_seqs is --pp-batch-seqs (default half the
-streams), so the streams split into two batches that follow each other through the stages.
+to the step's token budget (and a request in flight waits for its token): the PP = 2
+engine's max_num_batched_tokens is --pp-batch-tokens (default half the streams, at least a
+block), so the decoding streams split into two batches that follow each other through the
+stages (prompts go through in chunks of that budget too). PP = 1 keeps the CPU's default
+budget.
 Rounds alternate the engines' order; each engine's best round counts.
 
-Reported per stream count: output tokens/s of each and PP = 2 / PP = 1; each stage's idle
+Reported per stream count: output tokens/s of each (the whole run, and decode alone: after
+every stream's first token) and PP = 2 / PP = 1; each stage's idle
 share over the best round's wall time: the time it waited for its input (the previous stage's
 activations, pp_recv) plus the time outside a step (a worker waiting for its next batch; the
 driver scheduling, collecting the last stage's tokens and detokenizing), from the ranks' own
@@ -68,11 +72,17 @@ def run_streams(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(f"{i}-{start}", p, params)
     tokens: dict[int, list[int]] = {}
+    counts: dict[str, int] = {}  # tokens each stream has so far
+    decode_start: tuple[float, int] | None = None  # when every stream had its first token
     while engine.has_unfinished_requests():
         for out in engine.step():
+            counts[out.request_id] = len(out.outputs[0].token_ids)
             if out.finished:
                 tokens[int(out.request_id.split("-")[0])] = list(out.outputs[0].token_ids)
-    wall = time.perf_counter() - start
+        if decode_start is None and len(counts) == len(prompts) and min(counts.values()) > 0:
+            decode_start = (time.perf_counter(), sum(counts.values()))
+    end = time.perf_counter()
+    wall = end - start
     after = engine.executor.stage_stats()
     stages = []
     for b, a in zip(before, after, strict=True):
@@ -91,10 +101,14 @@ def run_streams(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
             }
         )
     generated = sum(len(t) for t in tokens.values())
+    decode_tok_s = None  # after every stream's first token (prefill done): decode alone
+    if decode_start is not None and generated > decode_start[1] and end > decode_start[0]:
+        decode_tok_s = round((generated - decode_start[1]) / (end - decode_start[0]), 2)
     return {
         "wall_s": wall,
         "output_tokens": generated,
         "tok_s": generated / wall,
+        "decode_tok_s": decode_tok_s,
         "tokens": [tokens[i] for i in range(len(prompts))],
         "stages": stages,
     }
@@ -138,11 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpus", default=None, help="comma-separated CPU ids (default: the first two usable)"
     )
     parser.add_argument(
-        "--pp-batch-seqs",
+        "--pp-batch-tokens",
         type=int,
         default=None,
-        help="max_num_seqs of the PP = 2 engine (default: half the streams, rounded up, so "
-        "two batches are in flight; the stream count: one batch holds them all)",
+        help="max_num_batched_tokens of the PP = 2 engine (default: half the streams, rounded "
+        "up, at least a block (16): two batches of decodes in flight; 2048: one batch holds "
+        "them all)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
@@ -167,8 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--rounds must be at least 1")
     if args.prompt_len < 1 or args.output_len < 1:
         parser.error("--prompt-len and --output-len must be at least 1")
-    if args.pp_batch_seqs is not None and args.pp_batch_seqs < 1:
-        parser.error("--pp-batch-seqs must be at least 1")
+    if args.pp_batch_tokens is not None and args.pp_batch_tokens < 16:
+        parser.error("--pp-batch-tokens must cover a block (16 tokens)")
     cpus = pin(args.cpus)
     if len(cpus) < 2:
         parser.error(f"needs two CPUs to compare on, this process may use {cpus}")
@@ -183,18 +198,24 @@ def main(argv: list[str] | None = None) -> dict:
             num_kv_blocks=blocks,
             max_model_len=args.prompt_len + args.output_len,
         )
-        pp_seqs = args.pp_batch_seqs or math.ceil(n / 2)
+        pp_tokens = args.pp_batch_tokens or max(16, math.ceil(n / 2))
         engines = {}
         torch.set_num_threads(threads[1])
         engines[1] = LLM(args.model, pipeline_parallel_size=1, max_num_seqs=n, **common)
         torch.set_num_threads(threads[2])  # the driver's; its worker splits the pinned CPUs
-        engines[2] = LLM(args.model, pipeline_parallel_size=2, max_num_seqs=pp_seqs, **common)
+        engines[2] = LLM(
+            args.model,
+            pipeline_parallel_size=2,
+            max_num_seqs=n,
+            max_num_batched_tokens=pp_tokens,
+            **common,
+        )
         prompts = make_prompts(engines[1], n, args.prompt_len)
         best: dict[int, dict] = {}
         try:
-            for pp, llm in engines.items():  # warm-up: first-step costs out of the timings
+            for pp, llm in engines.items():  # warm-up: first steps of each size untimed
                 torch.set_num_threads(threads[pp])
-                run_streams(llm, prompts[:2], 2)
+                run_streams(llm, prompts, 3)
             for r in range(args.rounds):
                 for pp in (1, 2) if r % 2 == 0 else (2, 1):
                     torch.set_num_threads(threads[pp])
@@ -215,11 +236,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(
             {
                 "streams": n,
-                "pp2_max_num_seqs": pp_seqs,
+                "pp2_batch_tokens": pp_tokens,
                 "pp1": {k: v for k, v in one.items() if k != "tokens"} | {"threads": threads[1]},
                 "pp2": {k: v for k, v in two.items() if k != "tokens"}
                 | {"threads_per_stage": threads[2]},
                 "ratio": round(two["tok_s"] / one["tok_s"], 3),
+                "decode_ratio": round(two["decode_tok_s"] / one["decode_tok_s"], 3)
+                if one["decode_tok_s"] and two["decode_tok_s"]
+                else None,
                 "same_tokens": one["tokens"] == two["tokens"],
             }
         )
@@ -247,18 +271,24 @@ def print_table(result: dict) -> None:
         f"{m['date']}, load {m['load_avg_1m']}\n"
     )
     print(
-        "| streams | PP=1 tok/s | PP=2 tok/s | PP=2 / PP=1 | PP=1 idle | PP=2 stage 0 idle "
-        "| PP=2 stage 1 idle (input wait) | same tokens |"
+        "| streams | PP=1 tok/s | PP=2 tok/s | PP=2 / PP=1 | decode alone: PP=1 / PP=2 tok/s "
+        "| PP=1 idle | PP=2 stage 0 idle | PP=2 stage 1 idle (input wait) | same tokens |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for r in result["rows"]:
         s1, s2 = r["pp1"]["stages"], r["pp2"]["stages"]
         last = s2[-1]
+        decode = (
+            f"{r['pp1']['decode_tok_s']:.1f} / {r['pp2']['decode_tok_s']:.1f} = "
+            f"{r['decode_ratio']:.2f}x"
+            if r["decode_ratio"]
+            else "-"
+        )
         print(
             f"| {r['streams']} | {r['pp1']['tok_s']:.1f} | {r['pp2']['tok_s']:.1f} | "
-            f"{r['ratio']:.2f}x | {s1[0]['idle_share']:.0%} | {s2[0]['idle_share']:.0%} | "
-            f"{last['idle_share']:.0%} ({last['input_wait_share']:.0%}) | "
-            f"{'yes' if r['same_tokens'] else 'no'} |"
+            f"{r['ratio']:.2f}x | {decode} | {s1[0]['idle_share']:.0%} | "
+            f"{s2[0]['idle_share']:.0%} | {last['idle_share']:.0%} "
+            f"({last['input_wait_share']:.0%}) | {'yes' if r['same_tokens'] else 'no'} |"
         )
     print(
         "\n(idle: the share of the wall time a stage was not computing: waiting for its "

@@ -21,7 +21,8 @@ Rounds alternate the engines' order; each engine's best round counts.
 Reported per stream count: output tokens/s of each (the whole run, and decode alone: after
 every stream's first token) and PP = 2 / PP = 1; each stage's idle
 share over the best round's wall time: the time it waited for its input (the previous stage's
-activations, pp_recv) plus the time outside a step (a worker waiting for its next batch; the
+activations, pp_recv), blocked handing its own on (pp_send: gloo's send waits for the next
+stage to take them), plus the time outside a step (a worker waiting for its next batch; the
 driver scheduling, collecting the last stage's tokens and detokenizing), from the ranks' own
 step timers (engine.stats.StageStats); and whether both produced the same tokens (greedy:
 they should, up to the roundings of their different kernel paths on a quantized model, since
@@ -87,17 +88,18 @@ def run_streams(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     stages = []
     for b, a in zip(before, after, strict=True):
         step = a.step_s - b.step_s
-        wait = a.input_wait_s - b.input_wait_s
+        wait, send = a.input_wait_s - b.input_wait_s, a.send_s - b.send_s
+        busy = step - wait - send  # gloo's send blocks until the next stage takes it
         stages.append(
             {
                 "rank": a.rank,
                 "stage": a.pp_rank,
                 "steps": a.steps - b.steps,
-                "busy_s": round(step - wait, 4),
+                "busy_s": round(busy, 4),
                 "input_wait_share": round(wait / wall, 4),
+                "send_share": round(send / wall, 4),
                 "outside_step_share": round(max(0.0, wall - step) / wall, 4),
-                "send_share": round((a.send_s - b.send_s) / wall, 4),
-                "idle_share": round(max(0.0, wall - (step - wait)) / wall, 4),
+                "idle_share": round(max(0.0, wall - busy) / wall, 4),
             }
         )
     generated = sum(len(t) for t in tokens.values())
@@ -272,7 +274,7 @@ def print_table(result: dict) -> None:
     )
     print(
         "| streams | PP=1 tok/s | PP=2 tok/s | PP=2 / PP=1 | decode alone: PP=1 / PP=2 tok/s "
-        "| PP=1 idle | PP=2 stage 0 idle | PP=2 stage 1 idle (input wait) | same tokens |"
+        "| PP=1 idle | PP=2 stage 0 idle (send) | PP=2 stage 1 idle (input wait) | same tokens |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for r in result["rows"]:
@@ -287,12 +289,12 @@ def print_table(result: dict) -> None:
         print(
             f"| {r['streams']} | {r['pp1']['tok_s']:.1f} | {r['pp2']['tok_s']:.1f} | "
             f"{r['ratio']:.2f}x | {decode} | {s1[0]['idle_share']:.0%} | "
-            f"{s2[0]['idle_share']:.0%} | {last['idle_share']:.0%} "
+            f"{s2[0]['idle_share']:.0%} ({s2[0]['send_share']:.0%}) | {last['idle_share']:.0%} "
             f"({last['input_wait_share']:.0%}) | {'yes' if r['same_tokens'] else 'no'} |"
         )
     print(
         "\n(idle: the share of the wall time a stage was not computing: waiting for its "
-        "input, or outside a step; PP=1 runs the CPU decode plan, every PP step is eager.)"
+        "input, blocked sending its output, or outside a step; PP=1 runs the CPU decode plan, every PP step is eager.)"
     )
 
 

@@ -45,3 +45,18 @@ class EngineStats:
     last_step_time: float = 0.0  # time.monotonic() at the end of the last step
     loop_alive: bool = False
     requests: tuple[RequestInfo, ...] = field(default_factory=tuple)
+
+
+@dataclass(slots=True, frozen=True)
+class StageStats:
+    """One rank's time in steps, cumulative since it loaded (ModelRunner.stage_stats): what a
+    benchmark differences over a run to see how busy each pipeline stage was. busy =
+    step_s - input_wait_s; the rest of the wall time the rank waited for its next batch (or,
+    the driver, scheduled and collected)."""
+
+    rank: int
+    pp_rank: int
+    steps: int = 0  # steps that ran a forward on this rank
+    step_s: float = 0.0  # seconds inside execute_model
+    input_wait_s: float = 0.0  # of those, waiting for the previous stage's activations
+    send_s: float = 0.0  # of those, handing activations to the next stage (blocking)

@@ -56,6 +56,7 @@ BENCHMARKS = (
     "spec",
     "lora",
     "window",
+    "pp",
 )
 
 

@@ -58,6 +58,13 @@ class Executor:
         else:
             self.runner.init_kv_cache(num_blocks)
 
+    def stage_stats(self) -> list:
+        """Every rank's cumulative step time (engine.stats.StageStats), rank 0 first; call it
+        between steps, with no batch in flight."""
+        if self.workers is not None:
+            return self.workers.stage_stats()
+        return [self.runner.stage_stats()]
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.workers is not None:
             return self.workers.execute_model(scheduler_output)

@@ -46,6 +46,7 @@ import functools
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,7 @@ from engine.models.pipeline import IntermediateTensors, layer_range
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.pooler_config import resolve_runner
 from engine.spec_decode.rejection import verify as verify_drafts
+from engine.stats import StageStats
 from engine.structured_output.bitmask import RowMask
 from engine.worker import host_memory
 from engine.worker.async_output import (
@@ -270,6 +272,9 @@ class ModelRunner:
         self.lora_manager = None  # engine.lora.manager.LoRAManager, when LoRA is enabled
         self.drafter = None  # engine.spec_decode.draft_model.DraftModel (or EAGLE's), if any
         self._step_hidden: tuple[torch.Tensor, dict[str, int]] | None = None
+        # Cumulative step time (stage_stats): steps run, seconds in execute_model, and of
+        # those waiting for the previous stage's activations and sending them on.
+        self._steps, self._step_s, self._recv_s, self._send_s = 0, 0.0, 0.0, 0.0
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -617,6 +622,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """The step's output; with async scheduling a PendingOutput for a step that samples."""
+        start = time.perf_counter()
         if self.async_scheduling:
             out = self._execute_async(scheduler_output)
         else:
@@ -634,7 +640,20 @@ class ModelRunner:
             self._step_hidden = None
         if self._threads is not None:
             self._threads.finish()  # while it measures small steps (step_threads)
+        self._steps += bool(scheduler_output.scheduled)
+        self._step_s += time.perf_counter() - start
         return out
+
+    def stage_stats(self) -> StageStats:
+        """This rank's step time so far (cumulative: difference two to time a run)."""
+        return StageStats(
+            rank=self.rank,
+            pp_rank=get_pp_rank(),
+            steps=self._steps,
+            step_s=self._step_s,
+            input_wait_s=self._recv_s,
+            send_s=self._send_s,
+        )
 
     def _begin_step(self, so: SchedulerOutput) -> bool:
         """Apply the step's changes to the input batch and the cache; whether it runs."""
@@ -928,11 +947,15 @@ class ModelRunner:
         intermediate = None
         if not is_first_stage():
             shape = (len(step.ids), self.hf_config.hidden_size)
+            start = time.perf_counter()
             intermediate = IntermediateTensors(*pp_recv([shape, shape], self.dtype, self.device))
+            self._recv_s += time.perf_counter() - start
         out = self.model(step.input_ids, step.position_ids, step.attn_metadata, intermediate)
         if is_last_stage():
             return out
+        start = time.perf_counter()
         pp_send([out.hidden, out.residual])
+        self._send_s += time.perf_counter() - start
         return None
 
     def _eager_inputs(self, step: StepInputs) -> None:

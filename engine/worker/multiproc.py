@@ -133,6 +133,13 @@ def _decode_masked(body) -> tuple[SchedulerOutput, dict[str, list[int]]]:
     return so, prev_sampled
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -232,8 +239,9 @@ class WorkerGroup:
         self.backend = backend_for(self.device)
         self.timeout_s = config.parallel.collective_timeout_s
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        # Each rank computes at once: split the cores instead of oversubscribing them.
-        num_threads = max(1, (os.cpu_count() or 1) // world_size)
+        # Each rank computes at once: split the cores this process may use (its affinity,
+        # which the workers inherit) instead of oversubscribing them.
+        num_threads = max(1, usable_cpus() // world_size)
         self._dead = GroupFailure("The tensor-parallel group")  # why it broke; set once
         self._lock = self._dead.lock  # also guards the processes' reaping
         self._closing = threading.Event()
@@ -409,6 +417,11 @@ class WorkerGroup:
     def _send(self, message: bytes) -> None:
         for conn in self.conns:
             conn.send_bytes(message)
+
+    def stage_stats(self) -> list:
+        """Every rank's StageStats, rank 0 first (between steps: none in flight)."""
+        mine, theirs = self._call("stage_stats")
+        return [mine, *theirs]
 
     def determine_num_blocks(self) -> int:
         mine, theirs = self._call("determine_num_blocks")

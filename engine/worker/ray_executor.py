@@ -266,6 +266,10 @@ class RayWorkerGroup:
 
         return self._all(call_message(method, msgspec.msgpack.encode(args)), self.timeout_s)
 
+    def stage_stats(self) -> list:
+        """Every rank's StageStats, rank 0 first (between steps: none in flight)."""
+        return self._call("stage_stats")
+
     def determine_num_blocks(self) -> int:
         return min(self._call("determine_num_blocks"))
 

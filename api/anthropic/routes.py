@@ -15,9 +15,9 @@ from __future__ import annotations
 import functools
 import time
 
-from litestar import Controller, Request, post
+from litestar import Request, post
 from litestar.connection import ASGIConnection
-from litestar.di import NamedDependency, Provide
+from litestar.di import NamedDependency
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import JSONBody
 
@@ -40,7 +40,7 @@ from api.openai.serving import (
 )
 from api.openai.tools.plan import template_input
 from api.server.body import require_json_body
-from api.server.deps import provide_principal, provide_server
+from api.server.deps import ClientController
 from api.server.errors import invalid_api_key
 from api.server.guards import authenticate_header
 from api.server.lifespan import ServerState
@@ -58,12 +58,8 @@ async def require_anthropic_key(connection: ASGIConnection, _: BaseRouteHandler)
     await authenticate_header(connection, header)
 
 
-class AnthropicController(Controller):
-    guards = [require_anthropic_key, require_json_body]  # auth first, then the body
-    dependencies = {
-        "principal": Provide(provide_principal, sync_to_thread=False),
-        "server": Provide(provide_server, sync_to_thread=False),
-    }
+class AnthropicController(ClientController):
+    guards = [require_anthropic_key, require_json_body]  # its own key header, then the body
     exception_handlers = EXCEPTION_HANDLERS  # Anthropic's error body on these routes
     tags = ["Anthropic"]
 

@@ -17,8 +17,8 @@ import time
 import uuid
 from typing import Any
 
-from litestar import Controller, Request, post
-from litestar.di import NamedDependency, Provide
+from litestar import Request, post
+from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from api.keys.auth import Principal
@@ -35,8 +35,7 @@ from api.openai.serving import (
     resolve_model,
     run_to_end,
 )
-from api.server.body import require_json_body
-from api.server.deps import provide_principal, provide_server, require_principal
+from api.server.deps import ClientController
 from api.server.errors import invalid_request
 from api.server.lifespan import ServerState
 from engine.outputs import RequestOutput
@@ -44,12 +43,7 @@ from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
-class EmbeddingsController(Controller):
-    guards = [require_principal, require_json_body]  # as OpenAIController's
-    dependencies = {
-        "principal": Provide(provide_principal, sync_to_thread=False),
-        "server": Provide(provide_server, sync_to_thread=False),
-    }
+class EmbeddingsController(ClientController):
     tags = ["OpenAI"]
 
     @post("/v1/embeddings", status_code=200)

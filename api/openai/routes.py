@@ -20,8 +20,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Controller, Request, get, post
-from litestar.di import NamedDependency, Provide
+from litestar import Request, get, post
+from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from api.keys.auth import Principal
@@ -66,21 +66,12 @@ from api.openai.serving import (
 from api.openai.streaming import SSE_DONE, Generation
 from api.openai.structured import supported_structured_outputs, with_structured_outputs
 from api.openai.tools.plan import active_parser
-from api.server.body import require_json_body
-from api.server.deps import provide_principal, provide_server, require_principal
+from api.server.deps import ClientController
 from api.server.errors import invalid_request
 from api.server.lifespan import ServerState
 
 
-class OpenAIController(Controller):
-    guards = [
-        require_principal,
-        require_json_body,
-    ]  # auth first, then the body (api/server/body.py)
-    dependencies = {
-        "principal": Provide(provide_principal, sync_to_thread=False),
-        "server": Provide(provide_server, sync_to_thread=False),
-    }
+class OpenAIController(ClientController):
     tags = ["OpenAI"]
 
     @post("/v1/chat/completions", status_code=200)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 
 import msgspec
-from litestar import Controller, Request, Response, delete, get, post
-from litestar.di import NamedDependency, Provide
+from litestar import Request, Response, delete, get, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from api.keys.auth import Principal
@@ -34,8 +34,7 @@ from api.openai.responses.translate import (
     new_id,
 )
 from api.openai.serving import admit, open_ticket, prepare_chat, run_to_end, sse_response
-from api.server.body import require_json_body
-from api.server.deps import provide_principal, provide_server, require_principal
+from api.server.deps import ClientController
 from api.server.errors import APIError, invalid_request
 from api.server.lifespan import ServerState
 
@@ -63,12 +62,7 @@ def _no_store(param: str) -> APIError:
     )
 
 
-class ResponsesController(Controller):
-    guards = [require_principal, require_json_body]  # auth first, then the body
-    dependencies = {
-        "principal": Provide(provide_principal, sync_to_thread=False),
-        "server": Provide(provide_server, sync_to_thread=False),
-    }
+class ResponsesController(ClientController):
     tags = ["OpenAI"]
 
     @post("/v1/responses", status_code=200)

@@ -169,6 +169,7 @@ def build_tiny_model(
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     }[arch]
     if isinstance(config_cls, str):
         config_cls, model_cls = getattr(transformers, config_cls), getattr(transformers, model_cls)
@@ -178,8 +179,10 @@ def build_tiny_model(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias
                 p.normal_(0.0, 0.1)
+            elif name.endswith(".sinks"):  # gpt-oss: large enough to move the attention
+                p.normal_(0.0, 1.0)
     model.save_pretrained(str(out_dir))
     return out_dir
 
@@ -395,6 +398,32 @@ def tiny_gemma3_dir(make_tiny_model) -> Path:
         tie_word_embeddings=True,
         final_logit_softcapping=30.0,
     )
+
+
+# gpt-oss: attention sinks and biases, yarn rope, layers alternating window 16 / global, 8
+# experts top-2 with biases and the clamped SwiGLU, the router's bias.
+GPT_OSS = dict(
+    seed=9,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    intermediate_size=32,
+    sliding_window=16,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+    },
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(make_tiny_model) -> Path:
+    return make_tiny_model("tiny-gpt-oss", arch="gpt_oss", **GPT_OSS)
 
 
 @pytest.fixture(scope="session")

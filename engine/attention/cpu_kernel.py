@@ -50,6 +50,7 @@ def paged_decode(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out/q [n, H, D] (rows may be strided, heads contiguous), caches [blocks, bs, Hkv, D]
     contiguous (an int8 cache tiled inside blocks, engine.attention.kv_int8), block_tables
@@ -57,7 +58,9 @@ def paged_decode(
     [threads, size] (one row per thread; see the C source for the size). An int8 cache comes
     with its scales, float32 [blocks, Hkv, bs] each (engine.attention.kv_int8). window: a
     sliding window, each row attending only its last `window` keys; the blocks before the
-    one holding the first of them are never read (a freed block's entry may be anything)."""
+    one holding the first of them are never read (a freed block's entry may be anything).
+    sinks: float32 [H] contiguous, a logit per query head that joins every row's softmax
+    with no value (gpt-oss's attention sinks); None: none."""
     lib = load_kernel()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is unavailable (see kernel_supports)")
@@ -75,11 +78,14 @@ def paged_decode(
             k_scales.data_ptr(),
             v_scales.data_ptr(),
         )
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == h
     getattr(lib, fn)(
         out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, block_tables.data_ptr(),
         block_tables.shape[1], context_lens.data_ptr(), n, h, k_cache.shape[2], d,
-        k_cache.shape[1], window or 0, scale, scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
+        k_cache.shape[1], window or 0, scale, 0 if sinks is None else sinks.data_ptr(),
+        scratch.data_ptr(), scratch.shape[1], scratch.shape[0],
     )  # fmt: skip
 
 

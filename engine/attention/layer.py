@@ -1,7 +1,8 @@
 """PagedAttention: the attention layer of every model, over a flattened batch.
 
 It holds its KV cache (and the int8 cache's scales) and the backend, all bound by the model
-runner, and its sliding window if it has one (the backend reads it); per step it writes this
+runner, its sliding window and attention sinks if it has them (the backend reads them); per
+step it writes this
 step's K/V through the backend, then lets the backend attend. No device or kernel is named
 here: that is the backend's (engine.attention.backends).
 """
@@ -13,6 +14,7 @@ from torch import nn
 
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.kv_spec import KVCacheSpec
+from engine.distributed import get_tp_rank
 
 
 class PagedAttention(nn.Module):
@@ -23,6 +25,7 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -37,10 +40,25 @@ class PagedAttention(nn.Module):
         # Query position i attends key j iff i - sliding_window < j <= i (HF's sliding-window
         # mask); None: every earlier key.
         self.sliding_window = sliding_window
+        # gpt-oss's attention sinks: a learned logit per query head (this rank's heads) in
+        # every softmax, with no value: attention may put weight on "nothing". float32.
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.zeros(num_heads, dtype=torch.float32), requires_grad=False
+            )
+            self.sinks.weight_loader = self._load_sinks
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.kv_scales: torch.Tensor | None = None  # float32, with an int8 cache
         self.kv_spec: KVCacheSpec | None = None  # the cache's layout (None: the model's dtype)
         self.backend: AttentionBackend | None = None  # bound by the model runner
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The checkpoint's sinks of every head [H_total]: this tensor-parallel rank's."""
+        h = self.num_heads
+        if loaded.shape[0] % h:
+            raise ValueError(f"sinks of {loaded.shape[0]} heads do not split into {h} per rank")
+        param.data.copy_(loaded.narrow(0, get_tp_rank() * h, h).to(torch.float32))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

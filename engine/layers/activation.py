@@ -37,5 +37,21 @@ class GeluTanhAndMul(CustomOp):
         return F.gelu(gate, approximate="tanh").mul_(up)
 
 
+class SwigluOAIAndMul(CustomOp):
+    """x = [gate | up] -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    g = clamp(gate, max=limit): gpt-oss's experts (transformers' GptOssExperts._apply_gate,
+    its gate and up de-interleaved into halves at load). The torch ops on every device."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 # config.json's hidden_act -> the gated MLP's activation
 GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}

@@ -8,8 +8,12 @@ epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed t
 where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). Models
 name neither.
 
+gpt-oss's experts add biases (w13_bias [E, 2I], w2_bias [E, H]) and take another activation
+(SwigluOAIAndMul: clamped, gate * sigmoid(1.702 gate) * (up + 1)); both run on every path.
+
 Tensor parallelism as the dense MLP: every expert is split on I (w13 column-wise, w2 row-wise),
-each rank sums its partial outputs and one all-reduce follows. The router and the shared
+each rank sums its partial outputs and one all-reduce follows (w2's bias is added on rank 0
+only, so the sum holds it once). The router and the shared
 expert's gate are replicated and never quantized (small, and their scores pick experts).
 """
 
@@ -25,11 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import SiluAndMul, SwigluOAIAndMul
 from engine.layers.mlp import GatedMLP
 from engine.layers.quantization.unquantized import linear_by_rows
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu", "swigluoai")  # SiluAndMul; gpt-oss's SwigluOAIAndMul
 GATE, UP, DOWN = 0, 1, 2  # shard ids of one expert's three checkpoint tensors
 
 
@@ -81,6 +86,8 @@ def experts_cpu(
     topk_ids: torch.Tensor,
     gemms: tuple[GemmChoice, GemmChoice] | None = None,
     expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = _silu_and_mul,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
 
@@ -91,7 +98,8 @@ def experts_cpu(
     path). With gemms, each matmul runs where the unquantized linear layers' would (the C GEMM
     for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized). With
     expert_linear(e, GATE or DOWN, x), that runs them instead (a GGUF file's blocks: w13 and w2
-    are then not float weights)."""
+    are then not float weights). biases: (b13 [E, 2I], b2 [E, H]) added to each expert's
+    two products; activation: the gated activation over [gate | up] (SiLU-and-mul)."""
     g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -106,32 +114,41 @@ def experts_cpu(
         if n == 0:
             continue
         rows = tokens[start : start + n]
+        b13, b2 = (None, None) if biases is None else (biases[0][e], biases[1][e])
         if expert_linear is not None:
-            h = _silu_and_mul(expert_linear(e, GATE, x.index_select(0, rows)))
-            y = expert_linear(e, DOWN, h)
+            h = activation(_biased(expert_linear(e, GATE, x.index_select(0, rows)), b13))
+            y = _biased(expert_linear(e, DOWN, h), b2)
         else:
-            h = _silu_and_mul(_linear(g13, x.index_select(0, rows), w13[e]))
-            y = _linear(g2, h, w2[e])
+            h = activation(_linear(g13, x.index_select(0, rows), w13[e], b13))
+            y = _linear(g2, h, w2[e], b2)
         y = y.to(torch.float32).mul_(weights[start : start + n])
         out.index_add_(0, rows, y)
         start += n
     return out.to(x.dtype)
 
 
-def _linear(choice: GemmChoice | None, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w) if choice is None else linear_by_rows(choice, x, w, None)
+def _linear(
+    choice: GemmChoice | None, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, w, b) if choice is None else linear_by_rows(choice, x, w, b)
+
+
+def _biased(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b
 
 
 class ReplicatedGate(nn.Module):
-    """y = x W^T with W [out, in] whole on every rank: a router (out = num_experts) or a shared
-    expert's gate (out = 1). Not a LinearBase, so no --quantization method takes it."""
+    """y = x W^T (+ b) with W [out, in] whole on every rank: a router (out = num_experts; with a
+    bias in gpt-oss) or a shared expert's gate (out = 1). Not a LinearBase, so no
+    --quantization method takes it."""
 
-    def __init__(self, input_size: int, output_size: int):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class FusedMoE(nn.Module):
@@ -151,8 +168,13 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         scoring_func: str = "softmax",
         reduce_results: bool = True,
+        bias: bool = False,
+        activation: str = "silu",
+        swiglu: tuple[float, float] = (1.702, 7.0),
     ):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {activation!r} is not one of {ACTIVATIONS}")
         if scoring_func not in SCORING_FUNCS:
             raise ValueError(f"MoE scoring function {scoring_func!r} is not one of {SCORING_FUNCS}")
         if not 0 < top_k <= num_experts:
@@ -173,6 +195,13 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
+        self.activation, self.swiglu = activation, swiglu  # swiglu: gpt-oss's (alpha, limit)
+        self._act = SwigluOAIAndMul(*swiglu) if activation == "swigluoai" else _silu_and_mul
+        # gpt-oss: a bias on each expert's gate_up (this rank's slice of I) and down
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self._gemms = (GemmChoice(), GemmChoice())
         # (e, GATE or DOWN, x) -> x @ expert e's w13 or w2, where the weights are not floats
         # (engine.layers.quantization.gguf.GGUFExperts: a GGUF file's blocks); CPU only
@@ -206,13 +235,18 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func
         )
+        biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
         if fused is not None:
-            out = fused.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            out = fused.fused_experts(
+                x, self.w13_weight, self.w2_weight, weights, ids, biases, self.activation,
+                self.swiglu,
+            )  # fmt: skip
         else:
             out = experts_cpu(
-                x, self.w13_weight, self.w2_weight, weights, ids, self._gemms, self.expert_linear
-            )
+                x, self.w13_weight, self.w2_weight, weights, ids, self._gemms,
+                self.expert_linear, biases, self._act,
+            )  # fmt: skip
         return tp_all_reduce(out) if self.reduce_results else out
 
 

@@ -3,7 +3,10 @@
 The model looks cos/sin up once per step (RotaryEmbedding.lookup) and every attention layer
 applies them with its ApplyRotary op, so no layer recomputes frequencies. Supports rope_type
 "default", "llama3" and "longrope" (Phi-3 / Phi-4), and rotary on the first rotary_dim dims of
-each head only (partial_rotary_factor: the model rotates that slice, the rest passes through).
+each head only (partial_rotary_factor: the model rotates that slice, the rest passes through),
+and "yarn" (gpt-oss; Qwen2.5 / Qwen3 configs that enable it for long contexts): static, as
+transformers applies it, the same frequencies for every position, cos and sin scaled by the
+attention factor.
 
 LongRoPE: transformers picks the short factors while a forward's largest position is below
 original_max_position_embeddings and the long ones beyond it, for the whole forward (and keeps
@@ -74,6 +77,45 @@ def longrope_parameters(
     return inv[0], inv[1], float(attention_factor)
 
 
+def yarn_parameters(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor) of a "yarn" scaling dict over rotary dim dim:
+    transformers' _compute_yarn_parameters. scaling holds factor and
+    original_max_position_embeddings (engine.models.hf_config fills factor in as
+    max_position_embeddings / original when the config has none), optionally beta_fast /
+    beta_slow (32 / 1), mscale / mscale_all_dim, attention_factor and truncate (True)."""
+    factor = float(scaling["factor"])
+    original = int(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:  # the YaRN paper's Eq. 21
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp  # 1: the dim keeps its frequency; 0: interpolated by factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to max_position over rotary_dim (default head_dim)."""
 
@@ -87,10 +129,10 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
-        if rope_type not in (None, "default", "linear", "llama3", "longrope"):
+        if rope_type not in (None, "default", "linear", "llama3", "longrope", "yarn"):
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported "
-                "(supported: default, linear, llama3, longrope)"
+                "(supported: default, linear, llama3, longrope, yarn)"
             )
         self.head_dim = head_dim
         dim = self.rotary_dim = rotary_dim or head_dim
@@ -103,6 +145,10 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.cat(  # [P, D/2]: short factors below original, long ones from it
                 (torch.outer(t[:original], short), torch.outer(t[original:], long))
             )
+            cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = yarn_parameters(dim, base, rope_scaling)
+            freqs = torch.outer(t, inv_freq)
             cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         else:
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

@@ -46,6 +46,8 @@ class HFModelConfig:
     # config.json as read: a model's own fields (engine.models.gemma3 reads its rope bases,
     # layer types and scalars from it)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # gpt-oss: a learned logit per attention head in every softmax, with no value
+    attention_sinks: bool = False
     # Mixture of experts (0 experts: a dense model). Layer i has the experts unless it is in
     # mlp_only_layers or (i + 1) % decoder_sparse_step != 0 (Qwen's rule; Mixtral: every layer).
     num_experts: int = 0
@@ -109,7 +111,22 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     scaling["rope_type"] = rope_type
     if rope_type == "longrope":
         _longrope(raw, scaling)
+    elif rope_type == "yarn":
+        _yarn(raw, scaling)
     return theta, scaling, partial
+
+
+def _yarn(raw: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Complete a yarn scaling dict as transformers reads it: original_max_position_embeddings
+    (required), factor (when absent: max_position_embeddings / original)."""
+    original = scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not original:
+        raise ValueError("rope_scaling type 'yarn' needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original)
+    if scaling.get("factor") is None:
+        scaling["factor"] = int(raw.get("max_position_embeddings", 2048)) / int(original)
 
 
 def _longrope(raw: dict[str, Any], scaling: dict[str, Any]) -> None:
@@ -225,6 +242,7 @@ def parse_hf_config(raw: dict[str, Any], generation: dict[str, Any] | None = Non
         layer_sliding_windows=windows,
         sliding_window=max((w for w in windows if w is not None), default=None),
         partial_rotary_factor=partial_rotary_factor,
+        attention_sinks=model_type == "gpt_oss",
         quantization_config=_quantization_config(raw),
         raw=raw,
         **_moe(raw, model_type),
@@ -237,13 +255,15 @@ def _moe(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     if not experts:
         return {}
-    mixtral = model_type == "mixtral"
+    # Mixtral always renormalizes the top-k weights; gpt-oss softmaxes the top-k logits
+    # (the same weights)
+    renormalized = model_type in ("mixtral", "gpt_oss")
     inter = raw.get("moe_intermediate_size") or raw["intermediate_size"]
     return dict(
         num_experts=experts,
         num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
         moe_intermediate_size=int(inter),
-        norm_topk_prob=True if mixtral else bool(raw.get("norm_topk_prob", False)),
+        norm_topk_prob=True if renormalized else bool(raw.get("norm_topk_prob", False)),
         moe_scoring_func=str(raw.get("scoring_func", "softmax")),
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),

@@ -59,6 +59,7 @@ class LlamaAttention(nn.Module):
             cfg.head_dim,
             scale=cfg.head_dim**-0.5,
             sliding_window=cfg.layer_sliding_window(layer_idx),
+            sinks=cfg.attention_sinks,
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

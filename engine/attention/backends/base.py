@@ -33,6 +33,9 @@ class AttentionLayer(Protocol):
     # Query position i attends key j iff i - sliding_window < j <= i; None: all j <= i. The
     # step's metadata is the same for every layer: a backend applies the window in forward.
     sliding_window: int | None
+    # float32 [H]: a logit per query head that joins every softmax with no value (gpt-oss's
+    # attention sinks); None: none
+    sinks: torch.Tensor | None
 
 
 @dataclass(slots=True)

@@ -234,7 +234,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ks, vs = (None, None) if scales is None else (scales[0], scales[1])
             cpu_kernel.paged_decode(
                 out[:n], q[:n], kv_cache[0], kv_cache[1], kd.block_tables, kd.context_lens,
-                kd.scratch, layer.scale, ks, vs, layer.sliding_window,
+                kd.scratch, layer.scale, ks, vs, layer.sliding_window, layer.sinks,
             )  # fmt: skip
         self._torch_rows(layer, q, k, v, kv_cache, metadata, out)
         return out.view(t, -1)

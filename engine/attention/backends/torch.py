@@ -10,6 +10,10 @@ step's metadata is built once without a window; a windowed layer's variant is bu
 same common metadata the first time a layer of that window asks (metadata.for_window), then
 shared by the others: each sequence gathers from the block holding its first key in the
 window (the blocks before it may be freed: engine.core.kv_cache_manager), masked to the window.
+
+A layer with attention sinks (gpt-oss: a logit per head in every softmax, with no value) runs
+attend_with_sinks instead of SDPA: the same scores and masks, the sink joining each row's
+softmax as one more column that is then dropped (transformers' eager attention).
 """
 
 from __future__ import annotations
@@ -28,6 +32,34 @@ from engine.attention.backends.base import (
 )
 from engine.attention.kv_spec import KVCacheSpec
 from engine.attention.metadata import CommonAttentionMetadata
+
+
+def attend_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """softmax([q k^T * scale + mask, sink]) without its sink column, times v: q [B, Hq, Q, D],
+    k/v [B, Hk, L, D] (Hq a multiple of Hk: grouped-query heads share a KV head), mask None
+    (causal, the queries being the last Q of the L positions), bool (True: attend) or
+    additive, broadcast to [B, Hq, Q, L]; sinks broadcast to [B, Hq, Q, 1]. In float32."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is None:
+        rows, keys = scores.shape[-2:]
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(keys - rows)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 @dataclass(slots=True)
@@ -334,7 +366,11 @@ class TorchAttentionBackend(AttentionBackend):
         v = kv[1].view(n, -1, hkv, d).transpose(1, 2)
         # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
         qg = q.view(n, hkv, -1, d)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=layer.scale)
+        if layer.sinks is not None:  # a KV head's G query heads are its G query rows
+            sinks = layer.sinks.view(1, hkv, -1, 1)
+            o = attend_with_sinks(qg, k, v, g.mask, layer.scale, sinks)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=layer.scale)
         # reshape, not view: CUDA's SDPA kernels may return [n, Hkv, G, D] in another layout
         return o.reshape(n, layer.num_heads, d)
 
@@ -347,9 +383,12 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(self, layer, q, k, v, p: PrefillChunk, kv_cache, meta) -> torch.Tensor:
         """A chunk of queries: causal over its own tokens, full over its cached prefix."""
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        sinks = None if layer.sinks is None else layer.sinks.view(1, -1, 1, 1)
         if p.block_table is None:
             kh = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vh = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            if sinks is not None:
+                return attend_with_sinks(qh, kh, vh, p.mask, layer.scale, sinks)[0].transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qh,
                 kh,
@@ -365,6 +404,8 @@ class TorchAttentionBackend(AttentionBackend):
             hkv, d = layer.num_kv_heads, layer.head_dim
             kh = kv[0].view(-1, hkv, d)[: p.context_len].transpose(0, 1).unsqueeze(0)
             vh = kv[1].view(-1, hkv, d)[: p.context_len].transpose(0, 1).unsqueeze(0)
+            if sinks is not None:
+                return attend_with_sinks(qh, kh, vh, p.mask, layer.scale, sinks)[0].transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=p.mask, scale=layer.scale, enable_gqa=True
             )

@@ -34,6 +34,7 @@ from engine.attention.backends.base import (
     AttentionMetadata,
     check_static_capacity,
 )
+from engine.attention.backends.torch import attend_with_sinks
 from engine.attention.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
             metadata.tile_req, metadata.tile_qstart, metadata.launch,
             layer.scale, kv_fp8.K_SCALE, kv_fp8.V_SCALE, metadata.partials,
-            layer.sliding_window,
+            layer.sliding_window, layer.sinks,
         )  # fmt: skip
         return out.view(t, -1)
 
@@ -245,14 +246,18 @@ class TritonAttentionBackend(AttentionBackend):
                 pos = torch.arange(hi - lo, device=q.device)
                 diff = pos[:, None] - pos[None, :]
                 mask = (diff >= 0) & (diff < window)
-            o = F.scaled_dot_product_attention(
-                qh,
-                kh,
-                vh,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=layer.scale,
-                enable_gqa=True,
-            )
+            if layer.sinks is not None:
+                sinks = layer.sinks.view(1, -1, 1, 1)
+                o = attend_with_sinks(qh, kh, vh, mask, layer.scale, sinks)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qh,
+                    kh,
+                    vh,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=layer.scale,
+                    enable_gqa=True,
+                )
             out[lo:hi] = o[0].transpose(0, 1)
         return out

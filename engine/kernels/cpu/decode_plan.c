@@ -94,7 +94,7 @@ int run_decode(const Shape* s, const Layer* layers, int64_t n_layers, const Step
       paged_decode_kv8_bf16(st->attn, H * D, st->qk, qk_n, (const int8_t*)L->k_cache,
           (const int8_t*)L->v_cache, L->k_scales, L->v_scales, st->block_tables, st->max_blocks,
           st->context_lens, M, (int)H, (int)Hkv, (int)D, (int)s->block_size, 0, s->scale,
-          st->scratch, st->scratch_size, st->decode_threads);
+          NULL, st->scratch, st->scratch_size, st->decode_threads);
     } else {  /* [blocks, block_size, Hkv, D]: a token's heads are one row at its slot */
       for (int64_t t = 0; t < M; ++t) {
         memcpy((bf16*)L->k_cache + st->slots[t] * Hkv * D, k + t * qk_n, sizeof(bf16) * Hkv * D);
@@ -103,7 +103,7 @@ int run_decode(const Shape* s, const Layer* layers, int64_t n_layers, const Step
       paged_decode_bf16(st->attn, H * D, st->qk, qk_n, (const bf16*)L->k_cache,
           (const bf16*)L->v_cache, L->k_scales, L->v_scales, st->block_tables, st->max_blocks,
           st->context_lens, M, (int)H, (int)Hkv, (int)D, (int)s->block_size, 0, s->scale,
-          st->scratch, st->scratch_size, st->decode_threads);
+          NULL, st->scratch, st->scratch_size, st->decode_threads);
     }
     if (linear(L, O, st, st->attn, H * D, H * D, st->hidden, Hd)) return -1;
     rmsnorm_bf16(st->hidden, Hd, st->residual, Hd, L->post_norm, st->normed, Hd, M, Hd, s->eps, T);

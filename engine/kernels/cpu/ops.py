@@ -54,7 +54,7 @@ _ROPE = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]
 # max_blocks, context_lens, n, H, Hkv, D, block_size, window (0: none), scale, scratch,
 # scratch_size, threads
 _DECODE = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _INT, _INT, _INT, _INT]
-_DECODE += [_INT, _F32, _P, _I64, _INT]
+_DECODE += [_INT, _F32, _P, _P, _I64, _INT]  # ..., window, scale, sinks, scratch, ...
 # k_cache, v_cache, k_scales, v_scales, slots, n, k, k_stride, v, v_stride, Hkv, D, block_size
 _KV8_WRITE = [_P, _P, _P, _P, _P, _I64, _P, _I64, _P, _I64, _INT, _INT, _INT]
 

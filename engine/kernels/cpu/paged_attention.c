@@ -27,12 +27,14 @@ static inline void prefetch_part(const void* p, int64_t bytes, int64_t part, int
     __builtin_prefetch(c + o, 0, 1);
 }
 /* Each row r of s [H][L] becomes softmax(row) (plain loops; softmax512 below is the
-   AVX-512 one). */
-static inline void softmax_rows(float* s, int H, int64_t L) {
+   AVX-512 one). sinks (NULL: none): a logit per query head that joins each row's softmax
+   with no value (gpt-oss's attention sinks): it only adds exp(sink) to the denominator. */
+static inline void softmax_rows(float* s, int H, int64_t L, const float* sinks) {
   for (int r = 0; r < H; ++r) {
-    float* sr = s + r * L; float m = -INFINITY, sum = 0.f;
+    float* sr = s + r * L; float m = sinks ? sinks[r] : -INFINITY, sum = 0.f;
     for (int64_t l = 0; l < L; ++l) m = sr[l] > m ? sr[l] : m;
     for (int64_t l = 0; l < L; ++l) { float e = expf(sr[l] - m); sr[l] = e; sum += e; }
+    if (sinks) sum += expf(sinks[r] - m);
     const float inv = 1.f / sum;
     for (int64_t l = 0; l < L; ++l) sr[l] *= inv;
   }
@@ -53,7 +55,7 @@ static inline void mask_before_window(float* s, int H, int64_t stride, int64_t s
 #define DEFINE_ONE(NAME, T, LOAD, STORE)                                                       \
 static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const float* ksc,       \
     const float* vsc, const int64_t* table, int64_t L, int64_t skip, int H, int Hkv,         \
-    const int D, int bs, float scale, float* scratch) {                                      \
+    const int D, int bs, float scale, const float* sinks, float* scratch) {                  \
   const int G = H / Hkv;                                                                     \
   float* qf = scratch; float* acc = qf + H * D; float* tile = acc + H * D;                   \
   float* s = tile + (int64_t)bs * Hkv * D;                                                   \
@@ -82,7 +84,7 @@ static inline void NAME(T* out, const T* q, const T* kc, const T* vc, const floa
     }                                                                                        \
   }                                                                                          \
   mask_before_window(s, H, L, skip);                                                         \
-  softmax_rows(s, H, L);                                                                     \
+  softmax_rows(s, H, L, sinks);                                                              \
   memset(acc, 0, sizeof(float) * H * D);                                                     \
   for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
     const int64_t l0 = bi * bs;                                                              \
@@ -136,11 +138,14 @@ static inline float row_max512(const float* sr, int64_t L) {
   return m;
 }
 
-/* Each row r of s [H][L] (rows `stride` apart) becomes softmax(row), 16 scores at a time. */
-static inline void softmax512(float* s, int H, int64_t L, int64_t stride) {
+/* Each row r of s [H][L] (rows `stride` apart) becomes softmax(row), 16 scores at a time;
+   sinks as softmax_rows'. */
+static inline void softmax512(float* s, int H, int64_t L, int64_t stride, const float* sinks) {
   for (int r = 0; r < H; ++r) {
     float* sr = s + r * stride;
-    const __m512 vm = _mm512_set1_ps(row_max512(sr, L));
+    float m = row_max512(sr, L);
+    if (sinks && sinks[r] > m) m = sinks[r];
+    const __m512 vm = _mm512_set1_ps(m);
     __m512 sv = _mm512_setzero_ps();
     for (int64_t l = 0; l < L; l += 16) {
       const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
@@ -148,7 +153,8 @@ static inline void softmax512(float* s, int H, int64_t L, int64_t stride) {
       sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
       _mm512_mask_storeu_ps(sr + l, k, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    const float sink = sinks ? expf(sinks[r] - m) : 0.f;
+    const __m512 inv = _mm512_set1_ps(1.f / (_mm512_reduce_add_ps(sv) + sink));
     for (int64_t l = 0; l < L; l += 16) {
       const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
       _mm512_mask_storeu_ps(sr + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + l), inv));
@@ -175,12 +181,15 @@ static inline void store512_bf16(uint16_t* out, const float* acc, int n) {
    the end. (Float V tiles, one FMA per 16 products, took 2.5x the instructions.) */
 
 /* Row r of s [H][L] -> p[r] (Lp = L rounded up to even apart; the pad 0) = bf16(exp(s - max))
-   and inv[r] = 1 / the float sum of the unrounded exps. */
+   and inv[r] = 1 / the float sum of the unrounded exps (and exp(sink - max): sinks as
+   softmax_rows'). */
 static inline void softmax_numerators_bf16(const float* s, int H, int64_t L, uint16_t* p,
-    int64_t Lp, float* inv) {
+    int64_t Lp, float* inv, const float* sinks) {
   for (int r = 0; r < H; ++r) {
     const float* sr = s + r * L; uint16_t* pr = p + r * Lp;
-    const __m512 vm = _mm512_set1_ps(row_max512(sr, L));
+    float m = row_max512(sr, L);
+    if (sinks && sinks[r] > m) m = sinks[r];
+    const __m512 vm = _mm512_set1_ps(m);
     __m512 sv = _mm512_setzero_ps();
     for (int64_t l = 0; l < L; l += 16) {
       const __mmask16 k = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
@@ -189,7 +198,7 @@ static inline void softmax_numerators_bf16(const float* s, int H, int64_t L, uin
       _mm256_mask_storeu_epi16(pr + l, k, f2bf512(e));
     }
     if (Lp > L) pr[L] = 0;
-    inv[r] = 1.f / _mm512_reduce_add_ps(sv);
+    inv[r] = 1.f / (_mm512_reduce_add_ps(sv) + (sinks ? expf(sinks[r] - m) : 0.f));
   }
 }
 
@@ -221,7 +230,7 @@ static inline void softmax_numerators_bf16(const float* s, int H, int64_t L, uin
 static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint16_t* kc,
     const uint16_t* vc, const float* ksc, const float* vsc, const int64_t* table, int64_t L,
     int64_t skip, int H, int Hkv, const int D, int bs,
-    float scale, float* scratch) {
+    float scale, const float* sinks, float* scratch) {
   const int G = H / Hkv;
   const int64_t Lp = (L + 1) & ~(int64_t)1;
   float* acc = scratch; float* s = acc + H * D;
@@ -261,7 +270,7 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
     }
   }
   mask_before_window(s, H, L, skip);
-  softmax_numerators_bf16(s, H, L, p, Lp, inv);
+  softmax_numerators_bf16(s, H, L, p, Lp, inv, sinks);
   for (int r = 0; r < H; ++r)  /* exp512 stops at e^-87: those weights exactly 0 */
     for (int64_t l = 0; l < skip; ++l) p[r * Lp + l] = 0;
   /* acc keeps each 32 dims in pair order: unpacklo's lanes (dims 8k..8k+3 in 128-bit lane k)
@@ -302,9 +311,9 @@ static inline void one_bf16_avx512(uint16_t* out, const uint16_t* q, const uint1
 static inline void one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* kc,
     const uint16_t* vc, const float* ksc, const float* vsc, const int64_t* table, int64_t L,
     int64_t skip, int H, int Hkv, const int D, int bs,
-    float scale, float* scratch) {
-  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch);
-  else one_bf16_generic(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch);
+    float scale, const float* sinks, float* scratch) {
+  if (D % 32 == 0) one_bf16_avx512(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, sinks, scratch);
+  else one_bf16_generic(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, sinks, scratch);
 }
 #else
 #define one_bf16 one_bf16_generic
@@ -407,7 +416,7 @@ void kv_write(char* kc, char* vc, const int64_t* slots, int64_t n, const char* k
 #define DEFINE_ONE_KV8(NAME, T, LOAD, STORE)                                                  \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
     const float* ksc, const float* vsc, const int64_t* table, int64_t L, int64_t skip,      \
-    int H, int Hkv, const int D, int bs, float scale, float* scratch) {                      \
+    int H, int Hkv, const int D, int bs, float scale, const float* sinks, float* scratch) {  \
   const int G = H / Hkv;                                                                     \
   float* qf = scratch; float* acc = qf + H * D; float* s = acc + H * D;                      \
   for (int i = 0; i < H * D; ++i) qf[i] = LOAD(q[i]) * scale;                                \
@@ -425,7 +434,7 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
       }                                                                                      \
   }                                                                                          \
   mask_before_window(s, H, L, skip);                                                         \
-  softmax_rows(s, H, L);                                                                     \
+  softmax_rows(s, H, L, sinks);                                                              \
   memset(acc, 0, sizeof(float) * H * D);                                                     \
   for (int64_t bi = 0; bi < nblk; ++bi) {                                                    \
     const int64_t l0 = bi * bs, n = L - l0 < bs ? L - l0 : bs;                               \
@@ -501,7 +510,7 @@ static inline __attribute__((always_inline)) void v_tile(const int GN, const int
 #define DEFINE_ONE_KV8_AVX512(NAME, T, LOAD, STORE_ROW)                                       \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
     const float* ksc, const float* vsc, const int64_t* table, int64_t L, int64_t skip,      \
-    int H, int Hkv, const int D, int bs, float scale, float* scratch) {                      \
+    int H, int Hkv, const int D, int bs, float scale, const float* sinks, float* scratch) {  \
   const int G = H / Hkv;                                                                     \
   const int64_t Lp = (L + 15) & ~(int64_t)15;                                                \
   float* acc = scratch; float* s = acc + H * D;                                              \
@@ -552,7 +561,7 @@ static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc, 
       }                                                                                      \
   }                                                                                          \
   mask_before_window(s, H, Lp, skip);  /* e^-87 at most: quantized to 0 below */           \
-  softmax512(s, H, L, Lp);                                                                   \
+  softmax512(s, H, L, Lp, sinks);                                                            \
   for (int r = 0; r < H; ++r) {  /* w = p * V's token scale -> int16, zero past L */          \
     const int h = r / G; float* sr = s + r * Lp;                                             \
     __m512 mx = _mm512_setzero_ps();                                                         \
@@ -615,9 +624,9 @@ DEFINE_ONE_KV8_AVX512(one_kv8_bf16_avx512, uint16_t, bf2f, store512_bf16)
 #define DEFINE_ONE_KV8_DISPATCH(NAME, T, SUFFIX)                                              \
 static inline void NAME(T* out, const T* q, const int8_t* kc, const int8_t* vc,              \
     const float* ksc, const float* vsc, const int64_t* table, int64_t L, int64_t skip,      \
-    int H, int Hkv, const int D, int bs, float scale, float* scratch) {                      \
-  if (KV8_VNNI(D, bs)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch); \
-  else one_kv8_##SUFFIX##_generic(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, scratch); \
+    int H, int Hkv, const int D, int bs, float scale, const float* sinks, float* scratch) {  \
+  if (KV8_VNNI(D, bs)) one_kv8_##SUFFIX##_avx512(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, sinks, scratch); \
+  else one_kv8_##SUFFIX##_generic(out, q, kc, vc, ksc, vsc, table, L, skip, H, Hkv, D, bs, scale, sinks, scratch); \
 }
 DEFINE_ONE_KV8_DISPATCH(one_kv8_f32, float, f32)
 DEFINE_ONE_KV8_DISPATCH(one_kv8_bf16, uint16_t, bf16)
@@ -628,11 +637,13 @@ DEFINE_ONE_KV8_DISPATCH(one_kv8_bf16, uint16_t, bf16)
    ks / vs: the int8 cache's scales (unused, may be NULL, for a cache in the model's dtype).
    window > 0: a sliding window, each row attending only its last `window` keys (positions
    ctx - window .. ctx - 1): its table read from the block holding the first of them, the
-   keys before it in that block masked; blocks before it are never read (they may be freed). */
+   keys before it in that block masked; blocks before it are never read (they may be freed).
+   sinks: NULL, or a logit per query head (float32 [H]) in every row's softmax (softmax_rows). */
 #define DEFINE_BATCH(NAME, ONE, T, CT)                                                        \
 void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const CT* kc, const CT* vc, \
     const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx,  \
-    int64_t n, int H, int Hkv, int D, int bs, int window, float scale, float* scratch,       \
+    int64_t n, int H, int Hkv, int D, int bs, int window, float scale, const float* sinks,   \
+    float* scratch,                                                                          \
     int64_t scratch_size, int nthreads) {                                                    \
   _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                    \
   for (int64_t i = 0; i < n; ++i) {                                                          \
@@ -643,11 +654,11 @@ void NAME(T* out, int64_t out_stride, const T* q, int64_t q_stride, const CT* kc
     T* o = out + b * out_stride; const T* qq = q + b * q_stride;                             \
     const int64_t* t = bt + b * max_nb + b0;                                                 \
     switch (D) {                                                                             \
-      case 16: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 16, bs, scale, sc); break;      \
-      case 32: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 32, bs, scale, sc); break;      \
-      case 64: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 64, bs, scale, sc); break;      \
-      case 128: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 128, bs, scale, sc); break;    \
-      default: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, D, bs, scale, sc);              \
+      case 16: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 16, bs, scale, sinks, sc); break;      \
+      case 32: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 32, bs, scale, sinks, sc); break;      \
+      case 64: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 64, bs, scale, sinks, sc); break;      \
+      case 128: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, 128, bs, scale, sinks, sc); break;    \
+      default: ONE(o, qq, kc, vc, ks, vs, t, L, skip, H, Hkv, D, bs, scale, sinks, sc);              \
     }                                                                                        \
   }                                                                                          \
 }

@@ -12,6 +12,8 @@ Then one launch of _fused_moe_kernel per projection, a grid of (blocks, N tiles)
      epilogue: [T * top_k, H] in float32;
 
 and the top-k rows of each token are summed (one torch reduction) and cast to x's dtype.
+gpt-oss's experts add a bias to each product (before the activation, before the routing
+weight) and take the clamped SwiGLU (ACT_SWIGLU_OAI) instead of SiLU-and-mul.
 
 No host sync, so it captures into a CUDA graph: the alignment is torch ops on the device
 (scatter_add counts, a stable sort, cumsums, searchsorted) into buffers sized by the static
@@ -40,6 +42,7 @@ def _fused_moe_kernel(
     b_ptr,
     c_ptr,
     weights_ptr,
+    bias_ptr,  # [E, N] (gate_up: [E, 2N], gate | up), read with HAS_BIAS
     sorted_ids_ptr,
     expert_ids_ptr,
     num_post_padded_ptr,
@@ -53,9 +56,14 @@ def _fused_moe_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_bias_e,
     A_DIV: tl.constexpr,  # a's row of pair p is p // A_DIV (top_k for x, 1 for the intermediate)
     SILU_MUL: tl.constexpr,  # b has 2N rows (gate | up): c = silu(a b_gate^T) * (a b_up^T)
     MUL_WEIGHT: tl.constexpr,  # c's row p scaled by weights[p]
+    HAS_BIAS: tl.constexpr,
+    ACT_SWIGLU_OAI: tl.constexpr,  # with SILU_MUL: gpt-oss's clamped SwiGLU instead
+    SWIGLU_ALPHA: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,  # float32 operands: full-precision dot (no tf32)
     BLOCK_M: tl.constexpr,
@@ -102,8 +110,18 @@ def _fused_moe_kernel(
                 acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if ACT_SWIGLU_OAI:
+            gate = tl.minimum(acc, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            acc = (up + 1.0) * gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -148,17 +166,24 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, ends[-1:]
 
 
-def _launch(a, b, c, weights, sorted_ids, expert_ids, num_post, n, a_div, silu, mul_weight, bm):
+def _launch(
+    a, b, c, weights, sorted_ids, expert_ids, num_post, n, a_div, silu, mul_weight, bm,
+    bias=None, swiglu=None,
+):  # fmt: skip
     k = a.shape[1]
     block_n = 64 if n >= 64 else 32
     block_k = 64 if k >= 64 else 32
     fp32 = a.dtype == torch.float32
     grid = (sorted_ids.numel() // bm, triton.cdiv(n, block_n))
     _fused_moe_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_post,
+        a, b, c, weights, c if bias is None else bias, sorted_ids, expert_ids, num_post,
         n, k, weights.numel(),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        0 if bias is None else bias.stride(0),
         A_DIV=a_div, SILU_MUL=silu, MUL_WEIGHT=mul_weight,
+        HAS_BIAS=bias is not None, ACT_SWIGLU_OAI=swiglu is not None,
+        SWIGLU_ALPHA=0.0 if swiglu is None else float(swiglu[0]),
+        SWIGLU_LIMIT=0.0 if swiglu is None else float(swiglu[1]),
         UPCAST=_INTERPRET and not fp32, IEEE=fp32,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
@@ -170,10 +195,15 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: str = "silu",
+    swiglu: tuple[float, float] = (1.702, 7.0),
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights / topk_ids [T, top_k]
     -> sum_k topk_weights[t, k] * w2[e] (silu(w13[e, :I] x) * w13[e, I:] x), e = topk_ids[t, k];
-    [T, H] in x's dtype."""
+    [T, H] in x's dtype. biases: (b13 [E, 2I], b2 [E, H]) added to the two products;
+    activation "swigluoai": gpt-oss's clamped SwiGLU (engine.layers.activation) with swiglu's
+    (alpha, limit)."""
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -185,8 +215,13 @@ def fused_experts(
     bm = block_m_for(n, num_experts)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, bm, num_experts)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    b13, b2 = (None, None) if biases is None else biases
+    oai = swiglu if activation == "swigluoai" else None
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, top_k, True, False, bm)
+    _launch(
+        x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, top_k, True, False, bm,
+        b13, oai,
+    )  # fmt: skip
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    _launch(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm)
+    _launch(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm, b2)
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -116,6 +116,7 @@ def _paged_attention_kernel(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
+    sinks_ptr,  # float32 [NUM_HEADS] with HAS_SINKS: a logit per head, in every softmax
     qk_scale,  # the softmax scale times log2(e), times the K scale of an fp8 cache
     v_scale,
     window,  # a query at position i attends keys j > i - window (no window: a huge one)
@@ -140,6 +141,7 @@ def _paged_attention_kernel(
     DOT_IEEE: tl.constexpr,
     FP8: tl.constexpr,
     CLAMP_Q: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -223,6 +225,12 @@ def _paged_attention_kernel(
     if FP8:  # p @ (v * v_scale) = (p @ v) * v_scale: one multiply a row, not one a value
         acc = acc * v_scale
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink joins the softmax with no value: only the sum grows
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_all)
+            l_i = l_i * alpha + tl.exp2(sink - m_all)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # no keys (a padding row): zeros
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -242,6 +250,7 @@ def _combine_splits_kernel(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -249,6 +258,7 @@ def _combine_splits_kernel(
     DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -258,8 +268,13 @@ def _combine_splits_kernel(
     m = tl.load(part_m_ptr + part, mask=split_ok, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: 0
     total = tl.sum(l_s * weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_max)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     acc = tl.load(
@@ -297,13 +312,15 @@ def paged_attention(
     v_scale: float = 1.0,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H, D] = attention of q [T, H, D] over kv_cache [2, blocks, bs, Hkv, D] (an fp8
     cache: values times the scales). block_table int32 [num_reqs, >= blocks of each request]
     (any row stride), seq_lens / query_start_loc int32, tile_req / tile_qstart int32 from
     `launch`. partials: flat fp32 buffers (out, max, sum) of at least T * H * splits * D and
     T * H * splits values, for a split launch; allocated here when not given. window: a
-    sliding window (a query at position i attends keys i - window < j <= i); None: none."""
+    sliding window (a query at position i attends keys i - window < j <= i); None: none.
+    sinks: float32 [H], a logit per head joining every softmax with no value; None: none."""
     t, num_heads, head_dim = q.shape
     if t == 0 or launch.num_tiles == 0:
         return out
@@ -331,7 +348,7 @@ def paged_attention(
     _paged_attention_kernel[(launch.num_tiles, num_kv_heads, splits)](
         out, q, k_cache, v_cache,
         block_table, seq_lens, query_start_loc, tile_req, tile_qstart,
-        part_out, part_m, part_l,
+        part_out, part_m, part_l, out if sinks is None else sinks,
         # q . (k * k_scale) = (q . k) * k_scale: the K scale rides on the softmax scale
         float(scale) * (float(k_scale) if fp8 else 1.0) * 1.4426950408889634, float(v_scale),
         NO_WINDOW if window is None else int(window),
@@ -351,15 +368,17 @@ def paged_attention(
         DOT_IEEE=dot == tl.float32,
         FP8=fp8,
         CLAMP_Q=dot == tl.float16 and q.dtype != torch.float16,
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(t, num_heads)](
-            out, part_out, part_m, part_l,
+            out, part_out, part_m, part_l, out if sinks is None else sinks,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
             NUM_SPLITS=splits,
             SPLITS_PAD=triton.next_power_of_2(splits),
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out

@@ -37,6 +37,7 @@ METHODS: dict[str, tuple[str, str] | str | None] = {
     "awq": "awq:AWQConfig",
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
     "fp8": "fp8:Fp8Config",
+    "mxfp4": "mxfp4:Mxfp4Config",
 }
 # --quantization's values; unset picks the checkpoint's, gguf or none (quantize.resolve_method)
 QUANTIZATION_CHOICES = ("none", *METHODS)

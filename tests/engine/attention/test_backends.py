@@ -85,9 +85,10 @@ def _inputs(seqs, heads, kv_heads, d, bs, num_blocks, dtype, int8, seed=0):
     return cache, scales, q, k, v
 
 
-def _exact(cache, q, seqs, window: int | None = None) -> torch.Tensor:
+def _exact(cache, q, seqs, window: int | None = None, sinks=None) -> torch.Tensor:
     """float64 attention of every query row over the written (float) cache, token by token;
-    with a window, over keys i - window < j <= i only (transformers' sliding-window mask)."""
+    with a window, over keys i - window < j <= i only (transformers' sliding-window mask);
+    with sinks [H], each head's sink a softmax column with no value (transformers' gpt-oss)."""
     kv_heads, d = cache.shape[-2:]
     heads, rows, row = q.shape[1], [], 0
     for start, n, ids in seqs:
@@ -98,7 +99,12 @@ def _exact(cache, q, seqs, window: int | None = None) -> torch.Tensor:
             first = 0 if window is None else max(0, length - window)
             qg = q[row].double().view(kv_heads, heads // kv_heads, d)
             scores = torch.einsum("hgd,lhd->hgl", qg, keys[first:length]) * d**-0.5
-            rows.append(torch.einsum("hgl,lhd->hgd", scores.softmax(-1), values[first:length]))
+            if sinks is not None:
+                sink = sinks.double().view(kv_heads, -1, 1)
+                probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            rows.append(torch.einsum("hgl,lhd->hgd", probs, values[first:length]))
             row += 1
     return torch.stack(rows).reshape(row, -1)
 
@@ -255,6 +261,80 @@ def test_cpu_backend_with_a_sliding_window_matches_torch(
     ref, out = outs
     assert not ref.isnan().any() and not out.isnan().any()
     same_inputs = torch.ones(q.shape[0], dtype=torch.bool)  # as in the test above
+    row = 0
+    for start, n, _ in seqs:
+        if int8 and start == 0 and n > 1 and start + n <= limit:
+            same_inputs[row : row + n] = False
+        row += n
+    torch.testing.assert_close(
+        out[same_inputs].float(), ref[same_inputs].float(), atol=ATOL[dtype, int8], rtol=0
+    )
+
+
+def _sinks(heads: int) -> torch.Tensor:
+    """gpt-oss-like sinks: some heads' sink far above their scores (most weight on nothing),
+    some far below (no effect), the rest comparable."""
+    g = torch.Generator().manual_seed(7)
+    sinks = torch.randn(heads, generator=g) * 2
+    sinks[0], sinks[-1] = 6.0, -30.0
+    return sinks
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "many-decodes", "prefix-hit", "long-prefill"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_torch_reference_with_sinks_matches_float64(scenario, window):
+    """Attention sinks (gpt-oss): each head's sink joins its softmax with no value; decodes
+    (grouped-query heads as rows), prefix hits, fresh prompts, under a window too."""
+    heads, kv_heads, head_dim, bs = 8, 2, 32, 16
+    seqs = _step(scenario, bs, NUM_BLOCKS)
+    cache, _, q, k, v = _inputs(seqs, heads, kv_heads, head_dim, bs, NUM_BLOCKS, torch.float32, 0)
+    if window is not None:
+        seqs = _windowed(seqs, window, bs, cache, None)
+    backend = TorchAttentionBackend(bs, heads, kv_heads, head_dim, torch.float32)
+    meta = backend.build_metadata(common_metadata_from_seqs(seqs, bs))
+    attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, sinks=True)
+    attn.sinks.data.copy_(_sinks(heads))
+    attn.kv_cache, attn.backend = cache.clone(), backend
+    with torch.inference_mode():
+        out = attn(q, k, v, meta)
+    exact = _exact(attn.kv_cache, q, seqs, window, attn.sinks)
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=0)
+    # the sinks matter: the same step without them differs
+    assert (exact - _exact(attn.kv_cache, q, seqs, window)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "decodes", "long-prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True], ids=["kv-model-dtype", "kv-int8"])
+@pytest.mark.parametrize("head_dim,window", [(64, None), (48, None), (64, 7)])
+def test_cpu_backend_with_sinks_matches_torch(scenario, dtype, int8, head_dim, window, monkeypatch):
+    """The C kernels' sinks (every variant: plain loops at head dim 48, AVX-512 bf16 and
+    VNNI int8 at 64) against the torch reference, which also runs the long prefill chunks."""
+    heads, kv_heads = 8, 2
+    _cpu_or_skip(dtype, kv_heads, head_dim)
+    bs = 16
+    limit = 40 if scenario == "long-prefill" else cpu_backend.KERNEL_PREFILL_MAX_CONTEXT
+    monkeypatch.setattr(cpu_backend, "KERNEL_PREFILL_MAX_CONTEXT", limit)
+    monkeypatch.setattr(cpu_backend, "AMX_KERNEL_PREFILL_MAX_CONTEXT", limit)
+    seqs = _step(scenario, bs, NUM_BLOCKS)
+    cache, scales, q, k, v = _inputs(seqs, heads, kv_heads, head_dim, bs, NUM_BLOCKS, dtype, int8)
+    if window is not None:
+        seqs = _windowed(seqs, window, bs, cache, scales)
+    common = common_metadata_from_seqs(seqs, bs)
+    outs = []
+    for backend in (
+        TorchAttentionBackend(bs, heads, kv_heads, head_dim, dtype),
+        CpuAttentionBackend(bs, heads, kv_heads, head_dim, dtype),
+    ):
+        attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, window, sinks=True)
+        attn.sinks.data.copy_(_sinks(heads))
+        attn.kv_cache, attn.kv_scales = cache.clone(), None if scales is None else scales.clone()
+        attn.kv_spec = kv_int8.Int8KVCacheSpec(bs, kv_heads, head_dim, dtype) if int8 else None
+        attn.backend = backend
+        with torch.inference_mode():
+            outs.append(attn(q, k, v, backend.build_metadata(common)))
+    ref, out = outs
+    same_inputs = torch.ones(q.shape[0], dtype=torch.bool)  # as in the tests above
     row = 0
     for start, n, _ in seqs:
         if int8 and start == 0 and n > 1 and start + n <= limit:

@@ -82,10 +82,12 @@ def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0):
     return tuple(x.to(DEVICE) for x in (cache, q, k, v))
 
 
-def _attend(backend, cache, q, k, v, meta, window=None):
+def _attend(backend, cache, q, k, v, meta, window=None, sinks=None):
     """Through the layer: write this step's K/V, then attend. -> (out [T, H*D], the cache)."""
     _, _, bs, kv_heads, d = cache.shape
-    attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5, sliding_window=window)
+    attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5, window, sinks=sinks is not None)
+    if sinks is not None:
+        attn.sinks.data.copy_(sinks)
     attn.kv_cache, attn.backend = cache.clone(), backend
     if cache.dtype == kv_fp8.FP8_DTYPE:
         attn.kv_spec = kv_fp8.Fp8KVCacheSpec(bs, kv_heads, d, q.dtype)
@@ -392,6 +394,36 @@ def test_padded_decode_batch_gives_the_unpadded_rows():
     padded_out, padded_cache = _attend(backend, cache, q, k, v, backend.build_metadata(padded))
     assert torch.equal(padded_out[:n], out) and not padded_out[n:].any()
     assert torch.equal(padded_cache, out_cache)
+
+
+@pytest.mark.parametrize(
+    "scenario,dtype,splits,window,fp8",
+    [("mixed", torch.float32, 1, None, False), ("decode", torch.float32, 4, None, False),
+     ("prefix", torch.bfloat16, 1, 7, False), ("decode", torch.bfloat16, 3, 16, True)],
+)  # fmt: skip
+def test_sinks_match_torch_reference(scenario, dtype, splits, window, fp8):
+    """Attention sinks (gpt-oss): in the one-pass kernel's last step and in the split
+    combine, with windows and an fp8 cache; some sinks dominate their heads, some vanish."""
+    heads, kv_heads, d, bs = 8, 2, 32, 16
+    seqs = _step(scenario, bs, seed=3)
+    cache, q, k, v = _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(5)) * 2
+    sinks[0], sinks[-1] = 6.0, -30.0
+    sinks = sinks.to(DEVICE)
+    common = common_metadata_from_seqs(seqs, bs)
+    target = splits * len(seqs) * kv_heads if splits > 1 else None
+    ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, dtype, device=DEVICE)
+    backend = TritonAttentionBackend(
+        bs, heads, kv_heads, d, dtype, DEVICE, split_target_programs=target
+    )
+    meta = backend.build_metadata(common)
+    assert meta.launch.num_splits == splits
+    ref_meta = ref_backend.build_metadata(common)
+    ref, _ = _attend(ref_backend, cache, q, k, v, ref_meta, window, sinks)
+    out, _ = _attend(backend, cache, q, k, v, meta, window, sinks)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    plain, _ = _attend(ref_backend, cache, q, k, v, ref_backend.build_metadata(common), window)
+    assert (plain.float() - ref.float()).abs().max() > 0.05  # the sinks changed the output
 
 
 @pytest.mark.parametrize("window", [None, 4])

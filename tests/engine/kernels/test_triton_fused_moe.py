@@ -70,6 +70,39 @@ def test_fused_experts_match_torch(dtype, experts, top_k, tokens, hidden, inter)
     torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_fused_experts_with_biases_and_clamped_swiglu(dtype, tokens):
+    """gpt-oss's experts: biases in both epilogues, the clamped SwiGLU (large enough inputs
+    that the clamps bite), against the CPU path (itself checked against transformers')."""
+    from engine.layers.activation import SwigluOAIAndMul
+
+    gen = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter = 8, 4, 64, 32
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.15
+    b13 = torch.randn(experts, 2 * inter, generator=gen) * 3
+    b2 = torch.randn(experts, hidden, generator=gen)
+    ids = _uneven_ids(tokens, experts, top_k, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    act = SwigluOAIAndMul()
+    want = experts_cpu(
+        x.double(), w13.double(), w2.double(), weights.double(), ids, None, None,
+        (b13.double(), b2.double()), act.forward_native,
+    )  # fmt: skip
+    args = [t.to(dtype).to(DEVICE) for t in (x, w13, w2)]
+    biases = (b13.to(dtype).to(DEVICE), b2.to(dtype).to(DEVICE))
+    got = fused_moe.fused_experts(
+        *args, weights.to(DEVICE), ids.to(DEVICE), biases, activation="swigluoai"
+    )
+    # bf16: the intermediate (up to ~50 here) is stored in bf16, so the tolerance scales
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=0, atol=0.02 * want.abs().max())
+    torch.testing.assert_close(got.cpu().double(), want, **tol)
+    plain = fused_moe.fused_experts(*args, weights.to(DEVICE), ids.to(DEVICE))
+    assert (plain.cpu().double() - want).abs().max() > 0.1  # biases and activation mattered
+
+
 def test_no_tokens():
     x = torch.empty(0, 32, device=DEVICE)
     w13, w2 = torch.zeros(4, 32, 32, device=DEVICE), torch.zeros(4, 32, 16, device=DEVICE)
@@ -117,14 +150,16 @@ def test_layer_picks_the_kernel_and_captures_in_a_graph(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_moe_models_on_cuda_keep_the_cpu_tokens(tiny_mixtral_dir, tiny_qwen2_moe_dir):
+def test_moe_models_on_cuda_keep_the_cpu_tokens(
+    tiny_mixtral_dir, tiny_qwen2_moe_dir, tiny_gpt_oss_dir
+):
     """The engine on CUDA (the fused kernel, CUDA graphs) gives the CPU path's float32 greedy
-    tokens for Mixtral and Qwen2-MoE."""
+    tokens for Mixtral, Qwen2-MoE and gpt-oss (biases, clamped SwiGLU, attention sinks)."""
     from engine import LLM, SamplingParams
 
     prompts = [list(range(5 + 3 * i, 30 + 5 * i)) for i in range(4)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for model_dir in (tiny_mixtral_dir, tiny_qwen2_moe_dir):
+    for model_dir in (tiny_mixtral_dir, tiny_qwen2_moe_dir, tiny_gpt_oss_dir):
         tokens = []
         for device in ("cuda", "cpu"):
             llm = LLM(str(model_dir), dtype="float32", device=device, num_kv_blocks=64)

@@ -67,6 +67,53 @@ def test_experts_cpu_matches_per_token_reference(experts, top_k, tokens, gemms):
     torch.testing.assert_close(got16.double(), want, atol=0.05, rtol=0.03)
 
 
+def naive_gpt_oss_experts(x, gate_up, gate_up_bias, down, down_bias, topk_weights, topk_ids):
+    """transformers' GptOssExperts, token by token in float64: gate_up [E, H, 2I] interleaved
+    (gate at even columns, up at odd), the clamped SwiGLU, down [E, I, H], biases."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = x[t].double() @ gate_up[e].double() + gate_up_bias[e].double()
+            gate, up = h[::2].clamp(max=7.0), h[1::2].clamp(-7.0, 7.0)
+            a = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+            out[t] += float(topk_weights[t, k]) * (a @ down[e].double() + down_bias[e].double())
+    return out
+
+
+@pytest.mark.parametrize("gemms", [False, True], ids=["torch", "layer-gemms"])
+def test_experts_with_biases_and_clamped_swiglu_match_gpt_oss(gemms):
+    """gpt-oss's experts through the layer: its interleaved gate_up and biases loaded, the
+    clamped SwiGLU (inputs large enough that the clamps bite), against transformers' formula."""
+    gen = torch.Generator().manual_seed(3)
+    experts, top_k, hidden, inter, tokens = 8, 2, 32, 24, 29
+    gate_up = torch.randn(experts, hidden, 2 * inter, generator=gen)
+    gate_up_bias = torch.randn(experts, 2 * inter, generator=gen)
+    down = torch.randn(experts, inter, hidden, generator=gen) * 0.2
+    down_bias = torch.randn(experts, hidden, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = uneven_ids(tokens, experts, top_k, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    want = naive_gpt_oss_experts(x, gate_up, gate_up_bias, down, down_bias, weights, ids)
+    w13 = torch.cat((gate_up[..., ::2], gate_up[..., 1::2]), -1).transpose(1, 2)  # [E, 2I, H]
+    b13 = torch.cat((gate_up_bias[:, ::2], gate_up_bias[:, 1::2]), -1)
+    h = torch.einsum("th,ekh->tek", x, w13) + b13
+    assert (h[..., :inter] > 7).any() and (h[..., inter:].abs() > 7).any()  # clamps bite
+    layer = FusedMoE(experts, top_k, hidden, inter, True, bias=True, activation="swigluoai")
+    layer.w13_weight.data.copy_(w13)
+    layer.w13_bias.data.copy_(b13)
+    layer.w2_weight.data.copy_(down.transpose(1, 2))
+    layer.w2_bias.data.copy_(down_bias)
+    choices = (GemmChoice(), GemmChoice()) if gemms else None
+    biases = (layer.w13_bias, layer.w2_bias)
+    got = experts_cpu(
+        x, layer.w13_weight, layer.w2_weight, weights, ids, choices, None, biases, layer._act
+    )
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        FusedMoE(experts, top_k, hidden, inter, True, activation="gelu")
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_select_experts(scoring, renormalize):

@@ -1,0 +1,147 @@
+"""gpt-oss (OpenAI's open-weight MoE models, transformers' GptOssForCausalLM) on the Llama
+decoder (engine.models.llama): what differs is
+
+- attention: q/k/v/o biases, a learned sink per head in every softmax (PagedAttention's sinks,
+  which every backend applies), sliding-window layers alternating with full ones
+  (layer_types: the KV cache keeps every block, as for any hybrid model), yarn rope;
+- the MLP: a router with a bias, top-k of its logits softmaxed over the k (= softmax, top-k,
+  renormalized), experts with biases and the clamped SwiGLU (FusedMoE's "swigluoai").
+
+Checkpoints store the experts stacked, gate_up_proj [E, H, 2I] with gate and up interleaved
+(columns 0::2 and 1::2) and down_proj [E, I, H] (x @ W), or, as OpenAI publishes them, in
+MXFP4 (quantization_config.quant_method "mxfp4": `*_blocks` / `*_scales` pairs, dequantized at
+load into the model's dtype by engine.layers.quantization.mxfp4: the experts then take 4x
+their MXFP4 bytes in bf16). Loading de-interleaves and transposes them into FusedMoE's
+w13 [E, 2I, H] (gate | up) and w2 [E, H, I], this tensor-parallel rank's slice of I.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.distributed import get_tp_rank
+from engine.layers.moe import FusedMoE, ReplicatedGate
+from engine.layers.quantization.mxfp4 import dequantize_mxfp4
+from engine.models.hf_config import HFModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+
+class GptOssMoE(nn.Module):
+    """router (with a bias) -> experts (biases, clamped SwiGLU), every layer."""
+
+    def __init__(self, cfg: HFModelConfig, mxfp4: bool):
+        super().__init__()
+        raw = cfg.raw
+        self.router = ReplicatedGate(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = FusedMoE(
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            renormalize=True,
+            bias=True,
+            activation="swigluoai",
+            swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))),
+        )
+        experts = self.experts
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 halves awaiting a pair
+        for param, proj in ((experts.w13_weight, "gate_up"), (experts.w2_weight, "down")):
+            param.weight_loader = self._load_weight
+            param.expected_shards = {f"{proj}_blocks", f"{proj}_scales"} if mxfp4 else {proj}
+        experts.w13_bias.weight_loader = self._load_gate_up_bias
+        experts.w2_bias.weight_loader = self._load_down_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x))
+
+    # -- loading the checkpoint's stacked tensors ----------------------------------------
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        proj = shard
+        if shard.endswith(("_blocks", "_scales")):
+            proj, part = shard.rsplit("_", 1)
+            pending = self._pending.setdefault(proj, {})
+            pending[part] = loaded
+            if len(pending) < 2:
+                return  # the other half of the pair comes later
+            del self._pending[proj]
+            # [E, rows, in] in the checkpoint's row order (gate_up: gate and up interleaved)
+            loaded = dequantize_mxfp4(pending["blocks"], pending["scales"], param.dtype)
+        else:  # x @ W layout: [E, in, rows]
+            loaded = loaded.transpose(1, 2)
+        if proj == "gate_up":
+            self._fill_gate_up(param, loaded)
+        else:
+            self._fill_down(param, loaded)
+
+    def _fill_gate_up(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        """w [E, 2I, H], gate and up rows interleaved -> this rank's [E, 2i, H] (gate | up)."""
+        i, rank = self.experts.inter, get_tp_rank()
+        self._copy(param, _gate_up_slice(w, i, rank))
+
+    def _fill_down(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        """w [E, H, I] -> this rank's columns [E, H, i]."""
+        i, rank = self.experts.inter, get_tp_rank()
+        self._copy(param, w[:, :, rank * i : (rank + 1) * i])
+
+    def _load_gate_up_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        i, rank = self.experts.inter, get_tp_rank()
+        self._copy(param, _gate_up_slice(loaded, i, rank))
+
+    def _load_down_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        # added on rank 0 only: the all-reduce over the ranks' partial sums then holds it once
+        self._copy(param, loaded if get_tp_rank() == 0 else torch.zeros_like(loaded))
+
+    @staticmethod
+    def _copy(param: nn.Parameter, src: torch.Tensor) -> None:
+        if param.shape != src.shape:
+            raise ValueError(
+                f"gpt-oss expert tensor shape mismatch: checkpoint gives {tuple(src.shape)} "
+                f"for this rank, model {tuple(param.shape)}"
+            )
+        param.data.copy_(src)
+
+
+def _gate_up_slice(w: torch.Tensor, i: int, rank: int) -> torch.Tensor:
+    """[E, 2I, ...] with gate and up rows interleaved -> rank's [E, 2i, ...]: its gate rows,
+    then its up rows."""
+    rows = slice(rank * i, (rank + 1) * i)
+    return torch.cat((w[:, 0::2][:, rows], w[:, 1::2][:, rows]), 1)
+
+
+def gpt_oss_mlp(cfg: HFModelConfig, layer_idx: int) -> GptOssMoE:
+    return GptOssMoE(cfg, (cfg.quantization_config or {}).get("quant_method") == "mxfp4")
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    make_mlp = staticmethod(gpt_oss_mlp)
+
+    def __init__(self, cfg: HFModelConfig, max_position: int | None = None):
+        if cfg.num_experts <= 0:
+            raise ValueError(f"{cfg.architecture}: config.json names no experts")
+        super().__init__(cfg, max_position)
+
+    _EXPERT_TENSORS = {
+        "gate_up_proj": ("w13_weight", "gate_up"),
+        "gate_up_proj_blocks": ("w13_weight", "gate_up_blocks"),
+        "gate_up_proj_scales": ("w13_weight", "gate_up_scales"),
+        "gate_up_proj_bias": ("w13_bias", None),
+        "down_proj": ("w2_weight", "down"),
+        "down_proj_blocks": ("w2_weight", "down_blocks"),
+        "down_proj_scales": ("w2_weight", "down_scales"),
+        "down_proj_bias": ("w2_bias", None),
+    }
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """(our parameter, shard id) for the stacked expert tensors and the sinks; None for the
+        rest (the loader's ordinary rules)."""
+        prefix, _, last = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and last in self._EXPERT_TENSORS:
+            param, shard = self._EXPERT_TENSORS[last]
+            return f"{prefix}.{param}", shard
+        if name.endswith(".self_attn.sinks"):
+            return name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
+        return None

@@ -1,0 +1,152 @@
+"""gpt-oss (engine.models.gpt_oss): greedy tokens equal transformers' (eager attention, float32)
+with attention sinks, biases, yarn rope, layers alternating window 16 and global, experts with
+biases and the clamped SwiGLU; however the cache is filled (prefix hits, chunks across the
+window's edge, preemption, the torch backend), at TP=2, and from an MXFP4 checkpoint (OpenAI's
+published format) against transformers' own dequantization."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4
+from engine.models.loader import load_hf_config
+from tests.engine.test_llm_exactness import (
+    SW_NUM_NEW,
+    engine_greedy,
+    hf_greedy,
+    sliding_window_prompts,
+)
+
+_REFERENCE: dict = {}
+
+
+def _reference(model_dir):
+    key = str(model_dir)
+    if key not in _REFERENCE:
+        prompts = sliding_window_prompts(load_hf_config(model_dir).vocab_size)
+        _REFERENCE[key] = (
+            prompts,
+            hf_greedy(model_dir, prompts, SW_NUM_NEW, attn_implementation="eager"),
+        )
+    return _REFERENCE[key]
+
+
+def test_config(tiny_gpt_oss_dir):
+    cfg = load_hf_config(tiny_gpt_oss_dir)
+    assert cfg.attention_sinks and cfg.norm_topk_prob and cfg.o_proj_bias
+    assert cfg.layer_sliding_windows == [16, None, 16]  # hybrid: every block kept
+    assert cfg.kv_sliding_window() is None
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.num_experts == 8
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("prefix-caching", dict(enable_prefix_caching=True)),
+        ("chunked-prefill-across-the-edge", dict(block_size=8, max_num_batched_tokens=11)),
+        ("torch-backend", dict(attention_backend="torch", max_num_batched_tokens=32)),
+        ("preemption", dict(num_kv_blocks=12, max_model_len=112, max_num_batched_tokens=64)),
+    ],
+)
+def test_greedy_matches_hf(tiny_gpt_oss_dir, name, kwargs):
+    prompts, expected = _reference(tiny_gpt_oss_dir)
+    got, stats = engine_greedy(tiny_gpt_oss_dir, prompts, num_new=SW_NUM_NEW, **kwargs)
+    assert [g[0] for g in got] == expected
+    if name == "prefix-caching":
+        assert stats.prefix_cache_hits >= 32, "the shared prefix was not served from the cache"
+    if name == "preemption":
+        assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+
+
+@pytest.mark.slow
+def test_tp2_matches_hf(tiny_gpt_oss_dir):
+    """Two gloo ranks: heads (and their sinks) and every expert's I split, the down bias
+    added once."""
+    torch.set_num_threads(1)
+    prompts, expected = _reference(tiny_gpt_oss_dir)
+    llm = LLM(str(tiny_gpt_oss_dir), dtype="float32", tensor_parallel_size=2, num_kv_blocks=96)
+    try:
+        params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+# -- MXFP4 -------------------------------------------------------------------------------
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K % 32 == 0) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]):
+    each group of 32 scaled by a power of two so its largest value fits 6, then each value
+    rounded to the nearest e2m1 value; two codes a byte, the even element's in the low nibble
+    (OpenAI's layout, as transformers reads it)."""
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp_min(1e-30)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    lut = torch.tensor(FP4_VALUES)
+    codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def test_dequantize_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 135, (3, 40, 4), dtype=torch.uint8, generator=g)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
+    got = dequantize_mxfp4(blocks, scales, torch.float32)  # [E, rows, K]
+    assert torch.equal(got.transpose(1, 2), want)
+    with pytest.raises(ValueError, match="do not pair"):
+        dequantize_mxfp4(blocks, scales[..., :3], torch.float32)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(tiny_gpt_oss_dir, tmp_path_factory):
+    """(an MXFP4 checkpoint of the tiny model's experts, the float model with each expert
+    weight replaced by transformers' dequantization of those bytes)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    base = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    quant, ref = base / "mxfp4", base / "dequantized"
+    for d in (quant, ref):
+        shutil.copytree(tiny_gpt_oss_dir, d)
+    tensors = load_file(str(tiny_gpt_oss_dir / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(t.transpose(1, 2))  # [E, rows, K]: K grouped
+            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+            dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            assert dequantized[name].shape == t.shape
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, str(quant / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (quant / "config.json").write_text(json.dumps(config))
+    return quant, ref
+
+
+def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt_oss_dir):
+    quant, ref = mxfp4_pair
+    prompts, _ = _reference(ref)
+    expected = hf_greedy(ref, prompts, SW_NUM_NEW, attn_implementation="eager")
+    got, _ = engine_greedy(quant, prompts, num_new=SW_NUM_NEW, max_num_batched_tokens=32)
+    assert [g[0] for g in got] == expected
+    _, float_expected = _reference(tiny_gpt_oss_dir)
+    assert expected != float_expected  # the 4-bit experts are what was served

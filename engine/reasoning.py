@@ -12,12 +12,20 @@ chat template left it: a template that opened `<think>` for the model (DeepSeek-
 thinking variants) starts it inside; one that closed an empty section (Qwen3 with
 `enable_thinking: false`) starts it in the answer; with neither, `deepseek_r1` assumes the
 model thinks first and `qwen3` waits to see whether the output opens `<think>` itself.
+
+gpt-oss writes OpenAI's harmony format instead (`openai_gptoss`, vLLM's name): messages on
+channels, `<|channel|>analysis<|message|>...<|end|>` (the reasoning), then
+`<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer). Its markers are
+special tokens, so the API keeps special tokens in the text it splits (keeps_special_tokens);
+the parts it returns hold none. Tool calls on the commentary channel are not parsed: a
+message to a recipient (`to=functions.NAME`) is left out of both parts.
 A new format is one entry in REASONING_FORMATS. No torch here.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 # How many of the prompt's last tokens are read for an opened or closed think section: the
@@ -39,6 +47,8 @@ class ReasoningFormat:
     # With no tag in the prompt's tail: does the model think first (DeepSeek-R1's older
     # templates did not write the opening tag) or only when it writes `start` (Qwen3)?
     thinks_unprompted: bool = False
+    # whether split reads special tokens (harmony's markers): the text must keep them
+    keeps_special_tokens: bool = False
 
     def start_state(self, prompt_tail: str) -> StartState:
         """The output's start state from the prompt's last PROMPT_TAIL_TOKENS tokens' text."""
@@ -80,8 +90,53 @@ def _cut_off(text: str, tag: str) -> int:
     return 0
 
 
+# One harmony message: its header (channel, then maybe a recipient and a constraint) and its
+# body up to the marker that ends it (or the end of the text so far).
+_HARMONY_MESSAGE = re.compile(
+    r"<\|channel\|>(?P<channel>[^<\s]*)(?P<header>[^<]*(?:<\|constrain\|>[^<]*)?)<\|message\|>"
+    r"(?P<body>.*?)(?P<stop><\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
+    re.DOTALL,
+)
+_SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+@dataclass(frozen=True, slots=True)
+class HarmonyFormat(ReasoningFormat):
+    """gpt-oss's channels: analysis messages are the reasoning, final ones the answer."""
+
+    def start_state(self, prompt_tail: str) -> StartState:
+        return StartState.REASONING  # every reply opens with a channel header
+
+    def split(self, text: str, state: StartState, final: bool) -> tuple[str | None, str]:
+        if not final:  # a marker still being written is held back
+            cut = text.rfind("<|")
+            if cut >= 0 and text.find("|>", cut) < 0:
+                text = text[:cut]
+            elif text.endswith("<"):
+                text = text[:-1]
+        if "<|channel|>" not in text:  # no harmony (yet): plain text is the answer
+            if not final and "<|channel|>".startswith(text.lstrip()):
+                return "", ""
+            return "", _SPECIAL.sub("", text)
+        reasoning, answer = [], []
+        for m in _HARMONY_MESSAGE.finditer(text):
+            if "to=" in m["header"]:
+                continue  # a tool call (not parsed)
+            if m["channel"] == "analysis":
+                reasoning.append(m["body"])
+            elif m["channel"] in ("final", "commentary"):  # commentary: a preamble
+                answer.append(m["body"])
+        return "".join(reasoning), "".join(answer)
+
+
 REASONING_FORMATS = {
     "qwen3": ReasoningFormat("qwen3"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", thinks_unprompted=True),
+    "openai_gptoss": HarmonyFormat(
+        "openai_gptoss",
+        start="<|channel|>analysis<|message|>",
+        end="<|channel|>final<|message|>",  # the grammar of structured outputs applies after
+        keeps_special_tokens=True,
+    ),
 }
 REASONING_PARSER_CHOICES = tuple(REASONING_FORMATS)

@@ -129,6 +129,9 @@ _TEMPLATE_RESERVED = {
 }
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
 def template_extras(data: Any) -> dict[str, Any]:
     """vLLM's chat_template_kwargs and documents, as variables for the chat template."""
     extras = dict(data.chat_template_kwargs or {})
@@ -139,6 +142,14 @@ def template_extras(data: Any) -> dict[str, Any]:
         )
     if data.documents is not None:
         extras["documents"] = data.documents
+    effort = getattr(data, "reasoning_effort", None)
+    if effort is not None:  # OpenAI's levels, as a template variable (gpt-oss reads it)
+        if effort not in REASONING_EFFORTS:
+            raise invalid_request(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}.",
+                "reasoning_effort",
+            )
+        extras.setdefault("reasoning_effort", effort)
     if getattr(data, "chat_template", None) is not None:  # allowed by the route's flag check
         extras["chat_template"] = data.chat_template
     return extras

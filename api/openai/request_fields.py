@@ -73,6 +73,7 @@ CHAT_IMPLEMENTED = _SAMPLING | {
     # vLLM's chat extras that go to the chat template
     "chat_template_kwargs",
     "documents",
+    "reasoning_effort",  # a template variable (gpt-oss reads it)
     "add_generation_prompt",
     "include_reasoning",  # vLLM: with --reasoning-parser
     "chat_template",  # vLLM: with --trust-request-chat-template
@@ -111,7 +112,6 @@ CHAT_IGNORED = _IGNORED_COMMON | {
     "prompt_cache_key",  # prefix caching is automatic
     "prompt_cache_retention",  # ditto: cached blocks live until evicted
     "safety_identifier",  # OpenAI's abuse-monitoring id; `user` is the one recorded
-    "reasoning_effort",  # no thinking budget: a reasoning model thinks as long as it does
     "verbosity",  # no such control in the open models served
 }
 COMPLETION_IGNORED = _IGNORED_COMMON

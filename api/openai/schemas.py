@@ -144,6 +144,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | NamedToolChoice | None = None  # none | auto | required | a function
     parallel_tool_calls: bool | None = None
+    # a chat-template variable (gpt-oss's template sets its reasoning level from it)
+    reasoning_effort: str | None = None
     # vLLM's chat-template extras
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None

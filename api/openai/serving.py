@@ -23,6 +23,7 @@ actually used before the response's last byte.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import re
 import time
@@ -73,6 +74,7 @@ from api.usage.refusals import LEDGER_OWNED
 from engine.errors import EngineDeadError, QueueFullError
 from engine.pooling_params import PoolingParams
 from engine.protocol import EngineClient, EngineRequest
+from engine.reasoning import REASONING_FORMATS
 from engine.sampling_params import SamplingParams
 
 # What an SSE body yields just before its last chunk: the request is settled (usage row,
@@ -172,6 +174,10 @@ async def prepare_chat(
     params = sampling_params(data, max_tokens, logprobs, defaults)  # ~4 ms at the limits
     params = await with_structured_outputs(data, params, engine)
     params = await constrain(params, tools, engine)
+    reasoning = REASONING_FORMATS.get(server.settings.reasoning_parser or "")
+    if reasoning is not None and reasoning.keeps_special_tokens and params.skip_special_tokens:
+        # harmony's channel markers are special tokens: the split reads them, and drops them
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return ChatJob(engine, prompt, params, tools, max_tokens, adapter)
 
 

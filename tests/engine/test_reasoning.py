@@ -101,3 +101,46 @@ def test_the_grammar_waits_for_the_thinking_to_end(tiny_reasoning_dir):
     assert text.split("</think>", 1)[1] in choices
     ids, reason, text = results[None]
     assert end[0] not in ids and text in choices and reason == "stop"
+
+
+HARMONY = REASONING_FORMATS["openai_gptoss"]
+_A = "<|channel|>analysis<|message|>"
+_F = "<|start|>assistant<|channel|>final<|message|>"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (f"{_A}User asks: 2 < 3?<|end|>{_F}Yes, 2 < 3.<|return|>", ("User asks: 2 < 3?", "Yes, 2 < 3.")),
+        (f"{_A}still thinking", ("still thinking", "")),  # cut off by max_tokens
+        (f"{_A}a<|end|><|start|>assistant{_A}b<|end|>{_F}c", ("ab", "c")),  # two analyses
+        # a tool call on the commentary channel is neither part; a preamble is answer
+        (f"{_A}t<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>"
+         'json<|message|>{"x": 1}<|call|>', ("t", "")),
+        (f"{_A}t<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>",
+         ("t", "Checking.")),
+        ("no channels at all<|return|>", ("", "no channels at all")),
+    ],
+)  # fmt: skip
+def test_harmony_split_of_a_whole_output(text, want):
+    """gpt-oss's harmony messages: analysis is the reasoning, final (and a commentary
+    preamble) the answer; no special token in either part."""
+    assert HARMONY.split(text, OPEN, final=True) == want
+    assert HARMONY.keeps_special_tokens and HARMONY.start_state("<|start|>assistant") is OPEN
+
+
+def test_harmony_streamed_splits_only_append():
+    text = f"{_A}2 < 3, so<|end|>{_F}yes <| not a marker |> done<|return|>"
+    before = ("", "")
+    for n in range(len(text) + 1):
+        reasoning, answer = HARMONY.split(text[:n], OPEN, final=False)
+        assert reasoning.startswith(before[0]) and answer.startswith(before[1]), text[:n]
+        before = (reasoning, answer)
+    assert (
+        HARMONY.split(text, OPEN, final=True)
+        == before
+        == (
+            "2 < 3, so",
+            "yes <| not a marker |> done",
+        )
+    )

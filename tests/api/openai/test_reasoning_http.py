@@ -27,7 +27,10 @@ def end_think(tiny_reasoning_dir) -> str:
 
 @pytest.fixture(scope="module")
 def client(start_server, tiny_reasoning_dir):
-    server = start_server(tiny_reasoning_dir, "--api-key", KEY, "--reasoning-parser", "deepseek_r1")
+    server = start_server(
+        tiny_reasoning_dir, "--api-key", KEY, "--reasoning-parser", "deepseek_r1",
+        "--trust-request-chat-template",
+    )  # fmt: skip
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -99,3 +102,18 @@ def test_responses_carry_the_thinking_as_a_reasoning_item(client):
     assert "".join(deltas) == chat.reasoning_content
     assert final is not None and final.status == "incomplete"
     assert [item.type for item in final.output] == ["reasoning"]
+
+
+def test_reasoning_effort_is_a_template_variable(client):
+    """reasoning_effort reaches the chat template (gpt-oss's sets its reasoning level from
+    it): a template that writes it makes a longer prompt; an unknown level is a 400."""
+    template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %} {{ reasoning_effort | default('') }}"
+    )
+    body = {"chat_template": template}
+    plain = _chat(client, max_tokens=1, extra_body=body).usage.prompt_tokens
+    high = _chat(client, max_tokens=1, reasoning_effort="high", extra_body=body)
+    assert high.usage.prompt_tokens > plain
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, max_tokens=1, reasoning_effort="extreme")
+    assert err.value.body["param"] == "reasoning_effort"

@@ -257,6 +257,14 @@ class EngineArgs:
         1,
         int,
     )
+    enable_expert_parallel: bool = option(
+        "Mixtures of experts: each tensor-parallel rank holds whole experts (E / "
+        "tensor_parallel_size of them) instead of a slice of every expert; a token's "
+        "routed experts run where they live and one all-reduce sums them (vLLM's flag).",
+        False,
+        parse_bool,
+        kind="bool",
+    )
     distributed_executor_backend: str = option(
         "Where the ranks run when there are several: mp = worker processes on this machine; "
         "ray = one Ray actor per rank in a placement group (the cluster at RAY_ADDRESS, else "
@@ -336,6 +344,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
                 distributed_executor_backend=self.distributed_executor_backend,
                 frontend_threads=self.frontend_threads,
                 collective_timeout_s=self.collective_timeout,

@@ -120,6 +120,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # Pipeline stages (engine.models.pipeline): contiguous layers each, tp ranks per stage.
     pipeline_parallel_size: int = 1
+    # MoE layers: whole experts per tensor-parallel rank (engine.layers.moe), not slices
+    enable_expert_parallel: bool = False
     # Where ranks beyond one run: mp (worker processes, engine.worker.multiproc) | ray
     # (one Ray actor per rank, engine.worker.ray_executor).
     distributed_executor_backend: str = "mp"

@@ -115,6 +115,22 @@ def get_tp_size() -> int:
     return _STATE.tp_size if _STATE is not None else 1
 
 
+# --enable-expert-parallel: set by the model runner before it builds the model (each time: a
+# process may build several engines), read by the MoE layers as they are constructed.
+_EXPERT_PARALLEL = False
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = enabled
+
+
+def get_ep_rank_size() -> tuple[int, int]:
+    """(this rank's place, ranks) among the expert-parallel group: the tensor-parallel group
+    with --enable-expert-parallel, else (0, 1) (every rank holds a slice of every expert)."""
+    return (get_tp_rank(), get_tp_size()) if _EXPERT_PARALLEL else (0, 1)
+
+
 def get_pp_rank() -> int:
     """This rank's pipeline stage (0: the first, which embeds the tokens)."""
     return _STATE.pp_rank if _STATE is not None else 0

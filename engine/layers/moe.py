@@ -13,7 +13,10 @@ gpt-oss's experts add biases (w13_bias [E, 2I], w2_bias [E, H]) and take another
 
 Tensor parallelism as the dense MLP: every expert is split on I (w13 column-wise, w2 row-wise),
 each rank sums its partial outputs and one all-reduce follows (w2's bias is added on rank 0
-only, so the sum holds it once). The router and the shared
+only, so the sum holds it once). With --enable-expert-parallel each rank holds whole experts,
+E / tp of them, runs the routed pairs of its own (the others weigh 0) and the same all-reduce
+sums the experts' outputs: no expert is sliced (vLLM's expert parallelism over the TP group,
+combined by all-reduce rather than all-to-all). The router and the shared
 expert's gate are replicated and never quantized (small, and their scores pick experts).
 """
 
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from engine.distributed import get_ep_rank_size, get_tp_rank, get_tp_size, tp_all_reduce
 from engine.layers.activation import SiluAndMul, SwigluOAIAndMul
 from engine.layers.mlp import GatedMLP
 from engine.layers.quantization.unquantized import linear_by_rows
@@ -105,7 +108,8 @@ def experts_cpu(
     num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    # ids past the last expert (another rank's, under expert parallelism) sort last: skipped
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     tokens = order // k
     weights = topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -180,28 +184,39 @@ class FusedMoE(nn.Module):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts {num_experts}")
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        if intermediate_size % self.tp_size:
+        # expert parallelism: whole experts per rank, E / ep_size of them (the I slice's rank
+        # and size then 1); else every rank holds its tp slice of I of every expert
+        self.ep_rank, self.ep_size = get_ep_rank_size()
+        if num_experts % self.ep_size:
+            raise ValueError(
+                f"--enable-expert-parallel: {num_experts} experts do not split evenly over "
+                f"{self.ep_size} ranks"
+            )
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self.slice_rank, slices = (0, 1) if self.ep_size > 1 else (self.tp_rank, self.tp_size)
+        if intermediate_size % slices:
             raise ValueError(
                 f"moe_intermediate_size ({intermediate_size}) is not divisible by "
-                f"tensor_parallel_size ({self.tp_size})"
+                f"tensor_parallel_size ({self.tp_size}); --enable-expert-parallel keeps "
+                "experts whole"
             )
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring_func = renormalize, scoring_func
         self.reduce_results = reduce_results
-        self.inter = inter = intermediate_size // self.tp_size  # this rank's share
+        self.inter = inter = intermediate_size // slices  # this rank's share
+        local = self.num_local_experts
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
+            torch.empty(local, 2 * inter, hidden_size), requires_grad=False
         )
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, inter), requires_grad=False
-        )
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
         self.activation, self.swiglu = activation, swiglu  # swiglu: gpt-oss's (alpha, limit)
         self._act = SwigluOAIAndMul(*swiglu) if activation == "swigluoai" else _silu_and_mul
         # gpt-oss: a bias on each expert's gate_up (this rank's slice of I) and down
         self.w13_bias = self.w2_bias = None
         if bias:
-            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter), requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.zeros(local, 2 * inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(local, hidden_size), requires_grad=False)
         self._gemms = (GemmChoice(), GemmChoice())
         # (e, GATE or DOWN, x) -> x @ expert e's w13 or w2, where the weights are not floats
         # (engine.layers.quantization.gguf.GGUFExperts: a GGUF file's blocks); CPU only
@@ -216,14 +231,18 @@ class FusedMoE(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]
     ) -> None:
-        """One expert's gate [I, H], up [I, H] or down [H, I], this rank's slice of I."""
+        """One expert's gate [I, H], up [I, H] or down [H, I], this rank's slice of I; under
+        expert parallelism the whole of it where this rank holds the expert, else nothing."""
         expert, which = shard_id
+        expert -= self.first_expert
+        if not 0 <= expert < self.num_local_experts:
+            return  # another rank's expert
         i = self.inter
         if which == DOWN:
-            dst, src = param.data[expert], loaded.narrow(1, self.tp_rank * i, i)
+            dst, src = param.data[expert], loaded.narrow(1, self.slice_rank * i, i)
         else:
             dst = param.data[expert].narrow(0, which * i, i)
-            src = loaded.narrow(0, self.tp_rank * i, i)
+            src = loaded.narrow(0, self.slice_rank * i, i)
         if dst.shape != src.shape:
             raise ValueError(
                 f"expert weight shape mismatch: checkpoint {tuple(loaded.shape)} (this rank's "
@@ -235,9 +254,13 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func
         )
+        if self.ep_size > 1:  # this rank's experts only: the others' pairs weigh nothing
+            weights, ids = self.local_pairs(weights, ids)
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
         if fused is not None:
+            if self.ep_size > 1:
+                ids = ids.clamp(max=self.num_local_experts - 1)
             out = fused.fused_experts(
                 x, self.w13_weight, self.w2_weight, weights, ids, biases, self.activation,
                 self.swiglu,
@@ -248,6 +271,16 @@ class FusedMoE(nn.Module):
                 self.expert_linear, biases, self._act,
             )  # fmt: skip
         return tp_all_reduce(out) if self.reduce_results else out
+
+    def local_pairs(
+        self, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed pairs in this rank's expert numbering: another rank's expert becomes
+        num_local_experts (experts_cpu skips it) with weight 0 (the fused kernel, which
+        takes no such id, runs it on local expert 0 and scales it away)."""
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_local_experts)
+        return weights * mine, torch.where(mine, local, self.num_local_experts)
 
 
 class SparseMoeBlock(nn.Module):

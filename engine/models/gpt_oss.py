@@ -77,23 +77,32 @@ class GptOssMoE(nn.Module):
         else:
             self._fill_down(param, loaded)
 
+    def _mine(self, w: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a stacked tensor [E, ...] (all of them without expert
+        parallelism)."""
+        e = self.experts
+        return w[e.first_expert : e.first_expert + e.num_local_experts]
+
     def _fill_gate_up(self, param: nn.Parameter, w: torch.Tensor) -> None:
         """w [E, 2I, H], gate and up rows interleaved -> this rank's [E, 2i, H] (gate | up)."""
-        i, rank = self.experts.inter, get_tp_rank()
-        self._copy(param, _gate_up_slice(w, i, rank))
+        e = self.experts
+        self._copy(param, _gate_up_slice(self._mine(w), e.inter, e.slice_rank))
 
     def _fill_down(self, param: nn.Parameter, w: torch.Tensor) -> None:
         """w [E, H, I] -> this rank's columns [E, H, i]."""
-        i, rank = self.experts.inter, get_tp_rank()
-        self._copy(param, w[:, :, rank * i : (rank + 1) * i])
+        i, rank = self.experts.inter, self.experts.slice_rank
+        self._copy(param, self._mine(w)[:, :, rank * i : (rank + 1) * i])
 
     def _load_gate_up_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        i, rank = self.experts.inter, get_tp_rank()
-        self._copy(param, _gate_up_slice(loaded, i, rank))
+        e = self.experts
+        self._copy(param, _gate_up_slice(self._mine(loaded), e.inter, e.slice_rank))
 
     def _load_down_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        # added on rank 0 only: the all-reduce over the ranks' partial sums then holds it once
-        self._copy(param, loaded if get_tp_rank() == 0 else torch.zeros_like(loaded))
+        # an expert sliced over the ranks adds its bias on rank 0 only (the all-reduce over
+        # the partial sums then holds it once); a whole expert (expert parallel) on its rank
+        mine = self._mine(loaded)
+        whole = self.experts.ep_size > 1 or get_tp_rank() == 0
+        self._copy(param, mine if whole else torch.zeros_like(mine))
 
     @staticmethod
     def _copy(param: nn.Parameter, src: torch.Tensor) -> None:

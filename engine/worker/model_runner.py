@@ -67,6 +67,7 @@ from engine.distributed import (
     is_last_stage,
     pp_recv,
     pp_send,
+    set_expert_parallel,
 )
 from engine.gguf.source import gguf_source
 from engine.layers.gpu_sampler import GpuSampler
@@ -316,6 +317,7 @@ class ModelRunner:
             prepare = blocks_first
         elif ckpt is not None:  # the checkpoint's tensors, not float weights, in those layers
             prepare = functools.partial(apply_checkpoint_methods, config=ckpt)
+        set_expert_parallel(self.config.parallel.enable_expert_parallel)
         self.model = load_model(
             self.model_dir,
             dtype=m.dtype,

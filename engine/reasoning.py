@@ -17,8 +17,8 @@ gpt-oss writes OpenAI's harmony format instead (`openai_gptoss`, vLLM's name): m
 channels, `<|channel|>analysis<|message|>...<|end|>` (the reasoning), then
 `<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer). Its markers are
 special tokens, so the API keeps special tokens in the text it splits (keeps_special_tokens);
-the parts it returns hold none. Tool calls on the commentary channel are not parsed: a
-message to a recipient (`to=functions.NAME`) is left out of both parts.
+the parts it returns hold none, but a tool call (a commentary message to `functions.NAME`),
+which it passes on whole in the answer for the `openai` tool parser (api/openai/tools/harmony.py).
 A new format is one entry in REASONING_FORMATS. No torch here.
 """
 
@@ -120,8 +120,11 @@ class HarmonyFormat(ReasoningFormat):
             return "", _SPECIAL.sub("", text)
         reasoning, answer = [], []
         for m in _HARMONY_MESSAGE.finditer(text):
-            if "to=" in m["header"]:
-                continue  # a tool call (not parsed)
+            if "to=" in m["header"]:  # a tool call: passed on whole, for the tool parser
+                answer.append(
+                    m.group(0) if m["stop"] != "<|start|>" else m.group(0)[: -len(m["stop"])]
+                )
+                continue
             if m["channel"] == "analysis":
                 reasoning.append(m["body"])
             elif m["channel"] in ("final", "commentary"):  # commentary: a preamble

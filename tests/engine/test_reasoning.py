@@ -106,6 +106,7 @@ def test_the_grammar_waits_for_the_thinking_to_end(tiny_reasoning_dir):
 HARMONY = REASONING_FORMATS["openai_gptoss"]
 _A = "<|channel|>analysis<|message|>"
 _F = "<|start|>assistant<|channel|>final<|message|>"
+_CALL = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}<|call|>'
 
 
 @pytest.mark.parametrize(
@@ -114,9 +115,9 @@ _F = "<|start|>assistant<|channel|>final<|message|>"
         (f"{_A}User asks: 2 < 3?<|end|>{_F}Yes, 2 < 3.<|return|>", ("User asks: 2 < 3?", "Yes, 2 < 3.")),
         (f"{_A}still thinking", ("still thinking", "")),  # cut off by max_tokens
         (f"{_A}a<|end|><|start|>assistant{_A}b<|end|>{_F}c", ("ab", "c")),  # two analyses
-        # a tool call on the commentary channel is neither part; a preamble is answer
-        (f"{_A}t<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>"
-         'json<|message|>{"x": 1}<|call|>', ("t", "")),
+        # a tool call on the commentary channel is passed on whole (for the openai tool
+        # parser); a preamble is answer
+        (f"{_A}t<|end|><|start|>assistant{_CALL}", ("t", _CALL)),
         (f"{_A}t<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>",
          ("t", "Checking.")),
         ("no channels at all<|return|>", ("", "no channels at all")),
@@ -124,7 +125,7 @@ _F = "<|start|>assistant<|channel|>final<|message|>"
 )  # fmt: skip
 def test_harmony_split_of_a_whole_output(text, want):
     """gpt-oss's harmony messages: analysis is the reasoning, final (and a commentary
-    preamble) the answer; no special token in either part."""
+    preamble) the answer; no special token in either part but a tool call's."""
     assert HARMONY.split(text, OPEN, final=True) == want
     assert HARMONY.keeps_special_tokens and HARMONY.start_state("<|start|>assistant") is OPEN
 

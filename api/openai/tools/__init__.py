@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from api.openai.tools.base import ParsedCall, ToolParser, ToolStreamer, new_call_id
 from api.openai.tools.envelope import EnvelopeParser
+from api.openai.tools.harmony import HarmonyParser
 from api.openai.tools.hermes import HermesParser
 from api.openai.tools.llama3_json import Llama3JsonParser
 from api.openai.tools.mistral import MistralParser
@@ -26,6 +27,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralParser,
     "pythonic": PythonicParser,
     "generic": EnvelopeParser,
+    "openai": HarmonyParser,
 }
 PARSER_CHOICES = ("auto", *PARSERS, "none")
 
@@ -42,6 +44,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template and "tools" in chat_template:
         return "mistral"
+    if "<|channel|>" in chat_template and "tools" in chat_template:
+        return "openai"  # gpt-oss's harmony format
     if "tools" in chat_template and (
         "<|python_tag|>" in chat_template or "<|start_header_id|>" in chat_template
     ):
@@ -62,6 +66,7 @@ __all__ = [
     "PARSERS",
     "PARSER_CHOICES",
     "EnvelopeParser",
+    "HarmonyParser",
     "HermesParser",
     "Llama3JsonParser",
     "MistralParser",

@@ -170,9 +170,12 @@ class LoRALayer:
         self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None
     ) -> None:
         """Put an adapter's slices (this rank's A [r, in], B [rows, r]; None where it does
-        not target one) into a slot; None clears the slot."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        not target one) into a slot; None clears the slot. Only what the slot's last adapter
+        wrote is zeroed: a swap is a few copies of rank-sized blocks, each too small to fork
+        threads (a busy core made a whole-slot fill's thread start-ups cost ~10 ms each)."""
+        for row, size, off, r in self.parts[slot]:
+            self.a[slot, off : off + r].zero_()
+            self.b[slot, row : row + size, :r].zero_()
         offset, parts = 0, []
         offs, ranks = [0] * len(self.slices), [0] * len(self.slices)
         for i, ((row, size), ab) in enumerate(

@@ -194,7 +194,8 @@ def test_vocab_shards_add_up_to_the_full_deltas(tiny_llama_dir, untied_adapters,
 def test_the_decode_plan_takes_them(tiny_llama_dir, untied_adapters):
     """bf16 on packed int8 weights: steps with embedding and LM-head adapters run in the CPU
     decode plan (its embedding and LM head are the modules') with the tokens and logprobs
-    of the module path, on the same adapters and cache."""
+    of the module path, on the same adapters and cache; plain greedy steps (which may take
+    the LM head's argmax epilogue, without logits) step aside for the head's deltas."""
     from engine.kernels.cpu import w4 as cpu_w4
     from engine.kernels.cpu import w8a8 as cpu_w8a8
 
@@ -209,12 +210,14 @@ def test_the_decode_plan_takes_them(tiny_llama_dir, untied_adapters):
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0, logprobs=3)
     batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 6)]
 
-    def run() -> list:
+    def run(params=params) -> list:
         outs = []
         for prompts in batches:
             loras = [None if i % 4 == 3 else requests[i % 3] for i in range(len(prompts))]
             outs += llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+        return [
+            (o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs or []]) for o in outs
+        ]
 
     try:
         runner._step_graph = runner._build_step_graph()
@@ -222,6 +225,8 @@ def test_the_decode_plan_takes_them(tiny_llama_dir, untied_adapters):
         assert plan is not None and plan.takes_lora
         with_plan = run()
         assert plan.runs, "no step ran in the plan"
+        plain = run(SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+        assert [t for t, _ in plain] == [t for t, _ in with_plan]
         runner._step_graph = None
         without = run()
     finally:
@@ -253,3 +258,28 @@ def test_prompt_logprobs_take_each_rows_head_adapter(tiny_llama_dir, untied_adap
         got = [e.logprob for e in out.prompt_logprobs[1:]]
         want = [float(ref[i - 1, prompt[i]]) for i in range(1, len(prompt))]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_the_head_takes_its_rows_once_and_steps_aside_for_greedy():
+    """ParallelLMHead with a LoRA slot: while rows are set its argmax hook (AMX's epilogue
+    on the CPU, the unquantized argmax on CUDA) is not taken; the next forward adds the
+    deltas on those rows and clears them, so a later call (a proposer's) is the base's."""
+    from engine.layers.embedding import ParallelLMHead
+    from engine.lora.layers import LoRABatch, LoRALayer
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(5)
+    head = ParallelLMHead(40, 8)
+    head.weight.data.copy_(torch.randn(40, 8, generator=g))
+    head.lora = LoRALayer(LoRABatch(cpu, "torch"), [(0, 40)], 8, 1, 4, torch.float32, cpu)
+    a, b = torch.randn(4, 8, generator=g), torch.randn(40, 4, generator=g)
+    head.lora.set_slot(0, [(a, b)])
+    h = torch.randn(3, 8, generator=g)
+    base = h @ head.weight.T
+    head.lora.batch.set([(0, 1, 1)])  # row 1 on the adapter
+    assert head.greedy(h) is None
+    logits = head(h)
+    torch.testing.assert_close(logits[1], base[1] + (h[1] @ a.T) @ b.T)
+    torch.testing.assert_close(logits[[0, 2]], base[[0, 2]])
+    assert not head.lora.active
+    torch.testing.assert_close(head(h), base)

@@ -310,6 +310,10 @@ def _vocab_key(
         want = (r, hidden) if half == "A" else (vocab, r)
     if targets is not None and module not in targets:
         raise _bad(path, key, f"target module {module!r} is not in target_modules")
+    if module == "embed_tokens" and cfg.model_type.startswith("gemma"):
+        # HF's scaled embedding module adds peft's delta after its sqrt(hidden) scale; here
+        # the model scales the embedding's output, delta included
+        raise _bad(path, key, "LoRA on Gemma's scaled embeddings is not supported")
     if shape != want:
         extra = (
             "; adapters with added tokens are not supported"

@@ -283,3 +283,24 @@ def test_the_head_takes_its_rows_once_and_steps_aside_for_greedy():
     torch.testing.assert_close(logits[[0, 2]], base[[0, 2]])
     assert not head.lora.active
     torch.testing.assert_close(head(h), base)
+
+
+def test_gemma3_takes_a_head_adapter_and_refuses_one_on_its_scaled_embeddings(
+    tiny_gemma3_dir, tmp_path
+):
+    """Gemma 3: the head's delta lands before the logits' soft cap, as in HF + peft; an
+    embedding adapter is refused (HF adds its delta after the embedding's sqrt(hidden)
+    scale, which Tessera applies to the embedding's output)."""
+    from engine.lora.adapter import read_adapter
+    from engine.models.hf_config import load_hf_config
+
+    head = make_adapter(tiny_gemma3_dir, tmp_path / "head", r=8, targets=["lm_head", "q_proj"], seed=61)  # fmt: skip
+    embed = make_adapter(tiny_gemma3_dir, tmp_path / "embed", r=8, targets=["embed_tokens"], seed=62)  # fmt: skip
+    with pytest.raises(ValueError, match=r"lora_embedding_[AB]: LoRA on Gemma's scaled embeddings"):
+        read_adapter(embed, load_hf_config(tiny_gemma3_dir), 16, check=True)
+    prompts = _prompts(_vocab(tiny_gemma3_dir), 3, seed=63)
+    assign = [0, None, 0]
+    want = _want(tiny_gemma3_dir, [head], prompts, assign, merge=False)
+    assert want[0] != merged_greedy(tiny_gemma3_dir, None, prompts[:1], NUM_NEW)[0]
+    got, _ = _generate(tiny_gemma3_dir, [head], prompts, assign, max_loras=1)
+    assert got == want

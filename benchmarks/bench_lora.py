@@ -2,6 +2,7 @@
 
     tessera bench lora [--model M] [--dtype bfloat16] [--streams 8,32] [--adapters 0,1,4]
                        [--ranks 8,16] [--output-len 64] [--rounds 2] [--json PATH]
+                       [--swap-rank 16] [--swap-repeats 10] [--swap-only]
 
 Adapters are written by peft (ranks cycled from --ranks, on q/k/v/o and the MLP's
 gate/up/down) into a temporary folder. Two engines are loaded at once: the base model
@@ -13,6 +14,14 @@ adapters (streams spread round-robin); the runs are interleaved over --rounds wi
 order alternating, and the best round counts (a shared machine's load swings hit all
 sides alike). The figure is the median wall time of a decode step (every request past
 its first token), and its ratio to the base engine's (above 1: LoRA costs that much).
+
+The swap table: what bringing an adapter of --swap-rank into a resident slot costs on the
+LoRA engine's runner (engine.lora.manager), the median of --swap-repeats: "load" reads its
+folder into the CPU cache (safetensors read, float32, scaling folded in, this rank's shard;
+the file is in the page cache after the first read, so this is not a cold disk), "to slot"
+copies a CPU-cached adapter into a slot of every layer (the LRU's swap). Two adapters: the
+projections alone, and the projections with embed_tokens and lm_head (vocabulary-sized A
+and B). --swap-only runs only this table (one engine, a few seconds).
 """
 
 from __future__ import annotations
@@ -41,7 +50,14 @@ PROMPTS = (
 )
 
 
-def make_adapters(model_dir: Path, out_dir: Path, ranks: list[int], seed: int = 0) -> list[Path]:
+def make_adapters(
+    model_dir: Path,
+    out_dir: Path,
+    ranks: list[int],
+    seed: int = 0,
+    targets: list[str] | None = None,
+    tag: str = "adapter",
+) -> list[Path]:
     """One PEFT LoRA folder per rank in `ranks`, random A and B of a modest scale (a delta
     that changes the tokens without blowing up the logits). The base weights do not matter
     to an adapter's file: the model is built from its config alone."""
@@ -53,7 +69,11 @@ def make_adapters(model_dir: Path, out_dir: Path, ranks: list[int], seed: int = 
     paths = []
     for i, r in enumerate(ranks):
         lora = LoraConfig(
-            r=r, lora_alpha=2 * r, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+            r=r,
+            lora_alpha=2 * r,
+            target_modules=targets or TARGETS,
+            lora_dropout=0.0,
+            init_lora_weights=False,
         )
         model = get_peft_model(base, lora, adapter_name=f"a{i}")
         g = torch.Generator().manual_seed(seed + i)
@@ -61,7 +81,7 @@ def make_adapters(model_dir: Path, out_dir: Path, ranks: list[int], seed: int = 
             for name, p in model.named_parameters():
                 if "lora_A" in name or "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[1] ** 0.5)
-        path = out_dir / f"adapter-{i}-r{r}"
+        path = out_dir / f"{tag}-{i}-r{r}"
         model.save_pretrained(str(path), selected_adapters=[f"a{i}"])
         # peft nests a named adapter's files one folder down; engines read the folder itself.
         nested = path / f"a{i}"
@@ -110,6 +130,44 @@ def decode_steps(
     return steps, [tokens[r] for r in order]
 
 
+def swap_costs(llm: LLM, folders: dict[str, Path], rank: int, repeats: int) -> list[dict]:
+    """Per adapter folder: the median ms of reading it into the CPU cache and of copying it
+    from there into a slot, on the LoRA engine's runner (one rank), the engine idle."""
+    manager = llm.engine.executor.runner.lora_manager
+    rows = []
+    for i, (label, folder) in enumerate(folders.items()):
+        request = LoRARequest(f"swap-{i}", 10_000 + i, str(folder))
+        loads, fills = [], []
+        for _ in range(repeats):
+            manager.remove(request.lora_int_id)  # out of the CPU cache and any slot
+            t0 = time.perf_counter()
+            shard = manager._load(request)
+            loads.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            manager._fill(0, request.lora_int_id, shard)
+            if manager.batch.device.type == "cuda":
+                torch.cuda.synchronize()
+            fills.append(time.perf_counter() - t0)
+        manager.remove(request.lora_int_id)
+        nbytes = sum(
+            t.numel() * t.element_size()
+            for slices in shard.values()
+            for ab in slices
+            if ab is not None
+            for t in ab
+        )
+        rows.append(
+            {
+                "adapter": label,
+                "rank": rank,
+                "shard_mib": round(nbytes / 2**20, 2),
+                "load_ms": round(statistics.median(loads) * 1e3, 3),
+                "to_slot_ms": round(statistics.median(fills) * 1e3, 3),
+            }
+        )
+    return rows
+
+
 def parse_counts(parser: argparse.ArgumentParser, flag: str, text: str, low: int) -> list[int]:
     try:
         values = [int(s) for s in text.split(",") if s.strip()]
@@ -134,12 +192,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--swap-rank", type=int, default=16, help="the swap table's rank")
+    parser.add_argument("--swap-repeats", type=int, default=10, help="swaps timed per adapter")
+    parser.add_argument("--swap-only", action="store_true", help="only the swap table")
     args = parser.parse_args(argv)
     streams = parse_counts(parser, "--streams", args.streams, 1)
     counts = parse_counts(parser, "--adapters", args.adapters, 0)
     ranks = parse_counts(parser, "--ranks", args.ranks, 1)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.swap_rank < 1 or args.swap_repeats < 1:
+        parser.error("--swap-rank and --swap-repeats must be at least 1")
+    if args.swap_only:
+        return swap_main(args)
     if args.output_len < 3:
         parser.error("--output-len must be at least 3 (decode steps after the first token)")
     if max(counts) > min(streams):
@@ -158,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.model,
             enable_lora=True,
             max_loras=n_adapters,
-            max_lora_rank=max(adapter_ranks),
+            max_lora_rank=max(*adapter_ranks, args.swap_rank),
             **common,
         ),
     }
@@ -189,6 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
                     if (n, label) not in best or run["step_s"] < best[(n, label)]["step_s"]:
                         best[(n, label)] = run
                     print(f"x{n} {label}: step {run['step_s'] * 1e3:.2f} ms", flush=True)
+        swaps = swap_costs(
+            engines["lora"], swap_folders(engines["lora"], Path(tmp), args.swap_rank),
+            args.swap_rank, args.swap_repeats,
+        )  # fmt: skip
     model_name = args.model or "default"
     for llm in engines.values():
         llm.shutdown()
@@ -225,6 +294,58 @@ def main(argv: list[str] | None = None) -> dict:
         "output_len": args.output_len,
         "targets": TARGETS,
         "rows": rows,
+        "swap": swaps,
+    }
+    print_swaps(swaps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def swap_folders(llm: LLM, root: Path, rank: int) -> dict[str, Path]:
+    """The swap table's two adapters: the projections, and those with the vocabulary's."""
+    model_dir = llm.engine.model_dir
+    return {
+        "q/k/v/o, gate/up/down": make_adapters(model_dir, root, [rank], tag="swap-proj")[0],
+        "+ embed_tokens, lm_head": make_adapters(
+            model_dir, root, [rank], targets=[*TARGETS, "embed_tokens", "lm_head"], tag="swap-vocab"
+        )[0],
+    }
+
+
+def print_swaps(rows: list[dict]) -> None:
+    print(f"\n{'swap: adapter':<26}{'rank':>5}{'MiB':>8}{'load':>11}{'to slot':>11}")
+    for r in rows:
+        print(
+            f"{r['adapter']:<26}{r['rank']:>5}{r['shard_mib']:>8.2f}"
+            f"{r['load_ms']:>9.2f}ms{r['to_slot_ms']:>9.2f}ms"
+        )
+
+
+def swap_main(args: argparse.Namespace) -> dict:
+    """--swap-only: one LoRA engine (one slot), the swap table alone."""
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=args.swap_rank,
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
+            folders = swap_folders(llm, Path(tmp), args.swap_rank)
+            swaps = swap_costs(llm, folders, args.swap_rank, args.swap_repeats)
+    finally:
+        llm.shutdown()
+    print_swaps(swaps)
+    result = {
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "model": args.model or "default",
+        "dtype": args.dtype,
+        "swap": swaps,
     }
     if args.json:
         with open(args.json, "w") as f:

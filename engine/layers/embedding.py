@@ -4,7 +4,9 @@ Each rank holds ceil(vocab / tp) rows (the last shard zero-padded); the embeddin
 outside its shard and all-reduces, the LM head all-gathers its logits and drops the padding.
 The LM head's `quant_method` (engine.layers.quantization) multiplies its rows. An embedding
 may take its rows from elsewhere (`rows`: a GGUF file's blocks, dequantized per token), its
-weight then empty.
+weight then empty. With LoRA enabled both carry a `lora` state (engine.lora.layers): the
+embedding's deltas are added to this rank's rows before the all-reduce, the LM head's to
+this rank's logits before the all-gather.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids -> their rows
+        self.lora = None  # engine.lora.layers.LoRAEmbedding (LoRALayer on the LM head)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
@@ -48,12 +51,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.rows is not None:  # set on single-rank models only
-            return self.rows(input_ids)
+            y = self.rows(input_ids)
+            return y if self.lora is None else self.lora.apply(input_ids, y)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            y = F.embedding(input_ids, self.weight)
+            return y if self.lora is None else self.lora.apply(input_ids, y)
         mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         y = F.embedding((input_ids - self.vocab_start) * mask, self.weight)
         y.mul_(mask.unsqueeze(-1).to(y.dtype))
+        if self.lora is not None:  # rows of other shards add nothing: the all-reduce sums
+            y = self.lora.apply(input_ids, y)
         return tp_all_reduce(y)
 
 
@@ -75,12 +82,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         memory (the quant method's greedy hook: w8a8's GEMM argmax epilogue, on the same
         float32 values); None where that path is not the one forward would take: then compute
         the logits."""
-        if self.tp_size > 1:
-            return None
+        if self.tp_size > 1 or (self.lora is not None and self.lora.active):
+            return None  # (LoRA deltas on this call's rows: the logits, then the argmax)
         return self.quant_method.greedy(self, hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         logits = self.quant_method.apply(self, hidden)
+        if self.lora is not None and self.lora.active:  # the rows set for this call, once
+            logits = self.lora.apply(hidden, logits)
+            self.lora.batch.clear()
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

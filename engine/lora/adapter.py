@@ -9,6 +9,14 @@ gate/up/down; Tessera's merged qkv_proj and gate_up_proj take each projection's 
 slice of the merged output (SLICES). The scaling lora_alpha / r (lora_alpha / sqrt(r) with
 use_rslora) is folded into B once, here, so a step computes y += (x A^T) B^T.
 
+The token embedding and the LM head (VOCAB_TARGETS) may be targeted too, keyed by layer
+index -1. PEFT stores the embedding's A as lora_embedding_A [r, vocab] and B as
+lora_embedding_B [hidden, r] (a token's delta: B A[:, id]); the LM head's as a linear's.
+With a tied base (tie_word_embeddings) each keeps its own delta over the shared weight, as
+PEFT's (unmerged) model does. PEFT also saves the base layers' weights beside them
+(save_embedding_layers): those must have the base vocabulary (an adapter trained with added
+tokens is refused) and are otherwise taken to be the base model's.
+
 Nothing is kept until the whole folder is read and checked: an adapter that fails leaves no
 state anywhere (the caller inserts the returned object, or gets the ValueError).
 `check=True` reads only the tensors' shapes (the engine's front checks a folder so; the
@@ -45,9 +53,37 @@ TARGETS: dict[str, tuple[str, int]] = {
 }
 # Tessera layer -> whether it is row-parallel (input split across ranks) or column-parallel
 ROW_PARALLEL = {"o_proj", "down_proj"}
+# model-level targets, split by vocabulary across TP ranks (engine.layers.embedding)
+VOCAB_TARGETS = ("embed_tokens", "lm_head")
+MODEL_LAYER = -1  # their "layer index" in LoRAAdapter.weights
+SUPPORTED = (*TARGETS, *VOCAB_TARGETS)
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
+_EMBED_KEY = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_([AB])(?:\.\w+)?$")
+_HEAD_KEY = re.compile(r"(?:^|\.)lm_head\.lora_([AB])(?:\.\w+)?\.weight$")
+_BASE_COPY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.base_layer\.weight$")
+
+
+def vocab_shard(vocab: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """(first id, ids held, padded shard size) of a rank's vocabulary shard, as
+    engine.layers.embedding.VocabParallelEmbedding splits it."""
+    size = -(-vocab // tp_size)
+    start = min(tp_rank * size, vocab)
+    return start, min(start + size, vocab) - start, size
+
+
+def _vocab_rows(t: torch.Tensor, dim: int, vocab: int, tp_rank: int, tp_size: int):
+    """t's rank shard along its vocabulary dim, zero-padded to the shard size."""
+    import torch
+
+    start, n, size = vocab_shard(vocab, tp_rank, tp_size)
+    part = t.narrow(dim, start, n)
+    if n == size:
+        return part
+    pad = list(t.shape)
+    pad[dim] = size - n
+    return torch.cat([part, t.new_zeros(pad)], dim=dim)
 
 
 def projection_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, int]]:
@@ -86,6 +122,14 @@ class LoRAAdapter:
         for (layer_idx, module), ab in self.weights.items():
             assert ab is not None, "read with check=True: no values"
             a, b = ab
+            if module == "embed_tokens":  # A^T [vocab shard, r]: a token's row is a lookup
+                a = _vocab_rows(a.T, 0, cfg.vocab_size, tp_rank, tp_size)
+                out[(layer_idx, module)] = [(a.to(dtype).contiguous(), b.to(dtype).contiguous())]
+                continue
+            if module == "lm_head":  # B's rows are this rank's logits (padded as the head's)
+                b = _vocab_rows(b, 0, cfg.vocab_size, tp_rank, tp_size)
+                out[(layer_idx, module)] = [(a.to(dtype).contiguous(), b.to(dtype).contiguous())]
+                continue
             layer, index = TARGETS[module]
             if layer in ROW_PARALLEL:
                 size = a.shape[1] // tp_size
@@ -134,6 +178,7 @@ def read_config(path: Path, max_lora_rank: int) -> tuple[int, float, tuple[str, 
         ("modules_to_save", bool(config.get("modules_to_save"))),
         ("bias", config.get("bias", "none") not in (None, "none")),
         ("layers_to_transform", config.get("layers_to_transform") is not None),
+        ("trainable_token_indices", bool(config.get("trainable_token_indices"))),
     ):
         if unsupported:
             raise _bad(path, name, f"{config.get(name)!r} is not supported")
@@ -143,12 +188,12 @@ def read_config(path: Path, max_lora_rank: int) -> tuple[int, float, tuple[str, 
         return r, scaling, None
     if not isinstance(targets, list) or not targets:
         raise _bad(path, "target_modules", f"must be a non-empty list, got {targets!r}")
-    unknown = sorted(str(t) for t in targets if t not in TARGETS)
+    unknown = sorted(str(t) for t in targets if t not in SUPPORTED)
     if unknown:
         raise _bad(
             path,
             "target_modules",
-            f"{', '.join(unknown)} not supported (supported: {', '.join(TARGETS)})",
+            f"{', '.join(unknown)} not supported (supported: {', '.join(SUPPORTED)})",
         )
     return r, scaling, tuple(dict.fromkeys(targets))
 
@@ -170,6 +215,16 @@ def read_adapter(
     try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                shape = tuple(f.get_slice(key).get_shape())
+                vocab = _vocab_key(path, key, shape, cfg, r, targets)
+                if vocab == "base":
+                    continue
+                if vocab is not None:
+                    module, half = vocab
+                    halves.setdefault((MODEL_LAYER, module), {})[half] = (
+                        None if check else f.get_tensor(key)
+                    )
+                    continue
                 m = _KEY.search(key)
                 if m is None:
                     raise _bad(path, key, "not a LoRA weight of a supported target module")
@@ -186,7 +241,6 @@ def read_adapter(
                     layer_idx
                 ):
                     raise _bad(path, key, "LoRA on a mixture-of-experts MLP is not supported")
-                shape = tuple(f.get_slice(key).get_shape())
                 out_f, in_f = shapes[module]
                 want = (r, in_f) if half == "A" else (out_f, r)
                 if shape != want:
@@ -204,7 +258,8 @@ def read_adapter(
     for (layer_idx, module), ab in halves.items():
         for half in "AB":
             if half not in ab:
-                raise _bad(path, f"layers.{layer_idx}.{module}.lora_{half}", "missing")
+                where = module if layer_idx == MODEL_LAYER else f"layers.{layer_idx}.{module}"
+                raise _bad(path, f"{where}.lora_{half}", "missing")
         if check:
             weights[(layer_idx, module)] = None
         else:
@@ -220,3 +275,50 @@ def read_adapter(
                 path, "target_modules", f"{', '.join(missing)} listed but not in {WEIGHTS_FILE}"
             )
     return LoRAAdapter(str(path), r, scaling, tuple(sorted(found)), weights)
+
+
+def _vocab_key(
+    path: Path,
+    key: str,
+    shape: tuple[int, ...],
+    cfg: HFModelConfig,
+    r: int,
+    targets: tuple[str, ...] | None,
+) -> tuple[str, str] | str | None:
+    """For a tensor of the embedding or the LM head: (module, "A" | "B") after checking its
+    shape, or "base" for PEFT's copy of a base layer (skipped); None for any other key."""
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    base = _BASE_COPY.search(key)
+    if base is not None:
+        if shape != (vocab, hidden):
+            raise _bad(
+                path,
+                key,
+                f"shape {shape}: the adapter's vocabulary differs from the base model's "
+                f"({vocab} x {hidden}); adapters with added tokens are not supported",
+            )
+        return "base"
+    m = _EMBED_KEY.search(key)
+    if m is not None:
+        module, half = "embed_tokens", m.group(1)
+        want = (r, vocab) if half == "A" else (hidden, r)
+    else:
+        m = _HEAD_KEY.search(key)
+        if m is None:
+            return None
+        module, half = "lm_head", m.group(1)
+        want = (r, hidden) if half == "A" else (vocab, r)
+    if targets is not None and module not in targets:
+        raise _bad(path, key, f"target module {module!r} is not in target_modules")
+    if module == "embed_tokens" and cfg.model_type.startswith("gemma"):
+        # HF's scaled embedding module adds peft's delta after its sqrt(hidden) scale; here
+        # the model scales the embedding's output, delta included
+        raise _bad(path, key, "LoRA on Gemma's scaled embeddings is not supported")
+    if shape != want:
+        extra = (
+            "; adapters with added tokens are not supported"
+            if vocab in want and len(shape) == 2 and shape != want
+            else ""
+        )
+        raise _bad(path, key, f"shape {shape} does not fit the base model (expected {want}){extra}")
+    return module, half

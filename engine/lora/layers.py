@@ -22,6 +22,11 @@ mapping, set once per step by the runner (engine.lora.manager). Applying it:
         (engine.kernels.cpu.lora), over the segments the Triton kernels read.
     triton (CUDA): shrink then expand over the tokens grouped by adapter (punica / S-LoRA
         style, engine.kernels.triton.lora), one launch each for every adapter of the step.
+
+The LM head is a LoRALayer too (one slice: this rank's vocabulary shard) over a batch of its
+own, set for each call on the rows the runner picks (engine.lora.manager), used once. The
+token embedding's delta is `LoRAEmbedding`: a lookup of A's column for each token times B,
+in torch on every device (one gather and one small GEMM per adapter of the step).
 """
 
 from __future__ import annotations
@@ -55,6 +60,17 @@ class LoRABatch:
     def clear(self) -> None:
         self.active = False
         self.groups = []
+
+    def row_groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """Each slot's rows (a slice or an index tensor), whichever kernel the batch is for."""
+        if not self.groups and self.active:
+            segments = zip(
+                self.seg_start.tolist(), self.seg_len.tolist(), self.seg_slot.tolist(), strict=True
+            )
+            self.groups = [
+                (slot, self.token_rows[start : start + n].long()) for start, n, slot in segments
+            ]
+        return self.groups
 
     def set(self, ranges: list[tuple[int, int, int]]) -> None:
         by_slot: dict[int, list[tuple[int, int]]] = {}
@@ -154,9 +170,12 @@ class LoRALayer:
         self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None
     ) -> None:
         """Put an adapter's slices (this rank's A [r, in], B [rows, r]; None where it does
-        not target one) into a slot; None clears the slot."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        not target one) into a slot; None clears the slot. Only what the slot's last adapter
+        wrote is zeroed: a swap is a few copies of rank-sized blocks, each too small to fork
+        threads (a busy core made a whole-slot fill's thread start-ups cost ~10 ms each)."""
+        for row, size, off, r in self.parts[slot]:
+            self.a[slot, off : off + r].zero_()
+            self.b[slot, row : row + size, :r].zero_()
         offset, parts = 0, []
         offs, ranks = [0] * len(self.slices), [0] * len(self.slices)
         for i, ((row, size), ab) in enumerate(
@@ -219,14 +238,8 @@ class LoRALayer:
                 batch.seg_slot,
             )
             return y
-        if batch.kernel == "cpu":  # a dtype the kernel does not take: the torch path's groups
-            batch.groups = batch.groups or self._groups_from_segments()
+        batch.row_groups()  # (a dtype the C kernel does not take: the torch path's groups)
         return self._apply_torch(x2, y2, y)
-
-    def _groups_from_segments(self) -> list[tuple[int, torch.Tensor]]:
-        b = self.batch
-        segments = zip(b.seg_start.tolist(), b.seg_len.tolist(), b.seg_slot.tolist(), strict=True)
-        return [(slot, b.token_rows[start : start + n].long()) for start, n, slot in segments]
 
     def _apply_torch(self, x2: torch.Tensor, y2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.batch
@@ -254,4 +267,64 @@ class LoRALayer:
                     out.addmm_(s[:, off : off + r], b.T)
                 else:
                     out.add_(s[:, off : off + r] @ b.T)
+        return y
+
+
+class LoRAEmbedding:
+    """The token embedding's slots: a [max_loras, shard, R] (A transposed: a token's row of
+    this rank's vocabulary shard) and b [max_loras, hidden, R] (scaling folded in). The delta
+    of row t with slot s is b[s] a[s, id_t - first id] (rows whose ids are on another rank's
+    shard add nothing: the embedding's all-reduce sums the ranks). It applies only while
+    `armed`: during the step's forward, not to another caller's ids (a draft proposer)."""
+
+    def __init__(
+        self,
+        batch: LoRABatch,
+        vocab_start: int,
+        shard_size: int,
+        hidden: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.batch = batch
+        self.vocab_start, self.shard_size = vocab_start, shard_size
+        self.a = torch.zeros(max_loras, shard_size, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, hidden, max_rank, dtype=dtype, device=device)
+        self.rank = [0] * max_loras
+        self.armed = False
+
+    def set_slot(
+        self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+    ) -> None:
+        """Put an adapter's (A^T [shard, r], B [hidden, r]) into a slot; None clears it."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        ab = slices[0] if slices else None
+        self.rank[slot] = 0
+        if ab is not None:
+            a, b = ab
+            r = a.shape[1]
+            self.a[slot, :, :r].copy_(a)
+            self.b[slot, :, :r].copy_(b)
+            self.rank[slot] = r
+
+    def apply(self, input_ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, hidden] + the step's embedding deltas (in place) for input_ids [T]."""
+        if not (self.armed and self.batch.active):
+            return y
+        for slot, rows in self.batch.row_groups():
+            r = self.rank[slot]
+            if not r:
+                continue
+            local = input_ids[rows] - self.vocab_start
+            inside = (local >= 0) & (local < self.shard_size)
+            s = self.a[slot, local.clamp(0, self.shard_size - 1), :r]
+            s = s * inside.unsqueeze(-1).to(s.dtype)
+            delta = (s @ self.b[slot, :, :r].T).to(y.dtype)
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
         return y

@@ -4,10 +4,17 @@ mapping.
     manager = LoRAManager(model, hf_config, lora_config, dtype, device)   # after quantizing
     active = manager.prepare([(lora_request or None, first_row, rows), ...])  # every step
 
+    last = hidden.index_select(0, manager.head_rows(rows))  # before each LM-head call
+    manager.end_forward()                                     # after the step's forward
+
 `prepare` puts every adapter of the step into a slot (a free one, else the least recently
 used one that this step does not need), loading it from the CPU cache (max_cpu_loras
 adapters, least recently used evicted) or from its folder, then sets the shared LoRABatch.
 The scheduler never mixes more than max_loras adapters in a step, so slots always suffice.
+
+The embedding's deltas apply between prepare and end_forward (not to a draft proposer's
+ids); the LM head's to the one call after head_rows, on the step rows it names (a call
+without it, a proposer's, gets the base head).
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from torch import nn
 
 from engine.config import LoRAConfig
 from engine.distributed import get_tp_rank, get_tp_size
-from engine.lora.adapter import SLICES, read_adapter
-from engine.lora.layers import LoRABatch, LoRALayer
+from engine.lora.adapter import MODEL_LAYER, SLICES, read_adapter, vocab_shard
+from engine.lora.layers import LoRABatch, LoRAEmbedding, LoRALayer
 from engine.lora.request import LoRARequest
 from engine.models.hf_config import HFModelConfig
 
@@ -96,6 +103,8 @@ class LoRAManager:
                 )
                 layer.lora = state
                 self.layers[(i, name)] = state
+        self._attach_vocab_layers(model, hf_config, device)
+        self._row_slot: list[int] = []  # the step's rows -> slot (-1: the base model)
         self.slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot
         self._slot_use: OrderedDict[int, None] = OrderedDict(
             (s, None) for s in range(config.max_loras)
@@ -103,6 +112,35 @@ class LoRAManager:
         self._cpu: OrderedDict[int, Shard] = OrderedDict()  # lora_int_id -> this rank's shard
         self.num_loads = 0  # adapters read from their folders (tests, logs)
         self.num_swaps = 0  # adapters copied into a slot
+
+    def _attach_vocab_layers(
+        self, model: nn.Module, cfg: HFModelConfig, device: torch.device
+    ) -> None:
+        """Slots on the embedding (a first pipeline stage's) and on the LM head (a last
+        stage's), each over this rank's vocabulary shard."""
+        from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+        config, rank = self.config, get_tp_rank()
+        start, _, shard = vocab_shard(cfg.vocab_size, rank, get_tp_size())
+        self.embedding: LoRAEmbedding | None = None
+        self.head: LoRALayer | None = None
+        embed = getattr(model.model, "embed_tokens", None)
+        if isinstance(embed, VocabParallelEmbedding):
+            self.embedding = LoRAEmbedding(
+                self.batch, start, shard, cfg.hidden_size,
+                config.max_loras, config.max_lora_rank, self.dtype, device,
+            )  # fmt: skip
+            embed.lora = self.embedding
+            self.layers[(MODEL_LAYER, "embed_tokens")] = self.embedding  # type: ignore[assignment]
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, ParallelLMHead):
+            self.head_batch = LoRABatch(device, self.batch.kernel)
+            self.head = LoRALayer(
+                self.head_batch, [(0, shard)], cfg.hidden_size,
+                config.max_loras, config.max_lora_rank, self.dtype, device,
+            )  # fmt: skip
+            head.lora = self.head
+            self.layers[(MODEL_LAYER, "lm_head")] = self.head
 
     # -- adapters -----------------------------------------------------------------------
 
@@ -157,11 +195,15 @@ class LoRAManager:
         """Make the step's adapters resident and set the token mapping; whether any row of
         the step has an adapter (then it runs eagerly)."""
         needed = {req.lora_int_id for req, _, _ in rows if req is not None}
+        self._row_slot = []
+        if self.head is not None:
+            self.head_batch.clear()
         if not needed:
             self.batch.clear()
             return False
         slot_of: dict[int, int] = {}
         ranges = []
+        self._row_slot = [-1] * max(start + n for _, start, n in rows)
         for req, start, n in rows:
             if req is None:
                 continue
@@ -169,5 +211,27 @@ class LoRAManager:
             if slot is None:
                 slot = slot_of[req.lora_int_id] = self._slot_for(req, needed)
             ranges.append((slot, start, n))
+            self._row_slot[start : start + n] = [slot] * n
         self.batch.set(ranges)
+        if self.embedding is not None:
+            self.embedding.armed = True
         return True
+
+    def end_forward(self) -> None:
+        """The step's forward is done: later embedding calls (a proposer's) get no delta."""
+        if self.embedding is not None:
+            self.embedding.armed = False
+
+    def head_rows(self, rows: list[int]) -> list[int]:
+        """Set the LM head's next call to these rows of the step's hidden states, in order
+        (each with its request's adapter); returns rows, for the caller's index_select."""
+        if self.head is None:
+            return rows
+        width, row_slot = self.head.width, self._row_slot
+        ranges = []
+        for i, row in enumerate(rows):
+            slot = row_slot[row] if row < len(row_slot) else -1
+            if slot >= 0 and width[slot]:
+                ranges.append((slot, i, 1))
+        self.head_batch.set(ranges)
+        return rows

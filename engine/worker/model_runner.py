@@ -700,7 +700,9 @@ class ModelRunner:
                 return out
             tokens, logprobs = drawn
         else:
-            rows = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
+            rows = torch.tensor(
+                self._head_rows([last_row[rid] for rid in to_sample]), device=self.device
+            )
             last = hidden.index_select(0, rows)
             greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
             if greedy is not None:  # argmax in the LM head's GEMM: no logits (one rank only)
@@ -734,7 +736,7 @@ class ModelRunner:
         for r in spec:
             last, k = last_row[r.request_id], len(r.spec_token_ids)
             rows.extend(range(last - k, last + 1))
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = torch.tensor(self._head_rows(rows), dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         if self.rank != 0:
             return False
@@ -787,7 +789,9 @@ class ModelRunner:
                 logprobs = {rid: lp for rid, lp in zip(to_sample, lps, strict=True) if lp}
             first = device_ids[:, 0].long()  # (an argmax kernel's ids may be int32)
         else:
-            rows_t = torch.tensor([last_row[rid] for rid in to_sample], device=self.device)
+            rows_t = torch.tensor(
+                self._head_rows([last_row[rid] for rid in to_sample]), device=self.device
+            )
             last = hidden.index_select(0, rows_t)
             greedy = self.model.greedy_tokens(last) if self.sampler.plain_greedy(states) else None
             if greedy is not None:
@@ -831,6 +835,7 @@ class ModelRunner:
             [columns[rid] for rid in to_sample],
             [len(s.output_token_ids) for s in states],
         )
+        self._head_rows([last_row[rid] for rid in to_sample])
         last = hidden.index_select(0, rows.hidden_rows)
         greedy = self.model.greedy_tokens(last) if Sampler.plain_greedy(states) else None
         logits = self.model.compute_logits(last) if greedy is None else None
@@ -855,6 +860,7 @@ class ModelRunner:
             [columns[rid] for rid in to_sample],
             [len(s.output_token_ids) for s in states],
         )
+        self._head_rows([last_row[rid] for rid in to_sample])
         last = hidden.index_select(0, rows.hidden_rows)
         greedy = self.model.greedy_tokens(last) if Sampler.plain_greedy(states) else None
         logits = None
@@ -887,6 +893,7 @@ class ModelRunner:
             self.input_batch.requests,
             self.hf_config.vocab_size,
             keep=self.samples,
+            head_rows=self._head_rows,
         )
 
     def append_sampled(self, sampled: dict[str, list[int]]) -> None:
@@ -913,7 +920,17 @@ class ModelRunner:
                 for r in scheduled
             ]
             eager = self.lora_manager.prepare(rows)
+            hidden = self._run_model(ids, positions, common, fed, eager)
+            self.lora_manager.end_forward()
+            return hidden, last_row
         return self._run_model(ids, positions, common, fed, eager), last_row
+
+    def _head_rows(self, rows: list[int]) -> list[int]:
+        """rows of the step's hidden states for the LM head's next call: with LoRA, each
+        row's adapter is set for it (engine.lora.manager)."""
+        if self.lora_manager is not None:
+            self.lora_manager.head_rows(rows)
+        return rows
 
     def _run_model(
         self,

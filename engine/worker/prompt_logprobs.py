@@ -14,6 +14,7 @@ like the eager forward, so this reads the same rows whichever ran the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,9 +32,11 @@ def compute_prompt_logprobs(
     requests: dict[str, Any],
     vocab_size: int,
     keep: bool = True,
+    head_rows: Callable[[list[int]], list[int]] | None = None,
 ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
     """{request id: (position of the first entry's token, entries)} for this step's rows.
-    keep=False (ranks other than the driver): run the LM head's collectives, return {}."""
+    keep=False (ranks other than the driver): run the LM head's collectives, return {}.
+    head_rows: called with each slice's rows before its LM-head call (LoRA's adapters)."""
     jobs: list[tuple[str, int, list[int], int]] = []  # (rid, start_pos, targets, k)
     rows: list[int] = []
     for r in scheduled:
@@ -61,6 +64,8 @@ def compute_prompt_logprobs(
     step = max(1, _SLICE_BYTES // (8 * vocab_size))
     for lo in range(0, len(rows), step):
         hi = min(lo + step, len(rows))
+        if head_rows is not None:
+            head_rows(rows[lo:hi])
         logits = model.compute_logits(hidden.index_select(0, row_t[lo:hi]))
         if not keep:
             continue

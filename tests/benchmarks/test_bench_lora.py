@@ -1,5 +1,6 @@
 """`tessera bench lora`: a run on a tiny model reports a row per batch size and adapter count;
-the LoRA engine's base rows decode the base engine's tokens, an adapter changes them."""
+the LoRA engine's base rows decode the base engine's tokens, an adapter changes them; the
+swap table times a load and a slot copy per adapter (the vocabulary's adapter the larger)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def test_bad_arguments_are_rejected(capsys):
         ["--output-len", "2"],
         ["--rounds", "0"],
         ["--streams", "2", "--adapters", "4"],
+        ["--swap-rank", "0"],
+        ["--swap-repeats", "0"],
     ):
         with pytest.raises(SystemExit) as e:
             bench_lora.main(argv)
@@ -60,3 +63,19 @@ def test_a_run_on_a_tiny_model(tiny_llama_dir, tmp_path):
         assert r["ranks"] == [8, 16][: r["adapters"]]
         # No adapter: exactly the base tokens; with adapters the deltas change them.
         assert r["same_tokens_as_base"] == (r["adapters"] == 0)
+    _check_swaps(result["swap"], 16)
+
+
+def _check_swaps(swaps: list[dict], rank: int) -> None:
+    assert [s["adapter"] for s in swaps] == ["q/k/v/o, gate/up/down", "+ embed_tokens, lm_head"]
+    for s in swaps:
+        assert s["rank"] == rank and s["load_ms"] > 0 and s["to_slot_ms"] > 0
+    assert swaps[1]["shard_mib"] > swaps[0]["shard_mib"] > 0
+
+
+def test_swap_only(tiny_llama_dir, tmp_path):
+    out = tmp_path / "swap.json"
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--swap-only"]
+    result = bench_lora.main([*argv, "--swap-rank", "8", "--swap-repeats", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == result and "rows" not in result
+    _check_swaps(result["swap"], 8)

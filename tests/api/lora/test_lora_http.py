@@ -43,7 +43,21 @@ def adapters(tiny_llama_dir, tmp_path_factory):
             tiny_llama_dir, root / "b", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=2
         ),
         "big": make_adapter(tiny_llama_dir, root / "big", r=32, alpha=32, seed=3),
+        "head-to-save": _with_modules_to_save(
+            make_adapter(tiny_llama_dir, root / "head", targets=["lm_head"], seed=4)
+        ),
     }
+
+
+def _with_modules_to_save(path):
+    """An LM-head adapter that also saves whole modules: refused (modules_to_save)."""
+    import json
+
+    config = path / "adapter_config.json"
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "modules_to_save": ["lm_head"]})
+    )
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +172,9 @@ def test_adapters_over_http(start_server, tiny_llama_dir, tmp_path, adapters, of
     r = _post(server, "/admin/v1/lora_adapters", {**bad, "lora_path": str(adapters["a"]),
                                                   "tenant_id": "nope"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "tenant_id", r.text
+    r = _post(server, "/admin/v1/lora_adapters", {**bad, "lora_path": str(adapters["head-to-save"])})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    assert "modules_to_save: ['lm_head'] is not supported" in r.json()["error"]["message"]
     listed = admin.request("GET", "/lora_adapters").json()["data"]
     assert {a["name"] for a in listed} == {"pub", "own"}
     assert _complete(server, k1, "big").status_code == 404

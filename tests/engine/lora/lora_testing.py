@@ -1,5 +1,7 @@
 """Adapters written by peft for the tiny random models of tests/conftest.py, and the
-reference: HF + peft's merged model (merge_and_unload), greedy, one prompt at a time."""
+references: HF + peft's merged model (merge_and_unload), or peft's unmerged model (a tied
+base with embed_tokens / lm_head adapters, which merging would fold into the one shared
+weight), greedy, one prompt at a time."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def make_adapter(
 ) -> Path:
     """A LoRA adapter with random A and B (peft's init_lora_weights=False would leave B as
     kaiming noise; B is redrawn here so the deltas are large enough to change greedy tokens
-    but keep the logits peaked)."""
+    but keep the logits peaked). An embedding's A [r, vocab] is drawn per token column (each
+    token's delta as large as a projection's)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -41,23 +44,33 @@ def make_adapter(
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
+            if "lora_embedding_A" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[0] ** 0.5)
+            elif "lora_A" in name or "lora_B" in name or "lora_embedding_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[1] ** 0.5)
     model.save_pretrained(str(out_dir))
     return out_dir
 
 
 def merged_greedy(
-    model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], num_new: int
+    model_dir: Path,
+    adapter_dir: Path | None,
+    prompts: list[list[int]],
+    num_new: int,
+    *,
+    merge: bool = True,
 ) -> list[list[int]]:
-    """Greedy tokens of HF's model with the adapter merged in (None: the base model)."""
+    """Greedy tokens of HF's model with the adapter merged in (None: the base model);
+    merge=False: through peft's unmerged LoRA layers."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        if merge:
+            model = model.merge_and_unload()
     model.eval()
     results = []
     with torch.inference_mode():

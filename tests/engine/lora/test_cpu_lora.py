@@ -98,3 +98,30 @@ def test_the_kernel_takes_every_rank_the_engine_allows():
     from engine.config import MAX_LORA_RANK_LIMIT
 
     assert cpu_lora.MAX_RANK >= MAX_LORA_RANK_LIMIT
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
+def test_a_swap_leaves_nothing_of_the_slots_last_adapter(kernel):
+    """set_slot zeroes only what the previous adapter wrote: a rank-4 adapter on one slice
+    after a rank-16 one on three holds exactly what a fresh slot would."""
+    slices, cpu = [(0, 48), (48, 16), (64, 16)], torch.device("cpu")
+    g = torch.Generator().manual_seed(3)
+
+    def parts(r, which):
+        return [
+            (torch.randn(r, 64, generator=g), torch.randn(size, r, generator=g))
+            if i in which
+            else None
+            for i, (_, size) in enumerate(slices)
+        ]
+
+    small = parts(4, {2})
+    used = LoRALayer(LoRABatch(cpu, kernel), slices, 64, 2, 16, torch.float32, cpu)
+    used.set_slot(1, parts(16, {0, 1, 2}))
+    used.set_slot(1, small)
+    fresh = LoRALayer(LoRABatch(cpu, kernel), slices, 64, 2, 16, torch.float32, cpu)
+    fresh.set_slot(1, small)
+    assert torch.equal(used.a, fresh.a) and torch.equal(used.b, fresh.b)
+    assert used.parts == fresh.parts and used.width == fresh.width
+    used.set_slot(1, None)
+    assert not used.a.any() and not used.b.any() and used.width[1] == 0

@@ -25,6 +25,16 @@ def good(tiny_llama_dir, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def good_vocab(tiny_llama_dir, tmp_path_factory):
+    """An adapter on the embedding and the LM head (peft saves the base layers beside them)."""
+    return make_adapter(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("good-vocab") / "eh",
+        targets=["embed_tokens", "lm_head"],
+    )
+
+
 def _variant(good, tmp_path, name, config=None, tensors=None):
     """A copy of the good adapter with its config and/or tensors edited."""
     out = tmp_path / name
@@ -46,7 +56,19 @@ def _set(key, value):
     return lambda data: data.__setitem__(key, value)
 
 
-def _cases(good, tmp_path):
+def _added_tokens(suffix):
+    """The tensor ending in suffix with 8 more vocabulary rows or columns (added tokens)."""
+
+    def edit(data):
+        key = next(k for k in data if k.endswith(suffix))
+        t = data[key]
+        dim = 1 if suffix.endswith("lora_embedding_A") else 0
+        data[key] = torch.cat([t, torch.zeros_like(t.narrow(dim, 0, 8))], dim=dim)
+
+    return edit
+
+
+def _cases(good, good_vocab, tmp_path):
     def drop_b(data):
         del data[next(k for k in data if k.endswith("v_proj.lora_B.weight"))]
 
@@ -56,7 +78,13 @@ def _cases(good, tmp_path):
 
     return [
         (_variant(good, tmp_path, "big-rank", _set("r", 64), None), r"\br: rank 64 is above max_lora_rank \(16\)"),
-        (_variant(good, tmp_path, "lm-head", _set("target_modules", ["q_proj", "lm_head"])), "target_modules: lm_head not supported"),
+        (_variant(good, tmp_path, "lm-head", _set("target_modules", ["q_proj", "v_proj", "lm_head"])), "target_modules: lm_head listed but not in"),
+        (_variant(good, tmp_path, "rotary", _set("target_modules", ["q_proj", "rotary_emb"])), "target_modules: rotary_emb not supported"),
+        (_variant(good_vocab, tmp_path, "to-save", _set("modules_to_save", ["lm_head"])), "modules_to_save: .* is not supported"),
+        (_variant(good_vocab, tmp_path, "tokens", _set("trainable_token_indices", [5, 6])), "trainable_token_indices"),
+        (_variant(good_vocab, tmp_path, "added-a", None, _added_tokens("lora_embedding_A")), r"embed_tokens\.lora_embedding_A: shape \(8, 392\) .*added tokens are not supported"),
+        (_variant(good_vocab, tmp_path, "added-head", None, _added_tokens("lm_head.lora_B.weight")), r"lm_head\.lora_B\.weight: shape \(392, 8\) .*added tokens"),
+        (_variant(good_vocab, tmp_path, "added-base", None, _added_tokens("embed_tokens.base_layer.weight")), r"embed_tokens\.base_layer\.weight: shape \(392, 64\): the adapter's vocabulary differs"),
         (_variant(good, tmp_path, "missing", _set("target_modules", ["q_proj", "v_proj", "o_proj"])), "target_modules: o_proj listed but not in"),
         (_variant(good, tmp_path, "no-b", None, drop_b), r"v_proj\.lora_B: missing"),
         (_variant(good, tmp_path, "shape", None, wrong_shape), r"q_proj\.lora_A\.weight: shape \(8, 72\) does not fit"),
@@ -65,21 +93,24 @@ def _cases(good, tmp_path):
     ]  # fmt: skip
 
 
-def test_read_adapter_names_the_field(tiny_llama_dir, good, tmp_path):
+def test_read_adapter_names_the_field(tiny_llama_dir, good, good_vocab, tmp_path):
     cfg = load_hf_config(tiny_llama_dir)
-    for path, message in _cases(good, tmp_path):
+    assert cfg.vocab_size == 384  # the shapes the messages name
+    for path, message in _cases(good, good_vocab, tmp_path):
         for check in (True, False):
             with pytest.raises(ValueError, match=message):
                 read_adapter(path, cfg, 16, check=check)
     adapter = read_adapter(good, cfg, 16)
     assert adapter.target_modules == ("q_proj", "v_proj") and adapter.scaling == 2.0
+    vocab = read_adapter(good_vocab, cfg, 16)
+    assert vocab.target_modules == ("embed_tokens", "lm_head")
 
 
-def test_the_engine_refuses_bad_adapters_and_goes_on(tiny_llama_dir, good, tmp_path):
+def test_the_engine_refuses_bad_adapters_and_goes_on(tiny_llama_dir, good, good_vocab, tmp_path):
     llm = LLM(
         str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2
     )
-    for i, (path, message) in enumerate(_cases(good, tmp_path), start=10):
+    for i, (path, message) in enumerate(_cases(good, good_vocab, tmp_path), start=10):
         with pytest.raises(ValueError, match=message):
             # a good request beside it is not queued either
             llm.generate(

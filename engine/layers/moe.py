@@ -81,6 +81,7 @@ def experts_cpu(
     topk_ids: torch.Tensor,
     gemms: tuple[GemmChoice, GemmChoice] | None = None,
     expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
 
@@ -91,10 +92,10 @@ def experts_cpu(
     path). With gemms, each matmul runs where the unquantized linear layers' would (the C GEMM
     for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized). With
     expert_linear(e, GATE or DOWN, x), that runs them instead (a GGUF file's blocks: w13 and w2
-    are then not float weights)."""
+    are then not float weights, or None: a quantized checkpoint's, give num_experts)."""
     g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
-    num_experts = w13.shape[0]
+    num_experts = num_experts or w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
@@ -163,7 +164,7 @@ class FusedMoE(nn.Module):
                 f"moe_intermediate_size ({intermediate_size}) is not divisible by "
                 f"tensor_parallel_size ({self.tp_size})"
             )
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.renormalize, self.scoring_func = renormalize, scoring_func
         self.reduce_results = reduce_results
         self.inter = inter = intermediate_size // self.tp_size  # this rank's share
@@ -177,6 +178,9 @@ class FusedMoE(nn.Module):
         # (e, GATE or DOWN, x) -> x @ expert e's w13 or w2, where the weights are not floats
         # (engine.layers.quantization.gguf.GGUFExperts: a GGUF file's blocks); CPU only
         self.expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
+        # (x, topk_weights, topk_ids) -> [T, H]: a quantized checkpoint's experts on CUDA
+        # (engine.layers.quantization.experts: the fused Triton kernel on the quantized weights)
+        self.fused_quantized: Callable[..., torch.Tensor] | None = None
         for param, shards in (
             (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
             (self.w2_weight, {(e, DOWN) for e in range(num_experts)}),
@@ -207,12 +211,15 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, self.scoring_func
         )
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
-        if fused is not None:
+        if self.fused_quantized is not None:
+            out = self.fused_quantized(x, weights, ids)
+        elif fused is not None:
             out = fused.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         else:
             out = experts_cpu(
-                x, self.w13_weight, self.w2_weight, weights, ids, self._gemms, self.expert_linear
-            )
+                x, self.w13_weight, self.w2_weight, weights, ids, self._gemms, self.expert_linear,
+                self.num_experts,
+            )  # fmt: skip
         return tp_all_reduce(out) if self.reduce_results else out
 
 
@@ -255,17 +262,22 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# a quantized checkpoint's tensors too (engine.layers.quantization.experts)
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\."
+    r"(?P<tensor>weight|weight_packed|weight_scale|weight_zero_point|weight_shape|input_scale)$"
+)
 
 
 def expert_weight_target(
     ckpt_name: str, proj_shards: dict[str, int]
 ) -> tuple[str, tuple[int, int]] | None:
     """A checkpoint's per-expert tensor ("<prefix>.experts.<e>.<proj>.weight", proj a key of
-    proj_shards) -> (the stacked parameter's name, (e, shard)); None for any other name."""
+    proj_shards; or .weight_scale etc. of a quantized checkpoint) -> (the stacked parameter's
+    name: w13_weight, w2_weight_scale, ..., (e, shard)); None for any other name."""
     m = _EXPERT_TENSOR.match(ckpt_name)
     if m is None or m["proj"] not in proj_shards:
         return None
     shard = proj_shards[m["proj"]]
-    param = "w2_weight" if shard == DOWN else "w13_weight"
+    param = f"{'w2' if shard == DOWN else 'w13'}_{m['tensor']}"
     return f"{m['prefix']}.experts.{param}", (int(m["expert"]), shard)

@@ -265,7 +265,8 @@ class SparseMoeBlock(nn.Module):
 # a quantized checkpoint's tensors too (engine.layers.quantization.experts)
 _EXPERT_TENSOR = re.compile(
     r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\."
-    r"(?P<tensor>weight|weight_packed|weight_scale|weight_zero_point|weight_shape|input_scale)$"
+    r"(?P<tensor>weight|weight_packed|weight_scale|weight_zero_point|weight_shape|input_scale"
+    r"|qweight|qzeros|scales|g_idx)$"
 )
 
 

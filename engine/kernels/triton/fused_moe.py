@@ -225,20 +225,23 @@ def _load_quant_b(
     offs_n."""
     base = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
     if BITS == 0:  # float8 values, scaled in the epilogue
-        b = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0.0)
-        return b.to(tl.float32)
-    if BITS == 4:
-        byte = tl.load(b_ptr + base + (kk // 2)[:, None], mask=mask, other=0)
-        q = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
+        w = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0.0).to(tl.float32)
     else:
-        q = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0).to(tl.int32)
-    s_off = expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + (kk // GROUP)[:, None]
-    s = tl.load(s_ptr + s_off, mask=mask, other=0.0)
-    if HAS_ZP:
-        z = tl.load(z_ptr + s_off, mask=mask, other=0)
-    else:
-        z = 1 << (BITS - 1)
-    return (q - z).to(tl.float32) * s
+        if BITS == 4:
+            byte = tl.load(b_ptr + base + (kk // 2)[:, None], mask=mask, other=0)
+            q = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
+        else:
+            q = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0).to(tl.int32)
+        s_off = (
+            expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + (kk // GROUP)[:, None]
+        )
+        s = tl.load(s_ptr + s_off, mask=mask, other=0.0)
+        if HAS_ZP:
+            z = tl.load(z_ptr + s_off, mask=mask, other=0)
+        else:
+            z = 1 << (BITS - 1)
+        w = (q - z).to(tl.float32) * s
+    return w
 
 
 @triton.jit

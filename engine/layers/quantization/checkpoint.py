@@ -71,8 +71,8 @@ class QuantizationConfig:
             return None
         raise ValueError(
             f"{prefix}: this {self.name} checkpoint quantizes the MoE experts; Tessera runs "
-            "quantized experts from compressed-tensors (float-quantized, pack-quantized) and "
-            "fp8 checkpoints only"
+            "quantized experts from compressed-tensors (float-quantized, pack-quantized), fp8, "
+            "GPTQ and AWQ checkpoints only"
         )
 
     def check_lm_head(self) -> None:

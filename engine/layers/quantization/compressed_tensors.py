@@ -183,7 +183,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise unsupported("weights.actorder", f"{scheme.actorder} (MoE experts of {prefix})",
                               "null for MoE experts")  # fmt: skip
         group = scheme.group_size if scheme.strategy == "group" else -1
-        return IntExpertsMethod(scheme.bits, group, scheme.symmetric)
+        return IntExpertsMethod(CTPackedLinearMethod(scheme.bits, group, scheme.symmetric, False))
 
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.schemes) + (

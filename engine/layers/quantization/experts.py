@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from engine.layers.moe import DOWN, GATE, UP, GemmChoice
-from engine.layers.quantization.packed import ignored_loader, unpack_cols
+from engine.layers.quantization.packed import ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
 
 # checkpoint tensors read and dropped (compressed-tensors' weight_shape; static activation
@@ -167,18 +167,23 @@ class FusedFp8Experts:
 
 
 class IntExpertsMethod(ExpertsMethod):
-    """compressed-tensors' pack-quantized experts: `weight_packed` int32 [N, K * bits / 32],
-    `weight_scale` [N, G], `weight_zero_point` int32 [N * bits / 32, G] where asymmetric."""
+    """Integer weight-only experts in a dense format's tensors (`dense`, an IntWeightOnlyMethod:
+    its CODES / SCALES / ZEROS names and its convert_* into the output-major loading layout):
+    compressed-tensors' pack-quantized `weight_packed` / `weight_scale` / `weight_zero_point`,
+    GPTQ's and AWQ's `qweight` / `scales` / `qzeros` (a GPTQ `g_idx` without act-order is read
+    and dropped: the trivial order)."""
 
-    def __init__(self, bits: int, group_size: int, symmetric: bool):
-        from engine.layers.quantization.compressed_tensors import CTPackedLinearMethod
+    def __init__(self, dense):
+        self.dense = dense
+        self.bits, self.group_size = dense.bits, dense.group_size
+        self.names = {"codes": dense.CODES, "scales": dense.SCALES, "zeros": dense.ZEROS}
 
-        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
-        self.ct = CTPackedLinearMethod(bits, group_size, symmetric, act_order=False)
+    def _codes(self, t: torch.Tensor) -> torch.Tensor:
+        return self.dense.convert_codes(t)
 
     def create_weights(self, moe: nn.Module) -> None:
         name = getattr(moe, "prefix", "experts")
-        e = moe.num_experts
+        e, dense, names = moe.num_experts, self.dense, self.names
         for side, (n, k) in _shapes(moe).items():
             group = k if self.group_size <= 0 else self.group_size
             if k % group:
@@ -188,28 +193,32 @@ class IntExpertsMethod(ExpertsMethod):
                     f"the experts' input features ({where}: {k})"
                 )
             g = k // group
-            _register(moe, f"{side}_weight_packed", torch.zeros(e, n, k, dtype=torch.uint8),
-                      ExpertLoader(moe, lambda t: unpack_cols(t, self.bits), name))  # fmt: skip
-            _register(moe, f"{side}_weight_scale", torch.zeros(e, n, g, dtype=torch.float32),
-                      ExpertLoader(moe, self.ct.convert_scales, name))  # fmt: skip
-            if not self.symmetric:
+            _register(moe, f"{side}_{names['codes']}", torch.zeros(e, n, k, dtype=torch.uint8),
+                      ExpertLoader(moe, self._codes, name))  # fmt: skip
+            _register(moe, f"{side}_{names['scales']}", torch.zeros(e, n, g, dtype=torch.float32),
+                      ExpertLoader(moe, dense.convert_scales, name))  # fmt: skip
+            if names["zeros"]:
                 z = torch.full((e, n, g), 1 << (self.bits - 1), dtype=torch.int32)
-                _register(moe, f"{side}_weight_zero_point", z,
-                          ExpertLoader(moe, self.ct.convert_zeros, name))  # fmt: skip
+                _register(moe, f"{side}_{names['zeros']}", z,
+                          ExpertLoader(moe, dense.convert_zeros, name))  # fmt: skip
+            if dense.G_IDX:  # GPTQ without act-order: the trivial order, dropped
+                _register(moe, f"{side}_{dense.G_IDX}", torch.zeros(0), ignored_loader, True)
             # the float weight is replaced by the codes
             moe.register_parameter(f"{side}_weight", None)
         _register_ignored(moe)
 
     def process_weights_after_loading(self, moe: nn.Module) -> str:
-        parts = {}
+        parts, names = {}, self.names
         for side, (_, k) in _shapes(moe).items():
-            codes = getattr(moe, f"{side}_weight_packed").data
-            scales = getattr(moe, f"{side}_weight_scale").data
-            zeros = getattr(moe, f"{side}_weight_zero_point").data if not self.symmetric else None
+            codes = getattr(moe, f"{side}_{names['codes']}").data
+            scales = getattr(moe, f"{side}_{names['scales']}").data
+            zeros = getattr(moe, f"{side}_{names['zeros']}").data if names["zeros"] else None
+            if zeros is not None and bool((zeros == (1 << (self.bits - 1))).all()):
+                zeros = None  # symmetric after all (GPTQ stores symmetric zero points)
             group = k if self.group_size <= 0 else self.group_size
             parts[side] = (codes, scales, zeros, group)
-            for t in ("weight_packed", "weight_scale", "weight_zero_point", *IGNORED):
-                if hasattr(moe, f"{side}_{t}"):
+            for t in (*names.values(), self.dense.G_IDX, *IGNORED):
+                if t and hasattr(moe, f"{side}_{t}"):
                     delattr(moe, f"{side}_{t}")
         if parts["w13"][0].device.type == "cuda":
             moe.fused_quantized = FusedIntExperts(parts, self.bits)

@@ -1,6 +1,6 @@
 """Quantized mixture-of-experts checkpoints (engine.layers.quantization.experts): compressed-
 tensors' FP8 (float-quantized) and W4A16 / W8A16 (pack-quantized) experts, written by the
-`compressed-tensors` package itself.
+`compressed-tensors` package itself, and GPTQ / AWQ experts packed by hand (quant_writers).
 
 Checked: one MoE layer's quantized experts (CPU kernels, and the fused Triton kernel under its
 interpreter) against dequantize-then-matmul with tokens routed unevenly and some experts getting
@@ -11,6 +11,9 @@ shards against one process; start-up refusals naming the field.
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from engine import LLM, SamplingParams
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.moe import DOWN, GATE, UP, FusedMoE
 from engine.layers.quantization.checkpoint import build_config
+from engine.layers.quantization.compressed_tensors import CTPackedLinearMethod
 from engine.layers.quantization.experts import (
     Fp8ExpertsMethod,
     FusedFp8Experts,
@@ -63,6 +67,13 @@ W8_GROUP_ASYM = dict(
     fmt="pack-quantized",
     weights=dict(num_bits=8, type="int", strategy="group", group_size=32, symmetric=False),
 )
+# GPTQ and AWQ checkpoints, packed by hand (quant_writers): the same experts path
+WRITERS = {
+    "gptq4-g32-sym": functools.partial(qw.write_gptq, bits=4, group=32),
+    "gptq4-g32-asym-v2": functools.partial(qw.write_gptq, bits=4, group=32, sym=False, v2=True),
+    "gptq8-channel": functools.partial(qw.write_gptq, bits=8, group=-1),
+    "awq-g32": functools.partial(qw.write_awq, group=32),
+}
 SCHEMES = {
     "fp8-channel": FP8_CHANNEL,
     "fp8-tensor": FP8_TENSOR,
@@ -78,7 +89,7 @@ def _method(scheme: dict):
     if scheme["fmt"] == "float-quantized":
         return Fp8ExpertsMethod()
     group = w["group_size"] if w["strategy"] == "group" else -1
-    return IntExpertsMethod(w["num_bits"], group, w["symmetric"])
+    return IntExpertsMethod(CTPackedLinearMethod(w["num_bits"], group, w["symmetric"], False))
 
 
 def _loaded_layer(scheme: dict, experts: int, hidden: int, inter: int, dtype, seed: int):
@@ -192,21 +203,28 @@ def moe_written(make_tiny_model, tmp_path_factory):
         if (arch, scheme) not in cache:
             src = make_tiny_model(f"tiny-{arch}-i64", arch=arch, **MOE_I64[arch])
             dst = tmp_path_factory.mktemp(f"{arch}-{scheme}")
-            s = SCHEMES[scheme]
-            folder, deq = qw.write_compressed_tensors(
-                src, dst, fmt=s["fmt"], weights=s["weights"],
-                input_activations=s.get("input_activations"),
-            )  # fmt: skip
+            if scheme in WRITERS:
+                folder, deq = WRITERS[scheme](src, dst)
+            else:
+                s = SCHEMES[scheme]
+                folder, deq = qw.write_compressed_tensors(
+                    src, dst, fmt=s["fmt"], weights=s["weights"],
+                    input_activations=s.get("input_activations"),
+                )  # fmt: skip
             cache[arch, scheme] = (src, folder, deq)
         return cache[arch, scheme]
 
     return get
 
 
-def _greedy(folder, dtype: str, num_new: int = 8) -> tuple[list[list[int]], str]:
-    llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256)
+def _greedy(folder, dtype: str, num_new: int = 8, tp: int = 1) -> list[list[int]]:
+    llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256,
+              tensor_parallel_size=tp, device="cpu")  # fmt: skip
     try:
-        assert llm.engine.executor.runner.quantization == "compressed-tensors"
+        qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+        runner = llm.engine.executor.runner
+        assert runner.quantization == qcfg["quant_method"]  # no flag
+        assert runner.model.model.layers[0].mlp.experts.tp_size == tp  # rank 0's shard
         params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
@@ -223,6 +241,12 @@ GREEDY_CASES = [
     ("qwen3_moe", "w8a16-group-asym", "bfloat16"),
     ("mixtral", "fp8-channel", "bfloat16"),
     ("mixtral", "w4a16-group-asym", "bfloat16"),
+    ("qwen3_moe", "gptq4-g32-sym", "bfloat16"),
+    ("qwen3_moe", "gptq4-g32-asym-v2", "float32"),
+    ("qwen3_moe", "gptq8-channel", "bfloat16"),
+    ("qwen3_moe", "awq-g32", "bfloat16"),
+    ("mixtral", "gptq4-g32-sym", "bfloat16"),
+    ("mixtral", "awq-g32", "float32"),
 ]
 
 
@@ -234,6 +258,17 @@ def test_greedy_tokens_follow_the_dequantized_reference(moe_written, arch, schem
     for prompt, ours in zip(PROMPTS, _greedy(folder, dtype), strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL[dtype])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["fp8-channel", "w4a16-group-asym", "gptq4-g32-sym"])
+def test_tp2_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme):
+    """LLM(dir, tensor_parallel_size=2): two worker ranks, each with its shard of every expert."""
+    src, folder, deq = moe_written("qwen3_moe", scheme)
+    ref = qw.reference_model(src, deq)
+    for prompt, ours in zip(PROMPTS, _greedy(folder, "float32", tp=2), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL["float32"])
 
 
 def test_start_up_log_names_the_experts_kernel(moe_written):
@@ -249,7 +284,7 @@ def test_start_up_log_names_the_experts_kernel(moe_written):
 
 # -- tensor parallelism: the experts' codes, scales and zero points split over 2 gloo ranks ------
 
-TP_SCHEMES = ["fp8-channel", "w4a16-group-asym", "w8a16-channel"]
+TP_SCHEMES = ["fp8-channel", "w4a16-group-asym", "w8a16-channel", "gptq4-g32-asym-v2", "awq-g32"]
 
 
 @pytest.mark.slow
@@ -294,10 +329,10 @@ def test_int8_activation_experts_are_refused_naming_the_format(moe_written):
         config.experts_method("model.layers.0.mlp.experts", ["x.experts.0.gate_proj"])
 
 
-def test_a_gptq_moe_checkpoint_is_refused_at_start_up(moe_written):
+def test_gptq_act_order_experts_are_refused_naming_desc_act():
     config = build_config("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                   "desc_act": False, "sym": True})  # fmt: skip
-    with pytest.raises(ValueError, match="quantizes the MoE experts"):
+                                   "desc_act": True, "sym": True})  # fmt: skip
+    with pytest.raises(ValueError, match="quantization_config.desc_act.*MoE experts"):
         config.experts_method("model.layers.0.mlp.experts", ["x.experts.0.gate_proj"])
 
 
@@ -305,4 +340,4 @@ def test_a_group_that_does_not_divide_a_tp_shard_is_named():
     moe = FusedMoE(4, 2, 64, 32, renormalize=True)
     moe.prefix = "model.layers.0.mlp.experts"
     with pytest.raises(ValueError, match="group_size 64 does not divide"):
-        IntExpertsMethod(4, 64, True).create_weights(moe)
+        IntExpertsMethod(CTPackedLinearMethod(4, 64, True, False)).create_weights(moe)

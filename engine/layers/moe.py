@@ -5,8 +5,9 @@ FusedMoE holds every expert's weights stacked, w13 [E, 2I, H] (gate | up) and w2
 runs them where the tensors are: on CUDA one fused Triton kernel per projection
 (engine.kernels.triton.fused_moe: tokens sorted by expert, SiLU-and-mul in the first GEMM's
 epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it (or,
-where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). Models
-name neither.
+where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). A
+quantized checkpoint's experts (engine.layers.quantization.experts) set expert_linear on the
+CPU and fused_quantized on CUDA. Models name neither.
 
 Tensor parallelism as the dense MLP: every expert is split on I (w13 column-wise, w2 row-wise),
 each rank sums its partial outputs and one all-reduce follows. The router and the shared

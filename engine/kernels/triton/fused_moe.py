@@ -19,6 +19,10 @@ bound T * top_k + min(E, T * top_k) * (BLOCK_M - 1); the grid is that bound's bl
 blocks past the device-side padded total (num_tokens_post_padded) return at once. Block sizes
 depend only on the shapes.
 
+fused_experts_quantized is the same for a quantized checkpoint's experts (ExpertWeights; engine.
+layers.quantization.experts): FP8 weights widened in the inner loop with their row scales in
+the epilogue, or 4/8-bit codes dequantized per tile with their group scales and zero points.
+
 Under TRITON_INTERPRET=1 (the tests without a GPU) the operands are upcast to float32 before
 each dot: the interpreter's bf16 arithmetic is broken (see the package docstring).
 """

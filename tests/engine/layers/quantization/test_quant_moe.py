@@ -43,6 +43,8 @@ from tests.engine.layers.test_moe import naive_moe, uneven_ids
 
 pytest.importorskip("compressed_tensors")
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
+
 FP8_CHANNEL = dict(
     fmt="float-quantized",
     weights=dict(num_bits=8, type="float", strategy="channel"),
@@ -166,6 +168,7 @@ def test_fused_triton_kernel_on_quantized_experts(scheme, dtype):
     pytest.importorskip("triton")
     experts, hidden, inter, top_k, tokens = 8, 64, 64, 2, 37
     moe, method, w13, w2 = _loaded_layer(SCHEMES[scheme], experts, hidden, inter, dtype, 3)
+    moe.to(DEVICE)
     if isinstance(method, Fp8ExpertsMethod):
         fused = FusedFp8Experts(moe.w13_weight.data, moe.w2_weight.data,
                                 moe.w13_weight_scale.data[..., 0],
@@ -180,7 +183,7 @@ def test_fused_triton_kernel_on_quantized_experts(scheme, dtype):
                            None if zp is None else zp.data, group)  # fmt: skip
         fused = FusedIntExperts(parts, method.bits)
     x, ids, weights = _routing(tokens, experts, top_k, 3)
-    got = fused(x.to(dtype), weights, ids)
+    got = fused(x.to(dtype).to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
     _close(got, naive_moe(x.to(dtype).float(), w13, w2, weights, ids), dtype)
 
 
@@ -217,14 +220,18 @@ def moe_written(make_tiny_model, tmp_path_factory):
     return get
 
 
-def _greedy(folder, dtype: str, num_new: int = 8, tp: int = 1) -> list[list[int]]:
+def _greedy(folder, dtype: str, num_new: int = 8, tp: int = 1, device: str = "cpu"
+            ) -> list[list[int]]:  # fmt: skip
     llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256,
-              tensor_parallel_size=tp, device="cpu")  # fmt: skip
+              tensor_parallel_size=tp, device=device)  # fmt: skip
     try:
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
         runner = llm.engine.executor.runner
         assert runner.quantization == qcfg["quant_method"]  # no flag
-        assert runner.model.model.layers[0].mlp.experts.tp_size == tp  # rank 0's shard
+        experts = runner.model.model.layers[0].mlp.experts
+        assert experts.tp_size == tp  # rank 0's shard
+        if device == "cuda":  # the fused Triton kernel on the quantized weights
+            assert experts.fused_quantized is not None
         params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
@@ -269,6 +276,17 @@ def test_tp2_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme)
     for prompt, ours in zip(PROMPTS, _greedy(folder, "float32", tp=2), strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL["float32"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["fp8-channel", "w4a16-group-asym", "gptq4-g32-sym"])
+def test_cuda_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme):
+    """On a GPU: the fused Triton kernel compiled, through the whole engine."""
+    src, folder, deq = moe_written("qwen3_moe", scheme)
+    ref = qw.reference_model(src, deq)
+    for prompt, ours in zip(PROMPTS, _greedy(folder, "bfloat16", device="cuda"), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL["bfloat16"])
 
 
 def test_start_up_log_names_the_experts_kernel(moe_written):

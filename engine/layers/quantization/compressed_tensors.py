@@ -165,6 +165,10 @@ class CompressedTensorsConfig(QuantizationConfig):
     def experts_method(self, prefix: str, sources: list[str]) -> ExpertsMethod | None:
         from engine.layers.quantization.experts import Fp8ExpertsMethod, IntExpertsMethod
 
+        router = sources[0].rsplit(".experts.", 1)[0] + ".gate" if sources else ""
+        if router and self.scheme_for(router) is not None:  # a ReplicatedGate: float only
+            raise unsupported("ignore", self.ignore, f"a list naming the MoE routers ({router}: "
+                              "Tessera keeps them in float, e.g. 're:.*mlp.gate$')")  # fmt: skip
         schemes = [self.scheme_for(s) for s in sources]
         if all(s is None for s in schemes):
             return None

@@ -75,6 +75,7 @@ WRITERS = {
     "gptq4-g32-asym-v2": functools.partial(qw.write_gptq, bits=4, group=32, sym=False, v2=True),
     "gptq8-channel": functools.partial(qw.write_gptq, bits=8, group=-1),
     "awq-g32": functools.partial(qw.write_awq, group=32),
+    "fp8": qw.write_fp8,  # quant_method "fp8": per-tensor scales, static input scales
 }
 SCHEMES = {
     "fp8-channel": FP8_CHANNEL,
@@ -254,6 +255,7 @@ GREEDY_CASES = [
     ("qwen3_moe", "awq-g32", "bfloat16"),
     ("mixtral", "gptq4-g32-sym", "bfloat16"),
     ("mixtral", "awq-g32", "float32"),
+    ("qwen3_moe", "fp8", "bfloat16"),
 ]
 
 
@@ -342,9 +344,20 @@ def test_int8_activation_experts_are_refused_naming_the_format(moe_written):
              "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
                                    "dynamic": True}}  # fmt: skip
     config = build_config("compressed-tensors", {"config_groups": {"g": group},
-                                                 "ignore": ["lm_head"]})  # fmt: skip
+                                                 "ignore": ["lm_head", "re:.*mlp.gate$"]})  # fmt: skip
+    sources = ["model.layers.0.mlp.experts.0.gate_proj"]
     with pytest.raises(ValueError, match="quantization_config.format.*MoE experts"):
-        config.experts_method("model.layers.0.mlp.experts", ["x.experts.0.gate_proj"])
+        config.experts_method("model.layers.0.mlp.experts", sources)
+
+
+def test_a_quantized_router_is_refused_naming_the_ignore_list():
+    group = {"targets": ["Linear"], "format": "float-quantized",
+             "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}  # fmt: skip
+    config = build_config("compressed-tensors", {"config_groups": {"g": group},
+                                                 "ignore": ["lm_head"]})  # fmt: skip
+    sources = ["model.layers.0.mlp.experts.0.gate_proj"]
+    with pytest.raises(ValueError, match=r"quantization_config.ignore.*model.layers.0.mlp.gate"):
+        config.experts_method("model.layers.0.mlp.experts", sources)
 
 
 def test_gptq_act_order_experts_are_refused_naming_desc_act():

@@ -1,5 +1,5 @@
-"""config.json entries of the GGUF architectures that are more than the Llama decoder: qwen3moe's
-experts, gemma3's windows, rope bases and attention scale, phi3's LongRoPE and partial rotary.
+"""config.json entries of the GGUF architectures that are more than the Llama decoder: qwen2moe's
+and qwen3moe's experts (qwen2moe's shared expert), gemma3's windows, rope bases and attention scale, phi3's LongRoPE and partial rotary.
 
 Each is read from the metadata keys and tensors llama.cpp's convert_hf_to_gguf.py writes, and
 where llama.cpp fixes a value in its loader instead of the file (gemma3's window pattern, local
@@ -24,13 +24,13 @@ GEMMA3_27B_LAYERS = 62
 Key = Callable[..., object]  # key(name, default=None): the file's f"{arch}.{name}" value
 
 
-def qwen3moe(key: Key, tensors: dict, config: dict) -> dict:
+def _experts(arch: str, key: Key, tensors: dict, config: dict, norm_default: bool) -> dict:
     """Experts: count, used per token, their width; the layers without a router
-    (ffn_gate_inp) are dense (mlp_only_layers). llama.cpp's qwen3moe renormalizes the top-k
-    weights unless the file says otherwise (expert_weights_norm)."""
+    (ffn_gate_inp) are dense (mlp_only_layers); the top-k weights renormalized where the file
+    says so (expert_weights_norm), else as llama.cpp's loader of that architecture does."""
     experts = key("expert_count")
     if not experts:
-        raise ValueError("a qwen3moe GGUF file without qwen3moe.expert_count")
+        raise ValueError(f"a {arch} GGUF file without {arch}.expert_count")
     dense = [
         i
         for i in range(config["num_hidden_layers"])
@@ -40,11 +40,29 @@ def qwen3moe(key: Key, tensors: dict, config: dict) -> dict:
         "num_experts": int(experts),
         "num_experts_per_tok": int(key("expert_used_count")),
         "moe_intermediate_size": int(key("expert_feed_forward_length")),
-        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        "norm_topk_prob": bool(key("expert_weights_norm", norm_default)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": dense,
-        "attention_bias": False,
         "use_sliding_window": False,
+    }
+
+
+def qwen3moe(key: Key, tensors: dict, config: dict) -> dict:
+    """llama.cpp's qwen3moe renormalizes the top-k weights; no attention biases."""
+    return {**_experts("qwen3moe", key, tensors, config, True), "attention_bias": False}
+
+
+def qwen2moe(key: Key, tensors: dict, config: dict) -> dict:
+    """llama.cpp's qwen2moe: q/k/v biases, top-k weights not renormalized, and a shared expert
+    every token runs (ffn_{gate,up,down}_shexp, expert_shared_feed_forward_length wide) scaled
+    by sigmoid(ffn_gate_inp_shexp x)."""
+    shared = key("expert_shared_feed_forward_length")
+    if shared is None:  # the width from the tensor (stored (H, I)), where the key is missing
+        t = next((t for n, t in tensors.items() if n.endswith("ffn_gate_shexp.weight")), None)
+        shared = 0 if t is None else int(t.shape[1])
+    return {
+        **_experts("qwen2moe", key, tensors, config, False),
+        "shared_expert_intermediate_size": int(shared),
     }
 
 
@@ -130,6 +148,7 @@ ARCHS: dict[str, tuple[str, str, Callable[[Key, dict, dict], dict] | None]] = {
     "llama": ("LlamaForCausalLM", "llama", None),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", None),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", None),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", qwen2moe),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", qwen3moe),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", gemma3),
     "phi3": ("Phi3ForCausalLM", "phi3", phi3),

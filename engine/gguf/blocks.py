@@ -77,6 +77,9 @@ _GROUPS = {
     "self_attn.o_proj": (("attn_output",),),
     "mlp.gate_up_proj": (("ffn_gate", "ffn_up"), ("ffn_up",)),
     "mlp.down_proj": (("ffn_down",),),
+    # qwen2moe's shared expert
+    "mlp.shared_expert.gate_up_proj": (("ffn_gate_shexp", "ffn_up_shexp"),),
+    "mlp.shared_expert.down_proj": (("ffn_down_shexp",),),
 }
 
 

@@ -1,4 +1,4 @@
-"""Convert a GGUF file (llama.cpp's llama, qwen2, qwen3, qwen3moe, gemma3 or phi3
+"""Convert a GGUF file (llama.cpp's llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3 or phi3
 architecture: engine.gguf.arch_config) into a Hugging Face folder, once.
 
 The output (config.json, tokenizer files with the chat template, generation_config.json, the
@@ -71,6 +71,13 @@ _TYPE_LAYER_NAMES = {
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     },
     "qwen3_moe": {"ffn_gate_inp.weight": "mlp.gate.weight"},  # the router
+    "qwen2_moe": {  # the router, and the shared expert with its sigmoid gate
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+        "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    },
 }
 # stacked experts [E, rows, cols]: each expert's slice is the checkpoint's per-expert tensor
 _EXPERT_NAMES = {
@@ -307,6 +314,8 @@ def _float_tensor(t, config: dict, name: str | None = None) -> torch.Tensor:
         # llama.cpp's converter stores Gemma's (1 + w) scale; HF's checkpoint holds w (and
         # engine.models.gemma3 adds the 1 back at load)
         w = w - np.float32(1.0)
+    if name.endswith("shared_expert_gate.weight"):
+        w = w.reshape(1, -1)  # llama.cpp's loader takes it as {n_embd}; HF's is [1, H]
     if rows_interleaved(model_type):
         if name.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])

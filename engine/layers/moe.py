@@ -5,8 +5,9 @@ FusedMoE holds every expert's weights stacked, w13 [E, 2I, H] (gate | up) and w2
 runs them where the tensors are: on CUDA one fused Triton kernel per projection
 (engine.kernels.triton.fused_moe: tokens sorted by expert, SiLU-and-mul in the first GEMM's
 epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it (or,
-where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). Models
-name neither.
+where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). A
+quantized checkpoint's experts (engine.layers.quantization.experts) set expert_linear on the
+CPU and fused_quantized on CUDA. Models name neither.
 
 gpt-oss's experts add biases (w13_bias [E, 2I], w2_bias [E, H]) and take another activation
 (SwigluOAIAndMul: clamped, gate * sigmoid(1.702 gate) * (up + 1)); both run on every path.
@@ -91,6 +92,7 @@ def experts_cpu(
     expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None,
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     activation: Callable[[torch.Tensor], torch.Tensor] = _silu_and_mul,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
 
@@ -101,11 +103,12 @@ def experts_cpu(
     path). With gemms, each matmul runs where the unquantized linear layers' would (the C GEMM
     for few rows, AMX tiles, else oneDNN: engine.layers.quantization.unquantized). With
     expert_linear(e, GATE or DOWN, x), that runs them instead (a GGUF file's blocks: w13 and w2
-    are then not float weights). biases: (b13 [E, 2I], b2 [E, H]) added to each expert's
-    two products; activation: the gated activation over [gate | up] (SiLU-and-mul)."""
+    are then not float weights, or None: a quantized checkpoint's, give num_experts).
+    biases: (b13 [E, 2I], b2 [E, H]) added to each expert's two products; activation: the
+    gated activation over [gate | up] (SiLU-and-mul)."""
     g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
-    num_experts = w13.shape[0]
+    num_experts = num_experts or w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # ids past the last expert (another rank's, under expert parallelism) sort last: skipped
@@ -201,7 +204,7 @@ class FusedMoE(nn.Module):
                 f"tensor_parallel_size ({self.tp_size}); --enable-expert-parallel keeps "
                 "experts whole"
             )
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.renormalize, self.scoring_func = renormalize, scoring_func
         self.reduce_results = reduce_results
         self.inter = inter = intermediate_size // slices  # this rank's share
@@ -221,6 +224,9 @@ class FusedMoE(nn.Module):
         # (e, GATE or DOWN, x) -> x @ expert e's w13 or w2, where the weights are not floats
         # (engine.layers.quantization.gguf.GGUFExperts: a GGUF file's blocks); CPU only
         self.expert_linear: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
+        # (x, topk_weights, topk_ids) -> [T, H]: a quantized checkpoint's experts on CUDA
+        # (engine.layers.quantization.experts: the fused Triton kernel on the quantized weights)
+        self.fused_quantized: Callable[..., torch.Tensor] | None = None
         for param, shards in (
             (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
             (self.w2_weight, {(e, DOWN) for e in range(num_experts)}),
@@ -258,7 +264,9 @@ class FusedMoE(nn.Module):
             weights, ids = self.local_pairs(weights, ids)
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
-        if fused is not None:
+        if self.fused_quantized is not None:
+            out = self.fused_quantized(x, weights, ids)
+        elif fused is not None:
             if self.ep_size > 1:
                 ids = ids.clamp(max=self.num_local_experts - 1)
             out = fused.fused_experts(
@@ -268,7 +276,7 @@ class FusedMoE(nn.Module):
         else:
             out = experts_cpu(
                 x, self.w13_weight, self.w2_weight, weights, ids, self._gemms,
-                self.expert_linear, biases, self._act,
+                self.expert_linear, biases, self._act, self.num_local_experts,
             )  # fmt: skip
         return tp_all_reduce(out) if self.reduce_results else out
 
@@ -322,17 +330,23 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# a quantized checkpoint's tensors too (engine.layers.quantization.experts)
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\."
+    r"(?P<tensor>weight|weight_packed|weight_scale|weight_zero_point|weight_shape|input_scale"
+    r"|qweight|qzeros|scales|g_idx)$"
+)
 
 
 def expert_weight_target(
     ckpt_name: str, proj_shards: dict[str, int]
 ) -> tuple[str, tuple[int, int]] | None:
     """A checkpoint's per-expert tensor ("<prefix>.experts.<e>.<proj>.weight", proj a key of
-    proj_shards) -> (the stacked parameter's name, (e, shard)); None for any other name."""
+    proj_shards; or .weight_scale etc. of a quantized checkpoint) -> (the stacked parameter's
+    name: w13_weight, w2_weight_scale, ..., (e, shard)); None for any other name."""
     m = _EXPERT_TENSOR.match(ckpt_name)
     if m is None or m["proj"] not in proj_shards:
         return None
     shard = proj_shards[m["proj"]]
-    param = "w2_weight" if shard == DOWN else "w13_weight"
+    param = f"{'w2' if shard == DOWN else 'w13'}_{m['tensor']}"
     return f"{m['prefix']}.experts.{param}", (int(m["expert"]), shard)

@@ -21,6 +21,10 @@ bound T * top_k + min(E, T * top_k) * (BLOCK_M - 1); the grid is that bound's bl
 blocks past the device-side padded total (num_tokens_post_padded) return at once. Block sizes
 depend only on the shapes.
 
+fused_experts_quantized is the same for a quantized checkpoint's experts (ExpertWeights; engine.
+layers.quantization.experts): FP8 weights widened in the inner loop with their row scales in
+the epilogue, or 4/8-bit codes dequantized per tile with their group scales and zero points.
+
 Under TRITON_INTERPRET=1 (the tests without a GPU) the operands are upcast to float32 before
 each dot: the interpreter's bf16 arithmetic is broken (see the package docstring).
 """
@@ -28,6 +32,7 @@ each dot: the interpreter's bf16 arithmetic is broken (see the package docstring
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -224,4 +229,162 @@ def fused_experts(
     )  # fmt: skip
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     _launch(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm, b2)
+    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+# -- quantized experts: the same two grouped GEMMs, the weights widened in the inner loop -----
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """One projection's quantized experts for fused_experts_quantized.
+
+    bits 0: float8_e4m3fn `data` [E, N, K] with float32 row `scales` [E, N], applied in the
+    epilogue. bits 4 or 8: unsigned codes, uint8 [E, N, K * bits / 8] (4-bit: k even in the low
+    nibble), float32 `scales` [E, N, K / group] and int32 `zeros` like them (None: symmetric,
+    2 ** (bits - 1)); w = (q - zero) * scale, dequantized per tile in the inner loop."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    bits: int = 0
+    group: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[1]
+
+
+@triton.jit
+def _load_quant_b(
+    b_ptr, s_ptr, z_ptr, expert, offs_n, kk, mask, stride_be, stride_bn, stride_se, stride_sn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+):  # fmt: skip
+    """The float32 [BLOCK_K, BLOCK_N] tile of expert's weight^T at input rows kk, columns
+    offs_n."""
+    base = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    if BITS == 0:  # float8 values, scaled in the epilogue
+        w = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0.0).to(tl.float32)
+    else:
+        if BITS == 4:
+            byte = tl.load(b_ptr + base + (kk // 2)[:, None], mask=mask, other=0)
+            q = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
+        else:
+            q = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0).to(tl.int32)
+        s_off = (
+            expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + (kk // GROUP)[:, None]
+        )
+        s = tl.load(s_ptr + s_off, mask=mask, other=0.0)
+        if HAS_ZP:
+            z = tl.load(z_ptr + s_off, mask=mask, other=0)
+        else:
+            z = 1 << (BITS - 1)
+        w = (q - z).to(tl.float32) * s
+    return w
+
+
+@triton.jit
+def _fused_moe_quant_kernel(
+    a_ptr, b_ptr, s_ptr, z_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+    num_post_padded_ptr, N, K, num_valid,
+    stride_am, stride_ak, stride_be, stride_bn, stride_se, stride_sn, stride_cm, stride_cn,
+    A_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """_fused_moe_kernel with b an ExpertWeights: its tiles dequantized to a's dtype (float32
+    under the interpreter) before each dot; FP8's row scales multiply the accumulators."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pairs < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = (pairs // A_DIV).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = k0 * BLOCK_K + offs_k
+        k_ok = kk < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        mask = k_ok[:, None] & n_ok[None, :]
+        b = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n, kk, mask, stride_be, stride_bn,
+                          stride_se, stride_sn, BITS, GROUP, HAS_ZP)  # fmt: skip
+        if UPCAST:
+            a = a.to(tl.float32)
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b.to(a.dtype))
+        if SILU_MUL:
+            b_up = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n + N, kk, mask, stride_be,
+                                 stride_bn, stride_se, stride_sn, BITS, GROUP, HAS_ZP)  # fmt: skip
+            if UPCAST:
+                acc_up += tl.dot(a, b_up, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, b_up.to(a.dtype))
+        a_ptrs += BLOCK_K * stride_ak
+    if BITS == 0:
+        s_row = s_ptr + expert * stride_se + offs_n * stride_sn
+        acc = acc * tl.load(s_row, mask=n_ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(s_row + N * stride_sn, mask=n_ok, other=0.0)[None, :]
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _launch_quant(a, b: ExpertWeights, c, weights, sorted_ids, expert_ids, num_post, n, k,
+                  a_div, silu, mul_weight, bm):  # fmt: skip
+    block_n = 64 if n >= 64 else 32
+    block_k = 64 if k >= 64 else 32
+    grid = (sorted_ids.numel() // bm, triton.cdiv(n, block_n))
+    zeros = b.zeros if b.zeros is not None else b.scales  # unread without HAS_ZP
+    _fused_moe_quant_kernel[grid](
+        a, b.data, b.scales, zeros, c, weights, sorted_ids, expert_ids, num_post,
+        n, k, weights.numel(),
+        a.stride(0), a.stride(1), b.data.stride(0), b.data.stride(1),
+        b.scales.stride(0), b.scales.stride(1), c.stride(0), c.stride(1),
+        A_DIV=a_div, SILU_MUL=silu, MUL_WEIGHT=mul_weight,
+        BITS=b.bits, GROUP=max(b.group, 1), HAS_ZP=b.zeros is not None,
+        UPCAST=_INTERPRET or a.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+
+
+def fused_experts_quantized(
+    x: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """fused_experts on quantized experts (ExpertWeights: w13 of 2I rows, gate | up; w2 of H
+    rows over I inputs); [T, H] in x's dtype."""
+    t, hidden = x.shape
+    num_experts, two_i = w13.data.shape[0], w13.n
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    n = t * top_k
+    if t == 0:
+        return torch.empty_like(x)
+    assert x.stride(1) == 1 and w13.data.stride(2) == 1 and w2.data.stride(2) == 1
+    bm = block_m_for(n, num_experts)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, bm, num_experts)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _launch_quant(x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, hidden, top_k,
+                  True, False, bm)  # fmt: skip
+    out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+    _launch_quant(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, inter, 1,
+                  False, True, bm)  # fmt: skip
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

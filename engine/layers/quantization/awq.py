@@ -53,6 +53,14 @@ class AWQConfig(QuantizationConfig):
             )
         return AWQLinearMethod(4, self.group_size, symmetric=False, act_order=False)
 
+    def experts_method(self, prefix: str, sources: list[str]):
+        method = self.linear_method(prefix, sources)
+        if method is None:
+            return None
+        from engine.layers.quantization.experts import IntExpertsMethod
+
+        return IntExpertsMethod(method)
+
     def describe(self) -> str:
         return f"AWQ 4-bit GEMM layout, group size {self.group_size}, zero points"
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.layers.quantization import CHECKPOINT_METHODS, checkpoint_config_class
 from engine.layers.quantization.base import LinearMethodBase
+
+if TYPE_CHECKING:
+    from engine.layers.quantization.experts import ExpertsMethod
 
 logger = logging.getLogger("tessera.engine")
 
@@ -59,6 +62,18 @@ class QuantizationConfig:
         """The method of the layer `prefix`, merged from the checkpoint's `sources` (q_proj,
         k_proj, v_proj; gate_proj, up_proj; else itself); None: it stays unquantized."""
         raise NotImplementedError
+
+    def experts_method(self, prefix: str, sources: list[str]) -> ExpertsMethod | None:
+        """The method of the MoE experts `prefix` (engine.layers.moe.FusedMoE), whose
+        checkpoint tensors are `sources` (every expert's gate, up and down); None: they stay
+        float. Formats without quantized experts refuse a checkpoint that quantizes them."""
+        if self.linear_method(prefix, sources) is None:
+            return None
+        raise ValueError(
+            f"{prefix}: this {self.name} checkpoint quantizes the MoE experts; Tessera runs "
+            "quantized experts from compressed-tensors (float-quantized, pack-quantized), fp8, "
+            "GPTQ and AWQ checkpoints only"
+        )
 
     def check_lm_head(self) -> None:
         """Raise where the checkpoint quantizes the LM head (Tessera keeps it in float)."""
@@ -132,15 +147,54 @@ def apply_checkpoint_methods(model: nn.Module, config: QuantizationConfig) -> se
         finally:
             torch.set_default_dtype(old)
         module.checkpoint_method = True
+    _apply_experts_methods(model, config, dtype)
     return set()
+
+
+def _apply_experts_methods(model: nn.Module, config: QuantizationConfig, dtype) -> None:
+    """Every MoE layer whose experts the checkpoint quantizes gets the stacked parameters of
+    that format (engine.layers.quantization.experts) instead of its float w13 / w2."""
+    from engine.layers.moe import FusedMoE
+
+    projections = list(getattr(model, "expert_projections", {}))
+    ckpt_prefix = getattr(model, "moe_prefix", ".mlp.")
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, FusedMoE):
+            continue
+        ckpt = name.replace(".mlp.", ckpt_prefix)
+        sources = [f"{ckpt}.{e}.{p}" for e in range(module.num_experts) for p in projections]
+        method = config.experts_method(name, sources)
+        if method is None:
+            continue
+        if module.ep_size > 1:
+            raise ValueError(
+                f"--enable-expert-parallel keeps float experts only; this checkpoint quantizes "
+                f"{name}'s experts ({config.name}): drop the flag (each rank then holds a slice "
+                "of every expert)"
+            )
+        module.prefix, module.model_dtype = name, dtype
+        with torch.device(module.w13_weight.device):
+            method.create_weights(module)
+        module.experts_method = method
 
 
 def finish_checkpoint_methods(model: nn.Module, config: QuantizationConfig) -> dict[str, Counter]:
     """After loading: each checkpoint layer's kernel form; returns {layer kind: Counter(path)}
     (the LM head's included), also logged."""
+    from engine.layers.quantization.experts import ExpertProjection
+
     paths: dict[str, Counter] = {}
+    for module in list(model.modules()):
+        method = getattr(module, "experts_method", None)
+        if method is not None:
+            module.experts_method = None
+            paths.setdefault("experts", Counter())[
+                method.process_weights_after_loading(module)
+            ] += 1
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "quant_method", None), LinearMethodBase):
+            continue
+        if isinstance(module, ExpertProjection):  # counted with its experts above
             continue
         if getattr(module, "checkpoint_method", False):
             module.quant_method.process_weights_after_loading(module)

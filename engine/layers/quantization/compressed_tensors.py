@@ -20,7 +20,7 @@ a KV-cache scheme) is a start-up error naming the field and the values Tessera t
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from engine.layers.quantization.checkpoint import QuantizationConfig, unsupporte
 from engine.layers.quantization.fp8 import Fp8LinearMethod
 from engine.layers.quantization.int_weight import IntWeightOnlyMethod
 from engine.layers.quantization.packed import unpack_cols
+
+if TYPE_CHECKING:
+    from engine.layers.quantization.experts import ExpertsMethod
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
@@ -158,6 +161,33 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "they run as one merged layer"
             )
         return schemes[0].method()
+
+    def experts_method(self, prefix: str, sources: list[str]) -> ExpertsMethod | None:
+        from engine.layers.quantization.experts import Fp8ExpertsMethod, IntExpertsMethod
+
+        router = sources[0].rsplit(".experts.", 1)[0] + ".gate" if sources else ""
+        if router and self.scheme_for(router) is not None:  # a ReplicatedGate: float only
+            raise unsupported("ignore", self.ignore, f"a list naming the MoE routers ({router}: "
+                              "Tessera keeps them in float, e.g. 're:.*mlp.gate$')")  # fmt: skip
+        schemes = [self.scheme_for(s) for s in sources]
+        if all(s is None for s in schemes):
+            return None
+        if any(s is None or s.key() != schemes[0].key() for s in schemes):
+            raise ValueError(
+                f"quantization_config gives the experts of {prefix} different schemes (or "
+                "ignores some): they run as one stacked layer"
+            )
+        scheme = schemes[0]
+        if scheme.format == "float-quantized":
+            return Fp8ExpertsMethod()
+        if scheme.format != "pack-quantized":
+            raise unsupported("format", f"{scheme.format} (MoE experts of {prefix})",
+                              "float-quantized or pack-quantized for MoE experts")  # fmt: skip
+        if scheme.actorder is not None:
+            raise unsupported("weights.actorder", f"{scheme.actorder} (MoE experts of {prefix})",
+                              "null for MoE experts")  # fmt: skip
+        group = scheme.group_size if scheme.strategy == "group" else -1
+        return IntExpertsMethod(CTPackedLinearMethod(scheme.bits, group, scheme.symmetric, False))
 
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.schemes) + (

@@ -71,6 +71,15 @@ class Fp8Config(QuantizationConfig):
             )
         return Fp8LinearMethod(self.checkpoint, input_scale=self.activation_scheme == "static")
 
+    def experts_method(self, prefix: str, sources: list[str]):
+        """An fp8 checkpoint's experts stay FP8 (engine.layers.quantization.experts); at load
+        (--quantization fp8 on a float checkpoint) they stay float."""
+        if not self.checkpoint or self.linear_method(prefix, sources) is None:
+            return None
+        from engine.layers.quantization.experts import Fp8ExpertsMethod
+
+        return Fp8ExpertsMethod()
+
     def describe(self) -> str:
         if not self.checkpoint:
             return "FP8 e4m3 weights quantized at load, one scale per output row"

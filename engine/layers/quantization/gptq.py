@@ -52,6 +52,15 @@ class GPTQConfig(QuantizationConfig):
     def linear_method(self, prefix: str, sources: list[str]) -> GPTQLinearMethod:
         return GPTQLinearMethod(self.bits, self.group_size, self.sym, self.desc_act, v2=self.v2)
 
+    def experts_method(self, prefix: str, sources: list[str]):
+        """MoE experts as engine.layers.quantization.experts takes them: not with act-order
+        (each expert's rows would need their own order)."""
+        if self.desc_act:
+            raise unsupported("desc_act", True, f"false for MoE experts ({prefix})")
+        from engine.layers.quantization.experts import IntExpertsMethod
+
+        return IntExpertsMethod(self.linear_method(prefix, sources))
+
     def describe(self) -> str:
         return (
             f"GPTQ {self.bits}-bit, group size {self.group_size}, "

@@ -105,7 +105,8 @@ def write_gguf(
 # -- whole files as llama.cpp's convert_hf_to_gguf.py writes them --------------------------
 
 # HF model_type -> llama.cpp's architecture
-LLAMA_CPP_ARCHS = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "phi3": "phi3"}
+LLAMA_CPP_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gemma3_text": "gemma3",
+                   "phi3": "phi3"}  # fmt: skip
 _COMMON = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -120,6 +121,12 @@ _ARCH_NAMES = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "qwen2moe": {  # the shared expert and its gate (tensor_mapping.py's *_SHEXP)
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    },
 }
 
 
@@ -183,8 +190,9 @@ def _hparams(writer: GGUFWriter, arch: str, c: dict) -> None:
             writer.add_tensor("rope_factors_long.weight", long)
             writer.add_tensor("rope_factors_short.weight", short)
         return
-    writer.add_key_length(c["head_dim"])
-    writer.add_value_length(c["head_dim"])
+    if "head_dim" in c:  # convert_hf_to_gguf writes it where the config has one (not Qwen2-MoE)
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
     if arch == "gemma3":
         full = rope.get("full_attention", rope)
         writer.add_rope_freq_base(full.get("rope_theta", 1_000_000.0))
@@ -196,10 +204,12 @@ def _hparams(writer: GGUFWriter, arch: str, c: dict) -> None:
         writer.add_sliding_window(c["sliding_window"])
         return
     writer.add_rope_freq_base(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(c.get("num_experts") or c["num_local_experts"])
         writer.add_expert_used_count(c["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
 
 
 def _add(writer: GGUFWriter, name: str, w: np.ndarray, type_name: str) -> np.ndarray:
@@ -218,7 +228,7 @@ def _add(writer: GGUFWriter, name: str, w: np.ndarray, type_name: str) -> np.nda
 
 
 def write_llama_cpp_gguf(hf_dir: Path, path: Path, type_name: str = "F32") -> dict:
-    """hf_dir (a tiny qwen3_moe, gemma3_text or phi3 model) as a GGUF file the way llama.cpp's
+    """hf_dir (a tiny qwen3_moe, qwen2_moe, gemma3_text or phi3 model) as a GGUF file the way llama.cpp's
     converter writes it: its architecture's metadata, names and layouts (stacked experts
     [E, rows, cols], Gemma's norms plus one, Phi-3's rope factors), the tokenizer as a gpt2
     vocabulary, every 2-D weight but the router in type_name (F32, F16, Q8_0). Returns the HF
@@ -243,6 +253,10 @@ def write_llama_cpp_gguf(hf_dir: Path, path: Path, type_name: str = "F32") -> di
             writer.add_tensor("output_norm.weight", (w + 1) if arch == "gemma3" else w)
             continue
         _, _, layer, rest = name.split(".", 3)
+        if rest.endswith(".bias"):  # Qwen2's q/k/v biases: float32
+            held[name] = w
+            writer.add_tensor(f"blk.{layer}.{names[rest.removesuffix('.bias')]}.bias", w)
+            continue
         module = rest.removesuffix(".weight")
         if ".experts." in module:  # mlp.experts.E.proj: stacked below
             _, _, e, proj = module.split(".")
@@ -252,7 +266,7 @@ def write_llama_cpp_gguf(hf_dir: Path, path: Path, type_name: str = "F32") -> di
         if module.endswith("norm") or module.endswith("layernorm"):
             held[name] = w
             writer.add_tensor(gguf_name, (w + 1) if arch == "gemma3" else w)
-        elif module == "mlp.gate":  # the router: llama.cpp keeps it float32
+        elif module in ("mlp.gate", "mlp.shared_expert_gate"):  # routers: llama.cpp keeps F32
             held[name] = _add(writer, gguf_name, w, "F32")
         else:
             held[name] = _add(writer, gguf_name, w, type_name)

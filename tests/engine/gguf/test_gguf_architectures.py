@@ -1,4 +1,4 @@
-"""llama.cpp's qwen3moe, gemma3 and phi3 GGUF files, written from tiny random HF models the way
+"""llama.cpp's qwen3moe, qwen2moe, gemma3 and phi3 GGUF files, written from tiny random HF models the way
 its convert_hf_to_gguf.py writes them (gguf_files.write_llama_cpp_gguf: stacked experts,
 Gemma's norms plus one, Phi-3's fused q/k/v and gate/up and rope factor tensors), served
 through LLM(path.gguf): HF transformers' greedy tokens on the original folder (F32: the same
@@ -17,6 +17,7 @@ from engine.gguf.convert import _read_config
 from engine.kernels.cpu import gguf as cpu_gguf
 from engine.models.hf_config import load_hf_config
 from engine.models.loader import resolve_model
+from tests.conftest import MOE_MODELS
 from tests.engine.gguf.gguf_files import save_as_hf, write_llama_cpp_gguf
 from tests.engine.test_llm_exactness import hf_greedy
 
@@ -45,6 +46,15 @@ def gemma3_gguf_dir(make_tiny_model):
         tie_word_embeddings=True,
         final_logit_softcapping=30.0,
     )
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_gguf_dir(make_tiny_model):
+    """Qwen2-MoE (tests/conftest.py's) with a shared expert 64 wide (Q8_0 blocks of 32); seed 7:
+    with conftest's 5 the prompts meet top-2 logit gaps under 0.01, which Q8_0's int8 rounding
+    of x (llama.cpp's) decides either way."""
+    moe = {**MOE_MODELS["qwen2_moe"], "shared_expert_intermediate_size": 64, "seed": 7}
+    return make_tiny_model("tiny-qwen2-moe-gguf", arch="qwen2_moe", **moe)
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -134,6 +144,9 @@ CASES = [
     ("tiny_qwen3_moe_dir", "F32"),  # a dense layer among the MoE ones (no router: mlp_only)
     ("tiny_qwen3_moe_dir", "Q8_0"),
     ("tiny_qwen3_moe_dir", "Q8_0-none"),  # --quantization none: experts dequantized per expert
+    # a shared expert behind a sigmoid gate, q/k/v biases, top-k weights not renormalized
+    ("qwen2_moe_gguf_dir", "F32"),
+    ("qwen2_moe_gguf_dir", "Q8_0"),
     ("gemma3_gguf_dir", "F32"),
     ("gemma3_gguf_dir", "Q8_0"),
     ("tiny_phi3_dir", "F16"),
@@ -169,6 +182,10 @@ def test_a_llama_cpp_file_serves_hf_greedy_tokens(
         assert served == "gguf"
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == torch.uint8
+    if fixture == "qwen2_moe_gguf_dir" and blocks:  # the shared expert on the file's blocks
+        shared = model.model.layers[0].mlp.shared_expert
+        assert shared.gate_up_proj.weight.dtype == torch.uint8
+        assert model.model.layers[0].mlp.experts.w13_weight.dtype == torch.uint8
     if fixture == "tiny_qwen3_moe_dir":
         experts = model.model.layers[0].mlp.experts
         assert model.model.layers[1].mlp.gate_up_proj is not None  # the dense layer

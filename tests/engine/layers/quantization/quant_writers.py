@@ -11,13 +11,17 @@ compressed-tensors' tensors come from the `compressed-tensors` package itself.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts are w1 (gate), w3 (up), w2 (down); the routers (mlp.gate, block_sparse_moe.gate)
+# stay float, as llm-compressor's MoE recipes leave them
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3")  # fmt: skip
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -177,9 +181,10 @@ def write_fp8(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> tuple[Path, d
 # -- compressed-tensors (the package's own compressors) -------------------------------------
 
 
-def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
-                             input_activations: dict | None = None,
-                             skip: tuple[str, ...] = ()) -> tuple[Path, dict]:  # fmt: skip
+def ct_compress(w: torch.Tensor, fmt: str, weights: dict, input_activations: dict | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
+    """One float weight [N, K] through the compressed-tensors package: (its checkpoint tensors,
+    by suffix: weight_packed, weight_scale, ...; the exact dequantized weight, float32)."""
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
@@ -189,30 +194,43 @@ def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
     acts = None if input_activations is None else QuantizationArgs(**input_activations)
     scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     compressor = BaseCompressor.get_value_from_registry(fmt)
+    w = w.float()
+    if args.strategy == "group":
+        g = w.view(w.shape[0], -1, args.group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    else:
+        lo, hi = w.min().reshape(1), w.max().reshape(1)
+    s, z = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args)
+    deq = fake_quantize(w, s, z, args).float()
+    sd = {"weight": w, "weight_scale": s, "weight_zero_point": z}
+    if acts is not None and not acts.dynamic:
+        sd["input_scale"] = torch.tensor([0.05])
+    return dict(compressor.compress(sd, scheme)), deq
+
+
+def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
+                             input_activations: dict | None = None,
+                             skip: tuple[str, ...] = ()) -> tuple[Path, dict]:  # fmt: skip
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = QuantizationArgs(**weights)
+    acts = None if input_activations is None else QuantizationArgs(**input_activations)
     state = _state(src)
     out, deq = dict(state), {}
     for name in _linear_names(state, skip):
-        w = out.pop(f"{name}.weight").float()
-        if args.strategy == "group":
-            g = w.view(w.shape[0], -1, args.group_size)
-            lo, hi = g.amin(-1), g.amax(-1)
-        elif args.strategy == "channel":
-            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-        else:
-            lo, hi = w.min().reshape(1), w.max().reshape(1)
-        s, z = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args)
-        deq[name] = fake_quantize(w, s, z, args).float()
-        sd = {"weight": w, "weight_scale": s, "weight_zero_point": z}
-        if acts is not None and not acts.dynamic:
-            sd["input_scale"] = torch.tensor([0.05])
-        for key, t in compressor.compress(sd, scheme).items():
+        tensors, deq[name] = ct_compress(out.pop(f"{name}.weight"), fmt, weights,
+                                         input_activations)  # fmt: skip
+        for key, t in tensors.items():
             out[f"{name}.{key}"] = t
     group = {"targets": ["Linear"], "weights": args.model_dump(),
              "input_activations": None if acts is None else acts.model_dump(),
              "output_activations": None, "format": fmt}  # fmt: skip
     qcfg = {"quant_method": "compressed-tensors", "format": fmt,
             "config_groups": {"group_0": group},
-            "ignore": ["lm_head", *(f"re:.*{kind}$" for kind in skip)],
+            "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$",
+                       *(f"re:.*{kind}$" for kind in skip)],
             "quantization_status": "compressed", "kv_cache_scheme": None}  # fmt: skip
     return _write(src, dst, out, json.loads(json.dumps(qcfg, default=str)), "bfloat16"), deq
 
@@ -226,8 +244,26 @@ def reference_model(src: Path, deq: dict[str, torch.Tensor]):
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, w in deq.items():
-            params[f"{name}.weight"].copy_(w)
+            expert = _EXPERT.match(name)
+            if expert is None:
+                params[f"{name}.weight"].copy_(w)
+                continue
+            # transformers stacks the experts: gate_up_proj [E, 2I, H] (gate | up), down_proj
+            # [E, H, I], under mlp. for Mixtral's block_sparse_moe too
+            prefix = expert["prefix"].replace(".block_sparse_moe", ".mlp")
+            e, proj = int(expert["e"]), EXPERT_PROJ[expert["proj"]]
+            if proj == "down":
+                params[f"{prefix}.experts.down_proj"][e].copy_(w)
+            else:
+                half = w.shape[0]
+                rows = slice(0, half) if proj == "gate" else slice(half, 2 * half)
+                params[f"{prefix}.experts.gate_up_proj"][e, rows].copy_(w)
     return model
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)$")
+EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate",
+               "w3": "up", "w2": "down"}  # fmt: skip
 
 
 def write_ct_actorder(src: Path, dst: Path, group=32, seed=0) -> tuple[Path, dict]:

@@ -1,0 +1,374 @@
+"""Quantized mixture-of-experts checkpoints (engine.layers.quantization.experts): compressed-
+tensors' FP8 (float-quantized) and W4A16 / W8A16 (pack-quantized) experts, written by the
+`compressed-tensors` package itself, and GPTQ / AWQ experts packed by hand (quant_writers).
+
+Checked: one MoE layer's quantized experts (CPU kernels, and the fused Triton kernel under its
+interpreter) against dequantize-then-matmul with tokens routed unevenly and some experts getting
+none; tiny random Qwen3-MoE and Mixtral models' greedy tokens through LLM(dir) against HF
+transformers on the dequantized weights (within the dense tests' top-2 gap tolerance); TP=2
+shards against one process; start-up refusals naming the field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels.cpu import w4 as cpu_w4
+from engine.layers.moe import DOWN, GATE, UP, FusedMoE
+from engine.layers.quantization.checkpoint import build_config
+from engine.layers.quantization.compressed_tensors import CTPackedLinearMethod
+from engine.layers.quantization.experts import (
+    Fp8ExpertsMethod,
+    FusedFp8Experts,
+    FusedIntExperts,
+    IntExpertsMethod,
+)
+from tests.conftest import MOE_MODELS
+from tests.engine.layers.quantization import quant_writers as qw
+from tests.engine.layers.quantization.test_quant_checkpoints import (
+    GAP_TOL,
+    PROMPTS,
+    _assert_greedy_agrees,
+    _hf_greedy,
+    _load,
+    _tp2,
+    _tp_logits,
+)
+from tests.engine.layers.test_moe import naive_moe, uneven_ids
+
+pytest.importorskip("compressed_tensors")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
+
+FP8_CHANNEL = dict(
+    fmt="float-quantized",
+    weights=dict(num_bits=8, type="float", strategy="channel"),
+    input_activations=dict(num_bits=8, type="float", strategy="token", dynamic=True),
+)
+FP8_TENSOR = dict(
+    fmt="float-quantized",
+    weights=dict(num_bits=8, type="float", strategy="tensor"),
+    input_activations=dict(num_bits=8, type="float", strategy="tensor", dynamic=False),
+)
+W4_GROUP_ASYM = dict(
+    fmt="pack-quantized",
+    weights=dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+)
+W4_CHANNEL = dict(
+    fmt="pack-quantized", weights=dict(num_bits=4, type="int", strategy="channel", symmetric=True)
+)
+W8_CHANNEL = dict(
+    fmt="pack-quantized", weights=dict(num_bits=8, type="int", strategy="channel", symmetric=True)
+)
+W8_GROUP_ASYM = dict(
+    fmt="pack-quantized",
+    weights=dict(num_bits=8, type="int", strategy="group", group_size=32, symmetric=False),
+)
+# GPTQ and AWQ checkpoints, packed by hand (quant_writers): the same experts path
+WRITERS = {
+    "gptq4-g32-sym": functools.partial(qw.write_gptq, bits=4, group=32),
+    "gptq4-g32-asym-v2": functools.partial(qw.write_gptq, bits=4, group=32, sym=False, v2=True),
+    "gptq8-channel": functools.partial(qw.write_gptq, bits=8, group=-1),
+    "awq-g32": functools.partial(qw.write_awq, group=32),
+    "fp8": qw.write_fp8,  # quant_method "fp8": per-tensor scales, static input scales
+}
+SCHEMES = {
+    "fp8-channel": FP8_CHANNEL,
+    "fp8-tensor": FP8_TENSOR,
+    "w4a16-group-asym": W4_GROUP_ASYM,
+    "w4a16-channel": W4_CHANNEL,
+    "w8a16-channel": W8_CHANNEL,
+    "w8a16-group-asym": W8_GROUP_ASYM,
+}
+
+
+def _method(scheme: dict):
+    w = scheme["weights"]
+    if scheme["fmt"] == "float-quantized":
+        return Fp8ExpertsMethod()
+    group = w["group_size"] if w["strategy"] == "group" else -1
+    return IntExpertsMethod(CTPackedLinearMethod(w["num_bits"], group, w["symmetric"], False))
+
+
+def _loaded_layer(scheme: dict, experts: int, hidden: int, inter: int, dtype, seed: int):
+    """A FusedMoE given the scheme's method and, through its parameters' weight_loaders, the
+    package's compression of random expert weights (not yet processed); returns it, the method
+    and the dequantized w13 [E, 2I, H], w2 [E, H, I]."""
+    gen = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(experts, 2, hidden, inter, renormalize=True)
+    moe.prefix, moe.model_dtype = "experts", dtype
+    method = _method(scheme)
+    method.create_weights(moe)
+    params = dict(moe.named_parameters())
+    w13 = torch.empty(experts, 2 * inter, hidden)
+    w2 = torch.empty(experts, hidden, inter)
+    shapes = ((GATE, (inter, hidden)), (UP, (inter, hidden)), (DOWN, (hidden, inter)))
+    for e in range(experts):
+        for shard, (n, k) in shapes:
+            w = torch.randn(n, k, generator=gen) * 0.2
+            tensors, deq = qw.ct_compress(w, scheme["fmt"], scheme["weights"],
+                                          scheme.get("input_activations"))  # fmt: skip
+            side = "w2" if shard == DOWN else "w13"
+            for suffix, t in tensors.items():
+                param = params[f"{side}_{suffix}"]
+                param.weight_loader(param, t, (e, shard))
+            if shard == DOWN:
+                w2[e] = deq
+            else:
+                w13[e, shard * inter : (shard + 1) * inter] = deq
+    return moe, method, w13, w2
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = uneven_ids(tokens, experts, top_k, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    if tokens > experts:
+        assert torch.bincount(ids.reshape(-1), minlength=experts)[-1] == 0  # one gets none
+    return torch.randn(tokens, 64, generator=gen), ids, weights
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    # float32: the exact dequantized weights; bfloat16: x, the intermediate and the w4 tiles'
+    # float16 group minimums rounded
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = (got.double() - want).abs().max()
+    assert err <= tol * want.abs().max(), float(err / want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_quantized_experts_match_dequantize_then_matmul(scheme, dtype, tokens):
+    """The CPU path: FusedMoE.forward on the processed layer (expert_linear per expert)."""
+    experts, inter, top_k = 8, 64, 2
+    moe, method, w13, w2 = _loaded_layer(SCHEMES[scheme], experts, 64, inter, dtype, tokens)
+    path = method.process_weights_after_loading(moe)
+    if scheme.startswith("w4") and dtype == torch.bfloat16 and cpu_w4.available():
+        assert "w4 tiles" in path, path
+    if scheme.startswith("w"):  # no float copy of the integer experts
+        assert moe.w13_weight is None and moe.w2_weight is None
+    x, ids, weights = _routing(tokens, experts, top_k, tokens)
+    # router logits whose top-2 are ids, with weights as their renormalized softmax
+    logits = torch.full((tokens, experts), -30.0).scatter_(1, ids, torch.log(weights))
+    got = moe(x.to(dtype), logits)
+    want = naive_moe(x.to(dtype).float(), w13, w2, weights / weights.sum(-1, keepdim=True), ids)
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_fused_triton_kernel_on_quantized_experts(scheme, dtype):
+    """The CUDA path's objects and kernel (fused_experts_quantized), here under Triton's
+    interpreter, on the loaded tensors as process_weights_after_loading hands them over."""
+    pytest.importorskip("triton")
+    experts, hidden, inter, top_k, tokens = 8, 64, 64, 2, 37
+    moe, method, w13, w2 = _loaded_layer(SCHEMES[scheme], experts, hidden, inter, dtype, 3)
+    moe.to(DEVICE)
+    if isinstance(method, Fp8ExpertsMethod):
+        fused = FusedFp8Experts(moe.w13_weight.data, moe.w2_weight.data,
+                                moe.w13_weight_scale.data[..., 0],
+                                moe.w2_weight_scale.data[..., 0])  # fmt: skip
+    else:
+        parts = {}
+        for side, k in (("w13", hidden), ("w2", inter)):
+            zp = getattr(moe, f"{side}_weight_zero_point", None)
+            group = k if method.group_size <= 0 else method.group_size
+            parts[side] = (getattr(moe, f"{side}_weight_packed").data,
+                           getattr(moe, f"{side}_weight_scale").data,
+                           None if zp is None else zp.data, group)  # fmt: skip
+        fused = FusedIntExperts(parts, method.bits)
+    x, ids, weights = _routing(tokens, experts, top_k, 3)
+    got = fused(x.to(dtype).to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
+    _close(got, naive_moe(x.to(dtype).float(), w13, w2, weights, ids), dtype)
+
+
+# -- whole models: greedy tokens against HF on the dequantized weights ------------------------
+
+# I = 64: the experts' down projection takes the w4 tiles (K a multiple of 64) and splits into
+# two groups of 32 per rank under TP=2
+MOE_I64 = {
+    "qwen3_moe": {**MOE_MODELS["qwen3_moe"], "moe_intermediate_size": 64},
+    "mixtral": {**MOE_MODELS["mixtral"], "intermediate_size": 64},
+}
+
+
+@pytest.fixture(scope="module")
+def moe_written(make_tiny_model, tmp_path_factory):
+    """(arch, scheme) -> (float folder, quantized folder, dequantized weights), written once."""
+    cache: dict = {}
+
+    def get(arch: str, scheme: str):
+        if (arch, scheme) not in cache:
+            src = make_tiny_model(f"tiny-{arch}-i64", arch=arch, **MOE_I64[arch])
+            dst = tmp_path_factory.mktemp(f"{arch}-{scheme}")
+            if scheme in WRITERS:
+                folder, deq = WRITERS[scheme](src, dst)
+            else:
+                s = SCHEMES[scheme]
+                folder, deq = qw.write_compressed_tensors(
+                    src, dst, fmt=s["fmt"], weights=s["weights"],
+                    input_activations=s.get("input_activations"),
+                )  # fmt: skip
+            cache[arch, scheme] = (src, folder, deq)
+        return cache[arch, scheme]
+
+    return get
+
+
+def _greedy(folder, dtype: str, num_new: int = 8, tp: int = 1, device: str = "cpu"
+            ) -> list[list[int]]:  # fmt: skip
+    llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256,
+              tensor_parallel_size=tp, device=device)  # fmt: skip
+    try:
+        qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+        runner = llm.engine.executor.runner
+        assert runner.quantization == qcfg["quant_method"]  # no flag
+        experts = runner.model.model.layers[0].mlp.experts
+        assert experts.tp_size == tp  # rank 0's shard
+        if device == "cuda":  # the fused Triton kernel on the quantized weights
+            assert experts.fused_quantized is not None
+        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+GREEDY_CASES = [
+    ("qwen3_moe", "fp8-channel", "bfloat16"),
+    ("qwen3_moe", "fp8-tensor", "float32"),
+    ("qwen3_moe", "w4a16-group-asym", "bfloat16"),
+    ("qwen3_moe", "w4a16-channel", "float32"),
+    ("qwen3_moe", "w8a16-channel", "bfloat16"),
+    ("qwen3_moe", "w8a16-group-asym", "bfloat16"),
+    ("mixtral", "fp8-channel", "bfloat16"),
+    ("mixtral", "w4a16-group-asym", "bfloat16"),
+    ("qwen3_moe", "gptq4-g32-sym", "bfloat16"),
+    ("qwen3_moe", "gptq4-g32-asym-v2", "float32"),
+    ("qwen3_moe", "gptq8-channel", "bfloat16"),
+    ("qwen3_moe", "awq-g32", "bfloat16"),
+    ("mixtral", "gptq4-g32-sym", "bfloat16"),
+    ("mixtral", "awq-g32", "float32"),
+    ("qwen3_moe", "fp8", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("arch, scheme, dtype", GREEDY_CASES)
+def test_greedy_tokens_follow_the_dequantized_reference(moe_written, arch, scheme, dtype):
+    src, folder, deq = moe_written(arch, scheme)
+    assert any(".experts." in name for name in deq)  # the experts are quantized
+    ref = qw.reference_model(src, deq)
+    for prompt, ours in zip(PROMPTS, _greedy(folder, dtype), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL[dtype])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["fp8-channel", "w4a16-group-asym", "gptq4-g32-sym"])
+def test_tp2_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme):
+    """LLM(dir, tensor_parallel_size=2): two worker ranks, each with its shard of every expert."""
+    src, folder, deq = moe_written("qwen3_moe", scheme)
+    ref = qw.reference_model(src, deq)
+    for prompt, ours in zip(PROMPTS, _greedy(folder, "float32", tp=2), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL["float32"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["fp8-channel", "w4a16-group-asym", "gptq4-g32-sym"])
+def test_cuda_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme):
+    """On a GPU: the fused Triton kernel compiled, through the whole engine."""
+    src, folder, deq = moe_written("qwen3_moe", scheme)
+    ref = qw.reference_model(src, deq)
+    for prompt, ours in zip(PROMPTS, _greedy(folder, "bfloat16", device="cuda"), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL["bfloat16"])
+
+
+def test_start_up_log_names_the_experts_kernel(moe_written):
+    _, folder, _ = moe_written("qwen3_moe", "w4a16-group-asym")
+    model, paths = _load(folder, "bfloat16")
+    assert sum(paths["experts"].values()) == 2  # layer 1 is dense (mlp_only_layers)
+    want = "w4 tiles" if cpu_w4.available() else "fallback"
+    assert all(want in why for why in paths["experts"]), paths["experts"]
+    layer = model.model.layers[0].mlp.experts
+    assert layer.w13_weight is None and layer.w2_weight is None  # no float copy kept
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16  # the router: float
+
+
+# -- tensor parallelism: the experts' codes, scales and zero points split over 2 gloo ranks ------
+
+TP_SCHEMES = ["fp8-channel", "w4a16-group-asym", "w8a16-channel", "gptq4-g32-asym-v2", "awq-g32"]
+
+
+@pytest.mark.slow
+def test_tp2_shards_give_the_logits_of_one_process(moe_written, tmp_path):
+    torch.set_num_threads(1)
+    folders = [moe_written("qwen3_moe", s)[1] for s in TP_SCHEMES]
+    folders.append(moe_written("mixtral", "w4a16-group-asym")[1])
+    expected = [_tp_logits(f) for f in folders]
+    logits, paths0, paths1 = _tp2(folders, tmp_path, "float32")
+    for folder, got, want in zip(folders, logits, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=str(folder))
+    assert paths0 == paths1
+    assert all("experts" in p for p in paths0)
+
+
+@pytest.mark.slow
+def test_tp2_shards_on_the_cpu_kernels(moe_written, tmp_path):
+    """bfloat16: each rank's expert shards on the w4 tiles / int8 rows."""
+    torch.set_num_threads(1)
+    folders = [moe_written("qwen3_moe", s)[1] for s in TP_SCHEMES]
+    expected = [_tp_logits(f, None, "bfloat16") for f in folders]
+    logits, paths0, paths1 = _tp2(folders, tmp_path, "bfloat16")
+    for scheme, got, want in zip(TP_SCHEMES, logits, expected, strict=True):
+        assert (got - want).abs().max() <= 0.08 * want.abs().max(), scheme
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8, scheme
+    assert paths0 == paths1
+    if cpu_w4.available():
+        assert any("w4 tiles" in why for why in paths0[1]["experts"])
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_int8_activation_experts_are_refused_naming_the_format(moe_written):
+    group = {"targets": ["Linear"], "format": "int-quantized",
+             "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+             "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                   "dynamic": True}}  # fmt: skip
+    config = build_config("compressed-tensors", {"config_groups": {"g": group},
+                                                 "ignore": ["lm_head", "re:.*mlp.gate$"]})  # fmt: skip
+    sources = ["model.layers.0.mlp.experts.0.gate_proj"]
+    with pytest.raises(ValueError, match="quantization_config.format.*MoE experts"):
+        config.experts_method("model.layers.0.mlp.experts", sources)
+
+
+def test_a_quantized_router_is_refused_naming_the_ignore_list():
+    group = {"targets": ["Linear"], "format": "float-quantized",
+             "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}  # fmt: skip
+    config = build_config("compressed-tensors", {"config_groups": {"g": group},
+                                                 "ignore": ["lm_head"]})  # fmt: skip
+    sources = ["model.layers.0.mlp.experts.0.gate_proj"]
+    with pytest.raises(ValueError, match=r"quantization_config.ignore.*model.layers.0.mlp.gate"):
+        config.experts_method("model.layers.0.mlp.experts", sources)
+
+
+def test_gptq_act_order_experts_are_refused_naming_desc_act():
+    config = build_config("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                   "desc_act": True, "sym": True})  # fmt: skip
+    with pytest.raises(ValueError, match="quantization_config.desc_act.*MoE experts"):
+        config.experts_method("model.layers.0.mlp.experts", ["x.experts.0.gate_proj"])
+
+
+def test_a_group_that_does_not_divide_a_tp_shard_is_named():
+    moe = FusedMoE(4, 2, 64, 32, renormalize=True)
+    moe.prefix = "model.layers.0.mlp.experts"
+    with pytest.raises(ValueError, match="group_size 64 does not divide"):
+        IntExpertsMethod(CTPackedLinearMethod(4, 64, True, False)).create_weights(moe)

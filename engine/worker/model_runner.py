@@ -31,7 +31,8 @@ With a draft model (engine.spec_decode.draft_model) the runner also holds the dr
 KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); after each
 step the draft reads the step's kept tokens and proposes the next drafts
 (ModelRunnerOutput.draft_token_ids); an EAGLE head (engine.spec_decode.eagle) reads the
-step's hidden states too.
+step's hidden states too (EAGLE-3, engine.spec_decode.eagle3: the inputs of three layers,
+kept by the eager forward). Under tensor parallelism only the driver holds the drafter.
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the

@@ -216,7 +216,8 @@ class Eagle3Proposer(EagleProposer):
 
     def step_features(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """The target's aux states of the step just run, side by side [T, n * H]."""
-        aux = self.target.model.aux_hidden_states
+        model = self.target.model
+        aux, model.aux_hidden_states = model.aux_hidden_states, []  # held no longer than needed
         assert len(aux) == len(self.aux_layers), "the step ran without the target's modules"
         return torch.cat(aux, dim=-1)
 

@@ -80,3 +80,34 @@ def test_eagle1_at_tp2(eagle1_target, tmp_path):  # noqa: F811
     assert got == ref
     # the head reads the target's embedding and LM head whole, gathered from both ranks
     assert stats.num_accepted_tokens > 0.6 * stats.num_draft_tokens, stats
+
+
+def test_kv_budget_counts_the_draft_on_the_driver_only(tiny_llama_dir, make_tiny_model):
+    """The driver holds the draft's KV cache beside its shard of the target's, the worker
+    only its shard: the engine takes the driver's (smaller) block count."""
+    draft = make_tiny_model(  # test_draft_model's draft: 1 layer, 1 KV head of 16
+        "tiny-llama-draft",
+        seed=7,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    budget = 4 << 20
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=2,
+        kv_cache_memory=budget,
+        speculative_config={"model": str(draft)},
+    )
+    try:
+        runner = llm.engine.executor.runner
+        layer = runner.kv_cache_spec().bytes_per_block  # this rank's 1 of 2 KV heads x 16
+        assert runner.drafter.kv_block_bytes() == layer  # the draft's 1 KV head, whole
+        assert llm.engine.num_blocks == budget // (3 * layer + layer)
+        assert runner.drafter.kv_caches[0].shape[1] == llm.engine.num_blocks
+    finally:
+        llm.shutdown()

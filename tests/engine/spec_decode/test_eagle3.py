@@ -176,3 +176,35 @@ def test_refusals(tiny_llama_dir, random_head, tmp_path):
     edit_weights(narrow_fc, lambda t: {**t, "fc.weight": t["fc.weight"][:, :128]})
     with pytest.raises(ValueError, match="fc.weight"):
         engine(narrow_fc)
+
+
+def test_runner_feeds_the_head_the_configured_layers(tiny_llama_dir, tmp_path):
+    """End to end: with eagle_aux_hidden_state_layer_ids [0, 2] the runner's prefill step
+    hands the head HF's hidden_states[0] and [2] side by side, and fc is 2H wide."""
+    from transformers import AutoModelForCausalLM
+
+    head = eagle3_head(tiny_llama_dir, tmp_path / "head", mirror=False, aux_layers=[2, 0])
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        speculative_config={"method": "eagle3", "model": str(head)},
+        async_scheduling=False,
+    )
+    try:
+        runner = llm.engine.executor.runner
+        drafter = runner.drafter
+        assert runner.model.model.aux_hidden_layers == {0, 2}
+        assert tuple(drafter.model.fc.weight.shape) == (64, 128)
+        seen = []
+        read = drafter.step_features
+        drafter.step_features = lambda hidden: seen.append(read(hidden)) or seen[-1]
+        prompt = list(range(5, 26))
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(
+        seen[0], torch.cat((want[0][0], want[2][0]), dim=-1), rtol=1e-4, atol=1e-4
+    )

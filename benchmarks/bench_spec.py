@@ -1,10 +1,10 @@
 """Speculative decoding against plain decoding, in one run: vLLM's ngram method, or with
 --draft PATH a draft model (a small model sharing the target's tokenizer), with --eagle PATH an
-EAGLE-1 head for the target.
+EAGLE-1 head for the target, with --eagle3 PATH an EAGLE-3 head.
 
     tessera bench spec [--model M] [--dtype bfloat16] [--streams 1,8] [--output-len 128]
                        [--num-speculative-tokens 3] [--prompt-lookup-max 4]
-                       [--prompt-lookup-min 1] [--draft PATH | --eagle PATH] [--rounds 2]
+                       [--prompt-lookup-min 1] [--draft PATH | --eagle PATH | --eagle3 PATH] [--rounds 2]
                        [--json PATH]
 
 Two workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="an EAGLE-1 head's folder: measure it instead of the n-gram proposer",
     )
+    parser.add_argument(
+        "--eagle3",
+        default=None,
+        help="an EAGLE-3 head's folder: measure it instead of the n-gram proposer",
+    )
     parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
     parser.add_argument("--seed", type=int, default=0)
@@ -151,15 +156,20 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_lookup_min": args.prompt_lookup_min,
     }
     side = "ngram"
-    if args.draft is not None and args.eagle is not None:
-        parser.error("--draft and --eagle measure one proposer each: give one of them")
-    if args.draft is not None or args.eagle is not None:
+    given = {
+        side: path
+        for side, path in (("draft", args.draft), ("eagle", args.eagle), ("eagle3", args.eagle3))
+        if path is not None
+    }
+    if len(given) > 1:
+        parser.error("--draft, --eagle and --eagle3 measure one proposer each: give one of them")
+    if given:
+        [(side, path)] = given.items()
         spec = {
-            "method": "draft_model" if args.draft is not None else "eagle",
-            "model": args.draft if args.draft is not None else args.eagle,
+            "method": "draft_model" if side == "draft" else side,
+            "model": path,
             "num_speculative_tokens": args.num_speculative_tokens,
         }
-        side = "draft" if args.draft is not None else "eagle"
     common = dict(dtype=args.dtype, max_num_seqs=max(streams), seed=args.seed)
     # Both engines loaded at once and their runs interleaved (the order alternating by
     # round), so a shared machine's load swings hit both sides alike; the best round counts.

@@ -197,9 +197,10 @@ class EngineArgs:
         "token the same, sampling keeps its distribution. Pays on copy-heavy outputs "
         "(editing, quoting, code); turns async scheduling off. "
         '{"model": PATH, "num_speculative_tokens": 3}: a draft model sharing the target\'s '
-        "tokenizer proposes them (one rank); "
+        "tokenizer proposes them (whole on the driver under tensor parallelism); "
         '{"method": "eagle", "model": PATH}: an EAGLE-1 head over the target\'s hidden '
-        "states. Default: off.",
+        'states; {"method": "eagle3", "model": PATH}: an EAGLE-3 head over three of its '
+        "layers. Default: off.",
         None,
     )
     # --- KV cache ---

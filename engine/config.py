@@ -288,13 +288,6 @@ class EngineConfig:
             "speculative_config is not supported with pipeline_parallel_size > 1 yet "
             "(the last stage would verify drafts the driver proposed); drop one of them",
         )
-        spec = self.scheduler.speculative_config
-        _check(
-            spec is None or not spec.uses_model or self.parallel.world_size == 1,
-            f"speculative_config: method {spec.method if spec else ''!r} runs on one rank only "
-            "(the draft model is not sharded or replicated yet): drop --tensor-parallel-size, "
-            'or use {"method": "ngram"}',
-        )
         if self.cache.kv_cache_dtype == "fp8":
             backend, device = self.model.attention_backend, self.model.device
             _check(

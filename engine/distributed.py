@@ -18,6 +18,9 @@ died cannot hold the others in an all-reduce forever (gloo raises; NCCL's watchd
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
@@ -105,6 +108,19 @@ def destroy_distributed() -> None:
     _STATE = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """Build modules inside as if this process ran alone: whole weights, no collectives (a
+    draft model or EAGLE head replicated on a rank of a tensor-parallel target). Layers read
+    the sizes when constructed, so what is built here stays single-rank afterwards."""
+    global _STATE
+    saved, _STATE = _STATE, None
+    try:
+        yield
+    finally:
+        _STATE = saved
 
 
 def get_tp_rank() -> int:

@@ -153,6 +153,11 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, rotary_dim(cfg)
         )
+        # An EAGLE-3 head reads the residual stream entering these layers (vLLM's ids: i is
+        # layer i's input, HF's hidden_states[i]); each forward leaves them in
+        # aux_hidden_states, in layer order.
+        self.aux_hidden_layers: frozenset[int] = frozenset()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def own_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's layers, in order (all of them without pipeline parallelism)."""
@@ -170,8 +175,15 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for every layer
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden, residual = layer(hidden, residual, rope, meta)
+        aux = self.aux_hidden_layers
+        if aux:
+            self.aux_hidden_states = []
+        for i in range(self.start_layer, self.end_layer):
+            if i in aux:  # a copy: layer 0 takes its input as the residual, updated in place
+                self.aux_hidden_states.append(
+                    hidden.clone() if residual is None else hidden + residual
+                )
+            hidden, residual = self.layers[i](hidden, residual, rope, meta)
         if not self.last_stage:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)

@@ -7,6 +7,7 @@ rejection.py  verification of a step's drafts against the target's logits (torch
 draft_model.py  DraftModel: a small model on the runner proposes after each step (torch)
 runner_drafts.py  RunnerDrafts: the scheduler's store of the runner's drafts (no torch)
 eagle.py    EagleProposer: an EAGLE-1 head over the target's hidden states (torch)
+eagle3.py   Eagle3Proposer: an EAGLE-3 head over three of the target's layers (torch)
 backoff.py  DraftBackoff: a request whose drafts keep being rejected stops drafting a while
 
 n-gram: the scheduler proposes (it holds each request's tokens); a draft model: the runner

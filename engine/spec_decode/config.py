@@ -2,7 +2,10 @@
 
 Methods: "ngram" (prompt lookup in the scheduler, no model), "draft_model" (a small model
 sharing the target's tokenizer, run by the model runner; {"model": PATH} alone means it, as
-in vLLM) and "eagle" (an EAGLE-1 head over the target's hidden states, on the runner).
+in vLLM), "eagle" (an EAGLE-1 head over the target's hidden states, on the runner) and
+"eagle3" (an EAGLE-3 head over three of the target's layers). A model-based proposer runs
+whole on the driver under tensor parallelism: vLLM's "draft_tensor_parallel_size" is taken,
+and must be 1.
 """
 
 from __future__ import annotations
@@ -11,21 +14,22 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # The keys each method reads; "method", "num_speculative_tokens" and Tessera's own
 # "draft_backoff" are common.
 _COMMON = ("method", "num_speculative_tokens", "draft_backoff")
 _METHOD_KEYS = {
     "ngram": (*_COMMON, "prompt_lookup_max", "prompt_lookup_min"),
-    "draft_model": (*_COMMON, "model"),
-    "eagle": (*_COMMON, "model"),
+    "draft_model": (*_COMMON, "model", "draft_tensor_parallel_size"),
+    "eagle": (*_COMMON, "model", "draft_tensor_parallel_size"),
+    "eagle3": (*_COMMON, "model", "draft_tensor_parallel_size"),
 }
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-_LATER = ("eagle3", "mtp", "medusa")
+_LATER = ("mtp", "medusa")
 
 
 def _unsupported(method: object) -> ValueError:
-    extra = " (EAGLE-3, MTP and Medusa heads are not implemented yet)" if method in _LATER else ""
+    extra = " (MTP and Medusa heads are not implemented yet)" if method in _LATER else ""
     return ValueError(
         f"speculative_config: method {method!r} is not supported yet (supported: "
         f"{', '.join(SUPPORTED_METHODS)}){extra}"
@@ -38,7 +42,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # k: drafts proposed per request and step
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
-    model: str | None = None  # the draft model's folder (draft_model)
+    model: str | None = None  # the draft model's or head's folder
+    # ranks the draft is split over: 1, the draft whole on the driver (the only choice yet)
+    draft_tensor_parallel_size: int | None = None
     # a request whose drafts keep being rejected stops drafting a while (spec_decode.backoff)
     draft_backoff: bool = True
 
@@ -51,6 +57,12 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config: {name} must be a positive integer, got {value!r}"
                 )
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (isinstance(tp, bool) or tp != 1):
+            raise ValueError(
+                f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs "
+                f"whole on the driver; a sharded draft is not supported yet), got {tp!r}"
+            )
         if not isinstance(self.draft_backoff, bool):
             raise ValueError(
                 f"speculative_config: draft_backoff must be true or false, got {self.draft_backoff!r}"

@@ -146,6 +146,10 @@ class DraftModel:
 
     # -- proposing ------------------------------------------------------------------------
 
+    def step_features(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """What propose() reads of the target's step (an EAGLE head's features): none."""
+        return None
+
     def _max_drafts(self, state: CachedRequestState, bonus_pos: int) -> int:
         """Drafts d_1..d_m sit at bonus_pos + 1..m (verified next step: below max_model_len);
         the draft writes K/V at bonus_pos..bonus_pos + m - 1 (inside the block table)."""

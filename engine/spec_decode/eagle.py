@@ -13,6 +13,11 @@ kept rows (the target's hidden states and the tokens one ahead, so the last kept
 request that sampled carries the emitted token) and writes its K/V there, then k - 1
 one-token steps from its own output. Its KV cache is one layer under the target's block ids,
 as the draft model's is.
+
+Under tensor parallelism the head runs on the driver alone, built whole (engine.distributed.
+single_rank: vLLM's draft_tensor_parallel_size 1); the target's hidden states are whole on
+every rank, and TargetVocab holds whole copies of its vocabulary-sharded embedding and LM head
+(gathered once at load, every rank taking part), so proposing needs no collective.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import get_tp_size, tp_all_gather
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.ops import bind_custom_ops
+from engine.layers.quantization.unquantized import UnquantizedLMHeadMethod
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.loader import _default_dtype, _weight_files
@@ -39,6 +47,57 @@ if TYPE_CHECKING:
     from engine.worker.input_batch import CachedRequestState
 
 _SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "norm.")  # the target's (or unused)
+
+
+class TargetVocab:
+    """The target's token embedding and LM head as a head on one rank uses them: the
+    target's own modules at tensor_parallel_size 1; else whole copies of their weights."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        embed_weight: torch.Tensor | None = None,
+        head_weight: torch.Tensor | None = None,
+    ) -> None:
+        self.target = target
+        self.embed_weight, self.head_weight = embed_weight, head_weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_weight is None:
+            return self.target.model.embed_tokens(ids)
+        return F.embedding(ids, self.embed_weight)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_weight is not None:
+            return F.linear(hidden, self.head_weight).argmax(-1)
+        assert self.embed_weight is None, "a gathered vocabulary without the LM head"
+        greedy = self.target.greedy_tokens(hidden)
+        return greedy if greedy is not None else self.target.compute_logits(hidden).argmax(-1)
+
+
+def _gather_rows(module: nn.Module) -> torch.Tensor:
+    """A vocabulary-sharded table whole (each rank's rows, the last shard's padding cut)."""
+    return tp_all_gather(module.weight.data, dim=0)[: module.num_embeddings]
+
+
+def target_vocab(target: nn.Module, lm_head: bool) -> TargetVocab:
+    """The TargetVocab of a head over target. Every rank of a tensor-parallel target must
+    call it (the shards' all-gather); lm_head: the head argmaxes through the target's."""
+    if get_tp_size() == 1:
+        return TargetVocab(target)
+    embed = _gather_rows(target.model.embed_tokens)
+    head = None
+    if lm_head:
+        if target.lm_head.tied:
+            head = embed
+        elif not isinstance(target.lm_head.quant_method, UnquantizedLMHeadMethod):
+            raise ValueError(
+                "speculative_config: an EAGLE-1 head under tensor parallelism reads the "
+                "target's LM head whole, which needs a float LM head (this one is quantized)"
+            )
+        else:
+            head = _gather_rows(target.lm_head)
+    return TargetVocab(target, embed, head)
 
 
 class EagleHead(nn.Module):
@@ -75,26 +134,38 @@ class EagleHead(nn.Module):
         return [self.layers[0].self_attn.attn]
 
 
-def load_eagle_head(
-    model_dir: Path, cfg: HFModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
-) -> EagleHead:
+def head_weight_names(model_dir: Path, what: str) -> dict[str, Path]:
+    """Every tensor of the head's checkpoint (a "model." prefix dropped) -> its file."""
     from safetensors import safe_open
 
     files = _weight_files(model_dir)
     if not files:
-        raise ValueError(f"speculative_config: no *.safetensors in the EAGLE head {model_dir}")
+        raise ValueError(f"speculative_config: no *.safetensors in the {what} {model_dir}")
     names: dict[str, Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 names[name.removeprefix("model.")] = file
-    with _default_dtype(dtype), torch.device(device):
-        head = EagleHead(cfg, max_position, fc_bias="fc.bias" in names)
+    return names
+
+
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        key = name if name in f.keys() else f"model.{name}"  # noqa: SIM118
+        return f.get_tensor(key)
+
+
+def load_head_weights(
+    head: nn.Module, model_dir: Path, tensors: dict[str, tuple[str, Path]], what: str, layout: str
+) -> None:
+    """Load tensors (the head's parameter name -> (checkpoint name, file)), q/k/v and
+    gate/up into their merged parameters; ValueError for a weight the head has no place
+    for (naming layout, the expected one), a wrong shape, or a parameter left unloaded."""
     params = dict(head.named_parameters())
     loaded: dict[str, set] = {}
-    for name, file in names.items():
-        if name.startswith(_SHARED_PREFIXES) or "rotary_emb.inv_freq" in name:
-            continue
+    for name, (source, file) in tensors.items():
         target, shard = name, None
         for src, (dst, shard_id) in head.packed_modules_mapping.items():
             if f".{src}." in name:
@@ -103,24 +174,28 @@ def load_eagle_head(
         param = params.get(target)
         if param is None:
             raise ValueError(
-                f"speculative_config: {model_dir} is not an EAGLE-1 head: unexpected weight "
-                f"{name!r} (expected fc.weight and layers.0.*)"
+                f"speculative_config: {model_dir} is not an {what}: unexpected weight "
+                f"{source!r} (expected {layout})"
             )
-        with safe_open(str(file), framework="pt") as f:
-            key = name if name in f.keys() else f"model.{name}"  # noqa: SIM118
-            tensor = f.get_tensor(key)
+        tensor = read_tensor(file, source)
         loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"speculative_config: EAGLE weight {name!r} has shape "
-                    f"{tuple(tensor.shape)}, the head needs {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
-        elif shard is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard)
+        if loader is None and param.shape != tensor.shape:
+            raise ValueError(
+                f"speculative_config: {what} weight {source!r} has shape "
+                f"{tuple(tensor.shape)}, the head needs {tuple(param.shape)}"
+            )
+        try:
+            if loader is None:
+                param.data.copy_(tensor)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except (RuntimeError, ValueError) as e:  # a sliced copy of the wrong shape
+            raise ValueError(
+                f"speculative_config: {what} weight {source!r} of shape "
+                f"{tuple(tensor.shape)} does not fit the head: {e}"
+            ) from None
         loaded.setdefault(target, set()).add(shard)
     expected: dict[str, set] = {}
     for dst, shard_id in head.packed_modules_mapping.values():
@@ -132,9 +207,21 @@ def load_eagle_head(
         != next((ids for frag, ids in expected.items() if f".{frag}." in n), {None})
     ]
     if missing:
-        raise ValueError(
-            f"speculative_config: the EAGLE head {model_dir} lacks weights: {missing[:5]}"
-        )
+        raise ValueError(f"speculative_config: the {what} {model_dir} lacks weights: {missing[:5]}")
+
+
+def load_eagle_head(
+    model_dir: Path, cfg: HFModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+) -> EagleHead:
+    names = head_weight_names(model_dir, "EAGLE head")
+    with _default_dtype(dtype), torch.device(device):
+        head = EagleHead(cfg, max_position, fc_bias="fc.bias" in names)
+    tensors = {
+        name: (name, file)
+        for name, file in names.items()
+        if not name.startswith(_SHARED_PREFIXES) and "rotary_emb.inv_freq" not in name
+    }
+    load_head_weights(head, model_dir, tensors, "EAGLE-1 head", "fc.weight and layers.0.*")
     bind_custom_ops(head, device)
     return head.eval()
 
@@ -142,9 +229,14 @@ def load_eagle_head(
 class EagleProposer(DraftModel):
     what = "EAGLE head"
 
-    def __init__(self, target: nn.Module, *args, **kwargs) -> None:
-        self.target = target  # its embedding and LM head are the head's
+    def __init__(self, target: nn.Module, vocab: TargetVocab, *args, **kwargs) -> None:
+        self.target = target
+        self.vocab = vocab  # the target's embedding and LM head, as this rank reads them
         super().__init__(*args, **kwargs)
+
+    def step_features(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """What the head reads of the target's step: its last hidden states."""
+        return hidden
 
     def _load(
         self, target_config: HFModelConfig, path: str, dtype: torch.dtype, seed: int
@@ -208,13 +300,15 @@ class EagleProposer(DraftModel):
             out_row[rid] = len(ids) - 1
         seqs = [(start, count, state.block_table) for start, count, state, _, _ in feeds]
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        g = self._forward_head(ids, hidden.index_select(0, index), positions, seqs)
+        features = self._target_features(hidden.index_select(0, index))
+        out, g = self._forward_head(ids, features, positions, seqs)
         if not proposing:
             return {}
         order = list(proposing)
-        g = g.index_select(0, torch.tensor([out_row[rid] for rid in order], device=self.device))
+        pick = torch.tensor([out_row[rid] for rid in order], device=self.device)
+        out, g = out.index_select(0, pick), g.index_select(0, pick)
         drafts: dict[str, list[int]] = {rid: [] for rid in order}
-        tokens = self._argmax(g)
+        tokens = self._argmax(out)
         bonus = {rid: len(requests[rid].token_ids) - 1 for rid in order}
         for step in range(1, max(proposing.values()) + 1):
             for rid, t in zip(order, tokens, strict=True):
@@ -227,23 +321,34 @@ class EagleProposer(DraftModel):
             order = [order[i] for i in keep]
             at = [bonus[rid] + step - 1 for rid in order]
             seqs = [(p, 1, requests[rid].block_table) for rid, p in zip(order, at, strict=True)]
-            g = self._forward_head([drafts[rid][-1] for rid in order], prev, at, seqs)
-            tokens = self._argmax(g)
+            out, g = self._forward_head([drafts[rid][-1] for rid in order], prev, at, seqs)
+            tokens = self._argmax(out)
         return drafts
+
+    def _target_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head's feature input from the target's rows (EAGLE-1: as they are)."""
+        return rows
 
     def _forward_head(
         self, ids: list[int], features: torch.Tensor, positions: list[int], seqs: list
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows the LM head reads, the features the next draft step reads)."""
         from engine.attention.metadata import common_metadata_from_seqs
 
         meta = self.backend.build_metadata(common_metadata_from_seqs(seqs, self.block_size))
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        embeds = self.target.model.embed_tokens(input_ids)
-        return self.model(embeds, features, pos, meta)
+        return self._run_head(input_ids, features, pos, meta)
+
+    def _run_head(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.model(self.vocab.embed(input_ids), features, positions, meta)
+        return g, g  # EAGLE-1: the target's LM head reads the feature it feeds back
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        greedy = self.target.greedy_tokens(hidden)
-        if greedy is None:
-            greedy = self.target.compute_logits(hidden).argmax(-1)
-        return greedy.tolist()
+        return self.vocab.argmax(hidden).tolist()

@@ -31,7 +31,8 @@ With a draft model (engine.spec_decode.draft_model) the runner also holds the dr
 KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); after each
 step the draft reads the step's kept tokens and proposes the next drafts
 (ModelRunnerOutput.draft_token_ids); an EAGLE head (engine.spec_decode.eagle) reads the
-step's hidden states too.
+step's hidden states too (EAGLE-3, engine.spec_decode.eagle3: the inputs of three layers,
+kept by the eager forward). Under tensor parallelism only the driver holds the drafter.
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
@@ -360,13 +361,40 @@ class ModelRunner:
         )
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
-        spec = self.config.scheduler.speculative_config
-        if spec is not None and spec.uses_model:  # beside the target: same device and dtype
-            from engine.spec_decode.draft_model import DraftModel
-            from engine.spec_decode.eagle import EagleProposer
+        self._load_drafter()
+        if self.rank == 0:
+            logger.info(
+                "Model %s loaded: %s%s (%s) on %s; attention backend: %s (%s)",
+                self.model_dir.name,
+                str(self.dtype).removeprefix("torch."),
+                f" with {self.quantization} weights" if self.quantization else "",
+                why,
+                self.device,
+                self.attn_backend.name,
+                choice.reason,
+            )
 
-            extra = (self.model,) if spec.method == "eagle" else ()
-            cls = EagleProposer if spec.method == "eagle" else DraftModel
+    def _load_drafter(self) -> None:
+        """A draft model or EAGLE head beside the target (same device and dtype). Under
+        tensor parallelism it lives on the driver alone, whole (draft TP 1: its drafts reach
+        every rank in the next step's payload); the other ranks only help gather the
+        target's vocabulary tables an EAGLE head reads."""
+        spec = self.config.scheduler.speculative_config
+        if spec is None or not spec.uses_model:
+            return
+        from engine.distributed import single_rank
+        from engine.spec_decode.draft_model import DraftModel
+        from engine.spec_decode.eagle import EagleProposer, target_vocab
+        from engine.spec_decode.eagle3 import Eagle3Proposer
+
+        extra: tuple = ()
+        if spec.method in ("eagle", "eagle3"):  # (every rank: an all-gather under TP)
+            extra = (self.model, target_vocab(self.model, lm_head=spec.method == "eagle"))
+        if self.rank != 0:
+            return
+        cls = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}.get(spec.method, DraftModel)
+        m = self.config.model
+        with single_rank():
             self.drafter = cls(
                 *extra,
                 spec.model,
@@ -380,17 +408,13 @@ class ModelRunner:
                 self.config.cache.kv_cache_dtype,
                 m.seed,
             )
-        if self.rank == 0:
-            logger.info(
-                "Model %s loaded: %s%s (%s) on %s; attention backend: %s (%s)",
-                self.model_dir.name,
-                str(self.dtype).removeprefix("torch."),
-                f" with {self.quantization} weights" if self.quantization else "",
-                why,
-                self.device,
-                self.attn_backend.name,
-                choice.reason,
-            )
+
+    @property
+    def _reads_aux_hidden(self) -> bool:
+        """An EAGLE-3 head reads layers' inputs, which only the modules' forward keeps: every
+        step eager on every rank (the ranks' steps stay alike)."""
+        spec = self.config.scheduler.speculative_config
+        return spec is not None and spec.method == "eagle3"
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The KV cache's layout for --kv-cache-dtype, as the attention backend lays it out."""
@@ -481,7 +505,7 @@ class ModelRunner:
     def graph_reserve_bytes(self) -> int:
         """The step graph's device memory, reserved before the cache is sized (it is built
         after): the CUDA graphs' pool where they will be captured, else 0."""
-        if self.pp_size > 1:  # pipeline stages run eager (_build_step_graph)
+        if self.pp_size > 1 or self._reads_aux_hidden:  # eager steps (_build_step_graph)
             return 0
         return self._graph_type.reserve_bytes(self.step_graph_config())
 
@@ -608,6 +632,10 @@ class ModelRunner:
             if self.rank == 0:
                 logger.info("Pipeline parallel: every step eager (no step graph)")
             return None
+        if self._reads_aux_hidden:
+            if self.rank == 0:
+                logger.info("EAGLE-3: every step eager (the head reads the layers' inputs)")
+            return None
         return self._graph_type.build(self.model, self.step_graph_config())
 
     # -- a step ---------------------------------------------------------------------------
@@ -677,7 +705,7 @@ class ModelRunner:
         batch = self.input_batch
         hidden, last_row = self._forward(so.scheduled)
         if self.drafter is not None:  # an EAGLE head reads the step's hidden states
-            self._step_hidden = (hidden, last_row)
+            self._step_hidden = (self.drafter.step_features(hidden), last_row)
         sampled = {r.request_id: [] for r in so.scheduled}
         prompt_lps = self._prompt_logprobs(hidden, so.scheduled, last_row)
         out = ModelRunnerOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)

@@ -6,6 +6,11 @@ see step_payload.py: the SchedulerOutput's changes and the tokens the driver sam
 before, O(batch) bytes), runs its own shard, and the layers' all-reduces keep the ranks in
 lockstep. Only rank 0 samples. Replies (ready, ok, error) are small and stay pickled.
 
+A draft model or EAGLE head (speculative decoding) lives on the driver alone, whole (draft
+TP 1): it proposes from the driver's batch after each step, and its drafts reach the workers
+as the next step's spec_token_ids, like n-gram drafts; the workers took part only in
+gathering the target's vocabulary shards for an EAGLE head at load.
+
 Pipeline parallelism: world = tensor_parallel_size * pipeline_parallel_size ranks, rank 0 the
 first stage's first TP rank (engine.distributed). Every rank still gets every step's payload;
 the stages pass hidden states along point to point, and the last stage's first TP rank (the

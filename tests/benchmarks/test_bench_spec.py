@@ -17,6 +17,7 @@ def test_bad_arguments_are_rejected(capsys):
         ["--workloads", "poems"],
         ["--rounds", "0"],
         ["--draft", "a", "--eagle", "b"],
+        ["--eagle", "a", "--eagle3", "b"],
     ):
         with pytest.raises(SystemExit) as e:
             bench_spec.main(argv)

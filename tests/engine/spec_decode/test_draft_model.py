@@ -213,12 +213,18 @@ def test_refusals(tiny_llama_dir, make_tiny_model):
         LLM(str(tiny_llama_dir), dtype="float32", speculative_config=_spec("/nonexistent/d"))
     from engine.args import EngineArgs
 
-    with pytest.raises(ValueError, match="one rank only"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
         EngineArgs(
             model=str(tiny_llama_dir),
-            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
             speculative_config=_spec(tiny_llama_dir),
         ).create_engine_config()
+    config = EngineArgs(  # tensor parallelism: the draft runs whole on the driver
+        model=str(tiny_llama_dir),
+        tensor_parallel_size=2,
+        speculative_config=_spec(tiny_llama_dir),
+    ).create_engine_config()
+    assert config.scheduler.speculative_config.method == "draft_model"
 
 
 def test_kv_budget_prices_a_block_at_both_models(tiny_llama_dir, draft_dir):

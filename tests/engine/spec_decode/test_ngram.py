@@ -58,12 +58,18 @@ def test_parse_config():
     assert draft.uses_model and not c.uses_model
     eagle = parse_speculative_config({"method": "eagle", "model": "/m/head"})
     assert eagle == SpeculativeConfig("eagle", 3, model="/m/head") and eagle.uses_model
+    eagle3 = parse_speculative_config(
+        {"method": "eagle3", "model": "/m/h3", "draft_tensor_parallel_size": 1}
+    )
+    assert eagle3 == SpeculativeConfig("eagle3", 3, model="/m/h3", draft_tensor_parallel_size=1)
 
 
 @pytest.mark.parametrize(
     "value,match",
     [
-        ('{"method": "eagle3", "model": "x"}', "method 'eagle3' is not supported yet"),
+        ('{"method": "mtp", "model": "x"}', "method 'mtp' is not supported yet"),
+        ('{"method": "eagle3"}', 'needs "model"'),
+        ('{"model": "x", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size must be 1"),
         ('{"method": "medusa", "model": "x"}', "Medusa heads are not implemented"),
         ('{"method": "eagle"}', 'needs "model"'),
         ('{"model": "x", "prompt_lookup_max": 2}', "unknown or unsupported"),

@@ -40,6 +40,8 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/spec_decode/test_spec_engine.py  # LLM's default device: the GPU here
     tests/engine/worker/test_cuda_graph.py
     tests/engine/worker/test_tp_cuda.py
+    tests/engine/layers/quantization/test_quant_moe.py  # quantized experts' fused kernel
+    tests/engine/models/test_gpt_oss.py  # sinks, expert biases: LLM's default device here
     tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )
 timeout -k 5 "$test_s" python3 -m pytest -v -p no:cacheprovider -rfE --timeout 60 \

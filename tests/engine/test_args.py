@@ -47,6 +47,7 @@ OTHER_VALUES = {
     "max_cpu_loras": 8,
     "tensor_parallel_size": 2,
     "pipeline_parallel_size": 2,
+    "enable_expert_parallel": True,
     "distributed_executor_backend": "ray",
     "collective_timeout": 12.0,
     "frontend_threads": 1,

@@ -104,15 +104,10 @@ def test_streamed_call_reassembles_to_the_non_streaming_one(client, server):
     assert content == whole.message.content
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert [(name, args) for _, name, args in calls] == expected
-    # More than one arguments fragment: the arguments really streamed.
-    fragments = [
-        c
-        for chunk in chunks
-        for ch in chunk["choices"]
-        for c in ch["delta"].get("tool_calls", [])
-        if "id" not in c
-    ]
-    assert len(fragments) > 1
+    # How many argument fragments arrive depends on timing (a stream sends the output as it
+    # stands when the client is ready: steps made meanwhile come as one delta), so that the
+    # arguments stream piece by piece is the parser tests' (tests/api/openai/tools/
+    # test_tool_parsers.py: fed 1, 3, 7 characters at a time); here, that they add up.
 
 
 def test_parallel_calls_streamed_and_whole(client, server):

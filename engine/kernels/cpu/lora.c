@@ -117,6 +117,11 @@ DEFINE_LORA(lora_apply_bf16w_portable, uint16_t, bf2f, f2bf, uint16_t, bf2f)
 #include <immintrin.h>
 
 #define LORA_EXPAND_COLS 64 /* four vectors */
+/* Software prefetch distances: A's rows one tile (4 rows) ahead, B^T's rows two blocks
+   ahead (measured, 8 adapters over 32 rows, SmolLM2's layers streaming from memory: 1.7x the
+   speed without; 8 rows / 4 blocks ahead no better) */
+#define LORA_PF_A 4
+#define LORA_PF_B 2
 
 /* 16 bf16 widened to float32 (masked: the tail of a block; a full mask loads plainly) */
 static inline __m512 bf16x16(const uint16_t* p, __mmask16 m) {
@@ -136,6 +141,9 @@ static inline __attribute__((always_inline)) void shrink_tile(const uint16_t* co
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 m = K - k >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (K - k)) - 1);
+    /* the next four of A's rows (contiguous after these), a quarter-row ahead per step:
+       the hardware's prefetch alone left the shrink well below the memory's speed */
+    for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(ar[0] + LORA_PF_A * K + 4 * k + 32 * l), _MM_HINT_T0);
     __m512bh av[4];
     for (int j = 0; j < 4; ++j) av[j] = (__m512bh)load32(ar[j] + k, m);
     for (int r = 0; r < NR; ++r) {
@@ -160,6 +168,9 @@ static inline __attribute__((always_inline)) void expand_tile(const float* const
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int32_t q = 0; q < rank; ++q) {
+    /* this row of B^T two blocks on (sixteen rows, `out` apart, outrun the hardware's) */
+    _mm_prefetch((const char*)(B + (int64_t)q * out + LORA_PF_B * LORA_EXPAND_COLS), _MM_HINT_T0);
+    _mm_prefetch((const char*)(B + (int64_t)q * out + LORA_PF_B * LORA_EXPAND_COLS + 32), _MM_HINT_T0);
     __m512 b[4];
     for (int v = 0; v < 4; ++v) b[v] = bf16x16(B + (int64_t)q * out + 16 * v, m[v]);
     for (int r = 0; r < NR; ++r) {

@@ -3,16 +3,17 @@
    The rows of the step come grouped by adapter slot: segment g is rows[seg_start[g] ..
    + seg_len[g]), all of slot seg_slot[g]. Each slot holds A [n*R, K] (the slices' A stacked
    on rank, packed to the slot's width) and B^T [R, out] (each slice's B, transposed, in its
-   output columns, rows 0..rank), float32, scaling folded in (engine/lora/layers.py). Then
+   output columns, rows 0..rank), float32 (or bf16 over bf16 rows: lora_apply_bf16w, below),
+   scaling folded in (engine/lora/layers.py). Then
 
        s[t]                        = A_slot x[t]                     (width[slot] values)
        y[t, row_i : row_i + size_i] += B_slot[row_i.., :r_i] s[t, off_i : off_i + r_i]
 
    in float32, y rounded once per slice as the torch path's `y.add_(s @ B^T)` does. Two
    passes in one parallel region: the shrink split over (segment, rank row) pairs (each row
-   of A read once for all of its segment's rows), the expand over blocks of 16 output columns
-   (one vector: a multiply-add per rank from B^T's contiguous rows, which the segment's rows
-   then find in L1). The torch path is the reference (tests). */
+   of A read once for all of its segment's rows), the expand over blocks of 128 output
+   columns (a multiply-add per rank from B^T's contiguous rows, which the segment's rows then
+   find in L1). The torch path is the reference (tests). */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 

@@ -15,11 +15,13 @@ mapping, set once per step by the runner (engine.lora.manager). Applying it:
 
     torch (any device): per adapter in the step, never per token,
         y[rows_g] += (x[rows_g] @ A_g^T) @ B_g^T        rows_g: a slice, or an index gather
-        On the CPU the slots are float32 whatever the model's dtype: there a bf16 GEMM of a
-        few rows costs 4-5x a float32 one (measured: 4 rows x 576 -> 48 -> 960, 89 us in
-        bf16, 22 us with the rows cast to float32), and the deltas are small.
+        Its slots are float32 whatever the model's dtype: there a bf16 GEMM of a few rows
+        costs 4-5x a float32 one (measured: 4 rows x 576 -> 48 -> 960, 89 us in bf16, 22 us
+        with the rows cast to float32), and the deltas are small.
     cpu: the same grouping in one C call per layer for every adapter of the step
-        (engine.kernels.cpu.lora), over the segments the Triton kernels read.
+        (engine.kernels.cpu.lora), over the segments the Triton kernels read. A bf16 model's
+        slots are bf16 (half the bytes: with several adapters a step streams more slot bytes
+        than 4-bit base weights), the sums float32; a float32 model's float32.
     triton (CUDA): shrink then expand over the tokens grouped by adapter (punica / S-LoRA
         style, engine.kernels.triton.lora), one launch each for every adapter of the step.
 

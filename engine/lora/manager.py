@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.config import LoRAConfig
 from engine.distributed import get_tp_rank, get_tp_size
+from engine.kernels.cpu import lora as cpu_lora
 from engine.lora.adapter import MODEL_LAYER, SLICES, read_adapter, vocab_shard
 from engine.lora.layers import LoRABatch, LoRAEmbedding, LoRALayer
 from engine.lora.request import LoRARequest
@@ -47,8 +48,6 @@ def lora_kernel(device: torch.device) -> str:
     if forced in ("torch", "cpu", "triton"):
         return forced
     if device.type != "cuda":
-        from engine.kernels.cpu import lora as cpu_lora
-
         return "cpu" if cpu_lora.available() else "torch"
     try:
         import triton  # noqa: F401
@@ -82,8 +81,14 @@ class LoRAManager:
         self.config = config
         self.hf_config = hf_config
         self.batch = LoRABatch(device, lora_kernel(device))
-        # the slots' dtype: the model's on CUDA, float32 on the CPU (engine.lora.layers)
-        self.dtype = dtype if self.batch.kernel == "triton" else torch.float32
+        # the slots' dtype: the model's on CUDA; on the CPU the C kernel's (bf16 for a bf16
+        # model), float32 for the torch path (engine.lora.layers)
+        if self.batch.kernel == "triton":
+            self.dtype = dtype
+        elif self.batch.kernel == "cpu":
+            self.dtype = cpu_lora.slot_dtype(dtype)
+        else:
+            self.dtype = torch.float32
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         for i, decoder in enumerate(model.model.layers):
             owners = {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn}

@@ -138,6 +138,7 @@ class DecodePlan:
                     ptr(slots.a), ptr(slots.bt), ptr(slots.width_t), ptr(slots.slice_row),
                     ptr(slots.slice_size), ptr(slots.slice_off), ptr(slots.slice_rank),
                     slots.a.shape[1], slots.bt.shape[2], slots.bt.shape[1], n,
+                    int(slots.bt.dtype == torch.bfloat16),
                 )
             )  # fmt: skip
             return ctypes.addressof(self._loras[-1])

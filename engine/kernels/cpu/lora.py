@@ -25,16 +25,25 @@ def available() -> bool:
 
 def supports(x: torch.Tensor, y: torch.Tensor, bt: torch.Tensor) -> bool:
     """Whether lora_apply takes these: CPU x/y of one float32/bfloat16 dtype with unit last
-    stride, float32 slots of rank up to MAX_RANK (bt [slots, R, out])."""
+    stride, slots of rank up to MAX_RANK (bt [slots, R, out]): float32, or bfloat16 over
+    bfloat16 rows."""
     return (
         x.device.type == "cpu"
         and x.dtype in _SUFFIX
         and y.dtype == x.dtype
         and x.stride(-1) == 1
         and y.stride(-1) == 1
-        and bt.dtype == torch.float32
+        and (bt.dtype == torch.float32 or bt.dtype == x.dtype == torch.bfloat16)
         and bt.shape[1] <= MAX_RANK
     )
+
+
+def slot_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The CPU slots' dtype for a model: bfloat16 for a bfloat16 model (half the bytes a
+    step streams, the products on AVX512-BF16 where the CPU has it: lora_apply_bf16w),
+    float32 otherwise (float32 models, float16: the kernel takes neither half type's rows
+    with the other's slots)."""
+    return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
 
 
 def lora_apply(
@@ -51,14 +60,19 @@ def lora_apply(
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
     seg_slot: torch.Tensor,
+    portable: bool = False,
 ) -> None:
     """y[rows] += each row's slot's B (A x) in place. x [T, K], y [T, out] (row strides
-    free); a [slots, n*R, K] and bt [slots, R, out] (B transposed) contiguous float32;
-    width [slots];
+    free); a [slots, n*R, K] and bt [slots, R, out] (B transposed) contiguous, float32 or
+    (x bfloat16) bfloat16; portable: bf16 slots on the plain C kernel (the tests' check of the
+    fallback CPUs without AVX512-BF16 run); width [slots];
     slice_row / slice_size [n]; slice_off / slice_rank [slots, n]; rows, seg_start, seg_len,
     seg_slot as engine.lora.layers.LoRABatch sets them (int32, contiguous)."""
     assert a.is_contiguous() and bt.is_contiguous()
-    fn = ops.function(f"lora_apply_{_SUFFIX[x.dtype]}")
+    name = f"lora_apply_{_SUFFIX[x.dtype]}"
+    if bt.dtype == torch.bfloat16:
+        name = "lora_apply_bf16w_portable" if portable else "lora_apply_bf16w"
+    fn = ops.function(name)
     rc = fn(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1],
         rows.data_ptr(), seg_start.data_ptr(), seg_len.data_ptr(), seg_slot.data_ptr(),

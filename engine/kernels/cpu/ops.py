@@ -141,6 +141,8 @@ SIGNATURES: dict[str, Signature] = {
     # bt, out, R, nslices, slice_row, slice_size, slice_off, slice_rank, threads
     "lora_apply_f32": (_LORA, _INT),
     "lora_apply_bf16": (_LORA, _INT),
+    "lora_apply_bf16w": (_LORA, _INT),  # bf16 slots
+    "lora_apply_bf16w_portable": (_LORA, _INT),
     # paged_attention.c
     "paged_decode_f32": (_DECODE, None),
     "paged_decode_bf16": (_DECODE, None),
@@ -166,7 +168,7 @@ class Shape(ctypes.Structure):
 class LoraLayer(ctypes.Structure):
     _fields_ = [
         (n, _P) for n in ("a", "bt", "width", "slice_row", "slice_size", "slice_off", "slice_rank")
-    ] + [(n, _I64) for n in ("a_rows", "out", "rank", "nslices")]
+    ] + [(n, _I64) for n in ("a_rows", "out", "rank", "nslices", "bf16_slots")]
 
 
 class Layer(ctypes.Structure):

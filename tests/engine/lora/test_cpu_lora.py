@@ -125,3 +125,82 @@ def test_a_swap_leaves_nothing_of_the_slots_last_adapter(kernel):
     assert used.parts == fresh.parts and used.width == fresh.width
     used.set_slot(1, None)
     assert not used.a.any() and not used.b.any() and used.width[1] == 0
+
+
+def _bf16_layer(batch, ranks, slices, in_features, dtype):
+    """_layer's adapters rounded to bf16, in slots of `dtype` (the same values either way)."""
+    layer = _layer(batch, ranks, slices, in_features, seed=1)
+    if dtype == torch.float32:
+        layer.a.copy_(layer.a.bfloat16().float())
+        layer.b.copy_(layer.b.bfloat16().float())
+        return layer
+    twin = LoRALayer(batch, slices, in_features, len(ranks), max(ranks), dtype, torch.device("cpu"))
+    twin.a.copy_(layer.a)
+    twin.bt.copy_(layer.bt)
+    twin.width, twin.parts = layer.width, layer.parts
+    twin.width_t.copy_(layer.width_t)
+    twin.slice_off.copy_(layer.slice_off)
+    twin.slice_rank.copy_(layer.slice_rank)
+    return twin
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("ranks", "slices", "in_features"), CASES + [([16] * 3, [(0, 96)], 200)])
+def test_bf16_slots_match_float32_sums_of_the_same_values(portable, ranks, slices, in_features):
+    """bf16 slots (a bf16 model's, lora_apply_bf16w: AVX512-BF16 where built, and the portable
+    kernel) against the torch path in float32 on the same bf16 values, rounded once: at most
+    one bf16 step apart (relative 2**-7; the sums' order differs), base rows untouched."""
+    torch.manual_seed(2)
+    out, num_rows = sum(s for _, s in slices), 45
+    x = torch.randn(num_rows, in_features).bfloat16()
+    y0 = torch.randn(num_rows, out).bfloat16()
+    ref_batch = LoRABatch(torch.device("cpu"), "torch")
+    ref_batch.set(RANGES)
+    ref = _bf16_layer(ref_batch, ranks, slices, in_features, torch.float32)
+    want = ref.apply(x.float(), y0.float()).bfloat16().float()
+    batch = LoRABatch(torch.device("cpu"), "cpu")
+    batch.set(RANGES)
+    layer = _bf16_layer(batch, ranks, slices, in_features, torch.bfloat16)
+    assert cpu_lora.supports(x, y0, layer.bt)
+    got = y0.clone()
+    cpu_lora.lora_apply(
+        x, got, layer.a, layer.bt, layer.width_t, layer.slice_row, layer.slice_size,
+        layer.slice_off, layer.slice_rank, batch.token_rows, batch.seg_start, batch.seg_len,
+        batch.seg_slot, portable=portable,
+    )  # fmt: skip
+    torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-7)
+    assert (got.float() != want).float().mean() < 0.05, "more than a few sums rounded apart"
+    assert not torch.equal(got, y0), "no delta applied"
+    base_rows = [21, 22, 23, *range(32, 40)]
+    assert torch.equal(got[base_rows], y0[base_rows]), "rows of the base model changed"
+
+
+def test_bf16_slots_split_over_threads_match_the_portable_kernel():
+    """Enough work to fork: eight adapters over 64 rows (SmolLM2's qkv), a strided x; the
+    AVX512-BF16 kernel against the portable one on the same bf16 slots."""
+    torch.manual_seed(3)
+    slices, in_features = [(0, 576), (576, 192), (768, 192)], 576
+    ranges = [(i % 8, 2 * i, 2) for i in range(32)]
+    x = torch.randn(64, 2 * in_features).bfloat16()[:, :in_features]
+    y0 = torch.randn(64, 960).bfloat16()
+    batch = LoRABatch(torch.device("cpu"), "cpu")
+    batch.set(ranges)
+    layer = _bf16_layer(batch, [16] * 8, slices, in_features, torch.bfloat16)
+    torch.set_num_threads(2)
+    outs = []
+    for portable in (False, True):
+        y = y0.clone()
+        cpu_lora.lora_apply(
+            x, y, layer.a, layer.bt, layer.width_t, layer.slice_row, layer.slice_size,
+            layer.slice_off, layer.slice_rank, batch.token_rows, batch.seg_start, batch.seg_len,
+            batch.seg_slot, portable=portable,
+        )  # fmt: skip
+        outs.append(y.float())
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=2**-7)
+    assert not torch.equal(outs[0], y0.float())
+
+
+def test_a_bf16_model_gets_bf16_slots_and_a_float32_model_float32():
+    assert cpu_lora.slot_dtype(torch.bfloat16) == torch.bfloat16
+    assert cpu_lora.slot_dtype(torch.float32) == torch.float32
+    assert cpu_lora.slot_dtype(torch.float16) == torch.float32

@@ -221,3 +221,38 @@ def test_the_triton_kernels_serve_a_mixed_batch(tiny_llama_dir, llama_adapters, 
     assert llm.engine.executor.runner.lora_manager.batch.kernel == "triton"
     llm.shutdown()
     assert got == want
+
+
+def test_a_bf16_model_on_bf16_slots_gives_the_float32_slots_tokens(
+    tiny_llama_dir, llama_adapters, monkeypatch
+):
+    """bf16 model: the C kernel's bf16 slots (lora_apply_bf16w) against the torch path's float32
+    slots (the path the float32 tests above hold to HF + peft), greedy tokens of a batch mixing
+    three adapters and the base."""
+    from engine.kernels.cpu import lora as cpu_lora
+
+    if not cpu_lora.available():
+        pytest.skip("CPU kernels not built")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 6, seed=23)
+    assign = [0, 1, None, 2, 0, 1]
+    runs = {}
+    for kernel in ("torch", "cpu"):
+        monkeypatch.setenv("TESSERA_LORA_KERNEL", kernel)
+        llm = LLM(
+            str(tiny_llama_dir), dtype="bfloat16", seed=0, enable_lora=True, max_loras=3,
+            num_kv_blocks=128,
+        )  # fmt: skip
+        manager = llm.engine.executor.runner.lora_manager
+        loras = [
+            None if a is None else LoRARequest(f"a{a}", a + 1, str(llama_adapters[a]))
+            for a in assign
+        ]
+        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        runs[kernel] = ([o.outputs[0].token_ids for o in outs], manager.dtype)
+        llm.shutdown()
+    assert runs["torch"][1] == torch.float32 and runs["cpu"][1] == torch.bfloat16
+    assert runs["cpu"][0] == runs["torch"][0]

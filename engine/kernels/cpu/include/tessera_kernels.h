@@ -114,6 +114,9 @@ void rope_bf16(const uint16_t* x, int64_t ldx, const uint16_t* cos, const uint16
 #define LORA_MAX_RANK 512
 int lora_apply_f32(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const float* a, int64_t a_rows, const int32_t* width, const float* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
 int lora_apply_bf16(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const float* a, int64_t a_rows, const int32_t* width, const float* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
+/* bf16 slots (a, bt) over bf16 rows: AVX512-BF16 where built, else the portable kernel */
+int lora_apply_bf16w(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows, const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
+int lora_apply_bf16w_portable(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows, const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
 
 /* ---- paged_attention.c: decode attention on the paged cache, the int8 KV writer (engine.attention.cpu_kernel) ---- */
 void paged_decode_f32(float* out, int64_t out_stride, const float* q, int64_t q_stride, const float* kc, const float* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, int window, float scale, const float* sinks, float* scratch, int64_t scratch_size, int nthreads);
@@ -131,9 +134,9 @@ typedef struct {
   float eps, scale;
 } Shape;
 typedef struct {  /* a linear layer's LoRA slots (engine.lora.layers.LoRALayer): lora.c's */
-  const float *a, *bt;
+  const void *a, *bt;         /* float32, or bf16 where bf16_slots (lora_apply_bf16w) */
   const int32_t *width, *slice_row, *slice_size, *slice_off, *slice_rank;
-  int64_t a_rows, out, rank, nslices;
+  int64_t a_rows, out, rank, nslices, bf16_slots;
 } LoraLayer;
 typedef struct {
   const uint16_t *in_norm, *post_norm;

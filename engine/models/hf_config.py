@@ -117,30 +117,27 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
 
 
 def _yarn(raw: dict[str, Any], scaling: dict[str, Any]) -> None:
-    """Complete a yarn scaling dict as transformers reads it: original_max_position_embeddings
-    (required), factor (when absent: max_position_embeddings / original)."""
-    original = scaling.get("original_max_position_embeddings") or raw.get(
-        "original_max_position_embeddings"
-    )
-    if not original:
-        raise ValueError("rope_scaling type 'yarn' needs original_max_position_embeddings")
-    scaling["original_max_position_embeddings"] = int(original)
-    if scaling.get("factor") is None:
-        scaling["factor"] = int(raw.get("max_position_embeddings", 2048)) / int(original)
+    """Complete a yarn scaling dict as transformers reads it (_original_context)."""
+    _original_context(raw, scaling, "yarn")
 
 
 def _longrope(raw: dict[str, Any], scaling: dict[str, Any]) -> None:
-    """Complete a longrope scaling dict as transformers reads it: the pretraining context
-    (original_max_position_embeddings, Phi-3 keeps it at the config's top level) and factor
-    (when absent: max_position_embeddings / original_max_position_embeddings)."""
+    """Complete a longrope scaling dict as transformers reads it: both factor lists, and
+    _original_context (Phi-3 keeps original_max_position_embeddings at the top level)."""
     for key in ("short_factor", "long_factor"):
         if not isinstance(scaling.get(key), list):
             raise ValueError(f"rope_scaling type 'longrope' needs a {key} list")
+    _original_context(raw, scaling, "longrope")
+
+
+def _original_context(raw: dict[str, Any], scaling: dict[str, Any], rope_type: str) -> None:
+    """scaling's original_max_position_embeddings (required: in scaling or at the config's top
+    level) and factor (when absent: max_position_embeddings / original)."""
     original = scaling.get("original_max_position_embeddings") or raw.get(
         "original_max_position_embeddings"
     )
     if not original:
-        raise ValueError("rope_scaling type 'longrope' needs original_max_position_embeddings")
+        raise ValueError(f"rope_scaling type {rope_type!r} needs original_max_position_embeddings")
     scaling["original_max_position_embeddings"] = int(original)
     if scaling.get("factor") is None:
         scaling["factor"] = int(raw.get("max_position_embeddings", 2048)) / int(original)

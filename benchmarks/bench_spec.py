@@ -131,6 +131,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="an EAGLE-3 head's folder: measure it instead of the n-gram proposer",
     )
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config's disable_by_batch_size: no drafts in steps of this many "
+        "running requests or more",
+    )
     parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
     parser.add_argument("--seed", type=int, default=0)
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
             "model": path,
             "num_speculative_tokens": args.num_speculative_tokens,
         }
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     common = dict(dtype=args.dtype, max_num_seqs=max(streams), seed=args.seed)
     # Both engines loaded at once and their runs interleaved (the order alternating by
     # round), so a shared machine's load swings hit both sides alike; the best round counts.

@@ -177,6 +177,7 @@ class Scheduler:
             )
         # a request whose drafts keep being rejected stops drafting for a while (backoff.py)
         self.draft_backoff = DraftBackoff(enabled=spec.draft_backoff) if spec is not None else None
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.spec_stats = (
             SpecDecodingStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
             if spec is not None
@@ -337,6 +338,9 @@ class Scheduler:
         running = self.running
         max_loras = self.config.max_loras
         step_loras: set[int] = set()  # the adapters of this step's requests (LoRA only)
+        # large batches draft nothing (speculative_config's disable_by_batch_size)
+        cutoff = self.spec_disable_by_batch_size
+        drafting = self.speculating and (cutoff is None or len(running) < cutoff)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -358,7 +362,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts: list[int] = []
-            if num_new == 1 and self.speculating and budget > 1:
+            if num_new == 1 and drafting and budget > 1:
                 drafts = self._propose(request, budget - 1)
                 num_new += len(drafts)
             while manager.allocate_slots(request, num_new) is None:

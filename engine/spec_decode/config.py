@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-# The keys each method reads; "method", "num_speculative_tokens" and Tessera's own
-# "draft_backoff" are common.
-_COMMON = ("method", "num_speculative_tokens", "draft_backoff")
+# The keys each method reads; "method", "num_speculative_tokens", "disable_by_batch_size"
+# (vLLM's) and Tessera's own "draft_backoff" are common.
+_COMMON = ("method", "num_speculative_tokens", "draft_backoff", "disable_by_batch_size")
 _METHOD_KEYS = {
     "ngram": (*_COMMON, "prompt_lookup_max", "prompt_lookup_min"),
     "draft_model": (*_COMMON, "model", "draft_tensor_parallel_size"),
@@ -47,6 +47,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     # a request whose drafts keep being rejected stops drafting a while (spec_decode.backoff)
     draft_backoff: bool = True
+    # no drafts in a step whose running requests number this many or more (vLLM's key):
+    # large batches are compute bound, where verifying rejected drafts costs more than it saves
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_METHODS:
@@ -57,6 +60,14 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config: {name} must be a positive integer, got {value!r}"
                 )
+        cutoff = self.disable_by_batch_size
+        if cutoff is not None and (
+            isinstance(cutoff, bool) or not isinstance(cutoff, int) or cutoff < 1
+        ):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be a positive integer, got "
+                f"{cutoff!r}"
+            )
         tp = self.draft_tensor_parallel_size
         if tp is not None and (isinstance(tp, bool) or tp != 1):
             raise ValueError(

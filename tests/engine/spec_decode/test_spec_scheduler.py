@@ -92,13 +92,16 @@ class SpecRunner(FakeRunner):
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-def make(num_blocks=40, block_size=8, budget=64, max_model_len=120, k=3, caching=True):
+def make(num_blocks=40, block_size=8, budget=64, max_model_len=120, k=3, caching=True, cutoff=None):
+    spec = SpeculativeConfig(
+        num_speculative_tokens=k, prompt_lookup_max=3, disable_by_batch_size=cutoff
+    )
     config = SchedulerConfig(
         max_num_seqs=8,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         block_size=block_size,
-        speculative_config=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3),
+        speculative_config=spec,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
     return Scheduler(config, cache, num_blocks)
@@ -235,3 +238,30 @@ def test_drafts_never_preempt():
     assert scheduler.num_preemptions == 0 and "b" in by_id
     scheduler.update_from_output(so, runner(so))
     check_invariants(scheduler)
+
+
+def test_large_batches_draft_nothing_under_disable_by_batch_size():
+    """disable_by_batch_size 3: no drafts in steps of 3 or more running requests, drafts
+    again once fewer run; the tokens stay the model's either way."""
+    rng = random.Random(5)
+    prompts = _prompts(rng, 4)
+    requests = [
+        make_request(f"r{i}", p, max_tokens=6 + 12 * (i == 0), temperature=0.0)
+        for i, p in enumerate(prompts)
+    ]
+    scheduler, runner = make(cutoff=3), SpecRunner(40, 8)
+    for r in requests:
+        scheduler.add_request(r)
+    drafted_at: list[tuple[int, bool]] = []
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        drafted_at.append((len(scheduler.running), any(sr.spec_token_ids for sr in so.scheduled)))
+        for u in scheduler.update_from_output(so, runner(so)):
+            outputs[u.request_id] += u.new_token_ids
+    assert not any(drafted for running, drafted in drafted_at if running >= 3)
+    assert any(drafted for running, drafted in drafted_at if running < 3)
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert outputs[r.request_id] == reference(prompt, r.sampling_params.max_tokens)
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        SpeculativeConfig(disable_by_batch_size=0)

@@ -47,12 +47,16 @@ def dequantize_mxfp4(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
             "(blocks [..., G, 16], scales [..., G])"
         )
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device=blocks.device)
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    blocks = blocks.to(torch.uint8)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(values.flatten(-2), exponents.unsqueeze(-1))  # [..., G, 32]
-    return values.flatten(-2).to(dtype)
+    # one leading index (an expert) at a time: the float32 intermediates stay one expert's
+    # (gpt-oss-120b's gate_up: 128 x 5760 x 2880 values a layer)
+    for i in range(blocks.shape[0]) if blocks.dim() > 2 else [...]:
+        b = blocks[i].to(torch.uint8)
+        values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1)
+        exponents = scales[i].to(torch.int32) - 127
+        out[i] = torch.ldexp(values.flatten(-2), exponents.unsqueeze(-1)).flatten(-2)
+    return out
 
 
 class Mxfp4Config(QuantizationConfig):

@@ -9,9 +9,9 @@ decoder (engine.models.llama): what differs is
 
 Checkpoints store the experts stacked, gate_up_proj [E, H, 2I] with gate and up interleaved
 (columns 0::2 and 1::2) and down_proj [E, I, H] (x @ W), or, as OpenAI publishes them, in
-MXFP4 (quantization_config.quant_method "mxfp4": `*_blocks` / `*_scales` pairs, dequantized at
-load into the model's dtype by engine.layers.quantization.mxfp4: the experts then take 4x
-their MXFP4 bytes in bf16). Loading de-interleaves and transposes them into FusedMoE's
+MXFP4 (quantization_config.quant_method "mxfp4": `*_blocks` / `*_scales` pairs; on one CPU rank
+kept as exact 8-bit blocks, else dequantized at load into the model's dtype:
+engine.layers.quantization.mxfp4). Loading de-interleaves and transposes them into FusedMoE's
 w13 [E, 2I, H] (gate | up) and w2 [E, H, I], this tensor-parallel rank's slice of I.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.distributed import get_tp_rank
 from engine.layers.moe import FusedMoE, ReplicatedGate
-from engine.layers.quantization.mxfp4 import dequantize_mxfp4
+from engine.layers.quantization.mxfp4 import Q8Experts, dequantize_mxfp4
 from engine.models.hf_config import HFModelConfig
 from engine.models.llama import LlamaForCausalLM
 
@@ -48,6 +48,9 @@ class GptOssMoE(nn.Module):
         )
         experts = self.experts
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 halves awaiting a pair
+        # MXFP4 experts kept as exact 8-bit blocks where the layer can run them (one CPU rank)
+        q8 = Q8Experts(experts) if mxfp4 else None
+        self._q8 = q8 if q8 is not None and q8.eligible else None
         for param, proj in ((experts.w13_weight, "gate_up"), (experts.w2_weight, "down")):
             param.weight_loader = self._load_weight
             param.expected_shards = {f"{proj}_blocks", f"{proj}_scales"} if mxfp4 else {proj}
@@ -68,14 +71,32 @@ class GptOssMoE(nn.Module):
             if len(pending) < 2:
                 return  # the other half of the pair comes later
             del self._pending[proj]
+            blocks, scales = pending["blocks"], pending["scales"]
+            if self._q8 is not None:  # rows in FusedMoE's order (gate | up), then both at once
+                if proj == "gate_up":
+                    blocks, scales = (
+                        _gate_up_slice(blocks, blocks.shape[1] // 2, 0),
+                        _gate_up_slice(scales, scales.shape[1] // 2, 0),
+                    )
+                back = self._q8.add(proj, blocks, scales)
+                for p, b, sc in back or []:  # not representable: dequantized after all
+                    self._fill(p, dequantize_mxfp4(b, sc, param.dtype), ordered=True)
+                return
             # [E, rows, in] in the checkpoint's row order (gate_up: gate and up interleaved)
-            loaded = dequantize_mxfp4(pending["blocks"], pending["scales"], param.dtype)
+            loaded = dequantize_mxfp4(blocks, scales, param.dtype)
         else:  # x @ W layout: [E, in, rows]
             loaded = loaded.transpose(1, 2)
+        self._fill(proj, loaded)
+
+    def _fill(self, proj: str, w: torch.Tensor, ordered: bool = False) -> None:
+        """w [E, rows, in]: gate_up's rows interleaved (ordered: already gate | up)."""
         if proj == "gate_up":
-            self._fill_gate_up(param, loaded)
+            if ordered:
+                self._copy(self.experts.w13_weight, w)
+            else:
+                self._fill_gate_up(self.experts.w13_weight, w)
         else:
-            self._fill_down(param, loaded)
+            self._fill_down(self.experts.w2_weight, w)
 
     def _mine(self, w: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a stacked tensor [E, ...] (all of them without expert

@@ -3,9 +3,13 @@
 Only the MoE experts are MXFP4 (the attention, router, embeddings and LM head stay bf16: the
 config's modules_to_not_convert), each weight as a pair: `*_blocks` uint8 [..., G, 16] (two
 FP4 e2m1 values a byte, the low nibble first) and `*_scales` uint8 [..., G] (an E8M0 power of
-two per 32 values, bias 127). Tessera dequantizes them at load into the model's dtype
-(exactly: every FP4 value times a power of two is a bf16 value), so the experts run on the
-float MoE paths and take 4x their MXFP4 bytes; no linear layer gets a quantized method.
+two per 32 values, bias 127). No linear layer gets a quantized method; the experts either
+
+- dequantize at load into the model's dtype (exactly: every FP4 value times a power of two is
+  a bf16 value), then run on the float MoE paths at 4x their MXFP4 bytes (CUDA, TP > 1), or
+- on one CPU rank with the GGUF kernels, become GGUF Q8_0 blocks, also exactly (to_q8_0: twice
+  each e2m1 value is an integer in [-12, 12], the block's scale half the power of two, a
+  float16), 2.1x the MXFP4 bytes (half of bf16), each routed expert on the Q8_0 kernels.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig
@@ -59,6 +64,83 @@ def dequantize_mxfp4(
     return out
 
 
+Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: a float16 scale, then 32 int8 codes
+
+
+def to_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """blocks uint8 [E, rows, G, 16], scales uint8 [E, rows, G] -> GGUF Q8_0 rows, uint8
+    [E, rows, G * 34], the same values exactly; None where a scale is outside float16's
+    exact powers of two (2^-24 .. 2^15, after halving)."""
+    exponents = scales.to(torch.int32) - 128  # the Q8_0 scale: half the MXFP4 power of two
+    if int(exponents.min()) < -24 or int(exponents.max()) > 15:
+        return None
+    lut = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8)
+    out = torch.empty(*blocks.shape[:-1], Q8_0_BLOCK_BYTES, dtype=torch.uint8)
+    for e in range(blocks.shape[0]):  # one expert's int32 / float intermediates at a time
+        b = blocks[e].to(torch.uint8)
+        codes = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
+        d = torch.ldexp(torch.ones(exponents[e].shape), exponents[e]).to(torch.float16)
+        out[e, ..., :2] = d.unsqueeze(-1).view(torch.uint8)
+        out[e, ..., 2:] = codes.view(torch.uint8)
+    return out.flatten(-2)
+
+
+class Q8Experts:
+    """A MoE layer's MXFP4 experts as GGUF Q8_0 blocks (see the module doc), where they can be:
+    one CPU rank (no tensor or expert parallel slices), the GGUF kernels built and taking the
+    layer's widths. add() collects both projections' MXFP4 pairs, then installs both as
+    blocks (the layer's expert_linear runs them), or hands them back to be dequantized."""
+
+    def __init__(self, moe: nn.Module):
+        from engine.kernels.cpu import gguf as cpu_gguf
+
+        self.moe = moe
+        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        q8 = cpu_gguf.TYPES["Q8_0"] if cpu_gguf.available() else None
+        widths = (moe.w13_weight.shape[2], moe.inter)  # H, I: the two GEMMs' in_features
+        self.type_id = q8
+        self.eligible = (
+            q8 is not None
+            and moe.w13_weight.device.type == "cpu"
+            and moe.tp_size == 1
+            and moe.ep_size == 1
+            and all(cpu_gguf.refusal(q8, k) is None for k in widths)
+        )
+
+    def add(
+        self, proj: str, blocks: torch.Tensor, scales: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+        """proj "gate_up" (rows gate | up) or "down": None while the other is to come; then []
+        (both installed as Q8_0 blocks) or both pairs back, for dequantizing."""
+        self.parts[proj] = (blocks, scales)
+        if len(self.parts) < 2:
+            return None
+        parts, self.parts = self.parts, {}
+        q13, q2 = to_q8_0(*parts["gate_up"]), to_q8_0(*parts["down"])
+        if q13 is None or q2 is None:
+            return [(p, *pair) for p, pair in parts.items()]
+        from types import SimpleNamespace
+
+        from engine.layers.quantization.gguf import GGUFExperts
+
+        moe = self.moe
+        moe.w13_weight = nn.Parameter(q13, requires_grad=False)
+        moe.w2_weight = nn.Parameter(q2, requires_grad=False)
+        moe.expert_linear = GGUFExperts(
+            SimpleNamespace(
+                w13=q13, w2=q2, w13_type_id=self.type_id, w2_type_id=self.type_id,
+                hidden_size=blocks_width(parts["gate_up"][0]),
+                intermediate_size=blocks_width(parts["down"][0]),
+            )
+        )  # fmt: skip
+        return []
+
+
+def blocks_width(blocks: torch.Tensor) -> int:
+    """The values a row of MXFP4 blocks [..., G, 16] holds."""
+    return blocks.shape[-2] * 32
+
+
 class Mxfp4Config(QuantizationConfig):
     name = "mxfp4"
 
@@ -73,4 +155,7 @@ class Mxfp4Config(QuantizationConfig):
         return None  # MXFP4 holds experts only (engine.models.gpt_oss dequantizes them)
 
     def describe(self) -> str:
-        return "MXFP4 experts dequantized at load to the model's dtype; other layers as stored"
+        return (
+            "MXFP4 experts as GGUF Q8_0 blocks on one CPU rank, else dequantized at load to "
+            "the model's dtype; other layers as stored"
+        )

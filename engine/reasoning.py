@@ -100,6 +100,11 @@ _HARMONY_MESSAGE = re.compile(
 _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
 
 
+def strip_special_markers(text: str) -> str:
+    """text without harmony's special-token markers (`<|channel|>`, `<|end|>`, ...)."""
+    return _SPECIAL.sub("", text)
+
+
 @dataclass(frozen=True, slots=True)
 class HarmonyFormat(ReasoningFormat):
     """gpt-oss's channels: analysis messages are the reasoning, final ones the answer."""
@@ -117,7 +122,7 @@ class HarmonyFormat(ReasoningFormat):
         if "<|channel|>" not in text:  # no harmony (yet): plain text is the answer
             if not final and "<|channel|>".startswith(text.lstrip()):
                 return "", ""
-            return "", _SPECIAL.sub("", text)
+            return "", strip_special_markers(text)
         reasoning, answer = [], []
         for m in _HARMONY_MESSAGE.finditer(text):
             if "to=" in m["header"]:  # a tool call: passed on whole, for the tool parser

@@ -16,6 +16,7 @@ import re
 
 from api.openai.tools.base import PartialCall, Snapshot, ToolParser
 from api.openai.tools.hermes import held_tail
+from engine.reasoning import strip_special_markers
 
 CHANNEL = "<|channel|>"
 # a call: the recipient, then the body from <|message|> to <|call|> (or the end so far)
@@ -35,8 +36,8 @@ class HarmonyParser(ToolParser):
         first = min((i for i in (text.find(m) for m in _MARKERS) if i >= 0), default=-1)
         if first < 0:
             keep = 0 if final else max(held_tail(text, m) for m in _MARKERS)
-            return Snapshot(_plain(text[: len(text) - keep]))
-        snap = Snapshot(_plain(text[:first]))
+            return Snapshot(strip_special_markers(text[: len(text) - keep]))
+        snap = Snapshot(strip_special_markers(text[:first]))
         for m in _CALL.finditer(text, first):
             args = m["args"]
             if not m["end"] and not final:  # a call still being written: its arguments so far
@@ -45,9 +46,5 @@ class HarmonyParser(ToolParser):
                 PartialCall(m["name"], args.strip() if m["end"] or final else args.lstrip())
             )
         if final and not snap.calls:
-            snap.content = _plain(text)
+            snap.content = strip_special_markers(text)
         return snap
-
-
-def _plain(text: str) -> str:
-    return re.sub(r"<\|[a-z_]+\|>", "", text)

@@ -23,24 +23,15 @@ from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig
 
 # e2m1: the sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES += tuple(-v for v in FP4_VALUES)
+
+
+def _codes(blocks: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """blocks uint8 [..., G, 16] -> lut's value of each e2m1 code [..., G, 32], the low
+    nibble of a byte first."""
+    b = blocks.to(torch.uint8)
+    return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
 
 
 def dequantize_mxfp4(
@@ -56,11 +47,10 @@ def dequantize_mxfp4(
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     # one leading index (an expert) at a time: the float32 intermediates stay one expert's
     # (gpt-oss-120b's gate_up: 128 x 5760 x 2880 values a layer)
-    for i in range(blocks.shape[0]) if blocks.dim() > 2 else [...]:
-        b = blocks[i].to(torch.uint8)
-        values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1)
-        exponents = scales[i].to(torch.int32) - 127
-        out[i] = torch.ldexp(values.flatten(-2), exponents.unsqueeze(-1)).flatten(-2)
+    parts = zip(blocks, scales, out, strict=True) if blocks.dim() > 2 else [(blocks, scales, out)]
+    for b, s, o in parts:
+        exponents = s.to(torch.int32) - 127
+        o.copy_(torch.ldexp(_codes(b, lut), exponents.unsqueeze(-1)).flatten(-2))
     return out
 
 
@@ -76,12 +66,10 @@ def to_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
         return None
     lut = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8)
     out = torch.empty(*blocks.shape[:-1], Q8_0_BLOCK_BYTES, dtype=torch.uint8)
-    for e in range(blocks.shape[0]):  # one expert's int32 / float intermediates at a time
-        b = blocks[e].to(torch.uint8)
-        codes = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
+    for e in range(blocks.shape[0]):  # one expert's intermediates at a time
         d = torch.ldexp(torch.ones(exponents[e].shape), exponents[e]).to(torch.float16)
         out[e, ..., :2] = d.unsqueeze(-1).view(torch.uint8)
-        out[e, ..., 2:] = codes.view(torch.uint8)
+        out[e, ..., 2:] = _codes(blocks[e], lut).view(torch.uint8)
     return out.flatten(-2)
 
 

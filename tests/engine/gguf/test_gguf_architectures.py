@@ -19,7 +19,11 @@ from engine.models.hf_config import load_hf_config
 from engine.models.loader import resolve_model
 from tests.conftest import MOE_MODELS
 from tests.engine.gguf.gguf_files import save_as_hf, write_llama_cpp_gguf
-from tests.engine.test_llm_exactness import hf_greedy
+from tests.engine.test_llm_exactness import (
+    assert_agrees_but_near_ties,
+    hf_greedy,
+    hf_greedy_gaps,
+)
 
 NUM_NEW = 8
 
@@ -70,37 +74,6 @@ def _hf_greedy(model_dir, prompts) -> list[list[int]]:
 # bf16 tiles instead): where HF's own top-2 logits are nearer than this, either token is the
 # reference's (tests/engine/gguf/test_gguf_blocks.py's tolerance for the same kernels)
 Q8_GAP_TOL = 0.05
-
-
-def _hf_greedy_gaps(model_dir, prompts) -> list[tuple[list[int], list[float]]]:
-    """HF's greedy tokens of each prompt and, at each, its top-2 logit gap (eager, fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids, tokens, gaps = list(prompt), [], []
-            for _ in range(NUM_NEW):
-                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-                top = logits.topk(2).values
-                tokens.append(int(logits.argmax()))
-                gaps.append(float(top[0] - top[1]))
-                ids.append(tokens[-1])
-            out.append((tokens, gaps))
-    return out
-
-
-def _agrees_but_near_ties(got: list[list[int]], reference) -> None:
-    """Token for token, but where a token differs the reference's own choice was a near tie
-    (the rest of that prompt then follows another path and is not compared)."""
-    for ours, (theirs, gaps) in zip(got, reference, strict=True):
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            if a != b:
-                assert gaps[i] < Q8_GAP_TOL, f"token {i}: {a} != {b}, top-2 gap {gaps[i]:.4f}"
-                break
 
 
 def _engine_greedy(gguf, prompts, **kw) -> tuple[list[list[int]], object]:
@@ -174,7 +147,8 @@ def test_a_llama_cpp_file_serves_hf_greedy_tokens(
     prompts = _prompts(load_hf_config(hf_dir).vocab_size)
     got, (served, model) = _engine_greedy(gguf, prompts, quantization=quantization or None)
     if type_name == "Q8_0" and quantization != "none":  # int8 activations in the dots
-        _agrees_but_near_ties(got, _hf_greedy_gaps(reference, prompts))
+        reference_gaps = hf_greedy_gaps(reference, prompts, NUM_NEW)
+        assert_agrees_but_near_ties(got, reference_gaps, Q8_GAP_TOL)
     else:
         assert got == _hf_greedy(reference, prompts)
     blocks = type_name == "Q8_0" and quantization != "none" and cpu_gguf.available()

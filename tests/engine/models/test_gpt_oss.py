@@ -18,8 +18,10 @@ from engine.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, to_q8
 from engine.models.loader import load_hf_config
 from tests.engine.test_llm_exactness import (
     SW_NUM_NEW,
+    assert_agrees_but_near_ties,
     engine_greedy,
     hf_greedy,
+    hf_greedy_gaps,
     sliding_window_prompts,
 )
 
@@ -157,27 +159,6 @@ def test_to_q8_0_holds_the_same_values():
     assert to_q8_0(blocks, torch.full_like(scales, 200)) is None
 
 
-def _greedy_gaps(model_dir, prompts):
-    """HF's greedy tokens and each one's top-2 logit gap (eager, fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids, tokens, gaps = list(prompt), [], []
-            for _ in range(SW_NUM_NEW):
-                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-                top = logits.topk(2).values
-                tokens.append(int(logits.argmax()))
-                gaps.append(float(top[0] - top[1]))
-                ids.append(tokens[-1])
-            out.append((tokens, gaps))
-    return out
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt_oss_dir, tp):
     """One rank: the experts as exact Q8_0 blocks on the GGUF kernels, whose dots take x as
@@ -189,7 +170,7 @@ def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt
     quant, ref = mxfp4_pair
     prompts, _ = _reference(ref)
     if tp == 1:
-        reference = _greedy_gaps(ref, prompts)
+        reference = hf_greedy_gaps(ref, prompts, SW_NUM_NEW)
         llm = LLM(str(quant), dtype="float32", seed=0, max_num_batched_tokens=32)
         try:
             experts = [
@@ -203,11 +184,7 @@ def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt
         from engine.kernels.cpu import gguf as cpu_gguf
 
         assert blocks == cpu_gguf.available()  # the 8-bit blocks where the kernels are
-        for out, (theirs, gaps) in zip(outs, reference, strict=True):
-            for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, theirs, strict=True)):
-                if a != b:
-                    assert gaps[i] < 0.15, f"token {i}: {a} != {b}, top-2 gap {gaps[i]:.4f}"
-                    break
+        assert_agrees_but_near_ties([list(o.outputs[0].token_ids) for o in outs], reference, 0.15)
         expected = [t for t, _ in reference]
     else:
         expected = hf_greedy(ref, prompts, SW_NUM_NEW, attn_implementation="eager")

@@ -41,6 +41,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/worker/test_cuda_graph.py
     tests/engine/worker/test_tp_cuda.py
     tests/engine/layers/quantization/test_quant_moe.py  # quantized experts' fused kernel
+    tests/engine/layers/quantization/test_kv_scales.py::test_the_fp8_cache_serves_with_the_checkpoints_scales_cuda
     tests/engine/models/test_gpt_oss.py  # sinks, expert biases: LLM's default device here
     tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )

@@ -104,12 +104,14 @@ class KVCacheSpec:
         return storage
 
     # -- the torch reference's ops: the torch backend serves any registered dtype through
-    # these (a faster backend has kernels of its own and lists the dtypes it takes) --
+    # these (a faster backend has kernels of its own and lists the dtypes it takes). scales:
+    # what the dtype keeps beside its values (int8: the per-row tensor; fp8: the layer's
+    # (k_scale, v_scale)); the model dtype's cache reads none --
 
     @staticmethod
     def write_reference(
         cache: torch.Tensor,
-        scales: torch.Tensor | None,
+        scales,
         slot_mapping: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -123,7 +125,7 @@ class KVCacheSpec:
     @staticmethod
     def gather_reference(
         cache: torch.Tensor,
-        scales: torch.Tensor | None,
+        scales,
         block_table: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:

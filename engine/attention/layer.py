@@ -50,6 +50,11 @@ class PagedAttention(nn.Module):
             self.sinks.weight_loader = self._load_sinks
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.kv_scales: torch.Tensor | None = None  # float32, with an int8 cache
+        # an fp8 cache's per-tensor scales: stored K / k_scale, read back q * k_scale. 1.0
+        # unless the checkpoint carries calibrated ones (engine.layers.quantization.kv_scales)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.checkpoint_kv_scales = False
         self.kv_spec: KVCacheSpec | None = None  # the cache's layout (None: the model's dtype)
         self.backend: AttentionBackend | None = None  # bound by the model runner
 

@@ -25,6 +25,7 @@ from engine.distributed import get_pp_size
 from engine.gguf.convert import CONVERTER_VERSION, convert_gguf, linked_tensors
 from engine.gguf.source import default_gguf_path
 from engine.layers.ops import bind_custom_ops
+from engine.layers.quantization.kv_scales import kv_scale_name, load_kv_scale
 from engine.models.hf_config import HFModelConfig, load_hf_config, max_model_len_for
 from engine.models.registry import get_model_class
 from engine.paths import default_cache_dir
@@ -226,6 +227,8 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
                 return
         if "rotary_emb.inv_freq" in ckpt_name:
             return
+        if kv_scale_name(ckpt_name) is not None and load_kv_scale(model, ckpt_name, tensor()):
+            return  # an FP8-KV checkpoint's cache scale, set on its attention layer
         parts = fused(ckpt_name) if fused is not None else None
         if parts is not None:
             whole = tensor()

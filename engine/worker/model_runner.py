@@ -361,6 +361,7 @@ class ModelRunner:
         )
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
+        self._log_kv_scales()
         self._load_drafter()
         if self.rank == 0:
             logger.info(
@@ -373,6 +374,22 @@ class ModelRunner:
                 self.attn_backend.name,
                 choice.reason,
             )
+
+    def _log_kv_scales(self) -> None:
+        """Say whether a checkpoint's calibrated KV-cache scales (FP8-KV) are in use."""
+        layers = self.model.attention_layers()
+        scaled = sum(a.checkpoint_kv_scales for a in layers)
+        if not scaled or self.rank != 0:
+            return
+        kv_dtype = self.config.cache.kv_cache_dtype
+        if kv_dtype == "fp8":
+            logger.info("fp8 KV cache with the checkpoint's K/V scales (%d of %d layers; the "
+                        "others 1.0)", scaled, len(layers))  # fmt: skip
+        else:
+            logger.info("The checkpoint's KV-cache scales (%d layers) are unused: the %s cache "
+                        "keeps K/V %s; --kv-cache-dtype fp8 (triton backend) stores them with "
+                        "those scales", scaled, kv_dtype,
+                        "exactly" if kv_dtype == "auto" else "with its own per-row scales")  # fmt: skip
 
     def _load_drafter(self) -> None:
         """A draft model or EAGLE head beside the target (same device and dtype). Under

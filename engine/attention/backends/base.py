@@ -30,6 +30,9 @@ class AttentionLayer(Protocol):
     scale: float
     kv_scales: torch.Tensor | None  # float32 [2, blocks, kv_heads, block_size], int8 cache only
     kv_spec: KVCacheSpec | None  # the cache's spec (None: the model's dtype), bound with it
+    # an fp8 cache's per-tensor scales (stores x / scale): the checkpoint's, else 1.0
+    k_scale: float
+    v_scale: float
     # Query position i attends key j iff i - sliding_window < j <= i; None: all j <= i. The
     # step's metadata is the same for every layer: a backend applies the window in forward.
     sliding_window: int | None

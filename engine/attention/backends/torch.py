@@ -338,7 +338,7 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, layer: AttentionLayer, k, v, kv_cache, metadata) -> None:
         # the spec's torch ops: the reference's own bytes for every dtype
         spec = layer.kv_spec or KVCacheSpec
-        spec.write_reference(kv_cache, layer.kv_scales, metadata.slot_mapping, k, v)
+        spec.write_reference(kv_cache, _cache_scales(layer), metadata.slot_mapping, k, v)
 
     def forward(self, layer, q, k, v, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         t = q.shape[0]
@@ -378,7 +378,7 @@ class TorchAttentionBackend(AttentionBackend):
         """K and V of the given blocks, in order: [2, n_blocks, block_size, Hkv, D]."""
         kv = meta.gather_buffer(block_table.numel())
         spec = layer.kv_spec or KVCacheSpec
-        return spec.gather_reference(kv_cache, layer.kv_scales, block_table, kv)
+        return spec.gather_reference(kv_cache, _cache_scales(layer), block_table, kv)
 
     def _prefill(self, layer, q, k, v, p: PrefillChunk, kv_cache, meta) -> torch.Tensor:
         """A chunk of queries: causal over its own tokens, full over its cached prefix."""
@@ -410,3 +410,9 @@ class TorchAttentionBackend(AttentionBackend):
                 qh, kh, vh, attn_mask=p.mask, scale=layer.scale, enable_gqa=True
             )
         return o[0].transpose(0, 1)  # [Q, H, D]
+
+
+def _cache_scales(layer: AttentionLayer):
+    """What the cache's spec reads beside its values: an int8 cache's per-row scales, else the
+    layer's per-tensor (k_scale, v_scale) (an fp8 cache's; a float cache reads neither)."""
+    return layer.kv_scales if layer.kv_scales is not None else (layer.k_scale, layer.v_scale)

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import kv_fp8
 from engine.attention.backends.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -211,9 +210,7 @@ class TritonAttentionBackend(AttentionBackend):
     # -- a layer's step -----------------------------------------------------------------
 
     def write_kv(self, layer, k, v, kv_cache, metadata: TritonAttentionMetadata) -> None:
-        self._kernels.store_kv(
-            k, v, kv_cache, metadata.slot_mapping, kv_fp8.K_SCALE, kv_fp8.V_SCALE
-        )
+        self._kernels.store_kv(k, v, kv_cache, metadata.slot_mapping, layer.k_scale, layer.v_scale)
 
     def forward(self, layer, q, k, v, kv_cache, metadata: TritonAttentionMetadata):
         t = q.shape[0]
@@ -226,7 +223,7 @@ class TritonAttentionBackend(AttentionBackend):
             out, q, kv_cache,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
             metadata.tile_req, metadata.tile_qstart, metadata.launch,
-            layer.scale, kv_fp8.K_SCALE, kv_fp8.V_SCALE, metadata.partials,
+            layer.scale, layer.k_scale, layer.v_scale, metadata.partials,
             layer.sliding_window, layer.sinks,
         )  # fmt: skip
         return out.view(t, -1)

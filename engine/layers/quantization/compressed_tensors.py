@@ -28,6 +28,7 @@ from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
 from engine.layers.quantization.fp8 import Fp8LinearMethod
 from engine.layers.quantization.int_weight import IntWeightOnlyMethod
+from engine.layers.quantization.kv_scales import check_kv_cache_scheme
 from engine.layers.quantization.packed import unpack_cols
 
 if TYPE_CHECKING:
@@ -136,8 +137,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         groups = qcfg.get("config_groups") or {}
         if not groups:
             raise unsupported("config_groups", groups, "one or more quantization groups")
-        if qcfg.get("kv_cache_scheme"):
-            raise unsupported("kv_cache_scheme", qcfg["kv_cache_scheme"], "null")
+        check_kv_cache_scheme(qcfg.get("kv_cache_scheme"))  # its scales: kv_scales.py
         schemes = [_Scheme(k, g, fmt) for k, g in groups.items()]
         return cls(schemes, list(qcfg.get("ignore") or []))
 

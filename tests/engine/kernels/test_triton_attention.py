@@ -71,21 +71,28 @@ def _step(scenario: str, bs: int, seed: int = 0) -> list[tuple[int, int, list[in
     return seqs
 
 
-def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0):
+def _inputs(seqs, heads, kv_heads, d, bs, dtype, fp8, seed=0, kv_scales=(1.0, 1.0), mag=1.0):
+    """cache, q, k, v; with fp8, K and V of magnitude mag stored with kv_scales."""
     g = torch.Generator().manual_seed(seed)
     t = sum(n for _, n, _ in seqs)
     full = torch.randn(2, NUM_BLOCKS, bs, kv_heads, d, generator=g)
-    cache = kv_fp8.quantize(full, 1.0) if fp8 else full.to(dtype)
+    cache = full.to(dtype)
+    if fp8:
+        cache = torch.stack([kv_fp8.quantize(full[i] * mag, kv_scales[i]) for i in (0, 1)])
     q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
     if fp8:  # e4m3 values: the torch path attends a fresh prompt's own K/V, not the cache's
-        k, v = (kv_fp8.dequantize(kv_fp8.quantize(x, 1.0), 1.0, dtype) for x in (k, v))
+        k, v = (
+            kv_fp8.dequantize(kv_fp8.quantize(x * mag, s), s, dtype)
+            for x, s in zip((k, v), kv_scales, strict=True)
+        )
     return tuple(x.to(DEVICE) for x in (cache, q, k, v))
 
 
-def _attend(backend, cache, q, k, v, meta, window=None, sinks=None):
+def _attend(backend, cache, q, k, v, meta, window=None, sinks=None, kv_scales=(1.0, 1.0)):
     """Through the layer: write this step's K/V, then attend. -> (out [T, H*D], the cache)."""
     _, _, bs, kv_heads, d = cache.shape
     attn = PagedAttention(q.shape[1], kv_heads, d, d**-0.5, window, sinks=sinks is not None)
+    attn.k_scale, attn.v_scale = kv_scales
     if sinks is not None:
         attn.sinks.data.copy_(sinks)
     attn.kv_cache, attn.backend = cache.clone(), backend
@@ -249,6 +256,40 @@ def test_split_context_matches_torch_reference(heads, kv_heads, fp8):
         seqs, heads, kv_heads, 32, 16, torch.bfloat16, fp8, split_target_programs=target
     )
     assert meta.launch.num_splits == 4
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_cache_with_a_checkpoints_scales_matches_torch_reference(splits):
+    """Per-layer K/V scales (an FP8-KV checkpoint's): the kernels store K / k_scale and
+    read q * scale as the torch reference does (the same bytes, outputs within bf16's
+    tolerance), decodes split or not and a mixed step. K of magnitude ~600 (past e4m3's 448)
+    keeps its values with k_scale 4 where scale 1 saturates it; V's small scale keeps its
+    resolution."""
+    heads, kv_heads, d, bs, scales = 8, 2, 32, 16, (4.0, 0.0625)
+    for scenario in ("decode", "mixed"):
+        seqs = _step(scenario, bs, seed=11)
+        cache, q, k, v = _inputs(seqs, heads, kv_heads, d, bs, torch.bfloat16, True, 0,
+                                 kv_scales=scales, mag=200.0)  # fmt: skip
+        common = common_metadata_from_seqs(seqs, bs)
+        ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16, DEVICE)
+        target = splits * len(seqs) * kv_heads if splits > 1 else None
+        backend = TritonAttentionBackend(
+            bs, heads, kv_heads, d, torch.bfloat16, DEVICE, split_target_programs=target
+        )
+        meta = backend.build_metadata(common)
+        ref_meta = ref_backend.build_metadata(common)
+        ref, ref_cache = _attend(ref_backend, cache, q, k, v, ref_meta, kv_scales=scales)
+        out, out_cache = _attend(backend, cache, q, k, v, meta, kv_scales=scales)
+        assert torch.equal(_bytes(out_cache), _bytes(ref_cache))
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+        # what the scales bought: this step's K read back within e4m3's rounding; at scale
+        # 1.0 the same K saturates at 448
+        slots = common.slot_mapping.to(DEVICE)
+        stored = out_cache[0].view(-1, kv_heads, d)[slots].float() * scales[0]
+        assert (k.float().abs() > 448).any()
+        torch.testing.assert_close(stored, k.float(), rtol=2**-4, atol=0.0)
+        unscaled = kv_fp8.quantize(k, 1.0).float()
+        assert unscaled.abs().max() == 448
 
 
 def test_split_and_unsplit_launches_agree():

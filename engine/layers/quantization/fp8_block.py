@@ -98,22 +98,26 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         del layer.weight, layer.input_scale
         delattr(layer, self.scale_name)
         bn, bk = self.block
+        why = ""
         if self.triton if self.triton is not None else q.device.type == "cuda":
-            from engine.kernels.triton.fp8_block_gemm import Fp8BlockWeight
-
-            layer.register_parameter("weight", None)
-            layer.fp8_block = Fp8BlockWeight.prepare(q, scales, bk)
-            layer.quant_path = (
-                f"float8 e4m3 in blocks of [{bn}, {bk}], dequantized in the Triton GEMM's inner "
-                "loop (engine/kernels/triton/fp8_block_gemm.py)"
-            )
-            return
+            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
+                from engine.kernels.triton.fp8_block_gemm import Fp8BlockWeight
+            except ImportError as e:
+                why = f"; triton is unavailable ({e})"
+            else:
+                layer.register_parameter("weight", None)
+                layer.fp8_block = Fp8BlockWeight.prepare(q, scales, bk)
+                layer.quant_path = (
+                    f"float8 e4m3 in blocks of [{bn}, {bk}], dequantized in the Triton GEMM's "
+                    "inner loop (engine/kernels/triton/fp8_block_gemm.py)"
+                )
+                return
         layer.weight = nn.Parameter(dequantize_fp8_blocks(q, scales, bk, dtype),
                                     requires_grad=False)  # fmt: skip
         layer.quant_path = (
             f"FP8 blocks of [{bn}, {bk}] dequantized at load into "
             f"{str(dtype).removeprefix('torch.')} (the float weight's bytes; C GEMM / AMX-bf16 "
-            "/ oneDNN)"
+            f"/ oneDNN{why})"
         )
 
     def apply(

@@ -89,12 +89,18 @@ def written(make_tiny_model, tmp_path_factory):
     return get
 
 
-def _greedy(folder, dtype: str, tp: int = 1) -> list[list[int]]:
+def _greedy(folder, dtype: str, tp: int = 1, device: str = "cpu") -> list[list[int]]:
     llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256,
-              tensor_parallel_size=tp)  # fmt: skip
+              tensor_parallel_size=tp, device=device)  # fmt: skip
     try:
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-        assert llm.engine.executor.runner.quantization == qcfg["quant_method"]  # no flag
+        runner = llm.engine.executor.runner
+        assert runner.quantization == qcfg["quant_method"]  # no flag
+        if device == "cuda":  # float8 kept on the device: the Triton GEMM / fused MoE kernel
+            layer = runner.model.model.layers[0]
+            assert layer.self_attn.qkv_proj.weight is None
+            experts = getattr(layer.mlp, "experts", None)
+            assert experts is None or experts.fused_quantized is not None
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
@@ -102,9 +108,9 @@ def _greedy(folder, dtype: str, tp: int = 1) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _follows_reference(src, folder, deq, dtype: str, tp: int = 1) -> None:
+def _follows_reference(src, folder, deq, dtype: str, tp: int = 1, device: str = "cpu") -> None:
     ref = qw.reference_model(src, deq)
-    for prompt, ours in zip(PROMPTS, _greedy(folder, dtype, tp), strict=True):
+    for prompt, ours in zip(PROMPTS, _greedy(folder, dtype, tp, device), strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL[dtype])
 
@@ -265,6 +271,13 @@ def test_moe_greedy_tokens_follow_the_dequantized_reference(written, arch, fmt, 
     src, folder, deq = written(arch, fmt)
     assert any(".experts." in name for name in deq)  # the experts are quantized
     _follows_reference(src, folder, deq, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("arch", "fmt"), [("llama", "fp8-48x32"), ("qwen3_moe", "fp8-128")])
+def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, arch, fmt):
+    """On a GPU: the block-FP8 GEMM and the fused MoE kernel compiled, through the engine."""
+    _follows_reference(*written(arch, fmt), "bfloat16", device="cuda")
 
 
 # -- start-up refusals --------------------------------------------------------------------------

@@ -77,6 +77,31 @@ def dequantize_fp8(
     return (w_fp8.float() * scale).to(dtype)
 
 
+def expand_block_scales(scales: torch.Tensor, rows: int, block_n: int) -> torch.Tensor:
+    """A block-FP8 checkpoint's scales [ceil(rows / block_n), Kb] -> one row of them per
+    output row, float32 [rows, Kb] (the last block may be partial). Row-wise scales let merged
+    layers (q|k|v, gate|up) stack parts whose rows are not block multiples, and let a column-
+    parallel shard start anywhere."""
+    blocks = -(-rows // block_n)
+    if scales.dim() != 2 or scales.shape[0] != blocks:
+        raise ValueError(
+            f"block scales of shape {tuple(scales.shape)} for {rows} rows in blocks of "
+            f"{block_n}: expected {blocks} rows of them"
+        )
+    return scales.float().repeat_interleave(block_n, dim=0)[:rows]
+
+
+def dequantize_fp8_blocks(
+    w_fp8: torch.Tensor, row_scales: torch.Tensor, block_k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """float8 [N, K] with row-wise block scales [N, ceil(K / block_k)] (expand_block_scales)
+    -> W [N, K] in dtype: each value times its block's scale in fp32, rounded once (the
+    reference the block-FP8 GEMM is tested against, and the CPU's form of the weight)."""
+    k = w_fp8.shape[-1]
+    scale = row_scales.float().repeat_interleave(block_k, dim=-1)[..., :k]
+    return (w_fp8.float() * scale).to(dtype)
+
+
 def per_token_quant_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]): scale = max|x[m]| * (1 / 448)
     (at least MIN_SCALE), values x / scale rounded to nearest even. The reference of the Triton

@@ -333,8 +333,8 @@ class SparseMoeBlock(nn.Module):
 # a quantized checkpoint's tensors too (engine.layers.quantization.experts)
 _EXPERT_TENSOR = re.compile(
     r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\."
-    r"(?P<tensor>weight|weight_packed|weight_scale|weight_zero_point|weight_shape|input_scale"
-    r"|qweight|qzeros|scales|g_idx)$"
+    r"(?P<tensor>weight|weight_packed|weight_scale|weight_scale_inv|weight_zero_point"
+    r"|weight_shape|input_scale|qweight|qzeros|scales|g_idx)$"
 )
 
 

@@ -23,7 +23,7 @@ depend only on the shapes.
 
 fused_experts_quantized is the same for a quantized checkpoint's experts (ExpertWeights; engine.
 layers.quantization.experts): FP8 weights widened in the inner loop with their row scales in
-the epilogue, or 4/8-bit codes dequantized per tile with their group scales and zero points.
+the epilogue (block-FP8: each weight times its block's scale in the loop), or 4/8-bit codes dequantized per tile with their group scales and zero points.
 
 Under TRITON_INTERPRET=1 (the tests without a GPU) the operands are upcast to float32 before
 each dot: the interpreter's bf16 arithmetic is broken (see the package docstring).
@@ -240,7 +240,9 @@ class ExpertWeights:
     """One projection's quantized experts for fused_experts_quantized.
 
     bits 0: float8_e4m3fn `data` [E, N, K] with float32 row `scales` [E, N], applied in the
-    epilogue. bits 4 or 8: unsigned codes, uint8 [E, N, K * bits / 8] (4-bit: k even in the low
+    epilogue; with a `group` (block-FP8: the inputs a block scale covers) float32 `scales`
+    [E, N, ceil(K / group)], one row of block scales per output row, applied per weight in
+    the inner loop. bits 4 or 8: unsigned codes, uint8 [E, N, K * bits / 8] (4-bit: k even in the low
     nibble), float32 `scales` [E, N, K / group] and int32 `zeros` like them (None: symmetric,
     2 ** (bits - 1)); w = (q - zero) * scale, dequantized per tile in the inner loop."""
 
@@ -258,13 +260,19 @@ class ExpertWeights:
 @triton.jit
 def _load_quant_b(
     b_ptr, s_ptr, z_ptr, expert, offs_n, kk, mask, stride_be, stride_bn, stride_se, stride_sn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """The float32 [BLOCK_K, BLOCK_N] tile of expert's weight^T at input rows kk, columns
     offs_n."""
     base = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
-    if BITS == 0:  # float8 values, scaled in the epilogue
+    if BITS == 0:  # float8 values, scaled here per block of K, or in the epilogue per row
         w = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0.0).to(tl.float32)
+        if FP8_GROUPS:
+            s_off = (
+                expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
+                + (kk // GROUP)[:, None]
+            )  # fmt: skip
+            w = w * tl.load(s_ptr + s_off, mask=mask, other=0.0)
     else:
         if BITS == 4:
             byte = tl.load(b_ptr + base + (kk // 2)[:, None], mask=mask, other=0)
@@ -289,8 +297,8 @@ def _fused_moe_quant_kernel(
     num_post_padded_ptr, N, K, num_valid,
     stride_am, stride_ak, stride_be, stride_bn, stride_se, stride_sn, stride_cm, stride_cn,
     A_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """_fused_moe_kernel with b an ExpertWeights: its tiles dequantized to a's dtype (float32
     under the interpreter) before each dot; FP8's row scales multiply the accumulators."""
@@ -315,7 +323,7 @@ def _fused_moe_quant_kernel(
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         mask = k_ok[:, None] & n_ok[None, :]
         b = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n, kk, mask, stride_be, stride_bn,
-                          stride_se, stride_sn, BITS, GROUP, HAS_ZP)  # fmt: skip
+                          stride_se, stride_sn, BITS, GROUP, HAS_ZP, FP8_GROUPS)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
             acc += tl.dot(a, b, input_precision="ieee")
@@ -323,13 +331,14 @@ def _fused_moe_quant_kernel(
             acc += tl.dot(a, b.to(a.dtype))
         if SILU_MUL:
             b_up = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n + N, kk, mask, stride_be,
-                                 stride_bn, stride_se, stride_sn, BITS, GROUP, HAS_ZP)  # fmt: skip
+                                 stride_bn, stride_se, stride_sn, BITS, GROUP, HAS_ZP,
+                                 FP8_GROUPS)  # fmt: skip
             if UPCAST:
                 acc_up += tl.dot(a, b_up, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, b_up.to(a.dtype))
         a_ptrs += BLOCK_K * stride_ak
-    if BITS == 0:
+    if BITS == 0 and not FP8_GROUPS:
         s_row = s_ptr + expert * stride_se + offs_n * stride_sn
         acc = acc * tl.load(s_row, mask=n_ok, other=0.0)[None, :]
         if SILU_MUL:
@@ -356,6 +365,7 @@ def _launch_quant(a, b: ExpertWeights, c, weights, sorted_ids, expert_ids, num_p
         b.scales.stride(0), b.scales.stride(1), c.stride(0), c.stride(1),
         A_DIV=a_div, SILU_MUL=silu, MUL_WEIGHT=mul_weight,
         BITS=b.bits, GROUP=max(b.group, 1), HAS_ZP=b.zeros is not None,
+        FP8_GROUPS=b.bits == 0 and b.group > 0,
         UPCAST=_INTERPRET or a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip

@@ -12,7 +12,9 @@ or per group) and an `ignore` list. Supported:
   tensor) and int8 activations (W8A8: dynamic per token, or static `input_scale`, served
   dynamic per token on the CPU's W8A8 kernel).
 - `float-quantized`: FP8 e4m3 `weight` with per-tensor or per-channel `weight_scale`, static
-  or dynamic activations (engine.layers.quantization.fp8's method).
+  or dynamic activations (engine.layers.quantization.fp8's method); or `strategy: "block"`
+  with `block_structure` [bn, bk] (llm-compressor's FP8_BLOCK, dynamic per-token-group
+  activations: engine.layers.quantization.fp8_block's method).
 Anything else (other formats, bit widths, strategies, activation schemes, a quantized LM head,
 a KV-cache scheme) is a start-up error naming the field and the values Tessera takes.
 """
@@ -26,7 +28,8 @@ import torch
 
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
-from engine.layers.quantization.fp8 import Fp8LinearMethod
+from engine.layers.quantization.fp8 import Fp8LinearMethod, check_block_size
+from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.layers.quantization.int_weight import IntWeightOnlyMethod
 from engine.layers.quantization.kv_scales import check_kv_cache_scheme
 from engine.layers.quantization.packed import unpack_cols
@@ -64,6 +67,7 @@ class _Scheme:
         self.group_size = w.get("group_size")
         self.actorder = w.get("actorder")
         self.act_quant = a is not None
+        self.block: tuple[int, int] | None = None  # float-quantized's block_structure
         if w.get("dynamic", False):
             raise unsupported(f"{where}.weights.dynamic", w["dynamic"], "false")
         if self.format == "pack-quantized":
@@ -89,28 +93,40 @@ class _Scheme:
         else:  # float-quantized
             if self.type != "float" or self.bits != 8:
                 raise unsupported(f"{where}.weights.num_bits", self.bits, "8 (float: FP8 e4m3)")
-            if self.strategy not in ("channel", "tensor"):
-                raise unsupported(f"{where}.weights.strategy", self.strategy, "channel, tensor")
-            self._check_activations(where, a, "float")
+            if self.strategy not in ("channel", "tensor", "block"):
+                raise unsupported(f"{where}.weights.strategy", self.strategy,
+                                  "channel, tensor, block")  # fmt: skip
+            if self.strategy == "block":
+                self.block = check_block_size(w.get("block_structure"),
+                                              f"{where}.weights.block_structure")  # fmt: skip
+            self._check_activations(where, a, "float", self.strategy == "block")
         if self.actorder not in (None, "group", "weight", "static", "dynamic"):
             raise unsupported(f"{where}.weights.actorder", self.actorder, "null, group, weight")
 
     @staticmethod
-    def _check_activations(where: str, a: dict[str, Any] | None, kind: str) -> None:
+    def _check_activations(where: str, a: dict[str, Any] | None, kind: str,
+                           groups: bool = False) -> None:  # fmt: skip
+        """groups: dynamic per-token-group activations are accepted too (FP8_BLOCK's)."""
         if a is None:
             return
         if a.get("num_bits", 8) != 8 or a.get("type", kind) != kind:
             raise unsupported(f"{where}.input_activations.num_bits", a.get("num_bits"),
                               f"8 ({kind})")  # fmt: skip
         strategy = a.get("strategy", "tensor")
-        if strategy not in ("token", "tensor"):
-            raise unsupported(f"{where}.input_activations.strategy", strategy, "token, tensor")
+        allowed = ("token", "tensor", "group") if groups else ("token", "tensor")
+        if strategy not in allowed:
+            raise unsupported(f"{where}.input_activations.strategy", strategy, ", ".join(allowed))
+        if strategy == "group" and not a.get("dynamic", False):
+            raise unsupported(f"{where}.input_activations.dynamic", a.get("dynamic"),
+                              "true (per-token-group activation scales are dynamic)")  # fmt: skip
 
     def key(self) -> tuple:
         return (self.format, self.bits, self.type, self.symmetric, self.strategy,
-                self.group_size, self.actorder, self.act_quant)  # fmt: skip
+                self.group_size, self.actorder, self.act_quant, self.block)  # fmt: skip
 
     def method(self) -> LinearMethodBase:
+        if self.format == "float-quantized" and self.block is not None:
+            return Fp8BlockLinearMethod(self.block, "weight_scale", "weights.block_structure")
         if self.format == "float-quantized":
             return Fp8LinearMethod(checkpoint=True)
         group = self.group_size if self.strategy == "group" else -1
@@ -121,6 +137,7 @@ class _Scheme:
 
     def describe(self) -> str:
         g = f" {self.group_size}" if self.strategy == "group" else ""
+        g = f" {list(self.block)}" if self.block is not None else g
         w = f"{self.type}{self.bits} {self.strategy}{g} {'sym' if self.symmetric else 'asym'}"
         return f"{self.format} ({w}{', activations quantized' if self.act_quant else ''})"
 
@@ -163,7 +180,11 @@ class CompressedTensorsConfig(QuantizationConfig):
         return schemes[0].method()
 
     def experts_method(self, prefix: str, sources: list[str]) -> ExpertsMethod | None:
-        from engine.layers.quantization.experts import Fp8ExpertsMethod, IntExpertsMethod
+        from engine.layers.quantization.experts import (
+            Fp8BlockExpertsMethod,
+            Fp8ExpertsMethod,
+            IntExpertsMethod,
+        )
 
         router = sources[0].rsplit(".experts.", 1)[0] + ".gate" if sources else ""
         if router and self.scheme_for(router) is not None:  # a ReplicatedGate: float only
@@ -178,6 +199,8 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "ignores some): they run as one stacked layer"
             )
         scheme = schemes[0]
+        if scheme.format == "float-quantized" and scheme.block is not None:
+            return Fp8BlockExpertsMethod(scheme.block, "weight_scale", "weights.block_structure")
         if scheme.format == "float-quantized":
             return Fp8ExpertsMethod()
         if scheme.format != "pack-quantized":

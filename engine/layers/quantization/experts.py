@@ -8,14 +8,17 @@ Two formats:
   the `fp8` checkpoint format): on the CPU, as the dense FP8 method does it, the e4m3 values
   exact in the model dtype with the row scales applied after each expert's GEMM (the C GEMM /
   AMX / oneDNN); on CUDA the float8 bytes and float32 row scales go to the fused Triton MoE
-  kernel, which widens the weights in its inner loop and scales in its epilogue.
+  kernel, which widens the weights in its inner loop and scales in its epilogue. Block-wise
+  scales (`weight_block_size`, compressed-tensors' block strategy: Fp8BlockExpertsMethod):
+  dequantized at load on the CPU; on CUDA the same kernel, the block scales in its inner loop.
 - integer weights, 4 or 8 bits, group or channel scales, symmetric or not (compressed-tensors'
   pack-quantized: W4A16 / W8A16): on the CPU each expert's two projections become small layers
   given the dense checkpoints' kernels by finish_int_layer (w4 tiles for int4, int8 rows for
   symmetric channel int8, Q8 tiles, or the grouped fallback), run by FusedMoE.expert_linear over
   the tokens routed to that expert; on CUDA the codes (two 4-bit codes a byte), float32 scales
   and zero points go to the fused Triton kernel, which dequantizes them in its inner loop.
-No float copy of a quantized expert is kept (but FP8 on the CPU, whose kernels take no float8).
+No float copy of a quantized expert is kept (but FP8 on the CPU, whose kernels take no float8:
+exact e4m3 values for per-channel scales, the dequantized weights for block scales).
 The router stays float: FusedMoE's router is a ReplicatedGate, never quantized.
 """
 
@@ -152,18 +155,82 @@ class ScaledExperts:
 
 
 class FusedFp8Experts:
-    """FusedMoE.fused_quantized of FP8 experts on CUDA."""
+    """FusedMoE.fused_quantized of FP8 experts on CUDA: row scales [E, N] (block_k 0), or one
+    row of block scales per output row [E, N, ceil(K / block_k)]."""
 
-    def __init__(self, q13, q2, s13, s2):
-        self.q13, self.q2 = q13, q2
+    def __init__(self, q13, q2, s13, s2, block_k: int = 0):
+        self.q13, self.q2, self.block_k = q13, q2, block_k
         self.s13, self.s2 = s13.float().contiguous(), s2.float().contiguous()
 
     def __call__(self, x, topk_weights, topk_ids) -> torch.Tensor:
         from engine.kernels.triton.fused_moe import ExpertWeights, fused_experts_quantized
 
-        w13 = ExpertWeights(self.q13, self.s13)
-        w2 = ExpertWeights(self.q2, self.s2)
+        w13 = ExpertWeights(self.q13, self.s13, group=self.block_k)
+        w2 = ExpertWeights(self.q2, self.s2, group=self.block_k)
         return fused_experts_quantized(x, w13, w2, topk_weights, topk_ids)
+
+
+class Fp8BlockExpertsMethod(ExpertsMethod):
+    """Block-FP8 experts (Qwen3-30B-A3B-FP8's form; engine.layers.quantization.fp8_block):
+    float8_e4m3fn `weight` [N, K] with scales [ceil(N / bn), ceil(K / bk)] (`scale_name`),
+    expanded to one row of scales per output row as they load (a gate / up shard of I may then
+    end anywhere; down's K shard must start on a block). CPU: dequantized at load into the model
+    dtype, one expert at a time, and run as float experts (the float weights' bytes). CUDA: the
+    bytes and row scales go to the fused Triton MoE kernel, which scales each weight by its
+    block's scale in its inner loop (no float copy)."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str, field: str):
+        self.block, self.scale_name, self.field = block, scale_name, field
+
+    def create_weights(self, moe: nn.Module) -> None:
+        from engine.kernels.fp8 import expand_block_scales
+        from engine.layers.quantization.fp8_block import check_row_shard
+
+        name = getattr(moe, "prefix", "experts")
+        e, (bn, bk) = moe.num_experts, self.block
+        check_row_shard(f"{name} (down)", self.field, self.block, moe.inter, moe.tp_size)
+        full_rows = {
+            "w13": moe.inter * moe.tp_size,
+            "w2": moe.hidden_size,
+        }  # one part's, all ranks'
+
+        def expand(rows: int):
+            return lambda t: expand_block_scales(t, rows, bn)
+
+        for side, (n, k) in _shapes(moe).items():
+            _register(moe, f"{side}_weight", torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
+                      ExpertLoader(moe, lambda t: t, name))  # fmt: skip
+            scales = torch.zeros(e, n, -(-k // bk), dtype=torch.float32)
+            _register(moe, f"{side}_{self.scale_name}", scales,
+                      ExpertLoader(moe, expand(full_rows[side]), name))  # fmt: skip
+        _register_ignored(moe)
+
+    def process_weights_after_loading(self, moe: nn.Module) -> str:
+        from engine.kernels.fp8 import dequantize_fp8_blocks
+
+        dtype, (bn, bk) = moe.model_dtype, self.block
+        q13, q2 = moe.w13_weight.data, moe.w2_weight.data
+        s13 = getattr(moe, f"w13_{self.scale_name}").data
+        s2 = getattr(moe, f"w2_{self.scale_name}").data
+        for side in ("w13", "w2"):
+            delattr(moe, f"{side}_{self.scale_name}")
+            for t in IGNORED:
+                delattr(moe, f"{side}_{t}")
+        if q13.device.type == "cuda":
+            moe.fused_quantized = FusedFp8Experts(q13, q2, s13, s2, bk)
+            return (
+                f"float8 e4m3 experts in blocks of [{bn}, {bk}] on the fused Triton MoE kernel "
+                "(block scales in its inner loop)"
+            )
+        for side, q, s in (("w13", q13, s13), ("w2", q2, s2)):
+            w = torch.empty(q.shape, dtype=dtype, device=q.device)
+            for x in range(q.shape[0]):  # one expert's float32 intermediates at a time
+                w[x] = dequantize_fp8_blocks(q[x], s[x], bk, dtype)
+            setattr(moe, f"{side}_weight", nn.Parameter(w, requires_grad=False))
+        return (
+            f"FP8 experts in blocks of [{bn}, {bk}] dequantized at load into "
+            f"{str(dtype).removeprefix('torch.')} (the float experts' bytes and kernels)"
+        )
 
 
 class IntExpertsMethod(ExpertsMethod):

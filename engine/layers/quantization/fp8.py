@@ -3,7 +3,8 @@ float-quantized, which shares this method), or `--quantization fp8` on a float c
 
 A checkpoint layer holds `weight` float8_e4m3fn [N, K], `weight_scale` float32 (one per
 tensor, [] or [1], or one per output row, [N, 1]) and, with static activation scales,
-`input_scale`: W = weight * weight_scale. On the CPU there is no fp8 arithmetic: every e4m3
+`input_scale`: W = weight * weight_scale. With `weight_block_size` (block-wise scales,
+`weight_scale_inv`) a layer takes engine.layers.quantization.fp8_block's method instead. On the CPU there is no fp8 arithmetic: every e4m3
 value is exact in bfloat16 (and float16, float32), so the weight is kept as those exact values
 in the model dtype and the scale applied per output row after the GEMM — the unquantized
 path's kernels (the C GEMM, AMX-bf16 tiles, oneDNN), no rounding of the weight. Activations
@@ -22,12 +23,22 @@ from torch import nn
 from engine.kernels.fp8 import Fp8Linear, supports_fp8_matmul
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
+from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.packed import ShardLoader, ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
 ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
+def check_block_size(value, field: str) -> tuple[int, int]:
+    """A config's [block_n, block_k]: two positive integers, else the start-up error naming
+    field."""
+    ok = isinstance(value, (list, tuple)) and len(value) == 2
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        raise unsupported(field, value, "two positive integers [block_n, block_k], e.g. [128, 128]")
+    return int(value[0]), int(value[1])
 
 
 def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,26 +52,29 @@ def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Config(QuantizationConfig):
     name = "fp8"
 
-    def __init__(self, checkpoint: bool, skip: list[str], activation_scheme: str = "dynamic"):
+    def __init__(self, checkpoint: bool, skip: list[str], activation_scheme: str = "dynamic",
+                 block: tuple[int, int] | None = None):  # fmt: skip
         self.checkpoint, self.skip, self.activation_scheme = checkpoint, skip, activation_scheme
+        self.block = block  # weight_block_size: block-wise scales (engine...fp8_block)
 
     @classmethod
     def from_checkpoint(cls, qcfg: dict[str, Any]) -> Fp8Config:
         scheme = qcfg.get("activation_scheme", "dynamic")
         if scheme not in ACTIVATION_SCHEMES:
             raise unsupported("activation_scheme", scheme, ", ".join(ACTIVATION_SCHEMES))
-        if qcfg.get("weight_block_size") is not None:
-            raise unsupported(
-                "weight_block_size", qcfg["weight_block_size"], "null (per-tensor weight scales)"
-            )
+        if qcfg.get("fmt", "e4m3") != "e4m3":
+            raise unsupported("fmt", qcfg["fmt"], "e4m3")
+        block = qcfg.get("weight_block_size")
+        if block is not None:
+            block = check_block_size(block, "weight_block_size")
         skip = list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
-        return cls(True, skip, scheme)
+        return cls(True, skip, scheme, block)
 
     @classmethod
     def online(cls) -> Fp8Config:
         return cls(False, [])
 
-    def linear_method(self, prefix: str, sources: list[str]) -> Fp8LinearMethod | None:
+    def linear_method(self, prefix: str, sources: list[str]) -> LinearMethodBase | None:
         skipped = [any(s in src for s in self.skip) for src in sources]
         if all(skipped) and self.skip:
             return None
@@ -69,6 +83,8 @@ class Fp8Config(QuantizationConfig):
                 f"quantization_config.ignored_layers keeps some of {sources} in float and not "
                 "the others: they run as one merged layer"
             )
+        if self.block is not None:
+            return Fp8BlockLinearMethod(self.block, "weight_scale_inv", "weight_block_size")
         return Fp8LinearMethod(self.checkpoint, input_scale=self.activation_scheme == "static")
 
     def experts_method(self, prefix: str, sources: list[str]):
@@ -76,16 +92,19 @@ class Fp8Config(QuantizationConfig):
         (--quantization fp8 on a float checkpoint) they stay float."""
         if not self.checkpoint or self.linear_method(prefix, sources) is None:
             return None
-        from engine.layers.quantization.experts import Fp8ExpertsMethod
+        from engine.layers.quantization.experts import Fp8BlockExpertsMethod, Fp8ExpertsMethod
 
+        if self.block is not None:
+            return Fp8BlockExpertsMethod(self.block, "weight_scale_inv", "weight_block_size")
         return Fp8ExpertsMethod()
 
     def describe(self) -> str:
         if not self.checkpoint:
             return "FP8 e4m3 weights quantized at load, one scale per output row"
-        return (
-            f"FP8 e4m3 checkpoint, per-tensor weight scales, {self.activation_scheme} activations"
-        )
+        scales = "per-tensor weight scales"
+        if self.block is not None:
+            scales = f"weight scales per block of {list(self.block)}"
+        return f"FP8 e4m3 checkpoint, {scales}, {self.activation_scheme} activations"
 
 
 class Fp8LinearMethod(LinearMethodBase):

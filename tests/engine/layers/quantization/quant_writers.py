@@ -178,6 +178,41 @@ def write_fp8(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> tuple[Path, d
     return _write(src, dst, out, qcfg, "bfloat16"), deq
 
 
+def quantize_blocks_fp8(w: torch.Tensor, block: tuple[int, int]):
+    """w [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N/bn), ceil(K/bk)], the exact
+    dequantized weight): one scale max|w| / 448 per block (DeepSeek-V3's recipe), block by
+    block, the last ones partial."""
+    bn, bk = block
+    n, k = w.shape
+    w = w.float()
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    deq = torch.empty(n, k)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            s = w[rows, cols].abs().max().clamp_min(1e-12) / 448.0
+            q[rows, cols] = (w[rows, cols] / s).to(torch.float8_e4m3fn)
+            scales[i, j] = s
+            deq[rows, cols] = q[rows, cols].float() * s
+    return q, scales, deq
+
+
+def write_fp8_block(src: Path, dst: Path, block=(128, 128), skip: tuple[str, ...] = ()
+                    ) -> tuple[Path, dict]:  # fmt: skip
+    """quant_method "fp8" with weight_block_size, as Qwen3-*-FP8 and DeepSeek-V3 ship it:
+    `weight` e4m3 and `weight_scale_inv` per block (multiplied, despite its name)."""
+    state = _state(src)
+    out, deq = dict(state), {}
+    for name in _linear_names(state, skip):
+        q, scales, deq[name] = quantize_blocks_fp8(out.pop(f"{name}.weight"), block)
+        out[f"{name}.weight"] = q
+        out[f"{name}.weight_scale_inv"] = scales
+    qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block), "modules_to_not_convert": list(skip) or None}  # fmt: skip
+    return _write(src, dst, out, qcfg, "bfloat16"), deq
+
+
 # -- compressed-tensors (the package's own compressors) -------------------------------------
 
 
@@ -198,6 +233,11 @@ def ct_compress(w: torch.Tensor, fmt: str, weights: dict, input_activations: dic
     if args.strategy == "group":
         g = w.view(w.shape[0], -1, args.group_size)
         lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "block":  # padded to whole blocks, as the package's observer does
+        (bn, bk), (n, k) = args.block_structure, w.shape
+        padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+        b = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        lo, hi = b.amin((1, 3)), b.amax((1, 3))
     elif args.strategy == "channel":
         lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
     else:

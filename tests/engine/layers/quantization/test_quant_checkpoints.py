@@ -386,7 +386,7 @@ CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "st
         ("gptq", {"bits": 4, "group_size": 128, "lm_head": True}, "lm_head"),
         ("awq", {"bits": 4, "group_size": 128, "version": "gemv"}, "version = 'gemv'.*gemm"),
         ("awq", {"bits": 8, "group_size": 128}, "bits = 8"),
-        ("fp8", {"activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        ("fp8", {"activation_scheme": "dynamic", "weight_block_size": [128]},
          "weight_block_size"),
         ("fp8", {"activation_scheme": "weird"}, "activation_scheme"),
         ("compressed-tensors", {"format": "marlin-24", "config_groups": {"g": CT_GROUP}},

@@ -1,0 +1,131 @@
+"""Block-wise FP8 checkpoints: `quant_method: "fp8"` with `weight_block_size: [bn, bk]` (Qwen3-
+*-FP8, DeepSeek-V3's form: `weight` float8_e4m3fn [N, K], `weight_scale_inv` float32
+[ceil(N / bn), ceil(K / bk)]) and compressed-tensors' float-quantized with `strategy: "block"`
+(llm-compressor's FP8_BLOCK: the same tensors, the scale named `weight_scale`). Despite its
+name, weight_scale_inv multiplies: W[n, k] = weight[n, k] * scale[n // bn, k // bk] (as
+transformers' finegrained_fp8 and vLLM's Fp8LinearMethod read it); a last block may be
+partial. The checkpoints' dynamic activations (per token group of 128 in FP8_BLOCK) stay in the
+model dtype here: more exact than quantizing them.
+
+While loading, each checkpoint's scale blocks are expanded to one row of scales per output row
+([N, ceil(K / bk)], engine.kernels.fp8.expand_block_scales): merged layers (q|k|v, gate|up)
+whose parts' rows are not block multiples then stack, each part with its own blocks, and a
+column-parallel shard may start anywhere. A row-parallel shard must start on a block of K:
+with tensor parallelism bk has to divide the shard's inputs, else a start-up error naming
+weight_block_size and the size.
+
+After loading:
+- CPU: dequantized once into the model dtype (each value times its block's scale in fp32,
+  rounded once) and served by the unquantized layers' GEMMs (the C GEMM, AMX-bf16 tiles,
+  oneDNN). The cost is memory: the float weight's bytes (bf16: twice the checkpoint's). There is
+  no fp8 arithmetic on these CPUs, and keeping the e4m3 values exact with the scales applied
+  after the GEMM (the per-channel FP8 path) would take one GEMM per block of K.
+- CUDA (and the tests' Triton interpreter): the e4m3 bytes and the row scales stay as they
+  are, 1 byte a weight, on the block-FP8 Triton GEMM (engine/kernels/triton/fp8_block_gemm.py),
+  which dequantizes in its inner loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.kernels.fp8 import dequantize_fp8_blocks, expand_block_scales
+from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.int_weight import register, register_bias
+from engine.layers.quantization.packed import ShardLoader, _out_slice, ignored_loader
+from engine.layers.quantization.unquantized import linear_by_rows
+
+
+def check_row_shard(name: str, field: str, block: tuple[int, int], k: int, tp: int) -> None:
+    """A row-parallel shard of k inputs (tp ranks) must start on a block of K."""
+    if tp > 1 and k % block[1]:
+        raise ValueError(
+            f"{name}: quantization_config.{field} = {list(block)}: a block of {block[1]} inputs "
+            f"does not tile this layer's tensor-parallel shard ({k} of {k * tp} inputs with "
+            f"tensor_parallel_size {tp}); supported: a tensor_parallel_size whose shards are "
+            f"multiples of {block[1]}"
+        )
+
+
+class BlockScaleLoader(ShardLoader):
+    """weight_loader of the block scales: [ceil(rows / bn), Kb] -> [rows, Kb] (rows: the part's
+    full output rows: a merged shard's, all ranks'), then this rank's slice as ShardLoader takes
+    it (its rows; a row-parallel rank its blocks of K)."""
+
+    def __init__(self, layer: nn.Module, block_n: int, name: str):
+        super().__init__(layer, lambda t: t, name=name)
+        self.block_n = block_n
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        layer = self.layer
+        _, size = _out_slice(layer, param, shard_id)
+        rows = size * layer.tp_size if layer.tp_dim == 0 else size
+        try:
+            expanded = expand_block_scales(loaded, rows, self.block_n)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        super().__call__(param, expanded, shard_id)
+
+
+class Fp8BlockLinearMethod(LinearMethodBase):
+    """A block-FP8 checkpoint layer (module docstring). scale_name: the checkpoint's scale
+    tensor (`weight_scale_inv` or compressed-tensors' `weight_scale`); field: the config field
+    start-up errors name. triton: the Triton GEMM (None: on CUDA; True: also for CPU tensors,
+    the tests' way under TRITON_INTERPRET=1)."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str, field: str,
+                 triton: bool | None = None):  # fmt: skip
+        self.block, self.scale_name, self.field, self.triton = block, scale_name, field, triton
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
+        name = getattr(layer, "prefix", type(layer).__name__)
+        n, k = output_size, input_size
+        if layer.tp_dim == 1:
+            check_row_shard(name, self.field, self.block, k, layer.tp_size)
+        register(layer, "weight", torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                 ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
+        blocks_k = -(-k // self.block[1])
+        register(layer, self.scale_name, torch.zeros(n, blocks_k, dtype=torch.float32),
+                 BlockScaleLoader(layer, self.block[0], name))  # fmt: skip
+        register(layer, "input_scale", torch.zeros(0), ignored_loader)  # static: unused
+        layer.input_scale.optional = True
+        register_bias(layer, n, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = getattr(layer, "model_dtype", torch.get_default_dtype())
+        q, scales = layer.weight.data, getattr(layer, self.scale_name).data
+        del layer.weight, layer.input_scale
+        delattr(layer, self.scale_name)
+        bn, bk = self.block
+        why = ""
+        if self.triton if self.triton is not None else q.device.type == "cuda":
+            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
+                from engine.kernels.triton.fp8_block_gemm import Fp8BlockWeight
+            except ImportError as e:
+                why = f"; triton is unavailable ({e})"
+            else:
+                layer.register_parameter("weight", None)
+                layer.fp8_block = Fp8BlockWeight.prepare(q, scales, bk)
+                layer.quant_path = (
+                    f"float8 e4m3 in blocks of [{bn}, {bk}], dequantized in the Triton GEMM's "
+                    "inner loop (engine/kernels/triton/fp8_block_gemm.py)"
+                )
+                return
+        layer.weight = nn.Parameter(dequantize_fp8_blocks(q, scales, bk, dtype),
+                                    requires_grad=False)  # fmt: skip
+        layer.quant_path = (
+            f"FP8 blocks of [{bn}, {bk}] dequantized at load into "
+            f"{str(dtype).removeprefix('torch.')} (the float weight's bytes; C GEMM / AMX-bf16 "
+            f"/ oneDNN{why})"
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if layer.weight is None:  # float8 for the Triton GEMM (process_weights_after_loading)
+            from engine.kernels.triton.fp8_block_gemm import fp8_block_gemm
+
+            y = fp8_block_gemm(x, layer.fp8_block)
+            return y if bias is None else y + bias.to(y.dtype)
+        return linear_by_rows(layer, x, layer.weight, bias)

@@ -49,6 +49,7 @@ from engine.lora.request import LoRARequest
 from engine.models.hf_config import HFModelConfig
 
 logger = logging.getLogger("tessera.engine")
+DORA_ROWS = 1024  # output rows per step of DoRA's norms at load
 
 
 def lora_kernel(device: torch.device) -> str:
@@ -79,6 +80,17 @@ def _slices(layer: nn.Module, name: str) -> list[tuple[int, int]]:
         i = layer.output_sizes[0] // tp
         return [(0, i), (i, i)]
     return [(0, layer.output_size)]
+
+
+def _row_squares(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of squares of W + B A in float32, DORA_ROWS rows at a time (a large
+    layer's float32 copy is never whole: 14336 x 4096 would be 235 MB)."""
+    a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
+    out = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], DORA_ROWS):
+        part = w[i : i + DORA_ROWS].float() + b[i : i + DORA_ROWS] @ a
+        out[i : i + DORA_ROWS] = part.square().sum(dim=1)
+    return out
 
 
 class LoRAManager:
@@ -205,9 +217,7 @@ class LoRAManager:
                 if m is None or ab is None:
                     scales.append(None)
                     continue
-                a, b = (t.to(weight.device) for t in ab)
-                merged = weight[row : row + size].float() + b @ a
-                squares = merged.square().sum(dim=1)
+                squares = _row_squares(weight[row : row + size], *ab)
                 if key[1] in ROW_PARALLEL:
                     squares = tp_all_reduce(squares)
                 scales.append(m.to(weight.device) / squares.sqrt())

@@ -186,9 +186,11 @@ def test_qwen2_dora_with_qkv_bias_and_tied_embeddings(tiny_qwen2_dir, tmp_path):
     assert got == want
 
 
-def test_fewer_slots_swap_dora_in_and_out(biased_llama_dir, biased_adapters):
+def test_fewer_slots_swap_dora_in_and_out(biased_llama_dir, biased_adapters, monkeypatch):
     """max_loras=1, max_cpu_loras=1: a slot goes from a DoRA adapter to plain ones and back
-    (its scale is set and dropped with it), each reloaded from its folder."""
+    (its scale is set and dropped with it), each reloaded from its folder; the norms taken 5
+    rows at a time (no layer's rows a multiple of it)."""
+    monkeypatch.setattr("engine.lora.manager.DORA_ROWS", 5)
     vocab = load_hf_config(biased_llama_dir).vocab_size
     prompts = _prompts(vocab, 5, seed=35)
     assign = ["dora", "plain", "dora", None, "pattern"]

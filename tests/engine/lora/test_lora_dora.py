@@ -333,3 +333,46 @@ def test_dora_over_quantized_weights_is_refused(biased_llama_dir, biased_adapter
         assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
     finally:
         llm.shutdown()
+
+
+def test_a_bf16_model_on_bf16_slots_gives_the_float32_slots_tokens(
+    biased_llama_dir, biased_adapters, monkeypatch
+):
+    """bf16 model: the C kernel's bf16 slots against the torch path's float32 slots, with
+    DoRA's scales (float32 either way) and per-module ranks, in one mixed batch: token for
+    token, but where the float32 slots' own choice was a near tie (top-2 logprob gap under
+    0.05, a few bf16 steps: B rounded to bf16 moves the logits by about that; the rest of
+    that prompt then follows another path and is not compared)."""
+    from engine.kernels.cpu import lora as cpu_lora
+
+    if not cpu_lora.available():
+        pytest.skip("CPU kernels not built")
+    vocab = load_hf_config(biased_llama_dir).vocab_size
+    prompts = _prompts(vocab, 6, seed=41)
+    assign = ["dora", "pattern", None, "plain", "dora", "pattern"]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for kernel in ("torch", "cpu"):
+        monkeypatch.setenv("TESSERA_LORA_KERNEL", kernel)
+        llm = LLM(
+            str(biased_llama_dir), dtype="bfloat16", seed=0, enable_lora=True, max_loras=3,
+            num_kv_blocks=128,
+        )  # fmt: skip
+        try:
+            manager = llm.engine.executor.runner.lora_manager
+            reqs = _requests(biased_adapters, assign)
+            outs = llm.generate(prompts, params, lora_request=reqs, use_tqdm=False)
+            runs[kernel] = ([o.outputs[0] for o in outs], manager.dtype)
+        finally:
+            llm.shutdown()
+    assert runs["torch"][1] == torch.float32 and runs["cpu"][1] == torch.bfloat16
+    parted = 0
+    for ours, ref in zip(runs["cpu"][0], runs["torch"][0], strict=True):
+        for i, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids, strict=True)):
+            if a != b:
+                top = ref.logprobs[i].top
+                gap = top[0][1] - top[1][1]
+                assert gap < 0.05, f"token {i}: {a} != {b}, top-2 gap {gap:.4f}"
+                parted += 1
+                break
+    assert parted <= 2, "more than a few near ties: the slots disagree"

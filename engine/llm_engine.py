@@ -321,8 +321,27 @@ class LLMEngine:
             return
         from engine.lora.adapter import read_adapter
 
-        read_adapter(lora.lora_path, self.hf_config, self.config.lora.max_lora_rank, check=True)
+        read_adapter(
+            lora.lora_path,
+            self.hf_config,
+            self.config.lora.max_lora_rank,
+            check=True,
+            quantization=self.base_quantization,
+        )
         self._adapters[lora.lora_int_id] = lora
+
+    @property
+    def base_quantization(self) -> str | None:
+        """The base weights' method (None: float weights), which DoRA adapters need: the
+        in-process runner's; with Ray (no runner here) the flag's or the checkpoint's."""
+        runner = self.executor.runner
+        if runner is not None:
+            return runner.quantization
+        asked = self.config.model.quantization
+        if asked not in (None, "none"):
+            return asked
+        checkpoint = self.hf_config.quantization_config
+        return checkpoint.get("quant_method", "quantized") if checkpoint else None
 
     def add(self, request: EngineRequest) -> None:
         """Queue an admitted request: the scheduler's Request made from it, with the model's

@@ -86,7 +86,8 @@ def check_folder(engine: Any, name: str, path: str) -> None:
         raise ValueError(
             f"LoRA adapter {name!r}: LoRA is not enabled: start the server with --enable-lora"
         )
-    read_adapter(path, inner.hf_config, lora.max_lora_rank, check=True)
+    quantization = getattr(inner, "base_quantization", None)  # DoRA needs float base weights
+    read_adapter(path, inner.hf_config, lora.max_lora_rank, check=True, quantization=quantization)
 
 
 class AdapterRegistry:

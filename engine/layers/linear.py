@@ -8,7 +8,8 @@ unquantized until the loader's quantize_model gives it another.
 
 A layer may carry a LoRA state (`lora`, engine.lora.layers.LoRALayer, attached by the runner
 when LoRA is enabled): its per-adapter deltas are added to the layer's own product, before a
-row-parallel layer's all-reduce, which then sums the ranks' partial deltas too.
+row-parallel layer's all-reduce, which then sums the ranks' partial deltas too. A DoRA
+adapter's rows are then rescaled (`lora.rescale`: after that all-reduce, the bias apart).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
-            y = self.lora.apply(x, y)
+            y = self.lora.rescale(self.lora.apply(x, y), self.bias)
         return y
 
 
@@ -135,6 +136,8 @@ class RowParallelLinear(LinearBase):
         if self.lora is not None:  # A split on the input: the all-reduce sums the deltas too
             y = self.lora.apply(x, y)
         y = tp_all_reduce(y)
+        if self.lora is not None:  # DoRA's scale: on the whole (reduced) output, before the bias
+            y = self.lora.rescale(y, None)
         return y if self.bias is None else y + self.bias
 
 

@@ -6,8 +6,18 @@
 The folder holds adapter_config.json and adapter_model.safetensors (PEFT's
 `save_pretrained`). Supported targets are the decoder's projections, q/k/v/o and
 gate/up/down; Tessera's merged qkv_proj and gate_up_proj take each projection's A/B as a
-slice of the merged output (SLICES). The scaling lora_alpha / r (lora_alpha / sqrt(r) with
-use_rslora) is folded into B once, here, so a step computes y += (x A^T) B^T.
+slice of the merged output (SLICES). Each module has its own rank and scaling where the config
+has `rank_pattern` / `alpha_pattern` (keys matched against the module's name as peft's
+get_pattern_key does: the first key that matches a suffix of the name, as a regex); its
+scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora) is folded into its B once, here,
+so a step computes y += (x A^T) B^T whatever the module's rank (a slot packs each slice to
+its own rank, engine.lora.layers).
+
+DoRA (`use_dora`) adds a magnitude m [out] per module (lora_magnitude_vector): peft's output
+is m / ||W + s B A||_row * (x W^T + s x A^T B^T) + bias, the norm of each output row over the
+input dim. The adapter keeps m; the runner, which holds W as served, turns it into the scale
+m / ||W + s B A|| once per load (engine.lora.manager). Not over a quantized base (W is then
+not the float weight peft normed) nor on embed_tokens / lm_head.
 
 The token embedding and the LM head (VOCAB_TARGETS) may be targeted too, keyed by layer
 index -1. PEFT stores the embedding's A as lora_embedding_A [r, vocab] and B as
@@ -28,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +73,10 @@ _KEY = re.compile(
 _EMBED_KEY = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_([AB])(?:\.\w+)?$")
 _HEAD_KEY = re.compile(r"(?:^|\.)lm_head\.lora_([AB])(?:\.\w+)?\.weight$")
 _BASE_COPY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.base_layer\.weight$")
+_MAGNITUDE_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_magnitude_vector(?:\.\w+)?$"
+)
+_PEFT_PREFIX = "base_model.model."  # save_pretrained's prefix over the base model's names
 
 
 def vocab_shard(vocab: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
@@ -100,25 +114,55 @@ def projection_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+Slices = list["tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+@dataclass(slots=True)
+class AdapterShard:
+    """One TP rank's part of an adapter, per (layer index, Tessera layer): weights, one
+    (A, B) or None per slice; magnitudes (DoRA), each slice's m over this rank's output rows
+    (float32; None where the adapter does not target the slice), empty for a plain LoRA; scales,
+    the runner's m / ||W + s B A|| made from them at load (engine.lora.manager)."""
+
+    weights: dict[tuple[int, str], Slices]
+    magnitudes: dict[tuple[int, str], list[torch.Tensor | None]] = field(default_factory=dict)
+    scales: dict[tuple[int, str], list[torch.Tensor | None]] = field(default_factory=dict)
+
+    def cast(self, dtype: torch.dtype) -> AdapterShard:
+        """The A/B in the slots' dtype (magnitudes and scales stay float32)."""
+        weights = {
+            key: [None if ab is None else (ab[0].to(dtype), ab[1].to(dtype)) for ab in slices]
+            for key, slices in self.weights.items()
+        }
+        return AdapterShard(weights, self.magnitudes, self.scales)
+
+
 @dataclass(slots=True)
 class LoRAAdapter:
     """One adapter as read: (layer index, target module) -> (A [r, in], B*scale [out, r]),
-    full (unsharded) float32 tensors; shapes only (None) when read with check=True."""
+    full (unsharded) float32 tensors, r and scale the module's own; shapes only (None) when
+    read with check=True. rank: the largest module rank; scaling: the config's (lora_alpha,
+    r), which rank_pattern / alpha_pattern may override per module. magnitudes: DoRA's m
+    [out] per (layer index, target module), empty unless use_dora."""
 
     path: str
     rank: int
     scaling: float
     target_modules: tuple[str, ...]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None]
+    use_dora: bool = False
+    magnitudes: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
 
     def shard(
         self, cfg: HFModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype
-    ) -> dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    ) -> AdapterShard:
         """This rank's weights per (layer index, Tessera layer): one (A, B) or None per slice.
-        Column-parallel layers (qkv, gate_up) split each slice's B on its output rows;
-        row-parallel ones (o, down) split A on its input columns (the base layer's
-        all-reduce then sums the ranks' partial products)."""
-        out: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        Column-parallel layers (qkv, gate_up) split each slice's B on its output rows (and
+        DoRA's m with them); row-parallel ones (o, down) split A on its input columns (the base
+        layer's all-reduce then sums the ranks' partial products; m stays whole: it scales
+        the reduced output)."""
+        out: dict[tuple[int, str], Slices] = {}
+        mags: dict[tuple[int, str], list[torch.Tensor | None]] = {}
         for (layer_idx, module), ab in self.weights.items():
             assert ab is not None, "read with check=True: no values"
             a, b = ab
@@ -131,23 +175,89 @@ class LoRAAdapter:
                 out[(layer_idx, module)] = [(a.to(dtype).contiguous(), b.to(dtype).contiguous())]
                 continue
             layer, index = TARGETS[module]
+            m = self.magnitudes.get((layer_idx, module))
             if layer in ROW_PARALLEL:
                 size = a.shape[1] // tp_size
                 a = a.narrow(1, tp_rank * size, size)
             else:
                 size = b.shape[0] // tp_size
                 b = b.narrow(0, tp_rank * size, size)
+                if m is not None:
+                    m = m.narrow(0, tp_rank * size, size)
             slices = out.setdefault((layer_idx, layer), [None] * len(SLICES[layer]))
             slices[index] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
-        return out
+            if m is not None:
+                mag = mags.setdefault((layer_idx, layer), [None] * len(SLICES[layer]))
+                mag[index] = m.float().contiguous()
+        return AdapterShard(out, mags)
 
 
 def _bad(path: Path, field: str, why: str) -> ValueError:
     return ValueError(f"LoRA adapter {str(path)!r}: {field}: {why}")
 
 
-def read_config(path: Path, max_lora_rank: int) -> tuple[int, float, tuple[str, ...] | None]:
-    """(rank, scaling, target modules or None for a regex) from adapter_config.json."""
+def pattern_key(keys, name: str) -> str | None:
+    """The first of keys that matches name as peft's get_pattern_key does (a regex over a
+    dot-separated suffix of the module's name), or None."""
+    for key in keys:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return key
+    return None
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterConfig:
+    """adapter_config.json's fields that shape the weights. targets: None for a regex."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    use_dora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    targets: tuple[str, ...] | None
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    def rank_of(self, name: str) -> tuple[int, str]:
+        """A module's rank and the field it comes from ("r" or "rank_pattern")."""
+        key = pattern_key(self.rank_pattern, name)
+        return (self.r, "r") if key is None else (self.rank_pattern[key], "rank_pattern")
+
+    def scaling_of(self, name: str) -> float:
+        """A module's lora_alpha / r (/ sqrt(r) with use_rslora), each from its pattern."""
+        r, _ = self.rank_of(name)
+        key = pattern_key(self.alpha_pattern, name)
+        alpha = self.alpha if key is None else self.alpha_pattern[key]
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _number(value: object, integer: bool = False) -> bool:
+    kinds = int if integer else int | float
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _pattern(path: Path, config: dict, name: str, integer: bool) -> dict:
+    """rank_pattern / alpha_pattern: a JSON object of module-name patterns to numbers."""
+    pattern = config.get(name) or {}
+    if not isinstance(pattern, dict):
+        raise _bad(path, name, f"must be an object of module-name patterns, got {pattern!r}")
+    for key, value in pattern.items():
+        if not _number(value, integer) or value <= 0:
+            what = "a positive integer" if integer else "a positive number"
+            raise _bad(path, name, f"{key!r}: must be {what}, got {value!r}")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise _bad(path, name, f"{key!r} is not a valid pattern ({e})") from None
+    return dict(pattern)
+
+
+def read_config(path: Path, quantization: str | None = None) -> AdapterConfig:
+    """adapter_config.json's fields, checked. quantization: the base model's method (None:
+    float weights), which DoRA needs."""
     file = path / CONFIG_FILE
     if not path.is_dir():
         raise _bad(path, "lora_path", "not a folder")
@@ -163,72 +273,122 @@ def read_config(path: Path, max_lora_rank: int) -> tuple[int, float, tuple[str, 
     if str(peft_type).upper() != "LORA":
         raise _bad(path, "peft_type", f"{peft_type!r} is not supported (only LORA)")
     r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not _number(r, integer=True) or r < 1:
         raise _bad(path, "r", f"must be a positive integer, got {r!r}")
-    if r > max_lora_rank:
-        raise _bad(path, "r", f"rank {r} is above max_lora_rank ({max_lora_rank})")
     alpha = config.get("lora_alpha", r)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+    if not _number(alpha):
         raise _bad(path, "lora_alpha", f"must be a number, got {alpha!r}")
     for name, unsupported in (
-        ("use_dora", bool(config.get("use_dora"))),
         ("fan_in_fan_out", bool(config.get("fan_in_fan_out"))),
-        ("rank_pattern", bool(config.get("rank_pattern"))),
-        ("alpha_pattern", bool(config.get("alpha_pattern"))),
         ("modules_to_save", bool(config.get("modules_to_save"))),
         ("bias", config.get("bias", "none") not in (None, "none")),
+        ("lora_bias", bool(config.get("lora_bias"))),
         ("layers_to_transform", config.get("layers_to_transform") is not None),
         ("trainable_token_indices", bool(config.get("trainable_token_indices"))),
     ):
         if unsupported:
             raise _bad(path, name, f"{config.get(name)!r} is not supported")
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    targets = config.get("target_modules")
-    if isinstance(targets, str):  # a regex: the tensors' names say what it matched
-        return r, scaling, None
-    if not isinstance(targets, list) or not targets:
-        raise _bad(path, "target_modules", f"must be a non-empty list, got {targets!r}")
-    unknown = sorted(str(t) for t in targets if t not in SUPPORTED)
-    if unknown:
+    use_dora = bool(config.get("use_dora"))
+    if use_dora and quantization is not None:
         raise _bad(
             path,
-            "target_modules",
-            f"{', '.join(unknown)} not supported (supported: {', '.join(SUPPORTED)})",
+            "use_dora",
+            f"DoRA over a quantized base model (quantization {quantization!r}) is not "
+            "supported: its norm is of the float weights (serve them: --quantization none)",
         )
-    return r, scaling, tuple(dict.fromkeys(targets))
+    rank_pattern = _pattern(path, config, "rank_pattern", integer=True)
+    alpha_pattern = _pattern(path, config, "alpha_pattern", integer=False)
+    targets = config.get("target_modules")
+    if isinstance(targets, str):  # a regex: the tensors' names say what it matched
+        parsed = None
+    elif not isinstance(targets, list) or not targets:
+        raise _bad(path, "target_modules", f"must be a non-empty list, got {targets!r}")
+    else:
+        unknown = sorted(str(t) for t in targets if t not in SUPPORTED)
+        if unknown:
+            raise _bad(
+                path,
+                "target_modules",
+                f"{', '.join(unknown)} not supported (supported: {', '.join(SUPPORTED)})",
+            )
+        parsed = tuple(dict.fromkeys(targets))
+        if use_dora and any(t in VOCAB_TARGETS for t in parsed):
+            raise _bad(path, "use_dora", "DoRA on embed_tokens / lm_head is not supported")
+    return AdapterConfig(
+        r, alpha, bool(config.get("use_rslora")), use_dora, rank_pattern, alpha_pattern, parsed
+    )
+
+
+def _module_name(key: str) -> str:
+    """The module's name in the base model (what peft's patterns match) from a tensor key."""
+    name = key.split(".lora_")[0]
+    return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+
+
+def _module_rank(path: Path, key: str, config: AdapterConfig, max_lora_rank: int) -> int:
+    """A module's rank, refused above max_lora_rank naming the field it came from."""
+    name = _module_name(key)
+    r, source = config.rank_of(name)
+    if r > max_lora_rank:
+        if source == "r":
+            raise _bad(path, "r", f"rank {r} is above max_lora_rank ({max_lora_rank})")
+        raise _bad(
+            path,
+            "rank_pattern",
+            f"{pattern_key(config.rank_pattern, name)!r} gives {name} rank {r}, above "
+            f"max_lora_rank ({max_lora_rank})",
+        )
+    return r
 
 
 def read_adapter(
-    path: str | Path, cfg: HFModelConfig, max_lora_rank: int, *, check: bool = False
+    path: str | Path,
+    cfg: HFModelConfig,
+    max_lora_rank: int,
+    *,
+    check: bool = False,
+    quantization: str | None = None,
 ) -> LoRAAdapter:
     """Read and check a PEFT LoRA folder against the base model's config; ValueError names
-    the field or tensor at fault. check=True reads the tensors' shapes, not their values."""
+    the field or tensor at fault. check=True reads the tensors' shapes, not their values.
+    quantization: the base model's method (None: float weights), refused with DoRA."""
     from safetensors import safe_open
 
     path = Path(path)
-    r, scaling, targets = read_config(path, max_lora_rank)
+    config = read_config(path, quantization)
+    targets = config.targets
     file = path / WEIGHTS_FILE
     if not file.is_file():
         raise _bad(path, WEIGHTS_FILE, "missing (PEFT's save_pretrained writes one)")
     shapes = projection_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, object]] = {}
+    ranks: dict[tuple[int, str], int] = {}
+    scales: dict[tuple[int, str], float] = {}
+    magnitudes: dict[tuple[int, str], torch.Tensor | None] = {}
     try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                 shape = tuple(f.get_slice(key).get_shape())
+                if _BASE_COPY.search(key) is None and ".lora_" in key:
+                    r = _module_rank(path, key, config, max_lora_rank)
+                else:
+                    r = config.r
                 vocab = _vocab_key(path, key, shape, cfg, r, targets)
                 if vocab == "base":
                     continue
                 if vocab is not None:
                     module, half = vocab
-                    halves.setdefault((MODEL_LAYER, module), {})[half] = (
-                        None if check else f.get_tensor(key)
-                    )
+                    if config.use_dora:
+                        raise _bad(path, "use_dora", f"DoRA on {module} is not supported")
+                    where = (MODEL_LAYER, module)
+                    ranks[where], scales[where] = r, config.scaling_of(_module_name(key))
+                    halves.setdefault(where, {})[half] = None if check else f.get_tensor(key)
                     continue
-                m = _KEY.search(key)
+                mag = _MAGNITUDE_KEY.search(key)
+                m = mag or _KEY.search(key)
                 if m is None:
                     raise _bad(path, key, "not a LoRA weight of a supported target module")
-                layer_idx, module, half = int(m.group(1)), m.group(2), m.group(3)
+                layer_idx, module = int(m.group(1)), m.group(2)
                 if module not in TARGETS or (targets is not None and module not in targets):
                     raise _bad(path, key, f"target module {module!r} is not supported here")
                 if layer_idx >= cfg.num_hidden_layers:
@@ -242,29 +402,50 @@ def read_adapter(
                 ):
                     raise _bad(path, key, "LoRA on a mixture-of-experts MLP is not supported")
                 out_f, in_f = shapes[module]
+                if mag is not None:
+                    if not config.use_dora:
+                        raise _bad(path, key, "a DoRA magnitude, but use_dora is not set")
+                    if shape != (out_f,):
+                        raise _bad(
+                            path,
+                            key,
+                            f"shape {shape} does not fit the base model (expected {(out_f,)})",
+                        )
+                    magnitudes[(layer_idx, module)] = None if check else f.get_tensor(key)
+                    continue
+                half = m.group(3)
                 want = (r, in_f) if half == "A" else (out_f, r)
                 if shape != want:
                     raise _bad(
                         path, key, f"shape {shape} does not fit the base model (expected {want})"
                     )
-                halves.setdefault((layer_idx, module), {})[half] = (
-                    None if check else f.get_tensor(key)
-                )
+                where = (layer_idx, module)
+                ranks[where], scales[where] = r, config.scaling_of(_module_name(key))
+                halves.setdefault(where, {})[half] = None if check else f.get_tensor(key)
     except ValueError:
         raise
     except Exception as e:  # a truncated or foreign file
         raise _bad(path, WEIGHTS_FILE, f"unreadable ({e})") from None
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
     for (layer_idx, module), ab in halves.items():
+        where = module if layer_idx == MODEL_LAYER else f"layers.{layer_idx}.{module}"
         for half in "AB":
             if half not in ab:
-                where = module if layer_idx == MODEL_LAYER else f"layers.{layer_idx}.{module}"
                 raise _bad(path, f"{where}.lora_{half}", "missing")
+        if config.use_dora and (layer_idx, module) not in magnitudes:
+            raise _bad(path, f"{where}.lora_magnitude_vector", "missing (use_dora is set)")
         if check:
             weights[(layer_idx, module)] = None
         else:
-            a, b = ab["A"].float(), ab["B"].float() * scaling  # type: ignore[union-attr]
+            scale = scales[(layer_idx, module)]
+            a, b = ab["A"].float(), ab["B"].float() * scale  # type: ignore[union-attr]
             weights[(layer_idx, module)] = (a, b)
+    stray = [key for key in magnitudes if key not in weights]
+    if stray:
+        layer_idx, module = stray[0]
+        raise _bad(path, f"layers.{layer_idx}.{module}.lora_magnitude_vector", "has no lora_A/B")
+    if not check:
+        magnitudes = {key: m.float() for key, m in magnitudes.items()}  # type: ignore[union-attr]
     found = {module for _, module in weights}
     if not weights:
         raise _bad(path, WEIGHTS_FILE, "holds no LoRA weights")
@@ -274,7 +455,15 @@ def read_adapter(
             raise _bad(
                 path, "target_modules", f"{', '.join(missing)} listed but not in {WEIGHTS_FILE}"
             )
-    return LoRAAdapter(str(path), r, scaling, tuple(sorted(found)), weights)
+    return LoRAAdapter(
+        str(path),
+        max(ranks.values()),
+        config.scaling,
+        tuple(sorted(found)),
+        weights,
+        config.use_dora,
+        magnitudes,
+    )
 
 
 def _vocab_key(

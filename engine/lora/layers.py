@@ -25,6 +25,12 @@ mapping, set once per step by the runner (engine.lora.manager). Applying it:
     triton (CUDA): shrink then expand over the tokens grouped by adapter (punica / S-LoRA
         style, engine.kernels.triton.lora), one launch each for every adapter of the step.
 
+DoRA (engine.lora.adapter): a slot may hold a per-output-row scale g = m / ||W + s B A|| for
+each slice its adapter targets (1 elsewhere); `rescale` then makes its rows g * (y - bias)
++ bias after the delta is added (after a row-parallel layer's all-reduce: the layer calls it).
+Only a step with a DoRA adapter pays for it (LoRABatch.dora): one multiply per DoRA slot's
+rows, in torch on every device, over the rows the kernels read.
+
 The LM head is a LoRALayer too (one slice: this rank's vocabulary shard) over a batch of its
 own, set for each call on the rows the runner picks (engine.lora.manager), used once. The
 token embedding's delta is `LoRAEmbedding`: a lookup of A's column for each token times B,
@@ -52,6 +58,7 @@ class LoRABatch:
         self.device = device
         self.kernel = kernel  # "torch" | "cpu" | "triton"
         self.active = False
+        self.dora = False  # whether a slot of this step holds a DoRA adapter (the manager's)
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
         self.token_rows: torch.Tensor | None = None
         self.seg_start: torch.Tensor | None = None
@@ -61,6 +68,7 @@ class LoRABatch:
 
     def clear(self) -> None:
         self.active = False
+        self.dora = False
         self.groups = []
 
     def row_groups(self) -> list[tuple[int, slice | torch.Tensor]]:
@@ -162,6 +170,10 @@ class LoRALayer:
         # and each slice's (first row, rows), for the C kernel
         self.slice_row = torch.tensor([row for row, _ in slices], dtype=torch.int32)
         self.slice_size = torch.tensor([size for _, size in slices], dtype=torch.int32)
+        # DoRA: each slot's output scale (float32, made once a slot holds a DoRA adapter)
+        self.out_features, self.device = out_features, device
+        self.scale: torch.Tensor | None = None
+        self.dora = [False] * max_loras
 
     @property
     def active(self) -> bool:
@@ -169,10 +181,14 @@ class LoRALayer:
         return self.batch.active
 
     def set_slot(
-        self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+        self,
+        slot: int,
+        slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None,
+        scales: list[torch.Tensor | None] | None = None,
     ) -> None:
         """Put an adapter's slices (this rank's A [r, in], B [rows, r]; None where it does
-        not target one) into a slot; None clears the slot. Only what the slot's last adapter
+        not target one) into a slot; None clears the slot. scales: a DoRA adapter's g [rows]
+        per slice (None: a slice it leaves alone), else None. Only what the slot's last adapter
         wrote is zeroed: a swap is a few copies of rank-sized blocks, each too small to fork
         threads (a busy core made a whole-slot fill's thread start-ups cost ~10 ms each)."""
         for row, size, off, r in self.parts[slot]:
@@ -196,6 +212,42 @@ class LoRALayer:
         self.width_t[slot] = offset
         self.slice_off[slot] = torch.tensor(offs, dtype=torch.int32)
         self.slice_rank[slot] = torch.tensor(ranks, dtype=torch.int32)
+        self._set_scale(slot, scales)
+
+    def _set_scale(self, slot: int, scales: list[torch.Tensor | None] | None) -> None:
+        self.dora[slot] = scales is not None and any(g is not None for g in scales)
+        if not self.dora[slot]:
+            return
+        if self.scale is None:
+            n = len(self.dora)
+            self.scale = torch.ones(n, self.out_features, dtype=torch.float32, device=self.device)
+        self.scale[slot].fill_(1.0)
+        for (row, size), g in zip(self.slices, scales, strict=True):
+            if g is not None:
+                self.scale[slot, row : row + size].copy_(g)
+
+    def rescale(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """DoRA's output of the rows of DoRA slots (in place): g * (y - bias) + bias, y the
+        base product plus the delta (bias: the one y holds, None if added later)."""
+        batch = self.batch
+        if not batch.dora:
+            return y
+        y2 = y.view(-1, y.shape[-1])
+        for slot, rows in batch.row_groups():
+            if not self.dora[slot]:
+                continue
+            g = self.scale[slot]
+            part = y2[rows].float()
+            if bias is not None:
+                b = bias.float()
+                out = (part - b) * g + b
+            else:
+                out = part * g
+            if isinstance(rows, slice):
+                y2[rows] = out.to(y2.dtype)
+            else:
+                y2.index_copy_(0, rows, out.to(y2.dtype))
+        return y
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + this step's LoRA deltas (in place): x [..., in], y [..., out]."""

@@ -15,6 +15,12 @@ The scheduler never mixes more than max_loras adapters in a step, so slots alway
 The embedding's deltas apply between prepare and end_forward (not to a draft proposer's
 ids); the LM head's to the one call after head_rows, on the step rows it names (a call
 without it, a proposer's, gets the base head).
+
+A DoRA adapter's scales g = m / ||W + s B A|| (engine.lora.adapter) are made once per load,
+here, from the base weights as served (float weights only): a column-parallel layer's rows
+are whole on this rank; a row-parallel layer's norm sums the ranks' partial squares (an
+all-reduce: every rank loads the same adapters in the same order, as it runs the same steps).
+`dora_step` says whether the step has a DoRA adapter (the CPU decode plan then steps aside).
 """
 
 from __future__ import annotations
@@ -27,16 +33,23 @@ import torch
 from torch import nn
 
 from engine.config import LoRAConfig
-from engine.distributed import get_tp_rank, get_tp_size
+from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from engine.kernels.cpu import lora as cpu_lora
-from engine.lora.adapter import MODEL_LAYER, SLICES, read_adapter, vocab_shard
+from engine.layers.quantization.unquantized import UnquantizedLinearMethod
+from engine.lora.adapter import (
+    MODEL_LAYER,
+    ROW_PARALLEL,
+    SLICES,
+    AdapterShard,
+    read_adapter,
+    vocab_shard,
+)
 from engine.lora.layers import LoRABatch, LoRAEmbedding, LoRALayer
 from engine.lora.request import LoRARequest
 from engine.models.hf_config import HFModelConfig
 
 logger = logging.getLogger("tessera.engine")
-
-Shard = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
+DORA_ROWS = 1024  # output rows per step of DoRA's norms at load
 
 
 def lora_kernel(device: torch.device) -> str:
@@ -69,6 +82,17 @@ def _slices(layer: nn.Module, name: str) -> list[tuple[int, int]]:
     return [(0, layer.output_size)]
 
 
+def _row_squares(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of squares of W + B A in float32, DORA_ROWS rows at a time (a large
+    layer's float32 copy is never whole: 14336 x 4096 would be 235 MB)."""
+    a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
+    out = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], DORA_ROWS):
+        part = w[i : i + DORA_ROWS].float() + b[i : i + DORA_ROWS] @ a
+        out[i : i + DORA_ROWS] = part.square().sum(dim=1)
+    return out
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -90,6 +114,7 @@ class LoRAManager:
         else:
             self.dtype = torch.float32
         self.layers: dict[tuple[int, str], LoRALayer] = {}
+        self._linears: dict[tuple[int, str], nn.Module] = {}  # the base layers (DoRA's W)
         for i, decoder in enumerate(model.model.layers):
             owners = {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn}
             owners["gate_up_proj"] = owners["down_proj"] = decoder.mlp
@@ -108,13 +133,15 @@ class LoRAManager:
                 )
                 layer.lora = state
                 self.layers[(i, name)] = state
+                self._linears[(i, name)] = layer
         self._attach_vocab_layers(model, hf_config, device)
         self._row_slot: list[int] = []  # the step's rows -> slot (-1: the base model)
         self.slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot
         self._slot_use: OrderedDict[int, None] = OrderedDict(
             (s, None) for s in range(config.max_loras)
         )
-        self._cpu: OrderedDict[int, Shard] = OrderedDict()  # lora_int_id -> this rank's shard
+        self._cpu: OrderedDict[int, AdapterShard] = OrderedDict()  # lora_int_id -> its shard
+        self._slot_dora = [False] * config.max_loras  # whether a slot holds a DoRA adapter
         self.num_loads = 0  # adapters read from their folders (tests, logs)
         self.num_swaps = 0  # adapters copied into a slot
 
@@ -149,14 +176,17 @@ class LoRAManager:
 
     # -- adapters -----------------------------------------------------------------------
 
-    def _load(self, request: LoRARequest) -> Shard:
+    def _load(self, request: LoRARequest) -> AdapterShard:
         """This rank's weights of an adapter: from the CPU cache, else read from its folder."""
         cached = self._cpu.get(request.lora_int_id)
         if cached is not None:
             self._cpu.move_to_end(request.lora_int_id)
             return cached
         adapter = read_adapter(request.lora_path, self.hf_config, self.config.max_lora_rank)
-        shard = adapter.shard(self.hf_config, get_tp_rank(), get_tp_size(), self.dtype)
+        # float32 until DoRA's norms are taken, then the slots' dtype
+        shard = adapter.shard(self.hf_config, get_tp_rank(), get_tp_size(), torch.float32)
+        self._dora_scales(shard, request.lora_path)
+        shard = shard.cast(self.dtype)
         self.num_loads += 1
         while len(self._cpu) >= self.config.max_cpu_loras:
             evicted, _ = self._cpu.popitem(last=False)
@@ -171,10 +201,38 @@ class LoRAManager:
             if held == lora_int_id:
                 self._fill(slot, None, None)
 
-    def _fill(self, slot: int, lora_int_id: int | None, shard: Shard | None) -> None:
+    def _dora_scales(self, shard: AdapterShard, path: str) -> None:
+        """shard.scales from its magnitudes: g = m / ||W + s B A|| per output row, the norm
+        over the whole input (a row-parallel layer's partial sums of squares all-reduced)."""
+        for key, mags in shard.magnitudes.items():
+            linear, state = self._linears[key], self.layers[key]
+            weight = getattr(linear, "weight", None)
+            if not isinstance(linear.quant_method, UnquantizedLinearMethod) or weight is None:
+                raise ValueError(
+                    f"LoRA adapter {path!r}: use_dora: DoRA over quantized base weights "
+                    f"({type(linear.quant_method).__name__}) is not supported"
+                )
+            scales: list[torch.Tensor | None] = []
+            for (row, size), ab, m in zip(state.slices, shard.weights[key], mags, strict=True):
+                if m is None or ab is None:
+                    scales.append(None)
+                    continue
+                squares = _row_squares(weight[row : row + size], *ab)
+                if key[1] in ROW_PARALLEL:
+                    squares = tp_all_reduce(squares)
+                scales.append(m.to(weight.device) / squares.sqrt())
+            shard.scales[key] = scales
+
+    def _fill(self, slot: int, lora_int_id: int | None, shard: AdapterShard | None) -> None:
         for key, layer in self.layers.items():
-            layer.set_slot(slot, shard.get(key) if shard is not None else None)
+            if shard is None:
+                layer.set_slot(slot, None)
+            elif isinstance(layer, LoRALayer):
+                layer.set_slot(slot, shard.weights.get(key), shard.scales.get(key))
+            else:
+                layer.set_slot(slot, shard.weights.get(key))
         self.slots[slot] = lora_int_id
+        self._slot_dora[slot] = shard is not None and bool(shard.scales)
 
     def _slot_for(self, request: LoRARequest, needed: set[int]) -> int:
         lid = request.lora_int_id
@@ -218,9 +276,15 @@ class LoRAManager:
             ranges.append((slot, start, n))
             self._row_slot[start : start + n] = [slot] * n
         self.batch.set(ranges)
+        self.batch.dora = any(self._slot_dora[slot] for slot in slot_of.values())
         if self.embedding is not None:
             self.embedding.armed = True
         return True
+
+    @property
+    def dora_step(self) -> bool:
+        """Whether this step's rows include a DoRA adapter's (rescaled after each product)."""
+        return self.batch.dora
 
     def end_forward(self) -> None:
         """The step's forward is done: later embedding calls (a proposer's) get no delta."""

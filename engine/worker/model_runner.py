@@ -12,7 +12,8 @@ to the input batch (rank 0; the other ranks get them with the next step, see mul
 With LoRA enabled (engine.lora) the runner's LoRAManager puts each step's adapters into
 resident slots and maps the step's rows to them before the forward; a step with adapters runs
 in the CPU decode plan (its GEMMs followed by the C LoRA kernel, engine.kernels.cpu.lora) and
-eagerly elsewhere (CUDA's captured graphs hold no LoRA).
+eagerly elsewhere (CUDA's captured graphs hold no LoRA); a step with a DoRA adapter always
+runs eagerly (its rescaling is the layers').
 
 Pipeline parallelism (engine.models.pipeline): this rank holds one stage's layers and their
 KV cache only. A stage after the first receives the hidden states and residual from the one
@@ -992,8 +993,8 @@ class ModelRunner:
         if self.pp_size > 1:
             return self._run_stage(step)
         graph = self._step_graph
-        if eager and graph is not None and not graph.takes_lora:
-            graph = None
+        if eager and graph is not None and (not graph.takes_lora or self.lora_manager.dora_step):
+            graph = None  # (DoRA's rescaling is the modules': no graph takes it)
         if graph is not None:  # a graph without eager_inputs fills static buffers of its own
             if graph.eager_inputs:
                 self._eager_inputs(step)

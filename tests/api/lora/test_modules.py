@@ -65,3 +65,27 @@ def test_an_owned_adapter_is_its_tenants():
         registry.resolve("own", theirs)
     assert [a.name for a in registry.visible(theirs)] == ["pub"]
     assert [a.name for a in registry.visible(ADMIN)] == ["pub", "own"]
+
+
+def test_a_dora_folder_needs_float_base_weights(tiny_llama_dir, tmp_path):
+    """The registry's folder check (load at run time, --lora-modules) asks the engine for its
+    base weights' method: a DoRA adapter is refused naming use_dora over int8 weights and
+    passes over float ones."""
+    from api.lora.registry import check_folder
+    from engine import LLM
+    from tests.engine.lora.lora_testing import make_adapter
+
+    dora = make_adapter(tiny_llama_dir, tmp_path / "dora", targets=["q_proj"], use_dora=True)
+    for quantization in ("int8", None):
+        llm = LLM(
+            str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, enable_lora=True,
+            quantization=quantization,
+        )  # fmt: skip
+        try:
+            if quantization is None:
+                check_folder(llm.engine, "dora", str(dora))
+            else:
+                with pytest.raises(ValueError, match="use_dora: DoRA over a quantized base"):
+                    check_folder(llm.engine, "dora", str(dora))
+        finally:
+            llm.shutdown()

@@ -22,11 +22,15 @@ def make_adapter(
     seed: int = 0,
     use_rslora: bool = False,
     scale: float = 0.5,
+    use_dora: bool = False,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
 ) -> Path:
     """A LoRA adapter with random A and B (peft's init_lora_weights=False would leave B as
     kaiming noise; B is redrawn here so the deltas are large enough to change greedy tokens
     but keep the logits peaked). An embedding's A [r, vocab] is drawn per token column (each
-    token's delta as large as a projection's)."""
+    token's delta as large as a projection's). DoRA: each magnitude is redrawn around its
+    initial norm (x 0.5..1.5 per row), so no scale is 1."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -39,6 +43,9 @@ def make_adapter(
         init_lora_weights=False,
         use_rslora=use_rslora,
         lora_dropout=0.0,
+        use_dora=use_dora,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
     )
     model = get_peft_model(base, config)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -48,6 +55,8 @@ def make_adapter(
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[0] ** 0.5)
             elif "lora_A" in name or "lora_B" in name or "lora_embedding_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[1] ** 0.5)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(0.5 + torch.rand(p.shape, generator=g))
     model.save_pretrained(str(out_dir))
     return out_dir
 

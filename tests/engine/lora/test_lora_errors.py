@@ -88,7 +88,7 @@ def _cases(good, good_vocab, tmp_path):
         (_variant(good, tmp_path, "missing", _set("target_modules", ["q_proj", "v_proj", "o_proj"])), "target_modules: o_proj listed but not in"),
         (_variant(good, tmp_path, "no-b", None, drop_b), r"v_proj\.lora_B: missing"),
         (_variant(good, tmp_path, "shape", None, wrong_shape), r"q_proj\.lora_A\.weight: shape \(8, 72\) does not fit"),
-        (_variant(good, tmp_path, "dora", _set("use_dora", True)), "use_dora"),
+        (_variant(good, tmp_path, "dora", _set("use_dora", True)), r"lora_magnitude_vector: missing \(use_dora is set\)"),
         (tmp_path / "nowhere", "lora_path: not a folder"),
     ]  # fmt: skip
 

@@ -177,13 +177,13 @@ def test_vocab_shards_add_up_to_the_full_deltas(tiny_llama_dir, untied_adapters,
             batch = LoRABatch(cpu, kernel)
             batch.set([(1, 0, 20)])  # slot 1 of 2: slot 0 stays empty
             emb = LoRAEmbedding(batch, start, size, hidden, 2, 16, torch.float32, cpu)
-            emb.set_slot(1, shard[(MODEL_LAYER, "embed_tokens")])
+            emb.set_slot(1, shard.weights[(MODEL_LAYER, "embed_tokens")])
             emb.armed = True
             embed_sum += emb.apply(ids, torch.zeros(20, hidden))
             head_batch = LoRABatch(cpu, kernel)
             head_batch.set([(1, 0, 2), (1, 3, 2)])  # row 2: the base model's
             head = LoRALayer(head_batch, [(0, size)], hidden, 2, 16, torch.float32, cpu)
-            head.set_slot(1, shard[(MODEL_LAYER, "lm_head")])
+            head.set_slot(1, shard.weights[(MODEL_LAYER, "lm_head")])
             heads.append(head.apply(h, torch.zeros(5, size)))
         torch.testing.assert_close(embed_sum, want_embed, atol=1e-5, rtol=1e-5)
         logits = torch.cat(heads, dim=1)

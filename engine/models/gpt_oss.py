@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.distributed import get_tp_rank
 from engine.layers.moe import FusedMoE, ReplicatedGate
-from engine.layers.quantization.mxfp4 import Q8Experts, dequantize_mxfp4
+from engine.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4
 from engine.models.hf_config import HFModelConfig
 from engine.models.llama import LlamaForCausalLM
 
@@ -48,9 +48,9 @@ class GptOssMoE(nn.Module):
         )
         experts = self.experts
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 halves awaiting a pair
-        # MXFP4 experts kept as exact 8-bit blocks where the layer can run them (one CPU rank)
-        q8 = Q8Experts(experts) if mxfp4 else None
-        self._q8 = q8 if q8 is not None and q8.eligible else None
+        # MXFP4 experts kept as GGUF MXFP4 blocks where the layer can run them (one CPU rank)
+        kept = Mxfp4Experts(experts) if mxfp4 else None
+        self._mxfp4 = kept if kept is not None and kept.eligible else None
         for param, proj in ((experts.w13_weight, "gate_up"), (experts.w2_weight, "down")):
             param.weight_loader = self._load_weight
             param.expected_shards = {f"{proj}_blocks", f"{proj}_scales"} if mxfp4 else {proj}
@@ -72,15 +72,13 @@ class GptOssMoE(nn.Module):
                 return  # the other half of the pair comes later
             del self._pending[proj]
             blocks, scales = pending["blocks"], pending["scales"]
-            if self._q8 is not None:  # rows in FusedMoE's order (gate | up), then both at once
+            if self._mxfp4 is not None:  # rows in FusedMoE's order (gate | up), both at once
                 if proj == "gate_up":
                     blocks, scales = (
                         _gate_up_slice(blocks, blocks.shape[1] // 2, 0),
                         _gate_up_slice(scales, scales.shape[1] // 2, 0),
                     )
-                back = self._q8.add(proj, blocks, scales)
-                for p, b, sc in back or []:  # not representable: dequantized after all
-                    self._fill(p, dequantize_mxfp4(b, sc, param.dtype), ordered=True)
+                self._mxfp4.add(proj, blocks, scales)
                 return
             # [E, rows, in] in the checkpoint's row order (gate_up: gate and up interleaved)
             loaded = dequantize_mxfp4(blocks, scales, param.dtype)
@@ -88,13 +86,10 @@ class GptOssMoE(nn.Module):
             loaded = loaded.transpose(1, 2)
         self._fill(proj, loaded)
 
-    def _fill(self, proj: str, w: torch.Tensor, ordered: bool = False) -> None:
-        """w [E, rows, in]: gate_up's rows interleaved (ordered: already gate | up)."""
+    def _fill(self, proj: str, w: torch.Tensor) -> None:
+        """w [E, rows, in]: gate_up's rows interleaved."""
         if proj == "gate_up":
-            if ordered:
-                self._copy(self.experts.w13_weight, w)
-            else:
-                self._fill_gate_up(self.experts.w13_weight, w)
+            self._fill_gate_up(self.experts.w13_weight, w)
         else:
             self._fill_down(self.experts.w2_weight, w)
 

@@ -4,7 +4,9 @@
    llama.cpp writes for Q4_K and Q5_K tensors whose K is not a multiple of 256, as in most
    small models' Q4_K_M files), or IQ4_NL (fp16 d, 16 bytes of codes into a fixed grid of
    int8 values: what llama.cpp writes for IQ4_XS, Q3_K and Q2_K tensors whose K is not a
-   multiple of 256; its values' dot products run as Q8_0's). x is quantized per
+   multiple of 256; its values' dot products run as Q8_0's), or MXFP4 (an E8M0 byte, 16 bytes
+   of e2m1 codes laid out as IQ4_NL's: gpt-oss's experts, 4.25 bits a weight; twice each value
+   is an int8 in [-12, 12], so its dot products run as Q8_0's too). x is quantized per
    block of 32 to int8 with a float scale (llama.cpp's Q8_0/Q8_1 activations), each block's
    integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
    AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
@@ -14,6 +16,7 @@
 #include "bf16_convert.h"
 #include "f16_convert.h"
 #include "iq4_values.h"
+#include "fp4_values.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +46,7 @@ static int block_bytes(int type) {
     case GGUF_Q5_1: return 24;
     case GGUF_Q8_0: return 34;
     case GGUF_IQ4_NL: return 18;
+    case GGUF_MXFP4: return 17;
     case GGUF_Q4_K: return 144;  /* superblocks of 256 weights: gguf_k.c */
     case GGUF_Q5_K: return 176;
     case GGUF_Q6_K: return 210;
@@ -61,12 +65,18 @@ int gguf_block_bytes(int type) { return block_bytes(type); }
 /* The 4- and 5-bit types: where the nibbles start, the code's offset (w = d * (q - off)), and
    whether the block holds a minimum (w = d * q + m) */
 static inline int qs_offset(int type) {
-  return type == GGUF_Q4_0 || type == GGUF_IQ4_NL ? 2 : type == GGUF_Q4_1 ? 4
-      : type == GGUF_Q5_0 ? 6 : 8;
+  return type == GGUF_MXFP4 ? 1 : type == GGUF_Q4_0 || type == GGUF_IQ4_NL ? 2
+      : type == GGUF_Q4_1 ? 4 : type == GGUF_Q5_0 ? 6 : 8;
 }
-/* the int8 values of a block whose dot products run as Q8_0's (Q8_0: as stored; IQ4_NL:
-   looked up) */
-static inline int signed_values(int type) { return type == GGUF_Q8_0 || type == GGUF_IQ4_NL; }
+/* the int8 values of a block whose dot products run as Q8_0's (Q8_0: as stored; IQ4_NL and
+   MXFP4: looked up) */
+static inline int signed_values(int type) {
+  return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_MXFP4;
+}
+/* a block's scale: float16 at its start, or MXFP4's E8M0 byte (halved: its values doubled) */
+static inline float block_scale(int type, const uint8_t* blk) {
+  return type == GGUF_MXFP4 ? e8m0_half(blk[0]) : h2f(blk);
+}
 static inline int code_offset(int type) {
   return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : 0;
 }
@@ -117,9 +127,10 @@ static float dot_scalar(int type, const uint8_t* w, const int8_t* xq, const floa
       const int8_t* q = (const int8_t*)(blk + 2);
       for (int j = 0; j < 32; ++j) s += q[j] * x[j];
       acc += h2f(blk) * xd[b] * (float)s;
-    } else if (type == GGUF_IQ4_NL) {
-      for (int j = 0; j < 32; ++j) s += IQ4_VALUES[code_at(type, blk, j)] * x[j];
-      acc += h2f(blk) * xd[b] * (float)s;
+    } else if (type == GGUF_IQ4_NL || type == GGUF_MXFP4) {
+      const int8_t* values = type == GGUF_MXFP4 ? MXFP4_VALUES : IQ4_VALUES;
+      for (int j = 0; j < 32; ++j) s += values[code_at(type, blk, j)] * x[j];
+      acc += block_scale(type, blk) * xd[b] * (float)s;
     } else {
       for (int j = 0; j < 32; ++j) s += code_at(type, blk, j) * x[j];
       if (has_min(type)) acc += xd[b] * (h2f(blk) * (float)s + h2f(blk + 2) * (float)xs[b]);
@@ -149,6 +160,12 @@ static inline __m256i codes_bytes(int type, const uint8_t* blk) {
   const __m256i u = q4_bytes(blk + qs_offset(type));
   return has_qh(type) ? _mm256_or_si256(u, fifth_bits(qh_bits(type, blk))) : u;
 }
+/* a signed-values block's 32 int8 values, in weight order */
+static inline __m256i signed_bytes(int type, const uint8_t* blk) {
+  if (type == GGUF_Q8_0) return _mm256_loadu_si256((const __m256i*)(blk + 2));
+  const __m256i codes = q4_bytes(blk + qs_offset(type));
+  return type == GGUF_MXFP4 ? mxfp4_lookup(codes) : iq4_lookup(codes);
+}
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -170,8 +187,7 @@ static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnn
     const uint8_t* blk, const int8_t* x) {
   __m256i u, s = _mm256_loadu_si256((const __m256i*)x);
   if (signed_values(type)) {
-    const __m256i q = type == GGUF_Q8_0 ? _mm256_loadu_si256((const __m256i*)(blk + 2))
-                                        : iq4_lookup(q4_bytes(blk + 2));
+    const __m256i q = signed_bytes(type, blk);
     u = _mm256_sign_epi8(q, q);  /* |w| as unsigned, w's sign moved onto x */
     s = _mm256_sign_epi8(s, q);
   } else {
@@ -203,17 +219,14 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
       __m512i u;
       __mmask64 neg = 0;
       if (signed_values(type)) {
-        const __m512i q = type == GGUF_Q8_0
-            ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
-                                 _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1)
-            : _mm512_inserti64x4(_mm512_castsi256_si512(iq4_lookup(q4_bytes(b0 + 2))),
-                                 iq4_lookup(q4_bytes(b1 + 2)), 1);
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(signed_bytes(type, b0)),
+                                             signed_bytes(type, b1), 1);
         u = _mm512_abs_epi8(q);  /* |w| as unsigned, w's sign moved onto x */
         neg = _mm512_movepi8_mask(q);
       } else {
         u = _mm512_inserti64x4(_mm512_castsi256_si512(codes_bytes(type, b0)), codes_bytes(type, b1), 1);
       }
-      const float w0 = h2f(b0), w1 = h2f(b1);
+      const float w0 = block_scale(type, b0), w1 = block_scale(type, b1);
       const float m0 = has_min(type) ? h2f(b0 + 2) : 0.f, m1 = has_min(type) ? h2f(b1 + 2) : 0.f;
       for (int m = 0; m < R; ++m) {
         const float* d = xd + m * nb;
@@ -235,7 +248,7 @@ static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, in
 #endif
   for (; b < nb; ++b) {
     const uint8_t* blk = w + b * bs;
-    const float wd = h2f(blk), wm = has_min(type) ? h2f(blk + 2) : 0.f;
+    const float wd = block_scale(type, blk), wm = has_min(type) ? h2f(blk + 2) : 0.f;
     for (int m = 0; m < R; ++m) {
       const float d = wd * xd[m * nb + b];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(type, vnni, blk, xq + m * K + b * 32)),
@@ -272,6 +285,7 @@ DEFINE_ROWS(q5_0_s, GGUF_Q5_0, dot_scalar_rows, )
 DEFINE_ROWS(q5_1_s, GGUF_Q5_1, dot_scalar_rows, )
 DEFINE_ROWS(q8_0_s, GGUF_Q8_0, dot_scalar_rows, )
 DEFINE_ROWS(iq4nl_s, GGUF_IQ4_NL, dot_scalar_rows, )
+DEFINE_ROWS(mxfp4_s, GGUF_MXFP4, dot_scalar_rows, )
 #if ISA_MAX >= GGUF_ISA_AVX2
 DEFINE_ROWS(q4_0_a, GGUF_Q4_0, dot_vec, 0,)
 DEFINE_ROWS(q4_1_a, GGUF_Q4_1, dot_vec, 0,)
@@ -279,6 +293,7 @@ DEFINE_ROWS(q5_0_a, GGUF_Q5_0, dot_vec, 0,)
 DEFINE_ROWS(q5_1_a, GGUF_Q5_1, dot_vec, 0,)
 DEFINE_ROWS(q8_0_a, GGUF_Q8_0, dot_vec, 0,)
 DEFINE_ROWS(iq4nl_a, GGUF_IQ4_NL, dot_vec, 0,)
+DEFINE_ROWS(mxfp4_a, GGUF_MXFP4, dot_vec, 0,)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
 DEFINE_ROWS(q4_0_v, GGUF_Q4_0, dot_vec, 1,)
@@ -287,6 +302,7 @@ DEFINE_ROWS(q5_0_v, GGUF_Q5_0, dot_vec, 1,)
 DEFINE_ROWS(q5_1_v, GGUF_Q5_1, dot_vec, 1,)
 DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
 DEFINE_ROWS(iq4nl_v, GGUF_IQ4_NL, dot_vec, 1,)
+DEFINE_ROWS(mxfp4_v, GGUF_MXFP4, dot_vec, 1,)
 #endif
 
 #define PICK(V)                                                                             \
@@ -296,6 +312,7 @@ DEFINE_ROWS(iq4nl_v, GGUF_IQ4_NL, dot_vec, 1,)
     case GGUF_Q5_0: return DOT_q5_0_##V;                                                    \
     case GGUF_Q5_1: return DOT_q5_1_##V;                                                    \
     case GGUF_IQ4_NL: return DOT_iq4nl_##V;                                                 \
+    case GGUF_MXFP4: return DOT_mxfp4_##V;                                                  \
     default: return DOT_q8_0_##V;                                                           \
   }
 static const dot_fn* pick(int type, int isa) {
@@ -357,11 +374,11 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   if (!bs || K % 32) return -1;
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = row + b * bs;
-    const float d = h2f(blk), mn = has_min(type) ? h2f(blk + 2) : 0.f;
+    const float d = block_scale(type, blk), mn = has_min(type) ? h2f(blk + 2) : 0.f;
     float* v = out + b * 32;
 #if defined(__AVX512F__)
-    if (type == GGUF_IQ4_NL) {  /* d * value, as gguf-py: one rounding */
-      const __m256i q = iq4_lookup(q4_bytes(blk + 2));
+    if (type == GGUF_IQ4_NL || type == GGUF_MXFP4) {  /* d * value, as gguf-py: one rounding */
+      const __m256i q = signed_bytes(type, blk);
       const __m512 dv = _mm512_set1_ps(d);
       _mm512_storeu_ps(v, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
       _mm512_storeu_ps(v + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
@@ -392,8 +409,9 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
 #endif
     if (type == GGUF_Q8_0) {
       for (int j = 0; j < 32; ++j) v[j] = d * (float)((const int8_t*)(blk + 2))[j];
-    } else if (type == GGUF_IQ4_NL) {
-      for (int j = 0; j < 32; ++j) v[j] = d * (float)IQ4_VALUES[code_at(type, blk, j)];
+    } else if (type == GGUF_IQ4_NL || type == GGUF_MXFP4) {
+      const int8_t* values = type == GGUF_MXFP4 ? MXFP4_VALUES : IQ4_VALUES;
+      for (int j = 0; j < 32; ++j) v[j] = d * (float)values[code_at(type, blk, j)];
     } else {
       for (int j = 0; j < 32; ++j) v[j] = d * (float)(code_at(type, blk, j) - code_offset(type)) + mn;
     }

@@ -1,5 +1,5 @@
 """GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, IQ4_NL, and the K-quants Q2_K-Q6_K with IQ4_XS (gguf_k.c: superblocks of 256 weights,
+Q8_0, IQ4_NL, MXFP4 (gpt-oss's experts), and the K-quants Q2_K-Q6_K with IQ4_XS (gguf_k.c: superblocks of 256 weights,
 so K % 256 == 0).
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
@@ -24,7 +24,10 @@ from engine.kernels.cpu import gemm as cpu_gemm
 from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import ops
 
-TYPES = {n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")}
+TYPES = {
+    n: ops.CONSTANTS[f"GGUF_{n}"]
+    for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")
+}
 # superblocks of 256 weights (gguf_k.c): the K-quants, and IQ4_XS
 K_TYPES = {
     n: ops.CONSTANTS[f"GGUF_{n}"] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")

@@ -7,9 +7,10 @@ two per 32 values, bias 127). No linear layer gets a quantized method; the exper
 
 - dequantize at load into the model's dtype (exactly: every FP4 value times a power of two is
   a bf16 value), then run on the float MoE paths at 4x their MXFP4 bytes (CUDA, TP > 1), or
-- on one CPU rank with the GGUF kernels, become GGUF Q8_0 blocks, also exactly (to_q8_0: twice
-  each e2m1 value is an integer in [-12, 12], the block's scale half the power of two, a
-  float16), 2.1x the MXFP4 bytes (half of bf16), each routed expert on the Q8_0 kernels.
+- on one CPU rank with the GGUF kernels, become GGUF MXFP4 blocks, the same bits with the
+  nibbles reordered (to_gguf_mxfp4: 4.25 bits a weight, an eighth of float32's bytes), each
+  routed expert on the GGUF dot kernels (engine/kernels/cpu/gguf.c: twice each e2m1 value is
+  an int8 in [-12, 12], x as int8 per 32, as Q8_0's dots).
 """
 
 from __future__ import annotations
@@ -54,59 +55,57 @@ def dequantize_mxfp4(
     return out
 
 
-Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: a float16 scale, then 32 int8 codes
+GGUF_MXFP4_BLOCK_BYTES = 17  # ggml's block_mxfp4: the E8M0 byte, then 16 bytes of codes
 
 
-def to_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
-    """blocks uint8 [E, rows, G, 16], scales uint8 [E, rows, G] -> GGUF Q8_0 rows, uint8
-    [E, rows, G * 34], the same values exactly; None where a scale is outside float16's
-    exact powers of two (2^-24 .. 2^15, after halving)."""
-    exponents = scales.to(torch.int32) - 128  # the Q8_0 scale: half the MXFP4 power of two
-    if int(exponents.min()) < -24 or int(exponents.max()) > 15:
-        return None
-    lut = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8)
-    out = torch.empty(*blocks.shape[:-1], Q8_0_BLOCK_BYTES, dtype=torch.uint8)
+def to_gguf_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks uint8 [E, rows, G, 16], scales uint8 [E, rows, G] -> GGUF MXFP4 rows, uint8
+    [E, rows, G * 17], the same bits: each block's E8M0 byte, then its codes with value j in
+    byte j's low nibble and value j + 16 in its high one (ggml's order; the checkpoint's
+    byte j holds values 2j and 2j + 1)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
+            "(blocks [..., G, 16], scales [..., G])"
+        )
+    out = torch.empty(*blocks.shape[:-1], GGUF_MXFP4_BLOCK_BYTES, dtype=torch.uint8)
     for e in range(blocks.shape[0]):  # one expert's intermediates at a time
-        d = torch.ldexp(torch.ones(exponents[e].shape), exponents[e]).to(torch.float16)
-        out[e, ..., :2] = d.unsqueeze(-1).view(torch.uint8)
-        out[e, ..., 2:] = _codes(blocks[e], lut).view(torch.uint8)
+        b = blocks[e].to(torch.uint8)
+        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)  # [rows, G, 32], in order
+        out[e, ..., 0] = scales[e]
+        out[e, ..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
     return out.flatten(-2)
 
 
-class Q8Experts:
-    """A MoE layer's MXFP4 experts as GGUF Q8_0 blocks (see the module doc), where they can be:
+class Mxfp4Experts:
+    """A MoE layer's MXFP4 experts as GGUF MXFP4 blocks (see the module doc), where they can be:
     one CPU rank (no tensor or expert parallel slices), the GGUF kernels built and taking the
     layer's widths. add() collects both projections' MXFP4 pairs, then installs both as
-    blocks (the layer's expert_linear runs them), or hands them back to be dequantized."""
+    blocks (the layer's expert_linear runs them)."""
 
     def __init__(self, moe: nn.Module):
         from engine.kernels.cpu import gguf as cpu_gguf
 
         self.moe = moe
         self.parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        q8 = cpu_gguf.TYPES["Q8_0"] if cpu_gguf.available() else None
+        type_id = cpu_gguf.TYPES["MXFP4"] if cpu_gguf.available() else None
         widths = (moe.w13_weight.shape[2], moe.inter)  # H, I: the two GEMMs' in_features
-        self.type_id = q8
+        self.type_id = type_id
         self.eligible = (
-            q8 is not None
+            type_id is not None
             and moe.w13_weight.device.type == "cpu"
             and moe.tp_size == 1
             and moe.ep_size == 1
-            and all(cpu_gguf.refusal(q8, k) is None for k in widths)
+            and all(cpu_gguf.refusal(type_id, k) is None for k in widths)
         )
 
-    def add(
-        self, proj: str, blocks: torch.Tensor, scales: torch.Tensor
-    ) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
-        """proj "gate_up" (rows gate | up) or "down": None while the other is to come; then []
-        (both installed as Q8_0 blocks) or both pairs back, for dequantizing."""
+    def add(self, proj: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """proj "gate_up" (rows gate | up) or "down"; once both are in, both are installed."""
         self.parts[proj] = (blocks, scales)
         if len(self.parts) < 2:
-            return None
+            return
         parts, self.parts = self.parts, {}
-        q13, q2 = to_q8_0(*parts["gate_up"]), to_q8_0(*parts["down"])
-        if q13 is None or q2 is None:
-            return [(p, *pair) for p, pair in parts.items()]
+        q13, q2 = to_gguf_mxfp4(*parts["gate_up"]), to_gguf_mxfp4(*parts["down"])
         from types import SimpleNamespace
 
         from engine.layers.quantization.gguf import GGUFExperts
@@ -121,7 +120,6 @@ class Q8Experts:
                 intermediate_size=blocks_width(parts["down"][0]),
             )
         )  # fmt: skip
-        return []
 
 
 def blocks_width(blocks: torch.Tensor) -> int:
@@ -144,6 +142,6 @@ class Mxfp4Config(QuantizationConfig):
 
     def describe(self) -> str:
         return (
-            "MXFP4 experts as GGUF Q8_0 blocks on one CPU rank, else dequantized at load to "
+            "MXFP4 experts as GGUF MXFP4 blocks on one CPU rank, else dequantized at load to "
             "the model's dtype; other layers as stored"
         )

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, to_q8_0
+from engine.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, to_gguf_mxfp4
 from engine.models.loader import load_hf_config
 from tests.engine.test_llm_exactness import (
     SW_NUM_NEW,
@@ -144,54 +144,62 @@ def mxfp4_pair(tiny_gpt_oss_dir, tmp_path_factory):
     return quant, ref
 
 
-def test_to_q8_0_holds_the_same_values():
-    """MXFP4 pairs as GGUF Q8_0 rows: gguf-py's own dequantization gives the MXFP4 values
-    exactly; a scale beyond float16's powers of two is refused (None)."""
+def test_gguf_mxfp4_blocks_hold_the_same_values():
+    """MXFP4 pairs as GGUF MXFP4 rows: gguf-py's own dequantization gives the checkpoint's
+    values exactly, for every E8M0 scale (0 and 1 included: float32 subnormals) and code."""
     from gguf import GGMLQuantizationType, quants
 
     g = torch.Generator().manual_seed(1)
     blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(104, 143, (3, 5, 4), dtype=torch.uint8, generator=g)
-    q8 = to_q8_0(blocks, scales)
-    got = quants.dequantize(q8.reshape(15, -1).numpy(), GGMLQuantizationType.Q8_0)
+    scales = torch.randint(0, 255, (3, 5, 4), dtype=torch.uint8, generator=g)
+    scales[0, 0, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
+    rows = to_gguf_mxfp4(blocks, scales)
+    assert rows.shape == (3, 5, 4 * 17)
+    got = quants.dequantize(rows.reshape(15, -1).numpy(), GGMLQuantizationType.MXFP4)
     want = dequantize_mxfp4(blocks, scales, torch.float32).reshape(15, -1)
     assert torch.equal(torch.from_numpy(got), want)
-    assert to_q8_0(blocks, torch.full_like(scales, 200)) is None
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt_oss_dir, tp):
-    """One rank: the experts as exact Q8_0 blocks on the GGUF kernels, whose dots take x as
-    int8 per 32 (~0.5% of a product, measured on these shapes): a token may differ only where
-    HF's top-2 gap is under 0.15 (the GGUF blocks tests' wide tolerance); TP=2: dequantized,
-    sliced, token for token."""
+    """One rank: the experts as GGUF MXFP4 blocks (the same bits) on the GGUF kernels. Their
+    larger-batch path (every row forced onto it) multiplies the exact values: HF's tokens, token
+    for token. Their dot kernels (every row forced onto them, so the same integer sums on every
+    CPU) take x as int8 per 32 (~0.5% of a product): a token may differ only where HF's top-2
+    gap is under 0.15 (the GGUF blocks tests' wide tolerance). Which rows a CPU sends to each
+    path by default is its own plan (2 rows with AMX, 16 without), so neither is left to it.
+    TP=2: dequantized, sliced, token for token."""
+    from engine.kernels.cpu import gguf as cpu_gguf
     from engine.layers.moe import FusedMoE
 
     quant, ref = mxfp4_pair
     prompts, _ = _reference(ref)
+    params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
     if tp == 1:
         reference = hf_greedy_gaps(ref, prompts, SW_NUM_NEW)
-        llm = LLM(str(quant), dtype="float32", seed=0, max_num_batched_tokens=32)
-        try:
-            experts = [
-                m for m in llm.engine.executor.runner.model.modules() if isinstance(m, FusedMoE)
-            ]
-            blocks = experts[0].w13_weight.dtype == torch.uint8
-            params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            llm.shutdown()
-        from engine.kernels.cpu import gguf as cpu_gguf
-
-        assert blocks == cpu_gguf.available()  # the 8-bit blocks where the kernels are
-        assert_agrees_but_near_ties([list(o.outputs[0].token_ids) for o in outs], reference, 0.15)
         expected = [t for t, _ in reference]
+        hidden = json.loads((quant / "config.json").read_text())["hidden_size"]
+        for dot_rows in (0, 16):
+            with cpu_gguf.forced_dot_rows(dot_rows):
+                llm = LLM(str(quant), dtype="float32", seed=0, max_num_batched_tokens=32)
+                try:
+                    model = llm.engine.executor.runner.model
+                    w13 = next(m for m in model.modules() if isinstance(m, FusedMoE)).w13_weight
+                    blocks = w13.dtype == torch.uint8 and w13.shape[-1] == hidden // 32 * 17
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                finally:
+                    llm.shutdown()
+            assert blocks == cpu_gguf.available()  # 4.25 bits a weight where the kernels are
+            got = [list(o.outputs[0].token_ids) for o in outs]
+            if dot_rows == 0 or not blocks:
+                assert got == expected
+            else:
+                assert_agrees_but_near_ties(got, reference, 0.15)
     else:
         expected = hf_greedy(ref, prompts, SW_NUM_NEW, attn_implementation="eager")
         torch.set_num_threads(1)
         llm = LLM(str(quant), dtype="float32", tensor_parallel_size=2, num_kv_blocks=96)
         try:
-            params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
             outs = llm.generate(prompts, params, use_tqdm=False)
         finally:
             llm.shutdown()

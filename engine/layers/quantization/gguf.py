@@ -30,7 +30,8 @@ to the head looks its tokens up in the file's token_embd blocks (GGUFEmbeddingRo
 model's 1 GB bf16 table becomes its ~0.3 GB of blocks); a tied one stays the float table the
 head reads. A MoE layer's stacked experts (qwen3moe's ffn_*_exps) keep their blocks too
 (GGUFExperts: each routed expert's gate/up and down on cpu_gguf.linear), unless a part is a
-float tensor or gate and up differ in type.
+float tensor or gate and up differ in type; gpt-oss's MXFP4 experts become Q8_0 blocks at load,
+exactly (engine.layers.quantization.mxfp4_blocks.to_q8_0, as for OpenAI's MXFP4 checkpoints).
 """
 
 from __future__ import annotations
@@ -341,6 +342,24 @@ def _expert_refusal(module: nn.Module, b) -> str | None:
     return None
 
 
+def _mxfp4_as_q8_0(b):
+    """(b with its MXFP4 parts as Q8_0 blocks holding the same values, None), or (b, why
+    not): a scale past float16's powers of two."""
+    from dataclasses import replace
+
+    from engine.layers.quantization.mxfp4_blocks import split_ggml_blocks, to_q8_0
+
+    parts = {}
+    for part in ("w13", "w2"):
+        if getattr(b, f"{part}_type") != "MXFP4":
+            continue
+        q8 = to_q8_0(*split_ggml_blocks(getattr(b, part)), halves=True)
+        if q8 is None:
+            return b, "MXFP4 scales past float16's range for Q8_0"
+        parts |= {part: q8, f"{part}_type": "Q8_0", f"{part}_type_id": cpu_gguf.TYPES["Q8_0"]}
+    return replace(b, **parts), None
+
+
 def _take_expert_blocks(module: nn.Module, b) -> str:
     module.w13_weight = nn.Parameter(b.w13, requires_grad=False)
     module.w2_weight = nn.Parameter(b.w2, requires_grad=False)
@@ -436,12 +455,16 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         found, skipped_experts = read_expert_blocks(gguf_path)
         for name, module in experts:
             b = found.pop(name, None)
-            why = (
-                skipped_experts.get(name, "not in the file's block tensors")
-                if b is None
-                else _expert_refusal(module, b)
-            )
+            was, why = None, None
+            if b is not None and "MXFP4" in (b.w13_type, b.w2_type):  # gpt-oss's
+                was = "MXFP4"
+                b, why = _mxfp4_as_q8_0(b)
+            if b is None:
+                why = skipped_experts.get(name, "not in the file's block tensors")
+            why = why or _expert_refusal(module, b)
             path = f"dequantized ({why})" if why is not None else _take_expert_blocks(module, b)
+            if was is not None and why is None:
+                path = f"{was} as {path}"
             paths.setdefault("experts", Counter())[path] += 1
     head = getattr(model, "lm_head", None)
     if head is not None and not isinstance(

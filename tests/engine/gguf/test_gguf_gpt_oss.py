@@ -1,0 +1,166 @@
+"""llama.cpp's gpt-oss GGUF files (what ggml-org/gpt-oss-20b-GGUF ships: MXFP4 experts in
+ggml's block_mxfp4), written from the tiny random gpt-oss model the way its GptOssModel
+converter writes them (gguf_files.write_gpt_oss_gguf), served through LLM(path.gguf): HF
+transformers' greedy tokens on a folder of the file's values. On one CPU rank the MXFP4
+experts become exact Q8_0 blocks (the HF MXFP4 path's conversion) whose dots round x to int8
+per 32: a token may differ only at HF's near ties; with --quantization none they are
+dequantized and every token is HF's; float experts likewise. The converted config keeps what
+the original says (windows, yarn, experts, sinks), and the tokenizer comes from the file with
+harmony's markers whole and its stop tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine.kernels.cpu import gguf as cpu_gguf
+from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4, split_ggml_blocks, to_q8_0
+from engine.models.hf_config import load_hf_config
+from engine.models.loader import resolve_model
+from tests.conftest import GPT_OSS
+from tests.engine.gguf.gguf_files import save_as_hf, write_gpt_oss_gguf
+from tests.engine.models.test_gpt_oss import quantize_mxfp4
+from tests.engine.test_llm_exactness import (
+    SW_NUM_NEW,
+    assert_agrees_but_near_ties,
+    hf_greedy,
+    hf_greedy_gaps,
+    sliding_window_prompts,
+)
+
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                   "<|call|>", "<|constrain|>")  # fmt: skip
+
+
+def _llama_cpp_repack(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """OpenAI's MXFP4 pair as llama.cpp's converter stores it (block_mxfp4): the scale byte,
+    then 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # value order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((scales.unsqueeze(-1), qs), dim=-1).flatten(-2).numpy()
+
+
+def test_ggml_blocks_hold_openais_values():
+    """The same MXFP4 values in both layouts: gguf-py's dequantization of llama.cpp's repack,
+    ours of its blocks (split_ggml_blocks, halves) and of OpenAI's, and the exact Q8_0 rows."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0))
+    blocks, scales = quantize_mxfp4(w)
+    want = dequantize_mxfp4(blocks, scales, torch.float32)
+    raw = _llama_cpp_repack(blocks, scales)  # [3, 5, 2 * 17]
+    assert torch.equal(torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.MXFP4)), want)
+    codes, e = split_ggml_blocks(torch.from_numpy(raw))
+    assert torch.equal(e, scales)
+    assert torch.equal(dequantize_mxfp4(codes, e, torch.float32, halves=True), want)
+    q8 = to_q8_0(codes, e, halves=True)
+    got = quants.dequantize(q8.reshape(15, -1).numpy(), GGMLQuantizationType.Q8_0)
+    assert torch.equal(torch.from_numpy(got), want.reshape(15, -1))
+
+
+def test_the_converted_config_is_the_models(tiny_gpt_oss_dir, tmp_path):
+    gguf = tmp_path / "g.gguf"
+    write_gpt_oss_gguf(tiny_gpt_oss_dir, gguf)
+    a = load_hf_config(tiny_gpt_oss_dir)
+    b = load_hf_config(resolve_model(gguf, cache_dir=tmp_path / "cache"))
+    for field in (
+        "architecture", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+        "rope_theta", "layer_sliding_windows", "sliding_window", "num_experts",
+        "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "attention_sinks",
+        "o_proj_bias", "tie_word_embeddings",
+    ):  # fmt: skip
+        assert getattr(a, field) == getattr(b, field), field
+    want = {k: v for k, v in a.rope_scaling.items() if k != "rope_theta"}
+    got = {"beta_fast": 32.0, "beta_slow": 1.0, **b.rope_scaling}  # HF's defaults
+    assert got == want and got["truncate"] is False
+    for key in ("swiglu_alpha", "swiglu_limit"):
+        assert b.raw[key] == pytest.approx(a.raw[key])
+
+
+def test_a_fused_gate_up_file_is_refused(tiny_gpt_oss_dir, tmp_path):
+    from gguf import GGUFReader
+
+    from engine.gguf.convert import _read_config
+
+    gguf = tmp_path / "g.gguf"
+    write_gpt_oss_gguf(tiny_gpt_oss_dir, gguf)
+    reader = GGUFReader(str(gguf))  # gate's tensor named as the converter's fused option's
+    fused = {"blk.0.ffn_gate_exps.weight": "blk.0.ffn_gate_up_exps.weight"}
+    reader.tensors = [t._replace(name=fused.get(t.name, t.name)) for t in reader.tensors]
+    with pytest.raises(ValueError, match="fused gate/up experts are not supported"):
+        _read_config(reader)
+
+
+CASES = [
+    ("MXFP4", None),  # the experts as exact Q8_0 blocks (x rounded to int8 per 32)
+    ("MXFP4", "none"),  # dequantized from the file: HF's tokens exactly
+    ("F32", None),  # float experts (llama.cpp writes them from a float checkpoint)
+]
+
+
+@pytest.mark.parametrize("experts, quantization", CASES)
+def test_a_gpt_oss_file_serves_hf_greedy_tokens(
+    tiny_gpt_oss_dir, tmp_path, monkeypatch, experts, quantization
+):
+    from engine import LLM, SamplingParams
+    from engine.kernels.cpu import ops
+
+    gguf = tmp_path / "gpt-oss.gguf"
+    held = write_gpt_oss_gguf(tiny_gpt_oss_dir, gguf, experts=experts)
+    ops.library()  # built (or found) in the usual cache first: only the model goes to tmp_path
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    reference = save_as_hf(tiny_gpt_oss_dir, tmp_path / "held", held)
+    prompts = sliding_window_prompts(load_hf_config(tiny_gpt_oss_dir).vocab_size)
+    llm = LLM(str(gguf), dtype="float32", seed=0, max_num_batched_tokens=32,
+              quantization=quantization)  # fmt: skip
+    try:
+        moe = llm.engine.executor.runner.model.model.layers[0].mlp.experts
+        params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    blocks = experts == "MXFP4" and quantization is None and cpu_gguf.available()
+    assert (moe.w13_weight.dtype == torch.uint8) == blocks
+    if blocks:  # Q8_0 rows: 34 bytes per 32 values
+        assert moe.w13_weight.shape == (8, 64, 2 * 34) and moe.w2_weight.shape == (8, 64, 34)
+        assert_agrees_but_near_ties(got, hf_greedy_gaps(reference, prompts, SW_NUM_NEW), 0.15)
+    else:
+        assert got == hf_greedy(reference, prompts, SW_NUM_NEW, attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def harmony_gguf(make_tiny_model, tmp_path_factory):
+    """A tiny gpt-oss whose vocabulary has harmony's markers, as a GGUF with llama.cpp's
+    o200k pre-tokenizer name and the markers CONTROL tokens (as in gpt-oss's files)."""
+    hf_dir = make_tiny_model(
+        "tiny-gpt-oss-harmony", arch="gpt_oss", tokenizer=dict(added_tokens=HARMONY_MARKERS),
+        **GPT_OSS,
+    )  # fmt: skip
+    gguf = tmp_path_factory.mktemp("harmony") / "h.gguf"
+    write_gpt_oss_gguf(hf_dir, gguf, pre="gpt-4o", control=HARMONY_MARKERS)
+    return hf_dir, gguf
+
+
+def test_the_tokenizer_and_stops_come_from_the_file(harmony_gguf, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf_dir, gguf = harmony_gguf
+    folder = resolve_model(gguf, cache_dir=tmp_path / "cache")
+    ours, theirs = (
+        AutoTokenizer.from_pretrained(str(folder)),
+        AutoTokenizer.from_pretrained(str(hf_dir)),
+    )
+    text = "<|start|>assistant<|channel|>final<|message|>hello<|return|>"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert all(ours.convert_tokens_to_ids(m) in ids for m in ("<|start|>", "<|return|>"))
+    assert ours.chat_template == theirs.chat_template
+    cfg = load_hf_config(folder)
+    stops = {ours.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>", "<|endoftext|>")}
+    assert set(cfg.eos_token_ids) == stops | {theirs.eos_token_id}
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert gen["eos_token_id"][0] == theirs.eos_token_id

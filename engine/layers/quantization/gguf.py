@@ -455,16 +455,16 @@ def apply_gguf_blocks(model: nn.Module, gguf_path: str | Path) -> dict[str, Coun
         found, skipped_experts = read_expert_blocks(gguf_path)
         for name, module in experts:
             b = found.pop(name, None)
-            was, why = None, None
-            if b is not None and "MXFP4" in (b.w13_type, b.w2_type):  # gpt-oss's
-                was = "MXFP4"
+            why = (
+                skipped_experts.get(name, "not in the file's block tensors") if b is None else None
+            )
+            mxfp4 = b is not None and "MXFP4" in (b.w13_type, b.w2_type)  # gpt-oss's
+            if mxfp4:
                 b, why = _mxfp4_as_q8_0(b)
-            if b is None:
-                why = skipped_experts.get(name, "not in the file's block tensors")
             why = why or _expert_refusal(module, b)
             path = f"dequantized ({why})" if why is not None else _take_expert_blocks(module, b)
-            if was is not None and why is None:
-                path = f"{was} as {path}"
+            if mxfp4 and why is None:
+                path = f"MXFP4 as {path}"
             paths.setdefault("experts", Counter())[path] += 1
     head = getattr(model, "lm_head", None)
     if head is not None and not isinstance(

@@ -96,35 +96,47 @@ def test_a_fused_gate_up_file_is_refused(tiny_gpt_oss_dir, tmp_path):
 
 
 CASES = [
-    ("MXFP4", None),  # the experts as exact Q8_0 blocks (x rounded to int8 per 32)
-    ("MXFP4", "none"),  # dequantized from the file: HF's tokens exactly
-    ("F32", None),  # float experts (llama.cpp writes them from a float checkpoint)
+    ("MXFP4", "F32", {}),  # the experts as exact Q8_0 blocks (x rounded to int8 per 32)
+    # as ggml-org's files: the attention, embedding and LM head Q8_0 too (on the file's blocks)
+    ("MXFP4", "Q8_0", {}),
+    ("MXFP4", "F32", {"quantization": "none"}),  # dequantized from the file: HF's exactly
+    ("F32", "F32", {}),  # float experts (llama.cpp writes them from a float checkpoint)
+    # two ranks: every expert's I and the gate/up biases sliced, the down bias added once
+    pytest.param("MXFP4", "F32", {"tensor_parallel_size": 2}, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("experts, quantization", CASES)
+@pytest.mark.parametrize("experts, type_name, kwargs", CASES)
 def test_a_gpt_oss_file_serves_hf_greedy_tokens(
-    tiny_gpt_oss_dir, tmp_path, monkeypatch, experts, quantization
+    tiny_gpt_oss_dir, tmp_path, monkeypatch, experts, type_name, kwargs
 ):
     from engine import LLM, SamplingParams
     from engine.kernels.cpu import ops
 
     gguf = tmp_path / "gpt-oss.gguf"
-    held = write_gpt_oss_gguf(tiny_gpt_oss_dir, gguf, experts=experts)
+    held = write_gpt_oss_gguf(tiny_gpt_oss_dir, gguf, experts=experts, type_name=type_name)
     ops.library()  # built (or found) in the usual cache first: only the model goes to tmp_path
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
     reference = save_as_hf(tiny_gpt_oss_dir, tmp_path / "held", held)
     prompts = sliding_window_prompts(load_hf_config(tiny_gpt_oss_dir).vocab_size)
-    llm = LLM(str(gguf), dtype="float32", seed=0, max_num_batched_tokens=32,
-              quantization=quantization)  # fmt: skip
+    # one rank and no --quantization: the MXFP4 experts become Q8_0 blocks
+    blocks = experts == "MXFP4" and not kwargs and cpu_gguf.available()
+    if "tensor_parallel_size" in kwargs:
+        torch.set_num_threads(1)
+        kwargs = {**kwargs, "num_kv_blocks": 96}
+    else:
+        kwargs = {**kwargs, "max_num_batched_tokens": 32}
+    llm = LLM(str(gguf), dtype="float32", seed=0, **kwargs)
     try:
-        moe = llm.engine.executor.runner.model.model.layers[0].mlp.experts
+        model = llm.engine.executor.runner.model
         params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
-    blocks = experts == "MXFP4" and quantization is None and cpu_gguf.available()
+    moe = model.model.layers[0].mlp.experts
     assert (moe.w13_weight.dtype == torch.uint8) == blocks
+    if type_name == "Q8_0" and blocks:
+        assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
     if blocks:  # Q8_0 rows: 34 bytes per 32 values
         assert moe.w13_weight.shape == (8, 64, 2 * 34) and moe.w2_weight.shape == (8, 64, 34)
         assert_agrees_but_near_ties(got, hf_greedy_gaps(reference, prompts, SW_NUM_NEW), 0.15)
@@ -164,3 +176,43 @@ def test_the_tokenizer_and_stops_come_from_the_file(harmony_gguf, tmp_path):
     assert set(cfg.eos_token_ids) == stops | {theirs.eos_token_id}
     gen = json.loads((folder / "generation_config.json").read_text())
     assert gen["eos_token_id"][0] == theirs.eos_token_id
+
+
+@pytest.mark.skipif(not cpu_gguf.available(), reason="needs the CPU kernels")
+@pytest.mark.parametrize("tokens", [3, 300])  # the dot kernel's few rows, the batch paths
+def test_mxfp4_experts_on_q8_0_blocks_match_the_dequantized_layer(
+    tiny_gpt_oss_dir, tmp_path, tokens
+):
+    """The file's MXFP4 experts as Q8_0 blocks (apply_gguf_blocks) against the same experts
+    dequantized by gguf-py: each MoE layer's output within x's int8 rounding. A layer with a
+    block scale past float16's range keeps the dequantized experts: its output is the
+    reference's exactly."""
+    from safetensors.torch import load_file
+
+    from engine.layers.quantization.gguf import apply_gguf_blocks
+    from engine.models.loader import load_model
+
+    state = {
+        n: t.numpy() for n, t in load_file(str(tiny_gpt_oss_dir / "model.safetensors")).items()
+    }
+    # one block of expert 3's down rows scaled so its MXFP4 scale is ~2^20
+    state["model.layers.0.mlp.experts.down_proj"][3, :, 5] *= 2.0**24
+    hf_dir = save_as_hf(tiny_gpt_oss_dir, tmp_path / "huge", state)
+    gguf = tmp_path / "g.gguf"
+    write_gpt_oss_gguf(hf_dir, gguf)
+    folder = resolve_model(gguf, cache_dir=tmp_path / "cache")
+    ref, model = load_model(folder, dtype="float32"), load_model(folder, dtype="float32")
+    paths = apply_gguf_blocks(model, gguf)
+    assert paths["experts"] == {
+        "MXFP4 as Q8_0 stacked blocks on the gguf kernels": 2,
+        "dequantized (MXFP4 scales past float16's range for Q8_0)": 1,
+    }
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for i in range(3):
+            y, want = model.model.layers[i].mlp(x), ref.model.layers[i].mlp(x)
+            if i == 0:
+                assert torch.equal(y, want)
+            else:
+                assert model.model.layers[i].mlp.experts.w13_weight.dtype == torch.uint8
+                assert (y - want).abs().max() <= 0.03 * want.abs().max()

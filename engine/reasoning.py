@@ -17,8 +17,10 @@ gpt-oss writes OpenAI's harmony format instead (`openai_gptoss`, vLLM's name): m
 channels, `<|channel|>analysis<|message|>...<|end|>` (the reasoning), then
 `<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer). Its markers are
 special tokens, so the API keeps special tokens in the text it splits (keeps_special_tokens);
-the parts it returns hold none, but a tool call (a commentary message to `functions.NAME`),
-which it passes on whole in the answer for the `openai` tool parser (api/openai/tools/harmony.py).
+the parts it returns hold none, but a tool call (a commentary message to `functions.NAME`, the
+recipient in its channel header or in its role header: `<|start|>assistant to=functions.NAME
+<|channel|>commentary json<|message|>`), which it passes on whole (headers included) in the
+answer for the `openai` tool parser (api/openai/tools/harmony.py).
 A new format is one entry in REASONING_FORMATS. No torch here.
 """
 
@@ -90,13 +92,27 @@ def _cut_off(text: str, tag: str) -> int:
     return 0
 
 
-# One harmony message: its header (channel, then maybe a recipient and a constraint) and its
-# body up to the marker that ends it (or the end of the text so far).
+# One harmony message: its role header (`<|start|>assistant`, maybe with a recipient: ` to=
+# functions.f`; the output's first message has only what follows the prompt's `<|start|>
+# assistant`), its channel header (channel, then maybe a recipient and a constraint) and its
+# body up to the marker that ends it (a next `<|start|>` is left to the next message), or the
+# end of the text so far.
 _HARMONY_MESSAGE = re.compile(
+    r"(?:(?:^|<\|start\|>)(?P<role>[^<]*))?"
     r"<\|channel\|>(?P<channel>[^<\s]*)(?P<header>[^<]*(?:<\|constrain\|>[^<]*)?)<\|message\|>"
-    r"(?P<body>.*?)(?P<stop><\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
+    r"(?P<body>.*?)(?P<stop><\|end\|>|<\|return\|>|<\|call\|>|(?=<\|start\|>)|$)",
     re.DOTALL,
 )
+
+
+def role_recipient_ahead(text: str) -> bool:
+    """Whether the output text starts, or may still start, with its first message's role
+    header naming a recipient (" to=functions.f<|channel|>...": the prompt wrote the
+    `<|start|>assistant` before it); such a beginning is a call's, not answer text."""
+    head = text.lstrip()
+    return bool(head) and (head.startswith("to=") or "to=".startswith(head))
+
+
 _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
 
 
@@ -120,15 +136,18 @@ class HarmonyFormat(ReasoningFormat):
             elif text.endswith("<"):
                 text = text[:-1]
         if "<|channel|>" not in text:  # no harmony (yet): plain text is the answer
-            if not final and "<|channel|>".startswith(text.lstrip()):
+            if not final and (
+                "<|channel|>".startswith(text.lstrip()) or role_recipient_ahead(text)
+            ):
                 return "", ""
             return "", strip_special_markers(text)
         reasoning, answer = [], []
         for m in _HARMONY_MESSAGE.finditer(text):
-            if "to=" in m["header"]:  # a tool call: passed on whole, for the tool parser
-                answer.append(
-                    m.group(0) if m["stop"] != "<|start|>" else m.group(0)[: -len(m["stop"])]
-                )
+            role = m["role"] or ""
+            if "to=" in role + m["header"]:  # a tool call: passed on whole for the tool
+                # parser, from its role header where the recipient is there
+                start = m.start() if "to=" in role else m.start("channel") - len("<|channel|>")
+                answer.append(text[start : m.end()])
                 continue
             if m["channel"] == "analysis":
                 reasoning.append(m["body"])

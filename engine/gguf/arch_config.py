@@ -1,5 +1,6 @@
 """config.json entries of the GGUF architectures that are more than the Llama decoder: qwen2moe's
-and qwen3moe's experts (qwen2moe's shared expert), gemma3's windows, rope bases and attention scale, phi3's LongRoPE and partial rotary.
+and qwen3moe's experts (qwen2moe's shared expert), gemma3's windows, rope bases and attention scale, phi3's LongRoPE and partial rotary,
+gpt-oss's experts, windows and yarn.
 
 Each is read from the metadata keys and tensors llama.cpp's convert_hf_to_gguf.py writes, and
 where llama.cpp fixes a value in its loader instead of the file (gemma3's window pattern, local
@@ -143,6 +144,43 @@ def phi3(key: Key, tensors: dict, config: dict) -> dict:
     return out
 
 
+# llama.cpp's gpt-oss loader: every other layer windowed from the first (set_swa_pattern(2),
+# gemma3_layer_types' rule), and its graph's fixed SwiGLU (alpha, limit), which the file omits
+GPT_OSS_SWA_PATTERN = 2
+GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
+
+
+def gpt_oss(key: Key, tensors: dict, config: dict) -> dict:
+    """llama.cpp's gpt-oss (convert_hf_to_gguf's GptOssModel): experts expert_feed_forward_length
+    wide with biases (gate, up and down stacked apart: a file with ffn_gate_up_exps fused is
+    refused), attention biases and sinks, windowed layers alternating with global ones, and
+    the checkpoint's yarn rope, which gpt-oss runs untruncated (HF's truncate: false)."""
+    fused = next((n for n in tensors if n.endswith("ffn_gate_up_exps.weight")), None)
+    if fused is not None:
+        raise ValueError(
+            f"gpt-oss GGUF tensor {fused}: fused gate/up experts are not supported (files "
+            "with ffn_gate_exps and ffn_up_exps are)"
+        )
+    experts = key("expert_count")
+    if not experts:
+        raise ValueError("a gpt-oss GGUF file without gpt-oss.expert_count")
+    window = key("attention.sliding_window")
+    scaling = config["rope_scaling"]
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling = {**scaling, "truncate": False}
+    return {
+        "num_local_experts": int(experts),
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "intermediate_size": int(key("expert_feed_forward_length")),
+        "sliding_window": int(window) if window else None,
+        "layer_types": gemma3_layer_types(config["num_hidden_layers"], window, GPT_OSS_SWA_PATTERN),
+        "attention_bias": True,
+        "swiglu_alpha": GPT_OSS_SWIGLU_ALPHA,
+        "swiglu_limit": GPT_OSS_SWIGLU_LIMIT,
+        "rope_scaling": scaling,
+    }
+
+
 # GGUF architecture -> (HF's class, HF's model_type, its entries beyond the Llama decoder's)
 ARCHS: dict[str, tuple[str, str, Callable[[Key, dict, dict], dict] | None]] = {
     "llama": ("LlamaForCausalLM", "llama", None),
@@ -152,4 +190,5 @@ ARCHS: dict[str, tuple[str, str, Callable[[Key, dict, dict], dict] | None]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", qwen3moe),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", gemma3),
     "phi3": ("Phi3ForCausalLM", "phi3", phi3),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", gpt_oss),
 }

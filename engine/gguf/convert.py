@@ -1,5 +1,5 @@
-"""Convert a GGUF file (llama.cpp's llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3 or phi3
-architecture: engine.gguf.arch_config) into a Hugging Face folder, once.
+"""Convert a GGUF file (llama.cpp's llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma3, phi3 or
+gpt-oss architecture: engine.gguf.arch_config) into a Hugging Face folder, once.
 
 The output (config.json, tokenizer files with the chat template, generation_config.json, the
 float32 tensors: norms and biases, and gguf_source.json: the file itself) is written to a
@@ -71,6 +71,17 @@ _TYPE_LAYER_NAMES = {
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     },
     "qwen3_moe": {"ffn_gate_inp.weight": "mlp.gate.weight"},  # the router
+    "gpt_oss": {  # biases everywhere, sinks, the router's bias; experts stacked apart with
+        # their biases [E, I] / [E, H] (engine.models.gpt_oss takes these names)
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+        "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+        "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+        "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+    },
     "qwen2_moe": {  # the router, and the shared expert with its sigmoid gate
         "ffn_gate_inp.weight": "mlp.gate.weight",
         "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
@@ -215,10 +226,47 @@ def _rope_scaling(reader, arch: str, theta: float, head_dim: int) -> dict | None
             "rope_type": "linear",
             "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
         }
+    if kind == "yarn" and arch in _YARN_ARCHS:
+        return _yarn_scaling(reader, arch)
     if kind not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear and Llama 3's are)")
+        raise ValueError(
+            f"GGUF rope scaling {kind!r} is not supported in {arch} files (linear and Llama "
+            f"3's are; yarn in {', '.join(_YARN_ARCHS)} files)"
+        )
     t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return None if t is None else _llama3_scaling(np.asarray(t.data), theta, head_dim)
+
+
+# where yarn is served (static, transformers'): tested against HF's gpt-oss only
+_YARN_ARCHS = ("gpt-oss",)
+
+
+def _yarn_scaling(reader, arch: str) -> dict:
+    """HF's "yarn" rope_scaling from llama.cpp's keys: the factor, the original context, the
+    betas where the file gives them (else HF's and llama.cpp's 32 / 1). An attention factor
+    other than 1 is refused: llama.cpp multiplies yarn's own scale by it, HF replaces it."""
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if factor is None or original is None:
+        raise ValueError(
+            f"GGUF yarn rope scaling needs {arch}.rope.scaling.factor and "
+            f"{arch}.rope.scaling.original_context_length"
+        )
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+    }
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = _field(reader, f"{arch}.rope.scaling.{key}")
+        if value is not None:
+            scaling[name] = float(value)
+    attn = _field(reader, f"{arch}.rope.scaling.yarn_attn_factor")
+    if attn is not None and abs(float(attn) - 1.0) > 1e-6:
+        raise ValueError(
+            f"GGUF {arch}.rope.scaling.yarn_attn_factor {attn} is not supported (only 1)"
+        )
+    return scaling
 
 
 # llama.cpp interleaves the rotary halves of q/k rows in "llama" files only (the others
@@ -400,10 +448,30 @@ def linked_tensors(folder: Path) -> Iterator[tuple[str, Callable[[], torch.Tenso
         yield name, functools.partial(_float_tensor, t, config, name)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+# gpt-oss's turn ends besides the file's one eos (its HF generation_config's list; llama.cpp
+# ends generation on them too): <|call|> ends a turn that calls a tool
+_HARMONY_STOPS = ("<|return|>", "<|endoftext|>", "<|call|>")
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+def _stop_ids(reader, config: dict):
+    """generation_config's eos_token_id: the file's eos, and for gpt-oss the harmony stops its
+    vocabulary has."""
+    eos = config["eos_token_id"]
+    if config["model_type"] != "gpt_oss":
+        return eos
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    ids = [i for i, t in enumerate(tokens) if t in _HARMONY_STOPS]
+    return list(dict.fromkeys(([] if eos is None else [eos]) + ids))
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path, model_type: str = "llama") -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # AutoTokenizer reads the file's model config only to pick a class, and transformers'
+    # gpt-oss reader of it fails on the yarn keys (float() of a numpy array); gpt-oss has no
+    # tokenizer class of its own: the generic one AutoTokenizer would give, built directly
+    cls = PreTrainedTokenizerFast if model_type == "gpt_oss" else AutoTokenizer
+    tok = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not tok.chat_template:
         logger.warning("%s carries no chat template; chat requests will fail", gguf_path.name)
     tok.save_pretrained(str(out_dir))
@@ -434,6 +502,7 @@ def convert_gguf(gguf_path: str | Path, dest: str | Path, shard_bytes: int = SHA
     try:
         reader = _SplitReader(files)
         config = _read_config(reader)
+        stops = _stop_ids(reader, config)
         _write_weights(reader, config, tmp, shard_bytes, every=False)
         del reader
         link = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
@@ -441,9 +510,9 @@ def convert_gguf(gguf_path: str | Path, dest: str | Path, shard_bytes: int = SHA
             link["files"] = [{"path": str(f.resolve()), "size": f.stat().st_size} for f in files]
         (tmp / LINK).write_text(json.dumps(link, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": stops}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        _save_tokenizer(gguf_path, tmp)
+        _save_tokenizer(gguf_path, tmp, config["model_type"])
         try:
             os.rename(tmp, dest)
         except OSError:

@@ -12,7 +12,9 @@ Checkpoints store the experts stacked, gate_up_proj [E, H, 2I] with gate and up 
 MXFP4 (quantization_config.quant_method "mxfp4": `*_blocks` / `*_scales` pairs; on one CPU rank
 kept as exact 8-bit blocks, else dequantized at load into the model's dtype:
 engine.layers.quantization.mxfp4). Loading de-interleaves and transposes them into FusedMoE's
-w13 [E, 2I, H] (gate | up) and w2 [E, H, I], this tensor-parallel rank's slice of I.
+w13 [E, 2I, H] (gate | up) and w2 [E, H, I], this tensor-parallel rank's slice of I. A
+llama.cpp gpt-oss GGUF (engine.gguf.convert) gives one tensor per expert and projection
+instead (FusedMoE's own loader) and the gate and up biases apart ([E, I] each).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch
 from torch import nn
 
 from engine.distributed import get_tp_rank
-from engine.layers.moe import FusedMoE, ReplicatedGate
-from engine.layers.quantization.mxfp4 import Mxfp4Experts, dequantize_mxfp4
+from engine.layers.moe import DOWN, GATE, UP, FusedMoE, ReplicatedGate, expert_weight_target
+from engine.layers.quantization.mxfp4 import Mxfp4Experts
+from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4
 from engine.models.hf_config import HFModelConfig
 from engine.models.llama import LlamaForCausalLM
 
@@ -52,6 +55,7 @@ class GptOssMoE(nn.Module):
         kept = Mxfp4Experts(experts) if mxfp4 else None
         self._mxfp4 = kept if kept is not None and kept.eligible else None
         for param, proj in ((experts.w13_weight, "gate_up"), (experts.w2_weight, "down")):
+            param.per_expert_shards = param.expected_shards  # FusedMoE's: a GGUF's tensors
             param.weight_loader = self._load_weight
             param.expected_shards = {f"{proj}_blocks", f"{proj}_scales"} if mxfp4 else {proj}
         experts.w13_bias.weight_loader = self._load_gate_up_bias
@@ -62,7 +66,11 @@ class GptOssMoE(nn.Module):
 
     # -- loading the checkpoint's stacked tensors ----------------------------------------
 
-    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard) -> None:
+        if isinstance(shard, tuple):  # (expert, GATE/UP/DOWN): a GGUF file's one expert
+            param.expected_shards = param.per_expert_shards  # the checkpoint's form
+            self.experts.weight_loader(param, loaded, shard)
+            return
         proj = shard
         if shard.endswith(("_blocks", "_scales")):
             proj, part = shard.rsplit("_", 1)
@@ -109,9 +117,18 @@ class GptOssMoE(nn.Module):
         i, rank = self.experts.inter, self.experts.slice_rank
         self._copy(param, self._mine(w)[:, :, rank * i : (rank + 1) * i])
 
-    def _load_gate_up_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def _load_gate_up_bias(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None
+    ) -> None:
         e = self.experts
-        self._copy(param, _gate_up_slice(self._mine(loaded), e.inter, e.slice_rank))
+        i, rank = e.inter, e.slice_rank
+        if shard is None:  # [E, 2I], gate and up interleaved
+            self._copy(param, _gate_up_slice(self._mine(loaded), i, rank))
+            return
+        # a GGUF's gate or up biases [E, I] apart: this rank's slice into its half
+        param.expected_shards = {"gate", "up"}
+        half = param.data.narrow(1, 0 if shard == "gate" else i, i)
+        self._copy(half, self._mine(loaded)[:, rank * i : (rank + 1) * i])
 
     def _load_down_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         # an expert sliced over the ranks adds its bias on rank 0 only (the all-reduce over
@@ -121,7 +138,7 @@ class GptOssMoE(nn.Module):
         self._copy(param, mine if whole else torch.zeros_like(mine))
 
     @staticmethod
-    def _copy(param: nn.Parameter, src: torch.Tensor) -> None:
+    def _copy(param: torch.Tensor, src: torch.Tensor) -> None:
         if param.shape != src.shape:
             raise ValueError(
                 f"gpt-oss expert tensor shape mismatch: checkpoint gives {tuple(src.shape)} "
@@ -158,7 +175,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         "down_proj_blocks": ("w2_weight", "down_blocks"),
         "down_proj_scales": ("w2_weight", "down_scales"),
         "down_proj_bias": ("w2_bias", None),
+        "gate_proj_bias": ("w13_bias", "gate"),  # a GGUF's, [E, I] each
+        "up_proj_bias": ("w13_bias", "up"),
     }
+    # a GGUF's experts, one tensor per expert: model.layers.N.mlp.experts.E.gate_proj.weight
+    _GGUF_PROJECTIONS = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         """(our parameter, shard id) for the stacked expert tensors and the sinks; None for the
@@ -167,6 +188,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if prefix.endswith(".mlp.experts") and last in self._EXPERT_TENSORS:
             param, shard = self._EXPERT_TENSORS[last]
             return f"{prefix}.{param}", shard
+        per_expert = expert_weight_target(name, self._GGUF_PROJECTIONS)
+        if per_expert is not None:
+            return per_expert
         if name.endswith(".self_attn.sinks"):
             return name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
         return None

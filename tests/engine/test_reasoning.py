@@ -107,6 +107,13 @@ HARMONY = REASONING_FORMATS["openai_gptoss"]
 _A = "<|channel|>analysis<|message|>"
 _F = "<|start|>assistant<|channel|>final<|message|>"
 _CALL = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}<|call|>'
+# the recipient in the role header (gpt-oss writes both forms); the output's first message
+# starts after the prompt's `<|start|>assistant`, at " to="
+_ROLE_CALL = ' to=functions.f<|channel|>commentary json<|message|>{"x": 1}<|call|>'
+_ROLE_CALL_CONSTRAIN = (
+    "<|start|>assistant to=functions.f<|channel|>commentary <|constrain|>json<|message|>"
+    '{"x": 1}<|call|>'
+)
 
 
 @pytest.mark.parametrize(
@@ -121,6 +128,13 @@ _CALL = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 
         (f"{_A}t<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>",
          ("t", "Checking.")),
         ("no channels at all<|return|>", ("", "no channels at all")),
+        (_ROLE_CALL, ("", _ROLE_CALL)),  # the whole output one call
+        (f"{_A}t<|end|><|start|>assistant{_ROLE_CALL}", ("t", f"<|start|>assistant{_ROLE_CALL}")),
+        (f"{_A}t<|end|>{_ROLE_CALL_CONSTRAIN}", ("t", _ROLE_CALL_CONSTRAIN)),
+        # a preamble (no recipient), then a call whose role header repeats after it
+        (f"<|channel|>commentary<|message|>Checking.<|end|>{_ROLE_CALL_CONSTRAIN}",
+         ("", f"Checking.{_ROLE_CALL_CONSTRAIN}")),
+        ("to be or not", ("", "to be or not")),  # plain text that starts like a recipient
     ],
 )  # fmt: skip
 def test_harmony_split_of_a_whole_output(text, want):
@@ -130,18 +144,21 @@ def test_harmony_split_of_a_whole_output(text, want):
     assert HARMONY.keeps_special_tokens and HARMONY.start_state("<|start|>assistant") is OPEN
 
 
-def test_harmony_streamed_splits_only_append():
-    text = f"{_A}2 < 3, so<|end|>{_F}yes <| not a marker |> done<|return|>"
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (f"{_A}2 < 3, so<|end|>{_F}yes <| not a marker |> done<|return|>",
+         ("2 < 3, so", "yes <| not a marker |> done")),
+        (_ROLE_CALL, ("", _ROLE_CALL)),
+        (f"{_A}t<|end|>{_ROLE_CALL_CONSTRAIN}", ("t", _ROLE_CALL_CONSTRAIN)),
+    ],
+)  # fmt: skip
+def test_harmony_streamed_splits_only_append(text, want):
+    """Character by character, both parts only grow, up to the whole output's split: a
+    call's role header is never answer text first."""
     before = ("", "")
     for n in range(len(text) + 1):
         reasoning, answer = HARMONY.split(text[:n], OPEN, final=False)
         assert reasoning.startswith(before[0]) and answer.startswith(before[1]), text[:n]
         before = (reasoning, answer)
-    assert (
-        HARMONY.split(text, OPEN, final=True)
-        == before
-        == (
-            "2 < 3, so",
-            "yes <| not a marker |> done",
-        )
-    )
+    assert HARMONY.split(text, OPEN, final=True) == before == want

@@ -3,8 +3,10 @@ message to a recipient,
 
     <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
 
-(the recipient may also sit before the channel: `<|start|>assistant to=functions.f<|channel|>
-commentary ...`). The markers are special tokens, kept in the text (keeps_special_tokens).
+or, the recipient in the role header, `<|start|>assistant to=functions.get_weather<|channel|>
+commentary json<|message|>{...}<|call|>` (the output's first message starts at ` to=`: the
+prompt ended with `<|start|>assistant`). The markers are special tokens, kept in the text
+(keeps_special_tokens).
 With `--reasoning-parser openai_gptoss` the reasoning split passes a call's messages on in the
 answer (engine.reasoning.HarmonyFormat); the content is the answer's text before the first call
 (a call ends the model's turn: `<|call|>` is a stop token).
@@ -16,7 +18,7 @@ import re
 
 from api.openai.tools.base import PartialCall, Snapshot, ToolParser
 from api.openai.tools.hermes import held_tail
-from engine.reasoning import strip_special_markers
+from engine.reasoning import role_recipient_ahead, strip_special_markers
 
 CHANNEL = "<|channel|>"
 # a call: the recipient, then the body from <|message|> to <|call|> (or the end so far)
@@ -34,6 +36,8 @@ class HarmonyParser(ToolParser):
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
         first = min((i for i in (text.find(m) for m in _MARKERS) if i >= 0), default=-1)
+        if role_recipient_ahead(text):  # a call's role header from the start (or maybe)
+            first = 0
         if first < 0:
             keep = 0 if final else max(held_tail(text, m) for m in _MARKERS)
             return Snapshot(strip_special_markers(text[: len(text) - keep]))

@@ -30,7 +30,8 @@ to the head looks its tokens up in the file's token_embd blocks (GGUFEmbeddingRo
 model's 1 GB bf16 table becomes its ~0.3 GB of blocks); a tied one stays the float table the
 head reads. A MoE layer's stacked experts (qwen3moe's ffn_*_exps) keep their blocks too
 (GGUFExperts: each routed expert's gate/up and down on cpu_gguf.linear), unless a part is a
-float tensor or gate and up differ in type.
+float tensor or gate and up differ in type; gpt-oss's MXFP4 experts stay the file's MXFP4
+blocks (the dot kernels read them as they are).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Only the MoE experts are MXFP4 (the attention, router, embeddings and LM head stay bf16: the
 config's modules_to_not_convert), each weight as a pair: `*_blocks` uint8 [..., G, 16] (two
 FP4 e2m1 values a byte, the low nibble first) and `*_scales` uint8 [..., G] (an E8M0 power of
-two per 32 values, bias 127). No linear layer gets a quantized method; the experts either
+two per 32 values, bias 127; their decoding and GGUF repack: mxfp4_blocks). No linear layer
+gets a quantized method; the experts either
 
 - dequantize at load into the model's dtype (exactly: every FP4 value times a power of two is
   a bf16 value), then run on the float MoE paths at 4x their MXFP4 bytes (CUDA, TP > 1), or
@@ -22,59 +23,7 @@ from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig
-
-# e2m1: the sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_VALUES += tuple(-v for v in FP4_VALUES)
-
-
-def _codes(blocks: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [..., G, 16] -> lut's value of each e2m1 code [..., G, 32], the low
-    nibble of a byte first."""
-    b = blocks.to(torch.uint8)
-    return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
-
-
-def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in dtype."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
-            "(blocks [..., G, 16], scales [..., G])"
-        )
-    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device=blocks.device)
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    # one leading index (an expert) at a time: the float32 intermediates stay one expert's
-    # (gpt-oss-120b's gate_up: 128 x 5760 x 2880 values a layer)
-    parts = zip(blocks, scales, out, strict=True) if blocks.dim() > 2 else [(blocks, scales, out)]
-    for b, s, o in parts:
-        exponents = s.to(torch.int32) - 127
-        o.copy_(torch.ldexp(_codes(b, lut), exponents.unsqueeze(-1)).flatten(-2))
-    return out
-
-
-GGUF_MXFP4_BLOCK_BYTES = 17  # ggml's block_mxfp4: the E8M0 byte, then 16 bytes of codes
-
-
-def to_gguf_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [E, rows, G, 16], scales uint8 [E, rows, G] -> GGUF MXFP4 rows, uint8
-    [E, rows, G * 17], the same bits: each block's E8M0 byte, then its codes with value j in
-    byte j's low nibble and value j + 16 in its high one (ggml's order; the checkpoint's
-    byte j holds values 2j and 2j + 1)."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
-            "(blocks [..., G, 16], scales [..., G])"
-        )
-    out = torch.empty(*blocks.shape[:-1], GGUF_MXFP4_BLOCK_BYTES, dtype=torch.uint8)
-    for e in range(blocks.shape[0]):  # one expert's intermediates at a time
-        b = blocks[e].to(torch.uint8)
-        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)  # [rows, G, 32], in order
-        out[e, ..., 0] = scales[e]
-        out[e, ..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
-    return out.flatten(-2)
+from engine.layers.quantization.mxfp4_blocks import blocks_width, to_gguf_mxfp4
 
 
 class Mxfp4Experts:
@@ -120,11 +69,6 @@ class Mxfp4Experts:
                 intermediate_size=blocks_width(parts["down"][0]),
             )
         )  # fmt: skip
-
-
-def blocks_width(blocks: torch.Tensor) -> int:
-    """The values a row of MXFP4 blocks [..., G, 16] holds."""
-    return blocks.shape[-2] * 32
 
 
 class Mxfp4Config(QuantizationConfig):

@@ -130,21 +130,24 @@ _ARCH_NAMES = {
 }
 
 
-def _tokenizer_metadata(writer: GGUFWriter, hf_dir: Path) -> None:
-    """The tests' byte-level BPE tokenizer as llama.cpp's gpt2 vocabulary."""
+def _tokenizer_metadata(
+    writer: GGUFWriter, hf_dir: Path, pre: str = "default", control: tuple[str, ...] = ()
+) -> None:
+    """The tests' byte-level BPE tokenizer as llama.cpp's gpt2 vocabulary (control: added
+    tokens llama.cpp's converter marks CONTROL, as o200k_harmony's markers)."""
     tj = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = dict(tj["model"]["vocab"])
     special = set()
     for added in tj.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
-        if added.get("special"):
+        if added.get("special") or added["content"] in control:
             special.add(added["id"])
     tokens = [None] * len(vocab)
     for tok, i in vocab.items():
         tokens[i] = tok
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     writer.add_token_merges(merges)
@@ -295,3 +298,90 @@ def save_as_hf(hf_dir: Path, dest: Path, state: dict) -> Path:
     tensors = {n: torch.from_numpy(np.ascontiguousarray(w)) for n, w in state.items()}
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
+
+
+# -- gpt-oss as llama.cpp's GptOssModel writes it --------------------------------------------
+
+_GPT_OSS_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    **{f"self_attn.{p}_proj.{t}": f"attn_{g}.{t}" for p, g in
+       (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")) for t in ("weight", "bias")},
+}  # fmt: skip
+
+
+def write_gpt_oss_gguf(
+    hf_dir: Path,
+    path: Path,
+    experts: str = "MXFP4",
+    type_name: str = "F32",
+    pre: str = "default",
+    control: tuple[str, ...] = (),
+) -> dict:
+    """A tiny gpt-oss HF model (float) as a llama.cpp gpt-oss GGUF: its metadata (yarn, window,
+    expert counts and width), the attention and embeddings in type_name, the experts split
+    into ffn_gate_exps / ffn_up_exps (gate_up's interleaved rows taken apart, as its biases)
+    and ffn_down_exps, [E, rows, cols], in `experts` (MXFP4: gguf-py's quantizer, ggml's
+    block_mxfp4). Returns the HF state dict of the values the file holds."""
+    hf_dir = Path(hf_dir)
+    c = json.loads((hf_dir / "config.json").read_text())
+    state = {n: t.float().numpy() for n, t in load_file(str(hf_dir / "model.safetensors")).items()}
+    writer = GGUFWriter(str(path), "gpt-oss")
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    rope = c["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_expert_count(c["num_local_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_expert_feed_forward_length(c["intermediate_size"])
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    _tokenizer_metadata(writer, hf_dir, pre, control)
+    held: dict[str, np.ndarray] = {}
+    for name, w in state.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            gguf_name = "token_embd.weight" if "embed" in name else "output.weight"
+            held[name] = _add(writer, gguf_name, w, type_name)
+            continue
+        if name == "model.norm.weight":
+            held[name] = _add(writer, "output_norm.weight", w, "F32")
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}"
+        if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I] (x @ W), gate and up interleaved
+            rows = w.transpose(0, 2, 1)
+            gate = _add(writer, f"{blk}.ffn_gate_exps.weight", rows[:, 0::2], experts)
+            up = _add(writer, f"{blk}.ffn_up_exps.weight", rows[:, 1::2], experts)
+            both = np.empty_like(rows)
+            both[:, 0::2], both[:, 1::2] = gate, up
+            held[name] = both.transpose(0, 2, 1)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            _add(writer, f"{blk}.ffn_gate_exps.bias", w[:, 0::2], "F32")
+            _add(writer, f"{blk}.ffn_up_exps.bias", w[:, 1::2], "F32")
+            held[name] = w
+        elif rest == "mlp.experts.down_proj":  # [E, I, H] -> [E, H, I]
+            down = _add(writer, f"{blk}.ffn_down_exps.weight", w.transpose(0, 2, 1), experts)
+            held[name] = down.transpose(0, 2, 1)
+        elif rest == "mlp.experts.down_proj_bias":
+            held[name] = _add(writer, f"{blk}.ffn_down_exps.bias", w, "F32")
+        else:
+            part = _GPT_OSS_NAMES[rest]
+            kind = type_name if part.startswith("attn_") and part.endswith("weight") else "F32"
+            held[name] = _add(writer, f"{blk}.{part}", w, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, to_gguf_mxfp4
+from engine.layers.quantization.mxfp4_blocks import FP4_VALUES, dequantize_mxfp4, to_gguf_mxfp4
 from engine.models.loader import load_hf_config
 from tests.engine.test_llm_exactness import (
     SW_NUM_NEW,

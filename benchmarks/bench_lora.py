@@ -151,7 +151,7 @@ def swap_costs(llm: LLM, folders: dict[str, Path], rank: int, repeats: int) -> l
         manager.remove(request.lora_int_id)
         nbytes = sum(
             t.numel() * t.element_size()
-            for slices in shard.values()
+            for slices in shard.weights.values()
             for ab in slices
             if ab is not None
             for t in ab

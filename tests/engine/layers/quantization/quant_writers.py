@@ -125,8 +125,8 @@ def act_order_g_idx(k: int, group: int, gen: torch.Generator) -> torch.Tensor:
 
 
 class ActOrders:
-    """The g_idx of each layer name: the trivial order, or without `desc_act` False a random
-    act-order shared by the projections of one input."""
+    """The g_idx of each layer name: the trivial order, or with `desc_act` a random act-order
+    shared by the projections of one input."""
 
     def __init__(self, desc_act: bool, group: int, seed: int):
         self.desc_act, self.group = desc_act, group

@@ -7,8 +7,10 @@ g_idx) packed by hand (quant_writers).
 Checked: one MoE layer's quantized experts (CPU kernels, and the fused Triton kernel under its
 interpreter) against dequantize-then-matmul with tokens routed unevenly and some experts getting
 none; tiny random Qwen3-MoE and Mixtral models' greedy tokens through LLM(dir) against HF
-transformers on the dequantized weights (within the dense tests' top-2 gap tolerance); TP=2
-shards against one process; start-up refusals naming the field.
+transformers on the dequantized weights (within the dense tests' top-2 gap tolerance; W8A8's
+int8 activations a wider one); TP=2 shards against one process (and one rank's act-order shard,
+down keeping every group's scales, against its dequantized weights); start-up refusals naming
+the field.
 """
 
 from __future__ import annotations

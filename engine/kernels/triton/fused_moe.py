@@ -23,7 +23,9 @@ depend only on the shapes.
 
 fused_experts_quantized is the same for a quantized checkpoint's experts (ExpertWeights; engine.
 layers.quantization.experts): FP8 weights widened in the inner loop with their row scales in
-the epilogue (block-FP8: each weight times its block's scale in the loop), or 4/8-bit codes dequantized per tile with their group scales and zero points.
+the epilogue (block-FP8: each weight times its block's scale in the loop), or 4/8-bit codes
+dequantized per tile with their group scales and zero points (act-order: the rows sorted by
+group at load, a's columns gathered through each expert's permutation).
 
 Under TRITON_INTERPRET=1 (the tests without a GPU) the operands are upcast to float32 before
 each dot: the interpreter's bf16 arithmetic is broken (see the package docstring).
@@ -244,13 +246,20 @@ class ExpertWeights:
     [E, N, ceil(K / group)], one row of block scales per output row, applied per weight in
     the inner loop. bits 4 or 8: unsigned codes, uint8 [E, N, K * bits / 8] (4-bit: k even in the low
     nibble), float32 `scales` [E, N, K / group] and int32 `zeros` like them (None: symmetric,
-    2 ** (bits - 1)); w = (q - zero) * scale, dequantized per tile in the inner loop."""
+    2 ** (bits - 1)); w = (q - zero) * scale, dequantized per tile in the inner loop.
+    Act-order (engine.layers.quantization.experts.sort_rows_by_group): each expert's rows
+    sorted by group, `perm` int32 [E, K] the input column each sorted row multiplies (the
+    kernel gathers a's columns through it), and `g_idx` int32 [E, K] each sorted row's group
+    where that is not k // group (a tensor-parallel shard of down: its groups index the full
+    scales)."""
 
     data: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None = None
     bits: int = 0
     group: int = 0
+    perm: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -259,19 +268,16 @@ class ExpertWeights:
 
 @triton.jit
 def _load_quant_b(
-    b_ptr, s_ptr, z_ptr, expert, offs_n, kk, mask, stride_be, stride_bn, stride_se, stride_sn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
+    b_ptr, s_ptr, z_ptr, expert, offs_n, kk, grp, mask, stride_be, stride_bn, stride_se,
+    stride_sn, BITS: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
 ):  # fmt: skip
-    """The float32 [BLOCK_K, BLOCK_N] tile of expert's weight^T at input rows kk, columns
-    offs_n."""
+    """The float32 [BLOCK_K, BLOCK_N] tile of expert's weight^T at input rows kk (of groups
+    grp), columns offs_n."""
     base = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
     if BITS == 0:  # float8 values, scaled here per block of K, or in the epilogue per row
         w = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0.0).to(tl.float32)
         if FP8_GROUPS:
-            s_off = (
-                expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
-                + (kk // GROUP)[:, None]
-            )  # fmt: skip
+            s_off = expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + grp[:, None]
             w = w * tl.load(s_ptr + s_off, mask=mask, other=0.0)
     else:
         if BITS == 4:
@@ -279,9 +285,7 @@ def _load_quant_b(
             q = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
         else:
             q = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0).to(tl.int32)
-        s_off = (
-            expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + (kk // GROUP)[:, None]
-        )
+        s_off = expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + grp[:, None]
         s = tl.load(s_ptr + s_off, mask=mask, other=0.0)
         if HAS_ZP:
             z = tl.load(z_ptr + s_off, mask=mask, other=0)
@@ -293,15 +297,18 @@ def _load_quant_b(
 
 @triton.jit
 def _fused_moe_quant_kernel(
-    a_ptr, b_ptr, s_ptr, z_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-    num_post_padded_ptr, N, K, num_valid,
+    a_ptr, b_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+    expert_ids_ptr, num_post_padded_ptr, N, K, num_valid,
     stride_am, stride_ak, stride_be, stride_bn, stride_se, stride_sn, stride_cm, stride_cn,
     A_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
+    HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """_fused_moe_kernel with b an ExpertWeights: its tiles dequantized to a's dtype (float32
-    under the interpreter) before each dot; FP8's row scales multiply the accumulators."""
+    under the interpreter) before each dot; FP8's row scales multiply the accumulators.
+    HAS_PERM: a's columns read through the expert's perm [E, K] (act-order's sorted rows);
+    HAS_G_IDX: each row's group read from g_idx [E, K], else k // GROUP."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -314,30 +321,38 @@ def _fused_moe_quant_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = (pairs // A_DIV).to(tl.int64)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         kk = k0 * BLOCK_K + offs_k
         k_ok = kk < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_PERM:  # sorted row kk multiplies a's column perm[expert, kk]
+            cols = tl.load(perm_ptr + expert * K + kk, mask=k_ok, other=0)
+        else:
+            cols = kk
+        a = tl.load(a_row_ptrs + cols[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        if HAS_G_IDX:
+            grp = tl.load(g_ptr + expert * K + kk, mask=k_ok, other=0)
+        else:
+            grp = kk // GROUP
         mask = k_ok[:, None] & n_ok[None, :]
-        b = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n, kk, mask, stride_be, stride_bn,
-                          stride_se, stride_sn, BITS, GROUP, HAS_ZP, FP8_GROUPS)  # fmt: skip
+        b = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n, kk, grp, mask, stride_be,
+                          stride_bn, stride_se, stride_sn, BITS, HAS_ZP, FP8_GROUPS)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b.to(a.dtype))
         if SILU_MUL:
-            b_up = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n + N, kk, mask, stride_be,
-                                 stride_bn, stride_se, stride_sn, BITS, GROUP, HAS_ZP,
+            b_up = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n + N, kk, grp, mask,
+                                 stride_be, stride_bn, stride_se, stride_sn, BITS, HAS_ZP,
                                  FP8_GROUPS)  # fmt: skip
             if UPCAST:
                 acc_up += tl.dot(a, b_up, input_precision="ieee")
             else:
                 acc_up += tl.dot(a, b_up.to(a.dtype))
-        a_ptrs += BLOCK_K * stride_ak
     if BITS == 0 and not FP8_GROUPS:
         s_row = s_ptr + expert * stride_se + offs_n * stride_sn
         acc = acc * tl.load(s_row, mask=n_ok, other=0.0)[None, :]
@@ -358,14 +373,19 @@ def _launch_quant(a, b: ExpertWeights, c, weights, sorted_ids, expert_ids, num_p
     block_k = 64 if k >= 64 else 32
     grid = (sorted_ids.numel() // bm, triton.cdiv(n, block_n))
     zeros = b.zeros if b.zeros is not None else b.scales  # unread without HAS_ZP
+    perm = b.perm if b.perm is not None else b.scales  # unread without HAS_PERM
+    g_idx = b.g_idx if b.g_idx is not None else b.scales  # unread without HAS_G_IDX
+    if b.perm is not None or b.g_idx is not None:
+        assert b.bits and (b.perm is None or b.perm.shape == (b.data.shape[0], k))
     _fused_moe_quant_kernel[grid](
-        a, b.data, b.scales, zeros, c, weights, sorted_ids, expert_ids, num_post,
+        a, b.data, b.scales, zeros, perm, g_idx, c, weights, sorted_ids, expert_ids, num_post,
         n, k, weights.numel(),
         a.stride(0), a.stride(1), b.data.stride(0), b.data.stride(1),
         b.scales.stride(0), b.scales.stride(1), c.stride(0), c.stride(1),
         A_DIV=a_div, SILU_MUL=silu, MUL_WEIGHT=mul_weight,
         BITS=b.bits, GROUP=max(b.group, 1), HAS_ZP=b.zeros is not None,
         FP8_GROUPS=b.bits == 0 and b.group > 0,
+        HAS_PERM=b.perm is not None, HAS_G_IDX=b.g_idx is not None,
         UPCAST=_INTERPRET or a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip

@@ -10,7 +10,7 @@ or per group) and an `ignore` list. Supported:
   `weight_shape`; dequant (q - z) * s. Converted into the canonical form (packed.py).
 - `int-quantized` / `naive-quantized`: int8 `weight` [N, K] with `weight_scale` (channel or
   tensor) and int8 activations (W8A8: dynamic per token, or static `input_scale`, served
-  dynamic per token on the CPU's W8A8 kernel).
+  dynamic per token on the CPU's W8A8 kernel; MoE experts too: experts.IntExpertsMethod).
 - `float-quantized`: FP8 e4m3 `weight` with per-tensor or per-channel `weight_scale`, static
   or dynamic activations (engine.layers.quantization.fp8's method); or `strategy: "block"`
   with `block_structure` [bn, bk] (llm-compressor's FP8_BLOCK, dynamic per-token-group
@@ -203,14 +203,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             return Fp8BlockExpertsMethod(scheme.block, "weight_scale", "weights.block_structure")
         if scheme.format == "float-quantized":
             return Fp8ExpertsMethod()
-        if scheme.format != "pack-quantized":
-            raise unsupported("format", f"{scheme.format} (MoE experts of {prefix})",
-                              "float-quantized or pack-quantized for MoE experts")  # fmt: skip
-        if scheme.actorder is not None:
-            raise unsupported("weights.actorder", f"{scheme.actorder} (MoE experts of {prefix})",
-                              "null for MoE experts")  # fmt: skip
-        group = scheme.group_size if scheme.strategy == "group" else -1
-        return IntExpertsMethod(CTPackedLinearMethod(scheme.bits, group, scheme.symmetric, False))
+        # pack-quantized (act-order's weight_g_idx included) or int-quantized (W8A8): each
+        # expert as a dense layer of the scheme
+        return IntExpertsMethod(scheme.method())
 
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.schemes) + (

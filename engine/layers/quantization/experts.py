@@ -12,11 +12,17 @@ Two formats:
   scales (`weight_block_size`, compressed-tensors' block strategy: Fp8BlockExpertsMethod):
   dequantized at load on the CPU; on CUDA the same kernel, the block scales in its inner loop.
 - integer weights, 4 or 8 bits, group or channel scales, symmetric or not (compressed-tensors'
-  pack-quantized: W4A16 / W8A16): on the CPU each expert's two projections become small layers
-  given the dense checkpoints' kernels by finish_int_layer (w4 tiles for int4, int8 rows for
-  symmetric channel int8, Q8 tiles, or the grouped fallback), run by FusedMoE.expert_linear over
-  the tokens routed to that expert; on CUDA the codes (two 4-bit codes a byte), float32 scales
-  and zero points go to the fused Triton kernel, which dequantizes them in its inner loop.
+  pack-quantized: W4A16 / W8A16; GPTQ; AWQ), act-order included (GPTQ desc_act, compressed-
+  tensors' actorder "group": each expert's own g_idx), and int8 weights with int8 activations
+  (compressed-tensors' int-quantized: W8A8): on the CPU each expert's two projections become
+  small layers given the dense checkpoints' kernels by finish_int_layer (w4 tiles for int4 —
+  act-order's rows sorted by group, x's columns gathered per call —, int8 rows for symmetric
+  channel int8 — W8A8's int8 activations from a few rows —, Q8 tiles, or the grouped
+  fallback), run by FusedMoE.expert_linear over the tokens routed to that expert; on CUDA the
+  codes (two 4-bit codes a byte), float32 scales and zero points go to the fused Triton
+  kernel, which dequantizes them in its inner loop (act-order: rows sorted by group at load,
+  x's / the activation's columns read through each expert's permutation; W8A8: weight-only
+  there, the activations stay in the model dtype).
 No float copy of a quantized expert is kept (but FP8 on the CPU, whose kernels take no float8:
 exact e4m3 values for per-channel scales, the dequantized weights for block scales).
 The router stays float: FusedMoE's router is a ReplicatedGate, never quantized.
@@ -25,6 +31,7 @@ The router stays float: FusedMoE's router is a ReplicatedGate, never quantized.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -83,9 +90,9 @@ def _register(moe: nn.Module, name: str, tensor: torch.Tensor, loader, optional=
     setattr(moe, name, param)
 
 
-def _register_ignored(moe: nn.Module) -> None:
+def _register_ignored(moe: nn.Module, extra: tuple[str, ...] = ()) -> None:
     for side in ("w13", "w2"):
-        for t in IGNORED:
+        for t in (*IGNORED, *extra):
             _register(moe, f"{side}_{t}", torch.zeros(0), ignored_loader, optional=True)
 
 
@@ -233,16 +240,52 @@ class Fp8BlockExpertsMethod(ExpertsMethod):
         )
 
 
+class ExpertGIdxLoader:
+    """weight_loader of a stacked act-order g_idx [E, K] (each input row's group): gate and up
+    share their input, so their orders must agree (as the dense merged layers' must); down
+    keeps this rank's rows of I, whose groups index every group's scales (loaded whole)."""
+
+    def __init__(self, moe: nn.Module, name: str):
+        self.moe, self.name = moe, name
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        expert, which = shard_id
+        moe, full = self.moe, loaded.to(torch.int32).reshape(-1)
+        k = param.shape[1]
+        if which == DOWN and moe.tp_size > 1 and full.numel() == k * moe.tp_size:
+            full = full.narrow(0, moe.tp_rank * k, k)
+        if full.numel() != k:
+            raise ValueError(
+                f"{self.name}: expert {expert}'s g_idx has {loaded.numel()} rows, this rank's "
+                f"experts take {k}"
+            )
+        seen = param.__dict__.setdefault("w13_loaded", set())
+        if which != DOWN and expert in seen and not torch.equal(param.data[expert], full):
+            raise ValueError(
+                f"{self.name}: expert {expert}'s gate and up projections have different g_idx "
+                "(act-order over one input gives them one order); they cannot run as one "
+                "gate_up"
+            )
+        if which != DOWN:
+            seen.add(expert)
+        param.data[expert].copy_(full)
+
+
 class IntExpertsMethod(ExpertsMethod):
-    """Integer weight-only experts in a dense format's tensors (`dense`, an IntWeightOnlyMethod:
-    its CODES / SCALES / ZEROS names and its convert_* into the output-major loading layout):
-    compressed-tensors' pack-quantized `weight_packed` / `weight_scale` / `weight_zero_point`,
-    GPTQ's and AWQ's `qweight` / `scales` / `qzeros` (a GPTQ `g_idx` without act-order is read
-    and dropped: the trivial order)."""
+    """Integer experts in a dense format's tensors (`dense`, an IntWeightOnlyMethod: its CODES /
+    SCALES / ZEROS / G_IDX names, its convert_* into the output-major loading layout, its
+    act_order and act_quant): compressed-tensors' pack-quantized `weight_packed` /
+    `weight_scale` / `weight_zero_point` (act-order: `weight_g_idx`) and int-quantized int8
+    `weight` / `weight_scale` (W8A8: act_quant), GPTQ's and AWQ's `qweight` / `scales` /
+    `qzeros` (GPTQ's `g_idx`: each expert's own order with desc_act, else read and dropped).
+    Act-order over a tensor-parallel shard of down keeps every group's scales, as the dense
+    row-parallel layers do (its rows' groups lie anywhere in the full I)."""
 
     def __init__(self, dense):
         self.dense = dense
         self.bits, self.group_size = dense.bits, dense.group_size
+        self.act_order = bool(dense.act_order and dense.G_IDX)
+        self.act_quant = dense.act_quant
         self.names = {"codes": dense.CODES, "scales": dense.SCALES, "zeros": dense.ZEROS}
 
     def _codes(self, t: torch.Tensor) -> torch.Tensor:
@@ -251,15 +294,21 @@ class IntExpertsMethod(ExpertsMethod):
     def create_weights(self, moe: nn.Module) -> None:
         name = getattr(moe, "prefix", "experts")
         e, dense, names = moe.num_experts, self.dense, self.names
+        tp, per_row = moe.tp_size, self.group_size <= 0
         for side, (n, k) in _shapes(moe).items():
-            group = k if self.group_size <= 0 else self.group_size
-            if k % group:
+            group = k if per_row else self.group_size
+            # act-order on down's shard: its rows' groups lie anywhere in the full I
+            full_groups = self.act_order and side == "w2" and tp > 1 and not per_row
+            if (k * tp if full_groups else k) % group:
                 where = "I of a tensor-parallel shard" if side == "w2" else "the hidden size"
+                where = "I" if full_groups else where
                 raise ValueError(
                     f"{name}: quantization_config group_size {self.group_size} does not divide "
-                    f"the experts' input features ({where}: {k})"
+                    f"the experts' input features ({where}: {k * tp if full_groups else k})"
                 )
-            g = k // group
+            g = (k * tp) // group if full_groups else k // group
+            # the float weight is replaced by the codes (int-quantized's take its name)
+            moe.register_parameter(f"{side}_weight", None)
             _register(moe, f"{side}_{names['codes']}", torch.zeros(e, n, k, dtype=torch.uint8),
                       ExpertLoader(moe, self._codes, name))  # fmt: skip
             _register(moe, f"{side}_{names['scales']}", torch.zeros(e, n, g, dtype=torch.float32),
@@ -268,11 +317,20 @@ class IntExpertsMethod(ExpertsMethod):
                 z = torch.full((e, n, g), 1 << (self.bits - 1), dtype=torch.int32)
                 _register(moe, f"{side}_{names['zeros']}", z,
                           ExpertLoader(moe, dense.convert_zeros, name))  # fmt: skip
-            if dense.G_IDX:  # GPTQ without act-order: the trivial order, dropped
+            if self.act_order:  # each expert's order; absent: the trivial one
+                first = moe.tp_rank * k if full_groups else 0
+                trivial = (torch.arange(k, dtype=torch.int32) + first) // group
+                _register(moe, f"{side}_{dense.G_IDX}", trivial.repeat(e, 1),
+                          ExpertGIdxLoader(moe, name), optional=True)  # fmt: skip
+            elif dense.G_IDX:  # GPTQ without act-order: the trivial order, dropped
                 _register(moe, f"{side}_{dense.G_IDX}", torch.zeros(0), ignored_loader, True)
-            # the float weight is replaced by the codes
-            moe.register_parameter(f"{side}_weight", None)
-        _register_ignored(moe)
+        _register_ignored(moe, self._extra())
+
+    def _extra(self) -> tuple[str, ...]:
+        """The dense format's read-and-dropped tensors not loaded here (int-quantized's zero
+        points and input zero points)."""
+        used = set(self.names.values())
+        return tuple(t for t in self.dense.EXTRA if t not in used and t not in IGNORED)
 
     def process_weights_after_loading(self, moe: nn.Module) -> str:
         parts, names = {}, self.names
@@ -282,21 +340,38 @@ class IntExpertsMethod(ExpertsMethod):
             zeros = getattr(moe, f"{side}_{names['zeros']}").data if names["zeros"] else None
             if zeros is not None and bool((zeros == (1 << (self.bits - 1))).all()):
                 zeros = None  # symmetric after all (GPTQ stores symmetric zero points)
+            g_idx = getattr(moe, f"{side}_{self.dense.G_IDX}").data if self.act_order else None
             group = k if self.group_size <= 0 else self.group_size
-            parts[side] = (codes, scales, zeros, group)
-            for t in (*names.values(), self.dense.G_IDX, *IGNORED):
+            parts[side] = ExpertParts(codes, scales, zeros, group, g_idx)
+            for t in (*names.values(), self.dense.G_IDX, *IGNORED, *self._extra()):
                 if t and hasattr(moe, f"{side}_{t}"):
                     delattr(moe, f"{side}_{t}")
-        if parts["w13"][0].device.type == "cuda":
+            moe.register_parameter(f"{side}_weight", None)  # no float copy
+        if parts["w13"].codes.device.type == "cuda":
             moe.fused_quantized = FusedIntExperts(parts, self.bits)
+            order = ", act-order rows sorted by group, x read through each expert's order"
+            weight_only = ", activations in the model dtype" if self.act_quant else ""
             return (
                 f"int{self.bits} experts on the fused Triton MoE kernel (dequantized in its "
-                "inner loop)"
+                f"inner loop{order if self.act_order else ''}{weight_only})"
             )
-        layers = IntExperts(parts, self.bits, moe.model_dtype)
+        layers = IntExperts(parts, self.bits, moe.model_dtype, self.act_quant)
         moe.expert_layers = layers  # a submodule: the kernels' tensors are the model's
         moe.expert_linear = layers.linear
         return layers.path
+
+
+@dataclass(slots=True)
+class ExpertParts:
+    """One projection's loaded integer experts (the loading layout, stacked): codes uint8
+    [E, N, K], float32 scales and int32 zeros (None: symmetric) [E, N, G], the inputs a group
+    covers, g_idx int32 [E, K] (act-order; None: row k in group k // group)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group: int
+    g_idx: torch.Tensor | None = None
 
 
 class ExpertProjection(nn.Module):
@@ -311,21 +386,26 @@ class ExpertProjection(nn.Module):
 
 class IntExperts(nn.ModuleList):
     """FusedMoE.expert_linear of integer experts on the CPU: 2E ExpertProjections, each on the
-    kernel its scheme and shape map onto (engine.layers.quantization.int_weight)."""
+    kernel its scheme and shape map onto (engine.layers.quantization.int_weight's
+    finish_int_layer, as a dense layer of that scheme: act-order's rows sorted by its own
+    order, W8A8's int8 activations from a few rows)."""
 
-    def __init__(self, parts: dict, bits: int, dtype: torch.dtype):
+    def __init__(self, parts: dict[str, ExpertParts], bits: int, dtype: torch.dtype,
+                 act_quant: bool = False):  # fmt: skip
         from engine.layers.quantization.int_weight import finish_int_layer
 
         super().__init__()
         paths = []
         for side in ("w13", "w2"):
-            codes, scales, zeros, group = parts[side]
-            for e in range(codes.shape[0]):
+            p = parts[side]
+            for e in range(p.codes.shape[0]):
                 layer = ExpertProjection(dtype)
-                z = None if zeros is None else zeros[e]
-                paths.append(finish_int_layer(layer, codes[e], scales[e], z, None, bits, group))
+                z = None if p.zeros is None else p.zeros[e]
+                g = None if p.g_idx is None else p.g_idx[e]
+                paths.append(finish_int_layer(layer, p.codes[e], p.scales[e], z, g, bits,
+                                              p.group, act_quant))  # fmt: skip
                 self.append(layer)
-        self.num_experts = codes.shape[0]
+        self.num_experts = parts["w13"].codes.shape[0]
         self.path = "; ".join(sorted(set(paths)))
 
     def linear(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
@@ -333,25 +413,53 @@ class IntExperts(nn.ModuleList):
         return layer.quant_method.apply(layer, x)
 
 
+def sort_rows_by_group(p: ExpertParts) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                torch.Tensor | None]:  # fmt: skip
+    """Act-order experts' rows sorted by group, each expert by its own g_idx (as the dense
+    Triton GEMM's repack_for_kernel does): (codes [E, N, K] sorted, perm int32 [E, K]: sorted
+    row k multiplies input column perm[e, k], or None where every order is the trivial one;
+    the sorted g_idx, or None where it is k // group for every expert — not on a row-parallel
+    shard, whose groups are not its own)."""
+    if p.g_idx is None:
+        return p.codes, None, None
+    e, n, k = p.codes.shape
+    order = torch.argsort(p.g_idx.long(), dim=1, stable=True)  # [E, K]
+    plain = torch.arange(k, device=order.device)
+    codes = p.codes
+    perm = None
+    if not bool((order == plain).all()):
+        codes = torch.gather(p.codes, 2, order.unsqueeze(1).expand(e, n, k))
+        perm = order.to(torch.int32).contiguous()
+    g_sorted = torch.gather(p.g_idx.long(), 1, order)
+    if bool((g_sorted == plain // p.group).all()):
+        return codes, perm, None
+    return codes, perm, g_sorted.to(torch.int32).contiguous()
+
+
 class FusedIntExperts:
     """FusedMoE.fused_quantized of integer experts on CUDA: codes (4-bit: two a byte, k even in
-    the low nibble), float32 scales and zero points [E, N, G] for the fused Triton kernel."""
+    the low nibble), float32 scales and zero points [E, N, G] for the fused Triton kernel;
+    act-order's rows sorted by group at load, the kernel reading x's (gate_up) or the
+    activation's (down) columns through each expert's permutation."""
 
-    def __init__(self, parts: dict, bits: int):
+    def __init__(self, parts: dict[str, ExpertParts], bits: int):
         from engine.kernels.triton.fused_moe import ExpertWeights
 
         self.weights = []
         for side in ("w13", "w2"):
-            codes, scales, zeros, group = parts[side]
+            p = parts[side]
+            codes, perm, g_idx = sort_rows_by_group(p)
             if bits == 4:
                 codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
             self.weights.append(
                 ExpertWeights(
                     codes.contiguous(),
-                    scales.float().contiguous(),
-                    None if zeros is None else zeros.to(torch.int32).contiguous(),
+                    p.scales.float().contiguous(),
+                    None if p.zeros is None else p.zeros.to(torch.int32).contiguous(),
                     bits,
-                    group,
+                    p.group,
+                    perm,
+                    g_idx,
                 )  # fmt: skip
             )
 

@@ -53,10 +53,8 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self.bits, self.group_size, self.sym, self.desc_act, v2=self.v2)
 
     def experts_method(self, prefix: str, sources: list[str]):
-        """MoE experts as engine.layers.quantization.experts takes them: not with act-order
-        (each expert's rows would need their own order)."""
-        if self.desc_act:
-            raise unsupported("desc_act", True, f"false for MoE experts ({prefix})")
+        """MoE experts as engine.layers.quantization.experts takes them (desc_act: each
+        expert's g_idx its own order)."""
         from engine.layers.quantization.experts import IntExpertsMethod
 
         return IntExpertsMethod(self.linear_method(prefix, sources))

@@ -111,35 +111,65 @@ def _int_quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torc
     return codes.to(torch.int32), scales.half(), zeros.to(torch.int32), deq
 
 
+# the projections that share their input (merged on load): one act-order for them, as GPTQ's
+# Hessian gives them (Mixtral's experts: w1 gate, w3 up)
+SHARED_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+
+
+def act_order_g_idx(k: int, group: int, gen: torch.Generator) -> torch.Tensor:
+    """A random act-order: row perm[i] is the i-th quantized, groups of `group` in that order."""
+    perm = torch.randperm(k, generator=gen)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = torch.arange(k, dtype=torch.int32) // group
+    return g_idx
+
+
+class ActOrders:
+    """The g_idx of each layer name: the trivial order, or with `desc_act` a random act-order
+    shared by the projections of one input."""
+
+    def __init__(self, desc_act: bool, group: int, seed: int):
+        self.desc_act, self.group = desc_act, group
+        self.gen = torch.Generator().manual_seed(seed)
+        self.orders: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, name: str, k: int) -> torch.Tensor:
+        g = k if self.group == -1 else self.group
+        if not self.desc_act:
+            return torch.arange(k, dtype=torch.int32) // g
+        prefix, kind = name.rsplit(".", 1)
+        shared = (prefix, kind in SHARED_INPUT)
+        if shared not in self.orders:
+            self.orders[shared] = act_order_g_idx(k, g, self.gen)
+        return self.orders[shared].clone()
+
+
+def gptq_tensors(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor,
+                 v2: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
+    """One float weight [N, K] as GPTQ's tensors (by suffix) and its exact dequantized value."""
+    g = w.shape[1] if group == -1 else group
+    # v1 stores zero - 1: a zero point of 0 would not survive it (real v1 files have none)
+    min_zero = 0 if v2 else 1
+    codes, scales, zeros, deq = _int_quantize(w.float(), bits, g, sym, g_idx, min_zero)
+    stored = zeros.numpy() if v2 else zeros.numpy() - 1  # v1: zero points minus 1
+    tensors = {
+        "qweight": torch.from_numpy(_pack_along_rows(codes.numpy(), bits)),
+        "qzeros": torch.from_numpy(_pack_along_cols(stored, bits)),
+        "scales": scales,
+        "g_idx": g_idx,
+    }
+    return tensors, deq
+
+
 def write_gptq(src: Path, dst: Path, bits=4, group=32, sym=True, desc_act=False, v2=False,
                seed=0) -> tuple[Path, dict]:  # fmt: skip
     state = _state(src)
     out, deq = dict(state), {}
-    gen = torch.Generator().manual_seed(seed)
-    orders: dict[tuple, torch.Tensor] = {}
+    orders = ActOrders(desc_act, group, seed)
     for name in _linear_names(state):
         w = out.pop(f"{name}.weight").float()
-        k = w.shape[1]
-        g = k if group == -1 else group
-        g_idx = torch.arange(k, dtype=torch.int32) // g
-        # one order per input: the merged projections share theirs, as GPTQ's Hessian does
-        prefix, kind = name.rsplit(".", 1)
-        shared = (prefix, kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
-        if desc_act and shared in orders:
-            g_idx = orders[shared].clone()
-        elif desc_act:  # act-order: row perm[i] is the i-th quantized, groups in that order
-            perm = torch.randperm(k, generator=gen)
-            g_idx = torch.empty(k, dtype=torch.int32)
-            g_idx[perm] = torch.arange(k, dtype=torch.int32) // g
-            orders[shared] = g_idx
-        # v1 stores zero - 1: a zero point of 0 would not survive it (real v1 files have none)
-        min_zero = 0 if v2 else 1
-        codes, scales, zeros, deq[name] = _int_quantize(w, bits, g, sym, g_idx, min_zero)
-        stored = zeros.numpy() if v2 else zeros.numpy() - 1  # v1: zero points minus 1
-        out[f"{name}.qweight"] = torch.from_numpy(_pack_along_rows(codes.numpy(), bits))
-        out[f"{name}.qzeros"] = torch.from_numpy(_pack_along_cols(stored, bits))
-        out[f"{name}.scales"] = scales
-        out[f"{name}.g_idx"] = g_idx
+        tensors, deq[name] = gptq_tensors(w, bits, group, sym, orders(name, w.shape[1]), v2)
+        out.update({f"{name}.{key}": t for key, t in tensors.items()})
     qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
             "sym": sym, "checkpoint_format": "gptq_v2" if v2 else "gptq"}  # fmt: skip
     return _write(src, dst, out, qcfg, "float16"), deq
@@ -306,35 +336,38 @@ EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": 
                "w3": "up", "w2": "down"}  # fmt: skip
 
 
+def ct_actorder_tensors(w: torch.Tensor, group: int, g_idx: torch.Tensor
+                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
+    """One float weight [N, K] as compressed-tensors' symmetric W4A16 with act-order (codes
+    packed by the package's pack_to_int32, weight_g_idx) and its exact dequantized value."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    codes, scales, _, deq = _int_quantize(w.float(), 4, group, True, g_idx)
+    signed = (codes.t() - 8).to(torch.int8).contiguous()  # [N, K] in -8..7
+    tensors = {
+        "weight_packed": pack_to_int32(signed, 4),
+        "weight_scale": scales.t().contiguous(),
+        "weight_shape": torch.tensor(list(w.shape)),
+        "weight_g_idx": g_idx,
+    }
+    return tensors, deq
+
+
 def write_ct_actorder(src: Path, dst: Path, group=32, seed=0) -> tuple[Path, dict]:
     """compressed-tensors' older W4A16 with `actorder: "group"` (the package's own writer has
     dropped it): weight_g_idx beside codes packed by the package's pack_to_int32."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
     state = _state(src)
     out, deq = dict(state), {}
-    gen = torch.Generator().manual_seed(seed)
-    orders: dict[tuple, torch.Tensor] = {}
+    orders = ActOrders(True, group, seed)
     for name in _linear_names(state):
         w = out.pop(f"{name}.weight").float()
-        k = w.shape[1]
-        prefix, kind = name.rsplit(".", 1)
-        shared = (prefix, kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
-        if shared not in orders:
-            g_idx = torch.empty(k, dtype=torch.int32)
-            g_idx[torch.randperm(k, generator=gen)] = torch.arange(k, dtype=torch.int32) // group
-            orders[shared] = g_idx
-        g_idx = orders[shared].clone()
-        codes, scales, _, deq[name] = _int_quantize(w, 4, group, True, g_idx)
-        signed = (codes.t() - 8).to(torch.int8).contiguous()  # [N, K] in -8..7
-        out[f"{name}.weight_packed"] = pack_to_int32(signed, 4)
-        out[f"{name}.weight_scale"] = scales.t().contiguous()
-        out[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
-        out[f"{name}.weight_g_idx"] = g_idx
+        tensors, deq[name] = ct_actorder_tensors(w, group, orders(name, w.shape[1]))
+        out.update({f"{name}.{key}": t for key, t in tensors.items()})
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                "group_size": group, "actorder": "group", "dynamic": False}  # fmt: skip
     qcfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": None}},
-            "ignore": ["lm_head"], "quantization_status": "compressed"}  # fmt: skip
+            "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"],
+            "quantization_status": "compressed"}  # fmt: skip
     return _write(src, dst, out, qcfg, "float16"), deq

@@ -198,6 +198,7 @@ class FusedMoE(nn.Module):
         self.num_local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts
         self.slice_rank, slices = (0, 1) if self.ep_size > 1 else (self.tp_rank, self.tp_size)
+        self.inter_slices = slices  # how many ranks split each expert's I (1: whole experts)
         if intermediate_size % slices:
             raise ValueError(
                 f"moe_intermediate_size ({intermediate_size}) is not divisible by "
@@ -240,8 +241,8 @@ class FusedMoE(nn.Module):
         """One expert's gate [I, H], up [I, H] or down [H, I], this rank's slice of I; under
         expert parallelism the whole of it where this rank holds the expert, else nothing."""
         expert, which = shard_id
-        expert -= self.first_expert
-        if not 0 <= expert < self.num_local_experts:
+        expert = self.local_expert(expert)
+        if expert is None:
             return  # another rank's expert
         i = self.inter
         if which == DOWN:
@@ -256,6 +257,12 @@ class FusedMoE(nn.Module):
             )
         dst.copy_(src)
 
+    def local_expert(self, expert: int) -> int | None:
+        """A checkpoint's expert index in this rank's stacks, or None: another rank's expert
+        (expert parallelism)."""
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, self.scoring_func
@@ -264,11 +271,11 @@ class FusedMoE(nn.Module):
             weights, ids = self.local_pairs(weights, ids)
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
+        if self.ep_size > 1 and (fused is not None or self.fused_quantized is not None):
+            ids = ids.clamp(max=self.num_local_experts - 1)  # the kernel takes no other id
         if self.fused_quantized is not None:
             out = self.fused_quantized(x, weights, ids)
         elif fused is not None:
-            if self.ep_size > 1:
-                ids = ids.clamp(max=self.num_local_experts - 1)
             out = fused.fused_experts(
                 x, self.w13_weight, self.w2_weight, weights, ids, biases, self.activation,
                 self.swiglu,

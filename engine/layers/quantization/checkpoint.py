@@ -166,12 +166,6 @@ def _apply_experts_methods(model: nn.Module, config: QuantizationConfig, dtype) 
         method = config.experts_method(name, sources)
         if method is None:
             continue
-        if module.ep_size > 1:
-            raise ValueError(
-                f"--enable-expert-parallel keeps float experts only; this checkpoint quantizes "
-                f"{name}'s experts ({config.name}): drop the flag (each rank then holds a slice "
-                "of every expert)"
-            )
         module.prefix, module.model_dtype = name, dtype
         with torch.device(module.w13_weight.device):
             method.create_weights(module)

@@ -49,16 +49,21 @@ class ExpertLoader:
     """weight_loader(param, loaded, (expert, GATE | UP | DOWN)) of a stacked expert tensor:
     `convert` turns the checkpoint tensor into output-major [N, ...] (a one-element tensor is a
     per-tensor value, repeated over the rows); gate / up take this rank's rows of I, down its
-    columns of I (codes, or groups of them) where the loaded tensor has more than the rank's."""
+    columns of I (codes, or groups of them) where the loaded tensor has more than the rank's;
+    under expert parallelism (whole experts, moe.inter_slices 1) another rank's expert is
+    skipped."""
 
     def __init__(self, moe: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor], name: str):
         self.moe, self.convert, self.name = moe, convert, name
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, which = shard_id
-        moe, full = self.moe, self.convert(loaded)
-        i, rank, tp = moe.inter, moe.tp_rank, moe.tp_size
-        dst = param.data[expert]
+        moe = self.moe
+        if moe.local_expert(expert) is None:
+            return  # another rank's expert
+        full = self.convert(loaded)
+        i, rank, tp = moe.inter, moe.slice_rank, moe.inter_slices
+        dst = param.data[moe.local_expert(expert)]
         if which == DOWN:
             if full.numel() == 1:
                 full = full.reshape(1, 1).expand(dst.shape)
@@ -119,7 +124,7 @@ class Fp8ExpertsMethod(ExpertsMethod):
 
     def create_weights(self, moe: nn.Module) -> None:
         name = getattr(moe, "prefix", "experts")
-        e = moe.num_experts
+        e = moe.num_local_experts
         for side, (n, k) in _shapes(moe).items():
             _register(moe, f"{side}_weight", torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                       ExpertLoader(moe, lambda t: t, name))  # fmt: skip
@@ -194,10 +199,10 @@ class Fp8BlockExpertsMethod(ExpertsMethod):
         from engine.layers.quantization.fp8_block import check_row_shard
 
         name = getattr(moe, "prefix", "experts")
-        e, (bn, bk) = moe.num_experts, self.block
-        check_row_shard(f"{name} (down)", self.field, self.block, moe.inter, moe.tp_size)
+        e, (bn, bk) = moe.num_local_experts, self.block
+        check_row_shard(f"{name} (down)", self.field, self.block, moe.inter, moe.inter_slices)
         full_rows = {
-            "w13": moe.inter * moe.tp_size,
+            "w13": moe.inter * moe.inter_slices,
             "w2": moe.hidden_size,
         }  # one part's, all ranks'
 
@@ -251,9 +256,12 @@ class ExpertGIdxLoader:
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, which = shard_id
         moe, full = self.moe, loaded.to(torch.int32).reshape(-1)
-        k = param.shape[1]
-        if which == DOWN and moe.tp_size > 1 and full.numel() == k * moe.tp_size:
-            full = full.narrow(0, moe.tp_rank * k, k)
+        if moe.local_expert(expert) is None:
+            return  # another rank's expert
+        expert = moe.local_expert(expert)
+        k, slices = param.shape[1], moe.inter_slices
+        if which == DOWN and slices > 1 and full.numel() == k * slices:
+            full = full.narrow(0, moe.slice_rank * k, k)
         if full.numel() != k:
             raise ValueError(
                 f"{self.name}: expert {expert}'s g_idx has {loaded.numel()} rows, this rank's "
@@ -293,8 +301,8 @@ class IntExpertsMethod(ExpertsMethod):
 
     def create_weights(self, moe: nn.Module) -> None:
         name = getattr(moe, "prefix", "experts")
-        e, dense, names = moe.num_experts, self.dense, self.names
-        tp, per_row = moe.tp_size, self.group_size <= 0
+        e, dense, names = moe.num_local_experts, self.dense, self.names
+        tp, per_row = moe.inter_slices, self.group_size <= 0
         for side, (n, k) in _shapes(moe).items():
             group = k if per_row else self.group_size
             # act-order on down's shard: its rows' groups lie anywhere in the full I
@@ -318,7 +326,7 @@ class IntExpertsMethod(ExpertsMethod):
                 _register(moe, f"{side}_{names['zeros']}", z,
                           ExpertLoader(moe, dense.convert_zeros, name))  # fmt: skip
             if self.act_order:  # each expert's order; absent: the trivial one
-                first = moe.tp_rank * k if full_groups else 0
+                first = moe.slice_rank * k if full_groups else 0
                 trivial = (torch.arange(k, dtype=torch.int32) + first) // group
                 _register(moe, f"{side}_{dense.G_IDX}", trivial.repeat(e, 1),
                           ExpertGIdxLoader(moe, name), optional=True)  # fmt: skip

@@ -324,7 +324,8 @@ def test_a_block_that_does_not_tile_a_tp_shard_is_named():
         method.create_weights(_row_parallel(64), 64, 64, False)
     method.create_weights(_row_parallel(256), 256, 64, False)  # two blocks a shard: fine
     moe = FusedMoE(4, 2, 64, 32, renormalize=True)
-    moe.prefix, moe.tp_size, moe.inter = "model.layers.0.mlp.experts", 2, 16  # rank 0's I
+    moe.prefix, moe.tp_size, moe.inter_slices = "model.layers.0.mlp.experts", 2, 2
+    moe.inter = 16  # rank 0's I
     with pytest.raises(
         ValueError, match=r"experts \(down\): quantization_config.weight_block_size"
     ):

@@ -176,7 +176,8 @@ def _loaded_layer(scheme, experts: int, hidden: int, inter: int, dtype, seed: in
     gen = torch.Generator().manual_seed(seed)
     rank, size = tp
     moe = FusedMoE(experts, 2, hidden, inter // size, renormalize=True)
-    moe.tp_rank, moe.tp_size = rank, size  # what a rank of a tensor-parallel group holds
+    # what a rank of a tensor-parallel group holds: its slice of every expert's I
+    moe.tp_rank, moe.tp_size = moe.slice_rank, moe.inter_slices = rank, size
     moe.prefix, moe.model_dtype = "experts", dtype
     if scheme in ACT_ORDER:
         make, compress = ACT_ORDER[scheme]
@@ -363,16 +364,19 @@ def moe_written(make_tiny_model, tmp_path_factory):
     return get
 
 
-def _greedy(folder, dtype: str, num_new: int = 8, tp: int = 1, device: str = "cpu"
-            ) -> list[list[int]]:  # fmt: skip
+def _greedy(folder, dtype: str, num_new: int = 8, tp: int = 1, device: str = "cpu",
+            ep: bool = False) -> list[list[int]]:  # fmt: skip
     llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256,
-              tensor_parallel_size=tp, device=device)  # fmt: skip
+              tensor_parallel_size=tp, device=device, enable_expert_parallel=ep)  # fmt: skip
     try:
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
         runner = llm.engine.executor.runner
         assert runner.quantization == qcfg["quant_method"]  # no flag
         experts = runner.model.model.layers[0].mlp.experts
         assert experts.tp_size == tp  # rank 0's shard
+        if ep:  # rank 0 holds the first half of the experts, whole
+            assert experts.num_local_experts == experts.num_experts // tp
+            assert experts.first_expert == 0 and experts.inter_slices == 1
         if device == "cuda":  # the fused Triton kernel on the quantized weights
             assert experts.fused_quantized is not None
         params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
@@ -440,6 +444,21 @@ def test_tp2_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme)
     for prompt, ours in zip(PROMPTS, _greedy(folder, "float32", tp=2), strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(ours, theirs, gaps, GAP_TOL["float32"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["fp8-channel", "w4a16-group-asym", "gptq4-actorder",
+                                    "w8a8-channel", "awq-g32"])  # fmt: skip
+def test_tp2_expert_parallel_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme):
+    """--enable-expert-parallel over two ranks: each holds half the experts whole (their codes,
+    scales, zero points and g_idx as the checkpoint has them: no shard of I), the others'
+    tensors are not even kept."""
+    src, folder, deq = moe_written("qwen3_moe", scheme)
+    ref = qw.reference_model(src, deq)
+    tol = INT8_ACTS_GAP_TOL if scheme.startswith("w8a8") else GAP_TOL["float32"]
+    for prompt, ours in zip(PROMPTS, _greedy(folder, "float32", tp=2, ep=True), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(ours, theirs, gaps, tol)
 
 
 @pytest.mark.cuda

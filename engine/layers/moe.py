@@ -265,6 +265,8 @@ class FusedMoE(nn.Module):
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
         if self.fused_quantized is not None:
+            if self.ep_size > 1:  # another rank's pairs: on local expert 0, weighing 0
+                ids = ids.clamp(max=self.num_local_experts - 1)
             out = self.fused_quantized(x, weights, ids)
         elif fused is not None:
             if self.ep_size > 1:

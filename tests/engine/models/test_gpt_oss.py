@@ -206,3 +206,64 @@ def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
     _, float_expected = _reference(tiny_gpt_oss_dir)
     assert expected != float_expected  # the 4-bit experts are what was served
+
+
+# -- MXFP4 experts kept 4-bit on the fused Triton MoE kernel (CUDA's path) ----------------------
+
+
+def _mxfp4_triton_greedy(quant, prompts, **kwargs) -> tuple[list[list[int]], dict]:
+    """LLM(quant)'s greedy tokens with the MXFP4 experts on the fused Triton kernel (on CPU
+    tensors under the interpreter: TESSERA_MXFP4_KERNEL=triton, which the caller sets), and
+    rank 0's experts' tensors."""
+    from engine.layers.moe import FusedMoE
+
+    llm = LLM(str(quant), dtype="float32", seed=0, num_kv_blocks=96, **kwargs)
+    try:
+        model = llm.engine.executor.runner.model
+        moe = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        held = {n: (p.dtype, tuple(p.shape)) for n, p in moe.named_parameters()}
+        assert moe.fused_quantized is not None, "the experts are not on the fused kernel"
+        params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], held
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("one-rank", {}),
+        ("tp2", dict(tensor_parallel_size=2)),  # down's shard of I = 16 starts mid-group
+        ("tp2-expert-parallel", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ],
+)
+def test_mxfp4_experts_on_the_triton_kernel(mxfp4_pair, monkeypatch, name, kwargs):
+    """The CUDA path on CPU tensors: the experts stay the checkpoint's MXFP4 bytes (codes
+    [E, 2I, H / 2] and [E, H, I / 2], one E8M0 byte per 32), decoded in the fused kernel's
+    inner loop with their biases and the clamped SwiGLU; greedy tokens equal transformers' on
+    the same bytes dequantized (float32), at TP=2 too (each rank its slice of I; down's
+    starting inside a group of 32) and with expert parallelism (4 whole experts a rank)."""
+    monkeypatch.setenv("TESSERA_MXFP4_KERNEL", "triton")
+    if kwargs:
+        torch.set_num_threads(1)
+    quant, ref = mxfp4_pair
+    prompts, _ = _reference(ref)
+    expected = hf_greedy(ref, prompts, SW_NUM_NEW, attn_implementation="eager")
+    got, held = _mxfp4_triton_greedy(quant, prompts, **kwargs)
+    cfg = json.loads((quant / "config.json").read_text())
+    h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    if name == "tp2":
+        i //= 2
+    if name == "tp2-expert-parallel":
+        e //= 2
+    groups = 1 if name == "tp2" else i // 32  # rank 0's I = 16: the first group's scales
+    assert held == {
+        "w13_weight": (torch.uint8, (e, 2 * i, h // 2)),
+        "w13_weight_scale": (torch.uint8, (e, 2 * i, h // 32)),
+        "w2_weight": (torch.uint8, (e, h, i // 2)),
+        "w2_weight_scale": (torch.uint8, (e, h, groups)),
+        "w13_bias": (torch.float32, (e, 2 * i)),
+        "w2_bias": (torch.float32, (e, h)),
+    }
+    assert got == expected

@@ -251,15 +251,16 @@ def test_mxfp4_experts_on_the_triton_kernel(mxfp4_pair, monkeypatch, name, kwarg
     [E, 2I, H / 2] and [E, H, I / 2], one E8M0 byte per 32), decoded in the fused kernel's
     inner loop with their biases and the clamped SwiGLU; greedy tokens equal transformers' on
     the same bytes dequantized (float32; bf16: but where its top-2 gap is under 0.05), at
-    TP=2 too (each rank its slice of I; down's
-    starting inside a group of 32) and with expert parallelism (4 whole experts a rank)."""
+    TP=2 too (each rank its slice of I; down's starting inside a group of 32) and with expert
+    parallelism (4 whole experts a rank)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if kwargs and not interpreted:  # a GPU machine: one GPU, and no interpreter for CPU ranks
+    tp = "tensor_parallel_size" in kwargs
+    if tp and not interpreted:  # a GPU machine: one GPU, and no interpreter for CPU ranks
         pytest.skip("TP on CPU ranks runs the Triton kernel under the interpreter only")
     if not (interpreted or torch.cuda.is_available()):
         pytest.skip("no GPU and not under the Triton interpreter")
     monkeypatch.setenv("TESSERA_MXFP4_KERNEL", "triton")
-    if kwargs:
+    if tp:
         torch.set_num_threads(1)
         kwargs = dict(kwargs, device="cpu")
     quant, ref = mxfp4_pair

@@ -56,14 +56,9 @@ def experts_kernel(moe: nn.Module, device: torch.device) -> tuple[str, str]:
     if kernel == "gguf" and not Mxfp4Experts.fits(moe, device):
         kernel, why = "dequantize", "the GGUF kernels take one CPU rank with the C kernels built"
     if kernel == "triton" and (moe.hidden_size % 32 or moe.inter % 2):
-        # down's shard of I starts inside a byte of two codes: not a slice of the bytes
-        kernel, why = (
-            "dequantize",
-            (
-                f"this rank's share of the experts' I ({moe.inter}) is odd or the hidden size "
-                f"({moe.hidden_size}) not a multiple of 32"
-            ),
-        )
+        # an odd shard of I would start down's slice inside a byte of two codes
+        why = f"this rank's share of I ({moe.inter}) is odd or H ({moe.hidden_size}) % 32 != 0"
+        kernel = "dequantize"
     _log_choice(kernel, why)
     return kernel, why
 

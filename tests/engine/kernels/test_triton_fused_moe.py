@@ -1,6 +1,7 @@
 """The fused Triton MoE (engine/kernels/triton/fused_moe.py) against the torch reference: the
 alignment's blocks, and the experts' output for 8 experts / top-2 and 16 / top-4 with uneven
-routing (some experts get many pairs, one gets none).
+routing (some experts get many pairs, one gets none); MXFP4 experts (gpt-oss) on the quantized
+variant against the same bytes dequantized, and every code and E8M0 scale decoded exactly.
 
 Without a GPU it runs under Triton's interpreter on CPU tensors (tests/engine/conftest.py),
 whose fp32 -> bf16 cast truncates (a bf16 step of tolerance). On a GPU the `cuda` tests run it

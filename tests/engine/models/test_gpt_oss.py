@@ -2,7 +2,9 @@
 with attention sinks, biases, yarn rope, layers alternating window 16 and global, experts with
 biases and the clamped SwiGLU; however the cache is filled (prefix hits, chunks across the
 window's edge, preemption, the torch backend), at TP=2, and from an MXFP4 checkpoint (OpenAI's
-published format) against transformers' own dequantization."""
+published format) against transformers' own dequantization: as GGUF blocks on one CPU rank,
+and kept 4-bit on the fused Triton MoE kernel (CUDA's path; here under the interpreter, at one
+rank, TP=2 and with expert parallelism)."""
 
 from __future__ import annotations
 

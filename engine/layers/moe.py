@@ -6,8 +6,9 @@ runs them where the tensors are: on CUDA one fused Triton kernel per projection
 (engine.kernels.triton.fused_moe: tokens sorted by expert, SiLU-and-mul in the first GEMM's
 epilogue); elsewhere experts_cpu, one matmul per expert over the tokens routed to it (or,
 where a GGUF file's blocks replace the weights, its expert_linear on the GGUF kernels). A
-quantized checkpoint's experts (engine.layers.quantization.experts) set expert_linear on the
-CPU and fused_quantized on CUDA. Models name neither.
+quantized checkpoint's experts (engine.layers.quantization.experts; gpt-oss's MXFP4 ones:
+engine.layers.quantization.mxfp4) set expert_linear on the CPU and fused_quantized on CUDA.
+Models name neither.
 
 gpt-oss's experts add biases (w13_bias [E, 2I], w2_bias [E, H]) and take another activation
 (SwigluOAIAndMul: clamped, gate * sigmoid(1.702 gate) * (up + 1)); both run on every path.
@@ -274,6 +275,8 @@ class FusedMoE(nn.Module):
         if self.ep_size > 1 and (fused is not None or self.fused_quantized is not None):
             ids = ids.clamp(max=self.num_local_experts - 1)  # the kernel takes no other id
         if self.fused_quantized is not None:
+            if self.ep_size > 1:  # another rank's pairs: on local expert 0, weighing 0
+                ids = ids.clamp(max=self.num_local_experts - 1)
             out = self.fused_quantized(x, weights, ids)
         elif fused is not None:
             out = fused.fused_experts(

@@ -9,16 +9,18 @@ decoder (engine.models.llama): what differs is
 
 Checkpoints store the experts stacked, gate_up_proj [E, H, 2I] with gate and up interleaved
 (columns 0::2 and 1::2) and down_proj [E, I, H] (x @ W), or, as OpenAI publishes them, in
-MXFP4 (quantization_config.quant_method "mxfp4": `*_blocks` / `*_scales` pairs; on one CPU rank
-kept as exact 8-bit blocks, else dequantized at load into the model's dtype:
-engine.layers.quantization.mxfp4). Loading de-interleaves and transposes them into FusedMoE's
-w13 [E, 2I, H] (gate | up) and w2 [E, H, I], this tensor-parallel rank's slice of I. A
+MXFP4 (quantization_config.quant_method "mxfp4": `*_blocks` / `*_scales` pairs, kept 4-bit on
+CUDA (the fused Triton kernel reads the checkpoint's bytes) and on one CPU rank (GGUF MXFP4
+blocks), else dequantized at load into the model's dtype: engine.layers.quantization.mxfp4
+picks). Loading de-interleaves and transposes them into FusedMoE's w13 [E, 2I, H] (gate | up)
+and w2 [E, H, I] (or their MXFP4 bytes in that order), this rank's experts and slice of I. A
 llama.cpp gpt-oss GGUF (engine.gguf.convert) gives one tensor per expert and projection
 instead (FusedMoE's own loader) and the gate and up biases apart ([E, I] each).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from torch import nn
 
 from engine.distributed import get_tp_rank
 from engine.layers.moe import DOWN, GATE, UP, FusedMoE, ReplicatedGate, expert_weight_target
-from engine.layers.quantization.mxfp4 import Mxfp4Experts
+from engine.layers.quantization.mxfp4 import FusedMxfp4Experts, Mxfp4Experts, experts_kernel
 from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4
 from engine.models.hf_config import HFModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -39,23 +41,41 @@ class GptOssMoE(nn.Module):
         super().__init__()
         raw = cfg.raw
         self.router = ReplicatedGate(cfg.hidden_size, cfg.num_experts, bias=True)
-        self.experts = FusedMoE(
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            renormalize=True,
-            bias=True,
-            activation="swigluoai",
-            swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))),
-        )
+        device = torch.get_default_device()
+        # MXFP4: the float experts are not allocated (on a GPU, gpt-oss-120b's would not fit)
+        # until the kernel is known; only their shapes are built here
+        with torch.device("meta") if mxfp4 else nullcontext():
+            self.experts = FusedMoE(
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                renormalize=True,
+                bias=True,
+                activation="swigluoai",
+                swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))),
+            )
         experts = self.experts
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 halves awaiting a pair
-        # MXFP4 experts kept as GGUF MXFP4 blocks where the layer can run them (one CPU rank)
-        kept = Mxfp4Experts(experts) if mxfp4 else None
-        self._mxfp4 = kept if kept is not None and kept.eligible else None
+        self._mxfp4: Mxfp4Experts | None = None  # GGUF MXFP4 blocks (one CPU rank)
+        self._fused: FusedMxfp4Experts | None = None  # the checkpoint's bytes (the Triton kernel)
+        if mxfp4:
+            kernel, _ = experts_kernel(experts, device)
+            names = ["w13_bias", "w2_bias"]
+            if kernel == "triton":
+                self._fused = FusedMxfp4Experts(experts, device)
+            else:
+                names += ["w13_weight", "w2_weight"]
+                self._mxfp4 = Mxfp4Experts(experts) if kernel == "gguf" else None
+            for name in names:
+                meta = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(torch.empty_like(meta, device=device),
+                                                    requires_grad=False))  # fmt: skip
+            experts.w13_bias.data.zero_()
+            experts.w2_bias.data.zero_()
         for param, proj in ((experts.w13_weight, "gate_up"), (experts.w2_weight, "down")):
-            param.per_expert_shards = param.expected_shards  # FusedMoE's: a GGUF's tensors
+            # FusedMoE's: a GGUF's tensors (none for the MXFP4 bytes)
+            param.per_expert_shards = getattr(param, "expected_shards", None)
             param.weight_loader = self._load_weight
             param.expected_shards = {f"{proj}_blocks", f"{proj}_scales"} if mxfp4 else {proj}
         experts.w13_bias.weight_loader = self._load_gate_up_bias
@@ -80,6 +100,15 @@ class GptOssMoE(nn.Module):
                 return  # the other half of the pair comes later
             del self._pending[proj]
             blocks, scales = pending["blocks"], pending["scales"]
+            if self._fused is not None:  # this rank's experts and rows; down's K sliced there
+                if proj == "gate_up":
+                    e = self.experts
+                    blocks = _gate_up_slice(self._mine(blocks), e.inter, e.slice_rank)
+                    scales = _gate_up_slice(self._mine(scales), e.inter, e.slice_rank)
+                else:
+                    blocks, scales = self._mine(blocks), self._mine(scales)
+                self._fused.load(proj, blocks, scales)
+                return
             if self._mxfp4 is not None:  # rows in FusedMoE's order (gate | up), both at once
                 if proj == "gate_up":
                     blocks, scales = (

@@ -25,7 +25,9 @@ fused_experts_quantized is the same for a quantized checkpoint's experts (Expert
 layers.quantization.experts): FP8 weights widened in the inner loop with their row scales in
 the epilogue (block-FP8: each weight times its block's scale in the loop), or 4/8-bit codes
 dequantized per tile with their group scales and zero points (act-order: the rows sorted by
-group at load, a's columns gathered through each expert's permutation).
+group at load, a's columns gathered through each expert's permutation), or MXFP4's e2m1 codes
+with an E8M0 power of two per 32 inputs (gpt-oss), decoded into floats in the inner loop.
+gpt-oss's biases and clamped SwiGLU run in the quantized kernel's epilogues as in the float one.
 
 Under TRITON_INTERPRET=1 (the tests without a GPU) the operands are upcast to float32 before
 each dot: the interpreter's bf16 arithmetic is broken (see the package docstring).
@@ -251,7 +253,13 @@ class ExpertWeights:
     sorted by group, `perm` int32 [E, K] the input column each sorted row multiplies (the
     kernel gathers a's columns through it), and `g_idx` int32 [E, K] each sorted row's group
     where that is not k // group (a tensor-parallel shard of down: its groups index the full
-    scales)."""
+    scales).
+
+    mxfp4 (bits 4, group 32): OpenAI's MXFP4 as its checkpoints store it, which the kernel reads
+    as is: uint8 `data` [E, N, K / 2] (two e2m1 codes a byte, k even in the low nibble: sign,
+    then 0, 0.5, 1, 1.5, 2, 3, 4, 6) and uint8 `scales` [E, N, G] (E8M0: 2 ** (byte - 127)),
+    w = value * scale; `group_offset`: input row k's group is (k + group_offset) // 32 (a
+    tensor-parallel shard of down that starts inside a group of 32)."""
 
     data: torch.Tensor
     scales: torch.Tensor
@@ -260,6 +268,8 @@ class ExpertWeights:
     group: int = 0
     perm: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
+    mxfp4: bool = False
+    group_offset: int = 0
 
     @property
     def n(self) -> int:
@@ -270,11 +280,24 @@ class ExpertWeights:
 def _load_quant_b(
     b_ptr, s_ptr, z_ptr, expert, offs_n, kk, grp, mask, stride_be, stride_bn, stride_se,
     stride_sn, BITS: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
+    MXFP4: tl.constexpr,
 ):  # fmt: skip
     """The float32 [BLOCK_K, BLOCK_N] tile of expert's weight^T at input rows kk (of groups
     grp), columns offs_n."""
     base = expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
-    if BITS == 0:  # float8 values, scaled here per block of K, or in the epilogue per row
+    if MXFP4:  # e2m1 code and E8M0 scale, each built as float32 bits (exact, no lookup)
+        byte = tl.load(b_ptr + base + (kk // 2)[:, None], mask=mask, other=0)
+        q = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
+        mag = q & 7  # exponent field mag >> 1 (bias 1), mantissa bit mag & 1
+        bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22),
+                        tl.where(mag == 1, 126 << 23, 0))  # fmt: skip
+        v = (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+        s_off = expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + grp[:, None]
+        e = tl.load(s_ptr + s_off, mask=mask, other=127).to(tl.int32)
+        # 2 ** (e - 127): the exponent field e, or (e == 0) the subnormal 2 ** -127
+        scale = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+        w = v * scale
+    elif BITS == 0:  # float8 values, scaled here per block of K, or in the epilogue per row
         w = tl.load(b_ptr + base + kk[:, None], mask=mask, other=0.0).to(tl.float32)
         if FP8_GROUPS:
             s_off = expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + grp[:, None]
@@ -297,18 +320,22 @@ def _load_quant_b(
 
 @triton.jit
 def _fused_moe_quant_kernel(
-    a_ptr, b_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
-    expert_ids_ptr, num_post_padded_ptr, N, K, num_valid,
+    a_ptr, b_ptr, s_ptr, z_ptr, perm_ptr, g_ptr, c_ptr, weights_ptr, bias_ptr, sorted_ids_ptr,
+    expert_ids_ptr, num_post_padded_ptr, N, K, num_valid, group_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_se, stride_sn, stride_cm, stride_cn,
+    stride_bias_e,
     A_DIV: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, FP8_GROUPS: tl.constexpr,
-    HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    MXFP4: tl.constexpr, HAS_PERM: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT_SWIGLU_OAI: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """_fused_moe_kernel with b an ExpertWeights: its tiles dequantized to a's dtype (float32
     under the interpreter) before each dot; FP8's row scales multiply the accumulators.
     HAS_PERM: a's columns read through the expert's perm [E, K] (act-order's sorted rows);
-    HAS_G_IDX: each row's group read from g_idx [E, K], else k // GROUP."""
+    HAS_G_IDX: each row's group read from g_idx [E, K], else (k + group_offset) // GROUP.
+    HAS_BIAS / ACT_SWIGLU_OAI: gpt-oss's biases and clamped SwiGLU, as _fused_moe_kernel's."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -336,10 +363,11 @@ def _fused_moe_quant_kernel(
         if HAS_G_IDX:
             grp = tl.load(g_ptr + expert * K + kk, mask=k_ok, other=0)
         else:
-            grp = kk // GROUP
+            grp = (kk + group_offset) // GROUP
         mask = k_ok[:, None] & n_ok[None, :]
         b = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n, kk, grp, mask, stride_be,
-                          stride_bn, stride_se, stride_sn, BITS, HAS_ZP, FP8_GROUPS)  # fmt: skip
+                          stride_bn, stride_se, stride_sn, BITS, HAS_ZP, FP8_GROUPS,
+                          MXFP4)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
             acc += tl.dot(a, b, input_precision="ieee")
@@ -348,7 +376,7 @@ def _fused_moe_quant_kernel(
         if SILU_MUL:
             b_up = _load_quant_b(b_ptr, s_ptr, z_ptr, expert, offs_n + N, kk, grp, mask,
                                  stride_be, stride_bn, stride_se, stride_sn, BITS, HAS_ZP,
-                                 FP8_GROUPS)  # fmt: skip
+                                 FP8_GROUPS, MXFP4)  # fmt: skip
             if UPCAST:
                 acc_up += tl.dot(a, b_up, input_precision="ieee")
             else:
@@ -358,8 +386,18 @@ def _fused_moe_quant_kernel(
         acc = acc * tl.load(s_row, mask=n_ok, other=0.0)[None, :]
         if SILU_MUL:
             acc_up = acc_up * tl.load(s_row + N * stride_sn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if ACT_SWIGLU_OAI:
+            gate = tl.minimum(acc, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            acc = (up + 1.0) * gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -368,7 +406,7 @@ def _fused_moe_quant_kernel(
 
 
 def _launch_quant(a, b: ExpertWeights, c, weights, sorted_ids, expert_ids, num_post, n, k,
-                  a_div, silu, mul_weight, bm):  # fmt: skip
+                  a_div, silu, mul_weight, bm, bias=None, swiglu=None):  # fmt: skip
     block_n = 64 if n >= 64 else 32
     block_k = 64 if k >= 64 else 32
     grid = (sorted_ids.numel() // bm, triton.cdiv(n, block_n))
@@ -378,14 +416,18 @@ def _launch_quant(a, b: ExpertWeights, c, weights, sorted_ids, expert_ids, num_p
     if b.perm is not None or b.g_idx is not None:
         assert b.bits and (b.perm is None or b.perm.shape == (b.data.shape[0], k))
     _fused_moe_quant_kernel[grid](
-        a, b.data, b.scales, zeros, perm, g_idx, c, weights, sorted_ids, expert_ids, num_post,
-        n, k, weights.numel(),
+        a, b.data, b.scales, zeros, perm, g_idx, c, weights, c if bias is None else bias,
+        sorted_ids, expert_ids, num_post, n, k, weights.numel(), b.group_offset,
         a.stride(0), a.stride(1), b.data.stride(0), b.data.stride(1),
         b.scales.stride(0), b.scales.stride(1), c.stride(0), c.stride(1),
+        0 if bias is None else bias.stride(0),
         A_DIV=a_div, SILU_MUL=silu, MUL_WEIGHT=mul_weight,
         BITS=b.bits, GROUP=max(b.group, 1), HAS_ZP=b.zeros is not None,
-        FP8_GROUPS=b.bits == 0 and b.group > 0,
+        FP8_GROUPS=b.bits == 0 and b.group > 0, MXFP4=b.mxfp4,
         HAS_PERM=b.perm is not None, HAS_G_IDX=b.g_idx is not None,
+        HAS_BIAS=bias is not None, ACT_SWIGLU_OAI=swiglu is not None,
+        SWIGLU_ALPHA=0.0 if swiglu is None else float(swiglu[0]),
+        SWIGLU_LIMIT=0.0 if swiglu is None else float(swiglu[1]),
         UPCAST=_INTERPRET or a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
@@ -397,9 +439,12 @@ def fused_experts_quantized(
     w2: ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: str = "silu",
+    swiglu: tuple[float, float] = (1.702, 7.0),
 ) -> torch.Tensor:
     """fused_experts on quantized experts (ExpertWeights: w13 of 2I rows, gate | up; w2 of H
-    rows over I inputs); [T, H] in x's dtype."""
+    rows over I inputs); [T, H] in x's dtype. biases, activation and swiglu as fused_experts'."""
     t, hidden = x.shape
     num_experts, two_i = w13.data.shape[0], w13.n
     inter = two_i // 2
@@ -411,10 +456,12 @@ def fused_experts_quantized(
     bm = block_m_for(n, num_experts)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, bm, num_experts)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    b13, b2 = (None, None) if biases is None else biases
+    oai = swiglu if activation == "swigluoai" else None
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _launch_quant(x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, hidden, top_k,
-                  True, False, bm)  # fmt: skip
+                  True, False, bm, b13, oai)  # fmt: skip
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     _launch_quant(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, inter, 1,
-                  False, True, bm)  # fmt: skip
+                  False, True, bm, b2)  # fmt: skip
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

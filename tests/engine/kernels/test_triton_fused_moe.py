@@ -1,6 +1,7 @@
 """The fused Triton MoE (engine/kernels/triton/fused_moe.py) against the torch reference: the
 alignment's blocks, and the experts' output for 8 experts / top-2 and 16 / top-4 with uneven
-routing (some experts get many pairs, one gets none).
+routing (some experts get many pairs, one gets none); MXFP4 experts (gpt-oss) on the quantized
+variant against the same bytes dequantized, and every code and E8M0 scale decoded exactly.
 
 Without a GPU it runs under Triton's interpreter on CPU tensors (tests/engine/conftest.py),
 whose fp32 -> bf16 cast truncates (a bf16 step of tolerance). On a GPU the `cuda` tests run it
@@ -167,3 +168,91 @@ def test_moe_models_on_cuda_keep_the_cpu_tokens(
             tokens.append([list(o.outputs[0].token_ids) for o in outs])
             llm.shutdown()
         assert tokens[0] == tokens[1]
+
+
+# -- MXFP4 experts (gpt-oss as OpenAI publishes it): the codes and E8M0 scales read as stored --
+
+
+def _mxfp4_experts(experts: int, rows: int, k: int, gen: torch.Generator, lo: int = 120):
+    """Random MXFP4 bytes: codes uint8 [E, rows, K / 2] (every e2m1 code), scales uint8
+    [E, rows, K / 32] (powers of two 2^(lo - 127) .. 2^(lo - 121))."""
+    codes = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(lo, lo + 7, (experts, rows, k // 32), dtype=torch.uint8, generator=gen)
+    return codes, scales
+
+
+def _mxfp4_float(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4
+
+    e, rows, half = codes.shape
+    return dequantize_mxfp4(codes.reshape(e, rows, half // 16, 16), scales, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_mxfp4_experts_match_dequantize_then_matmul(dtype, tokens):
+    """gpt-oss's MXFP4 experts on the quantized kernel (codes and E8M0 scales decoded in its
+    inner loop), with their biases and the clamped SwiGLU, routed unevenly (one expert gets
+    no pair), against the CPU path on the same bytes dequantized (float64)."""
+    from engine.layers.activation import SwigluOAIAndMul
+
+    gen = torch.Generator().manual_seed(100 + tokens)
+    experts, top_k, hidden, inter = 8, 4, 96, 64
+    c13, s13 = _mxfp4_experts(experts, 2 * inter, hidden, gen, lo=122)
+    c2, s2 = _mxfp4_experts(experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    b13 = torch.randn(experts, 2 * inter, generator=gen)
+    b2 = torch.randn(experts, hidden, generator=gen) * 0.1
+    ids = _uneven_ids(tokens, experts, top_k, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    act = SwigluOAIAndMul()
+    w13, w2 = _mxfp4_float(c13, s13), _mxfp4_float(c2, s2)
+    want = experts_cpu(
+        x.to(dtype).double(), w13, w2, weights.double(), ids, None, None,
+        (b13.to(dtype).double(), b2.to(dtype).double()), act.forward_native,
+    )  # fmt: skip
+    ew = fused_moe.ExpertWeights
+    got = fused_moe.fused_experts_quantized(
+        x.to(dtype).to(DEVICE),
+        ew(c13.to(DEVICE), s13.to(DEVICE), bits=4, group=32, mxfp4=True),
+        ew(c2.to(DEVICE), s2.to(DEVICE), bits=4, group=32, mxfp4=True),
+        weights.to(DEVICE), ids.to(DEVICE),
+        (b13.to(dtype).to(DEVICE), b2.to(dtype).to(DEVICE)), "swigluoai",
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    # float32: exact weights, float32 sums (outputs up to ~50 here); 16-bit: x, the
+    # intermediate and the output rounded
+    scale = want.abs().max()
+    tol = dict(rtol=1e-5, atol=(1e-5 if dtype == torch.float32 else 0.02) * scale)
+    torch.testing.assert_close(got.cpu().double(), want, **tol)
+    assert (got.cpu().double() - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_mxfp4_decodes_every_code_and_scale():
+    """One expert, one output row per E8M0 byte 0..200 (0: the subnormal 2^-127; from 214 on
+    6 * 2^(e - 127) is past float32's range) and the 16 codes twice along K; x one-hot, so each
+    output is one decoded weight times 1: every value comes back exactly (float32; a GPU may
+    flush the subnormal products of the smallest scales to zero)."""
+    k, rows = 32, 201
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # values 0..15, 0..15 along K
+    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(rows, 1).unsqueeze(0)  # [1, rows, 16]
+    scales = torch.arange(rows, dtype=torch.uint8).reshape(1, rows, 1)
+    want = _mxfp4_float(packed, scales)[0].float()  # [rows, K]
+    got = torch.empty(k, rows)
+    eye = torch.eye(k)
+    ew = fused_moe.ExpertWeights(packed.to(DEVICE), scales.to(DEVICE), bits=4, group=32,
+                                 mxfp4=True)  # fmt: skip
+    # the down projection alone: one grouped GEMM of x (rows of the identity) by the weights
+    sorted_ids, expert_ids, num_post = fused_moe.moe_align_block_size(
+        torch.zeros(k, 1, dtype=torch.int64, device=DEVICE), 16, 1
+    )
+    out = torch.empty(k, rows, dtype=torch.float32, device=DEVICE)
+    fused_moe._launch_quant(eye.to(DEVICE), ew, out, torch.ones(k, device=DEVICE), sorted_ids,
+                            expert_ids, num_post, rows, k, 1, False, True, 16)  # fmt: skip
+    got = out.cpu().T
+    normal = (want == 0) | (want.abs() >= torch.finfo(torch.float32).tiny)
+    assert torch.equal(got[normal], want[normal])
+    assert ((got[~normal] == want[~normal]) | (got[~normal] == 0)).all()
+    if not HAS_CUDA:
+        assert torch.equal(got, want)
+    assert got[127, 1] == 0.5 and got[127, 15] == -6.0 and got[0, 2] == 2.0**-127

@@ -2,11 +2,14 @@
 with attention sinks, biases, yarn rope, layers alternating window 16 and global, experts with
 biases and the clamped SwiGLU; however the cache is filled (prefix hits, chunks across the
 window's edge, preemption, the torch backend), at TP=2, and from an MXFP4 checkpoint (OpenAI's
-published format) against transformers' own dequantization."""
+published format) against transformers' own dequantization: as GGUF blocks on one CPU rank,
+and kept 4-bit on the fused Triton MoE kernel (CUDA's path; here under the interpreter, at one
+rank, TP=2 and with expert parallelism)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -181,7 +184,8 @@ def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt
         hidden = json.loads((quant / "config.json").read_text())["hidden_size"]
         for dot_rows in (0, 16):
             with cpu_gguf.forced_dot_rows(dot_rows):
-                llm = LLM(str(quant), dtype="float32", seed=0, max_num_batched_tokens=32)
+                llm = LLM(str(quant), dtype="float32", seed=0, max_num_batched_tokens=32,
+                          device="cpu")  # fmt: skip
                 try:
                     model = llm.engine.executor.runner.model
                     w13 = next(m for m in model.modules() if isinstance(m, FusedMoE)).w13_weight
@@ -206,3 +210,123 @@ def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
     _, float_expected = _reference(tiny_gpt_oss_dir)
     assert expected != float_expected  # the 4-bit experts are what was served
+
+
+# -- MXFP4 experts kept 4-bit on the fused Triton MoE kernel (CUDA's path) ----------------------
+
+
+def _mxfp4_triton_greedy(quant, prompts, dtype="float32", **kwargs) -> tuple[list[list[int]], dict]:
+    """LLM(quant)'s greedy tokens with the MXFP4 experts on the fused Triton kernel (on CUDA,
+    or on CPU tensors under the interpreter: TESSERA_MXFP4_KERNEL=triton, which the caller
+    sets), and rank 0's experts' tensors (dtype, shape)."""
+    from engine.layers.moe import FusedMoE
+
+    llm = LLM(str(quant), dtype=dtype, seed=0, num_kv_blocks=96, **kwargs)
+    try:
+        model = llm.engine.executor.runner.model
+        moe = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        held = {n: (p.dtype, tuple(p.shape)) for n, p in moe.named_parameters()}
+        assert moe.fused_quantized is not None, "the experts are not on the fused kernel"
+        params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], held
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("one-rank", {}),
+        ("one-rank-bf16", dict(dtype="bfloat16")),
+        # down's shard of I = 16 starts mid-group; ~1 min each under the interpreter
+        pytest.param("tp2", dict(tensor_parallel_size=2), marks=pytest.mark.slow),
+        pytest.param(
+            "tp2-expert-parallel",
+            dict(tensor_parallel_size=2, enable_expert_parallel=True),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_mxfp4_experts_on_the_triton_kernel(mxfp4_pair, monkeypatch, name, kwargs):
+    """The CUDA path on CPU tensors: the experts stay the checkpoint's MXFP4 bytes (codes
+    [E, 2I, H / 2] and [E, H, I / 2], one E8M0 byte per 32), decoded in the fused kernel's
+    inner loop with their biases and the clamped SwiGLU; greedy tokens equal transformers' on
+    the same bytes dequantized (float32; bf16: but where its top-2 gap is under 0.05), at
+    TP=2 too (each rank its slice of I; down's starting inside a group of 32) and with expert
+    parallelism (4 whole experts a rank)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    tp = "tensor_parallel_size" in kwargs
+    if tp and not interpreted:  # a GPU machine: one GPU, and no interpreter for CPU ranks
+        pytest.skip("TP on CPU ranks runs the Triton kernel under the interpreter only")
+    if not (interpreted or torch.cuda.is_available()):
+        pytest.skip("no GPU and not under the Triton interpreter")
+    monkeypatch.setenv("TESSERA_MXFP4_KERNEL", "triton")
+    if tp:
+        torch.set_num_threads(1)
+        kwargs = dict(kwargs, device="cpu")
+    quant, ref = mxfp4_pair
+    prompts, _ = _reference(ref)
+    if "dtype" in kwargs:  # bf16: the reference's near ties may go either way (0.05, as the
+        reference = hf_greedy_gaps(ref, prompts, SW_NUM_NEW)  # quantized checkpoints' tests)
+    else:
+        expected = hf_greedy(ref, prompts, SW_NUM_NEW, attn_implementation="eager")
+    got, held = _mxfp4_triton_greedy(quant, prompts, **kwargs)
+    cfg = json.loads((quant / "config.json").read_text())
+    h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    if name == "tp2":
+        i //= 2
+    if name == "tp2-expert-parallel":
+        e //= 2
+    groups = 1 if name == "tp2" else i // 32  # rank 0's I = 16: the first group's scales
+    assert held == {
+        "w13_weight": (torch.uint8, (e, 2 * i, h // 2)),
+        "w13_weight_scale": (torch.uint8, (e, 2 * i, h // 32)),
+        "w2_weight": (torch.uint8, (e, h, i // 2)),
+        "w2_weight_scale": (torch.uint8, (e, h, groups)),
+        "w13_bias": (getattr(torch, kwargs.get("dtype", "float32")), (e, 2 * i)),
+        "w2_bias": (getattr(torch, kwargs.get("dtype", "float32")), (e, h)),
+    }
+    if "dtype" in kwargs:
+        assert_agrees_but_near_ties(got, reference, 0.05)
+    else:
+        assert got == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 0.05)])
+def test_mxfp4_experts_stay_4bit_on_cuda(mxfp4_pair, monkeypatch, dtype, tol):
+    """On a GPU, with no flag: the experts are the MXFP4 bytes on the compiled fused kernel
+    (CUDA graphs included), and the greedy tokens are transformers' on the dequantized bytes
+    (float32) wherever its top-2 gap is clear (the quantized checkpoints' tolerances)."""
+    monkeypatch.delenv("TESSERA_MXFP4_KERNEL", raising=False)
+    quant, ref = mxfp4_pair
+    prompts = sliding_window_prompts(load_hf_config(ref).vocab_size)
+    reference = hf_greedy_gaps(ref, prompts, SW_NUM_NEW)
+    got, held = _mxfp4_triton_greedy(quant, prompts, dtype=dtype, device="cuda")
+    assert held["w13_weight"][0] == torch.uint8 and held["w2_weight"][0] == torch.uint8
+    assert_agrees_but_near_ties(got, reference, tol)
+
+
+def test_mxfp4_experts_kernel_choice(monkeypatch):
+    """Which path a layer's MXFP4 experts take: the Triton kernel on CUDA, GGUF blocks on one
+    CPU rank (where the C kernels are built), dequantized where the kernel cannot slice down's
+    bytes (an odd share of I); a bad TESSERA_MXFP4_KERNEL names its values."""
+    pytest.importorskip("triton")
+    from engine.kernels.cpu import gguf as cpu_gguf
+    from engine.layers.moe import FusedMoE
+    from engine.layers.quantization.mxfp4 import experts_kernel
+
+    monkeypatch.delenv("TESSERA_MXFP4_KERNEL", raising=False)
+    moe = FusedMoE(8, 2, 64, 32, renormalize=True, bias=True, activation="swigluoai")
+    assert experts_kernel(moe, torch.device("cuda"))[0] == "triton"
+    cpu = experts_kernel(moe, torch.device("cpu"))[0]
+    assert cpu == ("gguf" if cpu_gguf.available() else "dequantize")
+    monkeypatch.setenv("TESSERA_MXFP4_KERNEL", "triton")
+    assert experts_kernel(moe, torch.device("cpu"))[0] == "triton"
+    odd = FusedMoE(8, 2, 64, 31, renormalize=True, bias=True, activation="swigluoai")
+    kernel, why = experts_kernel(odd, torch.device("cuda"))
+    assert kernel == "dequantize" and "odd" in why
+    monkeypatch.setenv("TESSERA_MXFP4_KERNEL", "fast")
+    with pytest.raises(ValueError, match="TESSERA_MXFP4_KERNEL.*triton, gguf, dequantize"):
+        experts_kernel(moe, torch.device("cpu"))

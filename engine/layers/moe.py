@@ -273,10 +273,10 @@ class FusedMoE(nn.Module):
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
         if self.ep_size > 1 and (fused is not None or self.fused_quantized is not None):
-            ids = ids.clamp(max=self.num_local_experts - 1)  # the kernel takes no other id
+            # the kernels take no other id: another rank's pairs run on the last local expert,
+            # weighing 0
+            ids = ids.clamp(max=self.num_local_experts - 1)
         if self.fused_quantized is not None:
-            if self.ep_size > 1:  # another rank's pairs: on local expert 0, weighing 0
-                ids = ids.clamp(max=self.num_local_experts - 1)
             out = self.fused_quantized(x, weights, ids)
         elif fused is not None:
             out = fused.fused_experts(
@@ -295,7 +295,7 @@ class FusedMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed pairs in this rank's expert numbering: another rank's expert becomes
         num_local_experts (experts_cpu skips it) with weight 0 (the fused kernel, which
-        takes no such id, runs it on local expert 0 and scales it away)."""
+        takes no such id, runs it on its last local expert and scales it away)."""
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local_experts)
         return weights * mine, torch.where(mine, local, self.num_local_experts)

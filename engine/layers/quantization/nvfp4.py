@@ -14,7 +14,10 @@ After loading:
   GGUF dot kernels (engine/kernels/cpu/gguf.c: x as int8 per 32, integer dots per 16 values,
   each times its scale); 1 / weight_global_scale is applied per output row after the GEMM (a
   merged q|k|v or gate|up layer: each part's own).
-- Elsewhere (CUDA, K not a multiple of 64, no kernels): dequantized at load into the model
+- CUDA (and the tests' Triton interpreter): the checkpoint's codes and scale bytes as they are
+  (0.5625 bytes a weight) on the NVFP4 Triton GEMM (engine/kernels/triton/nvfp4_gemm.py),
+  weight-only, dequantized in its inner loop.
+- Elsewhere (K not a multiple of 64, no kernels, no triton): dequantized at load into the model
   dtype (each value times its scale / global scale in float32, rounded once), served by the
   unquantized layers' GEMMs, at the float weight's bytes.
 """
@@ -83,8 +86,13 @@ class _ScaleLoader(ShardLoader):
 
 class NvFp4LinearMethod(LinearMethodBase):
     """An NVFP4 checkpoint layer (module docstring). On the block path layer.weight is the
-    ggml NVFP4 rows (uint8) and layer.row_scale float32 [N] (1 / global scale); on the
-    dequantized path layer.weight is the float weight and row_scale None."""
+    ggml NVFP4 rows (uint8) and layer.row_scale float32 [N] (1 / global scale); on the Triton
+    GEMM layer.weight is None and layer.nvfp4 the kernel's weight; on the dequantized path
+    layer.weight is the float weight. triton: the Triton GEMM (None: on CUDA; True: also for
+    CPU tensors, the tests' way under TRITON_INTERPRET=1)."""
+
+    def __init__(self, triton: bool | None = None):
+        self.triton = triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
         name = getattr(layer, "prefix", type(layer).__name__)
@@ -114,7 +122,7 @@ class NvFp4LinearMethod(LinearMethodBase):
 
         k = packed.shape[1] * 2
         if packed.device.type != "cpu":
-            return f"{packed.device.type}: no NVFP4 kernel"
+            return f"on {packed.device.type}: the GGUF kernels run on the CPU"
         if not cpu_gguf.available():
             return "the CPU kernels are not built"
         if k % GGML_VALUES:
@@ -137,6 +145,22 @@ class NvFp4LinearMethod(LinearMethodBase):
         if bool(((scale_bytes & 0x7F) == 0x7F).any()):
             raise ValueError(f"{name}: weight_scale holds NaN (e4m3's 0x7F)")
         acts = "activations in the model dtype (a W4A4 checkpoint's input_global_scale unused)"
+        layer.row_scale = None
+        triton_why = ""
+        if self.triton if self.triton is not None else packed.device.type == "cuda":
+            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
+                from engine.kernels.triton.nvfp4_gemm import NvFp4Weight
+            except ImportError as e:
+                triton_why = f"; triton is unavailable ({e})"
+            else:
+                layer.register_parameter("weight", None)
+                layer.nvfp4 = NvFp4Weight.prepare(packed, scale, g)
+                layer.quant_path = (
+                    "NVFP4 codes and scale bytes (0.5625 bytes a weight) on the NVFP4 Triton "
+                    "GEMM (engine/kernels/triton/nvfp4_gemm.py), dequantized in its inner loop; "
+                    f"{acts}"
+                )
+                return
         why = self._block_refusal(packed, scale_bytes)
         if why is None:
             from engine.kernels.cpu import gguf as cpu_gguf
@@ -151,15 +175,19 @@ class NvFp4LinearMethod(LinearMethodBase):
             )
             return
         layer.weight = nn.Parameter(dequantize_nvfp4(packed, scale, g, dtype), requires_grad=False)
-        layer.row_scale = None
         layer.quant_path = (
-            f"NVFP4 dequantized at load into {str(dtype).removeprefix('torch.')} ({why}; the "
+            f"NVFP4 dequantized at load into {str(dtype).removeprefix('torch.')} ({why}{triton_why}; the "
             f"float weight's bytes, C GEMM / AMX-bf16 / oneDNN / cuBLAS); {acts}"
         )
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if layer.weight is None:  # the Triton GEMM (process_weights_after_loading)
+            from engine.kernels.triton.nvfp4_gemm import nvfp4_gemm
+
+            y = nvfp4_gemm(x, layer.nvfp4)
+            return y if bias is None else y + bias.to(y.dtype)
         if layer.row_scale is None:
             return linear_by_rows(layer, x, layer.weight, bias)
         from engine.kernels.cpu import gguf as cpu_gguf

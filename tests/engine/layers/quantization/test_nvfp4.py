@@ -8,7 +8,8 @@ holds the same values bit for bit (gguf-py decodes them); each loaded layer hold
 checkpoint's values (the blocks times 1 / global scale per row; the dequantized fallback rounded
 once) and multiplies as F.linear on them; greedy tokens follow the reference (near ties of the
 int8 activations per 32 allowed), also at TP=2 (row shards of K=32 dequantized, of K=64 on the
-blocks); the CUDA path through the engine; start-up errors naming the field.
+blocks); the CUDA path (the NVFP4 Triton GEMM, under the interpreter without a GPU, and through
+the engine on one); start-up errors naming the field.
 """
 
 from __future__ import annotations
@@ -187,6 +188,26 @@ def test_greedy_tokens_follow_the_dequantized_reference(written, fmt, dtype):
         _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, tol)
 
 
+def test_qwen2_biases_and_tied_embeddings(tiny_qwen2_dir, tmp_path):
+    """q/k/v biases added after the row scales, on a model whose LM head is its embedding."""
+    from engine import LLM, SamplingParams
+
+    folder, deq = WRITERS["nvfp4a16"](tiny_qwen2_dir, tmp_path / "q")
+    ref = qw.reference_model(tiny_qwen2_dir, deq)
+    llm = LLM(str(folder), dtype="float32", seed=0, num_kv_blocks=64, max_model_len=256)
+    try:
+        layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        assert layer.bias is not None and isinstance(layer.quant_method, NvFp4LinearMethod)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tol = INT8_ACTS_GAP_TOL if cpu_gguf.available() else GAP_TOL["float32"]
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, tol)
+
+
 @pytest.mark.slow
 def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
     """Column shards split N (each part's global scale on its rows), row shards split K on
@@ -205,10 +226,54 @@ def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
         assert all("GGUF NVFP4 blocks" in why for why in paths0[0]["down_proj"]), paths0
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
+    """Each layer loaded for the Triton GEMM (the checkpoint's bytes, no float copy) multiplies
+    as F.linear on the checkpoint's dequantized weight rounded to the model dtype."""
+    pytest.importorskip("triton")
+    from engine.layers.quantization.checkpoint import (
+        apply_checkpoint_methods,
+        finish_checkpoint_methods,
+    )
+    from engine.models.loader import load_model
+
+    _, folder, deq = written("nvfp4-w4a4")
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    config = build_config("compressed-tensors", qcfg)
+    model = load_model(folder, dtype=dtype, device=DEVICE,
+                       prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
+    for m in model.modules():
+        if isinstance(getattr(m, "quant_method", None), NvFp4LinearMethod):
+            m.quant_method.triton = True
+    paths = finish_checkpoint_methods(model, config)
+    assert all("Triton GEMM" in why for why in paths["qkv_proj"]), paths
+    torch_dtype = getattr(torch, dtype)
+    checked = 0
+    for name, layer in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind not in KINDS:
+            continue
+        assert layer.weight is None, name
+        parts = [name[: -len(kind)] + p for p in MERGED.get(kind, (kind,))]
+        want_w = torch.cat([deq[p] for p in parts]).to(torch_dtype).float()
+        for rows in (1, 9):
+            x = torch.randn(rows, want_w.shape[1], generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch_dtype)
+            got = layer.quant_method.apply(layer, x.to(DEVICE)).float().cpu()
+            want = F.linear(x.float(), want_w)
+            tol = 1e-5 if dtype == "float32" else 1.5e-2
+            assert (got - want).abs().max() <= tol * want.abs().max(), name
+        checked += 1
+    assert checked == 4 * model.config.num_hidden_layers
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", list(WRITERS))
 def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
-    """On a GPU: dequantized at load into bf16, through the engine."""
+    """On a GPU: the NVFP4 Triton GEMM compiled, through the engine."""
     from engine import LLM, SamplingParams
 
     src, folder, deq = written(fmt)
@@ -217,7 +282,7 @@ def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
               device="cuda")  # fmt: skip
     try:
         layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        assert layer.weight.dtype == torch.bfloat16 and "dequantized at load" in layer.quant_path
+        assert layer.weight is None and "Triton GEMM" in layer.quant_path
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:

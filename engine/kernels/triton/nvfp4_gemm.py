@@ -60,8 +60,8 @@ def _nvfp4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    HALF: tl.constexpr,  # BLOCK_K // 2: bytes of a row a K tile reads
 ):
-    HALF: tl.constexpr = BLOCK_K // 2
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -172,6 +172,7 @@ def nvfp4_gemm(
         BLOCK_K=launch.block_k,
         DOT_DTYPE=dot,
         DOT_IEEE=dot == tl.float32,
+        HALF=launch.block_k // 2,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

@@ -33,6 +33,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/lora/test_triton_lora.py
     tests/engine/kernels/test_triton_quant_gemm.py
     tests/engine/kernels/test_triton_fp8_block_gemm.py
+    tests/engine/kernels/test_triton_nvfp4_gemm.py
     tests/engine/layers/quantization/test_triton_int_method.py
     tests/engine/models/test_loader.py::test_dummy_weights_are_drawn_on_the_gpu
     tests/engine/worker/test_kv_budget.py
@@ -44,6 +45,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/layers/quantization/test_quant_moe.py  # quantized experts' fused kernel
     tests/engine/layers/quantization/test_kv_scales.py::test_the_fp8_cache_serves_with_the_checkpoints_scales_cuda
     tests/engine/layers/quantization/test_fp8_block.py  # block FP8: the GEMM and MoE kernels
+    tests/engine/layers/quantization/test_nvfp4.py  # NVFP4: the Triton GEMM on loaded layers, through the engine
     tests/engine/models/test_gpt_oss.py  # sinks, expert biases: LLM's default device here
     tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )

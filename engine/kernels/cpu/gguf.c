@@ -6,7 +6,10 @@
    int8 values: what llama.cpp writes for IQ4_XS, Q3_K and Q2_K tensors whose K is not a
    multiple of 256; its values' dot products run as Q8_0's), or MXFP4 (an E8M0 byte, 16 bytes
    of e2m1 codes laid out as IQ4_NL's: gpt-oss's experts, 4.25 bits a weight; twice each value
-   is an int8 in [-12, 12], so its dot products run as Q8_0's too). x is quantized per
+   is an int8 in [-12, 12], so its dot products run as Q8_0's too), or NVFP4 (superblocks of 64:
+   4 ue4m3 scale bytes, one per 16 values, then per 16 values 8 bytes of e2m1 codes, values 0-7
+   in the low nibbles and 8-15 in the high ones: compressed-tensors' NVFP4 checkpoints repacked;
+   a 32-value chunk of x spans two scales, applied per int32 lane). x is quantized per
    block of 32 to int8 with a float scale (llama.cpp's Q8_0/Q8_1 activations), each block's
    integer dot product is scaled in float. Three variants of the same arithmetic: scalar,
    AVX2 (maddubs) and AVX-512 VNNI (dpbusd, two blocks an instruction); gguf_isa picks one at
@@ -47,6 +50,7 @@ static int block_bytes(int type) {
     case GGUF_Q8_0: return 34;
     case GGUF_IQ4_NL: return 18;
     case GGUF_MXFP4: return 17;
+    case GGUF_NVFP4: return 36;  /* superblocks of 64 weights */
     case GGUF_Q4_K: return 144;  /* superblocks of 256 weights: gguf_k.c */
     case GGUF_Q5_K: return 176;
     case GGUF_Q6_K: return 210;
@@ -61,6 +65,16 @@ static int superblocks(int type) {
          type == GGUF_Q6_K || type == GGUF_IQ4_XS;
 }
 int gguf_block_bytes(int type) { return block_bytes(type); }
+/* NVFP4's scale bytes decoded once: ue4m3_half branches on subnormals, which mispredict where
+   a row's scales straddle them (the dot kernels ran 4-5x slower than MXFP4's) */
+static float UE4M3_HALF[256];
+__attribute__((constructor)) static void fill_ue4m3_half(void) {
+  for (int i = 0; i < 256; ++i) UE4M3_HALF[i] = ue4m3_half((uint8_t)i);
+}
+/* weights along K a block holds */
+static int block_values(int type) {
+  return superblocks(type) ? 256 : type == GGUF_NVFP4 ? 64 : 32;
+}
 
 /* The 4- and 5-bit types: where the nibbles start, the code's offset (w = d * (q - off)), and
    whether the block holds a minimum (w = d * q + m) */
@@ -115,8 +129,26 @@ static void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d
 }
 
 /* ---- scalar ---- */
+/* NVFP4: nb (x's blocks of 32) is even; each 16 values' integer sum times its own scale */
+static float dot_scalar_nvfp4(const uint8_t* w, const int8_t* xq, const float* xd, int64_t nb) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; b += 2) {
+    const uint8_t* blk = w + b / 2 * 36;
+    for (int s = 0; s < 4; ++s) {
+      const uint8_t* q = blk + 4 + 8 * s;
+      const int8_t* x = xq + b * 32 + 16 * s;
+      int32_t sum = 0;
+      for (int j = 0; j < 8; ++j)
+        sum += MXFP4_VALUES[q[j] & 15] * x[j] + MXFP4_VALUES[q[j] >> 4] * x[j + 8];
+      acc += UE4M3_HALF[blk[s]] * xd[b + s / 2] * (float)sum;
+    }
+  }
+  return acc;
+}
+
 static float dot_scalar(int type, const uint8_t* w, const int8_t* xq, const float* xd,
     const int32_t* xs, int64_t nb) {
+  if (type == GGUF_NVFP4) return dot_scalar_nvfp4(w, xq, xd, nb);
   float acc = 0.f;
   const int bs = block_bytes(type);
   for (int64_t b = 0; b < nb; ++b) {
@@ -166,6 +198,16 @@ static inline __m256i signed_bytes(int type, const uint8_t* blk) {
   const __m256i codes = q4_bytes(blk + qs_offset(type));
   return type == GGUF_MXFP4 ? mxfp4_lookup(codes) : iq4_lookup(codes);
 }
+/* chunk c (0, 1) of an NVFP4 superblock: 32 int8 values in weight order. The 16 code bytes
+   are sub-block A's 8 then B's 8; q4_bytes gives 64-bit lanes [A lo, B lo, A hi, B hi] (low
+   nibbles: values 0-7, high: 8-15), the permute puts them as [A lo, A hi, B lo, B hi]. */
+static inline __m256i nvfp4_values(const uint8_t* blk, int c) {
+  return mxfp4_lookup(_mm256_permute4x64_epi64(q4_bytes(blk + 4 + 16 * c), 0xD8));
+}
+/* an 8-lane dot product's scales: lanes 0-3 hold sub-block A's sums, 4-7 B's */
+static inline __m256 nvfp4_lane_scales(float a, float b) {
+  return _mm256_setr_m128(_mm_set1_ps(a), _mm_set1_ps(b));
+}
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -202,9 +244,63 @@ static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnn
 
 /* R rows of x (row m at xq + m * K, xd/xs + m * nb) against one weight row: each weight
    block is decoded once for all R; out[m] = the dot product. */
+/* dot_vec for NVFP4: a superblock (two blocks of x) a 512-bit dpbusd, its 16 lanes scaled by
+   their sub-blocks' scales; AVX2 a chunk of 32 at a time. nb is even. */
+static inline __attribute__((always_inline)) void dot_vec_nvfp4(int vnni, int R,
+    const uint8_t* w, const int8_t* xq, int64_t K, const float* xd, int64_t nb, float* out) {
+  __m256 acc[4];
+  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
+#if ISA_MAX >= GGUF_ISA_VNNI
+  if (vnni) {
+    __m512 acc2[4];
+    for (int m = 0; m < R; ++m) acc2[m] = _mm512_setzero_ps();
+    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t b = 0; b < nb; b += 2) {
+      const uint8_t* blk = w + b / 2 * 36;
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(nvfp4_values(blk, 0)),
+                                           nvfp4_values(blk, 1), 1);
+      const __m512i u = _mm512_abs_epi8(q);  /* |w| as unsigned, w's sign moved onto x */
+      const __mmask64 neg = _mm512_movepi8_mask(q);
+      const float d[4] = {UE4M3_HALF[blk[0]], UE4M3_HALF[blk[1]], UE4M3_HALF[blk[2]],
+                          UE4M3_HALF[blk[3]]};
+      const __m512 wd = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(d)));
+      for (int m = 0; m < R; ++m) {
+        const float* dx = xd + m * nb;
+        __m512i s = _mm512_loadu_si512((const void*)(xq + m * K + b * 32));
+        s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+        const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+        const __m512 xs2 = _mm512_insertf32x8(_mm512_set1_ps(dx[b]), _mm256_set1_ps(dx[b + 1]), 1);
+        acc2[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(wd, xs2), acc2[m]);
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      out[m] = _mm512_reduce_add_ps(acc2[m]);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b / 2 * 36;
+    const int c = (int)(b & 1);
+    const __m256i q = nvfp4_values(blk, c);
+    const __m256i u = _mm256_sign_epi8(q, q);
+    const float da = UE4M3_HALF[blk[2 * c]], db = UE4M3_HALF[blk[2 * c + 1]];
+    for (int m = 0; m < R; ++m) {
+      const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + m * K + b * 32)), q);
+      const __m256i dp = dot_avx2(u, s);
+      const float dx = xd[m * nb + b];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), nvfp4_lane_scales(da * dx, db * dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m] = hsum8(acc[m]);
+}
+
 static inline __attribute__((always_inline)) void dot_vec(int type, int vnni, int R,
     const uint8_t* w, const int8_t* xq, int64_t K, const float* xd, const int32_t* xs,
     int64_t nb, float* out) {
+  if (type == GGUF_NVFP4) {
+    dot_vec_nvfp4(vnni, R, w, xq, K, xd, nb, out);
+    return;
+  }
   const int bs = block_bytes(type);
   __m256 acc[4];
   float extra[4];  /* the per-block offsets (Q4_0's -8, Q5_0's -16) or minimums, times sum(x) */
@@ -286,6 +382,7 @@ DEFINE_ROWS(q5_1_s, GGUF_Q5_1, dot_scalar_rows, )
 DEFINE_ROWS(q8_0_s, GGUF_Q8_0, dot_scalar_rows, )
 DEFINE_ROWS(iq4nl_s, GGUF_IQ4_NL, dot_scalar_rows, )
 DEFINE_ROWS(mxfp4_s, GGUF_MXFP4, dot_scalar_rows, )
+DEFINE_ROWS(nvfp4_s, GGUF_NVFP4, dot_scalar_rows, )
 #if ISA_MAX >= GGUF_ISA_AVX2
 DEFINE_ROWS(q4_0_a, GGUF_Q4_0, dot_vec, 0,)
 DEFINE_ROWS(q4_1_a, GGUF_Q4_1, dot_vec, 0,)
@@ -294,6 +391,7 @@ DEFINE_ROWS(q5_1_a, GGUF_Q5_1, dot_vec, 0,)
 DEFINE_ROWS(q8_0_a, GGUF_Q8_0, dot_vec, 0,)
 DEFINE_ROWS(iq4nl_a, GGUF_IQ4_NL, dot_vec, 0,)
 DEFINE_ROWS(mxfp4_a, GGUF_MXFP4, dot_vec, 0,)
+DEFINE_ROWS(nvfp4_a, GGUF_NVFP4, dot_vec, 0,)
 #endif
 #if ISA_MAX >= GGUF_ISA_VNNI
 DEFINE_ROWS(q4_0_v, GGUF_Q4_0, dot_vec, 1,)
@@ -303,6 +401,7 @@ DEFINE_ROWS(q5_1_v, GGUF_Q5_1, dot_vec, 1,)
 DEFINE_ROWS(q8_0_v, GGUF_Q8_0, dot_vec, 1,)
 DEFINE_ROWS(iq4nl_v, GGUF_IQ4_NL, dot_vec, 1,)
 DEFINE_ROWS(mxfp4_v, GGUF_MXFP4, dot_vec, 1,)
+DEFINE_ROWS(nvfp4_v, GGUF_NVFP4, dot_vec, 1,)
 #endif
 
 #define PICK(V)                                                                             \
@@ -313,6 +412,7 @@ DEFINE_ROWS(mxfp4_v, GGUF_MXFP4, dot_vec, 1,)
     case GGUF_Q5_1: return DOT_q5_1_##V;                                                    \
     case GGUF_IQ4_NL: return DOT_iq4nl_##V;                                                 \
     case GGUF_MXFP4: return DOT_mxfp4_##V;                                                  \
+    case GGUF_NVFP4: return DOT_nvfp4_##V;                                                  \
     default: return DOT_q8_0_##V;                                                           \
   }
 static const dot_fn* pick(int type, int isa) {
@@ -334,8 +434,8 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
   if (superblocks(type))
     return gguf_k_linear(x, ldx, M, K, w, type, N, bias, y, ldy, bf16, nthreads);
   const int bs = block_bytes(type);
-  if (!bs || K % 32 || M < 1) return -1;
-  const int64_t nb = K / 32;
+  if (!bs || K % block_values(type) || M < 1) return -1;
+  const int64_t nb = K / 32, rb = K / block_values(type) * bs;
   int8_t* xq = (int8_t*)malloc((size_t)M * K + (size_t)M * nb * 8);
   if (!xq) return -1;
   float* xd = (float*)(xq + M * K);  /* K % 32 == 0: aligned enough for floats */
@@ -349,7 +449,7 @@ int gguf_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t*
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
     for (int64_t n = t * ROWS_PER_TASK; n < n1; ++n) {
-      const uint8_t* row = w + n * nb * bs;
+      const uint8_t* row = w + n * rb;
       const float b = bias ? (bf16 ? bf2f(((const uint16_t*)bias)[n]) : ((const float*)bias)[n]) : 0.f;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_R) {
         const int R = M - m0 < MAX_R ? (int)(M - m0) : MAX_R;
@@ -371,7 +471,30 @@ int gguf_dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   if (superblocks(type))
     return gguf_k_dequant_row(type, row, K, out);
   const int bs = block_bytes(type);
-  if (!bs || K % 32) return -1;
+  if (!bs || K % block_values(type)) return -1;
+  if (type == GGUF_NVFP4) {  /* scale * value: exact in float32 (gguf-py's product) */
+    for (int64_t b = 0; b < K / 64; ++b) {
+      const uint8_t* blk = row + b * 36;
+      for (int c = 0; c < 2; ++c) {
+        float* v = out + b * 64 + c * 32;
+        const float da = UE4M3_HALF[blk[2 * c]], db = UE4M3_HALF[blk[2 * c + 1]];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m256i q = nvfp4_values(blk, c);
+        _mm512_storeu_ps(v, _mm512_mul_ps(_mm512_set1_ps(da), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
+        _mm512_storeu_ps(v + 16, _mm512_mul_ps(_mm512_set1_ps(db), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
+#else
+        const uint8_t* qa = blk + 4 + 16 * c;
+        for (int j = 0; j < 8; ++j) {
+          v[j] = da * (float)MXFP4_VALUES[qa[j] & 15];
+          v[j + 8] = da * (float)MXFP4_VALUES[qa[j] >> 4];
+          v[j + 16] = db * (float)MXFP4_VALUES[qa[j + 8] & 15];
+          v[j + 24] = db * (float)MXFP4_VALUES[qa[j + 8] >> 4];
+        }
+#endif
+      }
+    }
+    return 0;
+  }
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = row + b * bs;
     const float d = block_scale(type, blk), mn = has_min(type) ? h2f(blk + 2) : 0.f;
@@ -427,7 +550,7 @@ int gguf_gather_rows(const uint8_t* w, int type, int64_t N, int64_t K, const int
   if (!bs) return -1;
   for (int64_t i = 0; i < n; ++i)
     if (ids[i] < 0 || ids[i] >= N) return -2;
-  const int64_t rb = K / (superblocks(type) ? 256 : 32) * bs;
+  const int64_t rb = K / block_values(type) * bs;
   float* v = (float*)malloc(sizeof(float) * K);
   if (!v) return -1;
   for (int64_t i = 0; i < n; ++i) {
@@ -444,8 +567,8 @@ int gguf_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* out,
   if (superblocks(type))
     return gguf_k_dequantize(w, type, N, K, out, bf16, nthreads);
   const int bs = block_bytes(type);
-  if (!bs || K % 32) return -1;
-  const int64_t rb = K / 32 * bs;
+  if (!bs || K % block_values(type)) return -1;
+  const int64_t rb = K / block_values(type) * bs;
   int failed = 0;
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(|:failed)")
   {

@@ -1,5 +1,6 @@
 """GGUF block formats on the CPU kernels (engine/kernels/cpu/gguf.c): Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, IQ4_NL, MXFP4 (gpt-oss's experts), and the K-quants Q2_K-Q6_K with IQ4_XS (gguf_k.c: superblocks of 256 weights,
+Q8_0, IQ4_NL, MXFP4 (gpt-oss's experts), NVFP4 (superblocks of 64 weights: K % 64 == 0;
+compressed-tensors' NVFP4 checkpoints repacked), and the K-quants Q2_K-Q6_K with IQ4_XS (gguf_k.c: superblocks of 256 weights,
 so K % 256 == 0).
 
 The kernel quantizes each row of x per block of 32 to int8 with a float scale, as llama.cpp
@@ -26,7 +27,7 @@ from engine.kernels.cpu import ops
 
 TYPES = {
     n: ops.CONSTANTS[f"GGUF_{n}"]
-    for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")
+    for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "NVFP4")
 }
 # superblocks of 256 weights (gguf_k.c): the K-quants, and IQ4_XS
 K_TYPES = {
@@ -78,8 +79,10 @@ def forced_isa(name: str) -> Iterator[None]:
 
 
 def block_weights(type_id: int) -> int:
-    """Weights along K a block of this type holds (a K-quant's superblock: 256)."""
-    return 256 if type_id in K_TYPES.values() else 32
+    """Weights along K a block of this type holds (a K-quant's superblock: 256; NVFP4's: 64)."""
+    if type_id in K_TYPES.values():
+        return 256
+    return 64 if type_id == TYPES["NVFP4"] else 32
 
 
 def row_bytes(type_id: int, in_features: int) -> int:

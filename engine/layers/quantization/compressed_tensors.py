@@ -15,6 +15,10 @@ or per group) and an `ignore` list. Supported:
   or dynamic activations (engine.layers.quantization.fp8's method); or `strategy: "block"`
   with `block_structure` [bn, bk] (llm-compressor's FP8_BLOCK, dynamic per-token-group
   activations: engine.layers.quantization.fp8_block's method).
+- `nvfp4-pack-quantized`: NVFP4 (fp4 e2m1 `weight_packed`, an e4m3 `weight_scale` per 16
+  values, `weight_global_scale`; strategy tensor_group, group_size 16), weight-only (NVFP4A16)
+  or with the fp4 activation scheme (W4A4 NVFP4), served weight-only: activations stay in the
+  model dtype (engine.layers.quantization.nvfp4). Its MoE experts are refused.
 Anything else (other formats, bit widths, strategies, activation schemes, a quantized LM head,
 a KV-cache scheme) is a start-up error naming the field and the values Tessera takes.
 """
@@ -32,12 +36,19 @@ from engine.layers.quantization.fp8 import Fp8LinearMethod, check_block_size
 from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.layers.quantization.int_weight import IntWeightOnlyMethod
 from engine.layers.quantization.kv_scales import check_kv_cache_scheme
+from engine.layers.quantization.nvfp4 import NvFp4LinearMethod
 from engine.layers.quantization.packed import unpack_cols
 
 if TYPE_CHECKING:
     from engine.layers.quantization.experts import ExpertsMethod
 
-FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "float-quantized",
+    "nvfp4-pack-quantized",
+)
 
 
 def _match(target: str, name: str) -> bool:
@@ -55,6 +66,7 @@ class _Scheme:
         where = f"config_groups.{key}"
         self.targets = list(group.get("targets") or [])
         self.format = group.get("format") or fmt
+        self.format_field = f"{where}.format" if group.get("format") else "format"
         if self.format not in FORMATS:
             raise unsupported(f"{where}.format" if group.get("format") else "format",
                               self.format, ", ".join(FORMATS))  # fmt: skip
@@ -82,6 +94,10 @@ class _Scheme:
             if a is not None:
                 raise unsupported(f"{where}.input_activations", a,
                                   "null (pack-quantized weights are weight-only)")  # fmt: skip
+        elif self.format == "nvfp4-pack-quantized":
+            self._check_nvfp4(f"{where}.weights", w)
+            if a is not None:  # W4A4: served weight-only (activations in the model dtype)
+                self._check_nvfp4(f"{where}.input_activations", a)
         elif self.format in ("int-quantized", "naive-quantized"):
             if self.type != "int" or self.bits != 8:
                 raise unsupported(f"{where}.weights.num_bits", self.bits, "8 (int)")
@@ -102,6 +118,18 @@ class _Scheme:
             self._check_activations(where, a, "float", self.strategy == "block")
         if self.actorder not in (None, "group", "weight", "static", "dynamic"):
             raise unsupported(f"{where}.weights.actorder", self.actorder, "null, group, weight")
+
+    @staticmethod
+    def _check_nvfp4(field: str, args: dict[str, Any]) -> None:
+        """NVFP4's quantization args (weights or input_activations): fp4 e2m1 in symmetric
+        groups of 16 with a global scale."""
+        for key, want, allowed in (("num_bits", 4, "4 (NVFP4: fp4 e2m1)"),
+                                   ("type", "float", "float (NVFP4: fp4 e2m1)"),
+                                   ("strategy", "tensor_group", "tensor_group"),
+                                   ("group_size", 16, "16 (NVFP4's)"),
+                                   ("symmetric", True, "true")):  # fmt: skip
+            if args.get(key, want) != want:
+                raise unsupported(f"{field}.{key}", args.get(key), allowed)
 
     @staticmethod
     def _check_activations(where: str, a: dict[str, Any] | None, kind: str,
@@ -125,6 +153,8 @@ class _Scheme:
                 self.group_size, self.actorder, self.act_quant, self.block)  # fmt: skip
 
     def method(self) -> LinearMethodBase:
+        if self.format == "nvfp4-pack-quantized":
+            return NvFp4LinearMethod()
         if self.format == "float-quantized" and self.block is not None:
             return Fp8BlockLinearMethod(self.block, "weight_scale", "weights.block_structure")
         if self.format == "float-quantized":
@@ -136,10 +166,13 @@ class _Scheme:
         return CTInt8LinearMethod(8, -1, True, False, act_quant=self.act_quant)
 
     def describe(self) -> str:
-        g = f" {self.group_size}" if self.strategy == "group" else ""
+        g = f" {self.group_size}" if self.strategy in ("group", "tensor_group") else ""
         g = f" {list(self.block)}" if self.block is not None else g
         w = f"{self.type}{self.bits} {self.strategy}{g} {'sym' if self.symmetric else 'asym'}"
-        return f"{self.format} ({w}{', activations quantized' if self.act_quant else ''})"
+        acts = ", activations quantized" if self.act_quant else ""
+        if self.format == "nvfp4-pack-quantized" and self.act_quant:
+            acts = ", fp4 activations served in the model dtype"
+        return f"{self.format} ({w}{acts})"
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -199,6 +232,11 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "ignores some): they run as one stacked layer"
             )
         scheme = schemes[0]
+        if scheme.format == "nvfp4-pack-quantized":
+            raise unsupported(scheme.format_field, scheme.format,
+                              f"for MoE experts ({prefix}): pack-quantized, int-quantized, "
+                              "naive-quantized, float-quantized; or list the experts in "
+                              "ignore")  # fmt: skip
         if scheme.format == "float-quantized" and scheme.block is not None:
             return Fp8BlockExpertsMethod(scheme.block, "weight_scale", "weights.block_structure")
         if scheme.format == "float-quantized":

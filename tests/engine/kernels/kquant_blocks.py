@@ -1,5 +1,5 @@
-"""K-quant and IQ4 blocks (Q4_K, Q5_K, Q6_K, IQ4_XS; IQ4_NL) made with numpy for the tests:
-gguf-py dequantizes these types but has no quantizer for them. random_blocks draws any byte
+"""K-quant, IQ4 and NVFP4 blocks (Q4_K, Q5_K, Q6_K, IQ4_XS; IQ4_NL; NVFP4) made with numpy for
+the tests: gguf-py dequantizes these types but has no quantizer for them. random_blocks draws any byte
 pattern with small finite fp16 scales (every such pattern is a valid block); quantize is a
 plain min/max (IQ4: nearest grid value) encoder in ggml's layouts, near enough to the weights
 for a model to behave like its float self."""
@@ -11,7 +11,7 @@ import numpy as np
 QK = 256
 BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 _SCALE_AT = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}  # the fp16 d (Q2_K: d, dmin); else at 0
-TYPES = (*BYTES, "IQ4_NL")  # what quantize encodes
+TYPES = (*BYTES, "IQ4_NL", "NVFP4")  # what quantize encodes
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 
 
@@ -145,10 +145,29 @@ def _iq4_xs(w: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
+def _nvfp4(w: np.ndarray) -> np.ndarray:
+    """w [S, 64] -> NVFP4 superblocks [S, 36]: per 16 values a ue4m3 byte (gguf-py's encoder,
+    of max |w| / 6, the e2m1 range), then the nearest doubled e2m1 values' codes, 8 bytes a
+    sub-block (values 0-7 in the low nibbles, 8-15 in the high)."""
+    from gguf.quants import NVFP4
+
+    sub = w.reshape(-1, 4, 16)
+    d = NVFP4.fp32_to_ue4m3(np.abs(sub).max(-1) / 6)  # [S, 4]
+    half = NVFP4.ue4m3_to_fp32(d)  # what the kernel multiplies the doubled values by
+    t = sub / np.where(half > 0, half, 1)[..., None]
+    values = np.array(NVFP4.kvalues, dtype=np.float32)
+    q = np.abs(t[..., None] - values).argmin(-1).astype(np.uint8)  # [S, 4, 16]
+    codes = q[..., :8] | (q[..., 8:] << 4)
+    return np.concatenate([d.astype(np.uint8), codes.reshape(-1, 32)], 1)
+
+
 def quantize(w: np.ndarray, name: str) -> np.ndarray:
-    """w [n, k] float (k % 256 == 0; IQ4_NL k % 32) -> uint8 [n, row bytes] in ggml's layout
-    of `name`."""
+    """w [n, k] float (k % 256 == 0; IQ4_NL k % 32, NVFP4 k % 64) -> uint8 [n, row bytes] in
+    ggml's layout of `name`."""
     n, k = w.shape
+    if name == "NVFP4":
+        raw = _nvfp4(np.ascontiguousarray(w, dtype=np.float32).reshape(-1, 64))
+        return np.ascontiguousarray(raw.reshape(n, -1))
     if name == "IQ4_NL":
         raw = _iq4_nl(np.ascontiguousarray(w, dtype=np.float32).reshape(-1, 32))
         return np.ascontiguousarray(raw.reshape(n, -1))

@@ -173,7 +173,7 @@ def _gguf_blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("bias", [False, True])
 def test_gguf_rows_match_f_linear_on_their_weights(name, n, blocks, bias):
     torch.manual_seed(3)
-    k = blocks * cpu_gguf.block_weights(cpu_gguf.TYPES[name])  # 32 or a K-quant's 256
+    k = blocks * cpu_gguf.block_weights(cpu_gguf.TYPES[name])  # 32, NVFP4 64, K-quants 256
     raw, w = _gguf_blocks(torch.randn(n, k), name)
     b = torch.randn(n).bfloat16() if bias else None
     for m in ROWS:

@@ -1,5 +1,5 @@
 """GGUF blocks on the CPU kernels (engine.kernels.cpu.gguf): blocks made by gguf-py's own
-quantizers (IQ4_NL: tests/engine/kernels/kquant_blocks.py's), the kernel's dequantizer against gguf-py's, and every kernel variant this build
+quantizers (IQ4_NL, NVFP4: tests/engine/kernels/kquant_blocks.py's), the kernel's dequantizer against gguf-py's, and every kernel variant this build
 has (the faster ones forced down to the slower) against F.linear on the dequantized weight."""
 
 from __future__ import annotations
@@ -20,10 +20,16 @@ TYPES = sorted(set(cpu_gguf.TYPES) - set(cpu_gguf.K_TYPES))  # K-quants: test_cp
 DOT_ROWS = 16  # the dot kernels forced up to this many rows (this CPU may hand fewer to them)
 
 
+def _k(name: str, k: int) -> int:
+    """k rounded up to the type's blocks along K (NVFP4's superblocks of 64)."""
+    qk = cpu_gguf.block_weights(cpu_gguf.TYPES[name])
+    return -(-k // qk) * qk
+
+
 def _blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (file blocks uint8 [N, row bytes], their float32 weight)."""
     qtype = GGMLQuantizationType[name]
-    if name in kquant_blocks.TYPES:  # IQ4_NL: gguf-py has no encoder
+    if name in kquant_blocks.TYPES:  # IQ4_NL, NVFP4: gguf-py has no encoder
         raw = kquant_blocks.quantize(w.numpy(), name)
     else:
         raw = quantize(w.numpy().astype(np.float32), qtype)
@@ -34,11 +40,24 @@ def _blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_matches_gguf_py(name):
     torch.manual_seed(0)
-    w = torch.randn(7, 96) * torch.logspace(-3, 1, 7)[:, None]
+    k = _k(name, 96)
+    w = torch.randn(7, k) * torch.logspace(-3, 1, 7)[:, None]
     raw, ref = _blocks(w, name)
-    assert raw.shape[1] == cpu_gguf.row_bytes(cpu_gguf.TYPES[name], 96)
-    back = cpu_gguf.dequantize(raw, cpu_gguf.TYPES[name], 96, torch.float32)
+    assert raw.shape[1] == cpu_gguf.row_bytes(cpu_gguf.TYPES[name], k)
+    back = cpu_gguf.dequantize(raw, cpu_gguf.TYPES[name], k, torch.float32)
     assert torch.equal(back, ref)
+
+
+def test_nvfp4_every_byte_dequantizes_as_gguf_py():
+    """NVFP4 superblocks of random bytes: every ue4m3 scale byte (subnormals, 0x7F read as 0,
+    bit 7 ignored) and every code in every position, decoded bit for bit as gguf-py does, by
+    the dequantizer and the AMX path's row decoder alike."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(16, 4 * 36), dtype=np.uint8)
+    raw.reshape(16, 4, 36)[:, :, :4] = np.arange(256, dtype=np.uint8).reshape(16, 4, 4)
+    ref = dequantize(raw, GGMLQuantizationType.NVFP4).reshape(16, 256)
+    back = cpu_gguf.dequantize(torch.from_numpy(raw), cpu_gguf.TYPES["NVFP4"], 256, torch.float32)
+    assert torch.equal(back, torch.from_numpy(ref.astype(np.float32)))
 
 
 # int8 activations per block of 32: relative error ~ 1/254 per element, averaging down over K
@@ -50,7 +69,8 @@ _TOL = {torch.float32: 1.5e-2, torch.bfloat16: 2.5e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_dequantized_reference(isa, name, dtype):
     torch.manual_seed(1)
-    n, k = 37, 160  # odd output rows, an odd count of blocks (the VNNI pairs' tail)
+    # odd output rows, an odd count of blocks (the VNNI pairs' tail; NVFP4: of superblocks)
+    n, k = 37, _k(name, 160)
     w = torch.randn(n, k) * 0.1
     raw, ref_w = _blocks(w, name)
     bias = torch.randn(n).to(dtype)
@@ -67,7 +87,7 @@ def test_linear_matches_dequantized_reference(isa, name, dtype):
 @pytest.mark.parametrize("name", TYPES)
 def test_variants_agree_and_large_batches_dequantize(name):
     torch.manual_seed(2)
-    n, k = 24, 96
+    n, k = 24, _k(name, 96)
     raw, ref_w = _blocks(torch.randn(n, k), name)
     x = torch.randn(5, k)
     outs = []

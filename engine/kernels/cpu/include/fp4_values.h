@@ -17,6 +17,19 @@ static inline float e8m0_half(uint8_t e) {
   return f;
 }
 
+/* NVFP4's ue4m3 scale byte (e4m3 without its sign: bias 7, subnormals m * 2^-9) halved, its
+   values doubled as MXFP4's: gguf-py's NVFP4.ue4m3_to_fp32 bit for bit (bit 7 ignored, 0x7F,
+   e4m3's NaN, read as 0). Every result is a normal float32, built from its bits. */
+static inline float ue4m3_half(uint8_t x) {
+  if (x == 0 || x == 0x7F) return 0.f;
+  const uint32_t e = (x >> 3) & 15u, m = x & 7u;
+  if (e == 0) return (float)m * 0x1p-10f;
+  const uint32_t bits = (e - 8u + 127u) << 23 | m << 20;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 /* codes (bytes 0..15) -> their values, 32 at a time */

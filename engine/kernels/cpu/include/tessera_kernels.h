@@ -27,6 +27,7 @@
 #define GGUF_IQ4_NL 20        /* gguf: blocks of 32, codes index a fixed grid (iq4_values.h) */
 #define GGUF_Q8_0 8
 #define GGUF_MXFP4 39         /* gguf: blocks of 32 e2m1 codes, an E8M0 power of two (fp4_values.h) */
+#define GGUF_NVFP4 40         /* gguf: superblocks of 64 e2m1 codes, a ue4m3 scale per 16 (fp4_values.h) */
 #define GGUF_Q2_K 10          /* gguf: the K-quants gguf_k.c reads (superblocks of 256 weights) */
 #define GGUF_Q3_K 11
 #define GGUF_Q4_K 12

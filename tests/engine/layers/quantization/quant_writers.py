@@ -260,7 +260,14 @@ def ct_compress(w: torch.Tensor, fmt: str, weights: dict, input_activations: dic
     scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     compressor = BaseCompressor.get_value_from_registry(fmt)
     w = w.float()
-    if args.strategy == "group":
+    gscale = None
+    if args.strategy == "tensor_group":  # NVFP4: a global scale over the tensor, as the
+        from compressed_tensors.quantization.utils import generate_gparam  # package's observer
+
+        gscale = generate_gparam(w.min(), w.max())
+        g = w.view(w.shape[0], -1, args.group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "group":
         g = w.view(w.shape[0], -1, args.group_size)
         lo, hi = g.amin(-1), g.amax(-1)
     elif args.strategy == "block":  # padded to whole blocks, as the package's observer does
@@ -272,12 +279,17 @@ def ct_compress(w: torch.Tensor, fmt: str, weights: dict, input_activations: dic
         lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
     else:
         lo, hi = w.min().reshape(1), w.max().reshape(1)
-    s, z = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args)
-    deq = fake_quantize(w, s, z, args).float()
+    s, z = calculate_qparams(lo.clamp(max=0), hi.clamp(min=0), args, global_scale=gscale)
+    deq = fake_quantize(w, s, z, args, global_scale=gscale).float()
     sd = {"weight": w, "weight_scale": s, "weight_zero_point": z}
+    if gscale is not None:
+        sd["weight_global_scale"] = gscale
     if acts is not None and not acts.dynamic:
         sd["input_scale"] = torch.tensor([0.05])
-    return dict(compressor.compress(sd, scheme)), deq
+    out = dict(compressor.compress(sd, scheme))
+    if acts is not None and acts.strategy == "tensor_group":  # W4A4 NVFP4: llm-compressor's
+        out["input_global_scale"] = torch.tensor([448.0 * 6.0 / 4.0])  # calibrated input scale
+    return out, deq
 
 
 def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,

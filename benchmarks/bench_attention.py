@@ -117,7 +117,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict:
         "path": path,
         "best_ms": round(min(times) * 1e3, 3),
         "median_ms": round(med * 1e3, 3),
-        "kv_gb_s": round(cache_bytes / med / 1e9, 1),
+        # three significant digits: a tiny cache read slowly (a loaded machine) is no 0.0 GB/s
+        "kv_gb_s": float(f"{cache_bytes / med / 1e9:.3g}"),
         "kv_bytes": cache_bytes,
         "out": last,
     }

@@ -86,6 +86,7 @@ from engine.spec_decode.backoff import DraftBackoff
 from engine.spec_decode.controller import DraftController
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.runner_drafts import RunnerDrafts
+from engine.spec_decode.shadow import ShadowDrafts
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -189,6 +190,7 @@ class Scheduler:
         # drafts (controller.py; speculative_config's "adaptive": false drafts at every step)
         self.draft_controller = DraftController() if spec is not None and spec.adaptive else None
         self.clock = clock  # the controller's step timings
+        self.shadow_drafts = ShadowDrafts()  # the acceptance in steps the controller declined
         self._timed: tuple[SchedulerOutput, float] | None = None  # the step being timed
         self.spec_stats = (
             SpecDecodingStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
@@ -338,6 +340,7 @@ class Scheduler:
             self.runner_drafts.drop(request.request_id)
         if self.draft_backoff is not None:
             self.draft_backoff.drop(request.request_id)
+            self.shadow_drafts.drop(request.request_id)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -517,8 +520,9 @@ class Scheduler:
     def _propose(self, request: Request, limit: int, draft_step: bool = True) -> list[int]:
         """Draft tokens for a decode step of at most `limit` of them: never more than the
         request may still emit after the step's own token (max_tokens, max_model_len).
-        draft_step False (the controller declined the step): none, and the chance counts as
-        one the request's back-off skips."""
+        draft_step False (the controller declined the step): none, the chance counts as one
+        the request's back-off skips, and a proposal is kept unverified (ShadowDrafts) for
+        the controller's acceptance."""
         sp = request.sampling_params
         if sp.n > 1 or request.parent_id is not None or sp.seed is not None:
             return []
@@ -530,11 +534,19 @@ class Scheduler:
         if k <= 0:
             return []
         assert self.draft_backoff is not None
-        if not self.draft_backoff.should_draft(request.request_id) or not draft_step:
+        rid = request.request_id
+        if not self.draft_backoff.should_draft(rid) and draft_step:
+            return []
+        if not draft_step and not self.shadow_drafts.wants(rid):
             return []
         if self.runner_drafts is not None:
-            return self.runner_drafts.propose(request.request_id, k)
-        return self.proposer.propose(request.all_token_ids, k)
+            drafts = self.runner_drafts.propose(rid, k)
+        else:
+            drafts = self.proposer.propose(request.all_token_ids, k)
+        if draft_step:
+            return drafts
+        self.shadow_drafts.start(rid, drafts)
+        return []
 
     @property
     def speculating(self) -> bool:
@@ -646,6 +658,7 @@ class Scheduler:
             self.runner_drafts.drop(request.request_id)
         if self.draft_backoff is not None:
             self.draft_backoff.drop(request.request_id)
+            self.shadow_drafts.drop(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -662,6 +675,8 @@ class Scheduler:
             self.clock() - timed[1] if timed is not None and timed[0] is scheduler_output else None
         )
         draft_rows = accepted = 0  # this step's, for the controller
+        shadow_rows = shadow_kept = 0  # the shadow proposals this step settled
+        shadows = len(self.shadow_drafts) > 0 if self.draft_controller is not None else False
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_lps = model_runner_output.prompt_logprobs
@@ -719,6 +734,11 @@ class Scheduler:
                 continue
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue
+            if shadows:
+                settled = self.shadow_drafts.observe(rid, tokens)
+                if settled is not None:
+                    shadow_rows += settled[0]
+                    shadow_kept += settled[1]
             lps = logprobs.get(rid) if logprobs else None
             if charging:
                 self._charge_output(request, len(tokens))
@@ -761,6 +781,9 @@ class Scheduler:
             )
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if shadow_rows:
+            assert self.draft_controller is not None
+            self.draft_controller.record_acceptance(shadow_rows, shadow_kept)
         if elapsed is not None and _pure_decode(scheduler_output):
             assert self.draft_controller is not None
             self.draft_controller.record(

@@ -13,7 +13,8 @@ The controller keeps running estimates (EWMA), per bucket of batch sizes (1, 2-3
 and, over all steps, of the acceptance (kept drafts per draft row). A step with drafts is
 expected to emit (1 + acceptance * rows) tokens per request in `drafted` seconds, one without
 one token in `plain` seconds; it drafts when the first rate is the higher. Only pure decode
-steps are measured (a prefill chunk's cost says nothing about drafting). Every
+steps are measured (a prefill chunk's cost says nothing about drafting). In a step without
+drafts the acceptance is still measured, on shadow proposals (spec_decode.shadow). Every
 `probe_interval`-th decision takes the other option (a probe), so the losing side's
 estimates stay fresh: acceptance rises again when the text turns to copying, and a drafted
 step's cost changes with the batch. A bucket with no estimates yet drafts first, then tries
@@ -98,4 +99,10 @@ class DraftController:
             return
         b.drafted_s = _ewma(b.drafted_s, per_request, self.alpha)
         b.rows = _ewma(b.rows, draft_rows / num_requests, self.alpha)
-        self.acceptance = _ewma(self.acceptance, accepted / draft_rows, self.alpha)
+        self.record_acceptance(draft_rows, accepted)
+
+    def record_acceptance(self, draft_rows: int, accepted: int) -> None:
+        """draft_rows drafts (verified, or shadow ones: spec_decode.shadow) of which
+        `accepted` were, or would have been, kept."""
+        if draft_rows > 0:
+            self.acceptance = _ewma(self.acceptance, accepted / draft_rows, self.alpha)

@@ -369,6 +369,9 @@ def test_no_drafts_after_warm_up_where_drafting_loses():
     assert len(drafted) < len(steps) / 8
     _check_counters(scheduler, counts)
     assert counts[0] > 0  # the warm-up and the probes did draft
+    # the declined steps still measured the acceptance, on unverified proposals
+    assert scheduler.shadow_drafts.num_settled > len(drafted)
+    assert len(scheduler.shadow_drafts) == 0  # nothing left of the finished requests
 
 
 @pytest.mark.parametrize("num_blocks,budget", [(40, 64), (16, 64), (40, 8)])

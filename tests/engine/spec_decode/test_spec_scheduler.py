@@ -46,9 +46,10 @@ class SpecRunner(FakeRunner):
     reads each verification position's history back through the block table, and keeps
     drafts while they match the model (greedy), or a random number of them (accept_rng)."""
 
-    def __init__(self, num_blocks, block_size, accept_rng: random.Random | None = None):
+    def __init__(self, num_blocks, block_size, accept_rng: random.Random | None = None, model=None):
         super().__init__(num_blocks, block_size)
         self.accept_rng = accept_rng
+        self.model = model or copy_model
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.batch.update(out)
@@ -83,7 +84,7 @@ class SpecRunner(FakeRunner):
                     ctx = history + drafts[:j]
                     back = [self.slot_value(state.block_table, p) for p in range(len(ctx))]
                     assert back == ctx
-                    target = copy_model(ctx)
+                    target = self.model(ctx)
                     emitted.append(target)
                     if j == len(drafts) or drafts[j] != target:
                         break
@@ -296,7 +297,8 @@ class StepClock:
 
 def drive_timed(scheduler, runner, clock, cost, requests, limit=5000):
     """drive() with each step charged cost(step) on the clock between schedule and update;
-    returns the outputs, each step's (decode-only, draft rows) and the counts the spec
+    returns the outputs, each step's (decode-only, draft rows, first request's position) and
+    the counts the spec
     counters should hold: (requests with drafts, draft tokens, kept drafts, per position)."""
     for r in requests:
         scheduler.add_request(r)
@@ -317,7 +319,7 @@ def drive_timed(scheduler, runner, clock, cost, requests, limit=5000):
                 for j in range(kept):
                     counts[3][j] += 1
         decode = all(sr.num_tokens == 1 + len(sr.spec_token_ids) for sr in so.scheduled)
-        steps.append((decode, sum(len(sr.spec_token_ids) for sr in so.scheduled)))
+        steps.append((decode, _draft_rows(so), so.scheduled[0].start_pos if so.scheduled else 0))
         for u in scheduler.update_from_output(so, ro):
             outputs[u.request_id] += u.new_token_ids
         check_invariants(scheduler)
@@ -360,7 +362,7 @@ def test_no_drafts_after_warm_up_where_drafting_loses():
         assert outputs[r.request_id] == reference(prompt, 70)
     controller = scheduler.draft_controller
     assert controller.pays(4) is False
-    drafted = [i for i, (decode, rows) in enumerate(steps) if rows]
+    drafted = [i for i, (_, rows, _) in enumerate(steps) if rows]
     # the warm-up's drafted step in the bucket of 4 requests (and of 1-3 as requests end),
     # then probes only
     warm_ups = len(controller.buckets)
@@ -413,3 +415,37 @@ def test_the_controller_only_times_pure_decode_steps():
     _, requests = _copy_requests(3, 2, 6)
     _, steps, counts = drive_timed(cut, SpecRunner(40, 8), StepClock(), lambda so: 1.0, requests)
     assert counts[0] == 0 and cut.draft_controller.num_decisions == 0
+
+
+def test_drafting_resumes_when_the_text_turns_to_copying():
+    """One request; a draft row costs 0.6 of a plain step, so drafting pays only above that
+    acceptance. Its first 60 tokens are scrambled (the n-gram drafts are rejected: drafting
+    stops), then the model copies (the shadow proposals see it: drafting resumes within a
+    few steps, not only at the next probe)."""
+    switch = 100
+
+    def model(history):
+        if len(history) < switch:
+            return (sum(history[-4:]) * 31 + len(history) * 7) % VOCAB
+        return history[-PERIOD]
+
+    clock = StepClock()
+    scheduler = make(adaptive=True, clock=clock, max_model_len=240, num_blocks=60)
+    rng = random.Random(11)
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    request = make_request("r", prompt, max_tokens=150, temperature=0.0)
+    runner = SpecRunner(60, 8, model=model)
+    _, steps, counts = drive_timed(
+        scheduler, runner, clock, lambda so: 1.0 + 0.6 * _draft_rows(so), [request]
+    )
+    _check_counters(scheduler, counts)
+    drafted = {pos: rows > 0 for decode, rows, pos in steps if decode}
+    scrambled = [d for pos, d in drafted.items() if 60 <= pos < switch]
+    assert sum(scrambled) <= 3 and len(scrambled) > 30  # the probes only
+    resumed = min(
+        p for p in drafted if p >= switch and all(drafted.get(q, True) for q in range(p, p + 8))
+    )
+    assert resumed < switch + 24  # a few shadow proposals settled, not four probes (64 steps)
+    copying = [d for pos, d in drafted.items() if pos >= resumed]
+    assert sum(copying) >= 0.8 * len(copying)
+    assert resumed is not None and scheduler.draft_controller.pays(1) is True

@@ -35,7 +35,9 @@ are free. A request whose drafts keep being rejected stops drafting for a while
 (engine.spec_decode.backoff: 2, 4, ... 32 decode steps; a kept draft resets it). Whether a
 step drafts at all is the draft controller's call (engine.spec_decode.controller): schedule()
 asks it once per step and reads the clock, update_from_output() times the step and, for a
-pure decode step, reports its requests, draft rows and kept drafts. No drafts for
+pure decode step, reports its requests, draft rows and kept drafts; in a step it declined,
+each request's proposal is kept unverified (engine.spec_decode.shadow) and the tokens the
+request then emits give the controller the acceptance it would have had. No drafts for
 n > 1 samples, seeded requests
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.

@@ -28,10 +28,18 @@ from dataclasses import dataclass, field
 
 PROBE_INTERVAL = 16  # every 16th decision takes the other option
 ALPHA = 0.25  # EWMA weight of a new measurement
+# A step time counts at most this many times the estimate: a step stalled by a neighbour on
+# a shared machine (10x and more) would otherwise sway the side measured only by probes
+# for many probes; a real slowdown still shows, growing the estimate step by step.
+MAX_STEP_GROWTH = 2.0
 
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
+
+
+def _ewma_time(old: float | None, new: float, alpha: float) -> float:
+    return _ewma(old, new if old is None else min(new, MAX_STEP_GROWTH * old), alpha)
 
 
 def bucket_of(num_requests: int) -> int:
@@ -95,9 +103,9 @@ class DraftController:
         b = self.buckets.setdefault(bucket_of(num_requests), _Bucket())
         per_request = seconds / num_requests
         if draft_rows == 0:
-            b.plain_s = _ewma(b.plain_s, per_request, self.alpha)
+            b.plain_s = _ewma_time(b.plain_s, per_request, self.alpha)
             return
-        b.drafted_s = _ewma(b.drafted_s, per_request, self.alpha)
+        b.drafted_s = _ewma_time(b.drafted_s, per_request, self.alpha)
         b.rows = _ewma(b.rows, draft_rows / num_requests, self.alpha)
         self.record_acceptance(draft_rows, accepted)
 

@@ -76,6 +76,16 @@ def test_a_slower_machine_state_flips_the_decision():
     assert c.pays(8) is False and after[-16:].count(True) <= 1
 
 
+def test_a_stalled_step_does_not_stop_drafting():
+    """A drafted step stalled 20x (a neighbour on a shared machine): the estimate grows at
+    most by MAX_STEP_GROWTH's share, and drafting goes on where it pays."""
+    c = DraftController(probe_interval=16)
+    _steps(c, 2 + 16, 1, 3, 0.8, 1.0, 0.05)
+    assert c.pays(1) is True
+    c.record(1, 3, 2, 20.0)
+    assert c.buckets[1].drafted_s < 1.5 and c.pays(1) is True
+
+
 def test_unmeasurable_steps_are_ignored():
     c = DraftController()
     c.record(0, 0, 0, 1.0)

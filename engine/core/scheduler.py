@@ -522,9 +522,9 @@ class Scheduler:
     def _propose(self, request: Request, limit: int, draft_step: bool = True) -> list[int]:
         """Draft tokens for a decode step of at most `limit` of them: never more than the
         request may still emit after the step's own token (max_tokens, max_model_len).
-        draft_step False (the controller declined the step): none, the chance counts as one
-        the request's back-off skips, and a proposal is kept unverified (ShadowDrafts) for
-        the controller's acceptance."""
+        draft_step False (the controller declined the step): none, but the back-off runs
+        as if the step drafted, and the proposal is kept unverified (ShadowDrafts) for the
+        controller's acceptance (settled, it reaches the back-off too)."""
         sp = request.sampling_params
         if sp.n > 1 or request.parent_id is not None or sp.seed is not None:
             return []
@@ -537,8 +537,8 @@ class Scheduler:
             return []
         assert self.draft_backoff is not None
         rid = request.request_id
-        if not self.draft_backoff.should_draft(rid) and draft_step:
-            return []
+        if not self.draft_backoff.should_draft(rid):
+            return []  # (nor a shadow proposal: it measures the drafts that would be made)
         if not draft_step and not self.shadow_drafts.wants(rid):
             return []
         if self.runner_drafts is not None:
@@ -741,6 +741,8 @@ class Scheduler:
                 if settled is not None:
                     shadow_rows += settled[0]
                     shadow_kept += settled[1]
+                    assert self.draft_backoff is not None  # it goes on as if they were drafted
+                    self.draft_backoff.record(rid, settled[1])
             lps = logprobs.get(rid) if logprobs else None
             if charging:
                 self._charge_output(request, len(tokens))

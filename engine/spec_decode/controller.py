@@ -27,7 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROBE_INTERVAL = 16  # every 16th decision takes the other option
-ALPHA = 0.25  # EWMA weight of a new measurement
+ALPHA = 0.25  # EWMA weight of a new step time
+# The acceptance's EWMA weighs a measurement by its draft rows (1 - (1 - ROW_ALPHA) ** rows:
+# 0.14 for one request's 3 drafts, 0.71 for 8 requests' 24): a step where one request drafted
+# says less than one where eight did.
+ROW_ALPHA = 0.05
 # A step time counts at most this many times the estimate: a step stalled by a neighbour on
 # a shared machine (10x and more) would otherwise sway the side measured only by probes
 # for many probes; a real slowdown still shows, growing the estimate step by step.
@@ -58,6 +62,7 @@ class _Bucket:
 class DraftController:
     probe_interval: int = PROBE_INTERVAL
     alpha: float = ALPHA
+    row_alpha: float = ROW_ALPHA
     acceptance: float | None = None  # kept drafts per draft row
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     num_decisions: int = 0
@@ -113,4 +118,5 @@ class DraftController:
         """draft_rows drafts (verified, or shadow ones: spec_decode.shadow) of which
         `accepted` were, or would have been, kept."""
         if draft_rows > 0:
-            self.acceptance = _ewma(self.acceptance, accepted / draft_rows, self.alpha)
+            weight = 1.0 - (1.0 - self.row_alpha) ** draft_rows
+            self.acceptance = _ewma(self.acceptance, accepted / draft_rows, weight)

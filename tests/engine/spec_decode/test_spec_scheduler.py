@@ -418,7 +418,7 @@ def test_the_controller_only_times_pure_decode_steps():
 
 
 def test_drafting_resumes_when_the_text_turns_to_copying():
-    """One request; a draft row costs 0.6 of a plain step, so drafting pays only above that
+    """One request; a draft row costs 0.45 of a plain step, so drafting pays only above that
     acceptance. Its first 60 tokens are scrambled (the n-gram drafts are rejected: drafting
     stops), then the model copies (the shadow proposals see it: drafting resumes within a
     few steps, not only at the next probe)."""
@@ -436,7 +436,7 @@ def test_drafting_resumes_when_the_text_turns_to_copying():
     request = make_request("r", prompt, max_tokens=150, temperature=0.0)
     runner = SpecRunner(60, 8, model=model)
     _, steps, counts = drive_timed(
-        scheduler, runner, clock, lambda so: 1.0 + 0.6 * _draft_rows(so), [request]
+        scheduler, runner, clock, lambda so: 1.0 + 0.45 * _draft_rows(so), [request]
     )
     _check_counters(scheduler, counts)
     drafted = {pos: rows > 0 for decode, rows, pos in steps if decode}
@@ -445,7 +445,9 @@ def test_drafting_resumes_when_the_text_turns_to_copying():
     resumed = min(
         p for p in drafted if p >= switch and all(drafted.get(q, True) for q in range(p, p + 8))
     )
-    assert resumed < switch + 24  # a few shadow proposals settled, not four probes (64 steps)
+    # a few shadow proposals settled (the back-off may hold the first a while); on the
+    # probes alone it took 63 steps
+    assert resumed < switch + 32
     copying = [d for pos, d in drafted.items() if pos >= resumed]
     assert sum(copying) >= 0.8 * len(copying)
     assert resumed is not None and scheduler.draft_controller.pays(1) is True

@@ -5,7 +5,7 @@ EAGLE-1 head for the target, with --eagle3 PATH an EAGLE-3 head.
     tessera bench spec [--model M] [--dtype bfloat16] [--streams 1,8] [--output-len 128]
                        [--num-speculative-tokens 3] [--prompt-lookup-max 4]
                        [--prompt-lookup-min 1] [--draft PATH | --eagle PATH | --eagle3 PATH] [--rounds 2]
-                       [--json PATH]
+                       [--adaptive on|off|both] [--json PATH]
 
 Two workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
 goes on copying, so the n-gram lookups hit) and open-ended ones (instructions to write
@@ -16,7 +16,10 @@ ignore_eos so both produce the same tokens (up to the roundings of their differe
 paths on quantized models, see the README). Reports per workload and stream count the mean time per output token
 (TPOT, after the first token) of each engine, their ratio (plain / speculative: above 1,
 speculation pays), the draft acceptance rate and the mean tokens per verification step,
-and whether both engines produced the same tokens.
+and whether both engines produced the same tokens. --adaptive: the draft controller
+(speculative_config's "adaptive") on (the default), off (every step drafts), or both: a third
+engine, the same speculation with the controller off, interleaved with the other two (its
+columns marked "fixed"); the share of the controller's decisions that drafted is reported.
 """
 
 from __future__ import annotations
@@ -100,9 +103,14 @@ def run_streams(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[li
     return [tpot[r] for r in order], [tokens[r] for r in order]
 
 
-def spec_counts(llm: LLM) -> tuple[int, int, int]:
-    s = llm.engine.scheduler.stats().spec_decoding
-    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) if s else (0, 0, 0)
+def spec_counts(llm: LLM) -> tuple[int, int, int, int, int]:
+    """The spec counters (drafts, draft tokens, accepted) and the draft controller's
+    (decisions, decisions to draft; zeros without it)."""
+    scheduler = llm.engine.scheduler
+    s = scheduler.stats().spec_decoding
+    c = getattr(scheduler, "draft_controller", None)
+    decisions = (c.num_decisions, c.num_drafting) if c is not None else (0, 0)
+    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *decisions) if s else (0,) * 5
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,6 +145,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="speculative_config's disable_by_batch_size: no drafts in steps of this many "
         "running requests or more",
+    )
+    parser.add_argument(
+        "--adaptive",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the draft controller (speculative_config's adaptive): on, off (every step "
+        "drafts), or both (a third engine with it off, interleaved)",
     )
     parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
@@ -179,13 +194,18 @@ def main(argv: list[str] | None = None) -> dict:
         }
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    spec["adaptive"] = args.adaptive != "off"
     common = dict(dtype=args.dtype, max_num_seqs=max(streams), seed=args.seed)
-    # Both engines loaded at once and their runs interleaved (the order alternating by
-    # round), so a shared machine's load swings hit both sides alike; the best round counts.
+    # The engines loaded at once and their runs interleaved (the order rotating by round),
+    # so a shared machine's load swings hit every side alike; the best round counts.
     engines = {
         "plain": LLM(args.model, speculative_config=None, **common),
         side: LLM(args.model, speculative_config=spec, **common),
     }
+    fixed = f"{side}-fixed"
+    if args.adaptive == "both":
+        engines[fixed] = LLM(args.model, speculative_config={**spec, "adaptive": False}, **common)
+    names = list(engines)
     for llm in engines.values():
         for workload in workloads:  # warm-up: first-step costs out of the timings
             run_streams(llm, prompts_for(llm, workload, 1, 4), 4)
@@ -193,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     for workload in workloads:
         for n in streams:
             for r in range(args.rounds):
-                for name in ("plain", side) if r % 2 == 0 else (side, "plain"):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     llm = engines[name]
                     before = spec_counts(llm)
                     tpot, tokens = run_streams(
@@ -207,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "drafts": after[0] - before[0],
                         "draft_tokens": after[1] - before[1],
                         "accepted": after[2] - before[2],
+                        "decisions": after[3] - before[3],
+                        "drafting": after[4] - before[4],
                     }
                     if key not in runs or run["tpot_s"] < runs[key]["tpot_s"]:
                         runs[key] = run
@@ -218,31 +240,57 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for workload in workloads:
         for n in streams:
-            plain, ngram = runs[f"plain/{workload}/{n}"], runs[f"{side}/{workload}/{n}"]
-            drafted = ngram["draft_tokens"]
-            rows.append(
-                {
-                    "workload": workload,
-                    "streams": n,
-                    "tpot_plain_ms": round(plain["tpot_s"] * 1e3, 3),
-                    f"tpot_{side}_ms": round(ngram["tpot_s"] * 1e3, 3),
-                    "tpot_ratio": round(plain["tpot_s"] / ngram["tpot_s"], 3),
-                    "acceptance_rate": round(ngram["accepted"] / drafted, 3) if drafted else 0.0,
-                    "tokens_per_verification": round(1 + ngram["accepted"] / ngram["drafts"], 3)
-                    if ngram["drafts"]
+            plain = runs[f"plain/{workload}/{n}"]
+            row = {
+                "workload": workload,
+                "streams": n,
+                "tpot_plain_ms": round(plain["tpot_s"] * 1e3, 3),
+            }
+            for name, suffix in ((side, ""), (fixed, "_fixed")):
+                if name not in names:
+                    continue
+                ngram = runs[f"{name}/{workload}/{n}"]
+                drafted, drafts = ngram["draft_tokens"], ngram["drafts"]
+                row |= {
+                    f"tpot_{side}{suffix}_ms": round(ngram["tpot_s"] * 1e3, 3),
+                    f"tpot_ratio{suffix}": round(plain["tpot_s"] / ngram["tpot_s"], 3),
+                    f"acceptance_rate{suffix}": round(ngram["accepted"] / drafted, 3)
+                    if drafted
+                    else 0.0,
+                    f"tokens_per_verification{suffix}": round(1 + ngram["accepted"] / drafts, 3)
+                    if drafts
                     else 1.0,
-                    "same_tokens": plain["tokens"] == ngram["tokens"],
                 }
+            if spec["adaptive"]:  # the share of the controller's decisions that drafted
+                ngram = runs[f"{side}/{workload}/{n}"]
+                row["drafted_share"] = (
+                    round(ngram["drafting"] / ngram["decisions"], 3) if ngram["decisions"] else 0.0
+                )
+            row["same_tokens"] = all(
+                runs[f"{name}/{workload}/{n}"]["tokens"] == plain["tokens"] for name in names
             )
+            rows.append(row)
+    both = fixed in names
     print(
         f"\n{'workload':<9}{'streams':>8}{'TPOT plain':>12}{'TPOT ' + side:>12}{'ratio':>8}"
-        f"{'accept':>8}{'tok/step':>10}{'same':>6}"
+        f"{'accept':>8}{'tok/step':>10}"
+        + (f"{'drafted':>9}" if spec["adaptive"] else "")
+        + (f"{'TPOT fixed':>12}{'ratio':>8}{'accept':>8}" if both else "")
+        + f"{'same':>6}"
     )
     for r in rows:
         print(
             f"{r['workload']:<9}{r['streams']:>8}{r['tpot_plain_ms']:>10.2f}ms"
             f"{r[f'tpot_{side}_ms']:>10.2f}ms{r['tpot_ratio']:>8.2f}{r['acceptance_rate']:>8.2f}"
-            f"{r['tokens_per_verification']:>10.2f}{'yes' if r['same_tokens'] else 'no':>6}"
+            f"{r['tokens_per_verification']:>10.2f}"
+            + (f"{r['drafted_share']:>9.2f}" if spec["adaptive"] else "")
+            + (
+                f"{r[f'tpot_{side}_fixed_ms']:>10.2f}ms{r['tpot_ratio_fixed']:>8.2f}"
+                f"{r['acceptance_rate_fixed']:>8.2f}"
+                if both
+                else ""
+            )
+            + f"{'yes' if r['same_tokens'] else 'no':>6}"
         )
     result = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",

@@ -195,7 +195,9 @@ class EngineArgs:
         '"prompt_lookup_min": 1} proposes the tokens that followed the last n-gram earlier in '
         "the request (prompt lookup) and verifies them in one step; greedy output is token for "
         "token the same, sampling keeps its distribution. Pays on copy-heavy outputs "
-        "(editing, quoting, code); turns async scheduling off. "
+        "(editing, quoting, code); by default a step drafts only where the engine measures "
+        'that drafting emits more tokens per second ("adaptive": false: every step); turns '
+        "async scheduling off. "
         '{"model": PATH, "num_speculative_tokens": 3}: a draft model sharing the target\'s '
         "tokenizer proposes them (whole on the driver under tensor parallelism); "
         '{"method": "eagle", "model": PATH}: an EAGLE-1 head over the target\'s hidden '

@@ -32,7 +32,12 @@ finishes or is preempted, like any other. With a draft model the drafts come fro
 runner (ModelRunnerOutput.draft_token_ids, kept in RunnerDrafts until the request's next
 decode), and a step that samples reserves lookahead slots for the draft's K/V where blocks
 are free. A request whose drafts keep being rejected stops drafting for a while
-(engine.spec_decode.backoff: 2, 4, ... 32 decode steps; a kept draft resets it). No drafts for
+(engine.spec_decode.backoff: 2, 4, ... 32 decode steps; a kept draft resets it). Whether a
+step drafts at all is the draft controller's call (engine.spec_decode.controller): schedule()
+asks it once per step and reads the clock, update_from_output() times the step and, for a
+pure decode step, reports its requests, draft rows and kept drafts; in a step it declined,
+each request's proposal is kept unverified (engine.spec_decode.shadow) and the tokens the
+request then emits give the controller the acceptance it would have had. No drafts for
 n > 1 samples, seeded requests
 (their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
 async scheduling off.
@@ -62,7 +67,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.fair import TenantCounters, fair_victim, seat_victim, tenant_of
@@ -80,8 +85,10 @@ from engine.outputs import (
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_N
 from engine.spec_decode.backoff import DraftBackoff
+from engine.spec_decode.controller import DraftController
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.runner_drafts import RunnerDrafts
+from engine.spec_decode.shadow import ShadowDrafts
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -134,9 +141,12 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         sliding_window: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """sliding_window: the model's, where every layer has one (the largest;
-        HFModelConfig.kv_sliding_window): each request's blocks behind it are freed."""
+        HFModelConfig.kv_sliding_window): each request's blocks behind it are freed.
+        clock: seconds, read at schedule() and update_from_output() to time the steps the
+        draft controller weighs (tests pass their own)."""
         if scheduler_config.block_size != cache_config.block_size:
             raise ValueError(
                 f"scheduler block_size ({scheduler_config.block_size}) must equal cache "
@@ -178,6 +188,12 @@ class Scheduler:
         # a request whose drafts keep being rejected stops drafting for a while (backoff.py)
         self.draft_backoff = DraftBackoff(enabled=spec.draft_backoff) if spec is not None else None
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        # whether a step drafts at all, from the measured cost of steps with and without
+        # drafts (controller.py; speculative_config's "adaptive": false drafts at every step)
+        self.draft_controller = DraftController() if spec is not None and spec.adaptive else None
+        self.clock = clock  # the controller's step timings
+        self.shadow_drafts = ShadowDrafts()  # the acceptance in steps the controller declined
+        self._timed: tuple[SchedulerOutput, float] | None = None  # the step being timed
         self.spec_stats = (
             SpecDecodingStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
             if spec is not None
@@ -326,6 +342,7 @@ class Scheduler:
             self.runner_drafts.drop(request.request_id)
         if self.draft_backoff is not None:
             self.draft_backoff.drop(request.request_id)
+            self.shadow_drafts.drop(request.request_id)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -341,6 +358,9 @@ class Scheduler:
         # large batches draft nothing (speculative_config's disable_by_batch_size)
         cutoff = self.spec_disable_by_batch_size
         drafting = self.speculating and (cutoff is None or len(running) < cutoff)
+        controller = self.draft_controller if drafting else None
+        started = self.clock() if controller is not None else 0.0
+        draft_step: bool | None = None  # the controller's choice, at the step's first decode
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -363,7 +383,9 @@ class Scheduler:
                 continue
             drafts: list[int] = []
             if num_new == 1 and drafting and budget > 1:
-                drafts = self._propose(request, budget - 1)
+                if draft_step is None:
+                    draft_step = controller is None or controller.decide(len(running))
+                drafts = self._propose(request, budget - 1, draft_step)
                 num_new += len(drafts)
             while manager.allocate_slots(request, num_new) is None:
                 if drafts:  # speculation never preempts anyone: drop the drafts first
@@ -405,6 +427,7 @@ class Scheduler:
         )
         self._finished_ids = []
         self._pending_copies = []
+        self._timed = (out, started) if draft_step is not None and controller is not None else None
         return out
 
     def _admit_waiting(
@@ -496,9 +519,12 @@ class Scheduler:
             waiting.prepend_request(request)
         return budget
 
-    def _propose(self, request: Request, limit: int) -> list[int]:
+    def _propose(self, request: Request, limit: int, draft_step: bool = True) -> list[int]:
         """Draft tokens for a decode step of at most `limit` of them: never more than the
-        request may still emit after the step's own token (max_tokens, max_model_len)."""
+        request may still emit after the step's own token (max_tokens, max_model_len).
+        draft_step False (the controller declined the step): none, but the back-off runs
+        as if the step drafted, and the proposal is kept unverified (ShadowDrafts) for the
+        controller's acceptance (settled, it reaches the back-off too)."""
         sp = request.sampling_params
         if sp.n > 1 or request.parent_id is not None or sp.seed is not None:
             return []
@@ -510,11 +536,19 @@ class Scheduler:
         if k <= 0:
             return []
         assert self.draft_backoff is not None
-        if not self.draft_backoff.should_draft(request.request_id):
+        rid = request.request_id
+        if not self.draft_backoff.should_draft(rid):
+            return []  # (nor a shadow proposal: it measures the drafts that would be made)
+        if not draft_step and not self.shadow_drafts.wants(rid):
             return []
         if self.runner_drafts is not None:
-            return self.runner_drafts.propose(request.request_id, k)
-        return self.proposer.propose(request.all_token_ids, k)
+            drafts = self.runner_drafts.propose(rid, k)
+        else:
+            drafts = self.proposer.propose(request.all_token_ids, k)
+        if draft_step:
+            return drafts
+        self.shadow_drafts.start(rid, drafts)
+        return []
 
     @property
     def speculating(self) -> bool:
@@ -626,6 +660,7 @@ class Scheduler:
             self.runner_drafts.drop(request.request_id)
         if self.draft_backoff is not None:
             self.draft_backoff.drop(request.request_id)
+            self.shadow_drafts.drop(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -637,6 +672,13 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
+        timed, self._timed = self._timed, None
+        elapsed = (
+            self.clock() - timed[1] if timed is not None and timed[0] is scheduler_output else None
+        )
+        draft_rows = accepted = 0  # this step's, for the controller
+        shadow_rows = shadow_kept = 0  # the shadow proposals this step settled
+        shadows = len(self.shadow_drafts) > 0 if self.draft_controller is not None else False
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_lps = model_runner_output.prompt_logprobs
@@ -680,6 +722,8 @@ class Scheduler:
                 request.num_computed_tokens -= num_rejected
                 end -= num_rejected
                 self._count_spec(len(spec), len(spec) - num_rejected)
+                draft_rows += len(spec)
+                accepted += len(spec) - num_rejected
                 assert self.draft_backoff is not None
                 self.draft_backoff.record(rid, len(spec) - num_rejected)
                 end = min(end, request.num_tokens)  # the kept drafts are cached below
@@ -692,6 +736,13 @@ class Scheduler:
                 continue
             if not tokens:  # a prefill chunk short of the prompt's end
                 continue
+            if shadows:
+                settled = self.shadow_drafts.observe(rid, tokens)
+                if settled is not None:
+                    shadow_rows += settled[0]
+                    shadow_kept += settled[1]
+                    assert self.draft_backoff is not None  # it goes on as if they were drafted
+                    self.draft_backoff.record(rid, settled[1])
             lps = logprobs.get(rid) if logprobs else None
             if charging:
                 self._charge_output(request, len(tokens))
@@ -734,6 +785,14 @@ class Scheduler:
             )
         if num_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if shadow_rows:
+            assert self.draft_controller is not None
+            self.draft_controller.record_acceptance(shadow_rows, shadow_kept)
+        if elapsed is not None and _pure_decode(scheduler_output):
+            assert self.draft_controller is not None
+            self.draft_controller.record(
+                len(scheduler_output.scheduled), draft_rows, accepted, elapsed
+            )
         return updates
 
     def _finish_pooled(self, request: Request, vector) -> RequestUpdate:
@@ -848,3 +907,11 @@ def _queue_time(request: Request) -> float | None:
     if request.first_scheduled_time is None:
         return None
     return request.first_scheduled_time - request.arrival_time
+
+
+def _pure_decode(so: SchedulerOutput) -> bool:
+    """Every request of the step decodes (one known token, its drafts): the only steps whose
+    time tells what drafting costs (a prompt chunk's would swamp it)."""
+    return not so.new_requests and all(
+        sr.sample and sr.num_tokens == 1 + len(sr.spec_token_ids) for sr in so.scheduled
+    )

@@ -9,6 +9,8 @@ runner_drafts.py  RunnerDrafts: the scheduler's store of the runner's drafts (no
 eagle.py    EagleProposer: an EAGLE-1 head over the target's hidden states (torch)
 eagle3.py   Eagle3Proposer: an EAGLE-3 head over three of the target's layers (torch)
 backoff.py  DraftBackoff: a request whose drafts keep being rejected stops drafting a while
+controller.py  DraftController: a step drafts only where its measured tokens/second say it pays
+shadow.py   ShadowDrafts: the acceptance of proposals left unverified (the controller's input)
 
 n-gram: the scheduler proposes (it holds each request's tokens); a draft model: the runner
 proposes after each step and the scheduler takes those drafts. Either way the scheduler

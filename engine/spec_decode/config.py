@@ -16,8 +16,8 @@ from typing import Any
 
 SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # The keys each method reads; "method", "num_speculative_tokens", "disable_by_batch_size"
-# (vLLM's) and Tessera's own "draft_backoff" are common.
-_COMMON = ("method", "num_speculative_tokens", "draft_backoff", "disable_by_batch_size")
+# (vLLM's) and Tessera's own "draft_backoff" and "adaptive" are common.
+_COMMON = ("method", "num_speculative_tokens", "draft_backoff", "adaptive", "disable_by_batch_size")
 _METHOD_KEYS = {
     "ngram": (*_COMMON, "prompt_lookup_max", "prompt_lookup_min"),
     "draft_model": (*_COMMON, "model", "draft_tensor_parallel_size"),
@@ -47,6 +47,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     # a request whose drafts keep being rejected stops drafting a while (spec_decode.backoff)
     draft_backoff: bool = True
+    # each step drafts only where drafting is measured to emit more tokens per second
+    # (spec_decode.controller); false: every step drafts (up to disable_by_batch_size)
+    adaptive: bool = True
     # no drafts in a step whose running requests number this many or more (vLLM's key):
     # large batches are compute bound, where verifying rejected drafts costs more than it saves
     disable_by_batch_size: int | None = None
@@ -74,10 +77,11 @@ class SpeculativeConfig:
                 f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs "
                 f"whole on the driver; a sharded draft is not supported yet), got {tp!r}"
             )
-        if not isinstance(self.draft_backoff, bool):
-            raise ValueError(
-                f"speculative_config: draft_backoff must be true or false, got {self.draft_backoff!r}"
-            )
+        for name in ("draft_backoff", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"speculative_config: {name} must be true or false, got {getattr(self, name)!r}"
+                )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "

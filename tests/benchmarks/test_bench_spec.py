@@ -18,6 +18,7 @@ def test_bad_arguments_are_rejected(capsys):
         ["--rounds", "0"],
         ["--draft", "a", "--eagle", "b"],
         ["--eagle", "a", "--eagle3", "b"],
+        ["--adaptive", "maybe"],
     ):
         with pytest.raises(SystemExit) as e:
             bench_spec.main(argv)
@@ -57,8 +58,25 @@ def test_a_draft_model_run(tiny_llama_dir, tmp_path):
     argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--streams", "2"]
     argv += ["--output-len", "12", "--workloads", "open", "--rounds", "1"]
     argv += ["--draft", str(tiny_llama_dir), "--num-speculative-tokens", "2"]
+    argv += ["--adaptive", "off"]  # every step drafts: the tokens per verification are checked
     result = bench_spec.main(argv)
     assert result["speculative_config"]["method"] == "draft_model"
     (row,) = result["rows"]
     assert row["same_tokens"] and row["tpot_draft_ms"] > 0 and row["tpot_ratio"] > 0
     assert row["acceptance_rate"] == 1.0 and 2.0 < row["tokens_per_verification"] <= 3.0
+
+
+@pytest.mark.slow
+def test_the_controller_on_and_off_interleaved(tiny_llama_dir):
+    """--adaptive both: a third engine with the draft controller off runs beside the plain
+    one and the controlled one; every row reports both, all three produce the same tokens."""
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--streams", "2"]
+    argv += ["--output-len", "12", "--workloads", "copy", "--rounds", "3", "--adaptive", "both"]
+    result = bench_spec.main(argv)
+    assert result["speculative_config"]["adaptive"] is True
+    (row,) = result["rows"]
+    assert row["same_tokens"]
+    assert row["tpot_ngram_ms"] > 0 and row["tpot_ngram_fixed_ms"] > 0
+    assert row["tpot_ratio"] > 0 and row["tpot_ratio_fixed"] > 0
+    assert 0.0 < row["drafted_share"] <= 1.0  # the warm-up drafts at least
+    assert 0.0 <= row["acceptance_rate_fixed"] <= 1.0

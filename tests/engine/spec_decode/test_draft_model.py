@@ -55,7 +55,8 @@ def vocab(tiny_llama_dir):
 
 
 def _spec(path, k=3):
-    return {"model": str(path), "num_speculative_tokens": k}
+    # drafts at every step: the drafting itself is under test (the controller: test_controller.py)
+    return {"model": str(path), "num_speculative_tokens": k, "adaptive": False}
 
 
 def _prompts(vocab: int, count: int = 6) -> list[list[int]]:

@@ -84,7 +84,7 @@ def make(num_blocks, budget, k=3, block_size=8, max_model_len=120, caching=True)
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         block_size=block_size,
-        speculative_config=SpeculativeConfig("draft_model", k, model="fake"),
+        speculative_config=SpeculativeConfig("draft_model", k, model="fake", adaptive=False),
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
     return Scheduler(config, cache, num_blocks)

@@ -10,7 +10,9 @@ import torch
 
 from engine import LLM, SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# drafts at every step: the drafting itself is under test (the controller: test_controller.py
+# and test_greedy_identical_with_the_controller)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
 
 
 def _copy_prompts(vocab_size: int, count: int = 6) -> list[list[int]]:
@@ -27,7 +29,7 @@ def _run(model_dir, prompts, params, spec: bool, **kwargs):
     llm = LLM(
         str(model_dir),
         dtype="float32",
-        speculative_config=SPEC if spec else None,
+        speculative_config=(SPEC if spec is True else spec) or None,
         async_scheduling=False,
         **kwargs,
     )
@@ -76,6 +78,32 @@ def test_greedy_identical(tiny_llama_dir, vocab, kwargs):
     for outs in got:
         for token_ids, _, _ in outs:
             assert len(token_ids) <= 24 + len(prompts)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_kv_blocks": 12, "max_model_len": 128},  # preemption
+        {"max_num_batched_tokens": 16, "max_model_len": 256},  # chunked prefill, tight budget
+    ],
+    ids=["preempt", "chunked"],
+)
+def test_greedy_identical_with_the_controller(tiny_llama_dir, vocab, kwargs):
+    """The draft controller on (the default: it times the real steps, so which steps draft
+    varies from run to run): greedy output token for token plain decoding's under preemption
+    and chunked prefill, the first decode step of each batch size drafting (its warm-up)."""
+    prompts = _copy_prompts(vocab)
+    params = [
+        SamplingParams(max_tokens=24 + i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    ref, _, _, _ = _run(tiny_llama_dir, prompts, params, spec=False, **kwargs)
+    on = {k: v for k, v in SPEC.items() if k != "adaptive"}
+    got, stats, free, total = _run(tiny_llama_dir, prompts, params, spec=on, **kwargs)
+    assert got == ref
+    assert stats.num_draft_tokens > 0
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert free == total
 
 
 def test_greedy_stops_and_limits(tiny_llama_dir, vocab):

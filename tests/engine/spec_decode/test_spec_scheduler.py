@@ -46,9 +46,10 @@ class SpecRunner(FakeRunner):
     reads each verification position's history back through the block table, and keeps
     drafts while they match the model (greedy), or a random number of them (accept_rng)."""
 
-    def __init__(self, num_blocks, block_size, accept_rng: random.Random | None = None):
+    def __init__(self, num_blocks, block_size, accept_rng: random.Random | None = None, model=None):
         super().__init__(num_blocks, block_size)
         self.accept_rng = accept_rng
+        self.model = model or copy_model
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.batch.update(out)
@@ -83,7 +84,7 @@ class SpecRunner(FakeRunner):
                     ctx = history + drafts[:j]
                     back = [self.slot_value(state.block_table, p) for p in range(len(ctx))]
                     assert back == ctx
-                    target = copy_model(ctx)
+                    target = self.model(ctx)
                     emitted.append(target)
                     if j == len(drafts) or drafts[j] != target:
                         break
@@ -92,19 +93,36 @@ class SpecRunner(FakeRunner):
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-def make(num_blocks=40, block_size=8, budget=64, max_model_len=120, k=3, caching=True, cutoff=None):
+def make(
+    num_blocks=40,
+    block_size=8,
+    budget=64,
+    max_model_len=120,
+    k=3,
+    caching=True,
+    cutoff=None,
+    adaptive=False,
+    clock=None,
+    max_num_seqs=8,
+):
+    """adaptive False by default: drafts at every step, the drafting itself under test."""
     spec = SpeculativeConfig(
-        num_speculative_tokens=k, prompt_lookup_max=3, disable_by_batch_size=cutoff
+        num_speculative_tokens=k,
+        prompt_lookup_max=3,
+        disable_by_batch_size=cutoff,
+        adaptive=adaptive,
     )
     config = SchedulerConfig(
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         block_size=block_size,
         speculative_config=spec,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
-    return Scheduler(config, cache, num_blocks)
+    if clock is None:
+        return Scheduler(config, cache, num_blocks)
+    return Scheduler(config, cache, num_blocks, clock=clock)
 
 
 def check_cached_hashes(scheduler: Scheduler) -> None:
@@ -265,3 +283,171 @@ def test_large_batches_draft_nothing_under_disable_by_batch_size():
         assert outputs[r.request_id] == reference(prompt, r.sampling_params.max_tokens)
     with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
         SpeculativeConfig(disable_by_batch_size=0)
+
+
+class StepClock:
+    """The scheduler's clock in a test: time moves only when the test charges a step's cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive_timed(scheduler, runner, clock, cost, requests, limit=5000):
+    """drive() with each step charged cost(step) on the clock between schedule and update;
+    returns the outputs, each step's (decode-only, draft rows, first request's position) and
+    the counts the spec
+    counters should hold: (requests with drafts, draft tokens, kept drafts, per position)."""
+    for r in requests:
+        scheduler.add_request(r)
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    steps: list[tuple[bool, int]] = []
+    k = scheduler.config.speculative_config.num_speculative_tokens
+    counts = [0, 0, 0, [0] * k]
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        clock.now += cost(so)
+        ro = runner(so)
+        for sr in so.scheduled:
+            if sr.spec_token_ids:
+                kept = len(ro.sampled_token_ids[sr.request_id]) - 1
+                counts[0] += 1
+                counts[1] += len(sr.spec_token_ids)
+                counts[2] += kept
+                for j in range(kept):
+                    counts[3][j] += 1
+        decode = all(sr.num_tokens == 1 + len(sr.spec_token_ids) for sr in so.scheduled)
+        steps.append((decode, _draft_rows(so), so.scheduled[0].start_pos if so.scheduled else 0))
+        for u in scheduler.update_from_output(so, ro):
+            outputs[u.request_id] += u.new_token_ids
+        check_invariants(scheduler)
+        check_runner_state(scheduler, runner)
+        assert len(steps) < limit
+    return outputs, steps, counts
+
+
+def _draft_rows(so: SchedulerOutput) -> int:
+    return sum(len(sr.spec_token_ids) for sr in so.scheduled)
+
+
+def _copy_requests(seed: int, count: int, max_tokens: int):
+    rng = random.Random(seed)
+    prompts = _prompts(rng, count)
+    return prompts, [
+        make_request(f"r{i}", p, max_tokens=max_tokens, temperature=0.0)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _check_counters(scheduler, counts):
+    stats = scheduler.stats().spec_decoding
+    assert [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens] == counts[:3]
+    assert stats.accepted_per_pos == counts[3]
+
+
+def test_no_drafts_after_warm_up_where_drafting_loses():
+    """A compute-bound cost model: each draft row costs as much as a whole plain step, so a
+    drafted step emits fewer tokens per second whatever is kept. After each batch size's
+    warm-up, only the controller's probes (one decision in 16) carry drafts; the tokens are
+    the model's and the spec counters count exactly the drafts scheduled."""
+    clock = StepClock()
+    scheduler = make(adaptive=True, clock=clock, max_model_len=200, num_blocks=80)
+    prompts, requests = _copy_requests(7, 4, 70)
+    outputs, steps, counts = drive_timed(
+        scheduler, SpecRunner(80, 8), clock, lambda so: 1.0 + 1.0 * _draft_rows(so), requests
+    )
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert outputs[r.request_id] == reference(prompt, 70)
+    controller = scheduler.draft_controller
+    assert controller.pays(4) is False
+    drafted = [i for i, (_, rows, _) in enumerate(steps) if rows]
+    # the warm-up in the bucket of 4 requests (again while its steps carry a prefill), in
+    # those of 1-3 as requests end, then probes only
+    warm_ups = len(controller.buckets)
+    assert len([i for i in drafted if i > 8]) <= warm_ups + controller.num_probes
+    assert controller.num_probes <= controller.num_decisions // 16
+    assert len(drafted) < len(steps) / 8
+    _check_counters(scheduler, counts)
+    assert counts[0] > 0  # the warm-up and the probes did draft
+    # the declined steps still measured the acceptance, on unverified proposals
+    assert scheduler.shadow_drafts.num_settled > len(drafted)
+    assert len(scheduler.shadow_drafts) == 0  # nothing left of the finished requests
+
+
+@pytest.mark.parametrize("num_blocks,budget", [(40, 64), (16, 64), (40, 8)])
+def test_drafts_where_drafting_pays_exact_under_preemption_and_chunks(num_blocks, budget):
+    """A memory-bound cost model (a step costs the same whatever its rows): drafting wins
+    on copying text, so the steps draft but for the probes; greedy outputs stay the
+    model's under preemption (16 blocks) and chunked prefill (budget 8)."""
+    clock = StepClock()
+    scheduler = make(num_blocks=num_blocks, budget=budget, adaptive=True, clock=clock)
+    free0 = scheduler.kv_cache_manager.num_free_blocks
+    prompts, requests = _copy_requests(num_blocks + budget, 6, 30)
+    outputs, steps, counts = drive_timed(
+        scheduler, SpecRunner(num_blocks, 8), clock, lambda so: 1.0, requests
+    )
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert outputs[r.request_id] == reference(prompt, 30)
+    assert scheduler.kv_cache_manager.num_free_blocks == free0
+    controller = scheduler.draft_controller
+    # plain decisions: the probes and each bucket's warm-up (repeated while a plain
+    # warm-up step also carried a prompt chunk, and so was not measured)
+    assert controller.num_drafting >= 0.8 * controller.num_decisions
+    assert controller.pays(1) is True
+    _check_counters(scheduler, counts)
+    assert counts[2] > 0
+    if num_blocks == 16:
+        assert scheduler.num_preemptions > 0
+
+
+def test_the_controller_only_times_pure_decode_steps():
+    """A step with a prompt chunk in it is not measured (its time says nothing about
+    drafting); the hard cutoff (disable_by_batch_size) still wins over the controller."""
+    clock = StepClock()
+    scheduler = make(adaptive=True, clock=clock, budget=8)
+    _, requests = _copy_requests(3, 2, 4)
+    drive_timed(scheduler, SpecRunner(40, 8), clock, lambda so: 1.0, requests)
+    measured = scheduler.draft_controller.buckets
+    assert measured and all(b.plain_s in (None, 0.5, 1.0) for b in measured.values())
+    cut = make(adaptive=True, clock=StepClock(), cutoff=1)
+    _, requests = _copy_requests(3, 2, 6)
+    _, steps, counts = drive_timed(cut, SpecRunner(40, 8), StepClock(), lambda so: 1.0, requests)
+    assert counts[0] == 0 and cut.draft_controller.num_decisions == 0
+
+
+def test_drafting_resumes_when_the_text_turns_to_copying():
+    """One request; a draft row costs 0.45 of a plain step, so drafting pays only above that
+    acceptance. Its first 60 tokens are scrambled (the n-gram drafts are rejected: drafting
+    stops), then the model copies (the shadow proposals see it: drafting resumes within a
+    few steps, not only at the next probe)."""
+    switch = 100
+
+    def model(history):
+        if len(history) < switch:
+            return (sum(history[-4:]) * 31 + len(history) * 7) % VOCAB
+        return history[-PERIOD]
+
+    clock = StepClock()
+    scheduler = make(adaptive=True, clock=clock, max_model_len=240, num_blocks=60)
+    rng = random.Random(11)
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    request = make_request("r", prompt, max_tokens=150, temperature=0.0)
+    runner = SpecRunner(60, 8, model=model)
+    _, steps, counts = drive_timed(
+        scheduler, runner, clock, lambda so: 1.0 + 0.45 * _draft_rows(so), [request]
+    )
+    _check_counters(scheduler, counts)
+    drafted = {pos: rows > 0 for decode, rows, pos in steps if decode}
+    scrambled = [d for pos, d in drafted.items() if 60 <= pos < switch]
+    assert sum(scrambled) <= 3 and len(scrambled) > 30  # the probes only
+    resumed = min(
+        p for p in drafted if p >= switch and all(drafted.get(q, True) for q in range(p, p + 8))
+    )
+    # a few shadow proposals settled (the back-off may hold the first a while); on the
+    # probes alone it took 63 steps
+    assert resumed < switch + 32
+    copying = [d for pos, d in drafted.items() if pos >= resumed]
+    assert sum(copying) >= 0.8 * len(copying)
+    assert resumed is not None and scheduler.draft_controller.pays(1) is True

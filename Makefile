@@ -24,7 +24,7 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" -x

@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.fp8_block_gemm import _e4m3_value
-from engine.kernels.triton.quant_gemm import GemmLaunch, _dot_dtype, _num_sms, plan_launch
+from engine.kernels.triton.quant_gemm import (
+    GemmLaunch,
+    _dot_dtype,
+    _num_sms,
+    gemm_rows,
+    plan_launch,
+)
 
 GROUP = 16  # values a scale covers
 
@@ -140,14 +146,8 @@ def nvfp4_gemm(
     """y [..., N] = x [..., K] @ W.T in x's dtype (bf16 / fp16; fp32 works too). split_k /
     launch override the planned launch (tests, benchmarks)."""
     n, k = weight.out_features, weight.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, y, lead = gemm_rows(x, k, n)
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     if launch is None:

@@ -362,14 +362,8 @@ def w_int_gemm(
     multiplies x[:, perm[k]]). split_k / launch / unpack ("reshape" | "gather"): override
     the planned launch (tests, benchmarks)."""
     k, n, group_size = _check(qweight, scales, zeros, g_idx, bits, group_size)
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, y, lead = gemm_rows(x, k, n)
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     assert qweight.stride(-1) == 1 and scales.stride(-1) == 1
@@ -433,6 +427,17 @@ def w_int_gemm(
     if split > 1:
         torch.sum(out, dim=0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
     return y.reshape(*lead, n)
+
+
+def gemm_rows(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """The GEMM wrappers' prologue: x [..., K] as rows [M, K] with a unit inner stride, the
+    output [M, N] in x's dtype, and x's leading shape (the output is reshaped to it)."""
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device), x.shape[:-1]
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantGemmWeight, **kwargs) -> torch.Tensor:

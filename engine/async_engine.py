@@ -342,6 +342,8 @@ class AsyncEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+            spec_decode_controller_draft_steps=spec.controller_draft_steps if spec else 0,
+            spec_decode_controller_plain_steps=spec.controller_plain_steps if spec else 0,
             last_step_time=time.monotonic(),
             loop_alive=alive,
         )

@@ -42,6 +42,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: tuple[int, ...] = ()
+    # the draft controller's decisions, cumulative: steps it let draft, steps it kept plain
+    spec_decode_controller_draft_steps: int = 0
+    spec_decode_controller_plain_steps: int = 0
     last_step_time: float = 0.0  # time.monotonic() at the end of the last step
     loop_alive: bool = False
     requests: tuple[RequestInfo, ...] = field(default_factory=tuple)

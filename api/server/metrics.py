@@ -187,6 +187,14 @@ def _spec_decode_counters(label: list[str], s: EngineStats) -> Iterator[Metric]:
         m.add_metric(label, value)
         yield m
     m = CounterMetricFamily(
+        "tessera:spec_decode_controller_steps",
+        "Decode steps the draft controller decided, by decision (draft or plain).",
+        labels=["model_name", "decision"],
+    )
+    m.add_metric([*label, "draft"], s.spec_decode_controller_draft_steps)
+    m.add_metric([*label, "plain"], s.spec_decode_controller_plain_steps)
+    yield m
+    m = CounterMetricFamily(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
         "Draft tokens accepted, by position in their proposal (0-based).",
         labels=["model_name", "position"],

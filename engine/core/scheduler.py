@@ -124,14 +124,13 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     # [i]: drafts accepted at position i (0-based) of their proposal
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    # the draft controller's decisions (engine.spec_decode.controller; 0 with it off): steps
+    # it let draft, steps it kept plain
+    controller_draft_steps: int = 0
+    controller_plain_steps: int = 0
 
     def copy(self) -> SpecDecodingStats:
-        return SpecDecodingStats(
-            self.num_drafts,
-            self.num_draft_tokens,
-            self.num_accepted_tokens,
-            list(self.accepted_per_pos),
-        )
+        return dataclasses.replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
 
 class Scheduler:
@@ -251,8 +250,18 @@ class Scheduler:
             m.prefix_cache_hits,
             self.num_preemptions,
             self._tenants_snapshot(),
-            self.spec_stats.copy() if self.spec_stats is not None else None,
+            self._spec_snapshot(),
         )
+
+    def _spec_snapshot(self) -> SpecDecodingStats | None:
+        if self.spec_stats is None:
+            return None
+        snap = self.spec_stats.copy()
+        c = self.draft_controller
+        if c is not None:
+            snap.controller_draft_steps = c.num_drafting
+            snap.controller_plain_steps = c.num_decisions - c.num_drafting
+        return snap
 
     def _tenants_snapshot(self) -> dict[str, tuple[int, int, int]]:
         # Rebuilt only after a change: stats() runs after every step.

@@ -324,9 +324,14 @@ def test_spec_decode_counters():
         spec_decode_num_draft_tokens=20,
         spec_decode_num_accepted_tokens=9,
         spec_decode_accepted_per_pos=(6, 2, 1),
+        spec_decode_controller_draft_steps=5,
+        spec_decode_controller_plain_steps=11,
     )
     text = Metrics(MODEL, stats=lambda: stats).render().decode()
     assert value(text, "vllm:spec_decode_num_drafts_total", model_name=MODEL) == 7
+    for decision, n in (("draft", 5), ("plain", 11)):
+        name = "tessera:spec_decode_controller_steps_total"
+        assert value(text, name, model_name=MODEL, decision=decision) == n
     assert value(text, "vllm:spec_decode_num_draft_tokens_total", model_name=MODEL) == 20
     assert value(text, "vllm:spec_decode_num_accepted_tokens_total", model_name=MODEL) == 9
     for pos, n in enumerate((6, 2, 1)):

@@ -370,6 +370,10 @@ def test_no_drafts_after_warm_up_where_drafting_loses():
     assert controller.num_probes <= controller.num_decisions // 16
     assert len(drafted) < len(steps) / 8
     _check_counters(scheduler, counts)
+    stats = scheduler.stats().spec_decoding  # what /metrics exports of the decisions
+    assert stats.controller_draft_steps == controller.num_drafting
+    assert stats.controller_plain_steps == controller.num_decisions - controller.num_drafting
+    assert stats.controller_plain_steps > 7 * stats.controller_draft_steps
     assert counts[0] > 0  # the warm-up and the probes did draft
     # the declined steps still measured the acceptance, on unverified proposals
     assert scheduler.shadow_drafts.num_settled > len(drafted)

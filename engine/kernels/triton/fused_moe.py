@@ -46,6 +46,34 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _epilogue(
+    acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, pairs, row_ok, offs_n, n_ok, N,
+    stride_cm, stride_cn, stride_bias_e, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT_SWIGLU_OAI: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr,
+):  # fmt: skip
+    """Both kernels' tile epilogue: the expert's biases, the gated activation (SiLU-and-mul,
+    or gpt-oss's clamped SwiGLU), the pair's routing weight, the store."""
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        if ACT_SWIGLU_OAI:
+            gate = tl.minimum(acc, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            acc = (up + 1.0) * gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fused_moe_kernel(
     a_ptr,
     b_ptr,
@@ -119,23 +147,11 @@ def _fused_moe_kernel(
                 acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_bias_e
-        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if SILU_MUL:
-            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if SILU_MUL:
-        if ACT_SWIGLU_OAI:
-            gate = tl.minimum(acc, SWIGLU_LIMIT)
-            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-            acc = (up + 1.0) * gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate))
-        else:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _epilogue(
+        acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, pairs, row_ok, offs_n, n_ok, N,
+        stride_cm, stride_cn, stride_bias_e, SILU_MUL, MUL_WEIGHT, HAS_BIAS, ACT_SWIGLU_OAI,
+        SWIGLU_ALPHA, SWIGLU_LIMIT,
+    )  # fmt: skip
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -386,23 +402,11 @@ def _fused_moe_quant_kernel(
         acc = acc * tl.load(s_row, mask=n_ok, other=0.0)[None, :]
         if SILU_MUL:
             acc_up = acc_up * tl.load(s_row + N * stride_sn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_bias_e
-        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if SILU_MUL:
-            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if SILU_MUL:
-        if ACT_SWIGLU_OAI:
-            gate = tl.minimum(acc, SWIGLU_LIMIT)
-            up = tl.minimum(tl.maximum(acc_up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-            acc = (up + 1.0) * gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate))
-        else:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _epilogue(
+        acc, acc_up, c_ptr, weights_ptr, bias_ptr, expert, pairs, row_ok, offs_n, n_ok, N,
+        stride_cm, stride_cn, stride_bias_e, SILU_MUL, MUL_WEIGHT, HAS_BIAS, ACT_SWIGLU_OAI,
+        SWIGLU_ALPHA, SWIGLU_LIMIT,
+    )  # fmt: skip
 
 
 def _launch_quant(a, b: ExpertWeights, c, weights, sorted_ids, expert_ids, num_post, n, k,

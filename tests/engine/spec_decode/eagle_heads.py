@@ -1,5 +1,6 @@
 """Tiny targets and EAGLE-3 heads in vLLM's checkpoint layout (LlamaForCausalLMEagle3:
-fc, midlayer.*, norm, lm_head over a draft vocabulary, d2t / t2d), for the spec-decode tests.
+fc, midlayer.*, norm, lm_head over a draft vocabulary, d2t / t2d), for the spec-decode tests,
+and the greedy runs the EAGLE tests share.
 """
 
 from __future__ import annotations
@@ -9,6 +10,38 @@ import shutil
 from pathlib import Path
 
 import torch
+
+
+def eagle_prompts(vocab: int, first: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, vocab, (first + 6 * i,), generator=g).tolist() for i in range(5)]
+    return [*prompts, prompts[3] + [5, 6]]
+
+
+def generate_greedy(target_dir, spec, waves, **kwargs):
+    """Greedy outputs of each wave of prompts on target_dir with spec (None: plain decoding),
+    and the run's spec counters, prefix-cache hits, leaked blocks and preemptions."""
+    from engine import LLM, SamplingParams
+
+    # drafts at every step: the drafting itself is under test (the controller: test_controller.py)
+    spec = {**spec, "adaptive": False} if spec else None
+    llm = LLM(
+        str(target_dir), dtype="float32", speculative_config=spec, async_scheduling=False, **kwargs
+    )
+    outs = []
+    for prompts in waves:
+        params = [
+            SamplingParams(max_tokens=16 + 2 * i, temperature=0.0, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        outs += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    scheduler = llm.engine.scheduler
+    stats = scheduler.stats().spec_decoding
+    hits = scheduler.kv_cache_manager.prefix_cache_hits
+    leaked = llm.engine.num_blocks - 1 - scheduler.kv_cache_manager.num_free_blocks
+    preempted = scheduler.num_preemptions
+    llm.shutdown()
+    return outs, stats, hits, leaked, preempted
 
 
 def edit_weights(folder: Path, change) -> None:

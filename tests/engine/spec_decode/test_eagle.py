@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 import torch
+from eagle_heads import eagle_prompts, generate_greedy
 
-from engine import LLM, SamplingParams
+from engine import LLM
 
 
 def _edit(folder, change) -> None:
@@ -79,34 +80,6 @@ def random_head(target_dir, tmp_path_factory):
     return _head(target_dir, tmp_path_factory.mktemp("eagle-random"), mirror=False)
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(3, vocab, (6 + 6 * i,), generator=g).tolist() for i in range(5)]
-    return [*prompts, prompts[3] + [5, 6]]
-
-
-def _generate(target_dir, spec, waves, **kwargs):
-    # drafts at every step: the drafting itself is under test (the controller: test_controller.py)
-    spec = {**spec, "adaptive": False} if spec else None
-    llm = LLM(
-        str(target_dir), dtype="float32", speculative_config=spec, async_scheduling=False, **kwargs
-    )
-    outs = []
-    for prompts in waves:
-        params = [
-            SamplingParams(max_tokens=16 + 2 * i, temperature=0.0, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        outs += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    scheduler = llm.engine.scheduler
-    stats = scheduler.stats().spec_decoding
-    hits = scheduler.kv_cache_manager.prefix_cache_hits
-    leaked = llm.engine.num_blocks - 1 - scheduler.kv_cache_manager.num_free_blocks
-    preempted = scheduler.num_preemptions
-    llm.shutdown()
-    return outs, stats, hits, leaked, preempted
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"num_kv_blocks": 9, "max_model_len": 128, "max_num_batched_tokens": 32}],
@@ -114,11 +87,11 @@ def _generate(target_dir, spec, waves, **kwargs):
 )
 def test_mirror_head_greedy_identical_and_mostly_accepted(target_dir, mirror_head, kwargs):
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
-    prompts = _prompts(vocab)
+    prompts = eagle_prompts(vocab)
     waves = [prompts, [p + [7] for p in prompts[2:]]]  # the second wave hits cached blocks
-    ref, _, _, _, _ = _generate(target_dir, None, waves, **kwargs)
+    ref, _, _, _, _ = generate_greedy(target_dir, None, waves, **kwargs)
     spec = {"method": "eagle", "model": str(mirror_head), "num_speculative_tokens": 3}
-    got, stats, hits, leaked, preempted = _generate(target_dir, spec, waves, **kwargs)
+    got, stats, hits, leaked, preempted = generate_greedy(target_dir, spec, waves, **kwargs)
     assert got == ref
     assert hits > 0 and leaked == 0
     if kwargs:
@@ -130,10 +103,10 @@ def test_mirror_head_greedy_identical_and_mostly_accepted(target_dir, mirror_hea
 
 def test_random_head_greedy_identical(target_dir, random_head):
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
-    waves = [_prompts(vocab)]
-    ref, _, _, _, _ = _generate(target_dir, None, waves)
+    waves = [eagle_prompts(vocab)]
+    ref, _, _, _, _ = generate_greedy(target_dir, None, waves)
     spec = {"method": "eagle", "model": str(random_head), "num_speculative_tokens": 2}
-    got, stats, _, leaked, _ = _generate(target_dir, spec, waves)
+    got, stats, _, leaked, _ = generate_greedy(target_dir, spec, waves)
     assert got == ref and leaked == 0
     assert stats.num_draft_tokens > 0
 

@@ -12,7 +12,13 @@ import shutil
 
 import pytest
 import torch
-from eagle_heads import eagle3_head, edit_weights, one_layer_in_effect
+from eagle_heads import (
+    eagle3_head,
+    eagle_prompts,
+    edit_weights,
+    generate_greedy,
+    one_layer_in_effect,
+)
 
 from engine import LLM, SamplingParams
 from engine.spec_decode.eagle3 import aux_layer_ids
@@ -34,50 +40,22 @@ def random_head(tiny_llama_dir, tmp_path_factory):
     return eagle3_head(tiny_llama_dir, folder, mirror=False, own_embed=True)
 
 
-def _prompts(vocab: int, first: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(3, vocab, (first + 6 * i,), generator=g).tolist() for i in range(5)]
-    return [*prompts, prompts[3] + [5, 6]]
-
-
-def _generate(target_dir, spec, waves, **kwargs):
-    # drafts at every step: the drafting itself is under test (the controller: test_controller.py)
-    spec = {**spec, "adaptive": False} if spec else None
-    llm = LLM(
-        str(target_dir), dtype="float32", speculative_config=spec, async_scheduling=False, **kwargs
-    )
-    outs = []
-    for prompts in waves:
-        params = [
-            SamplingParams(max_tokens=16 + 2 * i, temperature=0.0, ignore_eos=True)
-            for i in range(len(prompts))
-        ]
-        outs += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    scheduler = llm.engine.scheduler
-    stats = scheduler.stats().spec_decoding
-    hits = scheduler.kv_cache_manager.prefix_cache_hits
-    leaked = llm.engine.num_blocks - 1 - scheduler.kv_cache_manager.num_free_blocks
-    preempted = scheduler.num_preemptions
-    llm.shutdown()
-    return outs, stats, hits, leaked, preempted
-
-
 CASES = [{}, {"num_kv_blocks": 9, "max_model_len": 128, "max_num_batched_tokens": 32}]
 
 
 def _waves(target_dir, first: int = 6):
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
-    prompts = _prompts(vocab, first)
+    prompts = eagle_prompts(vocab, first)
     return [prompts, [p + [7] for p in prompts[2:]]]  # the second wave hits cached blocks
 
 
 @pytest.mark.parametrize("kwargs", CASES, ids=["plain", "preempt-chunked"])
 def test_mirror_head_greedy_identical_and_mostly_accepted(mirror_target, mirror_head, kwargs):
     waves = _waves(mirror_target, first=24)
-    ref, _, _, _, _ = _generate(mirror_target, None, waves, **kwargs)
+    ref, _, _, _, _ = generate_greedy(mirror_target, None, waves, **kwargs)
     spec = {"method": "eagle3", "model": str(mirror_head), "num_speculative_tokens": 3}
     spec["draft_backoff"] = False
-    got, stats, hits, leaked, preempted = _generate(mirror_target, spec, waves, **kwargs)
+    got, stats, hits, leaked, preempted = generate_greedy(mirror_target, spec, waves, **kwargs)
     assert got == ref
     assert hits > 0 and leaked == 0
     if kwargs:
@@ -93,10 +71,10 @@ def test_mirror_head_greedy_identical_and_mostly_accepted(mirror_target, mirror_
 @pytest.mark.parametrize("kwargs", CASES, ids=["plain", "preempt-chunked"])
 def test_random_head_greedy_identical(tiny_llama_dir, random_head, kwargs):
     waves = _waves(tiny_llama_dir)
-    ref, _, _, _, _ = _generate(tiny_llama_dir, None, waves, **kwargs)
+    ref, _, _, _, _ = generate_greedy(tiny_llama_dir, None, waves, **kwargs)
     spec = {"method": "eagle3", "model": str(random_head), "num_speculative_tokens": 2}
     spec["draft_backoff"] = False  # draft at every step
-    got, stats, hits, leaked, _ = _generate(tiny_llama_dir, spec, waves, **kwargs)
+    got, stats, hits, leaked, _ = generate_greedy(tiny_llama_dir, spec, waves, **kwargs)
     assert got == ref and leaked == 0 and hits > 0
     assert stats.num_draft_tokens > 0
 

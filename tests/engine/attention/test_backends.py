@@ -175,6 +175,20 @@ def test_cpu_backend_matches_torch_reference(
     )
 
 
+def _assert_rows_read_alike(out, ref, seqs, int8: bool, limit: int, dtype) -> None:
+    """out against ref on the rows both read alike: with an int8 cache a fresh prompt's rows on
+    the kernel (contexts up to limit) read its quantized K/V, SDPA its unquantized ones."""
+    same_inputs = torch.ones(out.shape[0], dtype=torch.bool)
+    row = 0
+    for start, n, _ in seqs:
+        if int8 and start == 0 and n > 1 and start + n <= limit:
+            same_inputs[row : row + n] = False
+        row += n
+    torch.testing.assert_close(
+        out[same_inputs].float(), ref[same_inputs].float(), atol=ATOL[dtype, int8], rtol=0
+    )
+
+
 WINDOWS = [1, 7, 16, 33]  # one key; under a block; a block exactly; over two blocks
 
 
@@ -260,15 +274,7 @@ def test_cpu_backend_with_a_sliding_window_matches_torch(
             outs.append(attn(q, k, v, backend.build_metadata(common)))
     ref, out = outs
     assert not ref.isnan().any() and not out.isnan().any()
-    same_inputs = torch.ones(q.shape[0], dtype=torch.bool)  # as in the test above
-    row = 0
-    for start, n, _ in seqs:
-        if int8 and start == 0 and n > 1 and start + n <= limit:
-            same_inputs[row : row + n] = False
-        row += n
-    torch.testing.assert_close(
-        out[same_inputs].float(), ref[same_inputs].float(), atol=ATOL[dtype, int8], rtol=0
-    )
+    _assert_rows_read_alike(out, ref, seqs, int8, limit, dtype)
 
 
 def _sinks(heads: int) -> torch.Tensor:
@@ -334,15 +340,7 @@ def test_cpu_backend_with_sinks_matches_torch(scenario, dtype, int8, head_dim, w
         with torch.inference_mode():
             outs.append(attn(q, k, v, backend.build_metadata(common)))
     ref, out = outs
-    same_inputs = torch.ones(q.shape[0], dtype=torch.bool)  # as in the tests above
-    row = 0
-    for start, n, _ in seqs:
-        if int8 and start == 0 and n > 1 and start + n <= limit:
-            same_inputs[row : row + n] = False
-        row += n
-    torch.testing.assert_close(
-        out[same_inputs].float(), ref[same_inputs].float(), atol=ATOL[dtype, int8], rtol=0
-    )
+    _assert_rows_read_alike(out, ref, seqs, int8, limit, dtype)
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu"])

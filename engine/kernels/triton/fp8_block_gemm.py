@@ -34,6 +34,8 @@ from engine.kernels.triton.quant_gemm import (
     _num_sms,
     gemm_rows,
     plan_launch,
+    reduce_splits,
+    split_k_output,
 )
 
 
@@ -155,12 +157,7 @@ def fp8_block_gemm(
     bk = weight.block_k
     if launch is None:
         launch = plan_launch(m, n, k, bk, False, _num_sms(x.device))
-    split = launch.split_k if split_k is None else split_k
-    k_tiles = triton.cdiv(k, launch.block_k)
-    split = max(1, min(split, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
-    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    split, tiles_per_split, out = split_k_output(launch, split_k, k, y)
     dot = _dot_dtype(x.dtype, x.device)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
     _fp8_block_gemm_kernel[grid](
@@ -177,6 +174,5 @@ def fp8_block_gemm(
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip
-    if split > 1:
-        torch.sum(out, dim=0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
+    reduce_splits(out, y)
     return y.reshape(*lead, n)

@@ -31,6 +31,8 @@ from engine.kernels.triton.quant_gemm import (
     _num_sms,
     gemm_rows,
     plan_launch,
+    reduce_splits,
+    split_k_output,
 )
 
 GROUP = 16  # values a scale covers
@@ -154,12 +156,7 @@ def nvfp4_gemm(
         launch = plan_launch(m, n, k, 64, False, _num_sms(x.device))
     if launch.block_k < 32:  # two dots of BLOCK_K / 2: tl.dot's 16 at least
         launch = dataclasses.replace(launch, block_k=32)
-    split = launch.split_k if split_k is None else split_k
-    k_tiles = triton.cdiv(k, launch.block_k)
-    split = max(1, min(split, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
-    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    split, tiles_per_split, out = split_k_output(launch, split_k, k, y)
     dot = _dot_dtype(x.dtype, x.device)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
     _nvfp4_gemm_kernel[grid](
@@ -176,6 +173,5 @@ def nvfp4_gemm(
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip
-    if split > 1:
-        torch.sum(out, dim=0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
+    reduce_splits(out, y)
     return y.reshape(*lead, n)

@@ -370,13 +370,8 @@ def w_int_gemm(
     assert zeros is None or zeros.stride(-1) == 1
     if launch is None:
         launch = plan_launch(m, n, k, group_size, g_idx is not None, _num_sms(x.device))
-    split = launch.split_k if split_k is None else split_k
-    k_tiles = triton.cdiv(k, launch.block_k)
-    split = max(1, min(split, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
+    split, tiles_per_split, out = split_k_output(launch, split_k, k, y)
     group_per_tile = g_idx is None and (group_size % launch.block_k == 0 or group_size >= k)
-    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     dot = _dot_dtype(x.dtype, x.device)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
 
@@ -424,9 +419,34 @@ def w_int_gemm(
             stacklevel=2,
         )
         run("gather")
-    if split > 1:
-        torch.sum(out, dim=0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
+    reduce_splits(out, y)
     return y.reshape(*lead, n)
+
+
+def split_k_output(
+    launch: GemmLaunch, split_k: int | None, k: int, y: torch.Tensor
+) -> tuple[int, int, torch.Tensor]:
+    """(splits of K, k tiles a split, where the kernel writes): split_k (or the launch's)
+    clamped to K's tiles with no empty split; one split writes y itself, several write float32
+    partial sums [split, M, N] for reduce_splits."""
+    k_tiles = triton.cdiv(k, launch.block_k)
+    split = max(1, min(launch.split_k if split_k is None else split_k, k_tiles))
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
+    if split == 1:
+        return split, tiles_per_split, y
+    return (
+        split,
+        tiles_per_split,
+        torch.empty(split, *y.shape, dtype=torch.float32, device=y.device),
+    )
+
+
+def reduce_splits(out: torch.Tensor, y: torch.Tensor) -> None:
+    """The split-K partial sums into y (nothing where the kernel wrote y itself)."""
+    if out is y:
+        return
+    torch.sum(out, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(out.sum(0))
 
 
 def gemm_rows(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:

@@ -102,6 +102,14 @@ def _attend(backend, cache, q, k, v, meta, window=None, sinks=None, kv_scales=(1
         return attn(q, k, v, meta), attn.kv_cache
 
 
+def _split_backend(bs, heads, kv_heads, d, dtype, splits: int, num_seqs: int):
+    """The triton backend aiming its decodes at `splits` context splits (1: its own plan)."""
+    target = splits * num_seqs * kv_heads if splits > 1 else None
+    return TritonAttentionBackend(
+        bs, heads, kv_heads, d, dtype, DEVICE, split_target_programs=target
+    )
+
+
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == kv_fp8.FP8_DTYPE else cache
 
@@ -228,10 +236,7 @@ def test_fp8_scales_read_as_the_values_they_scale(splits):
     cache, q, _, _ = _inputs(seqs, heads, kv_heads, d, bs, torch.float32, True)
     scaled = torch.stack([kv_fp8.dequantize(cache[0], 2.0, torch.float32),
                           kv_fp8.dequantize(cache[1], 0.5, torch.float32)])  # fmt: skip
-    target = splits * len(seqs) * kv_heads if splits > 1 else None
-    backend = TritonAttentionBackend(
-        bs, heads, kv_heads, d, torch.float32, DEVICE, split_target_programs=target
-    )
+    backend = _split_backend(bs, heads, kv_heads, d, torch.float32, splits, len(seqs))
     meta = backend.build_metadata(common_metadata_from_seqs(seqs, bs))
     assert meta.launch.num_splits == splits
     outs = []
@@ -272,10 +277,7 @@ def test_fp8_cache_with_a_checkpoints_scales_matches_torch_reference(splits):
                                  kv_scales=scales, mag=200.0)  # fmt: skip
         common = common_metadata_from_seqs(seqs, bs)
         ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, torch.bfloat16, DEVICE)
-        target = splits * len(seqs) * kv_heads if splits > 1 else None
-        backend = TritonAttentionBackend(
-            bs, heads, kv_heads, d, torch.bfloat16, DEVICE, split_target_programs=target
-        )
+        backend = _split_backend(bs, heads, kv_heads, d, torch.bfloat16, splits, len(seqs))
         meta = backend.build_metadata(common)
         ref_meta = ref_backend.build_metadata(common)
         ref, ref_cache = _attend(ref_backend, cache, q, k, v, ref_meta, kv_scales=scales)
@@ -333,11 +335,8 @@ def test_sliding_window_matches_torch_reference(window, scenario, dtype, splits)
     assert dropped
     cache[:, dropped] = float("nan")
     common = common_metadata_from_seqs(seqs, bs)
-    target = splits * len(seqs) * kv_heads if splits > 1 else None
     ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, dtype, device=DEVICE)
-    backend = TritonAttentionBackend(
-        bs, heads, kv_heads, d, dtype, DEVICE, split_target_programs=target
-    )
+    backend = _split_backend(bs, heads, kv_heads, d, dtype, splits, len(seqs))
     meta = backend.build_metadata(common)
     assert meta.launch.num_splits == splits
     ref_meta = ref_backend.build_metadata(common)
@@ -452,11 +451,8 @@ def test_sinks_match_torch_reference(scenario, dtype, splits, window, fp8):
     sinks[0], sinks[-1] = 6.0, -30.0
     sinks = sinks.to(DEVICE)
     common = common_metadata_from_seqs(seqs, bs)
-    target = splits * len(seqs) * kv_heads if splits > 1 else None
     ref_backend = TorchAttentionBackend(bs, heads, kv_heads, d, dtype, device=DEVICE)
-    backend = TritonAttentionBackend(
-        bs, heads, kv_heads, d, dtype, DEVICE, split_target_programs=target
-    )
+    backend = _split_backend(bs, heads, kv_heads, d, dtype, splits, len(seqs))
     meta = backend.build_metadata(common)
     assert meta.launch.num_splits == splits
     ref_meta = ref_backend.build_metadata(common)

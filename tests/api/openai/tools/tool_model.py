@@ -72,6 +72,7 @@ def _history_call(call_id: str, name: str, args: dict) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+JSON_GREETING = '{"greeting":"hello"}'  # compact: the JSON grammar's separators
 ROUND_TRIP = [
     {"role": "user", "content": "What is the weather in Paris?"},
     {
@@ -93,6 +94,14 @@ CONVERSATIONS = {
     ),
     "hello": ([{"role": "user", "content": "Say hello."}], "Hello! How can I help?"),
     "round_trip": (ROUND_TRIP, "It is 21 C in Paris."),
+    # the same round trip as the server renders it when the first turn said something before
+    # its call (a stored conversation's history: previous_response_id)
+    "round_trip_after_text": (
+        [ROUND_TRIP[0], {**ROUND_TRIP[1], "content": "Let me check.\n"}, ROUND_TRIP[2]],
+        "It is 21 C in Paris.",
+    ),
+    # a reply that is a JSON object: what a json_object format must let through unchanged
+    "json": ([{"role": "user", "content": "Greet me in JSON."}], JSON_GREETING),
 }
 
 

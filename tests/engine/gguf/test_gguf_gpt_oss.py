@@ -136,7 +136,7 @@ def test_a_gpt_oss_file_serves_hf_greedy_tokens(
         kwargs = {**kwargs, "num_kv_blocks": 96}
     else:
         kwargs = {**kwargs, "max_num_batched_tokens": 32}
-    forced = cpu_gguf.forced_dot_rows(dot_rows) if dot_rows else contextlib.nullcontext()
+    forced = contextlib.nullcontext() if dot_rows is None else cpu_gguf.forced_dot_rows(dot_rows)
     with forced:
         llm = LLM(str(gguf), dtype="float32", seed=0, **kwargs)
         try:

@@ -130,21 +130,21 @@ def test_validation():
         SamplingParams(prompt_logprobs=-1)
 
 
-def _plan_prompt_logprobs(path, plan: bool, monkeypatch):
-    """A prompt_logprobs request fed one prompt token a step beside 15 decoding requests
-    (max_num_batched_tokens 16): its prompt rows run in 16-row steps of one token each,
-    which the CPU decode plan takes."""
+def _plan_prompt_logprobs(path, plan: bool, monkeypatch, rows: int):
+    """A prompt_logprobs request fed one prompt token a step beside rows - 1 decoding requests
+    (max_num_batched_tokens rows): its prompt rows run in steps of `rows` rows of one token
+    each, which the CPU decode plan takes."""
     monkeypatch.setenv("TESSERA_DECODE_PLAN", "1" if plan else "0")
     llm = LLM(
         str(path), dtype="bfloat16", quantization="w4a8", num_kv_blocks=128,
-        enable_prefix_caching=False, max_num_seqs=16, max_num_batched_tokens=16,
+        enable_prefix_caching=False, max_num_seqs=rows, max_num_batched_tokens=rows, block_size=8,
     )  # fmt: skip
     try:
         engine = llm.engine
         decoders = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        for i in range(15):
+        for i in range(rows - 1):
             engine.add_request(f"d{i}", [5 + i, 6 + i], decoders)
-        for _ in range(3):  # their prefills done: 15 decode rows a step from here on
+        for _ in range(3):  # their prefills done: rows - 1 decode rows a step from here on
             engine.step()
         asks = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
         prompt = list(range(50, 70))
@@ -161,18 +161,23 @@ def _plan_prompt_logprobs(path, plan: bool, monkeypatch):
     return [None] + [(e.token_id, e.logprob, e.rank, e.top) for e in got[1:]], runs
 
 
-def test_prompt_rows_in_the_cpu_decode_plan(make_tiny_model, monkeypatch):
+@pytest.mark.parametrize("rows", [8, 16])
+def test_prompt_rows_in_the_cpu_decode_plan(make_tiny_model, monkeypatch, rows):
     """The decode plan returns every row's final hidden state, so prompt rows it runs give
-    the modules' prompt logprobs."""
+    the modules' prompt logprobs. 8 rows: its 4-bit steps (its int8 ones with AMX); 16: its
+    int8-activation steps, which need the packed int8 GEMM (below 13 rows w4a8 stays 4-bit)."""
     from engine.kernels.cpu import w4 as cpu_w4
+    from engine.kernels.cpu import w8a8 as cpu_w8a8
 
     if not cpu_w4.available():
         pytest.skip("the plan runs the 4-bit (AVX512-VNNI or AVX2) kernels")
+    if rows == 16 and not cpu_w8a8.packed_available():
+        pytest.skip("no packed int8 GEMM on this CPU (AVX2): the modules run w4a8's 16-row steps")
     path = make_tiny_model("tiny-llama-plan", seed=3)
-    with_plan, runs = _plan_prompt_logprobs(path, True, monkeypatch)
-    without, no_runs = _plan_prompt_logprobs(path, False, monkeypatch)
+    with_plan, runs = _plan_prompt_logprobs(path, True, monkeypatch, rows)
+    without, no_runs = _plan_prompt_logprobs(path, False, monkeypatch, rows)
     assert no_runs is None
-    assert runs is not None and runs.get(16, 0) >= 19, runs  # the prompt's one-token steps
+    assert runs is not None and runs.get(rows, 0) >= 19, runs  # the prompt's one-token steps
     assert len(with_plan) == 20
     assert with_plan == without
 

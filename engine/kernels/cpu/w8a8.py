@@ -93,6 +93,11 @@ def amx_runs(k: int) -> bool:
     return _amx[0] and k % 64 == 0
 
 
+def packed_available() -> bool:
+    """Whether the packed int8 GEMM is built for this CPU (AVX512-VNNI or AMX; not AVX2)."""
+    return _gemm_functions() is not None
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """int8 [N, K] -> the packed copy int_mm multiplies without repacking (uint8, N * K
     bytes), or None where the kernel cannot take it (no AVX512-VNNI, N % 16, K % 4)."""

@@ -65,6 +65,12 @@ def max_rows() -> int:
     return _resolve()[1]
 
 
+def x_as_int8() -> bool:
+    """Whether the kernel takes x as int8 per group of 32 (the AVX2 build, every batch) rather
+    than as int16 per row (AVX512-VNNI): the coarser of the two roundings of x."""
+    return available() and max_rows() > ops.W4_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class Q4Weight:
     """A linear layer's weight [out_features, in_features] as 4-bit groups in tiles of 16

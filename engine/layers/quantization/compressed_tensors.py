@@ -7,7 +7,10 @@ or per group) and an `ignore` list. Supported:
   symmetric or not, act-order's `weight_g_idx`: `weight_packed` int32 [N, K * bits / 32]
   (codes + 2**(bits - 1), packed along K, lowest bits first), `weight_scale` [N, G],
   `weight_zero_point` int32 [N * bits / 32, G] (packed along N) where asymmetric,
-  `weight_shape`; dequant (q - z) * s. Converted into the canonical form (packed.py).
+  `weight_shape`; dequant (q - z) * s. Converted into the canonical form (packed.py). 4-bit
+  weights may come with int8 dynamic per-token activations (llm-compressor's W4A8): on the
+  CPU's w4 tiles the kernel quantizes x as it does for every 4-bit layer (int16 per row with
+  AVX512-VNNI, int8 per group of 32 with AVX2), elsewhere x stays in the model dtype.
 - `int-quantized` / `naive-quantized`: int8 `weight` [N, K] with `weight_scale` (channel or
   tensor) and int8 activations (W8A8: dynamic per token, or static `input_scale`, served
   dynamic per token on the CPU's W8A8 kernel; MoE experts too: experts.IntExpertsMethod).
@@ -91,9 +94,14 @@ class _Scheme:
             if self.strategy == "group" and not (isinstance(self.group_size, int)
                                                  and self.group_size > 0):  # fmt: skip
                 raise unsupported(f"{where}.weights.group_size", self.group_size, "a positive size")
-            if a is not None:
-                raise unsupported(f"{where}.input_activations", a,
-                                  "null (pack-quantized weights are weight-only)")  # fmt: skip
+            if a is not None:  # W4A8: int8 per-token activations, as the w4 kernel takes x
+                if self.bits != 4:
+                    raise unsupported(f"{where}.input_activations", a,
+                                      "null (8-bit pack-quantized weights are weight-only)")  # fmt: skip
+                self._check_activations(where, a, "int")
+                if a.get("strategy", "tensor") != "token" or not a.get("dynamic", False):
+                    raise unsupported(f"{where}.input_activations.strategy",
+                                      a.get("strategy"), "token, dynamic (W4A8)")  # fmt: skip
         elif self.format == "nvfp4-pack-quantized":
             self._check_nvfp4(f"{where}.weights", w)
             if a is not None:  # W4A4: served weight-only (activations in the model dtype)
@@ -172,6 +180,11 @@ class _Scheme:
         acts = ", activations quantized" if self.act_quant else ""
         if self.format == "nvfp4-pack-quantized" and self.act_quant:
             acts = ", fp4 activations served in the model dtype"
+        if self.format == "pack-quantized" and self.act_quant:  # W4A8
+            acts = (
+                ", int8 activations: on the CPU's w4 tiles as the kernel quantizes x (int16 "
+                "per row with AVX512-VNNI, int8 per 32 with AVX2), else the model dtype"
+            )
         return f"{self.format} ({w}{acts})"
 
 

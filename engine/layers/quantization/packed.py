@@ -73,7 +73,10 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """pack_rows' inverse: int32 [K // (32 // bits), N] -> int32 codes [K, N]."""
+    """pack_rows' inverse: int32 [K // (32 // bits), N] -> int32 codes [K, N]. Widths that do
+    not divide 32 (GPTQ's 3-bit) are a bit stream along K instead: 32 rows in `bits` words."""
+    if 32 % bits:
+        return _unpack_stream(qweight, bits)
     per = 32 // bits
     words, n = qweight.shape
     shifts = (torch.arange(per, device=qweight.device) * bits).view(1, per, 1)
@@ -84,7 +87,12 @@ def unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_cols(packed: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
     """int32 [R, C] holding 32 // bits codes a word along the last dim (lowest bits first) ->
     int32 [R, C * 32 // bits]. `order[i]`: the column within its word's span that bit field i
-    holds (AWQ's interleave); None: field i holds column i."""
+    holds (AWQ's interleave); None: field i holds column i. Widths that do not divide 32: a
+    bit stream along the last dim, as unpack_rows reads one along K."""
+    if 32 % bits:
+        if order is not None:
+            raise ValueError(f"no field order for {bits}-bit codes (a bit stream)")
+        return _unpack_stream(packed.t(), bits).t()
     per = 32 // bits
     r, c = packed.shape
     shifts = torch.arange(per, device=packed.device) * bits
@@ -94,6 +102,24 @@ def unpack_cols(packed: torch.Tensor, bits: int, order: list[int] | None = None)
         cols[..., order] = fields  # field i -> column order[i]
         fields = cols
     return fields.reshape(r, c * per).to(torch.int32)
+
+
+def _unpack_stream(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [W, N] holding, per column, a little-endian stream of `bits`-wide codes (code k at
+    stream bit k * bits; GPTQ's 3-bit layout, so a code may straddle two words) -> int32
+    [W * 32 // bits, N]. W must be a multiple of `bits` (32 codes fill `bits` words)."""
+    w, n = words.shape
+    if w % bits:
+        raise ValueError(f"{bits}-bit codes fill {bits} words per 32 rows; {w} words is not a "
+                         "multiple")  # fmt: skip
+    u = (words.to(torch.int64) & 0xFFFFFFFF).view(w // bits, bits, n)
+    start = torch.arange(32, device=words.device) * bits
+    word, shift = start // 32, (start % 32).view(1, 32, 1)
+    lo = u[:, word] >> shift
+    # a code straddling words takes its high bits from the next one (else that term is masked)
+    hi = u[:, (word + 1).clamp(max=bits - 1)] << (32 - shift)
+    codes = (lo | hi) & ((1 << bits) - 1)
+    return codes.reshape(w // bits * 32, n).to(torch.int32)
 
 
 def dequantize(w: PackedWeight) -> torch.Tensor:
@@ -154,7 +180,10 @@ class ShardLoader:
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         layer = self.layer
-        full = self.convert(loaded)
+        try:
+            full = self.convert(loaded)
+        except ValueError as e:  # a tensor whose packing the config misstates (its bits)
+            raise ValueError(f"{self.name}: checkpoint tensor {tuple(loaded.shape)}: {e}") from e
         offset, size = _out_slice(layer, param, shard_id)
         column = layer.tp_dim == 0
         if full.numel() == 1:  # a per-tensor value, for each of the shard's rows

@@ -58,9 +58,41 @@ def _linear_names(state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) ->
 # -- GPTQ -----------------------------------------------------------------------------------
 
 
+def _pack_3bit(codes: np.ndarray) -> np.ndarray:
+    """uint 3-bit codes [K, N] -> int32 [K * 3 / 32, N], AutoGPTQ's 3-bit pack loop: per 32
+    rows, 10 codes in a word, the 11th split over its top 2 bits and the next word's bit 0, 10
+    more, the 22nd over the top bit and 2 bits of the third word, then 10."""
+    k, n = codes.shape
+    c = codes.astype(np.uint32)
+    out = np.zeros((k // 32 * 3, n), dtype=np.uint32)
+    i = row = 0
+    while row < out.shape[0]:
+        for j in range(10):
+            out[row] |= c[i + j] << np.uint32(3 * j)
+        i += 10
+        out[row] |= c[i] << np.uint32(30)
+        row += 1
+        out[row] |= (c[i] >> np.uint32(2)) & np.uint32(1)
+        i += 1
+        for j in range(10):
+            out[row] |= c[i + j] << np.uint32(3 * j + 1)
+        i += 10
+        out[row] |= c[i] << np.uint32(31)
+        row += 1
+        out[row] |= (c[i] >> np.uint32(1)) & np.uint32(3)
+        i += 1
+        for j in range(10):
+            out[row] |= c[i + j] << np.uint32(3 * j + 2)
+        i += 10
+        row += 1
+    return out.view(np.int32)
+
+
 def _pack_along_rows(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint codes [K, N] -> int32 [K * bits / 32, N]: row k in word k // per at bit
     (k % per) * bits (AutoGPTQ's pack loop)."""
+    if bits == 3:
+        return _pack_3bit(codes)
     per = 32 // bits
     k, n = codes.shape
     out = np.zeros((k // per, n), dtype=np.uint32)
@@ -72,7 +104,9 @@ def _pack_along_rows(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def _pack_along_cols(codes: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
     """uint codes [R, C] -> int32 [R, C * bits / 32]: field i of word c holds column
-    c * per + order[i]."""
+    c * per + order[i]. 3-bit: AutoGPTQ's 3-bit loop along the columns."""
+    if bits == 3:
+        return np.ascontiguousarray(_pack_3bit(np.ascontiguousarray(codes.T & 7)).T)
     per = 32 // bits
     r, c = codes.shape
     order = order or list(range(per))

@@ -29,6 +29,27 @@ def test_pack_rows_puts_lowest_k_in_the_lowest_bits(bits):
     assert torch.equal(unpack_rows(packed, bits), codes.to(torch.int32))
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+def test_narrow_codes_unpack_from_one_bit_stream_per_column(bits):
+    """GPTQ's 2- and 3-bit layouts: per column, code k at bit k * bits of one little-endian
+    stream over the words (a 3-bit code may straddle two), read here as one Python integer."""
+    g = torch.Generator().manual_seed(bits)
+    k, n = 64, 3
+    codes = torch.randint(0, 1 << bits, (k, n), generator=g)
+    words = k * bits // 32
+    packed = torch.empty(words, n, dtype=torch.int32)
+    for c in range(n):
+        stream = sum(int(codes[i, c]) << (bits * i) for i in range(k))
+        for w in range(words):
+            word = (stream >> (32 * w)) & 0xFFFFFFFF
+            packed[w, c] = word - (1 << 32) if word >= 1 << 31 else word
+    assert torch.equal(unpack_rows(packed, bits), codes.to(torch.int32))
+    assert torch.equal(unpack_cols(packed.t().contiguous(), bits), codes.t().to(torch.int32))
+    if bits == 3:
+        with pytest.raises(ValueError, match="3 words per 32 rows"):
+            unpack_rows(packed[:4], bits)
+
+
 def test_unpack_cols_follows_the_given_field_order():
     order = [0, 2, 4, 6, 1, 3, 5, 7]
     cols = torch.arange(8)  # column j holds the value j

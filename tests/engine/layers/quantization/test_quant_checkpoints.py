@@ -55,6 +55,20 @@ FORMATS = {
         functools.partial(qw.write_gptq, bits=4, group=32, desc_act=True),
         PermutedW4LinearMethod,
     ),
+    # 2- and 3-bit: the codes shifted into the 4-bit kernels' range (engine/.../gptq.py)
+    "gptq3-g32-sym": (functools.partial(qw.write_gptq, bits=3, group=32), PackedW4LinearMethod),
+    "gptq3-g32-asym-v2": (
+        functools.partial(qw.write_gptq, bits=3, group=32, sym=False, v2=True),
+        PackedW4LinearMethod,
+    ),
+    "gptq3-actorder": (
+        functools.partial(qw.write_gptq, bits=3, group=32, desc_act=True),
+        PermutedW4LinearMethod,
+    ),
+    "gptq2-g32-asym": (
+        functools.partial(qw.write_gptq, bits=2, group=32, sym=False),
+        PackedW4LinearMethod,
+    ),
     "gptq8-channel": (
         functools.partial(qw.write_gptq, bits=8, group=-1),
         CheckpointInt8LinearMethod,
@@ -89,6 +103,16 @@ FORMATS = {
         PackedW4LinearMethod,
     ),
     "ct-w4a16-actorder": (qw.write_ct_actorder, PermutedW4LinearMethod),
+    # W4A8: the w4 tiles quantize x themselves (the reference keeps it float)
+    "ct-w4a8-group-sym": (
+        functools.partial(
+            qw.write_compressed_tensors,
+            fmt="pack-quantized",
+            weights={**W4A16, "symmetric": True},
+            input_activations=dict(num_bits=8, type="int", strategy="token", dynamic=True),
+        ),  # fmt: skip
+        PackedW4LinearMethod,
+    ),
     "ct-w8a16-channel": (
         functools.partial(
             qw.write_compressed_tensors,
@@ -312,12 +336,26 @@ def test_ignore_lists_keep_those_layers_in_float(tiny_llama_dir, tmp_path, write
         _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, GAP_TOL["float32"])
 
 
-def test_start_up_log_names_the_method_and_each_layer_kinds_kernel(written, caplog):
-    folder, _ = written("gptq4-g32-sym")
+@pytest.mark.parametrize(
+    ("fmt", "says", "not_said"),
+    [
+        ("gptq4-g32-sym", "Quantization gptq: GPTQ 4-bit, group size 32, symmetric",
+         "served as 4-bit codes"),
+        ("gptq3-g32-sym", "GPTQ 3-bit, group size 32, symmetric, gptq (v1: zero points stored "
+         "minus 1); served as 4-bit codes", "int8 activations"),
+        ("ct-w4a8-group-sym", "int4 group 32 sym, int8 activations: on the CPU's w4 tiles as "
+         "the kernel quantizes x", "served as 4-bit codes"),
+    ],
+)  # fmt: skip
+def test_start_up_log_names_the_method_and_each_layer_kinds_kernel(written, caplog, fmt, says,
+                                                                   not_said):  # fmt: skip
+    if fmt.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+    folder, _ = written(fmt)
     with caplog.at_level(logging.INFO, logger="tessera.engine"):
         _load(folder, "bfloat16")
     text = caplog.text
-    assert "Quantization gptq: GPTQ 4-bit, group size 32, symmetric" in text
+    assert says in text and not_said not in text
     for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
         assert f"  {kind}: " in text
     if cpu_w4.available():
@@ -381,7 +419,7 @@ CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "st
 @pytest.mark.parametrize(
     ("method", "qcfg", "field"),
     [
-        ("gptq", {"bits": 2, "group_size": 128}, "bits = 2.*supported: 4, 8"),
+        ("gptq", {"bits": 5, "group_size": 128}, "bits = 5.*supported: 2, 3, 4, 8"),
         ("gptq", {"bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
         ("gptq", {"bits": 4, "group_size": 128, "lm_head": True}, "lm_head"),
         ("awq", {"bits": 4, "group_size": 128, "version": "gemv"}, "version = 'gemv'.*gemm"),
@@ -400,6 +438,15 @@ CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "st
         ("compressed-tensors", {"format": "pack-quantized", "config_groups": {"g": {
             **CT_GROUP, "input_activations": {"num_bits": 8, "type": "int"}}}},
          "config_groups.g.input_activations"),
+        ("compressed-tensors", {"format": "pack-quantized", "config_groups": {"g": {
+            **CT_GROUP, "weights": {**CT_GROUP["weights"], "num_bits": 8},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                  "dynamic": True}}}},
+         "config_groups.g.input_activations.*8-bit pack-quantized weights are weight-only"),
+        ("compressed-tensors", {"format": "pack-quantized", "config_groups": {"g": {
+            **CT_GROUP, "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor",
+                                              "dynamic": False}}}},
+         "config_groups.g.input_activations.strategy = 'tensor'.*token, dynamic"),
         ("compressed-tensors", {"format": "pack-quantized", "config_groups": {"g": CT_GROUP},
                                 "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
     ],
@@ -423,9 +470,16 @@ def test_start_up_errors_come_from_the_engine(written, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 5
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantization_config.bits = 5"):
+        LLM(str(bad), num_kv_blocks=64, max_model_len=256)
+    # a config whose bits misstate the tensors' packing: the layer and tensor are named
     cfg["quantization_config"]["bits"] = 3
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config.bits = 3"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\..*: checkpoint tensor \(16, 64\): 3-bit codes"
+    ):
         LLM(str(bad), num_kv_blocks=64, max_model_len=256)
 
 
@@ -444,7 +498,7 @@ def test_a_group_that_does_not_divide_the_layer_is_named(written, tmp_path):
 
 TP_FORMATS = ["gptq4-g32-asym", "gptq4-actorder", "gptq8-channel", "awq-g32", "ct-w4a16-channel",
               "ct-w8a16-channel", "ct-fp8-tensor-static", "ct-w4a16-group-asym", "gptq8-g32-asym-v2",
-              "ct-w4a16-actorder"]  # fmt: skip
+              "ct-w4a16-actorder", "gptq3-g32-asym-v2", "gptq2-g32-asym"]  # fmt: skip
 TP_PROMPT = [7, 99, 250, 3, 18, 41, 300, 5, 120, 64, 11]
 
 

@@ -65,6 +65,11 @@ W4_GROUP_ASYM = dict(
     fmt="pack-quantized",
     weights=dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
 )
+W4A8_GROUP = dict(  # llm-compressor's W4A8: the w4 tiles quantize x themselves
+    fmt="pack-quantized",
+    weights=dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True),
+    input_activations=dict(num_bits=8, type="int", strategy="token", dynamic=True),
+)
 W4_CHANNEL = dict(
     fmt="pack-quantized", weights=dict(num_bits=4, type="int", strategy="channel", symmetric=True)
 )
@@ -91,6 +96,7 @@ WRITERS = {
     "gptq4-g32-sym": functools.partial(qw.write_gptq, bits=4, group=32),
     "gptq4-g32-asym-v2": functools.partial(qw.write_gptq, bits=4, group=32, sym=False, v2=True),
     "gptq8-channel": functools.partial(qw.write_gptq, bits=8, group=-1),
+    "gptq3-g32-asym": functools.partial(qw.write_gptq, bits=3, group=32, sym=False),
     "awq-g32": functools.partial(qw.write_awq, group=32),
     "fp8": qw.write_fp8,  # quant_method "fp8": per-tensor scales, static input scales
     # act-order: every expert's gate_up and down their own g_idx
@@ -106,6 +112,7 @@ SCHEMES = {
     "fp8-tensor": FP8_TENSOR,
     "w4a16-group-asym": W4_GROUP_ASYM,
     "w4a16-channel": W4_CHANNEL,
+    "w4a8-group": W4A8_GROUP,
     "w8a16-channel": W8_CHANNEL,
     "w8a16-group-asym": W8_GROUP_ASYM,
     "w8a8-channel": W8A8_CHANNEL,
@@ -146,6 +153,8 @@ ACT_ORDER = {
                                lambda w, g: qw.gptq_tensors(w, 4, 32, False, g, v2=True)),
     "gptq8-actorder": (lambda: _gptq_method(8, True, False),
                        lambda w, g: qw.gptq_tensors(w, 8, 32, True, g)),
+    "gptq3-actorder-v2": (lambda: _gptq_method(3, True, True),
+                          lambda w, g: qw.gptq_tensors(w, 3, 32, True, g, v2=True)),
     "ct-w4a16-actorder": (
         lambda: _config_method(dict(fmt="pack-quantized", weights=dict(
             num_bits=4, type="int", strategy="group", group_size=32, symmetric=True,
@@ -391,6 +400,7 @@ GREEDY_CASES = [
     ("qwen3_moe", "fp8-tensor", "float32"),
     ("qwen3_moe", "w4a16-group-asym", "bfloat16"),
     ("qwen3_moe", "w4a16-channel", "float32"),
+    ("qwen3_moe", "w4a8-group", "bfloat16"),
     ("qwen3_moe", "w8a16-channel", "bfloat16"),
     ("qwen3_moe", "w8a16-group-asym", "bfloat16"),
     ("mixtral", "fp8-channel", "bfloat16"),
@@ -398,6 +408,8 @@ GREEDY_CASES = [
     ("qwen3_moe", "gptq4-g32-sym", "bfloat16"),
     ("qwen3_moe", "gptq4-g32-asym-v2", "float32"),
     ("qwen3_moe", "gptq8-channel", "bfloat16"),
+    ("qwen3_moe", "gptq3-g32-asym", "bfloat16"),
+    ("qwen3_moe", "gptq3-g32-asym", "float32"),
     ("qwen3_moe", "awq-g32", "bfloat16"),
     ("mixtral", "gptq4-g32-sym", "bfloat16"),
     ("mixtral", "awq-g32", "float32"),
@@ -421,6 +433,18 @@ GREEDY_CASES = [
 # W8A8: x as int8 per row in every quantized layer moves this tiny model's logits by a few
 # hundredths (seen: a float32 run flips a top-2 gap of 0.016; bfloat16 alone one of 0.055)
 INT8_ACTS_GAP_TOL = 0.1
+# 4-bit experts in bfloat16 where the w4 kernel takes x as int8 per 32 (AVX2: every call, not
+# only large ones): seen flipping top-2 gaps of 0.05-0.21 on this tiny model
+W4_INT8_X_GAP_TOL = 0.3
+W4_SCHEMES = ("gptq4", "gptq3", "awq", "w4a16", "w4a8")
+
+
+def _gap_tol(scheme: str, dtype: str) -> float:
+    if scheme.startswith("w8a8"):
+        return INT8_ACTS_GAP_TOL
+    if dtype == "bfloat16" and scheme.startswith(W4_SCHEMES) and cpu_w4.x_as_int8():
+        return W4_INT8_X_GAP_TOL
+    return GAP_TOL[dtype]
 
 
 @pytest.mark.parametrize("arch, scheme, dtype", GREEDY_CASES)
@@ -428,7 +452,7 @@ def test_greedy_tokens_follow_the_dequantized_reference(moe_written, arch, schem
     src, folder, deq = moe_written(arch, scheme)
     assert any(".experts." in name for name in deq)  # the experts are quantized
     ref = qw.reference_model(src, deq)
-    tol = INT8_ACTS_GAP_TOL if scheme.startswith("w8a8") else GAP_TOL[dtype]
+    tol = _gap_tol(scheme, dtype)
     for prompt, ours in zip(PROMPTS, _greedy(folder, dtype), strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(ours, theirs, gaps, tol)
@@ -463,7 +487,15 @@ def test_tp2_expert_parallel_greedy_tokens_follow_the_dequantized_reference(moe_
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
-    "scheme", ["fp8-channel", "w4a16-group-asym", "gptq4-g32-sym", "gptq4-actorder", "w8a8-channel"]
+    "scheme",
+    [
+        "fp8-channel",
+        "w4a16-group-asym",
+        "gptq4-g32-sym",
+        "gptq4-actorder",
+        "w8a8-channel",
+        "gptq3-g32-asym",
+    ],
 )
 def test_cuda_greedy_tokens_follow_the_dequantized_reference(moe_written, scheme):
     """On a GPU: the fused Triton kernel compiled, through the whole engine."""
@@ -511,8 +543,11 @@ def test_tp2_shards_on_the_cpu_kernels(moe_written, tmp_path):
     folders = [moe_written("qwen3_moe", s)[1] for s in TP_SCHEMES]
     expected = [_tp_logits(f, None, "bfloat16") for f in folders]
     logits, paths0, paths1 = _tp2(folders, tmp_path, "bfloat16")
+    # one process runs the down projection (K = I = 64) on the w4 tiles, each rank its half
+    # (K = 32) on the exact fallback: x's int8 rounding on AVX2 (seen 0.15) is in the gap
+    bound = 0.2 if cpu_w4.x_as_int8() else 0.08
     for scheme, got, want in zip(TP_SCHEMES, logits, expected, strict=True):
-        assert (got - want).abs().max() <= 0.08 * want.abs().max(), scheme
+        assert (got - want).abs().max() <= bound * want.abs().max(), scheme
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8, scheme
     assert paths0 == paths1
     if cpu_w4.available():

@@ -22,6 +22,10 @@ or per group) and an `ignore` list. Supported:
   values, `weight_global_scale`; strategy tensor_group, group_size 16), weight-only (NVFP4A16)
   or with the fp4 activation scheme (W4A4 NVFP4), served weight-only: activations stay in the
   model dtype (engine.layers.quantization.nvfp4). Its MoE experts are refused.
+- `mxfp4-pack-quantized`: MXFP4 (fp4 e2m1 `weight_packed`, a uint8 E8M0 `weight_scale` per
+  32 values; strategy group, group_size 32), weight-only (MXFP4A16) or with the MXFP4 scheme's
+  fp4 activations, served weight-only (engine.layers.quantization.mxfp4_linear). Its MoE
+  experts are refused.
 Anything else (other formats, bit widths, strategies, activation schemes, a quantized LM head,
 a KV-cache scheme) is a start-up error naming the field and the values Tessera takes.
 """
@@ -39,6 +43,7 @@ from engine.layers.quantization.fp8 import Fp8LinearMethod, check_block_size
 from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.layers.quantization.int_weight import IntWeightOnlyMethod
 from engine.layers.quantization.kv_scales import check_kv_cache_scheme
+from engine.layers.quantization.mxfp4_linear import MxFp4LinearMethod
 from engine.layers.quantization.nvfp4 import NvFp4LinearMethod
 from engine.layers.quantization.packed import unpack_cols
 
@@ -51,6 +56,7 @@ FORMATS = (
     "naive-quantized",
     "float-quantized",
     "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
 )
 
 
@@ -106,6 +112,10 @@ class _Scheme:
             self._check_nvfp4(f"{where}.weights", w)
             if a is not None:  # W4A4: served weight-only (activations in the model dtype)
                 self._check_nvfp4(f"{where}.input_activations", a)
+        elif self.format == "mxfp4-pack-quantized":
+            self._check_mxfp4(f"{where}.weights", w)
+            if a is not None:  # the MXFP4 scheme: served weight-only, as NVFP4's W4A4
+                self._check_mxfp4(f"{where}.input_activations", a)
         elif self.format in ("int-quantized", "naive-quantized"):
             if self.type != "int" or self.bits != 8:
                 raise unsupported(f"{where}.weights.num_bits", self.bits, "8 (int)")
@@ -140,6 +150,20 @@ class _Scheme:
                 raise unsupported(f"{field}.{key}", args.get(key), allowed)
 
     @staticmethod
+    def _check_mxfp4(field: str, args: dict[str, Any]) -> None:
+        """MXFP4's quantization args (weights or input_activations): fp4 e2m1 in symmetric
+        groups of 32, each an E8M0 power of two."""
+        for key, want, allowed in (("num_bits", 4, "4 (MXFP4: fp4 e2m1)"),
+                                   ("type", "float", "float (MXFP4: fp4 e2m1)"),
+                                   ("strategy", "group", "group"),
+                                   ("group_size", 32, "32 (MXFP4's)"),
+                                   ("symmetric", True, "true")):  # fmt: skip
+            if args.get(key, want) != want:
+                raise unsupported(f"{field}.{key}", args.get(key), allowed)
+        if args.get("scale_dtype") not in (None, "torch.uint8", "uint8"):
+            raise unsupported(f"{field}.scale_dtype", args.get("scale_dtype"), "torch.uint8")
+
+    @staticmethod
     def _check_activations(where: str, a: dict[str, Any] | None, kind: str,
                            groups: bool = False) -> None:  # fmt: skip
         """groups: dynamic per-token-group activations are accepted too (FP8_BLOCK's)."""
@@ -163,6 +187,8 @@ class _Scheme:
     def method(self) -> LinearMethodBase:
         if self.format == "nvfp4-pack-quantized":
             return NvFp4LinearMethod()
+        if self.format == "mxfp4-pack-quantized":
+            return MxFp4LinearMethod(activations=self.act_quant)
         if self.format == "float-quantized" and self.block is not None:
             return Fp8BlockLinearMethod(self.block, "weight_scale", "weights.block_structure")
         if self.format == "float-quantized":
@@ -178,7 +204,7 @@ class _Scheme:
         g = f" {list(self.block)}" if self.block is not None else g
         w = f"{self.type}{self.bits} {self.strategy}{g} {'sym' if self.symmetric else 'asym'}"
         acts = ", activations quantized" if self.act_quant else ""
-        if self.format == "nvfp4-pack-quantized" and self.act_quant:
+        if self.format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") and self.act_quant:
             acts = ", fp4 activations served in the model dtype"
         if self.format == "pack-quantized" and self.act_quant:  # W4A8
             acts = (
@@ -245,7 +271,7 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "ignores some): they run as one stacked layer"
             )
         scheme = schemes[0]
-        if scheme.format == "nvfp4-pack-quantized":
+        if scheme.format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
             raise unsupported(scheme.format_field, scheme.format,
                               f"for MoE experts ({prefix}): pack-quantized, int-quantized, "
                               "naive-quantized, float-quantized; or list the experts in "

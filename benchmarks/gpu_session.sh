@@ -46,6 +46,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/layers/quantization/test_kv_scales.py::test_the_fp8_cache_serves_with_the_checkpoints_scales_cuda
     tests/engine/layers/quantization/test_fp8_block.py  # block FP8: the GEMM and MoE kernels
     tests/engine/layers/quantization/test_nvfp4.py  # NVFP4: the Triton GEMM on loaded layers, through the engine
+    tests/engine/layers/quantization/test_mxfp4_linear.py  # MXFP4 layers: the same GEMM with E8M0 scales, through the engine
     tests/engine/models/test_gpt_oss.py  # sinks, expert biases: LLM's default device here
     tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )

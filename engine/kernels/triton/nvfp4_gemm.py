@@ -1,7 +1,9 @@
-"""NVFP4 weight-only GEMM: y = x @ W.T with W [N, K] held as compressed-tensors stores it
-(engine.layers.quantization.nvfp4): e2m1 codes two a byte [N, K / 2] (value 2j in byte j's low
-nibble, 2j + 1 in its high), an e4m3 scale per 16 values and a float32 global scale per output
-row (a merged layer's parts each their own): W = value * (scale / global scale).
+"""FP4 weight-only GEMMs: y = x @ W.T with W [N, K] held as compressed-tensors stores it, e2m1
+codes two a byte [N, K / 2] (value 2j in byte j's low nibble, 2j + 1 in its high) and
+- NVFP4 (engine.layers.quantization.nvfp4): an e4m3 scale per 16 values and a float32 global
+  scale per output row (a merged layer's parts each their own): W = value * (scale / global);
+- MXFP4 (engine.layers.quantization.mxfp4_linear): an E8M0 byte per 32 values, a power of two
+  (bias 127): W = value * 2 ** (scale - 127). Its global scale is 1.
 
 Weight-only: x stays in the model's dtype (bf16/fp16). A program takes a BLOCK_M x BLOCK_N
 tile of y and walks K BLOCK_K inputs at a time: it loads BLOCK_K / 2 bytes of each of its
@@ -35,7 +37,8 @@ from engine.kernels.triton.quant_gemm import (
     split_k_output,
 )
 
-GROUP = 16  # values a scale covers
+GROUP = 16  # values an NVFP4 scale covers
+MX_GROUP = 32  # values an MXFP4 (E8M0) scale covers
 
 
 @triton.jit
@@ -45,6 +48,12 @@ def _e2m1_value(c):
     normal = (((idx >> 1) + 126) << 23 | (idx & 1) << 22).to(tl.float32, bitcast=True)
     value = tl.where(idx < 2, idx.to(tl.float32) * 0.5, normal)  # 2^(e - 1) (1 + m / 2)
     return tl.where((c & 8) != 0, -value, value)
+
+
+@triton.jit
+def _e8m0_value(b):
+    """E8M0 bytes (int32, 0..254) -> 2 ** (b - 127) in fp32 (byte 0: 2^-127, a subnormal)."""
+    return tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -69,6 +78,8 @@ def _nvfp4_gemm_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     HALF: tl.constexpr,  # BLOCK_K // 2: bytes of a row a K tile reads
+    SCALE_GROUP: tl.constexpr,  # values a scale byte covers: 16 (NVFP4) or 32 (MXFP4)
+    E8M0: tl.constexpr,  # the scale bytes are E8M0 powers of two (MXFP4), else e4m3 (NVFP4)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -90,9 +101,12 @@ def _nvfp4_gemm_kernel(
         x_odd = tl.load(x_rows + 1, mask=x_mask, other=0.0)
         w_mask = j_ok[:, None] & n_ok[None, :]
         q = tl.load(w_rows + offs_j[:, None], mask=w_mask, other=0).to(tl.int32)  # [HALF, BN]
-        groups = (2 * offs_j) // 16  # a byte's two values share their group
+        groups = (2 * offs_j) // SCALE_GROUP  # a byte's two values share their group
         sb = tl.load(s_ptr + groups[:, None] * stride_sg + offs_n[None, :], mask=w_mask, other=0)
-        s = tl.div_rn(_e4m3_value(sb), gs)  # scale / global scale, as dequantize_nvfp4
+        if E8M0:
+            s = _e8m0_value(sb.to(tl.int32))  # exact: a power of two
+        else:
+            s = tl.div_rn(_e4m3_value(sb), gs)  # scale / global scale, as dequantize_nvfp4
         w_lo = _e2m1_value(q & 15) * s  # 0 outside K and N
         w_hi = _e2m1_value(q >> 4) * s
         if DOT_IEEE:
@@ -110,11 +124,13 @@ def _nvfp4_gemm_kernel(
 class NvFp4Weight:
     """One linear's NVFP4 weight as the kernel reads it: `packed` uint8 [N, K / 2] (the
     checkpoint's bytes), `scales` uint8 [K / 16, N] (the e4m3 scale bytes, group-major: a tile's
-    scales are contiguous rows), `global_scale` float32 [N]."""
+    scales are contiguous rows), `global_scale` float32 [N]. (MxFp4Weight: the MXFP4 form.)"""
 
     packed: torch.Tensor
     scales: torch.Tensor
     global_scale: torch.Tensor
+    group = GROUP
+    e8m0 = False
 
     @classmethod
     def prepare(cls, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
@@ -138,15 +154,36 @@ class NvFp4Weight:
         return self.packed.shape[1] * 2
 
 
+@dataclass(slots=True)
+class MxFp4Weight(NvFp4Weight):
+    """One linear's MXFP4 weight as the kernel reads it: `packed` uint8 [N, K / 2], `scales`
+    uint8 [K / 32, N] (the E8M0 bytes, group-major), `global_scale` ones [N] (unread)."""
+
+    group = MX_GROUP
+    e8m0 = True
+
+    @classmethod
+    def prepare(cls, packed: torch.Tensor, scale: torch.Tensor, global_scale=None):
+        """packed uint8 [N, K / 2], scale uint8 [N, K / 32] (E8M0)."""
+        n, half = packed.shape
+        if half * 2 % MX_GROUP or scale.shape != (n, half * 2 // MX_GROUP):
+            raise ValueError(
+                f"MXFP4 codes {tuple(packed.shape)} and scales {tuple(scale.shape)} do not pair "
+                f"(expected [{n}, K / 2] and [{n}, K / 32] with K a multiple of 32)"
+            )
+        ones = torch.ones(n, dtype=torch.float32, device=packed.device)
+        return cls(packed.contiguous(), scale.t().contiguous(), ones)
+
+
 def nvfp4_gemm(
     x: torch.Tensor,
-    weight: NvFp4Weight,
+    weight: NvFp4Weight | MxFp4Weight,
     *,
     split_k: int | None = None,
     launch: GemmLaunch | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W.T in x's dtype (bf16 / fp16; fp32 works too). split_k /
-    launch override the planned launch (tests, benchmarks)."""
+    """y [..., N] = x [..., K] @ W.T in x's dtype (bf16 / fp16; fp32 works too), W an NVFP4 or
+    MXFP4 weight. split_k / launch override the planned launch (tests, benchmarks)."""
     n, k = weight.out_features, weight.in_features
     x2, y, lead = gemm_rows(x, k, n)
     m = x2.shape[0]
@@ -170,6 +207,8 @@ def nvfp4_gemm(
         DOT_DTYPE=dot,
         DOT_IEEE=dot == tl.float32,
         HALF=launch.block_k // 2,
+        SCALE_GROUP=weight.group,
+        E8M0=weight.e8m0,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

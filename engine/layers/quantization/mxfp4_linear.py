@@ -12,9 +12,12 @@ After loading:
   (mxfp4_blocks.to_gguf_mxfp4: 4.25 bits a weight, no float copy) on the GGUF dot kernels
   (engine/kernels/cpu/gguf.c: x as int8 per 32, e2m1 values looked up as int8, one power of
   two per block), as a gpt-oss GGUF file's experts run.
-- Elsewhere (CUDA: no dense MXFP4 Triton GEMM yet; no CPU kernels): dequantized at load into
-  the model dtype (exact: a power of two times an e2m1 value fits bf16), at the float weight's
-  bytes, served by the unquantized layers' GEMMs.
+- CUDA (and the tests' Triton interpreter): the checkpoint's codes and scale bytes as they are
+  (0.53 bytes a weight) on the FP4 Triton GEMM (engine/kernels/triton/nvfp4_gemm.py, NVFP4's
+  kernel with E8M0 scales per 32), weight-only, dequantized in its inner loop.
+- Elsewhere (no CPU kernels, no triton): dequantized at load into the model dtype (exact: a
+  power of two times an e2m1 value fits bf16), at the float weight's bytes, served by the
+  unquantized layers' GEMMs.
 """
 
 from __future__ import annotations
@@ -53,11 +56,14 @@ class _ScaleLoader(ShardLoader):
 
 class MxFp4LinearMethod(LinearMethodBase):
     """An MXFP4 checkpoint layer (module docstring). On the block path layer.weight is the
-    ggml MXFP4 rows (uint8) and layer.gguf_type their type; on the dequantized path
-    layer.weight is the float weight and layer.gguf_type None."""
+    ggml MXFP4 rows (uint8) and layer.gguf_type their type; on the Triton GEMM layer.weight is
+    None and layer.mxfp4 the kernel's weight; on the dequantized path layer.weight is the float
+    weight and layer.gguf_type None. triton: the Triton GEMM (None: on CUDA; True: also for CPU
+    tensors, the tests' way under TRITON_INTERPRET=1)."""
 
-    def __init__(self, activations: bool = False):
+    def __init__(self, activations: bool = False, triton: bool | None = None):
         self.activations = activations  # the W4A4 scheme: its fp4 activations not applied
+        self.triton = triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
         name = getattr(layer, "prefix", type(layer).__name__)
@@ -88,8 +94,23 @@ class MxFp4LinearMethod(LinearMethodBase):
             "; the scheme's fp4 activations served in the model dtype" if self.activations else ""
         )
         k = packed.shape[1] * 2
+        triton_why = ""
+        if self.triton if self.triton is not None else packed.device.type == "cuda":
+            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
+                from engine.kernels.triton.nvfp4_gemm import MxFp4Weight
+            except ImportError as e:
+                triton_why = f"; triton is unavailable ({e})"
+            else:
+                layer.register_parameter("weight", None)
+                layer.mxfp4 = MxFp4Weight.prepare(packed, scale)
+                layer.gguf_type = None
+                layer.quant_path = (
+                    "MXFP4 codes and E8M0 bytes (0.53 bytes a weight) on the FP4 Triton GEMM "
+                    f"(engine/kernels/triton/nvfp4_gemm.py), dequantized in its inner loop{acts}"
+                )
+                return
         if packed.device.type != "cpu":
-            why = f"on {packed.device.type}: no dense MXFP4 GEMM there yet"
+            why = f"on {packed.device.type}: the GGUF kernels run on the CPU{triton_why}"
         elif not cpu_gguf.available():
             why = "the CPU kernels are not built"
         else:
@@ -115,6 +136,11 @@ class MxFp4LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if layer.weight is None:  # the Triton GEMM (process_weights_after_loading)
+            from engine.kernels.triton.nvfp4_gemm import nvfp4_gemm
+
+            y = nvfp4_gemm(x, layer.mxfp4)
+            return y if bias is None else y + bias.to(y.dtype)
         if layer.gguf_type is None:
             return linear_by_rows(layer, x, layer.weight, bias)
         from engine.kernels.cpu import gguf as cpu_gguf

@@ -1,7 +1,8 @@
 """The NVFP4 weight-only Triton GEMM (engine/kernels/triton/nvfp4_gemm.py) against
 dequantize-then-matmul (engine.layers.quantization.nvfp4.dequantize_nvfp4, then F.linear in
 fp32): odd M and N, K with a last tile of 16 values, M = 1 and larger, split-K, per-row global
-scales, and every e2m1 code and e4m3 scale byte decoded exactly.
+scales, and every e2m1 code and e4m3 scale byte decoded exactly; the MXFP4 form (an E8M0 power
+of two per 32 values) likewise.
 
 Without a GPU the kernel runs under Triton's interpreter on CPU tensors (tests/engine/
 conftest.py); on a GPU (benchmarks/gpu_session.sh) the same tests run it compiled.
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from engine.kernels.triton.nvfp4_gemm import NvFp4Weight, nvfp4_gemm  # noqa: E402
+from engine.kernels.triton.nvfp4_gemm import MxFp4Weight, NvFp4Weight, nvfp4_gemm  # noqa: E402
 from engine.kernels.triton.quant_gemm import GemmLaunch  # noqa: E402
+from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4  # noqa: E402
 from engine.layers.quantization.nvfp4 import dequantize_nvfp4  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,3 +91,50 @@ def test_tensors_that_do_not_pair_are_refused():
     with pytest.raises(ValueError, match=r"do not pair"):
         NvFp4Weight.prepare(torch.zeros(8, 32, dtype=torch.uint8),
                             torch.zeros(8, 2, dtype=torch.float8_e4m3fn), torch.ones(8))  # fmt: skip
+
+
+# -- MXFP4: the same kernel with an E8M0 power of two per 32 values -----------------------------
+
+
+def _mx_weight(n: int, k: int, seed: int):
+    """Random codes and E8M0 bytes (near 2^0, every power within reach of fp32 sums) -> (the
+    kernel's weight, the fp32 dequantized W [N, K])."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(117, 137, (n, k // 32), generator=gen, dtype=torch.uint8)
+    w = dequantize_mxfp4(packed.view(n, -1, 16), scale, torch.float32).reshape(n, k)
+    return MxFp4Weight.prepare(packed.to(DEVICE), scale.to(DEVICE)), w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 320), (33, 130, 96), (70, 64, 224)])
+def test_mxfp4_matches_dequantize_then_matmul(m, n, k, dtype):
+    weight, w = _mx_weight(n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    got = nvfp4_gemm(x.to(DEVICE), weight)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _check(got, x, w, dtype)
+    launch = GemmLaunch(16, 32, 64, 3, 4, 2)  # split-K: three partial sums
+    _check(nvfp4_gemm(x.to(DEVICE), weight, launch=launch), x, w, dtype)
+
+
+def test_every_mxfp4_code_and_scale_byte_decodes_exactly():
+    """One-hot rows of x read W's columns back, in float32: each of the 16 codes in both
+    nibbles under each E8M0 byte 0..252 (byte 0: 2^-127, a subnormal; above 252 six times the
+    scale overflows fp32, and a one-hot row's zeros times inf are NaN in any GEMM)."""
+    rows = 253
+    scale_bytes = torch.arange(rows, dtype=torch.uint8)
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes | (codes.flip(0) << 4)).repeat(rows, 1)  # [rows, 16]: K = 32
+    scale = scale_bytes[:, None]  # [rows, 1]
+    weight = MxFp4Weight.prepare(packed.to(DEVICE), scale.to(DEVICE))
+    got = nvfp4_gemm(torch.eye(32, device=DEVICE), weight).t().cpu()
+    want = dequantize_mxfp4(packed.view(rows, 1, 16), scale, torch.float32).reshape(rows, 32)
+    assert torch.equal(got, want)
+
+
+def test_mxfp4_shapes_that_do_not_pair_are_refused():
+    with pytest.raises(ValueError, match="MXFP4 codes .* do not pair"):
+        MxFp4Weight.prepare(
+            torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
+        )

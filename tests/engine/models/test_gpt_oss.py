@@ -215,7 +215,8 @@ def test_mxfp4_checkpoint_matches_its_dequantized_reference(mxfp4_pair, tiny_gpt
 # -- MXFP4 experts kept 4-bit on the fused Triton MoE kernel (CUDA's path) ----------------------
 
 
-def _mxfp4_triton_greedy(quant, prompts, dtype="float32", **kwargs) -> tuple[list[list[int]], dict]:
+def _mxfp4_triton_greedy(quant, prompts, dtype="float32", num_new=SW_NUM_NEW, **kwargs
+                         ) -> tuple[list[list[int]], dict]:  # fmt: skip
     """LLM(quant)'s greedy tokens with the MXFP4 experts on the fused Triton kernel (on CUDA,
     or on CPU tensors under the interpreter: TESSERA_MXFP4_KERNEL=triton, which the caller
     sets), and rank 0's experts' tensors (dtype, shape)."""
@@ -227,7 +228,7 @@ def _mxfp4_triton_greedy(quant, prompts, dtype="float32", **kwargs) -> tuple[lis
         moe = next(m for m in model.modules() if isinstance(m, FusedMoE))
         held = {n: (p.dtype, tuple(p.shape)) for n, p in moe.named_parameters()}
         assert moe.fused_quantized is not None, "the experts are not on the fused kernel"
-        params = SamplingParams(max_tokens=SW_NUM_NEW, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.shutdown()
@@ -267,11 +268,14 @@ def test_mxfp4_experts_on_the_triton_kernel(mxfp4_pair, monkeypatch, name, kwarg
         kwargs = dict(kwargs, device="cpu")
     quant, ref = mxfp4_pair
     prompts, _ = _reference(ref)
+    num_new = SW_NUM_NEW
+    if interpreted:  # every kernel call interpreted: three prompts (under, across and over the
+        prompts, num_new = prompts[:3], 16  # window) and 16 tokens; a GPU runs them all
     if "dtype" in kwargs:  # bf16: the reference's near ties may go either way (0.05, as the
-        reference = hf_greedy_gaps(ref, prompts, SW_NUM_NEW)  # quantized checkpoints' tests)
+        reference = hf_greedy_gaps(ref, prompts, num_new)  # quantized checkpoints' tests)
     else:
-        expected = hf_greedy(ref, prompts, SW_NUM_NEW, attn_implementation="eager")
-    got, held = _mxfp4_triton_greedy(quant, prompts, **kwargs)
+        expected = hf_greedy(ref, prompts, num_new, attn_implementation="eager")
+    got, held = _mxfp4_triton_greedy(quant, prompts, num_new=num_new, **kwargs)
     cfg = json.loads((quant / "config.json").read_text())
     h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
     if name == "tp2":

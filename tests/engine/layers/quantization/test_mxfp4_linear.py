@@ -7,8 +7,9 @@ dequantized value (the package's own fake_quantize). Checked: the package's layo
 the repack into ggml's MXFP4 blocks holds the same values bit for bit (gguf-py decodes them);
 each loaded layer holds the checkpoint's values; greedy tokens follow the reference with every
 row on the decoded weights' exact path (token for token but near ties) and with every row on
-the dot kernels (x as int8 per 32: the same sums on any CPU); the dequantized fallback (CUDA's);
-TP=2; start-up errors naming the field.
+the dot kernels (x as int8 per 32: the same sums on any CPU); the dequantized fallback; TP=2;
+the CUDA path (the FP4 Triton GEMM with E8M0 scales, under the interpreter without a GPU, and
+through the engine on one); start-up errors naming the field.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def test_each_layer_holds_the_checkpoint_on_the_blocks(written, fmt, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_without_the_kernels_each_layer_is_dequantized_once(written, monkeypatch, dtype):
-    """The fallback (CUDA's, and a CPU without the kernels): value * 2 ** (scale - 127) in
+    """The fallback (a CPU without the kernels): value * 2 ** (scale - 127) in
     the model dtype, exactly the package's values (a power of two times e2m1 fits bf16)."""
     monkeypatch.setattr(cpu_gguf, "available", lambda: False)
     _, folder, deq = written("mxfp4a16")
@@ -254,3 +255,71 @@ def test_moe_experts_are_refused_naming_the_format():
     with pytest.raises(ValueError, match="format = 'mxfp4-pack-quantized'.*MoE experts"):
         config.experts_method("model.layers.0.mlp.experts",
                               ["model.layers.0.mlp.experts.0.gate_proj"])  # fmt: skip
+
+
+# -- the CUDA path: the FP4 Triton GEMM with E8M0 scales ------------------------------------------
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
+    """Each layer loaded for the Triton GEMM (the checkpoint's bytes, no float copy) multiplies
+    as F.linear on the checkpoint's dequantized weight rounded to the model dtype."""
+    pytest.importorskip("triton")
+    from engine.layers.quantization.checkpoint import (
+        apply_checkpoint_methods,
+        finish_checkpoint_methods,
+    )
+    from engine.models.loader import load_model
+
+    _, folder, deq = written("mxfp4-w4a4")
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    config = build_config("compressed-tensors", qcfg)
+    model = load_model(folder, dtype=dtype, device=DEVICE,
+                       prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
+    for m in model.modules():
+        if isinstance(getattr(m, "quant_method", None), MxFp4LinearMethod):
+            m.quant_method.triton = True
+    paths = finish_checkpoint_methods(model, config)
+    assert all("FP4 Triton GEMM" in why for why in paths["qkv_proj"]), paths
+    torch_dtype = getattr(torch, dtype)
+    checked = 0
+    for name, layer in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind not in KINDS:
+            continue
+        assert layer.weight is None and layer.mxfp4.packed.dtype == torch.uint8, name
+        parts = [name[: -len(kind)] + p for p in MERGED.get(kind, (kind,))]
+        want_w = torch.cat([deq[p] for p in parts]).to(torch_dtype).float()
+        for rows in (1, 9):
+            x = torch.randn(rows, want_w.shape[1], generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch_dtype)
+            got = layer.quant_method.apply(layer, x.to(DEVICE)).float().cpu()
+            want = F.linear(x.float(), want_w)
+            tol = 1e-5 if dtype == "float32" else 1.5e-2
+            assert (got - want).abs().max() <= tol * want.abs().max(), name
+        checked += 1
+    assert checked == 4 * model.config.num_hidden_layers
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
+    """On a GPU: the FP4 Triton GEMM compiled, through the engine, with no flag."""
+    from engine import LLM, SamplingParams
+
+    src, folder, deq = written(fmt)
+    ref = qw.reference_model(src, deq)
+    llm = LLM(str(folder), dtype="bfloat16", seed=0, num_kv_blocks=64, max_model_len=256,
+              device="cuda")  # fmt: skip
+    try:
+        layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        assert layer.weight is None and "FP4 Triton GEMM" in layer.quant_path
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, GAP_TOL["bfloat16"])

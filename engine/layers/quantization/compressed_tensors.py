@@ -108,14 +108,11 @@ class _Scheme:
                 if a.get("strategy", "tensor") != "token" or not a.get("dynamic", False):
                     raise unsupported(f"{where}.input_activations.strategy",
                                       a.get("strategy"), "token, dynamic (W4A8)")  # fmt: skip
-        elif self.format == "nvfp4-pack-quantized":
-            self._check_nvfp4(f"{where}.weights", w)
+        elif self.format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+            kind = "NVFP4" if self.format.startswith("nvfp4") else "MXFP4"
+            self._check_fp4(f"{where}.weights", w, kind)
             if a is not None:  # W4A4: served weight-only (activations in the model dtype)
-                self._check_nvfp4(f"{where}.input_activations", a)
-        elif self.format == "mxfp4-pack-quantized":
-            self._check_mxfp4(f"{where}.weights", w)
-            if a is not None:  # the MXFP4 scheme: served weight-only, as NVFP4's W4A4
-                self._check_mxfp4(f"{where}.input_activations", a)
+                self._check_fp4(f"{where}.input_activations", a, kind)
         elif self.format in ("int-quantized", "naive-quantized"):
             if self.type != "int" or self.bits != 8:
                 raise unsupported(f"{where}.weights.num_bits", self.bits, "8 (int)")
@@ -138,29 +135,19 @@ class _Scheme:
             raise unsupported(f"{where}.weights.actorder", self.actorder, "null, group, weight")
 
     @staticmethod
-    def _check_nvfp4(field: str, args: dict[str, Any]) -> None:
-        """NVFP4's quantization args (weights or input_activations): fp4 e2m1 in symmetric
-        groups of 16 with a global scale."""
-        for key, want, allowed in (("num_bits", 4, "4 (NVFP4: fp4 e2m1)"),
-                                   ("type", "float", "float (NVFP4: fp4 e2m1)"),
-                                   ("strategy", "tensor_group", "tensor_group"),
-                                   ("group_size", 16, "16 (NVFP4's)"),
+    def _check_fp4(field: str, args: dict[str, Any], kind: str) -> None:
+        """An FP4 scheme's quantization args (weights or input_activations): fp4 e2m1 in
+        symmetric groups; NVFP4: of 16 with a global scale; MXFP4: of 32, each an E8M0 power of
+        two (uint8 scales)."""
+        strategy, group = ("tensor_group", 16) if kind == "NVFP4" else ("group", 32)
+        for key, want, allowed in (("num_bits", 4, f"4 ({kind}: fp4 e2m1)"),
+                                   ("type", "float", f"float ({kind}: fp4 e2m1)"),
+                                   ("strategy", strategy, strategy),
+                                   ("group_size", group, f"{group} ({kind}'s)"),
                                    ("symmetric", True, "true")):  # fmt: skip
             if args.get(key, want) != want:
                 raise unsupported(f"{field}.{key}", args.get(key), allowed)
-
-    @staticmethod
-    def _check_mxfp4(field: str, args: dict[str, Any]) -> None:
-        """MXFP4's quantization args (weights or input_activations): fp4 e2m1 in symmetric
-        groups of 32, each an E8M0 power of two."""
-        for key, want, allowed in (("num_bits", 4, "4 (MXFP4: fp4 e2m1)"),
-                                   ("type", "float", "float (MXFP4: fp4 e2m1)"),
-                                   ("strategy", "group", "group"),
-                                   ("group_size", 32, "32 (MXFP4's)"),
-                                   ("symmetric", True, "true")):  # fmt: skip
-            if args.get(key, want) != want:
-                raise unsupported(f"{field}.{key}", args.get(key), allowed)
-        if args.get("scale_dtype") not in (None, "torch.uint8", "uint8"):
+        if kind == "MXFP4" and args.get("scale_dtype") not in (None, "torch.uint8", "uint8"):
             raise unsupported(f"{field}.scale_dtype", args.get("scale_dtype"), "torch.uint8")
 
     @staticmethod

@@ -28,7 +28,7 @@ from torch import nn
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4, to_gguf_mxfp4
-from engine.layers.quantization.packed import ShardLoader
+from engine.layers.quantization.packed import ScaleBytesLoader, ShardLoader
 from engine.layers.quantization.unquantized import linear_by_rows
 
 GROUP = 32  # values an E8M0 scale covers
@@ -37,21 +37,6 @@ GROUP = 32  # values an E8M0 scale covers
 def _blocks(packed: torch.Tensor) -> torch.Tensor:
     """weight_packed uint8 [N, K / 2] -> blocks [N, K / 32, 16] (mxfp4_blocks' layout)."""
     return packed.view(packed.shape[0], -1, GROUP // 2)
-
-
-class _ScaleLoader(ShardLoader):
-    """weight_scale: uint8 E8M0 as stored (another dtype is another scheme: named)."""
-
-    def __init__(self, layer: nn.Module, name: str):
-        super().__init__(layer, self._bytes, name=name)
-
-    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype != torch.uint8:
-            raise ValueError(
-                f"{self.name}: weight_scale is {str(t.dtype).removeprefix('torch.')}; MXFP4 "
-                "checkpoints supported: uint8 E8M0 scales (weights.scale_dtype)"
-            )
-        return t
 
 
 class MxFp4LinearMethod(LinearMethodBase):
@@ -78,7 +63,7 @@ class MxFp4LinearMethod(LinearMethodBase):
         register(layer, "weight_packed", torch.zeros(n, k // 2, dtype=torch.uint8),
                  ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
         register(layer, "weight_scale", torch.zeros(n, k // GROUP, dtype=torch.uint8),
-                 _ScaleLoader(layer, name))  # fmt: skip
+                 ScaleBytesLoader(layer, name, torch.uint8, "MXFP4"))  # fmt: skip
         register_bias(layer, n, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.mxfp4_blocks import FP4_VALUES
-from engine.layers.quantization.packed import ShardLoader, ignored_loader
+from engine.layers.quantization.packed import ScaleBytesLoader, ShardLoader, ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
 
 GROUP = 16  # values a weight_scale covers
@@ -69,21 +69,6 @@ def to_gguf_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat((d, qs), dim=-1).reshape(n, -1).contiguous()
 
 
-class _ScaleLoader(ShardLoader):
-    """weight_scale: float8_e4m3fn as stored (another dtype is a different scheme: named)."""
-
-    def __init__(self, layer: nn.Module, name: str):
-        super().__init__(layer, self._bytes, name=name)
-
-    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype != torch.float8_e4m3fn:
-            raise ValueError(
-                f"{self.name}: weight_scale is {str(t.dtype).removeprefix('torch.')}; NVFP4 "
-                "checkpoints supported: float8_e4m3fn scales (weights.scale_dtype)"
-            )
-        return t
-
-
 class NvFp4LinearMethod(LinearMethodBase):
     """An NVFP4 checkpoint layer (module docstring). On the block path layer.weight is the
     ggml NVFP4 rows (uint8) and layer.row_scale float32 [N] (1 / global scale); on the Triton
@@ -107,7 +92,7 @@ class NvFp4LinearMethod(LinearMethodBase):
         register(layer, "weight_packed", torch.zeros(n, k // 2, dtype=torch.uint8),
                  ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
         register(layer, "weight_scale", torch.zeros(n, k // GROUP, dtype=torch.float8_e4m3fn),
-                 _ScaleLoader(layer, name))  # fmt: skip
+                 ScaleBytesLoader(layer, name, torch.float8_e4m3fn, "NVFP4"))  # fmt: skip
         # one per checkpoint tensor: each merged part's, spread over its rows
         register(layer, "weight_global_scale", torch.ones(n, dtype=torch.float32),
                  ShardLoader(layer, lambda t: t.float().reshape(-1), input_dim=False, name=name))  # fmt: skip

@@ -203,6 +203,24 @@ class ShardLoader:
         dst.copy_(full)
 
 
+class ScaleBytesLoader(ShardLoader):
+    """A scale tensor taken as stored, in the one dtype its scheme uses (another dtype is
+    another scheme: the error names it, e.g. NVFP4's float8_e4m3fn, MXFP4's uint8 E8M0)."""
+
+    def __init__(self, layer: nn.Module, name: str, dtype: torch.dtype, scheme: str):
+        super().__init__(layer, self._bytes, name=name)
+        self.dtype, self.scheme = dtype, scheme
+
+    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype != self.dtype:
+            got, want = (str(d).removeprefix("torch.") for d in (t.dtype, self.dtype))
+            raise ValueError(
+                f"{self.name}: weight_scale is {got}; {self.scheme} checkpoints supported: "
+                f"{want} scales (weights.scale_dtype)"
+            )
+        return t
+
+
 class GIdxLoader:
     """g_idx [K] (a row's group, act-order): every merged shard must agree (they share their
     input); a row-parallel rank keeps its rows (their groups index the full scales with

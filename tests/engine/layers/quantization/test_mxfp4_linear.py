@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from engine.layers.quantization.checkpoint import build_config
 from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4
 from engine.layers.quantization.mxfp4_linear import MxFp4LinearMethod
 from tests.engine.layers.quantization import quant_writers as qw
+from tests.engine.layers.quantization.test_nvfp4 import check_cuda_greedy, check_triton_layers
 from tests.engine.layers.quantization.test_quant_checkpoints import (
     GAP_TOL,
     MERGED,
@@ -259,67 +261,35 @@ def test_moe_experts_are_refused_naming_the_format():
 
 # -- the CUDA path: the FP4 Triton GEMM with E8M0 scales ------------------------------------------
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
-
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
-    """Each layer loaded for the Triton GEMM (the checkpoint's bytes, no float copy) multiplies
-    as F.linear on the checkpoint's dequantized weight rounded to the model dtype."""
-    pytest.importorskip("triton")
-    from engine.layers.quantization.checkpoint import (
-        apply_checkpoint_methods,
-        finish_checkpoint_methods,
-    )
-    from engine.models.loader import load_model
-
     _, folder, deq = written("mxfp4-w4a4")
-    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-    config = build_config("compressed-tensors", qcfg)
-    model = load_model(folder, dtype=dtype, device=DEVICE,
-                       prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
-    for m in model.modules():
-        if isinstance(getattr(m, "quant_method", None), MxFp4LinearMethod):
-            m.quant_method.triton = True
-    paths = finish_checkpoint_methods(model, config)
-    assert all("FP4 Triton GEMM" in why for why in paths["qkv_proj"]), paths
-    torch_dtype = getattr(torch, dtype)
-    checked = 0
-    for name, layer in model.named_modules():
-        kind = name.rsplit(".", 1)[-1]
-        if kind not in KINDS:
-            continue
-        assert layer.weight is None and layer.mxfp4.packed.dtype == torch.uint8, name
-        parts = [name[: -len(kind)] + p for p in MERGED.get(kind, (kind,))]
-        want_w = torch.cat([deq[p] for p in parts]).to(torch_dtype).float()
-        for rows in (1, 9):
-            x = torch.randn(rows, want_w.shape[1], generator=torch.Generator().manual_seed(rows))
-            x = x.to(torch_dtype)
-            got = layer.quant_method.apply(layer, x.to(DEVICE)).float().cpu()
-            want = F.linear(x.float(), want_w)
-            tol = 1e-5 if dtype == "float32" else 1.5e-2
-            assert (got - want).abs().max() <= tol * want.abs().max(), name
-        checked += 1
-    assert checked == 4 * model.config.num_hidden_layers
+    check_triton_layers(folder, deq, dtype, MxFp4LinearMethod, "mxfp4")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", list(WRITERS))
 def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
-    """On a GPU: the FP4 Triton GEMM compiled, through the engine, with no flag."""
-    from engine import LLM, SamplingParams
+    check_cuda_greedy(*written(fmt))
 
-    src, folder, deq = written(fmt)
-    ref = qw.reference_model(src, deq)
-    llm = LLM(str(folder), dtype="bfloat16", seed=0, num_kv_blocks=64, max_model_len=256,
-              device="cuda")  # fmt: skip
-    try:
-        layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        assert layer.weight is None and "FP4 Triton GEMM" in layer.quant_path
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        theirs, gaps = _hf_greedy(ref, prompt)
-        _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, GAP_TOL["bfloat16"])
+
+def test_scales_of_another_dtype_or_nan_fail_naming_the_layer(written, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder, _ = written("mxfp4a16")
+    for bad_kind in ("bf16", "nan"):
+        bad = tmp_path / bad_kind
+        shutil.copytree(folder, bad)
+        state = load_file(str(bad / "model.safetensors"))
+        key = "model.layers.1.mlp.down_proj.weight_scale"
+        if bad_kind == "bf16":
+            state[key] = state[key].to(torch.bfloat16)
+            match = r"down_proj: weight_scale is bfloat16; MXFP4 .* uint8 scales"
+        else:
+            state[key] = state[key].clone()
+            state[key][0, 0] = 0xFF
+            match = r"down_proj: weight_scale holds NaN"
+        save_file(state, str(bad / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            _load(bad, "float32")

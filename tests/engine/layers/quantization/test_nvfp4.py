@@ -229,10 +229,11 @@ def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
-    """Each layer loaded for the Triton GEMM (the checkpoint's bytes, no float copy) multiplies
-    as F.linear on the checkpoint's dequantized weight rounded to the model dtype."""
+def check_triton_layers(folder, deq: dict, dtype: str, method_cls, kernel_weight: str) -> None:
+    """The checkpoint loaded for the FP4 Triton GEMM (method_cls's triton forced: the CUDA
+    path, under the interpreter without a GPU): each layer holds the checkpoint's bytes in
+    layer.<kernel_weight>, no float copy, and multiplies as F.linear on the dequantized weight
+    rounded to the model dtype."""
     pytest.importorskip("triton")
     from engine.layers.quantization.checkpoint import (
         apply_checkpoint_methods,
@@ -240,13 +241,12 @@ def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
     )
     from engine.models.loader import load_model
 
-    _, folder, deq = written("nvfp4-w4a4")
     qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
     config = build_config("compressed-tensors", qcfg)
     model = load_model(folder, dtype=dtype, device=DEVICE,
                        prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
     for m in model.modules():
-        if isinstance(getattr(m, "quant_method", None), NvFp4LinearMethod):
+        if isinstance(getattr(m, "quant_method", None), method_cls):
             m.quant_method.triton = True
     paths = finish_checkpoint_methods(model, config)
     assert all("Triton GEMM" in why for why in paths["qkv_proj"]), paths
@@ -257,6 +257,7 @@ def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
         if kind not in KINDS:
             continue
         assert layer.weight is None, name
+        assert getattr(layer, kernel_weight).packed.dtype == torch.uint8, name
         parts = [name[: -len(kind)] + p for p in MERGED.get(kind, (kind,))]
         want_w = torch.cat([deq[p] for p in parts]).to(torch_dtype).float()
         for rows in (1, 9):
@@ -270,13 +271,17 @@ def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
     assert checked == 4 * model.config.num_hidden_layers
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("fmt", list(WRITERS))
-def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
-    """On a GPU: the NVFP4 Triton GEMM compiled, through the engine."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_triton_gemm_serves_the_loaded_layers(written, dtype):
+    _, folder, deq = written("nvfp4-w4a4")
+    check_triton_layers(folder, deq, dtype, NvFp4LinearMethod, "nvfp4")
+
+
+def check_cuda_greedy(src, folder, deq: dict) -> None:
+    """On a GPU, with no flag: the FP4 Triton GEMM compiled, through the engine; greedy tokens
+    follow the dequantized reference."""
     from engine import LLM, SamplingParams
 
-    src, folder, deq = written(fmt)
     ref = qw.reference_model(src, deq)
     llm = LLM(str(folder), dtype="bfloat16", seed=0, num_kv_blocks=64, max_model_len=256,
               device="cuda")  # fmt: skip
@@ -290,6 +295,12 @@ def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
     for prompt, out in zip(PROMPTS, outs, strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(list(out.outputs[0].token_ids), theirs, gaps, GAP_TOL["bfloat16"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
+    check_cuda_greedy(*written(fmt))
 
 
 # -- start-up refusals --------------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""4-bit GPTQ and AWQ checkpoints against the same weights served from the Q4 GGUF (issue 40).
+"""4-bit GPTQ and AWQ checkpoints (and 3-bit GPTQ) against the same weights served from the Q4
+GGUF (issue 40).
 
     tessera bench quant [--model smollm2-135m-instruct] [--batch-sizes 1 32 128]
-        [--context 64 320] [--steps 20] [--formats gptq awq] [--cache-dir DIR] [--json PATH]
+        [--context 64 320] [--steps 20] [--formats gptq awq gptq3] [--cache-dir DIR] [--json PATH]
 
 The checkpoints are built once and cached (--cache-dir, default $TESSERA_CACHE_DIR/bench-quant
 or ~/.cache/tessera/bench-quant): the model's weights as floats (the default model's
 dequantized from its GGUF: the converted folder's float32 tensors and the linked file's
 blocks, engine.gguf.convert.linked_tensors), every decoder linear layer quantized
-round-to-nearest (no calibration) to 4 bits in groups of 32 along K, asymmetric (a scale and
-an integer zero point per group, as Q4_1 has a scale and a minimum; --sym for symmetric GPTQ),
+round-to-nearest (no calibration) to 4 bits (gptq3: 3, which Tessera serves as 4-bit codes) in
+groups of 32 along K, asymmetric (a scale and an integer zero point per group, as Q4_1 has a
+scale and a minimum; --sym for symmetric GPTQ),
 written in each format's published layout by tests/engine/layers/quantization/quant_writers.py
 (GPTQ v1: qweight / qzeros (zero - 1) / scales / g_idx; AWQ GEMM: qweight / qzeros packed
 along N in AWQ's order / scales); the embedding, the norms (and an untied LM head) stay float,
@@ -44,8 +46,9 @@ from pathlib import Path
 import torch
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-FORMATS = ("gptq", "awq")
-PATHS = ("reference", *FORMATS)
+FORMATS = ("gptq", "awq", "gptq3")
+BITS = {"gptq": 4, "awq": 4, "gptq3": 3}
+DEFAULT_FORMATS = ("gptq", "awq")
 GROUP = 32
 BUILD_VERSION = 1  # bump when what the checkpoints hold changes: cached ones are rebuilt
 _QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
@@ -128,7 +131,7 @@ def build_checkpoints(
     qw = _writers()
     slug = Path(model).name.removesuffix(".gguf").lower() or "model"
     root = cache_dir / f"{slug}-{_cache_key(model, model_dir, sym)}"
-    out = {fmt: root / f"{fmt}-w4g{GROUP}-{'sym' if sym else 'asym'}" for fmt in formats}
+    out = {fmt: root / f"{fmt}-w{BITS[fmt]}g{GROUP}-{'sym' if sym else 'asym'}" for fmt in formats}
     missing = [f for f in formats if not (out[f] / "config.json").is_file()]
     if not missing:
         return out
@@ -139,8 +142,8 @@ def build_checkpoints(
         for fmt in missing:
             print(f"bench quant: writing the {fmt} checkpoint ...", file=sys.stderr, flush=True)
             dst = Path(tmp) / fmt
-            if fmt == "gptq":
-                qw.write_gptq(src, dst, bits=4, group=GROUP, sym=sym)
+            if fmt.startswith("gptq"):
+                qw.write_gptq(src, dst, bits=BITS[fmt], group=GROUP, sym=sym)
             else:  # AWQ is asymmetric by definition (zero_point: true)
                 qw.write_awq(src, dst, group=GROUP)
             try:
@@ -221,7 +224,8 @@ def _title(result: dict, path: str) -> str:
     if path == "reference":
         q = result["paths"].get("reference", {}).get("quantization")
         return f"{result['model']} ({q or 'unquantized'})"
-    return f"{path.upper()} 4-bit g{GROUP} {'sym' if result['sym'] and path == 'gptq' else 'asym'}"
+    sym = result["sym"] and path.startswith("gptq")
+    return f"{path.rstrip('3').upper()} {BITS[path]}-bit g{GROUP} {'sym' if sym else 'asym'}"
 
 
 def print_tables(result: dict) -> None:
@@ -309,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench quant", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="the reference: the default model, a .gguf or a model folder")  # fmt: skip
-    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(DEFAULT_FORMATS))
     p.add_argument("--sym", action="store_true", help="symmetric GPTQ groups (AWQ stays asym)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])

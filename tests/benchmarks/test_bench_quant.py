@@ -25,13 +25,15 @@ def tiny_w4_dir(make_tiny_model):
 def test_checkpoints_are_built_once_in_the_formats_layouts(tiny_w4_dir, tmp_path):
     from engine.layers.quantization.packed import unpack_cols, unpack_rows
 
-    folders = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, ["gptq", "awq"])
-    assert set(folders) == {"gptq", "awq"}
+    formats = ["gptq", "awq", "gptq3"]
+    folders = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, formats)
+    assert set(folders) == set(formats)
     float_state = load_file(str(tiny_w4_dir / "model.safetensors"))
     for fmt, folder in folders.items():
         cfg = json.loads((folder / "config.json").read_text())
         qcfg = cfg["quantization_config"]
-        assert qcfg["quant_method"] == fmt and qcfg["group_size"] == 32
+        assert qcfg["quant_method"] == fmt.rstrip("3") and qcfg["group_size"] == 32
+        assert qcfg["bits"] == bench_quant.BITS[fmt]
         assert (folder / "tokenizer.json").is_file()
         state = load_file(str(folder / "model.safetensors"))
         # float16 besides the quantized layers: embedding, norms, the untied head
@@ -42,10 +44,11 @@ def test_checkpoints_are_built_once_in_the_formats_layouts(tiny_w4_dir, tmp_path
         name = "model.layers.0.mlp.down_proj"
         w = float_state[f"{name}.weight"].float()  # [N, K]
         s = state[f"{name}.scales"].float()  # [G, N]
-        if fmt == "gptq":
+        if fmt.startswith("gptq"):
+            bits = bench_quant.BITS[fmt]
             assert not qcfg["sym"] and qcfg["checkpoint_format"] == "gptq"
-            q = unpack_rows(state[f"{name}.qweight"], 4).float()  # [K, N]
-            z = unpack_cols(state[f"{name}.qzeros"], 4).float() + 1  # v1: zero - 1
+            q = unpack_rows(state[f"{name}.qweight"], bits).float()  # [K, N]
+            z = unpack_cols(state[f"{name}.qzeros"], bits).float() + 1  # v1: zero - 1
         else:
             order = [0, 2, 4, 6, 1, 3, 5, 7]
             q = unpack_cols(state[f"{name}.qweight"], 4, order).float()
@@ -58,7 +61,7 @@ def test_checkpoints_are_built_once_in_the_formats_layouts(tiny_w4_dir, tmp_path
         assert 0 < quantized < total
     # cached: a second call writes nothing
     stamp = {f: (p / "model.safetensors").stat().st_mtime_ns for f, p in folders.items()}
-    again = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, ["gptq", "awq"])
+    again = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, formats)
     assert again == folders
     assert stamp == {f: (p / "model.safetensors").stat().st_mtime_ns for f, p in again.items()}
     assert [p.name for p in tmp_path.iterdir()] == [folders["gptq"].parent.name]  # no leftovers

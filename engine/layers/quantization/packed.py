@@ -214,9 +214,9 @@ class ScaleBytesLoader(ShardLoader):
     def _bytes(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype != self.dtype:
             got, want = (str(d).removeprefix("torch.") for d in (t.dtype, self.dtype))
-            raise ValueError(
-                f"{self.name}: weight_scale is {got}; {self.scheme} checkpoints supported: "
-                f"{want} scales (weights.scale_dtype)"
+            raise ValueError(  # ShardLoader names the layer and the tensor's shape
+                f"weight_scale is {got}; {self.scheme} checkpoints supported: {want} scales "
+                "(weights.scale_dtype)"
             )
         return t
 

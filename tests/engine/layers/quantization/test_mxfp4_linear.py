@@ -285,7 +285,7 @@ def test_scales_of_another_dtype_or_nan_fail_naming_the_layer(written, tmp_path)
         key = "model.layers.1.mlp.down_proj.weight_scale"
         if bad_kind == "bf16":
             state[key] = state[key].to(torch.bfloat16)
-            match = r"down_proj: weight_scale is bfloat16; MXFP4 .* uint8 scales"
+            match = r"down_proj: checkpoint tensor \(64, 4\): weight_scale is bfloat16; MXFP4 .* uint8 scales"
         else:
             state[key] = state[key].clone()
             state[key][0, 0] = 0xFF

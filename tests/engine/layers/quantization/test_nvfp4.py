@@ -363,7 +363,7 @@ def test_scales_of_another_dtype_or_nan_fail_naming_the_layer(written, tmp_path)
         key = "model.layers.1.mlp.down_proj.weight_scale"
         if bad_kind == "bf16":
             state[key] = state[key].to(torch.bfloat16)
-            match = r"down_proj: weight_scale is bfloat16; .* float8_e4m3fn"
+            match = r"down_proj: checkpoint tensor \(64, 8\): weight_scale is bfloat16; .* float8_e4m3fn"
         else:
             b = state[key].view(torch.uint8).clone()
             b[0, 0] = 0x7F

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase
-from engine.layers.quantization.int_weight import register, register_bias
+from engine.layers.quantization.int_weight import register_bias
 from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4, to_gguf_mxfp4
-from engine.layers.quantization.packed import ScaleBytesLoader, ShardLoader
+from engine.layers.quantization.nvfp4 import register_fp4
 from engine.layers.quantization.unquantized import linear_by_rows
 
 GROUP = 32  # values an E8M0 scale covers
@@ -51,20 +51,8 @@ class MxFp4LinearMethod(LinearMethodBase):
         self.triton = triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
-        name = getattr(layer, "prefix", type(layer).__name__)
-        n, k = output_size, input_size
-        if k % GROUP:
-            tp = getattr(layer, "tp_size", 1)
-            raise ValueError(
-                f"{name}: MXFP4 scales cover groups of {GROUP} inputs; this layer's "
-                f"{'tensor-parallel shard has' if tp > 1 else 'input has'} {k} (of {k * tp}); "
-                f"supported: a tensor_parallel_size whose shards are multiples of {GROUP}"
-            )
-        register(layer, "weight_packed", torch.zeros(n, k // 2, dtype=torch.uint8),
-                 ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
-        register(layer, "weight_scale", torch.zeros(n, k // GROUP, dtype=torch.uint8),
-                 ScaleBytesLoader(layer, name, torch.uint8, "MXFP4"))  # fmt: skip
-        register_bias(layer, n, bias)
+        register_fp4(layer, input_size, output_size, GROUP, torch.uint8, "MXFP4")
+        register_bias(layer, output_size, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from engine.kernels.cpu import gguf as cpu_gguf

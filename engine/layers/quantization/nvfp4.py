@@ -69,6 +69,26 @@ def to_gguf_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat((d, qs), dim=-1).reshape(n, -1).contiguous()
 
 
+def register_fp4(layer: nn.Module, k: int, n: int, group: int, scale_dtype: torch.dtype,
+                 scheme: str) -> str:  # fmt: skip
+    """An FP4 layer's checkpoint tensors (NVFP4's, MXFP4's): weight_packed uint8 [N, K / 2]
+    and weight_scale [N, K / group] in scale_dtype; K (a TP shard's) must hold whole groups.
+    Returns the layer's name for errors."""
+    name = getattr(layer, "prefix", type(layer).__name__)
+    if k % group:
+        tp = getattr(layer, "tp_size", 1)
+        raise ValueError(
+            f"{name}: {scheme} scales cover groups of {group} inputs; this layer's "
+            f"{'tensor-parallel shard has' if tp > 1 else 'input has'} {k} (of {k * tp}); "
+            f"supported: a tensor_parallel_size whose shards are multiples of {group}"
+        )
+    register(layer, "weight_packed", torch.zeros(n, k // 2, dtype=torch.uint8),
+             ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
+    register(layer, "weight_scale", torch.zeros(n, k // group, dtype=scale_dtype),
+             ScaleBytesLoader(layer, name, scale_dtype, scheme))  # fmt: skip
+    return name
+
+
 class NvFp4LinearMethod(LinearMethodBase):
     """An NVFP4 checkpoint layer (module docstring). On the block path layer.weight is the
     ggml NVFP4 rows (uint8) and layer.row_scale float32 [N] (1 / global scale); on the Triton
@@ -80,19 +100,8 @@ class NvFp4LinearMethod(LinearMethodBase):
         self.triton = triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
-        name = getattr(layer, "prefix", type(layer).__name__)
-        n, k = output_size, input_size
-        if k % GROUP:
-            tp = getattr(layer, "tp_size", 1)
-            raise ValueError(
-                f"{name}: NVFP4 scales cover groups of {GROUP} inputs; this layer's "
-                f"{'tensor-parallel shard has' if tp > 1 else 'input has'} {k} (of {k * tp}); "
-                f"supported: a tensor_parallel_size whose shards are multiples of {GROUP}"
-            )
-        register(layer, "weight_packed", torch.zeros(n, k // 2, dtype=torch.uint8),
-                 ShardLoader(layer, lambda t: t, name=name))  # fmt: skip
-        register(layer, "weight_scale", torch.zeros(n, k // GROUP, dtype=torch.float8_e4m3fn),
-                 ScaleBytesLoader(layer, name, torch.float8_e4m3fn, "NVFP4"))  # fmt: skip
+        name = register_fp4(layer, input_size, output_size, GROUP, torch.float8_e4m3fn, "NVFP4")
+        n = output_size
         # one per checkpoint tensor: each merged part's, spread over its rows
         register(layer, "weight_global_scale", torch.ones(n, dtype=torch.float32),
                  ShardLoader(layer, lambda t: t.float().reshape(-1), input_dim=False, name=name))  # fmt: skip

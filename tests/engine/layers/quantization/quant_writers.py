@@ -351,6 +351,20 @@ def write_compressed_tensors(src: Path, dst: Path, fmt: str, weights: dict,
     return _write(src, dst, out, json.loads(json.dumps(qcfg, default=str)), "bfloat16"), deq
 
 
+def written_once(writers: dict, src: Path, tmp_path_factory):
+    """A module fixture's getter: format id -> (src, its checkpoint folder, {layer: dequantized
+    weight}), each of `writers` run on src at most once."""
+    cache: dict = {}
+
+    def get(fmt: str):
+        if fmt not in cache:
+            folder, deq = writers[fmt](src, tmp_path_factory.mktemp(fmt))
+            cache[fmt] = (src, folder, deq)
+        return cache[fmt]
+
+    return get
+
+
 def reference_model(src: Path, deq: dict[str, torch.Tensor]):
     """The HF float32 model of src with every quantized layer's weight its exact dequantized
     value."""

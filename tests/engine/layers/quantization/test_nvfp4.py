@@ -60,15 +60,7 @@ INT8_ACTS_GAP_TOL = 0.1
 @pytest.fixture(scope="module")
 def written(tiny_llama_dir, tmp_path_factory):
     """format id -> (float folder, NVFP4 folder, {layer: dequantized weight}), written once."""
-    cache: dict = {}
-
-    def get(fmt: str):
-        if fmt not in cache:
-            folder, deq = WRITERS[fmt](tiny_llama_dir, tmp_path_factory.mktemp(fmt))
-            cache[fmt] = (tiny_llama_dir, folder, deq)
-        return cache[fmt]
-
-    return get
+    return qw.written_once(WRITERS, tiny_llama_dir, tmp_path_factory)
 
 
 def _package_tensors(n: int, k: int, seed: int = 0) -> tuple[dict, torch.Tensor]:

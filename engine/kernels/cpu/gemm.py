@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -164,6 +165,32 @@ def dense_linear(
     if x.numel() <= max_rows_for(weight) * x.shape[-1]:
         return linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def dense_by_slices(
+    x: torch.Tensor,
+    n: int,
+    dequantize_rows: Callable[[int, int, torch.Tensor | None], torch.Tensor],
+    bias: torch.Tensor | None,
+    slice_bytes: int,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for a quantized weight W [n, K] on dense_linear, W dequantized
+    by dequantize_rows(r0, r1, out) (rows r0:r1 in x's dtype, into out where it is not None) at
+    most slice_bytes of rows at a time (slices of a multiple of 64 rows), each slice's outputs
+    in place: a bounded transient however large the weight."""
+    k = x.shape[-1]
+    step = max(64, slice_bytes // (k * x.element_size()) // 64 * 64)
+    bias = None if bias is None else bias.to(x.dtype)
+    if step >= n:
+        return dense_linear(x, dequantize_rows(0, n, None), bias)
+    x2 = x.reshape(-1, k)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    buffer = torch.empty(step, k, dtype=x.dtype)  # one slice's weight, reused: no fresh pages
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        w = dequantize_rows(r0, r1, buffer[: r1 - r0])
+        y[:, r0:r1] = dense_linear(x2, w, None if bias is None else bias[r0:r1])
+    return y.view(*x.shape[:-1], n)
 
 
 def _torch_linear(

@@ -147,22 +147,14 @@ def _dense_by_slices(
     x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x @ W^T (+ bias) for W in the file's blocks, dequantized DEQUANT_SLICE_BYTES of rows at
-    a time for the dense GEMM (cpu_gemm.dense_linear), each slice's outputs in place."""
-    n = blocks.shape[0]
-    step = max(64, DEQUANT_SLICE_BYTES // (k * x.element_size()) // 64 * 64)
-    bias = None if bias is None else bias.to(x.dtype)
-    if step >= n:
-        return cpu_gemm.dense_linear(x, dequantize(blocks, type_id, k, x.dtype), bias)
-    x2 = x.reshape(-1, k)
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    buffer = torch.empty(step, k, dtype=x.dtype)  # one slice's weight, reused: no fresh pages
-    for r0 in range(0, n, step):
-        part = blocks[r0 : r0 + step]
-        w = dequantize(part, type_id, k, x.dtype, out=buffer[: part.shape[0]])
-        y[:, r0 : r0 + step] = cpu_gemm.dense_linear(
-            x2, w, None if bias is None else bias[r0 : r0 + step]
-        )
-    return y.view(*x.shape[:-1], n)
+    a time for the dense GEMM (cpu_gemm.dense_by_slices), each slice's outputs in place."""
+    return cpu_gemm.dense_by_slices(
+        x,
+        blocks.shape[0],
+        lambda r0, r1, out: dequantize(blocks[r0:r1], type_id, k, x.dtype, out=out),
+        bias,
+        DEQUANT_SLICE_BYTES,
+    )
 
 
 def linear(

@@ -5,8 +5,8 @@ tests/engine/kernels/test_bindings.py holds the two to each other. The compile-t
 constants Python needs are read from that header too (CONSTANTS).
 
 The Python wrappers (beside the sources: gemm.py, w4.py, w8a8.py, amx_bf16.py, gguf.py,
-fused_ops.py, isa.py; engine.attention.cpu_kernel, the decode plan) get their C functions
-here: function(name), or library() for getattr by a dtype-suffixed name.
+lut4.py, fused_ops.py, isa.py; engine.attention.cpu_kernel, the decode plan) get their C
+functions here: function(name), or library() for getattr by a dtype-suffixed name.
 """
 
 from __future__ import annotations
@@ -96,6 +96,11 @@ SIGNATURES: dict[str, Signature] = {
     "gguf_k_dequantize": ([_P, _INT, _I64, _I64, _P, _INT, _INT], _INT),
     "gguf_k_dequant_row": ([_INT, _P, _I64, _P], _INT),
     "gguf_k_dequant_row_bf16": ([_INT, _P, _I64, _P], _INT),
+    # lut4.c: x, ldx, M, K, codes, scales, table, N, bias, y, ldy, bf16, threads
+    "lut4_linear": ([_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    # codes, scales, table, N, K, out, bf16, threads
+    "lut4_dequantize": ([_P, _P, _P, _I64, _I64, _P, _INT, _INT], _INT),
+    "lut4_isa_max": ([], _INT),
     # w8a8.c
     "quantize_rows_f32": (_QUANT, None),
     "quantize_rows_bf16": (_QUANT, None),
@@ -214,7 +219,11 @@ OPTIONAL = frozenset(
     }
 )  # fmt: skip
 # Exported variables (`extern` in the header), with their ctypes type.
-VARIABLES: dict[str, Any] = {"use_amx": ctypes.c_int, "gguf_isa": ctypes.c_int}
+VARIABLES: dict[str, Any] = {
+    "use_amx": ctypes.c_int,
+    "gguf_isa": ctypes.c_int,
+    "lut4_isa": ctypes.c_int,
+}
 
 _lock = threading.Lock()
 _bound: list[ctypes.CDLL | None] = []  # the library with its signatures set, or None

@@ -37,6 +37,9 @@
 #define GGUF_ISA_SCALAR 0     /* gguf: the kernel variants, gguf_isa's values */
 #define GGUF_ISA_AVX2 1
 #define GGUF_ISA_VNNI 2
+#define LUT4_ISA_SCALAR 0     /* lut4: the kernel variants, lut4_isa's values */
+#define LUT4_ISA_AVX2 1
+#define LUT4_ISA_AVX512 2
 
 /* ---- gemm.c: y = x W^T (+ b), bf16 / float32 / int8 weights (engine.kernels.cpu.gemm) ---- */
 int linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
@@ -77,6 +80,12 @@ int gguf_k_dequantize(const uint8_t* w, int type, int64_t N, int64_t K, void* ou
 /* one row of K weights (K / 256 superblocks) to float32 / bf16: the large-batch path's panels */
 int gguf_k_dequant_row(int type, const uint8_t* row, int64_t K, float* out);
 int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* out);
+/* ---- lut4.c: 4-bit codes into a float table per call, a float32 scale per 64 weights
+   (bitsandbytes' NF4 / FP4; engine.kernels.cpu.lut4); K % 64 == 0, else -1 ---- */
+int lut4_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, const float* table, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
+int lut4_dequantize(const uint8_t* codes, const float* scales, const float* table, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+int lut4_isa_max(void);
+extern int lut4_isa;  /* the variant lut4_linear and lut4_dequantize run, capped at lut4_isa_max() (set from Python) */
 
 /* ---- w8a8.c: int8 activations (engine.kernels.cpu.w8a8) ---- */
 void quantize_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);

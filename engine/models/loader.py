@@ -212,11 +212,15 @@ def _load_safetensors(model: nn.Module, model_dir: Path, held: set[str] = frozen
     # name -> the model's name for it, or None (not loaded): a pooling model's (no LM head;
     # a base-model checkpoint's names without `model.`), engine.models.pooling
     rename = getattr(model, "rename_checkpoint", None)
+    # name -> the name a quantized format's layers take it under (checkpoint.py's hook)
+    quant_name = getattr(model, "quant_checkpoint_name", None)
     loaded: dict[str, set] = {}
     seen: set[str] = set()  # checkpoint names read
 
     def fill(ckpt_name: str, tensor: Callable[[], torch.Tensor], source: str) -> None:
         seen.add(ckpt_name)
+        if quant_name is not None:
+            ckpt_name = quant_name(ckpt_name)
         if rename is not None:
             ckpt_name = rename(ckpt_name)
             if ckpt_name is None:

@@ -8,7 +8,7 @@ float32 (scalar, AVX2 or AVX-512: `lut4_isa`).
 Up to DOT_MAX_ROWS rows of x run the dot kernel; larger batches dequantize the weight to x's
 dtype in bounded slices for cpu_gemm.dense_linear (cpu_gemm.dense_by_slices).
 
-The kernel's layout (`pack` makes it from bnb's): codes uint8 [N, K/2], per chunk of 32
+The kernel's layout (`pack` makes it from bnb's, `pack_codes` from one code a byte): codes uint8 [N, K/2], per chunk of 32
 weights along K 16 bytes, byte j's low nibble weight j of the chunk and its high nibble
 weight j + 16; scales float32 [N, K/64]. K must be a multiple of 64.
 """
@@ -76,10 +76,18 @@ def pack(
         raise ValueError(f"lut4: codes must be {n * k // 2} uint8 bytes for [{n}, {k}]")
     if absmax.numel() != n * k // BLOCK:
         raise ValueError(f"lut4: absmax must hold {n * k // BLOCK} scales for [{n}, {k}]")
-    codes = torch.stack([flat >> 4, flat & 15], dim=-1).view(n, k // 32, 2, 16)
-    packed = codes[:, :, 0] | (codes[:, :, 1] << 4)  # weights j and j + 16 of each chunk
+    codes = torch.stack([flat >> 4, flat & 15], dim=-1).view(n, k)
     scales = absmax.reshape(n, k // BLOCK).to(torch.float32).contiguous()
-    return packed.reshape(n, k // 2).contiguous(), scales
+    return pack_codes(codes), scales
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [n, k] (0..15, one a weight) -> the kernel's uint8 [n, k / 2]."""
+    n, k = codes.shape
+    _check_k(k)
+    chunks = codes.view(n, k // 32, 2, 16)
+    packed = chunks[:, :, 0] | (chunks[:, :, 1] << 4)  # weights j and j + 16 of each chunk
+    return packed.reshape(n, k // 2).contiguous()
 
 
 def _check_weight(codes: torch.Tensor, scales: torch.Tensor, k: int) -> None:

@@ -11,7 +11,7 @@ This module is the registry, and imports no method (nor torch) until one is chos
 config and the CLI take their choices from it cheaply: a new format is one file here plus one
 line in METHODS. quantize.py gives a loaded model its methods (quantize_model, resolve_method);
 checkpoint.py reads a quantized checkpoint's quantization_config (GPTQ, AWQ, compressed-tensors,
-FP8) and gives its layers their format's methods before the weights load.
+FP8, bitsandbytes) and gives its layers their format's methods before the weights load.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ METHODS: dict[str, tuple[str, str] | str | None] = {
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
     "fp8": "fp8:Fp8Config",
     "mxfp4": "mxfp4:Mxfp4Config",
+    "bitsandbytes": "bnb:BitsAndBytesConfig",
 }
 # --quantization's values; unset picks the checkpoint's, gguf or none (quantize.resolve_method)
 QUANTIZATION_CHOICES = ("none", *METHODS)

@@ -75,6 +75,11 @@ class QuantizationConfig:
             "GPTQ and AWQ checkpoints only"
         )
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this format's layers register it (the loader asks
+        before it places the tensor; bitsandbytes' dotted statistics get names of their own)."""
+        return name
+
     def check_lm_head(self) -> None:
         """Raise where the checkpoint quantizes the LM head (Tessera keeps it in float)."""
 
@@ -120,6 +125,7 @@ def apply_checkpoint_methods(model: nn.Module, config: QuantizationConfig) -> se
     method and that method's parameters (the checkpoint's tensors) instead of its float
     weight. Returns no names (a load_model `prepare` hook: the loader fills them all)."""
     config.check_lm_head()
+    model.quant_checkpoint_name = config.checkpoint_name
     merged: dict[str, list[str]] = {}
     for src, (dst, _) in getattr(model, "packed_modules_mapping", {}).items():
         merged.setdefault(dst, []).append(src)

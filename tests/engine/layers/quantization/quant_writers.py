@@ -431,3 +431,60 @@ def write_ct_actorder(src: Path, dst: Path, group=32, seed=0) -> tuple[Path, dic
             "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"],
             "quantization_status": "compressed"}  # fmt: skip
     return _write(src, dst, out, qcfg, "float16"), deq
+
+
+# -- bitsandbytes -----------------------------------------------------------------------------
+
+BNB_FORMATS = {  # format id -> transformers' BitsAndBytesConfig arguments
+    "bnb-nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "bnb-nf4-dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                       bnb_4bit_use_double_quant=True),
+    "bnb-fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "bnb-int8": dict(load_in_8bit=True),
+}  # fmt: skip
+
+
+def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> tuple[Path, dict]:
+    """src quantized by transformers with bitsandbytes (the package's own quantizers) and saved
+    as it saves: {layer: float32 weight, bitsandbytes' own dequantization} beside. blocksize:
+    the 4-bit layers requantized by bitsandbytes.functional at that blocksize (transformers
+    always uses 64), their parts written under the names transformers gives them."""
+    import bitsandbytes as bnb
+    from bitsandbytes import functional as bnbf
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qcfg = BitsAndBytesConfig(**BNB_FORMATS[fmt], bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=qcfg, device_map="cpu", dtype=torch.float32
+    )
+    deq = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            deq[name] = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            deq[name] = bnbf.int8_vectorwise_dequant(module.weight.data, module.weight.SCB).float()
+    model.save_pretrained(str(dst))
+    for f in src.iterdir():  # the tokenizer
+        if not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    if blocksize is not None:
+        from safetensors.torch import save_file
+
+        state, double = _state(dst), fmt.endswith("-dq")
+        for name in deq:
+            w = _state(src)[f"{name}.weight"]
+            for key in [k for k in state if k.startswith(f"{name}.weight")]:
+                del state[key]
+            q, qs = bnbf.quantize_4bit(w, blocksize=blocksize, compress_statistics=double,
+                                       quant_type=BNB_FORMATS[fmt]["bnb_4bit_quant_type"])  # fmt: skip
+            state[f"{name}.weight"] = q
+            state.update({f"{name}.weight.{k}": v for k, v in qs.as_dict(packed=True).items()})
+            # bitsandbytes 0.50's CPU dequantize_4bit misreads blocks longer than a row (they
+            # run over the flat weight); the same blocks one to a row read right
+            rows = w.reshape(-1, blocksize)
+            q2, qs2 = bnbf.quantize_4bit(rows, blocksize=blocksize, compress_statistics=double,
+                                         quant_type=BNB_FORMATS[fmt]["bnb_4bit_quant_type"])  # fmt: skip
+            assert torch.equal(q2, q) and torch.equal(qs2.absmax, qs.absmax)
+            deq[name] = bnbf.dequantize_4bit(q2, qs2).float().reshape(w.shape)
+        save_file(state, str(dst / "model.safetensors"))
+    return dst, deq

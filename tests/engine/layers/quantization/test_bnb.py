@@ -1,0 +1,242 @@
+"""bitsandbytes checkpoints (engine.layers.quantization.bnb), written by transformers with the
+bitsandbytes package itself (its CPU quantizers): 4-bit NF4 (with and without double-quantized
+absmax), 4-bit FP4 and 8-bit LLM.int8; and `--quantization bitsandbytes` on a float checkpoint.
+
+The reference is HF transformers on the same tiny model with every quantized weight
+bitsandbytes' own float32 dequantization of it. Checked: each loaded layer holds those values
+(bit for bit on the LUT4 kernel) and multiplies by them; greedy tokens follow the reference
+with no flag; blocksizes other than transformers' 64 (128: mapped onto the kernel's 64s; 32:
+dequantized at load); the dequantized fallback; TP=2; NF4 at load against bitsandbytes'
+quantize_4bit; start-up errors naming the field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import lut4 as cpu_lut4
+from engine.layers.quantization import bnb
+from engine.layers.quantization.checkpoint import (
+    apply_checkpoint_methods,
+    build_config,
+    finish_checkpoint_methods,
+    resolve_checkpoint,
+)
+from engine.models.loader import load_model
+from tests.engine.layers.quantization import quant_writers as qw
+from tests.engine.layers.quantization.test_quant_checkpoints import (
+    GAP_TOL,
+    MERGED,
+    PROMPTS,
+    _assert_greedy_agrees,
+    _hf_greedy,
+    _load,
+    _tp2,
+    _tp_logits,
+)
+
+pytest.importorskip("bitsandbytes")
+
+KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+FOUR_BIT = ("bnb-nf4", "bnb-nf4-dq", "bnb-fp4")
+WRITERS = {fmt: functools.partial(qw.write_bnb, fmt=fmt) for fmt in qw.BNB_FORMATS}
+WRITERS["bnb-nf4-dq-128"] = functools.partial(qw.write_bnb, fmt="bnb-nf4-dq", blocksize=128)
+WRITERS["bnb-fp4-32"] = functools.partial(qw.write_bnb, fmt="bnb-fp4", blocksize=32)
+
+
+@pytest.fixture(scope="module")
+def written(tiny_llama_dir, tmp_path_factory):
+    return qw.written_once(WRITERS, tiny_llama_dir, tmp_path_factory)
+
+
+def loaded_weight(layer) -> torch.Tensor:
+    """The float32 [N, K] a loaded layer multiplies by, read back from its kernel's form."""
+    if getattr(layer, "lut4_levels", None) is not None:
+        return cpu_lut4.dequantize(
+            layer.weight, layer.lut4_scales, layer.lut4_levels, layer.in_features, torch.float32
+        )
+    if layer.weight.dtype == torch.int8:
+        return layer.weight.float() * layer.weight_scale[:, None]
+    return layer.weight.float()
+
+
+def _layers(model):
+    for name, layer in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in KINDS:
+            yield name, layer, [name[: -len(kind)] + p for p in MERGED.get(kind, (kind,))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_each_layer_holds_the_packages_values(written, fmt, dtype):
+    _, folder, deq = written(fmt)
+    model, paths = _load(folder, dtype)
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for name, layer, parts in _layers(model):
+        want = torch.cat([deq[p] for p in parts])
+        got = loaded_weight(layer)
+        if fmt == "bnb-int8":  # SCB / 127 once per row against the package's q * SCB * (1/127)
+            assert torch.allclose(got, want, rtol=1e-6, atol=0), name
+        elif layer.lut4_levels is not None or dtype == "float32":
+            assert torch.equal(got, want), name  # bit for bit
+        else:  # dequantized into bf16: the package's values rounded once
+            assert torch.equal(got, want.bfloat16().float()), name
+        x = torch.randn(5, want.shape[1], generator=gen).to(getattr(torch, dtype))
+        y = layer.quant_method.apply(layer, x)
+        ref = F.linear(x.float(), want)
+        assert y.dtype == x.dtype
+        tol = 1e-5 if dtype == "float32" else 1e-2
+        assert (y.float() - ref).norm() / ref.norm() < tol, name
+        checked += 1
+    assert checked == 4 * model.config.num_hidden_layers
+    if fmt == "bnb-int8":
+        assert all("LLM.int8 rows" in why for why in paths["qkv_proj"]), paths
+    elif cpu_lut4.available():
+        lut = "LUT4 codes with float32 scales per 64"
+        # blocks of 128 over K = 64 straddle rows (qkv, o, gate_up): those layers dequantized;
+        # blocks of 32 are under the kernel's 64 everywhere
+        straddle = fmt == "bnb-fp4-32" or (fmt == "bnb-nf4-dq-128")
+        assert all((lut in why) != straddle for why in paths["qkv_proj"]), paths
+        assert all((lut in why) != (fmt == "bnb-fp4-32") for why in paths["down_proj"]), paths
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_the_kernels_each_layer_is_dequantized_once(written, monkeypatch, dtype):
+    monkeypatch.setattr(cpu_lut4, "available", lambda: False)
+    _, folder, deq = written("bnb-nf4-dq")
+    model, paths = _load(folder, dtype)
+    for name, layer, parts in _layers(model):
+        want = torch.cat([deq[p] for p in parts]).to(getattr(torch, dtype))
+        assert layer.lut4_levels is None and torch.equal(layer.weight.data, want), name
+    assert all(f"dequantized at load into {dtype}" in why for why in paths["o_proj"]), paths
+
+
+def _greedy(folder, dtype: str, quantization: str | None = None) -> list[list[int]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype=dtype, seed=0, num_kv_blocks=64, max_model_len=256,
+              quantization=quantization)  # fmt: skip
+    try:
+        assert llm.engine.executor.runner.quantization == "bitsandbytes"
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [
+        ("bnb-nf4", "float32"),
+        ("bnb-nf4-dq", "bfloat16"),
+        ("bnb-fp4", "float32"),
+        ("bnb-int8", "float32"),
+        ("bnb-int8", "bfloat16"),
+        ("bnb-nf4-dq-128", "float32"),
+    ],
+)
+def test_greedy_tokens_follow_the_dequantized_reference(written, fmt, dtype):
+    """No flag: the checkpoint's quantization_config picks bitsandbytes."""
+    src, folder, deq = written(fmt)
+    ref = qw.reference_model(src, deq)
+    for prompt, got in zip(PROMPTS, _greedy(folder, dtype), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(got, theirs, gaps, GAP_TOL[dtype])
+
+
+def test_nf4_at_load_rounds_as_bitsandbytes_does(tiny_llama_dir):
+    """`--quantization bitsandbytes` on a float checkpoint: NF4 codes and absmax per 64 equal
+    bitsandbytes' quantize_4bit of the same weight (its thresholds are the levels' midpoints),
+    and the model serves them."""
+    from bitsandbytes import functional as bnbf
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 256, generator=gen)
+    codes, absmax = bnb.quantize_nf4(w)
+    q, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    theirs = bnb.decode_4bit(
+        {"weight": q, "absmax": state.absmax,
+         "quant_state": state.as_dict(packed=True)["quant_state.bitsandbytes__nf4"]}
+    )  # fmt: skip
+    assert torch.equal(codes, theirs[0])
+    assert torch.equal(absmax.reshape(-1), theirs[1])
+    assert torch.equal(torch.tensor(bnb.NF4_LEVELS), state.code.float())
+
+    config = build_config(*resolve_checkpoint("bitsandbytes", None)[:1], None)
+    assert config.describe().startswith("NF4 quantized at load")
+    model = load_model(tiny_llama_dir, dtype="float32",
+                       prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
+    float_model = load_model(tiny_llama_dir, dtype="float32")
+    paths = finish_checkpoint_methods(model, config)
+    for kind in KINDS:
+        assert all("NF4 quantized at load" in why for why in paths[kind]), paths
+    floats = dict(float_model.named_modules())
+    for name, layer, _ in _layers(model):
+        c, a = bnb.quantize_nf4(floats[name].weight.data)
+        want = torch.tensor(bnb.NF4_LEVELS)[c.long()].view(*a.shape, 64) * a.unsqueeze(-1)
+        assert torch.equal(loaded_weight(layer), want.view_as(c).float()), name
+    ours = _greedy(tiny_llama_dir, "float32", quantization="bitsandbytes")
+    assert len(ours) == len(PROMPTS) and all(len(t) == 8 for t in ours)
+
+
+@pytest.mark.slow
+def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
+    """Column shards split N (each merged shard's rows), row shards split K: o_proj's 32 inputs
+    a rank are off the kernel's 64s (dequantized on each rank), down_proj's 64 on the kernel."""
+    torch.set_num_threads(1)
+    for fmt in ("bnb-nf4-dq", "bnb-int8"):
+        folder = written(fmt)[1]
+        want = _tp_logits(folder)
+        (got,), paths0, paths1 = _tp2([folder], tmp_path, "float32")
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), fmt
+        assert paths0 == paths1
+        if fmt == "bnb-nf4-dq" and cpu_lut4.available():
+            assert all("dequantized at load" in why for why in paths0[0]["o_proj"]), paths0
+            assert all("LUT4" in why for why in paths0[0]["down_proj"]), paths0
+
+
+# -- start-up refusals --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "field"),
+    [
+        ({"load_in_4bit": True, "load_in_8bit": True}, "load_in_4bit / load_in_8bit"),
+        ({"load_in_4bit": False}, "load_in_4bit / load_in_8bit"),
+        ({"load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type = 'int4'"),
+        ({"load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+         "bnb_4bit_quant_storage = 'bfloat16'.*supported: uint8"),
+        ({"load_in_8bit": True, "llm_int8_has_fp16_weight": True}, "llm_int8_has_fp16_weight"),
+    ],
+)  # fmt: skip
+def test_unsupported_configs_name_the_field(qcfg, field):
+    with pytest.raises(ValueError, match=f"quantization_config.{field}"):
+        build_config("bitsandbytes", {"quant_method": "bitsandbytes", **qcfg})
+
+
+def test_a_missing_statistic_fails_naming_the_layer(written, tmp_path):
+    """A double-quantized layer without its nested absmax: the error names the layer and the
+    tensor (nothing is guessed)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = written("bnb-nf4-dq")[1]
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    state = load_file(str(broken / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.weight.nested_absmax"]
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.qkv_proj \(shard 'k'\): the "
+                       "checkpoint has no nested_absmax"):  # fmt: skip
+        _load(broken, "float32")
+    cfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "bitsandbytes" and cfg["bnb_4bit_use_double_quant"]

@@ -90,9 +90,11 @@ class EngineArgs:
         "with AVX512-VNNI, bfloat16: the fastest single stream); gguf = a .gguf model's linear "
         "weights in the file's own quantization (Q4_0/Q4_1 as the 4-bit kernel's tiles, bit for "
         "bit; Q8_0, Q4_K, Q5_K, Q6_K as the file's blocks; other types stay dequantized); "
-        "gptq, awq, compressed-tensors, fp8 = a quantized checkpoint's own format, read from its "
+        "gptq, awq, compressed-tensors, fp8, bitsandbytes = a quantized checkpoint's own format, read from its "
         "config.json quantization_config with no flag (naming another method is a start-up "
-        "error); fp8 on a float checkpoint quantizes its weights to FP8 at load. Default: the "
+        "error); fp8 on a float checkpoint quantizes its weights to FP8 at load; bitsandbytes = "
+        "a bitsandbytes checkpoint (NF4 / FP4 / LLM.int8, picked with no flag), or NF4 at load "
+        "on a float checkpoint. Default: the "
         "checkpoint's quantization_config, else gguf for a .gguf model (the default model too) "
         "on the CPU, else none.",
         None,

@@ -1,8 +1,9 @@
-"""4-bit GPTQ and AWQ checkpoints (and 3-bit GPTQ) against the same weights served from the Q4
-GGUF (issue 40).
+"""4-bit GPTQ and AWQ checkpoints (and 3-bit GPTQ, bitsandbytes NF4) against the same weights
+served from the Q4 GGUF (issue 40).
 
     tessera bench quant [--model smollm2-135m-instruct] [--batch-sizes 1 32 128]
-        [--context 64 320] [--steps 20] [--formats gptq awq gptq3] [--cache-dir DIR] [--json PATH]
+        [--context 64 320] [--steps 20] [--formats gptq awq gptq3 bnb-nf4] [--cache-dir DIR]
+        [--json PATH]
 
 The checkpoints are built once and cached (--cache-dir, default $TESSERA_CACHE_DIR/bench-quant
 or ~/.cache/tessera/bench-quant): the model's weights as floats (the default model's
@@ -13,7 +14,10 @@ groups of 32 along K, asymmetric (a scale and an integer zero point per group, a
 scale and a minimum; --sym for symmetric GPTQ),
 written in each format's published layout by tests/engine/layers/quantization/quant_writers.py
 (GPTQ v1: qweight / qzeros (zero - 1) / scales / g_idx; AWQ GEMM: qweight / qzeros packed
-along N in AWQ's order / scales); the embedding, the norms (and an untied LM head) stay float,
+along N in AWQ's order / scales); bnb-nf4 is quantized by transformers with bitsandbytes (the
+test extra's) as `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True)` does, its own blocks of 64, and saved as transformers saves
+it; the embedding, the norms (and an untied LM head) stay float,
 in float16, as quantizers publish them. The weights are the GGUF's re-quantized, so the
 greedy tokens need not match the GGUF path's everywhere (the table says how many do).
 
@@ -46,12 +50,22 @@ from pathlib import Path
 import torch
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-FORMATS = ("gptq", "awq", "gptq3")
-BITS = {"gptq": 4, "awq": 4, "gptq3": 3}
+FORMATS = ("gptq", "awq", "gptq3", "bnb-nf4")
+BITS = {"gptq": 4, "awq": 4, "gptq3": 3, "bnb-nf4": 4}
 DEFAULT_FORMATS = ("gptq", "awq")
 GROUP = 32
 BUILD_VERSION = 1  # bump when what the checkpoints hold changes: cached ones are rebuilt
-_QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+_QUANT_SUFFIXES = (
+    ".qweight",
+    ".qzeros",
+    ".scales",
+    ".g_idx",  # GPTQ, AWQ
+    ".absmax",
+    ".quant_map",
+    ".nested_absmax",
+    ".nested_quant_map",
+    ".bitsandbytes__nf4",
+)  # bitsandbytes (its codes: a uint8 `.weight`)
 _TARGET_TIME, _TARGET_MEMORY = 1.10, 1.15
 
 
@@ -124,6 +138,12 @@ def _cache_key(model: str, model_dir: Path, sym: bool) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _folder_name(fmt: str, sym: bool) -> str:
+    if fmt.startswith("bnb"):  # bitsandbytes' own blocks: absmax per 64, symmetric levels
+        return f"{fmt}-b64-dq"
+    return f"{fmt}-w{BITS[fmt]}g{GROUP}-{'sym' if sym else 'asym'}"
+
+
 def build_checkpoints(
     model: str, model_dir: Path, cache_dir: Path, formats: list[str], sym: bool = False
 ) -> dict[str, Path]:
@@ -131,7 +151,7 @@ def build_checkpoints(
     qw = _writers()
     slug = Path(model).name.removesuffix(".gguf").lower() or "model"
     root = cache_dir / f"{slug}-{_cache_key(model, model_dir, sym)}"
-    out = {fmt: root / f"{fmt}-w{BITS[fmt]}g{GROUP}-{'sym' if sym else 'asym'}" for fmt in formats}
+    out = {fmt: root / _folder_name(fmt, sym) for fmt in formats}
     missing = [f for f in formats if not (out[f] / "config.json").is_file()]
     if not missing:
         return out
@@ -144,6 +164,8 @@ def build_checkpoints(
             dst = Path(tmp) / fmt
             if fmt.startswith("gptq"):
                 qw.write_gptq(src, dst, bits=BITS[fmt], group=GROUP, sym=sym)
+            elif fmt == "bnb-nf4":  # transformers + bitsandbytes: NF4, double-quantized absmax
+                qw.write_bnb(src, dst, "bnb-nf4-dq")
             else:  # AWQ is asymmetric by definition (zero_point: true)
                 qw.write_awq(src, dst, group=GROUP)
             try:
@@ -163,8 +185,8 @@ def checkpoint_bytes(folder: Path) -> tuple[int, int]:
         total += f.stat().st_size
         with safe_open(str(f), "pt") as st:
             for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if k.endswith(_QUANT_SUFFIXES):
-                    t = st.get_slice(k)
+                t = st.get_slice(k)
+                if k.endswith(_QUANT_SUFFIXES) or (k.endswith(".weight") and t.get_dtype() == "U8"):
                     n = 1
                     for d in t.get_shape():
                         n *= d

@@ -67,6 +67,27 @@ def test_checkpoints_are_built_once_in_the_formats_layouts(tiny_w4_dir, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == [folders["gptq"].parent.name]  # no leftovers
 
 
+def test_the_bnb_checkpoint_is_bitsandbytes_own_nf4(tiny_w4_dir, tmp_path):
+    """bnb-nf4: transformers + bitsandbytes' NF4 with double-quantized absmax, as they save it;
+    its codes and statistics counted as the quantized bytes."""
+    pytest.importorskip("bitsandbytes")
+    folder = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, ["bnb-nf4"])["bnb-nf4"]
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "bitsandbytes" and qcfg["bnb_4bit_quant_type"] == "nf4"
+    assert qcfg["bnb_4bit_use_double_quant"] and (folder / "tokenizer.json").is_file()
+    state = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert state[name].dtype == torch.uint8 and state[name].numel() == 128 * 256 // 2
+    assert state[f"{name}.absmax"].dtype == torch.uint8  # double quantization
+    total, quantized = bench_quant.checkpoint_bytes(folder)
+    floats = load_file(str(tiny_w4_dir / "model.safetensors"))
+    linear_weights = sum(t.numel() for k, t in floats.items() if k.endswith("_proj.weight"))
+    # half a byte a weight, a byte of absmax per 64, and each layer's fixed tables (quant_map,
+    # nested_quant_map: 1 KiB a layer, the bulk of the rest at this tiny size)
+    assert linear_weights / 2 + linear_weights / 64 < quantized < linear_weights / 2 * 1.2
+    assert quantized < total
+
+
 def test_float_state_reads_a_converted_gguf_folders_linked_blocks(tiny_llama_dir, tmp_path):
     from gguf import GGUFReader
 

@@ -47,6 +47,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/layers/quantization/test_fp8_block.py  # block FP8: the GEMM and MoE kernels
     tests/engine/layers/quantization/test_nvfp4.py  # NVFP4: the Triton GEMM on loaded layers, through the engine
     tests/engine/layers/quantization/test_mxfp4_linear.py  # MXFP4 layers: the same GEMM with E8M0 scales, through the engine
+    tests/engine/layers/quantization/test_bnb.py  # bitsandbytes NF4 / FP4: the same GEMM's LUT4 kind, through the engine
     tests/engine/models/test_gpt_oss.py  # sinks, expert biases: LLM's default device here
     tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )

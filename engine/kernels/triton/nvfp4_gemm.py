@@ -3,7 +3,9 @@ codes two a byte [N, K / 2] (value 2j in byte j's low nibble, 2j + 1 in its high
 - NVFP4 (engine.layers.quantization.nvfp4): an e4m3 scale per 16 values and a float32 global
   scale per output row (a merged layer's parts each their own): W = value * (scale / global);
 - MXFP4 (engine.layers.quantization.mxfp4_linear): an E8M0 byte per 32 values, a power of two
-  (bias 127): W = value * 2 ** (scale - 127). Its global scale is 1.
+  (bias 127): W = value * 2 ** (scale - 127). Its global scale is 1;
+- LUT4 (bitsandbytes' NF4 / FP4, engine.layers.quantization.bnb): the 4-bit codes index the
+  checkpoint's 16 float32 levels, a float32 absmax per 64 values: W = levels[code] * absmax.
 
 Weight-only: x stays in the model's dtype (bf16/fp16). A program takes a BLOCK_M x BLOCK_N
 tile of y and walks K BLOCK_K inputs at a time: it loads BLOCK_K / 2 bytes of each of its
@@ -39,6 +41,7 @@ from engine.kernels.triton.quant_gemm import (
 
 GROUP = 16  # values an NVFP4 scale covers
 MX_GROUP = 32  # values an MXFP4 (E8M0) scale covers
+LUT_GROUP = 64  # values a LUT4 (bitsandbytes) absmax covers
 
 
 @triton.jit
@@ -62,6 +65,7 @@ def _nvfp4_gemm_kernel(
     w_ptr,
     s_ptr,
     g_ptr,
+    t_ptr,  # LUT4's 16 levels (unread by the FP4 kinds)
     out_ptr,
     M,
     N,
@@ -78,8 +82,8 @@ def _nvfp4_gemm_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     HALF: tl.constexpr,  # BLOCK_K // 2: bytes of a row a K tile reads
-    SCALE_GROUP: tl.constexpr,  # values a scale byte covers: 16 (NVFP4) or 32 (MXFP4)
-    E8M0: tl.constexpr,  # the scale bytes are E8M0 powers of two (MXFP4), else e4m3 (NVFP4)
+    SCALE_GROUP: tl.constexpr,  # values a scale covers: 16 (NVFP4), 32 (MXFP4), 64 (LUT4)
+    KIND: tl.constexpr,  # 0: NVFP4 (e4m3 scales / global), 1: MXFP4 (E8M0), 2: LUT4 (float32)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -103,12 +107,16 @@ def _nvfp4_gemm_kernel(
         q = tl.load(w_rows + offs_j[:, None], mask=w_mask, other=0).to(tl.int32)  # [HALF, BN]
         groups = (2 * offs_j) // SCALE_GROUP  # a byte's two values share their group
         sb = tl.load(s_ptr + groups[:, None] * stride_sg + offs_n[None, :], mask=w_mask, other=0)
-        if E8M0:
-            s = _e8m0_value(sb.to(tl.int32))  # exact: a power of two
+        if KIND == 2:  # the levels times the absmax in fp32, as bitsandbytes dequantizes
+            w_lo = tl.load(t_ptr + (q & 15)) * sb  # 0 outside K and N (their absmax is 0)
+            w_hi = tl.load(t_ptr + (q >> 4)) * sb
         else:
-            s = tl.div_rn(_e4m3_value(sb), gs)  # scale / global scale, as dequantize_nvfp4
-        w_lo = _e2m1_value(q & 15) * s  # 0 outside K and N
-        w_hi = _e2m1_value(q >> 4) * s
+            if KIND == 1:
+                s = _e8m0_value(sb.to(tl.int32))  # exact: a power of two
+            else:
+                s = tl.div_rn(_e4m3_value(sb), gs)  # scale / global scale, as dequantize_nvfp4
+            w_lo = _e2m1_value(q & 15) * s  # 0 outside K and N
+            w_hi = _e2m1_value(q >> 4) * s
         if DOT_IEEE:
             acc += tl.dot(x_even.to(tl.float32), w_lo, input_precision="ieee")
             acc += tl.dot(x_odd.to(tl.float32), w_hi, input_precision="ieee")
@@ -130,7 +138,12 @@ class NvFp4Weight:
     scales: torch.Tensor
     global_scale: torch.Tensor
     group = GROUP
-    e8m0 = False
+    kind = 0  # the kernel's KIND
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """The table LUT4 reads (the FP4 kinds pass their global scales, unread)."""
+        return self.global_scale
 
     @classmethod
     def prepare(cls, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
@@ -160,7 +173,7 @@ class MxFp4Weight(NvFp4Weight):
     uint8 [K / 32, N] (the E8M0 bytes, group-major), `global_scale` ones [N] (unread)."""
 
     group = MX_GROUP
-    e8m0 = True
+    kind = 1
 
     @classmethod
     def prepare(cls, packed: torch.Tensor, scale: torch.Tensor, global_scale=None):
@@ -175,15 +188,56 @@ class MxFp4Weight(NvFp4Weight):
         return cls(packed.contiguous(), scale.t().contiguous(), ones)
 
 
+@dataclass(slots=True)
+class Lut4Weight:
+    """One linear's bitsandbytes 4-bit weight as the kernel reads it: `packed` uint8 [N, K / 2]
+    (value 2j in byte j's low nibble, as the FP4 kinds), `scales` float32 [K / 64, N] (absmax,
+    group-major), `table` float32 [16] (the levels), `global_scale` ones [N] (unread)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    table: torch.Tensor
+    group = LUT_GROUP
+    kind = 2
+
+    @classmethod
+    def prepare(cls, codes: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor):
+        """codes uint8 [N, K] (0..15), scales float32 [N, K / 64], levels float32 [16]."""
+        n, k = codes.shape
+        if k % LUT_GROUP or scales.shape != (n, k // LUT_GROUP) or levels.numel() != 16:
+            raise ValueError(
+                f"LUT4 codes {tuple(codes.shape)}, scales {tuple(scales.shape)} and levels "
+                f"{tuple(levels.shape)} do not pair (expected [{n}, K], [{n}, K / 64], [16] with "
+                "K a multiple of 64)"
+            )
+        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        ones = torch.ones(n, dtype=torch.float32, device=codes.device)
+        return cls(packed.contiguous(), scales.float().t().contiguous(), ones,
+                   levels.float().reshape(16).contiguous())  # fmt: skip
+
+    @property
+    def levels(self) -> torch.Tensor:
+        return self.table
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 2
+
+
 def nvfp4_gemm(
     x: torch.Tensor,
-    weight: NvFp4Weight | MxFp4Weight,
+    weight: NvFp4Weight | MxFp4Weight | Lut4Weight,
     *,
     split_k: int | None = None,
     launch: GemmLaunch | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T in x's dtype (bf16 / fp16; fp32 works too), W an NVFP4 or
-    MXFP4 weight. split_k / launch override the planned launch (tests, benchmarks)."""
+    MXFP4 weight, or bitsandbytes' 4-bit (LUT4). split_k / launch override the planned launch (tests, benchmarks)."""
     n, k = weight.out_features, weight.in_features
     x2, y, lead = gemm_rows(x, k, n)
     m = x2.shape[0]
@@ -197,7 +251,7 @@ def nvfp4_gemm(
     dot = _dot_dtype(x.dtype, x.device)
     grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n), split)
     _nvfp4_gemm_kernel[grid](
-        x2, weight.packed, weight.scales, weight.global_scale, out,
+        x2, weight.packed, weight.scales, weight.global_scale, weight.levels, out,
         m, n, k, tiles_per_split,
         x2.stride(0), weight.packed.stride(0), weight.scales.stride(0),
         out.stride(-2), out.stride(0) if split > 1 else 0,
@@ -208,7 +262,7 @@ def nvfp4_gemm(
         DOT_IEEE=dot == tl.float32,
         HALF=launch.block_k // 2,
         SCALE_GROUP=weight.group,
-        E8M0=weight.e8m0,
+        KIND=weight.kind,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

@@ -21,9 +21,12 @@ After loading:
 - 4-bit on a CPU with the kernels: the codes and one float32 scale per 64 weights (4.5 bits a
   weight; a larger blocksize's absmax repeated per 64) on the LUT4 kernel
   (engine/kernels/cpu/lut4.c: each block's 16 levels times its scale, looked up by code, in
-  float32; exact); where K (or a row-parallel rank's share of it) is not a multiple of 64 or
-  the blocks straddle rows, and off the CPU, dequantized at load into the model dtype (its
-  float weight's bytes; named in the start-up log).
+  float32; exact); on CUDA (and the tests' Triton interpreter) the same codes and absmax
+  (0.56 bytes a weight) on the FP4 Triton GEMM's LUT4 kind (engine/kernels/triton/
+  nvfp4_gemm.py), dequantized in its inner loop; where K (or a row-parallel rank's share of
+  it) is not a multiple of 64 or the blocks straddle rows, and without either kernel,
+  dequantized at load into the model dtype (its float weight's bytes; named in the start-up
+  log).
 - 8-bit: int8 rows with float32 row scales SCB / 127 on the C GEMM (`--quantization int8`'s
   kernel) on the CPU; dequantized into the model dtype elsewhere.
 """
@@ -157,6 +160,7 @@ class PartsLoader:
 def _register_parts(layer: nn.Module, parts: list[str], optional: tuple[str, ...] = ()) -> None:
     layer.bnb_parts = {}
     layer.bnb_names = []
+    layer.bnb_device = torch.empty(0).device  # the model's (create_weights runs under it)
     for part in parts:
         name = "weight" if part == "weight" else f"bnb_{part}"
         register(layer, name, torch.empty(0), PartsLoader(layer, part))
@@ -169,10 +173,10 @@ def _take_parts(layer: nn.Module) -> dict:
     placeholders dropped."""
     by_shard: dict = {}
     for (part, shard), t in layer.bnb_parts.items():
-        by_shard.setdefault(shard, {})[part] = t
+        by_shard.setdefault(shard, {})[part] = t.to(layer.bnb_device)
     for name in layer.bnb_names:
         delattr(layer, name)
-    del layer.bnb_parts, layer.bnb_names
+    del layer.bnb_parts, layer.bnb_names, layer.bnb_device
     return dict(sorted(by_shard.items(), key=lambda kv: _shard_rank(kv[0])))
 
 
@@ -206,7 +210,7 @@ def decode_4bit(parts: dict[str, torch.Tensor], name: str = "", shard=None
     if "nested_blocksize" in state:  # double quantization: absmax's own codes and scales
         nested = _need(parts, "nested_absmax", name, shard).float()
         levels = _need(parts, "nested_quant_map", name, shard).float()
-        idx = torch.arange(absmax.numel()) // int(state["nested_blocksize"])
+        idx = torch.arange(absmax.numel(), device=absmax.device) // int(state["nested_blocksize"])
         absmax = levels[absmax.long()] * nested[idx] + float(state["nested_offset"])
     return codes, absmax.float().reshape(-1), state
 
@@ -225,8 +229,8 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     blocks = w.float().reshape(n, k // ONLINE_BLOCK, ONLINE_BLOCK)
     absmax = blocks.abs().amax(-1).clamp_min(1e-12)
-    levels = torch.tensor(NF4_LEVELS)
-    codes = torch.empty(blocks.shape, dtype=torch.uint8)
+    levels = torch.tensor(NF4_LEVELS, device=w.device)
+    codes = torch.empty(blocks.shape, dtype=torch.uint8, device=w.device)
     for r0 in range(0, n, 256):  # bounded transient: [rows, K, 16] distances
         scaled = (blocks[r0 : r0 + 256] / absmax[r0 : r0 + 256, :, None]).unsqueeze(-1)
         codes[r0 : r0 + 256] = (scaled - levels).abs().argmin(-1).to(torch.uint8)
@@ -253,12 +257,15 @@ def _rank_cols(layer: nn.Module, t: torch.Tensor) -> torch.Tensor:
 
 
 class Bnb4bitLinearMethod(LinearMethodBase):
-    """A bitsandbytes 4-bit layer (module docstring). On the LUT4 kernel layer.weight is the
-    kernel's codes (uint8 [N, K / 2]), layer.lut4_scales and layer.lut4_levels its scales and
-    levels; dequantized, layer.weight is the float weight and layer.lut4_levels None."""
+    """A bitsandbytes 4-bit layer (module docstring). On the CPU's LUT4 kernel layer.weight is
+    the kernel's codes (uint8 [N, K / 2]), layer.lut4_scales and layer.lut4_levels its scales
+    and levels; on the Triton GEMM layer.weight is None and layer.lut4 the kernel's weight;
+    dequantized, layer.weight is the float weight and layer.lut4_levels None. triton: the
+    Triton GEMM (None: on CUDA; True: also for CPU tensors, the tests' way under
+    TRITON_INTERPRET=1)."""
 
-    def __init__(self, checkpoint: bool = True):
-        self.checkpoint = checkpoint
+    def __init__(self, checkpoint: bool = True, triton: bool | None = None):
+        self.checkpoint, self.triton = checkpoint, triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
         if not self.checkpoint:  # a float checkpoint: quantized after loading
@@ -271,7 +278,7 @@ class Bnb4bitLinearMethod(LinearMethodBase):
         layer.lut4_levels = None
         if self.checkpoint:
             codes, scales, levels, what = self._from_checkpoint(layer)
-            _finish(layer, codes, scales, levels, dtype, what)
+            self._finish(layer, codes, scales, levels, dtype, what)
             return
         w = layer.weight.data
         if w.shape[1] % ONLINE_BLOCK:
@@ -279,7 +286,8 @@ class Bnb4bitLinearMethod(LinearMethodBase):
             return
         codes, scales = quantize_nf4(w)
         del layer.weight
-        _finish(layer, codes, scales, torch.tensor(NF4_LEVELS), dtype, "NF4 quantized at load")
+        levels = torch.tensor(NF4_LEVELS, device=codes.device)
+        self._finish(layer, codes, scales, levels, dtype, "NF4 quantized at load")
 
     @staticmethod
     def _from_checkpoint(layer: nn.Module):
@@ -313,6 +321,11 @@ class Bnb4bitLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if layer.weight is None:  # the Triton GEMM (_finish)
+            from engine.kernels.triton.nvfp4_gemm import nvfp4_gemm
+
+            y = nvfp4_gemm(x, layer.lut4)
+            return y if bias is None else y + bias.to(y.dtype)
         if layer.lut4_levels is None:
             return linear_by_rows(layer, x, layer.weight, bias)
         from engine.kernels.cpu import lut4 as cpu_lut4
@@ -321,17 +334,38 @@ class Bnb4bitLinearMethod(LinearMethodBase):
             x, layer.weight, layer.lut4_scales, layer.lut4_levels, layer.in_features, bias
         )
 
+    def _finish(self, layer, codes, scales, levels, dtype, what: str) -> None:
+        """The layer's kernel form: LUT4 codes and scales (the CPU kernel's, or the Triton
+        GEMM's), or the float weight (scales None: codes is already the float32 weight)."""
+        triton_why = ""
+        if scales is not None and (
+            self.triton if self.triton is not None else codes.device.type == "cuda"
+        ):
+            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
+                from engine.kernels.triton.nvfp4_gemm import Lut4Weight
+            except ImportError as e:
+                triton_why = f"; triton is unavailable ({e})"
+            else:
+                layer.register_parameter("weight", None)
+                layer.lut4 = Lut4Weight.prepare(codes, scales, levels)
+                layer.quant_path = (
+                    f"{what} codes and float32 absmax per 64 (0.56 bytes a weight) on the LUT4 "
+                    "Triton GEMM (engine/kernels/triton/nvfp4_gemm.py), dequantized in its inner "
+                    "loop"
+                )
+                return
+        _finish_cpu(layer, codes, scales, levels, dtype, what, triton_why)
 
-def _finish(layer, codes, scales, levels, dtype, what: str) -> None:
-    """The layer's kernel form: LUT4 codes and scales, or the float weight (scales None: codes
-    is already the float32 weight)."""
+
+def _finish_cpu(layer, codes, scales, levels, dtype, what: str, triton_why: str = "") -> None:
+    """The CPU's LUT4 kernel, or the float weight."""
     from engine.kernels.cpu import lut4 as cpu_lut4
 
     if scales is None:
         why, w = "its blocks do not map onto scales per 64 along this rank's K", codes
     else:
         if codes.device.type != "cpu":
-            why = f"on {codes.device.type}: the LUT4 kernel runs on the CPU"
+            why = f"on {codes.device.type}: the LUT4 kernel runs on the CPU{triton_why}"
         elif not cpu_lut4.available():
             why = "the CPU kernels are not built"
         else:

@@ -2,7 +2,8 @@
 dequantize-then-matmul (engine.layers.quantization.nvfp4.dequantize_nvfp4, then F.linear in
 fp32): odd M and N, K with a last tile of 16 values, M = 1 and larger, split-K, per-row global
 scales, and every e2m1 code and e4m3 scale byte decoded exactly; the MXFP4 form (an E8M0 power
-of two per 32 values) likewise.
+of two per 32 values) likewise; and LUT4 (bitsandbytes' NF4 / FP4: a float32 table of 16 levels,
+a float32 absmax per 64 values) against engine.layers.quantization.bnb's dequantization.
 
 Without a GPU the kernel runs under Triton's interpreter on CPU tensors (tests/engine/
 conftest.py); on a GPU (benchmarks/gpu_session.sh) the same tests run it compiled.
@@ -16,7 +17,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from engine.kernels.triton.nvfp4_gemm import MxFp4Weight, NvFp4Weight, nvfp4_gemm  # noqa: E402
+from engine.kernels.triton.nvfp4_gemm import (  # noqa: E402
+    Lut4Weight,
+    MxFp4Weight,
+    NvFp4Weight,
+    nvfp4_gemm,
+)
 from engine.kernels.triton.quant_gemm import GemmLaunch  # noqa: E402
 from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4  # noqa: E402
 from engine.layers.quantization.nvfp4 import dequantize_nvfp4  # noqa: E402
@@ -138,3 +144,51 @@ def test_mxfp4_shapes_that_do_not_pair_are_refused():
         MxFp4Weight.prepare(
             torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
         )
+
+
+# -- LUT4 (bitsandbytes' NF4 / FP4) --------------------------------------------------------------
+
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0])  # fmt: skip
+
+
+def _lut_weight(n: int, k: int, seed: int):
+    """Random codes and absmax per 64 -> (the kernel's weight, W = NF4[code] * absmax in fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    absmax = torch.rand(n, k // 64, generator=gen) * 2 + 0.01
+    w = (NF4[codes.long()].view(n, k // 64, 64) * absmax.unsqueeze(-1)).view(n, k)
+    weight = Lut4Weight.prepare(codes.to(DEVICE), absmax.to(DEVICE), NF4.to(DEVICE))
+    return weight, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 320), (33, 130, 128), (70, 64, 192)])
+def test_lut4_matches_dequantize_then_matmul(m, n, k, dtype):
+    weight, w = _lut_weight(n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    got = nvfp4_gemm(x.to(DEVICE), weight)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _check(got, x, w, dtype)
+    launch = GemmLaunch(16, 32, 64, 3, 4, 2)  # split-K: partial sums
+    _check(nvfp4_gemm(x.to(DEVICE), weight, launch=launch), x, w, dtype)
+
+
+def test_every_lut4_code_decodes_exactly():
+    """One-hot rows of x read W's columns back in float32: each of the 16 codes in both
+    nibbles, times each row's absmax, is the table's value times it (bitsandbytes' product)."""
+    rows, k = 8, 64
+    codes = torch.arange(16, dtype=torch.uint8).repeat(rows, k // 16)
+    codes[1::2] = codes[1::2].flip(1)  # odd rows: the codes in the other nibbles
+    absmax = torch.rand(rows, 1, generator=torch.Generator().manual_seed(0)) + 0.5
+    weight = Lut4Weight.prepare(codes.to(DEVICE), absmax.to(DEVICE), NF4.to(DEVICE))
+    got = nvfp4_gemm(torch.eye(k, device=DEVICE), weight).t().cpu()
+    assert torch.equal(got, NF4[codes.long()] * absmax)
+
+
+def test_lut4_shapes_that_do_not_pair_are_refused():
+    with pytest.raises(ValueError, match="LUT4 codes .* do not pair"):
+        Lut4Weight.prepare(torch.zeros(4, 96, dtype=torch.uint8), torch.zeros(4, 1), NF4)

@@ -6,8 +6,9 @@ The reference is HF transformers on the same tiny model with every quantized wei
 bitsandbytes' own float32 dequantization of it. Checked: each loaded layer holds those values
 (bit for bit on the LUT4 kernel) and multiplies by them; greedy tokens follow the reference
 with no flag; blocksizes other than transformers' 64 (128: mapped onto the kernel's 64s; 32:
-dequantized at load); the dequantized fallback; TP=2; NF4 at load against bitsandbytes'
-quantize_4bit; start-up errors naming the field.
+dequantized at load); the dequantized fallback; TP=2; the CUDA path (the FP4 Triton GEMM's LUT4
+kind, under the interpreter without a GPU, and through the engine on one); NF4 at load against
+bitsandbytes' quantize_4bit; start-up errors naming the field.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.layers.quantization.checkpoint import (
 )
 from engine.models.loader import load_model
 from tests.engine.layers.quantization import quant_writers as qw
+from tests.engine.layers.quantization.test_nvfp4 import check_cuda_greedy, check_triton_layers
 from tests.engine.layers.quantization.test_quant_checkpoints import (
     GAP_TOL,
     MERGED,
@@ -201,6 +203,22 @@ def test_tp2_shards_give_the_logits_of_one_process(written, tmp_path):
         if fmt == "bnb-nf4-dq" and cpu_lut4.available():
             assert all("dequantized at load" in why for why in paths0[0]["o_proj"]), paths0
             assert all("LUT4" in why for why in paths0[0]["down_proj"]), paths0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["bnb-nf4-dq", "bnb-fp4"])
+def test_the_triton_gemm_serves_the_loaded_layers(written, fmt, dtype):
+    """The CUDA path (the FP4 Triton GEMM's LUT4 kind; under the interpreter without a GPU):
+    each layer holds the codes and absmax, no float copy, and multiplies by the package's
+    values rounded to the model dtype."""
+    _, folder, deq = written(fmt)
+    check_triton_layers(folder, deq, dtype, bnb.Bnb4bitLinearMethod, "lut4")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bnb-nf4-dq", "bnb-fp4"])
+def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
+    check_cuda_greedy(*written(fmt))
 
 
 # -- start-up refusals --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import gguf as cpu_gguf
-from engine.layers.quantization.checkpoint import build_config
+from engine.layers.quantization.checkpoint import build_config, resolve_checkpoint
 from engine.layers.quantization.nvfp4 import NvFp4LinearMethod, dequantize_nvfp4, to_gguf_nvfp4
 from tests.engine.layers.quantization import quant_writers as qw
 from tests.engine.layers.quantization.test_quant_checkpoints import (
@@ -234,7 +234,7 @@ def check_triton_layers(folder, deq: dict, dtype: str, method_cls, kernel_weight
     from engine.models.loader import load_model
 
     qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-    config = build_config("compressed-tensors", qcfg)
+    config = build_config(resolve_checkpoint(None, qcfg)[0], qcfg)
     model = load_model(folder, dtype=dtype, device=DEVICE,
                        prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
     for m in model.modules():

@@ -54,7 +54,7 @@ FORMATS = ("gptq", "awq", "gptq3", "bnb-nf4")
 BITS = {"gptq": 4, "awq": 4, "gptq3": 3, "bnb-nf4": 4}
 DEFAULT_FORMATS = ("gptq", "awq")
 GROUP = 32
-BUILD_VERSION = 1  # bump when what the checkpoints hold changes: cached ones are rebuilt
+BUILD_VERSION = 2  # bump when what the checkpoints hold changes: cached ones are rebuilt
 _QUANT_SUFFIXES = (
     ".qweight",
     ".qzeros",

@@ -446,7 +446,8 @@ BNB_FORMATS = {  # format id -> transformers' BitsAndBytesConfig arguments
 
 def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> tuple[Path, dict]:
     """src quantized by transformers with bitsandbytes (the package's own quantizers) and saved
-    as it saves: {layer: float32 weight, bitsandbytes' own dequantization} beside. blocksize:
+    as it saves: {layer: float32 weight, bitsandbytes' own dequantization (in src's dtype)}
+    beside. blocksize:
     the 4-bit layers requantized by bitsandbytes.functional at that blocksize (transformers
     always uses 64), their parts written under the names transformers gives them."""
     import bitsandbytes as bnb
@@ -454,8 +455,9 @@ def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> t
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     qcfg = BitsAndBytesConfig(**BNB_FORMATS[fmt], bnb_4bit_compute_dtype=torch.float32)
+    # the float tensors it leaves (embedding, norms) stay in src's dtype, as uploads keep them
     model = AutoModelForCausalLM.from_pretrained(
-        str(src), quantization_config=qcfg, device_map="cpu", dtype=torch.float32
+        str(src), quantization_config=qcfg, device_map="cpu", dtype="auto"
     )
     deq = {}
     for name, module in model.named_modules():

@@ -27,8 +27,9 @@ After loading:
   it) is not a multiple of 64 or the blocks straddle rows, and without either kernel,
   dequantized at load into the model dtype (its float weight's bytes; named in the start-up
   log).
-- 8-bit: int8 rows with float32 row scales SCB / 127 on the C GEMM (`--quantization int8`'s
-  kernel) on the CPU; dequantized into the model dtype elsewhere.
+- 8-bit: the integer formats' 8-bit per-channel path (GPTQ 8-bit's): int8 rows with float32
+  row scales SCB / 127 on the int8 C GEMM (`--quantization int8`'s kernel) on the CPU, the
+  Triton W8A16 GEMM on CUDA.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
-from engine.layers.quantization.int_weight import register, register_bias
+from engine.layers.quantization.int_weight import finish_int_layer, register, register_bias
 from engine.layers.quantization.unquantized import linear_by_rows
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -392,8 +393,12 @@ def _finish_cpu(layer, codes, scales, levels, dtype, what: str, triton_why: str 
 
 
 class BnbInt8LinearMethod(LinearMethodBase):
-    """An LLM.int8 layer: int8 rows and float32 scales SCB / 127 (layer.weight_scale) on the
-    C GEMM on the CPU; elsewhere the float weight (layer.weight_scale None)."""
+    """An LLM.int8 layer, given after loading to the integer formats' 8-bit per-channel path
+    (int_weight.finish_int_layer): int8 rows with float32 scales SCB / 127 on the int8 C GEMM
+    on the CPU, the Triton W8A16 GEMM on CUDA. triton: as Bnb4bitLinearMethod's."""
+
+    def __init__(self, triton: bool | None = None):
+        self.triton = triton
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
         _register_parts(layer, list(PARTS_8BIT.values()), ("weight_format",))
@@ -401,7 +406,6 @@ class BnbInt8LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         name = getattr(layer, "prefix", type(layer).__name__)
-        dtype = getattr(layer, "model_dtype", torch.get_default_dtype())
         rows, scb = [], []
         for shard, parts in _take_parts(layer).items():
             q, s = _need(parts, "weight", name, shard), _need(parts, "scb", name, shard)
@@ -414,28 +418,13 @@ class BnbInt8LinearMethod(LinearMethodBase):
                                  f"{tuple(s.shape)} is not int8 rows and their scales")  # fmt: skip
             rows.append(_rank_rows(layer, q))
             scb.append(_rank_rows(layer, s.float().reshape(-1, 1)))
-        q = _rank_cols(layer, torch.cat(rows)).contiguous()
-        scale = (torch.cat(scb).reshape(-1) / 127.0).contiguous()
-        if q.device.type == "cpu":
-            layer.weight = nn.Parameter(q, requires_grad=False)
-            layer.weight_scale = scale
-            layer.quant_path = (
-                "LLM.int8 rows with float32 row scales (SCB / 127) on the C GEMM, activations "
-                "in the model dtype"
-            )
-            return
-        layer.weight = nn.Parameter((q.float() * scale[:, None]).to(dtype), requires_grad=False)
-        layer.weight_scale = None
-        layer.quant_path = (
-            f"LLM.int8 dequantized at load into {str(dtype).removeprefix('torch.')} (the int8 "
-            "GEMM is the CPU's; the float weight's bytes)"
-        )
+        q = _rank_cols(layer, torch.cat(rows))
+        codes = (q.to(torch.int16) + 128).to(torch.uint8)  # unsigned, zero 128: symmetric
+        path = finish_int_layer(layer, codes, torch.cat(scb) / 127.0, None, None, 8, q.shape[1],
+                                triton=self.triton)  # fmt: skip
+        layer.quant_path = f"LLM.int8 as {path}, activations in the model dtype"
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if layer.weight_scale is None:
-            return linear_by_rows(layer, x, layer.weight, bias)
-        from engine.kernels.cpu import gemm as cpu_gemm
-
-        return cpu_gemm.linear(x, layer.weight, bias, layer.weight_scale)
+        raise RuntimeError("process_weights_after_loading gives the layer its method")

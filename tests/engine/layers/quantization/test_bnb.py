@@ -30,7 +30,11 @@ from engine.layers.quantization.checkpoint import (
 )
 from engine.models.loader import load_model
 from tests.engine.layers.quantization import quant_writers as qw
-from tests.engine.layers.quantization.test_nvfp4 import check_cuda_greedy, check_triton_layers
+from tests.engine.layers.quantization.test_nvfp4 import (
+    DEVICE,
+    check_cuda_greedy,
+    check_triton_layers,
+)
 from tests.engine.layers.quantization.test_quant_checkpoints import (
     GAP_TOL,
     MERGED,
@@ -99,7 +103,7 @@ def test_each_layer_holds_the_packages_values(written, fmt, dtype):
         checked += 1
     assert checked == 4 * model.config.num_hidden_layers
     if fmt == "bnb-int8":
-        assert all("LLM.int8 rows" in why for why in paths["qkv_proj"]), paths
+        assert all("LLM.int8 as int8 rows (int8 C GEMM)" in why for why in paths["qkv_proj"])
     elif cpu_lut4.available():
         lut = "LUT4 codes with float32 scales per 64"
         # blocks of 128 over K = 64 straddle rows (qkv, o, gate_up): those layers dequantized;
@@ -152,6 +156,23 @@ def test_greedy_tokens_follow_the_dequantized_reference(written, fmt, dtype):
     for prompt, got in zip(PROMPTS, _greedy(folder, dtype), strict=True):
         theirs, gaps = _hf_greedy(ref, prompt)
         _assert_greedy_agrees(got, theirs, gaps, GAP_TOL[dtype])
+
+
+def test_a_mixture_of_experts_keeps_its_experts_float(tiny_qwen3_moe_dir, tmp_path):
+    """transformers quantizes nn.Linear layers only: a Qwen3-MoE checkpoint's attention (and
+    the dense MLP of its mlp_only layer) is NF4, its stacked experts and routers stay float
+    (and load so); greedy tokens follow."""
+    folder, deq = qw.write_bnb(tiny_qwen3_moe_dir, tmp_path / "moe", "bnb-nf4")
+    assert any(".self_attn." in n for n in deq) and any(".mlp.down_proj" in n for n in deq)
+    assert not any(".experts" in n or n.endswith(".mlp.gate") for n in deq), sorted(deq)
+    model, paths = _load(folder, "float32")
+    assert "experts" not in paths, paths
+    if cpu_lut4.available():
+        assert all("LUT4" in why for why in paths["qkv_proj"]), paths
+    ref = qw.reference_model(tiny_qwen3_moe_dir, deq)
+    for prompt, got in zip(PROMPTS, _greedy(folder, "float32"), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(got, theirs, gaps, GAP_TOL["float32"])
 
 
 def test_nf4_at_load_rounds_as_bitsandbytes_does(tiny_llama_dir):
@@ -213,6 +234,34 @@ def test_the_triton_gemm_serves_the_loaded_layers(written, fmt, dtype):
     values rounded to the model dtype."""
     _, folder, deq = written(fmt)
     check_triton_layers(folder, deq, dtype, bnb.Bnb4bitLinearMethod, "lut4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_layers_take_the_triton_w8a16_gemm(written, dtype):
+    """LLM.int8 on the CUDA path: the integer formats' Triton W8A16 GEMM (under the
+    interpreter without a GPU), codes q + 128 with SCB / 127 per row."""
+    pytest.importorskip("triton")
+    from engine.layers.quantization.int_weight import TritonIntLinearMethod
+
+    _, folder, deq = written("bnb-int8")
+    qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    config = build_config("bitsandbytes", qcfg)
+    model = load_model(folder, dtype=dtype, device=DEVICE,
+                       prepare=functools.partial(apply_checkpoint_methods, config=config))  # fmt: skip
+    for m in model.modules():
+        if isinstance(getattr(m, "quant_method", None), bnb.BnbInt8LinearMethod):
+            m.quant_method.triton = True
+    paths = finish_checkpoint_methods(model, config)
+    assert all("Triton W8A16 GEMM" in why for why in paths["down_proj"]), paths
+    torch_dtype = getattr(torch, dtype)
+    for name, layer, parts in _layers(model):
+        assert isinstance(layer.quant_method, TritonIntLinearMethod) and layer.weight is None
+        want_w = torch.cat([deq[p] for p in parts])
+        x = torch.randn(3, want_w.shape[1], generator=torch.Generator().manual_seed(0))
+        got = layer.quant_method.apply(layer, x.to(torch_dtype).to(DEVICE)).float().cpu()
+        want = F.linear(x.to(torch_dtype).float(), want_w.to(torch_dtype).float())
+        tol = 1e-5 if dtype == "float32" else 1.5e-2
+        assert (got - want).abs().max() <= tol * want.abs().max(), name
 
 
 @pytest.mark.cuda

@@ -246,6 +246,8 @@ def _title(result: dict, path: str) -> str:
     if path == "reference":
         q = result["paths"].get("reference", {}).get("quantization")
         return f"{result['model']} ({q or 'unquantized'})"
+    if path.startswith("bnb"):
+        return "bitsandbytes NF4 (absmax per 64, double-quantized)"
     sym = result["sym"] and path.startswith("gptq")
     return f"{path.rstrip('3').upper()} {BITS[path]}-bit g{GROUP} {'sym' if sym else 'asym'}"
 

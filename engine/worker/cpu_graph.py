@@ -10,7 +10,7 @@ than the Python: after each of those calls the engine thread had to win the GIL 
 the HTTP thread's per-token work; now it does once a step (Zen 4, w4a8 + int8 KV: one
 stream's TPOT 14-14.5 -> 7-8.3 ms; 32 streams +26%, 128 streams +8-12%).
 
-Three kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the
+Four kinds of step, each exactly where the layers take that path: W4, 1-12 rows on the
 4-bit copies (`--quantization w4a8`, engine.kernels.cpu.w4, or a GGUF file's Q4_0/Q4_1 blocks
 as the same tiles: `--quantization gguf`, the CPU's default for a .gguf model; every batch of
 those tiles on a CPU with AVX2 but no AVX-512, whose w4 kernel takes any number of rows, or
@@ -20,7 +20,8 @@ tiles decoded into AMX-bf16 GEMMs, gate_up with SiLU-and-mul in its epilogue; Sm
 on two Xeon cores: 16 / 32 / 128-row steps 0.71 / 0.76 / 0.87x the modules' time); W8A8,
 13-1,024 rows on int8 activations and the packed int8 GEMM (w8a8 and w4a8,
 engine.kernels.cpu.w8a8); where that GEMM runs on AMX tiles the boundary is 8 rows
-(w8a8.AMX_W8A8_MIN_ROWS). It needs one tensor-parallel
+(w8a8.AMX_W8A8_MIN_ROWS); LUT4, 1-8 rows of a bitsandbytes 4-bit checkpoint's layers
+(engine.kernels.cpu.lut4's dot kernel, up to its DOT_MAX_ROWS). It needs one tensor-parallel
 rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
 attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it
 does not fit, runs the modules (a model with sliding-window layers too: the plan passes no
@@ -41,6 +42,7 @@ from engine.kernels.cpu import amx_bf16 as cpu_amx
 from engine.kernels.cpu import fused_ops as cpu_fused
 from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import lora as cpu_lora
+from engine.kernels.cpu import lut4 as cpu_lut4
 from engine.kernels.cpu import ops
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.kernels.cpu import w8a8 as cpu_w8a8
@@ -48,6 +50,7 @@ from engine.kernels.cpu.ops import Layer as _Layer
 from engine.kernels.cpu.ops import LoraLayer as _LoraLayer
 from engine.kernels.cpu.ops import Shape as _Shape
 from engine.kernels.cpu.ops import Step as _Step
+from engine.layers.quantization.bnb import Bnb4bitLinearMethod
 from engine.layers.quantization.gguf import GGUFW4LinearMethod
 from engine.layers.quantization.w4a8 import W4A8LinearMethod
 from engine.layers.quantization.w8a8 import W8A8LinearMethod
@@ -60,7 +63,7 @@ def enabled() -> bool:
     return os.environ.get("TESSERA_DECODE_PLAN", "1") != "0"
 
 
-W4, W8A8, W4_AMX = 0, 1, 2  # the plan's kinds of step
+W4, W8A8, W4_AMX, LUT4 = 0, 1, 2, 3  # the plan's kinds of step
 
 
 def _linears(layer: torch.nn.Module) -> tuple:
@@ -72,9 +75,19 @@ def _has_w4(m) -> bool:  # w4a8's 4-bit copy, or a GGUF layer's repacked Q4 bloc
     return isinstance(m.quant_method, (W4A8LinearMethod, GGUFW4LinearMethod)) and m.w4 is not None
 
 
+def _has_lut4(m) -> bool:  # a bitsandbytes 4-bit layer on the CPU's LUT4 kernel
+    return (
+        isinstance(m.quant_method, Bnb4bitLinearMethod)
+        and m.weight is not None
+        and m.lut4_levels is not None
+    )
+
+
 def _in_features(m) -> int:  # a GGUF w4 layer's weight is its tiles' bytes
     if _has_w4(m):
         return m.w4.in_features
+    if _has_lut4(m):  # its weight is the codes, two a byte
+        return m.in_features
     if m.weight is None:  # a quantized checkpoint's fallback layer: no weight of that shape
         return m.in_features
     return m.weight.shape[1]
@@ -100,11 +113,13 @@ class DecodePlan:
     graph_bytes = 0
     takes_lora = False  # set per plan: steps with LoRA adapters run here too
 
-    def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool):
+    def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool,
+                 lut4: bool = False):  # fmt: skip
         layers = model.layers
         a0 = layers[0].self_attn
         self._run_fn = run_fn
         self.w4, self.w8a8, self.w4_amx = w4, w8a8, w4_amx  # the kinds of step the layers run
+        self.lut4 = lut4
         self._first_linears = _linears(layers[0])  # their row thresholds are every layer's
         self._shape = _Shape(
             hidden=model.norm.weight.shape[0], heads=a0.num_heads, kv_heads=a0.num_kv_heads,
@@ -157,6 +172,9 @@ class DecodePlan:
                 None if scales is None else ptr(scales[0]),
                 None if scales is None else ptr(scales[1]),
                 (_P * 4)(*(lora(m) for m in linears)),
+                (_P * 4)(*(ptr(m.weight) if lut4 else None for m in linears)),
+                (_P * 4)(*(ptr(m.lut4_scales) if lut4 else None for m in linears)),
+                (_P * 4)(*(ptr(m.lut4_levels) if lut4 else None for m in linears)),
             )  # fmt: skip
         # a step with adapters runs here only where every LoRA layer's slots are the C kernel's
         self.takes_lora = self._lora_batch is not None
@@ -183,7 +201,8 @@ class DecodePlan:
         # the MLP's SiLU pass inside gate_up's GEMM (mlp_w8a8's path) needs I % 16 == 0
         inter = _in_features(model.layers[0].mlp.down_proj)
         w8a8 = all(_has_w8a8(m) for m in linears) and inter % 16 == 0
-        if not (w4 or w8a8):
+        lut4 = all(_has_lut4(m) for m in linears)
+        if not (w4 or w8a8 or lut4):
             return None
         w4_amx = w4 and cpu_isa.plan().amx and cpu_amx.available() and all(map(_amx_w4, linears))
         for layer in model.layers:
@@ -215,7 +234,7 @@ class DecodePlan:
         run_fn = ops.function("run_decode")
         if run_fn is None:
             return None
-        return cls(model, run_fn, w4, w8a8, w4_amx)
+        return cls(model, run_fn, w4, w8a8, w4_amx, lut4)
 
     @classmethod
     def reserve_bytes(cls, config: StepGraphConfig) -> int:
@@ -236,6 +255,8 @@ class DecodePlan:
         kd = meta.kernel_decode
         if kd is None or kd.num_rows != rows or meta.decode_groups or meta.prefills:
             return None
+        if self.lut4:  # the layers' dot kernel's rows (above: dequantized slices, the modules)
+            return LUT4 if 1 <= rows <= cpu_lut4.DOT_MAX_ROWS else None
         # where the layers' thresholds differ (AMX for some K only), the rows between them
         # mix both paths: the modules run those steps
         firsts = [m.quant_method.w8a8_min_rows(m, _in_features(m)) for m in self._first_linears]

@@ -180,7 +180,8 @@ class Layer(ctypes.Structure):
     _fields_ = [
         ("in_norm", _P), ("post_norm", _P), ("w4", _P * 4), ("bias", _P * 4),
         ("packed", _P * 4), ("wscale", _P * 4), ("k_cache", _P), ("v_cache", _P),
-        ("k_scales", _P), ("v_scales", _P), ("lora", _P * 4),
+        ("k_scales", _P), ("v_scales", _P), ("lora", _P * 4), ("lut4", _P * 4),
+        ("lut4_scales", _P * 4), ("lut4_levels", _P * 4),
     ]  # fmt: skip
 
 

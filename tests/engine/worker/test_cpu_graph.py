@@ -195,3 +195,40 @@ def test_plan_with_lora_adapters_writes_what_the_modules_write(tiny_llama_dir, t
     llm.shutdown()
     assert with_plan == without
     assert plan.runs, "no step ran in the plan"
+
+
+def test_plan_on_bitsandbytes_nf4_writes_what_the_modules_write(tiny_llama_dir, tmp_path):
+    """A bitsandbytes NF4 checkpoint (transformers + bitsandbytes' own) on the LUT4 kernel: the
+    plan's LUT4 steps take exactly the dot kernel's rows (1-8), with the same tokens and
+    logprobs as the modules on the same weights; larger steps stay with the modules."""
+    pytest.importorskip("bitsandbytes")
+    from engine import LLM, SamplingParams
+    from engine.kernels.cpu import lut4 as cpu_lut4
+    from tests.engine.layers.quantization import quant_writers as qw
+
+    if not cpu_lut4.available():
+        pytest.skip("the LUT4 kernel needs the CPU kernels")
+    folder, _ = qw.write_bnb(tiny_llama_dir, tmp_path / "nf4", "bnb-nf4-dq")
+    llm = LLM(
+        str(folder), dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False,
+        max_num_seqs=16,
+    )  # fmt: skip
+    runner = llm.engine.executor.runner
+    plan = runner._step_graph
+    assert plan is not None and plan.lut4 and not (plan.w4 or plan.w8a8)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, logprobs=3)
+    batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 5, 14)]
+
+    def run() -> list:
+        outs = []
+        for prompts in batches:
+            outs += llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+
+    with_plan = run()
+    runner._step_graph = None  # the modules, on the same weights and KV cache
+    without = run()
+    llm.shutdown()
+    assert with_plan == without
+    assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
+    assert max(plan.runs) <= cpu_lut4.DOT_MAX_ROWS, plan.runs

@@ -158,6 +158,8 @@ typedef struct {
   void *k_cache, *v_cache;
   float *k_scales, *v_scales;
   const LoraLayer* lora[4];  /* qkv, o, gate_up, down's LoRA slots, or NULL */
+  const uint8_t* lut4[4];    /* bitsandbytes 4-bit (lut4.c): codes, scales, levels, or NULL */
+  const float *lut4_scales[4], *lut4_levels[4];
 } Layer;
 typedef struct {
   int64_t rows, max_blocks, scratch_size;

@@ -17,7 +17,9 @@ from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
+# bitsandbytes: vLLM's name for its bitsandbytes loader, taken as safetensors with
+# quantization bitsandbytes (ModelConfig)
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy", "bitsandbytes")
 # --kv-cache-dtype's values: KV_CACHE_DTYPE_CHOICES, the KV cache specs' registry
 # (engine.attention.kv_spec), imported above; CacheConfig.kv_cache_dtype says what each stores.
 
@@ -167,7 +169,7 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own context length
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy (| bitsandbytes: vLLM's)
     # None (unset: gguf for a .gguf model on the CPU, else none) | none (float weights: a
     # .gguf model dequantized) | int8 (weight-only) | w8a8 | w4a8 | gguf (a GGUF file's own
     # quantization) (CPU); engine.layers.quantization.resolve_method decides an unset one
@@ -204,6 +206,13 @@ class ModelConfig:
             f"load_format must be one of {', '.join(LOAD_FORMAT_CHOICES)}; "
             f"got {self.load_format!r}",
         )
+        if self.load_format == "bitsandbytes":  # vLLM's spelling of a bitsandbytes model
+            _check(
+                self.quantization in (None, "bitsandbytes"),
+                "load_format bitsandbytes loads a bitsandbytes model: quantization must be "
+                f"bitsandbytes or unset; got {self.quantization!r}",
+            )
+            self.load_format, self.quantization = "safetensors", "bitsandbytes"
         _check(
             self.quantization in (None, *QUANTIZATION_CHOICES),
             f"quantization must be {', '.join(QUANTIZATION_CHOICES)} or unset; "

@@ -307,3 +307,16 @@ def test_a_missing_statistic_fails_naming_the_layer(written, tmp_path):
         _load(broken, "float32")
     cfg = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "bitsandbytes" and cfg["bnb_4bit_use_double_quant"]
+
+
+def test_vllms_load_format_bitsandbytes_means_this_format():
+    """vLLM's `--load-format bitsandbytes` (its older docs pair it with --quantization
+    bitsandbytes): safetensors, read as bitsandbytes; with another method, an error naming both."""
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig(model="m", load_format="bitsandbytes")
+    assert (cfg.load_format, cfg.quantization) == ("safetensors", "bitsandbytes")
+    cfg = ModelConfig(model="m", load_format="bitsandbytes", quantization="bitsandbytes")
+    assert (cfg.load_format, cfg.quantization) == ("safetensors", "bitsandbytes")
+    with pytest.raises(ValueError, match="load_format bitsandbytes .* got 'gptq'"):
+        ModelConfig(model="m", load_format="bitsandbytes", quantization="gptq")

@@ -35,6 +35,7 @@ After loading:
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -107,6 +108,28 @@ class BitsAndBytesConfig(QuantizationConfig):
     def checkpoint_name(self, name: str) -> str:
         return checkpoint_name(name)
 
+    def prepare_model(self, model: nn.Module) -> None:
+        """Routers and shared-expert gates (ReplicatedGate: no linear method) take whatever the
+        checkpoint holds, a float weight or bitsandbytes' parts (transformers quantizes Qwen2-MoE's
+        shared_expert_gate, an nn.Linear), decoded to float at load: they are small."""
+        from engine.layers.moe import ReplicatedGate
+
+        for module in model.modules():
+            if isinstance(module, ReplicatedGate):
+                device = module.weight.device
+                del module.weight
+                with torch.device(device):
+                    _register_parts(module, ALL_PARTS, tuple(p for p in ALL_PARTS if p != "weight"))
+
+    def finish_model(self, model: nn.Module) -> None:
+        from engine.layers.moe import ReplicatedGate
+
+        for name, module in model.named_modules():
+            if isinstance(module, ReplicatedGate) and hasattr(module, "bnb_parts"):
+                dtype = module.bias.dtype if module.bias is not None else model_dtype(model)
+                w = _gate_weight(module, name)
+                module.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+
     def experts_method(self, prefix: str, sources: list[str]):
         """transformers quantizes nn.Linear layers only: stacked MoE experts stay float."""
         return None
@@ -134,15 +157,45 @@ PARTS_4BIT = {
 }
 NESTED_PARTS = ("nested_absmax", "nested_quant_map")  # double quantization's
 PARTS_8BIT = {"weight": "weight", "SCB": "scb", "weight_format": "weight_format"}
+ALL_PARTS = sorted({*PARTS_4BIT.values(), *PARTS_8BIT.values()})
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    return model.model.embed_tokens.weight.dtype
+
+
+def _gate_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """A ReplicatedGate's float32 weight from its loaded parts: as stored, or bitsandbytes'
+    4-bit / 8-bit weight decoded."""
+    (parts,) = _take_parts(module).values()
+    if "quant_state" in parts:
+        codes, absmax, state = decode_4bit(parts, name)
+        levels = _need(parts, "quant_map", name, None).float()
+        return dequantized_4bit_weight(codes, absmax, levels, int(state["blocksize"]))
+    w = _need(parts, "weight", name, None)
+    if "scb" in parts:
+        return w.float() * (parts["scb"].float().reshape(-1, 1) / 127.0)
+    return w.float()
+
+
+# a MoE layer's experts quantized one by one (transformers before 5 held them as nn.Linear)
+_EXPERT_PART = re.compile(r"\.experts\.\d+\.\w+\.(weight\.|SCB$)")
 
 
 def checkpoint_name(name: str) -> str:
     """A checkpoint tensor's name as the layer registers it: bitsandbytes' statistics
     (`q_proj.weight.absmax`, `q_proj.weight.quant_state.bitsandbytes__nf4`, `q_proj.SCB`) under
     one parameter name each (`q_proj.bnb_absmax`, `q_proj.bnb_quant_state`, `q_proj.bnb_scb`);
-    other names unchanged."""
+    other names unchanged. Quantized MoE experts are a ValueError naming them."""
     for suffix, part in (*PARTS_4BIT.items(), *PARTS_8BIT.items()):
         if part != "weight" and name.endswith(f".{suffix}"):
+            if _EXPERT_PART.search(name):
+                raise ValueError(
+                    f"{name}: this bitsandbytes checkpoint quantizes a mixture of experts' "
+                    "experts one by one (transformers before 5 held them as nn.Linear layers); "
+                    "Tessera serves bitsandbytes attention, dense and shared-expert layers, "
+                    "with the stacked experts float (as transformers 5 saves them)"
+                )
             return f"{name[: -len(suffix)]}bnb_{part}"
     return name
 

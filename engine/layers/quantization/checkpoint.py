@@ -80,6 +80,13 @@ class QuantizationConfig:
         before it places the tensor; bitsandbytes' dotted statistics get names of their own)."""
         return name
 
+    def prepare_model(self, model: nn.Module) -> None:
+        """Before loading, after the linear layers' methods: the format's other modules (the
+        bitsandbytes routers' statistics)."""
+
+    def finish_model(self, model: nn.Module) -> None:
+        """After loading, before the linear layers' kernel forms: prepare_model's modules."""
+
     def check_lm_head(self) -> None:
         """Raise where the checkpoint quantizes the LM head (Tessera keeps it in float)."""
 
@@ -154,6 +161,7 @@ def apply_checkpoint_methods(model: nn.Module, config: QuantizationConfig) -> se
             torch.set_default_dtype(old)
         module.checkpoint_method = True
     _apply_experts_methods(model, config, dtype)
+    config.prepare_model(model)
     return set()
 
 
@@ -183,6 +191,7 @@ def finish_checkpoint_methods(model: nn.Module, config: QuantizationConfig) -> d
     (the LM head's included), also logged."""
     from engine.layers.quantization.experts import ExpertProjection
 
+    config.finish_model(model)
     paths: dict[str, Counter] = {}
     for module in list(model.modules()):
         method = getattr(module, "experts_method", None)

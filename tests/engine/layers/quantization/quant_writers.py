@@ -446,12 +446,13 @@ BNB_FORMATS = {  # format id -> transformers' BitsAndBytesConfig arguments
 
 def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> tuple[Path, dict]:
     """src quantized by transformers with bitsandbytes (the package's own quantizers) and saved
-    as it saves: {layer: float32 weight, bitsandbytes' own dequantization (in src's dtype)}
-    beside. blocksize:
-    the 4-bit layers requantized by bitsandbytes.functional at that blocksize (transformers
-    always uses 64), their parts written under the names transformers gives them."""
+    as it saves: {layer: float32 weight, bitsandbytes' own dequantization (of src's dtype)}
+    beside. blocksize: the 4-bit layers requantized by bitsandbytes.functional at that
+    blocksize (transformers always uses 64), their parts under the names transformers gives
+    them."""
     import bitsandbytes as bnb
     from bitsandbytes import functional as bnbf
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     qcfg = BitsAndBytesConfig(**BNB_FORMATS[fmt], bnb_4bit_compute_dtype=torch.float32)
@@ -459,34 +460,36 @@ def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> t
     model = AutoModelForCausalLM.from_pretrained(
         str(src), quantization_config=qcfg, device_map="cpu", dtype="auto"
     )
-    deq = {}
+    deq, four_bit = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            deq[name] = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+            four_bit[name] = (module.weight.data, module.weight.quant_state)
         elif isinstance(module, bnb.nn.Linear8bitLt):
             deq[name] = bnbf.int8_vectorwise_dequant(module.weight.data, module.weight.SCB).float()
     model.save_pretrained(str(dst))
     for f in src.iterdir():  # the tokenizer
         if not (dst / f.name).exists():
             shutil.copy(f, dst / f.name)
-    if blocksize is not None:
-        from safetensors.torch import save_file
-
-        state, double = _state(dst), fmt.endswith("-dq")
-        for name in deq:
-            w = _state(src)[f"{name}.weight"]
+    state, floats = _state(dst), _state(src)
+    kind = BNB_FORMATS[fmt].get("bnb_4bit_quant_type")
+    double = bool(BNB_FORMATS[fmt].get("bnb_4bit_use_double_quant"))
+    for name, (q, qs) in four_bit.items():
+        w = floats[f"{name}.weight"].to(model.dtype)
+        if blocksize is not None:
             for key in [k for k in state if k.startswith(f"{name}.weight")]:
                 del state[key]
             q, qs = bnbf.quantize_4bit(w, blocksize=blocksize, compress_statistics=double,
-                                       quant_type=BNB_FORMATS[fmt]["bnb_4bit_quant_type"])  # fmt: skip
+                                       quant_type=kind)  # fmt: skip
             state[f"{name}.weight"] = q
             state.update({f"{name}.weight.{k}": v for k, v in qs.as_dict(packed=True).items()})
-            # bitsandbytes 0.50's CPU dequantize_4bit misreads blocks longer than a row (they
-            # run over the flat weight); the same blocks one to a row read right
-            rows = w.reshape(-1, blocksize)
-            q2, qs2 = bnbf.quantize_4bit(rows, blocksize=blocksize, compress_statistics=double,
-                                         quant_type=BNB_FORMATS[fmt]["bnb_4bit_quant_type"])  # fmt: skip
-            assert torch.equal(q2, q) and torch.equal(qs2.absmax, qs.absmax)
-            deq[name] = bnbf.dequantize_4bit(q2, qs2).float().reshape(w.shape)
+        # bitsandbytes 0.50's CPU dequantize_4bit misreads blocks that straddle rows (K not a
+        # multiple of the blocksize: quantize_4bit's blocks run over the flat weight); the same
+        # blocks laid one to a row read right
+        rows = w.reshape(-1, qs.blocksize)
+        q2, qs2 = bnbf.quantize_4bit(rows, blocksize=qs.blocksize, compress_statistics=double,
+                                     quant_type=kind)  # fmt: skip
+        assert torch.equal(q2.reshape(-1), q.reshape(-1)) and torch.equal(qs2.absmax, qs.absmax)
+        deq[name] = bnbf.dequantize_4bit(q2, qs2).float().reshape(w.shape)
+    if blocksize is not None:
         save_file(state, str(dst / "model.safetensors"))
     return dst, deq

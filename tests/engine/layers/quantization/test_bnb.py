@@ -175,6 +175,41 @@ def test_a_mixture_of_experts_keeps_its_experts_float(tiny_qwen3_moe_dir, tmp_pa
         _assert_greedy_agrees(got, theirs, gaps, GAP_TOL["float32"])
 
 
+def test_qwen2_moe_shared_expert_and_its_gate_are_served(tiny_qwen2_moe_dir, tmp_path):
+    """transformers 5 quantizes Qwen2-MoE's shared expert and its gate (nn.Linear layers): the
+    shared expert runs as a dense MLP on the 4-bit paths, the [1, H] gate is decoded to float at
+    load (exactly the package's values); greedy tokens follow."""
+    folder, deq = qw.write_bnb(tiny_qwen2_moe_dir, tmp_path / "moe", "bnb-nf4")
+    gate = "model.layers.0.mlp.shared_expert_gate"
+    assert gate in deq and "model.layers.0.mlp.shared_expert.down_proj" in deq
+    model, paths = _load(folder, "float32")
+    assert "experts" not in paths, paths
+    loaded = dict(model.named_modules())[gate].weight
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, deq[gate])
+    ref = qw.reference_model(tiny_qwen2_moe_dir, deq)
+    for prompt, got in zip(PROMPTS, _greedy(folder, "float32"), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(got, theirs, gaps, GAP_TOL["float32"])
+
+
+def test_experts_quantized_one_by_one_are_refused_naming_them(written, tmp_path):
+    """transformers before 5 held a MoE's experts as nn.Linear layers and bitsandbytes
+    quantized each: a start-up error naming the tensor, not a half-loaded model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "experts"
+    shutil.copytree(written("bnb-nf4")[1], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight.absmax"
+    state[name] = torch.ones(4)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{name}: this bitsandbytes checkpoint quantizes a "
+                       "mixture of experts' experts one by one"):  # fmt: skip
+        _load(folder, "float32")
+
+
 def test_nf4_at_load_rounds_as_bitsandbytes_does(tiny_llama_dir):
     """`--quantization bitsandbytes` on a float checkpoint: NF4 codes and absmax per 64 equal
     bitsandbytes' quantize_4bit of the same weight (its thresholds are the levels' midpoints),

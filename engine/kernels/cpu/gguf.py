@@ -61,21 +61,12 @@ def available() -> bool:
 
 def isa_names() -> list[str]:
     """The variants this build has, slowest first."""
-    fn = ops.function("gguf_isa_max")
-    top = -1 if fn is None else fn()
-    return [n for n, v in ISAS.items() if v <= top]
+    return ops.variant_names("gguf_isa_max", ISAS)
 
 
-@contextlib.contextmanager
-def forced_isa(name: str) -> Iterator[None]:
+def forced_isa(name: str):
     """Run gguf_linear's `name` variant inside the block (the tests' way to reach them all)."""
-    var = ops.variable("gguf_isa")
-    old = var.value
-    var.value = ISAS[name]
-    try:
-        yield
-    finally:
-        var.value = old
+    return ops.forced_variable("gguf_isa", ISAS[name])
 
 
 def block_weights(type_id: int) -> int:

@@ -15,9 +15,6 @@ weight j + 16; scales float32 [N, K/64]. K must be a multiple of 64.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from engine.kernels.cpu import gemm as cpu_gemm
@@ -42,21 +39,12 @@ def available() -> bool:
 
 def isa_names() -> list[str]:
     """The variants this build has, slowest first."""
-    fn = ops.function("lut4_isa_max")
-    top = -1 if fn is None else fn()
-    return [n for n, v in ISAS.items() if v <= top]
+    return ops.variant_names("lut4_isa_max", ISAS)
 
 
-@contextlib.contextmanager
-def forced_isa(name: str) -> Iterator[None]:
+def forced_isa(name: str):
     """Run the `name` variant inside the block (the tests' way to reach them all)."""
-    var = ops.variable("lut4_isa")
-    old = var.value
-    var.value = ISAS[name]
-    try:
-        yield
-    finally:
-        var.value = old
+    return ops.forced_variable("lut4_isa", ISAS[name])
 
 
 def _check_k(k: int) -> None:

@@ -11,10 +11,12 @@ functions here: function(name), or library() for getattr by a dtype-suffixed nam
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from engine.kernels.cpu import build
@@ -272,3 +274,24 @@ def variable(name: str):
         return VARIABLES[name].in_dll(lib, name)
     except ValueError:  # not in the library
         return None
+
+
+def variant_names(max_function: str, variants: dict[str, int]) -> list[str]:
+    """The variants (name -> the kernel's value) a kernel with a run-time choice has in this
+    build, slowest first: those up to what `max_function` returns (gguf_isa_max, ...)."""
+    fn = function(max_function)
+    top = -1 if fn is None else fn()
+    return [n for n, v in variants.items() if v <= top]
+
+
+@contextlib.contextmanager
+def forced_variable(name: str, value: int) -> Iterator[None]:
+    """The exported int `name` set to value inside the block (the tests' way to reach each
+    variant of a kernel: gguf_isa, lut4_isa)."""
+    var = variable(name)
+    old = var.value
+    var.value = value
+    try:
+        yield
+    finally:
+        var.value = old

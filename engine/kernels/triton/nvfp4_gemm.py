@@ -189,14 +189,11 @@ class MxFp4Weight(NvFp4Weight):
 
 
 @dataclass(slots=True)
-class Lut4Weight:
+class Lut4Weight(NvFp4Weight):
     """One linear's bitsandbytes 4-bit weight as the kernel reads it: `packed` uint8 [N, K / 2]
     (value 2j in byte j's low nibble, as the FP4 kinds), `scales` float32 [K / 64, N] (absmax,
-    group-major), `table` float32 [16] (the levels), `global_scale` ones [N] (unread)."""
+    group-major), `global_scale` ones [N] (unread), `table` float32 [16] (the levels)."""
 
-    packed: torch.Tensor
-    scales: torch.Tensor
-    global_scale: torch.Tensor
     table: torch.Tensor
     group = LUT_GROUP
     kind = 2
@@ -219,14 +216,6 @@ class Lut4Weight:
     @property
     def levels(self) -> torch.Tensor:
         return self.table
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * 2
 
 
 def nvfp4_gemm(

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase
-from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
+from engine.layers.quantization.checkpoint import QuantizationConfig, kept_float, unsupported
 from engine.layers.quantization.int_weight import finish_int_layer, register, register_bias
 from engine.layers.quantization.unquantized import linear_by_rows
 
@@ -93,14 +93,8 @@ class BitsAndBytesConfig(QuantizationConfig):
         return cls(4, "nf4", [], checkpoint=False)
 
     def linear_method(self, prefix: str, sources: list[str]) -> LinearMethodBase | None:
-        skipped = [any(s in src for s in self.skip) for src in sources]
-        if all(skipped) and self.skip:
+        if kept_float(sources, self.skip, "llm_int8_skip_modules"):
             return None
-        if any(skipped):
-            raise ValueError(
-                f"quantization_config.llm_int8_skip_modules keeps some of {sources} in float "
-                "and not the others: they run as one merged layer"
-            )
         if self.bits == 8:
             return BnbInt8LinearMethod()
         return Bnb4bitLinearMethod(self.checkpoint)

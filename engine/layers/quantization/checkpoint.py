@@ -40,6 +40,20 @@ def unsupported(field: str, value: Any, supported: str) -> ValueError:
     )
 
 
+def kept_float(sources: list[str], skip: list[str], field: str) -> bool:
+    """Whether the layer merged from `sources` stays float by the config's list of names to
+    skip (`field`, named in the error where it keeps some of the merged parts and not others)."""
+    skipped = [any(s in src for s in skip) for src in sources]
+    if skip and all(skipped):
+        return True
+    if any(skipped):
+        raise ValueError(
+            f"quantization_config.{field} keeps some of {sources} in float and not the others: "
+            "they run as one merged layer"
+        )
+    return False
+
+
 class QuantizationConfig:
     """A checkpoint format's settings (subclasses: one per format)."""
 

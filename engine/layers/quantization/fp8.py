@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.kernels.fp8 import Fp8Linear, supports_fp8_matmul
 from engine.layers.quantization.base import LinearMethodBase
-from engine.layers.quantization.checkpoint import QuantizationConfig, unsupported
+from engine.layers.quantization.checkpoint import QuantizationConfig, kept_float, unsupported
 from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.packed import ShardLoader, ignored_loader
@@ -75,14 +75,8 @@ class Fp8Config(QuantizationConfig):
         return cls(False, [])
 
     def linear_method(self, prefix: str, sources: list[str]) -> LinearMethodBase | None:
-        skipped = [any(s in src for s in self.skip) for src in sources]
-        if all(skipped) and self.skip:
+        if kept_float(sources, self.skip, "ignored_layers"):
             return None
-        if any(skipped):
-            raise ValueError(
-                f"quantization_config.ignored_layers keeps some of {sources} in float and not "
-                "the others: they run as one merged layer"
-            )
         if self.block is not None:
             return Fp8BlockLinearMethod(self.block, "weight_scale_inv", "weight_block_size")
         return Fp8LinearMethod(self.checkpoint, input_scale=self.activation_scheme == "static")

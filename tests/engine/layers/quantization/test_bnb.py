@@ -355,3 +355,17 @@ def test_vllms_load_format_bitsandbytes_means_this_format():
     assert (cfg.load_format, cfg.quantization) == ("safetensors", "bitsandbytes")
     with pytest.raises(ValueError, match="load_format bitsandbytes .* got 'gptq'"):
         ModelConfig(model="m", load_format="bitsandbytes", quantization="gptq")
+
+
+def test_llm_int8_skip_modules_keeps_whole_layers_float():
+    """A skipped module stays float; a merged layer whose parts the list splits is an error
+    naming the field (they run as one layer)."""
+    cfg = build_config("bitsandbytes", {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                        "llm_int8_skip_modules": ["self_attn", "up_proj"]})  # fmt: skip
+    attn = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    assert cfg.linear_method("model.layers.0.self_attn.qkv_proj", attn) is None
+    down = ["model.layers.0.mlp.down_proj"]
+    assert isinstance(cfg.linear_method(down[0], down), bnb.Bnb4bitLinearMethod)
+    gate_up = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    with pytest.raises(ValueError, match="llm_int8_skip_modules keeps some of"):
+        cfg.linear_method("model.layers.0.mlp.gate_up_proj", gate_up)

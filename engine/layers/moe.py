@@ -344,7 +344,8 @@ class SparseMoeBlock(nn.Module):
 _EXPERT_TENSOR = re.compile(
     r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\."
     r"(?P<tensor>weight|weight_packed|weight_scale|weight_scale_inv|weight_zero_point"
-    r"|weight_shape|weight_g_idx|input_scale|input_zero_point|qweight|qzeros|scales|g_idx)$"
+    r"|weight_shape|weight_g_idx|input_scale|input_zero_point|qweight|qzeros|scales|g_idx"
+    r"|bnb_\w+)$"  # bitsandbytes' statistics, as engine.layers.quantization.bnb names them
 )
 
 

@@ -35,7 +35,6 @@ After loading:
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import torch
@@ -125,8 +124,12 @@ class BitsAndBytesConfig(QuantizationConfig):
                 module.weight = nn.Parameter(w.to(dtype), requires_grad=False)
 
     def experts_method(self, prefix: str, sources: list[str]):
-        """transformers quantizes nn.Linear layers only: stacked MoE experts stay float."""
-        return None
+        """Experts as the checkpoint holds them: float (transformers 5 quantizes nn.Linear
+        layers only, not its stacked experts) or quantized one by one (transformers 4's
+        per-expert nn.Linear layers): BnbExpertsMethod takes either."""
+        if self.linear_method(prefix, sources) is None:
+            return None
+        return BnbExpertsMethod(self.bits)
 
     def describe(self) -> str:
         if not self.checkpoint:
@@ -172,24 +175,13 @@ def _gate_weight(module: nn.Module, name: str) -> torch.Tensor:
     return w.float()
 
 
-# a MoE layer's experts quantized one by one (transformers before 5 held them as nn.Linear)
-_EXPERT_PART = re.compile(r"\.experts\.\d+\.\w+\.(weight\.|SCB$)")
-
-
 def checkpoint_name(name: str) -> str:
     """A checkpoint tensor's name as the layer registers it: bitsandbytes' statistics
     (`q_proj.weight.absmax`, `q_proj.weight.quant_state.bitsandbytes__nf4`, `q_proj.SCB`) under
     one parameter name each (`q_proj.bnb_absmax`, `q_proj.bnb_quant_state`, `q_proj.bnb_scb`);
-    other names unchanged. Quantized MoE experts are a ValueError naming them."""
+    other names unchanged."""
     for suffix, part in (*PARTS_4BIT.items(), *PARTS_8BIT.items()):
         if part != "weight" and name.endswith(f".{suffix}"):
-            if _EXPERT_PART.search(name):
-                raise ValueError(
-                    f"{name}: this bitsandbytes checkpoint quantizes a mixture of experts' "
-                    "experts one by one (transformers before 5 held them as nn.Linear layers); "
-                    "Tessera serves bitsandbytes attention, dense and shared-expert layers, "
-                    "with the stacked experts float (as transformers 5 saves them)"
-                )
             return f"{name[: -len(suffix)]}bnb_{part}"
     return name
 
@@ -475,3 +467,90 @@ class BnbInt8LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         raise RuntimeError("process_weights_after_loading gives the layer its method")
+
+
+# -- MoE experts ------------------------------------------------------------------------------
+
+
+class ExpertPartsLoader:
+    """A stacked expert parameter's weight_loader for bitsandbytes' parts: each checkpoint
+    tensor kept by (part, expert, projection) for this rank's experts; a float `weight` (the
+    experts transformers 5 leaves float) goes on to FusedMoE's own loader (`float_loader`)."""
+
+    def __init__(self, moe: nn.Module, part: str, float_loader=None):
+        self.moe, self.part, self.float_loader = moe, part, float_loader
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        expert, which = shard_id
+        if self.float_loader is not None and loaded.is_floating_point():
+            self.float_loader(param, loaded, shard_id)
+            return
+        if self.moe.local_expert(expert) is not None:
+            self.moe.bnb_parts[(self.part, expert, which)] = loaded
+
+
+class BnbExpertsMethod:
+    """A FusedMoE's experts from a bitsandbytes checkpoint (engine.layers.quantization.experts'
+    interface). Float experts load into the stacked weights as ever; experts quantized one by
+    one (4-bit or LLM.int8 parts per expert and projection) become one small layer per expert
+    and projection after loading, decoded and sliced for this rank as a dense layer of the
+    format is (Bnb4bitLinearMethod: LUT4 on the CPU, the Triton GEMM on CUDA, else float;
+    BnbInt8LinearMethod: int8 rows or the Triton W8A16 GEMM), run by FusedMoE.expert_linear
+    over the tokens routed to each expert."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+
+    def create_weights(self, moe: nn.Module) -> None:
+        from engine.layers.quantization.experts import _register
+
+        moe.bnb_parts = {}
+        for side in ("w13", "w2"):
+            weight = getattr(moe, f"{side}_weight")
+            weight.weight_loader = ExpertPartsLoader(moe, "weight", moe.weight_loader)
+            for part in ALL_PARTS:
+                if part != "weight":
+                    _register(moe, f"{side}_bnb_{part}", torch.empty(0),
+                              ExpertPartsLoader(moe, part), optional=True)  # fmt: skip
+
+    def process_weights_after_loading(self, moe: nn.Module) -> str:
+        from engine.layers.moe import DOWN, GATE, UP
+        from engine.layers.quantization.experts import ExpertLayers, ExpertProjection
+
+        stash = moe.bnb_parts
+        del moe.bnb_parts
+        for side in ("w13", "w2"):
+            for part in ALL_PARTS:
+                if part != "weight":
+                    delattr(moe, f"{side}_bnb_{part}")
+        if not stash:
+            return "float (not quantized in the checkpoint)"
+        device = moe.w13_weight.device
+        name = getattr(moe, "prefix", "experts")
+        layers, paths = ExpertLayers(), set()
+        local = [e for e in range(moe.num_experts) if moe.local_expert(e) is not None]
+        for side, projs in (("w13", (GATE, UP)), ("w2", (DOWN,))):
+            for e in local:
+                layer = ExpertProjection(moe.model_dtype)
+                layer.prefix = f"{name}.{e}.{'gate_up' if side == 'w13' else 'down'}"
+                layer.tp_dim, layer.tp_size = (0 if side == "w13" else 1), moe.inter_slices
+                layer.tp_rank = moe.slice_rank
+                layer.bnb_parts = {(part, None if side == "w2" else which): t
+                                   for (part, ex, which), t in stash.items()
+                                   if ex == e and which in projs}  # fmt: skip
+                if not layer.bnb_parts:
+                    raise ValueError(f"{layer.prefix}: the checkpoint quantizes some experts "
+                                     "and not this one")  # fmt: skip
+                layer.bnb_names, layer.bnb_device = [], device
+                method = Bnb4bitLinearMethod() if self.bits == 4 else BnbInt8LinearMethod()
+                layer.quant_method = method
+                method.process_weights_after_loading(layer)
+                paths.add(layer.quant_path)
+                layers.append(layer)
+        layers.num_experts = len(local)
+        layers.path = "; ".join(sorted(paths))
+        for side in ("w13", "w2"):  # the float stacks: never filled, dropped
+            moe.register_parameter(f"{side}_weight", None)
+        moe.expert_layers = layers  # a submodule: the kernels' tensors are the model's
+        moe.expert_linear = layers.linear
+        return f"bitsandbytes experts one by one: {layers.path}"

@@ -392,7 +392,19 @@ class ExpertProjection(nn.Module):
         self.register_parameter("bias", None)
 
 
-class IntExperts(nn.ModuleList):
+class ExpertLayers(nn.ModuleList):
+    """FusedMoE.expert_linear's layers: E gate_up ExpertProjections, then E down ones (this
+    rank's experts, in order); `path` says what they run on."""
+
+    num_experts = 0
+    path = ""
+
+    def linear(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        layer = self[expert + (self.num_experts if which == DOWN else 0)]
+        return layer.quant_method.apply(layer, x)
+
+
+class IntExperts(ExpertLayers):
     """FusedMoE.expert_linear of integer experts on the CPU: 2E ExpertProjections, each on the
     kernel its scheme and shape map onto (engine.layers.quantization.int_weight's
     finish_int_layer, as a dense layer of that scheme: act-order's rows sorted by its own
@@ -415,10 +427,6 @@ class IntExperts(nn.ModuleList):
                 self.append(layer)
         self.num_experts = parts["w13"].codes.shape[0]
         self.path = "; ".join(sorted(set(paths)))
-
-    def linear(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
-        layer = self[expert + (self.num_experts if which == DOWN else 0)]
-        return layer.quant_method.apply(layer, x)
 
 
 def sort_rows_by_group(p: ExpertParts) -> tuple[torch.Tensor, torch.Tensor | None,

@@ -493,3 +493,39 @@ def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> t
     if blocksize is not None:
         save_file(state, str(dst / "model.safetensors"))
     return dst, deq
+
+
+def write_bnb_experts(src: Path, dst: Path, fmt: str) -> tuple[Path, dict]:
+    """write_bnb's checkpoint of a MoE model with its experts quantized one by one too, as
+    transformers 4 saved them (each expert's gate / up / down an nn.Linear that bitsandbytes
+    quantized: `experts.E.gate_proj.weight` codes with its parts beside; transformers 5 leaves
+    the experts float), by bitsandbytes.functional; {layer: dequantized weight} for every
+    quantized layer, the experts' included."""
+    from bitsandbytes import functional as bnbf
+    from safetensors.torch import save_file
+
+    folder, deq = write_bnb(src, dst, fmt)
+    state = _state(folder)
+    experts = [k[: -len(".weight")] for k in state if _EXPERT.match(k[: -len(".weight")] or "")
+               and k.endswith(".weight")]  # fmt: skip
+    kind = BNB_FORMATS[fmt].get("bnb_4bit_quant_type")
+    double = bool(BNB_FORMATS[fmt].get("bnb_4bit_use_double_quant"))
+    for name in experts:
+        w = state.pop(f"{name}.weight")
+        if kind is None:  # LLM.int8: int8 rows, their absmax, the row-major format (0)
+            q, scb, _ = bnbf.int8_vectorwise_quant(w.half())  # as transformers 4's Int8Params
+            state[f"{name}.weight"], state[f"{name}.SCB"] = q, scb
+            state[f"{name}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
+            deq[name] = bnbf.int8_vectorwise_dequant(q, scb).float()
+            continue
+        q, qs = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=double, quant_type=kind)
+        state[f"{name}.weight"] = q
+        state.update({f"{name}.weight.{k}": v for k, v in qs.as_dict(packed=True).items()})
+        q2, qs2 = bnbf.quantize_4bit(
+            w.reshape(-1, 64), blocksize=64, compress_statistics=double, quant_type=kind
+        )  # fmt: skip (blocks one to a row: write_bnb)
+        assert torch.equal(q2.reshape(-1), q.reshape(-1))
+        deq[name] = bnbf.dequantize_4bit(q2, qs2).float().reshape(w.shape)
+    assert experts, "no per-expert weights in this checkpoint"
+    save_file(state, str(folder / "model.safetensors"))
+    return folder, deq

@@ -159,14 +159,14 @@ def test_greedy_tokens_follow_the_dequantized_reference(written, fmt, dtype):
 
 
 def test_a_mixture_of_experts_keeps_its_experts_float(tiny_qwen3_moe_dir, tmp_path):
-    """transformers quantizes nn.Linear layers only: a Qwen3-MoE checkpoint's attention (and
+    """transformers 5 quantizes nn.Linear layers only: a Qwen3-MoE checkpoint's attention (and
     the dense MLP of its mlp_only layer) is NF4, its stacked experts and routers stay float
-    (and load so); greedy tokens follow."""
+    (and load so, on the float experts' path); greedy tokens follow."""
     folder, deq = qw.write_bnb(tiny_qwen3_moe_dir, tmp_path / "moe", "bnb-nf4")
     assert any(".self_attn." in n for n in deq) and any(".mlp.down_proj" in n for n in deq)
     assert not any(".experts" in n or n.endswith(".mlp.gate") for n in deq), sorted(deq)
     model, paths = _load(folder, "float32")
-    assert "experts" not in paths, paths
+    assert set(paths["experts"]) == {"float (not quantized in the checkpoint)"}, paths
     if cpu_lut4.available():
         assert all("LUT4" in why for why in paths["qkv_proj"]), paths
     ref = qw.reference_model(tiny_qwen3_moe_dir, deq)
@@ -183,7 +183,7 @@ def test_qwen2_moe_shared_expert_and_its_gate_are_served(tiny_qwen2_moe_dir, tmp
     gate = "model.layers.0.mlp.shared_expert_gate"
     assert gate in deq and "model.layers.0.mlp.shared_expert.down_proj" in deq
     model, paths = _load(folder, "float32")
-    assert "experts" not in paths, paths
+    assert set(paths["experts"]) == {"float (not quantized in the checkpoint)"}, paths
     loaded = dict(model.named_modules())[gate].weight
     assert loaded.dtype == torch.float32 and torch.equal(loaded, deq[gate])
     ref = qw.reference_model(tiny_qwen2_moe_dir, deq)
@@ -192,22 +192,37 @@ def test_qwen2_moe_shared_expert_and_its_gate_are_served(tiny_qwen2_moe_dir, tmp
         _assert_greedy_agrees(got, theirs, gaps, GAP_TOL["float32"])
 
 
-def test_experts_quantized_one_by_one_are_refused_naming_them(written, tmp_path):
-    """transformers before 5 held a MoE's experts as nn.Linear layers and bitsandbytes
-    quantized each: a start-up error naming the tensor, not a half-loaded model."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path / "experts"
-    shutil.copytree(written("bnb-nf4")[1], folder)
-    state = load_file(str(folder / "model.safetensors"))
-    name = "model.layers.0.mlp.experts.0.gate_proj.weight.absmax"
-    state[name] = torch.ones(4)
-    save_file(state, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=f"{name}: this bitsandbytes checkpoint quantizes a "
-                       "mixture of experts' experts one by one"):  # fmt: skip
-        _load(folder, "float32")
+@pytest.mark.parametrize(("arch", "fmt"), [("qwen3_moe", "bnb-nf4-dq"), ("mixtral", "bnb-int8")])
+def test_experts_quantized_one_by_one_serve_hf_tokens(request, tmp_path, arch, fmt):
+    """transformers 4 held a MoE's experts as nn.Linear layers and bitsandbytes quantized each:
+    every expert's gate_up and down become small layers on the dense paths (4-bit: gate_up's
+    K = 64 on LUT4, down's K = 32 dequantized; LLM.int8: int8 rows), holding the package's
+    values; greedy tokens follow."""
+    src = request.getfixturevalue(f"tiny_{arch}_dir")
+    folder, deq = qw.write_bnb_experts(src, tmp_path / arch, fmt)
+    model, paths = _load(folder, "float32")
+    (path,) = paths["experts"]
+    assert path.startswith("bitsandbytes experts one by one"), paths
+    if fmt == "bnb-int8":
+        assert "int8 rows" in path, path
+    elif cpu_lut4.available():
+        assert "LUT4" in path and "dequantized at load" in path, path
+    moe = next(m for n, m in model.named_modules() if n.endswith(".experts") and
+               hasattr(m, "expert_layers"))  # fmt: skip
+    prefix = next(n for n, m in model.named_modules() if m is moe)
+    proj = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+    ckpt = prefix.replace(".mlp.", ".block_sparse_moe.") if arch == "mixtral" else prefix
+    gate, up, down = proj[arch]
+    for e in (0, moe.num_experts - 1):
+        want13 = torch.cat([deq[f"{ckpt}.{e}.{gate}"], deq[f"{ckpt}.{e}.{up}"]])
+        tol = dict(rtol=1e-6, atol=0) if fmt == "bnb-int8" else dict(rtol=0, atol=0)
+        assert torch.allclose(loaded_weight(moe.expert_layers[e]), want13, **tol), e
+        assert torch.allclose(loaded_weight(moe.expert_layers[moe.num_experts + e]),
+                              deq[f"{ckpt}.{e}.{down}"], **tol), e  # fmt: skip
+    ref = qw.reference_model(src, deq)
+    for prompt, got in zip(PROMPTS, _greedy(folder, "float32"), strict=True):
+        theirs, gaps = _hf_greedy(ref, prompt)
+        _assert_greedy_agrees(got, theirs, gaps, GAP_TOL["float32"])
 
 
 def test_nf4_at_load_rounds_as_bitsandbytes_does(tiny_llama_dir):
@@ -303,6 +318,19 @@ def test_int8_layers_take_the_triton_w8a16_gemm(written, dtype):
 @pytest.mark.parametrize("fmt", ["bnb-nf4-dq", "bnb-fp4"])
 def test_cuda_greedy_tokens_follow_the_dequantized_reference(written, fmt):
     check_cuda_greedy(*written(fmt))
+
+
+@pytest.mark.slow
+def test_tp2_shards_experts_quantized_one_by_one(tiny_qwen3_moe_dir, tmp_path):
+    """Each rank decodes its slice of every expert's I (gate / up rows, down columns: 16 of
+    32, off the kernel's 64s, so dequantized) and gives the logits of one process."""
+    torch.set_num_threads(1)
+    folder, _ = qw.write_bnb_experts(tiny_qwen3_moe_dir, tmp_path / "moe", "bnb-nf4-dq")
+    want = _tp_logits(folder)
+    (got,), paths0, paths1 = _tp2([folder], tmp_path, "float32")
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert paths0 == paths1
+    assert all(why.startswith("bitsandbytes experts one by one") for why in paths0[0]["experts"])
 
 
 # -- start-up refusals --------------------------------------------------------------------------

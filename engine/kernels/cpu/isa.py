@@ -144,3 +144,15 @@ def plan() -> RowPlan:
         _plan.append(PLANS[isa()])
         logger.info("%s", _plan[0].describe())
     return _plan[0]
+
+
+def w4_int8_x_from_rows() -> int | None:
+    """The rows from which this CPU's w4 paths take x as int8 per group of 32: 1 with AVX2
+    (the w4 kernel, every call), cpu_w4.max_rows() + 1 with AVX512-VNNI and no AMX (the batch
+    kernel); None where no call does (AMX-bf16 tiles, or the tiles dequantized, above the w4
+    kernel's rows)."""
+    if not cpu_w4.available():
+        return None
+    if cpu_w4.x_as_int8():
+        return 1
+    return cpu_w4.max_rows() + 1 if cpu_w4.batch_available() and not plan().amx else None

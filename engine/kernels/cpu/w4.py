@@ -71,19 +71,6 @@ def x_as_int8() -> bool:
     return available() and max_rows() > ops.W4_MAX_ROWS
 
 
-def int8_x_from_rows() -> int | None:
-    """The rows from which this CPU's w4 paths take x as int8 per group of 32: 1 with AVX2
-    (every call), max_rows() + 1 with AVX512-VNNI and no AMX (the batch kernel); None where no
-    call does (AMX-bf16 tiles, or the tiles dequantized, above the kernel's rows)."""
-    from engine.kernels.cpu import isa as cpu_isa  # isa imports this module
-
-    if not available():
-        return None
-    if x_as_int8():
-        return 1
-    return max_rows() + 1 if batch_available() and not cpu_isa.plan().amx else None
-
-
 @dataclass(frozen=True)
 class Q4Weight:
     """A linear layer's weight [out_features, in_features] as 4-bit groups in tiles of 16

@@ -408,8 +408,8 @@ def test_the_checkpoints_method_is_picked_and_a_contradicting_flag_refused():
         resolve_checkpoint("none", gptq)
     with pytest.raises(ValueError, match="--quantization gptq needs a checkpoint"):
         resolve_checkpoint("gptq", None)
-    with pytest.raises(ValueError, match="quant_method = 'bitsandbytes'.*supported: gptq"):
-        resolve_checkpoint(None, {"quant_method": "bitsandbytes"})
+    with pytest.raises(ValueError, match="quant_method = 'hqq'.*supported: gptq"):
+        resolve_checkpoint(None, {"quant_method": "hqq"})
 
 
 CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",

@@ -23,6 +23,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels.cpu import gemm as cpu_gemm
+from engine.kernels.cpu import isa as cpu_isa
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.layers.moe import DOWN, GATE, UP, FusedMoE
 from engine.layers.quantization.checkpoint import build_config
@@ -443,7 +444,7 @@ W4_SCHEMES = ("gptq4", "gptq3", "awq", "w4a16", "w4a8")
 def _gap_tol(scheme: str, dtype: str) -> float:
     if scheme.startswith("w8a8"):
         return INT8_ACTS_GAP_TOL
-    if dtype == "bfloat16" and scheme.startswith(W4_SCHEMES) and cpu_w4.int8_x_from_rows():
+    if dtype == "bfloat16" and scheme.startswith(W4_SCHEMES) and cpu_isa.w4_int8_x_from_rows():
         return W4_INT8_X_GAP_TOL
     return GAP_TOL[dtype]
 

@@ -30,6 +30,12 @@ After loading:
 - 8-bit: the integer formats' 8-bit per-channel path (GPTQ 8-bit's): int8 rows with float32
   row scales SCB / 127 on the int8 C GEMM (`--quantization int8`'s kernel) on the CPU, the
   Triton W8A16 GEMM on CUDA.
+
+Mixtures of experts: transformers 5 quantizes nn.Linear layers only, so its checkpoints keep
+the experts and routers float (they load as ever); transformers 4 held each expert's
+projections as nn.Linear layers and bitsandbytes quantized them one by one (BnbExpertsMethod:
+one small layer per expert and projection, on the paths above); a quantized router or
+Qwen2-MoE's shared_expert_gate is decoded to float at load (prepare_model / finish_model).
 """
 
 from __future__ import annotations

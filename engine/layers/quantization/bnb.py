@@ -52,6 +52,9 @@ from engine.layers.quantization.int_weight import finish_int_layer, register, re
 from engine.layers.quantization.unquantized import linear_by_rows
 
 QUANT_TYPES = ("nf4", "fp4")
+# the dtype the packed codes are stored in (FSDP-QLoRA's checkpoints: bfloat16); the bytes are
+# the same codes whatever the dtype
+QUANT_STORAGE = ("uint8", "bfloat16", "float16", "float32")
 LUT_BLOCK = 64  # weights a LUT4 scale covers (engine.kernels.cpu.lut4)
 # NF4's 16 levels as bitsandbytes writes them (its quant_map): `--quantization bitsandbytes` on a
 # float checkpoint rounds each weight / its block's absmax to the nearest
@@ -89,8 +92,8 @@ class BitsAndBytesConfig(QuantizationConfig):
         if quant_type not in QUANT_TYPES:
             raise unsupported("bnb_4bit_quant_type", quant_type, ", ".join(QUANT_TYPES))
         storage = qcfg.get("bnb_4bit_quant_storage", "uint8")
-        if storage != "uint8":
-            raise unsupported("bnb_4bit_quant_storage", storage, "uint8")
+        if storage not in QUANT_STORAGE:
+            raise unsupported("bnb_4bit_quant_storage", storage, ", ".join(QUANT_STORAGE))
         return cls(4, quant_type, skip, double_quant=bool(qcfg.get("bnb_4bit_use_double_quant")))
 
     @classmethod
@@ -245,11 +248,14 @@ def decode_4bit(parts: dict[str, torch.Tensor], name: str = "", shard=None
     raw = _need(parts, "quant_state", name, shard)
     state = json.loads(bytes(raw.tolist()).decode())
     n, k = (int(d) for d in state["shape"])
-    packed = _need(parts, "weight", name, shard).reshape(-1)
-    if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+    stored = _need(parts, "weight", name, shard)
+    if stored.dtype == torch.int8 or not stored.is_contiguous():
+        raise ValueError(f"{name}: weight {tuple(stored.shape)} {stored.dtype} is not 4-bit codes")
+    packed = stored.reshape(-1).view(torch.uint8)  # bnb_4bit_quant_storage: the codes' bytes
+    if packed.numel() * 2 != n * k:
         raise ValueError(
-            f"{name}: weight {tuple(parts['weight'].shape)} {packed.dtype} does not hold {n}x{k} "
-            "4-bit codes in uint8 (bnb_4bit_quant_storage uint8)"
+            f"{name}: weight {tuple(stored.shape)} {stored.dtype} holds {packed.numel()} bytes, "
+            f"not the {n * k // 2} of {n}x{k} 4-bit codes"
         )
     codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(n, k)
     absmax = _need(parts, "absmax", name, shard)

@@ -441,6 +441,9 @@ BNB_FORMATS = {  # format id -> transformers' BitsAndBytesConfig arguments
                        bnb_4bit_use_double_quant=True),
     "bnb-fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
     "bnb-int8": dict(load_in_8bit=True),
+    # FSDP-QLoRA's checkpoints: the packed codes stored as bfloat16 (their bytes unchanged)
+    "bnb-nf4-bf16-storage": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                 bnb_4bit_quant_storage=torch.bfloat16),
 }  # fmt: skip
 
 
@@ -488,7 +491,8 @@ def write_bnb(src: Path, dst: Path, fmt: str, blocksize: int | None = None) -> t
         rows = w.reshape(-1, qs.blocksize)
         q2, qs2 = bnbf.quantize_4bit(rows, blocksize=qs.blocksize, compress_statistics=double,
                                      quant_type=kind)  # fmt: skip
-        assert torch.equal(q2.reshape(-1), q.reshape(-1)) and torch.equal(qs2.absmax, qs.absmax)
+        codes = q.reshape(-1).view(torch.uint8)  # bnb_4bit_quant_storage's dtype: its bytes
+        assert torch.equal(q2.reshape(-1), codes) and torch.equal(qs2.absmax, qs.absmax)
         deq[name] = bnbf.dequantize_4bit(q2, qs2).float().reshape(w.shape)
     if blocksize is not None:
         save_file(state, str(dst / "model.safetensors"))

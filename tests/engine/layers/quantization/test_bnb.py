@@ -1,6 +1,7 @@
 """bitsandbytes checkpoints (engine.layers.quantization.bnb), written by transformers with the
 bitsandbytes package itself (its CPU quantizers): 4-bit NF4 (with and without double-quantized
-absmax), 4-bit FP4 and 8-bit LLM.int8; and `--quantization bitsandbytes` on a float checkpoint.
+absmax; its codes stored as bfloat16, FSDP-QLoRA's), 4-bit FP4 and 8-bit LLM.int8; and
+`--quantization bitsandbytes` on a float checkpoint.
 
 The reference is HF transformers on the same tiny model with every quantized weight
 bitsandbytes' own float32 dequantization of it. Checked: each loaded layer holds those values
@@ -147,6 +148,7 @@ def _greedy(folder, dtype: str, quantization: str | None = None) -> list[list[in
         ("bnb-int8", "float32"),
         ("bnb-int8", "bfloat16"),
         ("bnb-nf4-dq-128", "float32"),
+        ("bnb-nf4-bf16-storage", "bfloat16"),
     ],
 )
 def test_greedy_tokens_follow_the_dequantized_reference(written, fmt, dtype):
@@ -342,8 +344,8 @@ def test_tp2_shards_experts_quantized_one_by_one(tiny_qwen3_moe_dir, tmp_path):
         ({"load_in_4bit": True, "load_in_8bit": True}, "load_in_4bit / load_in_8bit"),
         ({"load_in_4bit": False}, "load_in_4bit / load_in_8bit"),
         ({"load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type = 'int4'"),
-        ({"load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
-         "bnb_4bit_quant_storage = 'bfloat16'.*supported: uint8"),
+        ({"load_in_4bit": True, "bnb_4bit_quant_storage": "int32"},
+         "bnb_4bit_quant_storage = 'int32'.*supported: uint8, bfloat16"),
         ({"load_in_8bit": True, "llm_int8_has_fp16_weight": True}, "llm_int8_has_fp16_weight"),
     ],
 )  # fmt: skip

@@ -227,6 +227,37 @@ def test_experts_quantized_one_by_one_serve_hf_tokens(request, tmp_path, arch, f
         _assert_greedy_agrees(got, theirs, gaps, GAP_TOL["float32"])
 
 
+def test_qlora_adapters_on_the_nf4_base(written, tiny_llama_dir, tmp_path):
+    """QLoRA's serving case: adapters trained on a bitsandbytes 4-bit base, served on it, mixed
+    with the base in one batch (the adapters' deltas on the LUT4 layers' outputs, the decode
+    plan included); greedy tokens follow HF + peft merged into the dequantized reference."""
+    from peft import PeftModel
+
+    from engine import LLM, SamplingParams
+    from engine.lora import LoRARequest
+    from tests.engine.lora.lora_testing import make_adapter
+
+    src, folder, deq = written("bnb-nf4-dq")
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "qlora", r=8, alpha=16, seed=4)
+    llm = LLM(str(folder), dtype="float32", seed=0, num_kv_blocks=64, max_model_len=256,
+              enable_lora=True, max_loras=1)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        lora = LoRARequest("qlora", 1, str(adapter))
+        outs = llm.generate([*PROMPTS, *PROMPTS], params, use_tqdm=False,
+                            lora_request=[None] * len(PROMPTS) + [lora] * len(PROMPTS))  # fmt: skip
+    finally:
+        llm.shutdown()
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    base, tuned = got[: len(PROMPTS)], got[len(PROMPTS) :]
+    assert base != tuned  # the adapter changes the output: else this proves nothing
+    merged = PeftModel.from_pretrained(qw.reference_model(src, deq), str(adapter))
+    for refs, ours in ((qw.reference_model(src, deq), base), (merged.merge_and_unload(), tuned)):
+        for prompt, toks in zip(PROMPTS, ours, strict=True):
+            theirs, gaps = _hf_greedy(refs.eval(), prompt)
+            _assert_greedy_agrees(toks, theirs, gaps, GAP_TOL["float32"])
+
+
 def test_nf4_at_load_rounds_as_bitsandbytes_does(tiny_llama_dir):
     """`--quantization bitsandbytes` on a float checkpoint: NF4 codes and absmax per 64 equal
     bitsandbytes' quantize_4bit of the same weight (its thresholds are the levels' midpoints),

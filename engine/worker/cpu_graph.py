@@ -21,7 +21,8 @@ on two Xeon cores: 16 / 32 / 128-row steps 0.71 / 0.76 / 0.87x the modules' time
 13-1,024 rows on int8 activations and the packed int8 GEMM (w8a8 and w4a8,
 engine.kernels.cpu.w8a8); where that GEMM runs on AMX tiles the boundary is 8 rows
 (w8a8.AMX_W8A8_MIN_ROWS); LUT4, 1-8 rows of a bitsandbytes 4-bit checkpoint's layers
-(engine.kernels.cpu.lut4's dot kernel, up to its DOT_MAX_ROWS). It needs one tensor-parallel
+(engine.kernels.cpu.lut4's dot kernel), and 9-32 on its decoded tiles where the CPU has
+AVX512-BF16. It needs one tensor-parallel
 rank, bf16, the compiled norm/rotary/attention kernels and every row of the step on the
 attention kernel (decodes, and short prompts' prefill rows); any other step, or a model it
 does not fit, runs the modules (a model with sliding-window layers too: the plan passes no
@@ -255,8 +256,10 @@ class DecodePlan:
         kd = meta.kernel_decode
         if kd is None or kd.num_rows != rows or meta.decode_groups or meta.prefills:
             return None
-        if self.lut4:  # the layers' dot kernel's rows (above: dequantized slices, the modules)
-            return LUT4 if 1 <= rows <= cpu_lut4.DOT_MAX_ROWS else None
+        if self.lut4:  # the layers' dot kernel's rows and the decoded tiles' (above: the modules)
+            return (
+                LUT4 if 1 <= rows <= max(cpu_lut4.DOT_MAX_ROWS, cpu_lut4.tiles_max_rows()) else None
+            )
         # where the layers' thresholds differ (AMX for some K only), the rows between them
         # mix both paths: the modules run those steps
         firsts = [m.quant_method.w8a8_min_rows(m, _in_features(m)) for m in self._first_linears]

@@ -34,9 +34,13 @@ static int lora(const Layer* L, int which, const Step* st, const bf16* x, int64_
 static int gemm(const Layer* L, int which, const Step* st, const bf16* x, int64_t ldx,
     int64_t K, bf16* y, int64_t N) {
   const int64_t M = st->rows; const int T = st->threads;
-  if (L->lut4[which])  /* bitsandbytes 4-bit: the LUT4 dot kernel (the plan's rows are its) */
-    return lut4_linear(x, ldx, M, K, L->lut4[which], L->lut4_scales[which],
-        L->lut4_levels[which], N, L->bias[which], y, N, 1, T);
+  if (L->lut4[which]) {  /* bitsandbytes 4-bit: the LUT4 dot kernel, above its rows the tiles */
+    if (M <= LUT4_DOT_MAX_ROWS)
+      return lut4_linear(x, ldx, M, K, L->lut4[which], L->lut4_scales[which],
+          L->lut4_levels[which], N, L->bias[which], y, N, 1, T);
+    return lut4_linear_bf16_tiles(x, ldx, M, K, L->lut4[which], L->lut4_scales[which],
+        L->lut4_levels[which], N, L->bias[which], y, N, T);
+  }
   if (!st->w8a8) {  /* above w4.c's rows, AMX-bf16 on the tiles or the batch kernel */
     if (st->amx)
       return amx_bf16_linear_w4(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, 0, T);

@@ -344,3 +344,47 @@ int lut4_dequantize(const uint8_t* codes, const float* scales, const float* tabl
   }
   return failed ? -1 : 0;
 }
+
+/* bf16 x of more rows than the dot kernel pays for (decode steps of 9-32 streams): each thread
+   decodes TILE_N weight rows at a time into a bf16 buffer that stays in cache and runs the
+   AVX512-BF16 dot kernel (gemm.c's linear_bf16_dp, on one thread) on it, so the weight is never
+   written out whole in bf16 and read back (the dequantize-then-GEMM path's round trip through
+   memory). The same bf16-rounded weights and bf16 products as that path. -1 where this build
+   has no AVX512-BF16 kernel (the caller takes that path). */
+#define TILE_N 32
+#if ISA_MAX >= LUT4_ISA_AVX512 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_TILES 1
+#else
+#define HAVE_TILES 0
+#endif
+int lut4_tiles_max_rows(void) { return HAVE_TILES ? LUT4_TILES_MAX_ROWS : 0; }
+
+int lut4_linear_bf16_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint8_t* codes, const float* scales, const float* table, int64_t N,
+    const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads) {
+#if HAVE_TILES
+  if (K <= 0 || K % 64 || M < 1 || N < 0 || isa_now() < LUT4_ISA_AVX512) return -1;
+  const int64_t tiles = (N + TILE_N - 1) / TILE_N;
+  int failed = 0;
+  _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1) reduction(|:failed)")
+  {
+    uint16_t* buf = (uint16_t*)malloc(sizeof(uint16_t) * TILE_N * K);
+    if (!buf) failed = 1;
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (!buf) continue;
+      const int64_t n0 = t * TILE_N, nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+      for (int64_t j = 0; j < nt; ++j)
+        row_avx512(codes + (n0 + j) * (K / 2), scales + (n0 + j) * (K / 64), table, K,
+            (char*)(buf + j * K), 1);
+      linear_bf16_dp(x, ldx, M, K, buf, NULL, nt, bias ? bias + n0 : NULL, y + n0, ldy, 1);
+    }
+    free(buf);
+  }
+  return failed ? -1 : 0;
+#else
+  (void)x; (void)ldx; (void)M; (void)K; (void)codes; (void)scales; (void)table; (void)N;
+  (void)bias; (void)y; (void)ldy; (void)nthreads;
+  return -1;
+#endif
+}

@@ -27,7 +27,7 @@ ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # lut4_isa's values (LUT4_ISA_* in
 # rows of x redo the lookups), the dequantize + dense GEMM path's slowly; they cross at ~8 rows
 # (8: 200 vs 220 us on 576 x 1536; 12: 295 vs 176). float32 x, whose dense path is slower,
 # would gain up to ~16; bf16 is the serving dtype.
-DOT_MAX_ROWS = 8
+DOT_MAX_ROWS = ops.CONSTANTS["LUT4_DOT_MAX_ROWS"]  # 8 (the header's, which the decode plan reads)
 # A large batch dequantizes the weight at most this many bytes at a time (gguf's bound).
 DEQUANT_SLICE_BYTES = 128 << 20
 
@@ -139,6 +139,10 @@ def linear(
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
+    if x2.shape[0] > DOT_MAX_ROWS and x.dtype == torch.bfloat16 and x2.shape[0] <= tiles_max_rows():
+        y = _tiles(x2, codes, scales, table, k, bias)
+        if y is not None:
+            return y.view(*x.shape[:-1], n)
     if x2.shape[0] > DOT_MAX_ROWS:
         return cpu_gemm.dense_by_slices(
             x,
@@ -161,3 +165,27 @@ def linear(
     if rc != 0:
         raise ValueError(f"lut4_linear refused K={k}")
     return y.view(*x.shape[:-1], n)
+
+
+def tiles_max_rows() -> int:
+    """Rows of bf16 x up to which, above DOT_MAX_ROWS, the decoded tiles run (lut4.c's
+    lut4_linear_bf16_tiles: AVX512-BF16 builds; 0 elsewhere)."""
+    fn = ops.function("lut4_tiles_max_rows")
+    return 0 if fn is None else fn()
+
+
+def _tiles(x2, codes, scales, table, k, bias) -> torch.Tensor | None:
+    """x2 [M, K] bf16 on the decoded tiles (None where the kernel declines: the dense path)."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    t = _table(table)
+    n = codes.shape[0]
+    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+    rc = ops.function("lut4_linear_bf16_tiles")(
+        x2.data_ptr(), x2.stride(0), x2.shape[0], k, codes.data_ptr(), scales.data_ptr(),
+        t.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y if rc == 0 else None

@@ -102,6 +102,8 @@ SIGNATURES: dict[str, Signature] = {
     "lut4_linear": ([_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
     # codes, scales, table, N, K, out, bf16, threads
     "lut4_dequantize": ([_P, _P, _P, _I64, _I64, _P, _INT, _INT], _INT),
+    "lut4_linear_bf16_tiles": ([_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _INT], _INT),
+    "lut4_tiles_max_rows": ([], _INT),
     "lut4_isa_max": ([], _INT),
     # w8a8.c
     "quantize_rows_f32": (_QUANT, None),

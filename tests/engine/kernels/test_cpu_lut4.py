@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.cpu import gemm as cpu_gemm
 from engine.kernels.cpu import lut4
 
 pytestmark = pytest.mark.skipif(not lut4.available(), reason="needs the CPU kernels")
@@ -173,6 +174,33 @@ def test_the_dot_kernel_and_the_dense_path_split_at_dot_max_rows(monkeypatch):
     y = lut4.linear(x, packed, scales, TABLES["nf4"], 128, bias)
     assert y.shape == (2, 9, 200)
     torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(lut4.tiles_max_rows() == 0, reason="the decoded tiles need AVX512-BF16")
+def test_the_decoded_tiles_write_what_the_dense_path_writes():
+    """bf16 x of DOT_MAX_ROWS + 1 to tiles_max_rows() rows: each 32 weight rows decoded to bf16
+    in cache and the AVX512-BF16 dot kernel on them give the bytes of the whole weight
+    dequantized for the dense GEMM (the same rounding, the same kernel); 1 and 2 threads."""
+    table = TABLES["nf4"]
+    for n, k in [(7, 64), (33, 1024), (130, 192)]:
+        _, _, (packed, scales) = _weight(n, k, seed=n)
+        w = lut4.dequantize(packed, scales, table, k, torch.bfloat16)
+        for bias in (None, torch.randn(n).bfloat16()):
+            for m in (lut4.DOT_MAX_ROWS + 1, 17, lut4.tiles_max_rows()):
+                x = torch.randn(m, k).bfloat16()
+                want = cpu_gemm.dense_linear(x, w, bias)
+                threads = torch.get_num_threads()
+                try:
+                    for t in (1, 2):
+                        torch.set_num_threads(t)
+                        got = lut4._tiles(x, packed, scales, table, k, bias)
+                        assert got is not None and torch.equal(got, want), (n, k, m, t)
+                finally:
+                    torch.set_num_threads(threads)
+                assert torch.equal(lut4.linear(x, packed, scales, table, k, bias), want)
+    # a forced lower variant declines (the dense path runs)
+    with lut4.forced_isa("avx2"):
+        assert lut4._tiles(x, packed, scales, table, k, bias) is None
 
 
 @pytest.mark.parametrize("isa", lut4.isa_names())

@@ -199,8 +199,9 @@ def test_plan_with_lora_adapters_writes_what_the_modules_write(tiny_llama_dir, t
 
 def test_plan_on_bitsandbytes_nf4_writes_what_the_modules_write(tiny_llama_dir, tmp_path):
     """A bitsandbytes NF4 checkpoint (transformers + bitsandbytes' own) on the LUT4 kernel: the
-    plan's LUT4 steps take exactly the dot kernel's rows (1-8), with the same tokens and
-    logprobs as the modules on the same weights; larger steps stay with the modules."""
+    plan's LUT4 steps take exactly the layers' LUT4 rows (1-8 on the dot kernel, 9-32 on the
+    decoded tiles with AVX512-BF16), with the same tokens and logprobs as the modules on the
+    same weights; larger steps stay with the modules."""
     pytest.importorskip("bitsandbytes")
     from engine import LLM, SamplingParams
     from engine.kernels.cpu import lut4 as cpu_lut4
@@ -231,4 +232,6 @@ def test_plan_on_bitsandbytes_nf4_writes_what_the_modules_write(tiny_llama_dir, 
     llm.shutdown()
     assert with_plan == without
     assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
-    assert max(plan.runs) <= cpu_lut4.DOT_MAX_ROWS, plan.runs
+    tiles = cpu_lut4.tiles_max_rows()  # 9-32 rows on the decoded tiles (AVX512-BF16)
+    assert (plan.runs.get(14, 0) > 0) == (tiles >= 14), plan.runs
+    assert max(plan.runs) <= max(cpu_lut4.DOT_MAX_ROWS, tiles), plan.runs

@@ -37,6 +37,8 @@
 #define GGUF_ISA_SCALAR 0     /* gguf: the kernel variants, gguf_isa's values */
 #define GGUF_ISA_AVX2 1
 #define GGUF_ISA_VNNI 2
+#define LUT4_DOT_MAX_ROWS 8    /* lut4: rows the dot kernel takes (engine.kernels.cpu.lut4) */
+#define LUT4_TILES_MAX_ROWS 32 /* lut4: rows of bf16 x the decoded tiles take, above the dot kernel's */
 #define LUT4_ISA_SCALAR 0     /* lut4: the kernel variants, lut4_isa's values */
 #define LUT4_ISA_AVX2 1
 #define LUT4_ISA_AVX512 2
@@ -84,6 +86,8 @@ int gguf_k_dequant_row_bf16(int type, const uint8_t* row, int64_t K, uint16_t* o
    (bitsandbytes' NF4 / FP4; engine.kernels.cpu.lut4); K % 64 == 0, else -1 ---- */
 int lut4_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, const float* table, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
 int lut4_dequantize(const uint8_t* codes, const float* scales, const float* table, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+int lut4_tiles_max_rows(void);  /* rows lut4_linear_bf16_tiles takes: LUT4_TILES_MAX_ROWS, or 0 without AVX512-BF16 */
+int lut4_linear_bf16_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, const float* table, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int lut4_isa_max(void);
 extern int lut4_isa;  /* the variant lut4_linear and lut4_dequantize run, capped at lut4_isa_max() (set from Python) */
 

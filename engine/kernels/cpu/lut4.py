@@ -5,8 +5,11 @@ dequantize makes it. The levels are not integers, so no int8 kernel holds them e
 dot kernel looks every code up in the table scaled by its block's absmax and accumulates in
 float32 (scalar, AVX2 or AVX-512: `lut4_isa`).
 
-Up to DOT_MAX_ROWS rows of x run the dot kernel; larger batches dequantize the weight to x's
-dtype in bounded slices for cpu_gemm.dense_linear (cpu_gemm.dense_by_slices).
+Up to DOT_MAX_ROWS rows of x run the dot kernel; bf16 x of up to tiles_max_rows() rows (CPUs
+with AVX512-BF16) the decoded tiles (32 weight rows at a time decoded to bf16 in cache for
+gemm.c's AVX512-BF16 dot kernel: the dense path's bytes without the whole weight written out);
+larger batches dequantize the weight to x's dtype in bounded slices for cpu_gemm.dense_linear
+(cpu_gemm.dense_by_slices).
 
 The kernel's layout (`pack` makes it from bnb's, `pack_codes` from one code a byte): codes uint8 [N, K/2], per chunk of 32
 weights along K 16 bytes, byte j's low nibble weight j of the chunk and its high nibble

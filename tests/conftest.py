@@ -201,12 +201,15 @@ def _restore_torch_threads():
 
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
-    made: dict[str, Path] = {}
+    made: dict[tuple, Path] = {}
 
     def make(name: str, arch: str = "llama", **overrides) -> Path:
-        if name not in made:
-            made[name] = build_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides)
-        return made[name]
+        # keyed by everything that shapes the model: two files asking for one name with other
+        # sizes get two models (a worker runs many files; the first caller's must not win)
+        key = (name, arch, repr(sorted(overrides.items())))
+        if key not in made:
+            made[key] = build_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides)
+        return made[key]
 
     return make
 

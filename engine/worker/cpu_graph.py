@@ -121,6 +121,8 @@ class DecodePlan:
         self._run_fn = run_fn
         self.w4, self.w8a8, self.w4_amx = w4, w8a8, w4_amx  # the kinds of step the layers run
         self.lut4 = lut4
+        # the rows the layers' LUT4 paths in C take: the dot kernel's, the decoded tiles'
+        self._lut4_rows = max(cpu_lut4.DOT_MAX_ROWS, cpu_lut4.tiles_max_rows()) if lut4 else 0
         self._first_linears = _linears(layers[0])  # their row thresholds are every layer's
         self._shape = _Shape(
             hidden=model.norm.weight.shape[0], heads=a0.num_heads, kv_heads=a0.num_kv_heads,
@@ -257,9 +259,7 @@ class DecodePlan:
         if kd is None or kd.num_rows != rows or meta.decode_groups or meta.prefills:
             return None
         if self.lut4:  # the layers' dot kernel's rows and the decoded tiles' (above: the modules)
-            return (
-                LUT4 if 1 <= rows <= max(cpu_lut4.DOT_MAX_ROWS, cpu_lut4.tiles_max_rows()) else None
-            )
+            return LUT4 if 1 <= rows <= self._lut4_rows else None
         # where the layers' thresholds differ (AMX for some K only), the rows between them
         # mix both paths: the modules run those steps
         firsts = [m.quant_method.w8a8_min_rows(m, _in_features(m)) for m in self._first_linears]

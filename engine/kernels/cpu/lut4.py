@@ -18,6 +18,8 @@ weight j + 16; scales float32 [N, K/64]. K must be a multiple of 64.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels.cpu import gemm as cpu_gemm
@@ -170,9 +172,10 @@ def linear(
     return y.view(*x.shape[:-1], n)
 
 
+@functools.cache
 def tiles_max_rows() -> int:
     """Rows of bf16 x up to which, above DOT_MAX_ROWS, the decoded tiles run (lut4.c's
-    lut4_linear_bf16_tiles: AVX512-BF16 builds; 0 elsewhere)."""
+    lut4_linear_bf16_tiles: AVX512-BF16 builds; 0 elsewhere). The build's: asked once."""
     fn = ops.function("lut4_tiles_max_rows")
     return 0 if fn is None else fn()
 

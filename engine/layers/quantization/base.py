@@ -9,6 +9,10 @@ one instance serves every layer.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -63,3 +67,32 @@ class LMHeadMethodBase:
         logits in memory, as int64 [S]; None where this method has no such path for this call
         (then the caller computes the logits)."""
         return None
+
+
+# -- the Triton GEMMs a quantized layer may run on (engine/kernels/triton) ---------------------
+
+
+def wants_triton(triton: bool | None, device: torch.device) -> bool:
+    """A method's `triton` setting: None takes the Triton GEMM on CUDA; True also for CPU
+    tensors (the tests' way, under TRITON_INTERPRET=1)."""
+    return triton if triton is not None else device.type == "cuda"
+
+
+def triton_weight(
+    kernel: str, weight_class: str, prepare: Callable[[type], Any]
+) -> tuple[Any, str]:
+    """(prepare(engine.kernels.triton.<kernel>.<weight_class>), "") — the kernel's form of a
+    layer's weight — or (None, "; triton is unavailable (...)") for the start-up log. Triton is
+    imported here, by the layers that run it only (CUDA, or a test under its interpreter)."""
+    try:
+        cls = getattr(importlib.import_module(f"engine.kernels.triton.{kernel}"), weight_class)
+    except ImportError as e:
+        return None, f"; triton is unavailable ({e})"
+    return prepare(cls), ""
+
+
+def triton_linear(kernel: str, gemm: str, x: torch.Tensor, weight: Any,
+                  bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """x @ W^T (+ bias) on engine.kernels.triton.<kernel>.<gemm> for a triton_weight's W."""
+    y = getattr(importlib.import_module(f"engine.kernels.triton.{kernel}"), gemm)(x, weight)
+    return y if bias is None else y + bias.to(y.dtype)

@@ -46,7 +46,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.quantization.base import LinearMethodBase
+from engine.kernels.cpu import lut4 as cpu_lut4
+from engine.layers.quantization.base import (
+    LinearMethodBase,
+    triton_linear,
+    triton_weight,
+    wants_triton,
+)
 from engine.layers.quantization.checkpoint import QuantizationConfig, kept_float, unsupported
 from engine.layers.quantization.int_weight import finish_int_layer, register, register_bias
 from engine.layers.quantization.unquantized import linear_by_rows
@@ -110,7 +116,7 @@ class BitsAndBytesConfig(QuantizationConfig):
     def checkpoint_name(self, name: str) -> str:
         return checkpoint_name(name)
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
         """Routers and shared-expert gates (ReplicatedGate: no linear method) take whatever the
         checkpoint holds, a float weight or bitsandbytes' parts (transformers quantizes Qwen2-MoE's
         shared_expert_gate, an nn.Linear), decoded to float at load: they are small."""
@@ -120,6 +126,7 @@ class BitsAndBytesConfig(QuantizationConfig):
             if isinstance(module, ReplicatedGate):
                 device = module.weight.device
                 del module.weight
+                module.model_dtype = dtype
                 with torch.device(device):
                     _register_parts(module, ALL_PARTS, tuple(p for p in ALL_PARTS if p != "weight"))
 
@@ -128,7 +135,7 @@ class BitsAndBytesConfig(QuantizationConfig):
 
         for name, module in model.named_modules():
             if isinstance(module, ReplicatedGate) and hasattr(module, "bnb_parts"):
-                dtype = module.bias.dtype if module.bias is not None else model_dtype(model)
+                dtype = module.bias.dtype if module.bias is not None else module.model_dtype
                 w = _gate_weight(module, name)
                 module.weight = nn.Parameter(w.to(dtype), requires_grad=False)
 
@@ -164,10 +171,6 @@ PARTS_4BIT = {
 NESTED_PARTS = ("nested_absmax", "nested_quant_map")  # double quantization's
 PARTS_8BIT = {"weight": "weight", "SCB": "scb", "weight_format": "weight_format"}
 ALL_PARTS = sorted({*PARTS_4BIT.values(), *PARTS_8BIT.values()})
-
-
-def model_dtype(model: nn.Module) -> torch.dtype:
-    return model.model.embed_tokens.weight.dtype
 
 
 def _gate_weight(module: nn.Module, name: str) -> torch.Tensor:
@@ -374,14 +377,9 @@ class Bnb4bitLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.weight is None:  # the Triton GEMM (_finish)
-            from engine.kernels.triton.nvfp4_gemm import nvfp4_gemm
-
-            y = nvfp4_gemm(x, layer.lut4)
-            return y if bias is None else y + bias.to(y.dtype)
+            return triton_linear("nvfp4_gemm", "nvfp4_gemm", x, layer.lut4, bias)
         if layer.lut4_levels is None:
             return linear_by_rows(layer, x, layer.weight, bias)
-        from engine.kernels.cpu import lut4 as cpu_lut4
-
         return cpu_lut4.linear(
             x, layer.weight, layer.lut4_scales, layer.lut4_levels, layer.in_features, bias
         )
@@ -390,16 +388,12 @@ class Bnb4bitLinearMethod(LinearMethodBase):
         """The layer's kernel form: LUT4 codes and scales (the CPU kernel's, or the Triton
         GEMM's), or the float weight (scales None: codes is already the float32 weight)."""
         triton_why = ""
-        if scales is not None and (
-            self.triton if self.triton is not None else codes.device.type == "cuda"
-        ):
-            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
-                from engine.kernels.triton.nvfp4_gemm import Lut4Weight
-            except ImportError as e:
-                triton_why = f"; triton is unavailable ({e})"
-            else:
+        if scales is not None and wants_triton(self.triton, codes.device):
+            weight, triton_why = triton_weight("nvfp4_gemm", "Lut4Weight",
+                                               lambda cls: cls.prepare(codes, scales, levels))  # fmt: skip
+            if weight is not None:
                 layer.register_parameter("weight", None)
-                layer.lut4 = Lut4Weight.prepare(codes, scales, levels)
+                layer.lut4 = weight
                 layer.quant_path = (
                     f"{what} codes and float32 absmax per 64 (0.56 bytes a weight) on the LUT4 "
                     "Triton GEMM (engine/kernels/triton/nvfp4_gemm.py), dequantized in its inner "
@@ -411,8 +405,6 @@ class Bnb4bitLinearMethod(LinearMethodBase):
 
 def _finish_cpu(layer, codes, scales, levels, dtype, what: str, triton_why: str = "") -> None:
     """The CPU's LUT4 kernel, or the float weight."""
-    from engine.kernels.cpu import lut4 as cpu_lut4
-
     if scales is None:
         why, w = "its blocks do not map onto scales per 64 along this rank's K", codes
     else:
@@ -541,6 +533,9 @@ class BnbExpertsMethod:
         name = getattr(moe, "prefix", "experts")
         layers, paths = ExpertLayers(), set()
         local = [e for e in range(moe.num_experts) if moe.local_expert(e) is not None]
+        by_expert: dict[int, dict] = {}  # expert -> {(part, projection): tensor}
+        for (part, e, which), t in stash.items():
+            by_expert.setdefault(e, {})[(part, which)] = t
         for side, projs in (("w13", (GATE, UP)), ("w2", (DOWN,))):
             for e in local:
                 layer = ExpertProjection(moe.model_dtype)
@@ -548,8 +543,8 @@ class BnbExpertsMethod:
                 layer.tp_dim, layer.tp_size = (0 if side == "w13" else 1), moe.inter_slices
                 layer.tp_rank = moe.slice_rank
                 layer.bnb_parts = {(part, None if side == "w2" else which): t
-                                   for (part, ex, which), t in stash.items()
-                                   if ex == e and which in projs}  # fmt: skip
+                                   for (part, which), t in by_expert.get(e, {}).items()
+                                   if which in projs}  # fmt: skip
                 if not layer.bnb_parts:
                     raise ValueError(f"{layer.prefix}: the checkpoint quantizes some experts "
                                      "and not this one")  # fmt: skip

@@ -94,9 +94,9 @@ class QuantizationConfig:
         before it places the tensor; bitsandbytes' dotted statistics get names of their own)."""
         return name
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype) -> None:
         """Before loading, after the linear layers' methods: the format's other modules (the
-        bitsandbytes routers' statistics)."""
+        bitsandbytes routers' statistics); dtype: the model's."""
 
     def finish_model(self, model: nn.Module) -> None:
         """After loading, before the linear layers' kernel forms: prepare_model's modules."""
@@ -175,7 +175,7 @@ def apply_checkpoint_methods(model: nn.Module, config: QuantizationConfig) -> se
             torch.set_default_dtype(old)
         module.checkpoint_method = True
     _apply_experts_methods(model, config, dtype)
-    config.prepare_model(model)
+    config.prepare_model(model, dtype)
     return set()
 
 

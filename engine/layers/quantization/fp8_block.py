@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from engine.kernels.fp8 import dequantize_fp8_blocks, expand_block_scales
-from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.base import (
+    LinearMethodBase,
+    triton_linear,
+    triton_weight,
+    wants_triton,
+)
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.packed import ShardLoader, _out_slice, ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
@@ -99,14 +104,12 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         delattr(layer, self.scale_name)
         bn, bk = self.block
         why = ""
-        if self.triton if self.triton is not None else q.device.type == "cuda":
-            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
-                from engine.kernels.triton.fp8_block_gemm import Fp8BlockWeight
-            except ImportError as e:
-                why = f"; triton is unavailable ({e})"
-            else:
+        if wants_triton(self.triton, q.device):
+            weight, why = triton_weight("fp8_block_gemm", "Fp8BlockWeight",
+                                        lambda cls: cls.prepare(q, scales, bk))  # fmt: skip
+            if weight is not None:
                 layer.register_parameter("weight", None)
-                layer.fp8_block = Fp8BlockWeight.prepare(q, scales, bk)
+                layer.fp8_block = weight
                 layer.quant_path = (
                     f"float8 e4m3 in blocks of [{bn}, {bk}], dequantized in the Triton GEMM's "
                     "inner loop (engine/kernels/triton/fp8_block_gemm.py)"
@@ -124,8 +127,5 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.weight is None:  # float8 for the Triton GEMM (process_weights_after_loading)
-            from engine.kernels.triton.fp8_block_gemm import fp8_block_gemm
-
-            y = fp8_block_gemm(x, layer.fp8_block)
-            return y if bias is None else y + bias.to(y.dtype)
+            return triton_linear("fp8_block_gemm", "fp8_block_gemm", x, layer.fp8_block, bias)
         return linear_by_rows(layer, x, layer.weight, bias)

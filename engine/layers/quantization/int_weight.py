@@ -34,7 +34,7 @@ from torch import nn
 from engine.kernels.cpu import gemm as cpu_gemm
 from engine.kernels.cpu import w4 as cpu_w4
 from engine.kernels.cpu import w8a8 as cpu_w8a8
-from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.base import LinearMethodBase, triton_linear, wants_triton
 from engine.layers.quantization.gguf import GGUFW4LinearMethod, w4_large_batch_linear
 from engine.layers.quantization.int8 import Int8LinearMethod
 from engine.layers.quantization.packed import (
@@ -247,10 +247,7 @@ class TritonIntLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        from engine.kernels.triton.quant_gemm import quant_gemm
-
-        y = quant_gemm(x, layer.gemm_weight)
-        return y if bias is None else y + bias.to(y.dtype)
+        return triton_linear("quant_gemm", "quant_gemm", x, layer.gemm_weight, bias)
 
 
 def _triton_int(layer: nn.Module, packed: PackedWeight) -> str | None:
@@ -289,7 +286,7 @@ def finish_int_layer(
     dtype = layer.bias.dtype if layer.bias is not None else torch.get_default_dtype()
     dtype = getattr(layer, "model_dtype", dtype)
     device = codes.device
-    if triton if triton is not None else device.type == "cuda":
+    if wants_triton(triton, device):
         layer.register_parameter("weight", None)
         layer.in_features = k
         packed = from_loading_layout(codes, scales, zeros, g_idx, bits, group, dtype)

@@ -25,7 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.base import (
+    LinearMethodBase,
+    triton_linear,
+    triton_weight,
+    wants_triton,
+)
 from engine.layers.quantization.int_weight import register_bias
 from engine.layers.quantization.mxfp4_blocks import dequantize_mxfp4, to_gguf_mxfp4
 from engine.layers.quantization.nvfp4 import register_fp4
@@ -68,14 +73,12 @@ class MxFp4LinearMethod(LinearMethodBase):
         )
         k = packed.shape[1] * 2
         triton_why = ""
-        if self.triton if self.triton is not None else packed.device.type == "cuda":
-            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
-                from engine.kernels.triton.nvfp4_gemm import MxFp4Weight
-            except ImportError as e:
-                triton_why = f"; triton is unavailable ({e})"
-            else:
+        if wants_triton(self.triton, packed.device):
+            weight, triton_why = triton_weight("nvfp4_gemm", "MxFp4Weight",
+                                               lambda cls: cls.prepare(packed, scale))  # fmt: skip
+            if weight is not None:
                 layer.register_parameter("weight", None)
-                layer.mxfp4 = MxFp4Weight.prepare(packed, scale)
+                layer.mxfp4 = weight
                 layer.gguf_type = None
                 layer.quant_path = (
                     "MXFP4 codes and E8M0 bytes (0.53 bytes a weight) on the FP4 Triton GEMM "
@@ -110,10 +113,7 @@ class MxFp4LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.weight is None:  # the Triton GEMM (process_weights_after_loading)
-            from engine.kernels.triton.nvfp4_gemm import nvfp4_gemm
-
-            y = nvfp4_gemm(x, layer.mxfp4)
-            return y if bias is None else y + bias.to(y.dtype)
+            return triton_linear("nvfp4_gemm", "nvfp4_gemm", x, layer.mxfp4, bias)
         if layer.gguf_type is None:
             return linear_by_rows(layer, x, layer.weight, bias)
         from engine.kernels.cpu import gguf as cpu_gguf

@@ -27,7 +27,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.quantization.base import LinearMethodBase
+from engine.layers.quantization.base import (
+    LinearMethodBase,
+    triton_linear,
+    triton_weight,
+    wants_triton,
+)
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.mxfp4_blocks import FP4_VALUES
 from engine.layers.quantization.packed import ScaleBytesLoader, ShardLoader, ignored_loader
@@ -141,14 +146,12 @@ class NvFp4LinearMethod(LinearMethodBase):
         acts = "activations in the model dtype (a W4A4 checkpoint's input_global_scale unused)"
         layer.row_scale = None
         triton_why = ""
-        if self.triton if self.triton is not None else packed.device.type == "cuda":
-            try:  # imports triton: only a CUDA layer (or a test under its interpreter) gets here
-                from engine.kernels.triton.nvfp4_gemm import NvFp4Weight
-            except ImportError as e:
-                triton_why = f"; triton is unavailable ({e})"
-            else:
+        if wants_triton(self.triton, packed.device):
+            weight, triton_why = triton_weight("nvfp4_gemm", "NvFp4Weight",
+                                               lambda cls: cls.prepare(packed, scale, g))  # fmt: skip
+            if weight is not None:
                 layer.register_parameter("weight", None)
-                layer.nvfp4 = NvFp4Weight.prepare(packed, scale, g)
+                layer.nvfp4 = weight
                 layer.quant_path = (
                     "NVFP4 codes and scale bytes (0.5625 bytes a weight) on the NVFP4 Triton "
                     "GEMM (engine/kernels/triton/nvfp4_gemm.py), dequantized in its inner loop; "
@@ -178,10 +181,7 @@ class NvFp4LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.weight is None:  # the Triton GEMM (process_weights_after_loading)
-            from engine.kernels.triton.nvfp4_gemm import nvfp4_gemm
-
-            y = nvfp4_gemm(x, layer.nvfp4)
-            return y if bias is None else y + bias.to(y.dtype)
+            return triton_linear("nvfp4_gemm", "nvfp4_gemm", x, layer.nvfp4, bias)
         if layer.row_scale is None:
             return linear_by_rows(layer, x, layer.weight, bias)
         from engine.kernels.cpu import gguf as cpu_gguf

@@ -115,12 +115,18 @@ def _mx_weight(n: int, k: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 320), (33, 130, 96), (70, 64, 224)])
 def test_mxfp4_matches_dequantize_then_matmul(m, n, k, dtype):
-    weight, w = _mx_weight(n, k, seed=m + n)
+    _check_launches(*_mx_weight(n, k, seed=m + n), m, dtype)
+
+
+def _check_launches(weight, w: torch.Tensor, m: int, dtype) -> None:
+    """m random rows against the weight (W its fp32 dequantized value): the planned launch and
+    a split-K one (partial sums)."""
+    n, k = w.shape
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     got = nvfp4_gemm(x.to(DEVICE), weight)
     assert got.shape == (m, n) and got.dtype == dtype
     _check(got, x, w, dtype)
-    launch = GemmLaunch(16, 32, 64, 3, 4, 2)  # split-K: three partial sums
+    launch = GemmLaunch(16, 32, 64, 3, 4, 2)  # split-K: partial sums
     _check(nvfp4_gemm(x.to(DEVICE), weight, launch=launch), x, w, dtype)
 
 
@@ -168,13 +174,7 @@ def _lut_weight(n: int, k: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 320), (33, 130, 128), (70, 64, 192)])
 def test_lut4_matches_dequantize_then_matmul(m, n, k, dtype):
-    weight, w = _lut_weight(n, k, seed=m + n)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    got = nvfp4_gemm(x.to(DEVICE), weight)
-    assert got.shape == (m, n) and got.dtype == dtype
-    _check(got, x, w, dtype)
-    launch = GemmLaunch(16, 32, 64, 3, 4, 2)  # split-K: partial sums
-    _check(nvfp4_gemm(x.to(DEVICE), weight, launch=launch), x, w, dtype)
+    _check_launches(*_lut_weight(n, k, seed=m + n), m, dtype)
 
 
 def test_every_lut4_code_decodes_exactly():

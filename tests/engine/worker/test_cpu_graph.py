@@ -75,6 +75,28 @@ def test_plan_writes_what_the_modules_write(
     assert with_plan == without
 
 
+def _assert_plan_writes_what_the_modules_write(llm) -> None:
+    """Batches of 1, 5 and 14 prompts greedy with the runner's plan, then on the modules (the
+    same weights and KV cache): the same tokens and logprobs. Shuts llm down."""
+    from engine import SamplingParams
+
+    runner = llm.engine.executor.runner
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, logprobs=3)
+    batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 5, 14)]
+
+    def run() -> list:
+        outs = []
+        for prompts in batches:
+            outs += llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+
+    with_plan = run()
+    runner._step_graph = None  # the modules, on the same weights and KV cache
+    without = run()
+    llm.shutdown()
+    assert with_plan == without
+
+
 def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir, tmp_path):
     """A Q4_1 file's blocks as w4 tiles (the default for a .gguf): the plan's W4 steps take
     exactly the rows the layers' w4 kernels take (every batch with AVX2, or with VNNI and no
@@ -82,7 +104,7 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     logprobs as the modules on the same weights."""
     if not cpu_w4.available():
         pytest.skip("the w4 kernel needs AVX512-VNNI or AVX2 and a C compiler")
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.layers.quantization.gguf import GGUFW4LinearMethod, apply_gguf_blocks
     from tests.engine.gguf.gguf_files import write_gguf
 
@@ -96,23 +118,10 @@ def test_plan_on_a_gguf_files_tiles_writes_what_the_modules_write(tiny_llama_dir
     apply_gguf_blocks(runner.model, path)  # what a .gguf model loads with (test: an HF folder)
     layers = [m for m in runner.model.modules() if hasattr(m, "quant_method")]
     assert sum(isinstance(m.quant_method, GGUFW4LinearMethod) for m in layers) == 3 * 4
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, logprobs=3)
-    batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 5, 14)]
-
-    def run() -> list:
-        outs = []
-        for prompts in batches:
-            outs += llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
-
     runner._step_graph = runner._build_step_graph()
     plan = runner._step_graph
     assert plan is not None and plan.w4
-    with_plan = run()
-    runner._step_graph = None  # the modules, on the same weights and KV cache
-    without = run()
-    llm.shutdown()
-    assert with_plan == without
+    _assert_plan_writes_what_the_modules_write(llm)
     assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
     every_batch = cpu_w4.max_rows() >= 14 or (cpu_w4.batch_available() and not cpu_isa.plan().amx)
     assert plan.w4_amx == (cpu_isa.plan().amx and cpu_amx.available())
@@ -203,7 +212,7 @@ def test_plan_on_bitsandbytes_nf4_writes_what_the_modules_write(tiny_llama_dir, 
     decoded tiles with AVX512-BF16), with the same tokens and logprobs as the modules on the
     same weights; larger steps stay with the modules."""
     pytest.importorskip("bitsandbytes")
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.kernels.cpu import lut4 as cpu_lut4
     from tests.engine.layers.quantization import quant_writers as qw
 
@@ -217,20 +226,7 @@ def test_plan_on_bitsandbytes_nf4_writes_what_the_modules_write(tiny_llama_dir, 
     runner = llm.engine.executor.runner
     plan = runner._step_graph
     assert plan is not None and plan.lut4 and not (plan.w4 or plan.w8a8)
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, logprobs=3)
-    batches = [[list(range(40 + 9 * i, 49 + 9 * i + i % 7)) for i in range(n)] for n in (1, 5, 14)]
-
-    def run() -> list:
-        outs = []
-        for prompts in batches:
-            outs += llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [repr(lp) for lp in o.outputs[0].logprobs]) for o in outs]
-
-    with_plan = run()
-    runner._step_graph = None  # the modules, on the same weights and KV cache
-    without = run()
-    llm.shutdown()
-    assert with_plan == without
+    _assert_plan_writes_what_the_modules_write(llm)
     assert all(plan.runs.get(rows, 0) > 0 for rows in (1, 5)), plan.runs
     tiles = cpu_lut4.tiles_max_rows()  # 9-32 rows on the decoded tiles (AVX512-BF16)
     assert (plan.runs.get(14, 0) > 0) == (tiles >= 14), plan.runs

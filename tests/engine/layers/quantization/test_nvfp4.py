@@ -344,10 +344,12 @@ def test_a_tp_shard_that_splits_a_group_is_named():
         NvFp4LinearMethod().create_weights(layer, 8, 32, False)
 
 
-def test_scales_of_another_dtype_or_nan_fail_naming_the_layer(written, tmp_path):
+def check_scale_refusals(folder, tmp_path, dtype_match: str, nan_scale) -> None:
+    """A copy of an FP4 checkpoint with one layer's weight_scale in bfloat16 fails at load with
+    dtype_match; one with a NaN scale (nan_scale(scale) -> the scale with one NaN byte) naming
+    the layer's NaN."""
     from safetensors.torch import load_file, save_file
 
-    _, folder, _ = written("nvfp4a16")
     for bad_kind in ("bf16", "nan"):
         bad = tmp_path / bad_kind
         shutil.copytree(folder, bad)
@@ -355,12 +357,22 @@ def test_scales_of_another_dtype_or_nan_fail_naming_the_layer(written, tmp_path)
         key = "model.layers.1.mlp.down_proj.weight_scale"
         if bad_kind == "bf16":
             state[key] = state[key].to(torch.bfloat16)
-            match = r"down_proj: checkpoint tensor \(64, 8\): weight_scale is bfloat16; .* float8_e4m3fn"
+            match = dtype_match
         else:
-            b = state[key].view(torch.uint8).clone()
-            b[0, 0] = 0x7F
-            state[key] = b.view(torch.float8_e4m3fn)
+            state[key] = nan_scale(state[key])
             match = r"down_proj: weight_scale holds NaN"
         save_file(state, str(bad / "model.safetensors"))
         with pytest.raises(ValueError, match=match):
             _load(bad, "float32")
+
+
+def test_scales_of_another_dtype_or_nan_fail_naming_the_layer(written, tmp_path):
+    def nan(scale):  # e4m3's NaN: 0x7F
+        b = scale.view(torch.uint8).clone()
+        b[0, 0] = 0x7F
+        return b.view(torch.float8_e4m3fn)
+
+    check_scale_refusals(
+        written("nvfp4a16")[1], tmp_path,
+        r"down_proj: checkpoint tensor \(64, 8\): weight_scale is bfloat16; .* float8_e4m3fn", nan,
+    )  # fmt: skip

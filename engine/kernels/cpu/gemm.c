@@ -1,6 +1,7 @@
 /* y = x W^T (+ b) on CPU: bf16, float32 or int8 weights, float32 arithmetic; the AVX512-BF16
    kernels for bf16 activations (engine/kernels/cpu/gemm.py says why and when each runs). */
 #include "tessera_kernels.h"
+#include "avx2_math.h"
 #include "bf16_convert.h"
 #include "avx512_math.h"
 
@@ -30,12 +31,6 @@ static inline void store8_bf16(uint16_t* p, __m256 v) {  /* round to nearest eve
   u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
-}
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 /* One mr x nr tile (mr <= MR, nr <= NR, constants after inlining): out[i][j] = x_i . w_j. */

@@ -16,6 +16,7 @@
    run time (capped at what this build has), so the tests can force the slower ones. The
    superblocks of 256 (Q2_K..Q6_K, IQ4_XS) go to gguf_k.c from the entry points. */
 #include "tessera_kernels.h"
+#include "avx2_math.h"
 #include "bf16_convert.h"
 #include "f16_convert.h"
 #include "iq4_values.h"
@@ -207,12 +208,6 @@ static inline __m256i nvfp4_values(const uint8_t* blk, int c) {
 /* an 8-lane dot product's scales: lanes 0-3 hold sub-block A's sums, 4-7 B's */
 static inline __m256 nvfp4_lane_scales(float a, float b) {
   return _mm256_setr_m128(_mm_set1_ps(a), _mm_set1_ps(b));
-}
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 /* sum of u8 * s8 in 8 int32 lanes (pairs of int16 products cannot overflow: |u| <= 128) */
 static inline __m256i dot_avx2(__m256i u, __m256i s) {

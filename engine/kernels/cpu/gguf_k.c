@@ -29,6 +29,7 @@
    (gguf_k_dequant_row: the large-batch path's rows) has the same three variants, equal to
    the bit. */
 #include "tessera_kernels.h"
+#include "avx2_math.h"
 #include "bf16_convert.h"
 #include "f16_convert.h"
 #include "avx512_math.h"
@@ -274,12 +275,6 @@ static inline __attribute__((always_inline)) void dot_scalar(int type, int R, co
 }
 
 #if ISA_MAX >= GGUF_ISA_AVX2
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 /* sum of u8 * s8 in 8 int32 lanes of 4 neighbours each (codes <= 63, |x| <= 127: the int16
    pair sums of maddubs cannot saturate) */
 static inline __m256i dot_avx2(__m256i u, __m256i s) {

@@ -12,6 +12,7 @@
    code bit 3) and AVX-512 (one 16-entry permute); lut4_isa picks one at run time, capped at
    what this build has, so the tests can force the slower ones. */
 #include "tessera_kernels.h"
+#include "avx2_math.h"
 #include "bf16_convert.h"
 
 #include <stdint.h>
@@ -75,12 +76,6 @@ static void row_scalar(const uint8_t* codes, const float* scales, const float* t
 }
 
 #if ISA_MAX >= LUT4_ISA_AVX2
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 /* table[idx] for 8 codes 0..15: each half of the table permuted by the low 3 bits, the half
    chosen by bit 3 (shifted to the sign bit, which blendv reads) */
 static inline __m256 lookup8(__m256 lo, __m256 hi, __m256i idx) {

@@ -510,8 +510,8 @@ def write_bnb_experts(src: Path, dst: Path, fmt: str) -> tuple[Path, dict]:
 
     folder, deq = write_bnb(src, dst, fmt)
     state = _state(folder)
-    experts = [k[: -len(".weight")] for k in state if _EXPERT.match(k[: -len(".weight")] or "")
-               and k.endswith(".weight")]  # fmt: skip
+    layers = [k.removesuffix(".weight") for k in state if k.endswith(".weight")]
+    experts = [name for name in layers if _EXPERT.match(name)]
     kind = BNB_FORMATS[fmt].get("bnb_4bit_quant_type")
     double = bool(BNB_FORMATS[fmt].get("bnb_4bit_use_double_quant"))
     for name in experts:

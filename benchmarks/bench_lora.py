@@ -3,6 +3,7 @@
     tessera bench lora [--model M] [--dtype bfloat16] [--streams 8,32] [--adapters 0,1,4]
                        [--ranks 8,16] [--output-len 64] [--rounds 2] [--json PATH]
                        [--swap-rank 16] [--swap-repeats 10] [--swap-only]
+                       [--experts E [--top-k 2]]
 
 Adapters are written by peft (ranks cycled from --ranks, on q/k/v/o and the MLP's
 gate/up/down) into a temporary folder. Two engines are loaded at once: the base model
@@ -22,6 +23,11 @@ the file is in the page cache after the first read, so this is not a cold disk),
 copies a CPU-cached adapter into a slot of every layer (the LRU's swap). Two adapters: the
 projections alone, and the projections with embed_tokens and lm_head (vocabulary-sized A
 and B). --swap-only runs only this table (one engine, a few seconds).
+
+--experts E: the model's shape as a mixture of experts instead (Qwen3-MoE: E experts, top
+--top-k, each expert intermediate_size / top-k wide, so a token multiplies as many MLP weights
+as in the dense model; random weights, the model's tokenizer), and adapters on q/k/v/o and on
+every expert's gate_up and down (peft's target_parameters: engine.lora.experts).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ def make_adapters(
     seed: int = 0,
     targets: list[str] | None = None,
     tag: str = "adapter",
+    target_parameters: list[str] | None = None,
 ) -> list[Path]:
     """One PEFT LoRA folder per rank in `ranks`, random A and B of a modest scale (a delta
     that changes the tokens without blowing up the logits). The base weights do not matter
@@ -66,12 +73,14 @@ def make_adapters(
 
     config = AutoConfig.from_pretrained(str(model_dir))
     base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    experts = getattr(config, "num_experts", 1)  # an expert's part of B: rank r of r x E
     paths = []
     for i, r in enumerate(ranks):
         lora = LoraConfig(
             r=r,
             lora_alpha=2 * r,
             target_modules=targets or TARGETS,
+            target_parameters=target_parameters,
             lora_dropout=0.0,
             init_lora_weights=False,
         )
@@ -80,7 +89,8 @@ def make_adapters(
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_A" in name or "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[1] ** 0.5)
+                    fan_in = p.shape[1] / (experts if ".experts." in name else 1)
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5 / fan_in**0.5)
         path = out_dir / f"{tag}-{i}-r{r}"
         model.save_pretrained(str(path), selected_adapters=[f"a{i}"])
         # peft nests a named adapter's files one folder down; engines read the folder itself.
@@ -92,6 +102,42 @@ def make_adapters(
         base = model.unload()  # the plain model back, for the next adapter
         paths.append(path)
     return paths
+
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")  # fmt: skip
+
+
+def moe_folder(model: str | None, out_dir: Path, experts: int, top_k: int) -> Path:
+    """The model's shape as a Qwen3-MoE of `experts` experts, top_k of them a token, each
+    intermediate_size / top_k wide: config.json (weights: load_format dummy) and the model's
+    tokenizer files."""
+    import shutil
+
+    from engine.config import DEFAULT_MODEL
+    from engine.models.loader import resolve_model
+
+    source = resolve_model(model or DEFAULT_MODEL)
+    cfg = json.loads((source / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    cfg.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=cfg["intermediate_size"] // top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out_dir / name)
+    return out_dir
 
 
 def prompts_for(llm: LLM, count: int) -> list[list[int]]:
@@ -195,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--swap-rank", type=int, default=16, help="the swap table's rank")
     parser.add_argument("--swap-repeats", type=int, default=10, help="swaps timed per adapter")
     parser.add_argument("--swap-only", action="store_true", help="only the swap table")
+    parser.add_argument("--experts", type=int, default=0, help="the model as a MoE of E experts")
+    parser.add_argument("--top-k", type=int, default=2, help="--experts: experts a token")
     args = parser.parse_args(argv)
     streams = parse_counts(parser, "--streams", args.streams, 1)
     counts = parse_counts(parser, "--adapters", args.adapters, 0)
@@ -209,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--output-len must be at least 3 (decode steps after the first token)")
     if max(counts) > min(streams):
         parser.error(f"--adapters {max(counts)} is more than the smallest batch {min(streams)}")
+    if args.experts and not 0 < args.top_k <= args.experts:
+        parser.error("--top-k must be in 1..--experts")
     n_adapters = max(max(counts), 1)
     adapter_ranks = [ranks[i % len(ranks)] for i in range(n_adapters)]
     common = dict(
@@ -217,18 +267,26 @@ def main(argv: list[str] | None = None) -> dict:
         max_model_len=args.max_model_len,
         seed=args.seed,
     )
-    engines = {
-        "base": LLM(args.model, **common),
-        "lora": LLM(
-            args.model,
-            enable_lora=True,
-            max_loras=n_adapters,
-            max_lora_rank=max(*adapter_ranks, args.swap_rank),
-            **common,
-        ),
-    }
+    targets, parameters, model = None, None, args.model
     with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
-        folders = make_adapters(engines["lora"].engine.model_dir, Path(tmp), adapter_ranks)
+        if args.experts:
+            model = str(moe_folder(args.model, Path(tmp) / "moe", args.experts, args.top_k))
+            common["load_format"] = "dummy"
+            targets, parameters = TARGETS[:4], EXPERT_PARAMETERS
+        engines = {
+            "base": LLM(model, **common),
+            "lora": LLM(
+                model,
+                enable_lora=True,
+                max_loras=n_adapters,
+                max_lora_rank=max(*adapter_ranks, args.swap_rank),
+                **common,
+            ),
+        }
+        folders = make_adapters(
+            engines["lora"].engine.model_dir, Path(tmp), adapter_ranks, targets=targets,
+            target_parameters=parameters,
+        )  # fmt: skip
         requests = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(folders)]
         # Each cell: which engine, and how many distinct adapters (None: the base engine).
         cells: list[tuple[str, int | None]] = [("base", None)]
@@ -254,11 +312,15 @@ def main(argv: list[str] | None = None) -> dict:
                     if (n, label) not in best or run["step_s"] < best[(n, label)]["step_s"]:
                         best[(n, label)] = run
                     print(f"x{n} {label}: step {run['step_s'] * 1e3:.2f} ms", flush=True)
-        swaps = swap_costs(
-            engines["lora"], swap_folders(engines["lora"], Path(tmp), args.swap_rank),
-            args.swap_rank, args.swap_repeats,
-        )  # fmt: skip
+        swaps = []
+        if not args.experts:  # the swap table's adapters are the dense model's
+            swaps = swap_costs(
+                engines["lora"], swap_folders(engines["lora"], Path(tmp), args.swap_rank),
+                args.swap_rank, args.swap_repeats,
+            )  # fmt: skip
     model_name = args.model or "default"
+    if args.experts:
+        model_name += f" as Qwen3-MoE, {args.experts} experts top-{args.top_k}"
     for llm in engines.values():
         llm.shutdown()
     del engines, llm
@@ -292,11 +354,13 @@ def main(argv: list[str] | None = None) -> dict:
         "model": model_name,
         "dtype": args.dtype,
         "output_len": args.output_len,
-        "targets": TARGETS,
+        "targets": targets or TARGETS,
+        "target_parameters": parameters,
         "rows": rows,
         "swap": swaps,
     }
-    print_swaps(swaps)
+    if swaps:
+        print_swaps(swaps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

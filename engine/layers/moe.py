@@ -28,6 +28,7 @@ import functools
 import os
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,13 @@ from engine.layers.activation import SiluAndMul, SwigluOAIAndMul
 from engine.layers.mlp import GatedMLP
 from engine.layers.quantization.unquantized import linear_by_rows
 
+if TYPE_CHECKING:
+    from engine.lora.experts import ExpertsLoRA
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "swigluoai")  # SiluAndMul; gpt-oss's SwigluOAIAndMul
 GATE, UP, DOWN = 0, 1, 2  # shard ids of one expert's three checkpoint tensors
+LORA_W13, LORA_W2 = 0, 1  # a LoRA slot's two projections (engine.lora.experts)
 
 
 @functools.cache
@@ -94,6 +99,7 @@ def experts_cpu(
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     activation: Callable[[torch.Tensor], torch.Tensor] = _silu_and_mul,
     num_experts: int | None = None,
+    lora: ExpertsLoRA | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token, [T, H].
 
@@ -106,29 +112,46 @@ def experts_cpu(
     expert_linear(e, GATE or DOWN, x), that runs them instead (a GGUF file's blocks: w13 and w2
     are then not float weights, or None: a quantized checkpoint's, give num_experts).
     biases: (b13 [E, 2I], b2 [E, H]) added to each expert's two products; activation: the
-    gated activation over [gate | up] (SiLU-and-mul)."""
+    gated activation over [gate | up] (SiLU-and-mul).
+    lora: the step's LoRA adapters on these experts (engine.lora.experts): the pairs are then
+    sorted by expert and, within one, by adapter slot, and each run of one slot's rows adds its
+    deltas to the gate_up product (before the activation) and to the down product."""
     g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
     num_experts = num_experts or w13.shape[0]
     flat = topk_ids.reshape(-1)
+    groups = 1  # runs per expert: the base, then one per LoRA slot
+    if lora is not None:
+        groups = len(lora.weights) + 1
+        flat = flat * groups + lora.pair_slots(t, k) + 1
     order = torch.argsort(flat, stable=True)
     # ids past the last expert (another rank's, under expert parallelism) sort last: skipped
-    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
+    runs = torch.bincount(flat, minlength=num_experts * groups).tolist()[: num_experts * groups]
     tokens = order // k
     weights = topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
-    for e, n in enumerate(counts):
+    for e in range(num_experts):
+        counts = runs[e * groups : (e + 1) * groups]
+        n = sum(counts)
         if n == 0:
             continue
         rows = tokens[start : start + n]
         b13, b2 = (None, None) if biases is None else (biases[0][e], biases[1][e])
+        xs = x.index_select(0, rows)
         if expert_linear is not None:
-            h = activation(_biased(expert_linear(e, GATE, x.index_select(0, rows)), b13))
+            h = _biased(expert_linear(e, GATE, xs), b13)
+        else:
+            h = _linear(g13, xs, w13[e], b13)
+        if lora is not None:
+            lora.add(LORA_W13, e, counts, xs, h)
+        h = activation(h)
+        if expert_linear is not None:
             y = _biased(expert_linear(e, DOWN, h), b2)
         else:
-            h = activation(_linear(g13, x.index_select(0, rows), w13[e], b13))
             y = _linear(g2, h, w2[e], b2)
+        if lora is not None:
+            lora.add(LORA_W2, e, counts, h, y)
         y = y.to(torch.float32).mul_(weights[start : start + n])
         out.index_add_(0, rows, y)
         start += n
@@ -229,6 +252,9 @@ class FusedMoE(nn.Module):
         # (x, topk_weights, topk_ids) -> [T, H]: a quantized checkpoint's experts on CUDA
         # (engine.layers.quantization.experts: the fused Triton kernel on the quantized weights)
         self.fused_quantized: Callable[..., torch.Tensor] | None = None
+        # LoRA adapters' slots on these experts (engine.lora.manager attaches them): a step
+        # with one runs experts_cpu, whose loop adds the deltas, on any device
+        self.lora: ExpertsLoRA | None = None
         for param, shards in (
             (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
             (self.w2_weight, {(e, DOWN) for e in range(num_experts)}),
@@ -271,13 +297,15 @@ class FusedMoE(nn.Module):
         if self.ep_size > 1:  # this rank's experts only: the others' pairs weigh nothing
             weights, ids = self.local_pairs(weights, ids)
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
-        fused = _triton_moe() if x.is_cuda and self.expert_linear is None else None
-        if self.ep_size > 1 and (fused is not None or self.fused_quantized is not None):
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        fused = _triton_moe() if x.is_cuda and self.expert_linear is None and lora is None else None
+        quantized = self.fused_quantized if lora is None else None
+        if self.ep_size > 1 and (fused is not None or quantized is not None):
             # the kernels take no other id: another rank's pairs run on the last local expert,
             # weighing 0
             ids = ids.clamp(max=self.num_local_experts - 1)
-        if self.fused_quantized is not None:
-            out = self.fused_quantized(x, weights, ids)
+        if quantized is not None:
+            out = quantized(x, weights, ids)
         elif fused is not None:
             out = fused.fused_experts(
                 x, self.w13_weight, self.w2_weight, weights, ids, biases, self.activation,
@@ -286,7 +314,7 @@ class FusedMoE(nn.Module):
         else:
             out = experts_cpu(
                 x, self.w13_weight, self.w2_weight, weights, ids, self._gemms,
-                self.expert_linear, biases, self._act, self.num_local_experts,
+                self.expert_linear, biases, self._act, self.num_local_experts, lora,
             )  # fmt: skip
         return tp_all_reduce(out) if self.reduce_results else out
 

@@ -6,7 +6,9 @@
 The folder holds adapter_config.json and adapter_model.safetensors (PEFT's
 `save_pretrained`). Supported targets are the decoder's projections, q/k/v/o and
 gate/up/down; Tessera's merged qkv_proj and gate_up_proj take each projection's A/B as a
-slice of the merged output (SLICES). Each module has its own rank and scaling where the config
+slice of the merged output (SLICES). A mixture of experts' projections, per expert or
+stacked (`target_parameters`), are read by engine.lora.experts into one (A, B) per
+projection with every expert stacked, keyed (layer index, "experts"). Each module has its own rank and scaling where the config
 has `rank_pattern` / `alpha_pattern` (keys matched against the module's name as peft's
 get_pattern_key does: the first key that matches a suffix of the name, as a regex); its
 scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora) is folded into its B once, here,
@@ -39,8 +41,20 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engine.lora.experts import (
+    LAYER as EXPERTS,
+)
+from engine.lora.experts import (
+    PER_EXPERT,
+    STACKED,
+    ExpertsReader,
+    is_expert_key,
+    shard_experts,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +81,8 @@ ROW_PARALLEL = {"o_proj", "down_proj"}
 VOCAB_TARGETS = ("embed_tokens", "lm_head")
 MODEL_LAYER = -1  # their "layer index" in LoRAAdapter.weights
 SUPPORTED = (*TARGETS, *VOCAB_TARGETS)
+# target modules that exist only as a MoE's experts (Mixtral's per-expert names)
+EXPERT_ONLY = tuple(m for m in PER_EXPERT if m not in TARGETS)
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
@@ -154,17 +170,31 @@ class LoRAAdapter:
     magnitudes: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
 
     def shard(
-        self, cfg: HFModelConfig, tp_rank: int, tp_size: int, dtype: torch.dtype
+        self,
+        cfg: HFModelConfig,
+        tp_rank: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        expert_parallel: bool = False,
     ) -> AdapterShard:
         """This rank's weights per (layer index, Tessera layer): one (A, B) or None per slice.
         Column-parallel layers (qkv, gate_up) split each slice's B on its output rows (and
         DoRA's m with them); row-parallel ones (o, down) split A on its input columns (the base
         layer's all-reduce then sums the ranks' partial products; m stays whole: it scales
-        the reduced output)."""
+        the reduced output). Experts as FusedMoE holds them (engine.lora.experts)."""
         out: dict[tuple[int, str], Slices] = {}
         mags: dict[tuple[int, str], list[torch.Tensor | None]] = {}
         for (layer_idx, module), ab in self.weights.items():
             assert ab is not None, "read with check=True: no values"
+            if module == EXPERTS:
+                parts = shard_experts(ab, cfg, tp_rank, tp_size, expert_parallel)
+                out[(layer_idx, module)] = [
+                    None
+                    if p is None
+                    else (p[0].to(dtype).contiguous(), p[1].to(dtype).contiguous())
+                    for p in parts
+                ]
+                continue
             a, b = ab
             if module == "embed_tokens":  # A^T [vocab shard, r]: a token's row is a lookup
                 a = _vocab_rows(a.T, 0, cfg.vocab_size, tp_rank, tp_size)
@@ -216,6 +246,7 @@ class AdapterConfig:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     targets: tuple[str, ...] | None
+    target_parameters: tuple[str, ...] = ()  # experts' stacked parameters (engine.lora.experts)
 
     @property
     def scaling(self) -> float:
@@ -298,13 +329,16 @@ def read_config(path: Path, quantization: str | None = None) -> AdapterConfig:
         )
     rank_pattern = _pattern(path, config, "rank_pattern", integer=True)
     alpha_pattern = _pattern(path, config, "alpha_pattern", integer=False)
+    parameters = _target_parameters(path, config)
     targets = config.get("target_modules")
     if isinstance(targets, str):  # a regex: the tensors' names say what it matched
         parsed = None
+    elif parameters and not targets:
+        parsed = ()
     elif not isinstance(targets, list) or not targets:
         raise _bad(path, "target_modules", f"must be a non-empty list, got {targets!r}")
     else:
-        unknown = sorted(str(t) for t in targets if t not in SUPPORTED)
+        unknown = sorted(str(t) for t in targets if t not in SUPPORTED and t not in EXPERT_ONLY)
         if unknown:
             raise _bad(
                 path,
@@ -314,9 +348,28 @@ def read_config(path: Path, quantization: str | None = None) -> AdapterConfig:
         parsed = tuple(dict.fromkeys(targets))
         if use_dora and any(t in VOCAB_TARGETS for t in parsed):
             raise _bad(path, "use_dora", "DoRA on embed_tokens / lm_head is not supported")
+    if use_dora and parameters:
+        raise _bad(path, "use_dora", "DoRA on experts (target_parameters) is not supported")
     return AdapterConfig(
-        r, alpha, bool(config.get("use_rslora")), use_dora, rank_pattern, alpha_pattern, parsed
-    )
+        r, alpha, bool(config.get("use_rslora")), use_dora, rank_pattern, alpha_pattern, parsed,
+        parameters,
+    )  # fmt: skip
+
+
+def _target_parameters(path: Path, config: dict) -> tuple[str, ...]:
+    """target_parameters (peft's LoRA on nn.Parameters): only experts' stacked projections."""
+    parameters = config.get("target_parameters") or []
+    if not isinstance(parameters, list) or not all(isinstance(p, str) for p in parameters):
+        raise _bad(path, "target_parameters", f"must be a list of names, got {parameters!r}")
+    unsupported = [p for p in parameters if p.rpartition(".")[2] not in STACKED]
+    if unsupported:
+        raise _bad(
+            path,
+            "target_parameters",
+            f"{', '.join(unsupported)} not supported (supported: the experts' "
+            f"{' and '.join(STACKED)}, e.g. mlp.experts.gate_up_proj)",
+        )
+    return tuple(parameters)
 
 
 def _module_name(key: str) -> str:
@@ -327,7 +380,10 @@ def _module_name(key: str) -> str:
 
 def _module_rank(path: Path, key: str, config: AdapterConfig, max_lora_rank: int) -> int:
     """A module's rank, refused above max_lora_rank naming the field it came from."""
-    name = _module_name(key)
+    return _rank_of(path, _module_name(key), config, max_lora_rank)
+
+
+def _rank_of(path: Path, name: str, config: AdapterConfig, max_lora_rank: int) -> int:
     r, source = config.rank_of(name)
     if r > max_lora_rank:
         if source == "r":
@@ -348,10 +404,13 @@ def read_adapter(
     *,
     check: bool = False,
     quantization: str | None = None,
+    device: str = "cpu",
 ) -> LoRAAdapter:
     """Read and check a PEFT LoRA folder against the base model's config; ValueError names
     the field or tensor at fault. check=True reads the tensors' shapes, not their values.
-    quantization: the base model's method (None: float weights), refused with DoRA."""
+    quantization: the base model's method (None: float weights), refused with DoRA, and with
+    experts' adapters on device "cuda" (the fused kernel of quantized experts takes no
+    delta)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -361,6 +420,7 @@ def read_adapter(
     if not file.is_file():
         raise _bad(path, WEIGHTS_FILE, "missing (PEFT's save_pretrained writes one)")
     shapes = projection_shapes(cfg)
+    experts = ExpertsReader(cfg, partial(_bad, path), list(config.target_parameters), check)
     halves: dict[tuple[int, str], dict[str, object]] = {}
     ranks: dict[tuple[int, str], int] = {}
     scales: dict[tuple[int, str], float] = {}
@@ -383,6 +443,10 @@ def read_adapter(
                     where = (MODEL_LAYER, module)
                     ranks[where], scales[where] = r, config.scaling_of(_module_name(key))
                     halves.setdefault(where, {})[half] = None if check else f.get_tensor(key)
+                    continue
+                if is_expert_key(key):
+                    _expert_tensor(path, key, shape, f, experts, config, max_lora_rank, device,
+                                   quantization)  # fmt: skip
                     continue
                 mag = _MAGNITUDE_KEY.search(key)
                 m = mag or _KEY.search(key)
@@ -440,30 +504,63 @@ def read_adapter(
             scale = scales[(layer_idx, module)]
             a, b = ab["A"].float(), ab["B"].float() * scale  # type: ignore[union-attr]
             weights[(layer_idx, module)] = (a, b)
+    expert_weights = experts.assemble()
+    weights.update(expert_weights)  # type: ignore[arg-type]
     stray = [key for key in magnitudes if key not in weights]
     if stray:
         layer_idx, module = stray[0]
         raise _bad(path, f"layers.{layer_idx}.{module}.lora_magnitude_vector", "has no lora_A/B")
     if not check:
         magnitudes = {key: m.float() for key, m in magnitudes.items()}  # type: ignore[union-attr]
-    found = {module for _, module in weights}
+    found = {module for _, module in weights if module != EXPERTS} | experts.modules
     if not weights:
         raise _bad(path, WEIGHTS_FILE, "holds no LoRA weights")
-    if targets is not None:
-        missing = [t for t in targets if t not in found]
+    parameters = tuple(p.rpartition(".")[2] for p in config.target_parameters)
+    for name, listed in (("target_modules", targets or ()), ("target_parameters", parameters)):
+        missing = [t for t in dict.fromkeys(listed) if t not in found]
         if missing:
-            raise _bad(
-                path, "target_modules", f"{', '.join(missing)} listed but not in {WEIGHTS_FILE}"
-            )
+            raise _bad(path, name, f"{', '.join(missing)} listed but not in {WEIGHTS_FILE}")
     return LoRAAdapter(
         str(path),
-        max(ranks.values()),
+        max([*ranks.values(), *(r for r, _ in experts.ranks.values())]),
         config.scaling,
         tuple(sorted(found)),
         weights,
         config.use_dora,
         magnitudes,
     )
+
+
+def _expert_tensor(
+    path: Path,
+    key: str,
+    shape: tuple[int, ...],
+    f,
+    experts: ExpertsReader,
+    config: AdapterConfig,
+    max_lora_rank: int,
+    device: str,
+    quantization: str | None,
+) -> None:
+    """One tensor of a MoE layer's experts, checked and handed to the experts' reader."""
+    if config.use_dora:
+        raise _bad(path, key, "DoRA on experts is not supported")
+    if device == "cuda" and quantization is not None:
+        raise _bad(
+            path,
+            key,
+            f"LoRA on the experts of a quantized model (quantization {quantization!r}) is not "
+            "supported on CUDA: the quantized experts' fused kernel takes no delta",
+        )
+    module = key.split(".lora_")[0].rpartition(".")[2]
+    targets = config.targets
+    if module in PER_EXPERT and targets is not None and module not in targets:
+        raise _bad(path, key, f"target module {module!r} is not in target_modules")
+
+    def rank_scale(name: str) -> tuple[int, float]:
+        return _rank_of(path, name, config, max_lora_rank), config.scaling_of(name)
+
+    experts.add(key, shape, rank_scale, lambda: f.get_tensor(key))
 
 
 def _vocab_key(

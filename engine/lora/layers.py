@@ -65,11 +65,28 @@ class LoRABatch:
         self.seg_len: torch.Tensor | None = None
         self.seg_slot: torch.Tensor | None = None
         self.max_rows = 0
+        self.step_slots: list[int] = []  # the slots this step's rows use
+        self._ranges: list[tuple[int, int, int]] = []
+        self._row_slots: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.active = False
         self.dora = False
         self.groups = []
+        self.step_slots = []
+        self._ranges = []
+        self._row_slots = None
+
+    def row_slots(self, num_rows: int) -> torch.Tensor:
+        """Each of the step's num_rows rows' slot (-1: the base model), int64 on the device;
+        made once a step, for the layers that group by something else first (experts)."""
+        cached = self._row_slots
+        if cached is None or cached.shape[0] != num_rows:
+            host = torch.full((num_rows,), -1, dtype=torch.int64)
+            for slot, start, n in self._ranges:
+                host[start : start + n] = slot
+            cached = self._row_slots = host.to(self.device)
+        return cached
 
     def row_groups(self) -> list[tuple[int, slice | torch.Tensor]]:
         """Each slot's rows (a slice or an index tensor), whichever kernel the batch is for."""
@@ -94,6 +111,8 @@ class LoRABatch:
             self.clear()
             return
         self.active = True
+        self.step_slots = list(by_slot)
+        self._ranges, self._row_slots = ranges, None
         if self.kernel != "torch":
             self.groups = []  # the torch path's, built from the segments if a layer needs them
             self._set_segments(by_slot)

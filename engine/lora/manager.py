@@ -12,6 +12,9 @@ used one that this step does not need), loading it from the CPU cache (max_cpu_l
 adapters, least recently used evicted) or from its folder, then sets the shared LoRABatch.
 The scheduler never mixes more than max_loras adapters in a step, so slots always suffice.
 
+A MoE layer's experts get an ExpertsLoRA (engine.lora.experts): per slot, the adapter's
+experts' A/B as loaded (no slot is preallocated); its deltas apply in the experts' loop.
+
 The embedding's deltas apply between prepare and end_forward (not to a draft proposer's
 ids); the LM head's to the one call after head_rows, on the step rows it names (a call
 without it, a proposer's, gets the base head).
@@ -33,8 +36,9 @@ import torch
 from torch import nn
 
 from engine.config import LoRAConfig
-from engine.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from engine.distributed import get_ep_rank_size, get_tp_rank, get_tp_size, tp_all_reduce
 from engine.kernels.cpu import lora as cpu_lora
+from engine.layers.moe import FusedMoE
 from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 from engine.lora.adapter import (
     MODEL_LAYER,
@@ -44,6 +48,8 @@ from engine.lora.adapter import (
     read_adapter,
     vocab_shard,
 )
+from engine.lora.experts import LAYER as EXPERTS
+from engine.lora.experts import ExpertsLoRA
 from engine.lora.layers import LoRABatch, LoRAEmbedding, LoRALayer
 from engine.lora.request import LoRARequest
 from engine.models.hf_config import HFModelConfig
@@ -118,10 +124,14 @@ class LoRAManager:
         for i, decoder in enumerate(model.model.layers):
             owners = {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn}
             owners["gate_up_proj"] = owners["down_proj"] = decoder.mlp
+            experts = getattr(decoder.mlp, "experts", None)
+            if isinstance(experts, FusedMoE):
+                experts.lora = ExpertsLoRA(self.batch, config.max_loras, self.dtype, device)
+                self.layers[(i, EXPERTS)] = experts.lora  # type: ignore[assignment]
             for name in SLICES:
                 layer = getattr(owners[name], name, None)
                 if layer is None or not hasattr(layer, "lora_active"):
-                    continue  # a mixture of experts: its MLP takes no adapter
+                    continue  # a mixture of experts: no dense gate_up / down
                 state = LoRALayer(
                     self.batch,
                     _slices(layer, name),
@@ -184,7 +194,10 @@ class LoRAManager:
             return cached
         adapter = read_adapter(request.lora_path, self.hf_config, self.config.max_lora_rank)
         # float32 until DoRA's norms are taken, then the slots' dtype
-        shard = adapter.shard(self.hf_config, get_tp_rank(), get_tp_size(), torch.float32)
+        shard = adapter.shard(
+            self.hf_config, get_tp_rank(), get_tp_size(), torch.float32,
+            expert_parallel=get_ep_rank_size()[1] > 1,
+        )  # fmt: skip
         self._dora_scales(shard, request.lora_path)
         shard = shard.cast(self.dtype)
         self.num_loads += 1

@@ -58,6 +58,9 @@ class HFModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # the checkpoint's stacked gate_up rows interleave gate and up (gpt-oss) rather than
+    # concatenating them (engine.models.gpt_oss loads them; LoRA adapters' B rows alike)
+    moe_gate_up_interleaved: bool = False
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         windows = self.layer_sliding_windows
@@ -265,6 +268,7 @@ def _moe(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
         mlp_only_layers=[int(i) for i in raw.get("mlp_only_layers") or []],
+        moe_gate_up_interleaved=model_type == "gpt_oss",
     )
 
 

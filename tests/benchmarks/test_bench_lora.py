@@ -79,3 +79,18 @@ def test_swap_only(tiny_llama_dir, tmp_path):
     result = bench_lora.main([*argv, "--swap-rank", "8", "--swap-repeats", "2", "--json", str(out)])
     assert json.loads(out.read_text()) == result and "rows" not in result
     _check_swaps(result["swap"], 8)
+
+
+@pytest.mark.slow
+def test_a_run_with_expert_adapters(tiny_llama_dir, tmp_path):
+    """--experts: the model's shape as a Qwen3-MoE, adapters on attention and every expert."""
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--streams", "2"]
+    argv += ["--adapters", "0,1", "--output-len", "5", "--rounds", "1", "--experts", "4"]
+    result = bench_lora.main(argv)
+    assert result["model"].endswith("as Qwen3-MoE, 4 experts top-2")
+    assert result["target_parameters"] == bench_lora.EXPERT_PARAMETERS
+    assert [(r["adapters"], r["same_tokens_as_base"]) for r in result["rows"]] == [
+        (0, True),
+        (1, False),
+    ]
+    assert result["swap"] == []

@@ -25,12 +25,15 @@ def make_adapter(
     use_dora: bool = False,
     rank_pattern: dict[str, int] | None = None,
     alpha_pattern: dict[str, float] | None = None,
+    target_parameters: list[str] | None = None,
 ) -> Path:
     """A LoRA adapter with random A and B (peft's init_lora_weights=False would leave B as
     kaiming noise; B is redrawn here so the deltas are large enough to change greedy tokens
     but keep the logits peaked). An embedding's A [r, vocab] is drawn per token column (each
     token's delta as large as a projection's). DoRA: each magnitude is redrawn around its
-    initial norm (x 0.5..1.5 per row), so no scale is 1."""
+    initial norm (x 0.5..1.5 per row), so no scale is 1. target_parameters: a mixture of
+    experts' stacked projections (peft's ParamWrapper: A [r * E, in], B [out, r * E], each
+    expert's part drawn as a projection's of rank r)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -39,20 +42,26 @@ def make_adapter(
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
-        target_modules=targets or ALL_TARGETS,
+        target_modules=ALL_TARGETS if targets is None else targets,
         init_lora_weights=False,
         use_rslora=use_rslora,
         lora_dropout=0.0,
         use_dora=use_dora,
         rank_pattern=rank_pattern or {},
         alpha_pattern=alpha_pattern or {},
+        target_parameters=target_parameters,
     )
     model = get_peft_model(base, config)
+    experts = getattr(base.config, "num_local_experts", None) or getattr(
+        base.config, "num_experts", 1
+    )
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_embedding_A" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[0] ** 0.5)
+            elif ".experts." in name and "lora_B" in name:  # [out, r * E]: rank r an expert
+                p.copy_(torch.randn(p.shape, generator=g) * scale / (p.shape[1] / experts) ** 0.5)
             elif "lora_A" in name or "lora_B" in name or "lora_embedding_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[1] ** 0.5)
             elif "lora_magnitude_vector" in name:
@@ -96,3 +105,59 @@ def merged_greedy(
                 )
             results.append(tokens)
     return results
+
+
+def make_per_expert_adapter(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    r: int = 8,
+    alpha: int = 16,
+    modules: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj"),
+    block: str = "mlp",
+    seed: int = 0,
+    scale: float = 0.5,
+) -> Path:
+    """An adapter on every expert's projections one by one, as peft wrote them for
+    transformers 4's MoE models (each expert's gate/up/down an nn.Linear; Mixtral's w1 / w3 /
+    w2 under block_sparse_moe): peft's own save_pretrained over that module tree, sized from
+    the model's config.json (its MoE layers only)."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h = cfg["hidden_size"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    dense = set(cfg.get("mlp_only_layers") or [])
+    gate, up, down = modules
+
+    def expert() -> nn.Module:
+        e = nn.Module()
+        for name, (i, o) in ((gate, (h, inter)), (up, (h, inter)), (down, (inter, h))):
+            setattr(e, name, nn.Linear(i, o, bias=False))
+        return e
+
+    def layer(i: int) -> nn.Module:
+        decoder, moe = nn.Module(), nn.Module()
+        moe.experts = nn.ModuleList([expert() for _ in range(experts)])
+        setattr(decoder, block, moe if i not in dense else nn.Module())
+        return decoder
+
+    root, inner = nn.Module(), nn.Module()
+    inner.layers = nn.ModuleList([layer(i) for i in range(cfg["num_hidden_layers"])])
+    root.model = inner
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(modules), init_lora_weights=False
+    )
+    model = get_peft_model(root, config)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[1] ** 0.5)
+    model.save_pretrained(str(out_dir))
+    return out_dir

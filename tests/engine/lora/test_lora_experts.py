@@ -1,0 +1,263 @@
+"""LoRA on a mixture of experts' projections (engine.lora.experts): adapters written by peft in
+both layouts people have — transformers 5's stacked expert parameters (`target_parameters`)
+and transformers 4's per-expert modules (Mixtral's w1 / w3 / w2 too) — serve the tokens of
+HF + peft (which reads the per-expert layout through its own conversion), in one batch with
+other adapters and the base model, with fewer slots than adapters in flight, chunked prefill,
+prefix caching and preemption; TP=2 with experts sliced and with whole experts per rank. The
+experts' loop with deltas against a per-token reference, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.layers.moe import experts_cpu
+from engine.lora.adapter import read_adapter
+from engine.lora.experts import ExpertsLoRA
+from engine.lora.layers import LoRABatch
+from engine.models.hf_config import load_hf_config
+from tests.engine.lora.lora_testing import make_adapter, make_per_expert_adapter, merged_greedy
+
+NUM_NEW = 8
+STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+PROMPTS = [list(range(10, 31)), list(range(50, 61)), [5, 9, 13, 17, 21], list(range(100, 133))]
+
+
+def _adapters(model_dir, root, per_expert: tuple[str, ...] | None = None):
+    """Three adapters: experts and attention (stacked, or per expert with these module names),
+    the experts' down_proj alone at another rank, attention alone."""
+    if per_expert is None:
+        first = make_adapter(
+            model_dir, root / "experts-qv", r=8, alpha=16, targets=["q_proj", "v_proj"],
+            target_parameters=STACKED, seed=31,
+        )  # fmt: skip
+    else:
+        block = "block_sparse_moe" if per_expert[0] == "w1" else "mlp"
+        first = make_per_expert_adapter(
+            model_dir, root / "per-expert", r=8, alpha=16, modules=per_expert, block=block,
+            seed=31,
+        )  # fmt: skip
+    return [
+        first,
+        make_adapter(
+            model_dir, root / "down-r4", r=4, alpha=8, targets=["o_proj"],
+            target_parameters=["mlp.experts.down_proj"], seed=32,
+        ),
+        make_adapter(model_dir, root / "attn", r=8, alpha=8, targets=["q_proj", "o_proj"], seed=33),
+    ]  # fmt: skip
+
+
+def _expected(model_dir, adapters, prompts, assign):
+    """Each prompt's tokens from HF + peft's (unmerged) model for its adapter."""
+    out: list = [None] * len(prompts)
+    for which in set(assign):
+        idx = [i for i, a in enumerate(assign) if a == which]
+        adapter = None if which is None else adapters[which]
+        ref = merged_greedy(model_dir, adapter, [prompts[i] for i in idx], NUM_NEW, merge=False)
+        for i, tokens in zip(idx, ref, strict=True):
+            out[i] = tokens
+    return out
+
+
+def _generate(model_dir, adapters, prompts, assign, **kwargs):
+    kwargs.setdefault("num_kv_blocks", 128)
+    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, device="cpu", **kwargs)
+    try:
+        loras = [
+            None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign
+        ]
+        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+CASES = {
+    "qwen3_moe-stacked": ("tiny_qwen3_moe_dir", None),
+    "qwen3_moe-per-expert": ("tiny_qwen3_moe_dir", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral-stacked": ("tiny_mixtral_dir", None),
+    "mixtral-per-expert": ("tiny_mixtral_dir", ("w1", "w3", "w2")),
+    "qwen2_moe-stacked": ("tiny_qwen2_moe_dir", None),
+    "gpt_oss-stacked": ("tiny_gpt_oss_dir", None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_adapters_serve_peft_tokens_in_a_mixed_batch(case, request, tmp_path):
+    """Three adapters and the base in one batch on two slots (swapping), prompts chunked in
+    16-token steps; the adapters change the tokens (the experts' deltas matter)."""
+    fixture, per_expert = CASES[case]
+    model_dir = request.getfixturevalue(fixture)
+    adapters = _adapters(model_dir, tmp_path, per_expert)
+    prompts = PROMPTS + PROMPTS[:2]
+    assign = [0, 1, 2, None, 1, 0]
+    want = _expected(model_dir, adapters, prompts, assign)
+    base = _expected(model_dir, adapters, prompts, [None] * len(prompts))
+    assert want[0] != base[0] and want[1] != base[1]  # the expert adapters move greedy tokens
+    llm, got = _generate(
+        model_dir, adapters, prompts, assign, max_loras=2, max_num_batched_tokens=16
+    )
+    assert got == want
+    assert llm.engine.executor.runner.lora_manager.num_swaps > 2
+
+
+def test_expert_adapters_with_prefix_caching_and_preemption(tiny_qwen3_moe_dir, tmp_path):
+    """Shared prompt heads across adapters (the prefix cache keys blocks by adapter) and a KV
+    cache small enough to preempt: each request keeps its adapter's tokens."""
+    adapters = _adapters(tiny_qwen3_moe_dir, tmp_path)
+    head = list(range(200, 216))  # two blocks; each prompt three, four once it has decoded
+    prompts = [head + p[:7] for p in PROMPTS] + [head + [7, 8, 9]]
+    assign = [0, 1, 0, None, 1]
+    want = _expected(tiny_qwen3_moe_dir, adapters, prompts, assign)
+    llm, got = _generate(
+        tiny_qwen3_moe_dir, adapters, prompts, assign, max_loras=2, enable_prefix_caching=True,
+        num_kv_blocks=12, max_model_len=64, block_size=8,
+    )  # fmt: skip
+    assert got == want
+    assert llm.engine.scheduler.stats().num_preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert-parallel"])
+def test_tp2_expert_adapters(tiny_qwen3_moe_dir, tmp_path, expert_parallel):
+    """Two gloo ranks: each expert's I split (B13's gate and up rows, A2's columns), or whole
+    experts per rank; FusedMoE's all-reduce sums the deltas with the experts' outputs."""
+    torch.set_num_threads(1)
+    adapters = _adapters(tiny_qwen3_moe_dir, tmp_path)
+    adapters[2] = make_per_expert_adapter(tiny_qwen3_moe_dir, tmp_path / "per-expert", seed=34)
+    assign = [0, 2, None, 1]
+    want = _expected(tiny_qwen3_moe_dir, adapters, PROMPTS, assign)
+    _, got = _generate(
+        tiny_qwen3_moe_dir, adapters, PROMPTS, assign, max_loras=3, tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )  # fmt: skip
+    assert got == want
+
+
+def test_experts_loop_adds_each_tokens_adapter_delta():
+    """experts_cpu with deltas against a per-token reference: 40 tokens routed top-3 over 6
+    experts (one expert gets none), rows of three slots (one without expert weights, one with
+    down_proj only) and of the base, interleaved; biases and a gated activation."""
+    g = torch.Generator().manual_seed(0)
+    t, h, inter, e_count, k, slots = 40, 24, 12, 6, 3, 4
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e_count, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e_count, h, inter, generator=g) / inter**0.5
+    b13, b2 = torch.randn(e_count, 2 * inter, generator=g), torch.randn(e_count, h, generator=g)
+    logits = torch.randn(t, e_count, generator=g)
+    logits[:, 5] = -1e9  # expert 5: no token
+    weights, ids = torch.topk(torch.softmax(logits, -1), k)
+
+    def ab(r, i, o):
+        return torch.randn(e_count, r, i, generator=g), torch.randn(e_count, o, r, generator=g)
+
+    batch = LoRABatch(torch.device("cpu"))
+    lora = ExpertsLoRA(batch, slots, torch.float32, torch.device("cpu"))
+    lora.set_slot(0, [ab(8, h, 2 * inter), ab(4, inter, h)])
+    lora.set_slot(1, [None, ab(6, inter, h)])
+    lora.set_slot(3, [ab(2, h, 2 * inter), ab(2, inter, h)])
+    # slot 2 holds an adapter without expert weights: its rows run the base experts
+    ranges = [(0, 0, 7), (2, 7, 5), (1, 12, 9), (3, 25, 6), (0, 31, 4)]  # rows 21-24, 35-39: base
+    batch.set(ranges)
+    assert lora.active
+    row_slot = [-1] * t
+    for slot, start, n in ranges:
+        row_slot[start : start + n] = [slot] * n
+
+    def act(v):
+        return torch.nn.functional.silu(v[..., :inter]) * v[..., inter:]
+
+    want = torch.zeros(t, h)
+    for i in range(t):
+        s = row_slot[i]
+        parts = lora.weights[s] if s >= 0 else None
+        for j in range(k):
+            e = int(ids[i, j])
+            pre = w13[e] @ x[i] + b13[e]
+            if parts is not None and parts[0] is not None:
+                pre = pre + parts[0][1][e] @ (parts[0][0][e] @ x[i])
+            hid = act(pre)
+            y = w2[e] @ hid + b2[e]
+            if parts is not None and parts[1] is not None:
+                y = y + parts[1][1][e] @ (parts[1][0][e] @ hid)
+            want[i] += weights[i, j] * y
+    got = experts_cpu(x, w13, w2, weights, ids, biases=(b13, b2), activation=act, lora=lora)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plain = experts_cpu(x, w13, w2, weights, ids, biases=(b13, b2), activation=act)
+    assert not torch.allclose(got[:7], plain[:7], atol=1e-3)  # slot 0's rows moved
+    torch.testing.assert_close(got[7:12], plain[7:12])  # slot 2: no expert weights
+    torch.testing.assert_close(got[21:25], plain[21:25])  # the base's rows
+
+
+def _edit(src, dst, *, config=None, tensors=None):
+    """A copy of the adapter folder src with its config and/or tensors edited."""
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    if config is not None:
+        config(cfg)
+    if tensors is not None:
+        weights = tensors(weights)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file(weights, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def test_expert_adapter_refusals(tiny_qwen3_moe_dir, tiny_qwen2_moe_dir, tmp_path):
+    """Each a ValueError naming the field or tensor: another model's experts, a bias as a target parameter, stacked weights on a dense layer, a missing half, DoRA, an
+    expert past the model's count, and quantized experts on CUDA."""
+    cfg = load_hf_config(tiny_qwen3_moe_dir)
+    good = make_adapter(
+        tiny_qwen3_moe_dir, tmp_path / "good", r=4, targets=["q_proj"],
+        target_parameters=STACKED, seed=40,
+    )  # fmt: skip
+    read = read_adapter(good, cfg, 16)
+    assert read.rank == 4 and set(read.target_modules) == {"q_proj", *STACKED_NAMES}
+
+    def refused(folder, *words, **kwargs):
+        with pytest.raises(ValueError) as e:
+            read_adapter(folder, cfg, 16, check=True, **kwargs)
+        for word in words:
+            assert word in str(e.value), str(e.value)
+
+    other = make_adapter(  # 16 experts, 8 here
+        tiny_qwen2_moe_dir, tmp_path / "qwen2-moe", r=4, targets=[],
+        target_parameters=STACKED, seed=41,
+    )  # fmt: skip
+    refused(other, "mlp.experts", "does not fit the base model", "expected (32, 64)")
+    refused(
+        _edit(good, tmp_path / "bias", config=lambda c: c.update(
+            target_parameters=["mlp.experts.gate_up_proj_bias"])),
+        "target_parameters", "gate_up_proj_bias",
+    )  # fmt: skip
+
+    def to_dense_layer(w):  # qwen3_moe's layer 1 is dense (mlp_only_layers)
+        return {
+            key.replace("layers.0.mlp.experts", "layers.1.mlp.experts"): v for key, v in w.items()
+        }
+
+    refused(_edit(good, tmp_path / "dense", tensors=to_dense_layer), "layer 1 has no experts")
+    refused(
+        _edit(good, tmp_path / "half", tensors=lambda w: {
+            key: v for key, v in w.items()
+            if not key.endswith("layers.2.mlp.experts.lora_B.weight")}),
+        "layers.2.mlp.experts.down_proj.lora_B", "missing",
+    )  # fmt: skip
+    refused(_edit(good, tmp_path / "dora", config=lambda c: c.update(use_dora=True)), "use_dora")
+    per_expert = make_per_expert_adapter(tiny_qwen3_moe_dir, tmp_path / "per", r=4, seed=42)
+    past = cfg.num_experts
+
+    def past_the_last(w):
+        return {key.replace("experts.3.", f"experts.{past}."): v for key, v in w.items()}
+
+    refused(_edit(per_expert, tmp_path / "past", tensors=past_the_last), f"expert {past}")
+    refused(good, "quantization 'gptq'", "CUDA", quantization="gptq", device="cuda")
+    read_adapter(good, cfg, 16, check=True, quantization="gptq", device="cpu")  # CPU: served
+
+
+STACKED_NAMES = ("gate_up_proj", "down_proj")

@@ -130,32 +130,58 @@ def experts_cpu(
     tokens = order // k
     weights = topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e in range(num_experts):
-        counts = runs[e * groups : (e + 1) * groups]
-        n = sum(counts)
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
-        b13, b2 = (None, None) if biases is None else (biases[0][e], biases[1][e])
+
+    def gate_up(e: int, xs: torch.Tensor) -> torch.Tensor:
+        b13 = None if biases is None else biases[0][e]
+        if expert_linear is not None:
+            return _biased(expert_linear(e, GATE, xs), b13)
+        return _linear(g13, xs, w13[e], b13)
+
+    def down(e: int, h: torch.Tensor) -> torch.Tensor:
+        b2 = None if biases is None else biases[1][e]
+        if expert_linear is not None:
+            return _biased(expert_linear(e, DOWN, h), b2)
+        return _linear(g2, h, w2[e], b2)
+
+    experts = [(e, sum(runs[e * groups : (e + 1) * groups])) for e in range(num_experts)]
+    experts = [(e, n) for e, n in experts if n]
+    if lora is not None:  # every expert's product first, then each adapter's deltas at once
+        used = sum(n for _, n in experts)
+        rows = tokens[:used]
         xs = x.index_select(0, rows)
-        if expert_linear is not None:
-            h = _biased(expert_linear(e, GATE, xs), b13)
-        else:
-            h = _linear(g13, xs, w13[e], b13)
-        if lora is not None:
-            lora.add(LORA_W13, e, counts, xs, h)
+        h = _by_expert(experts, xs, gate_up)
+        lora.add_runs(LORA_W13, runs, xs, h)
         h = activation(h)
-        if expert_linear is not None:
-            y = _biased(expert_linear(e, DOWN, h), b2)
-        else:
-            y = _linear(g2, h, w2[e], b2)
-        if lora is not None:
-            lora.add(LORA_W2, e, counts, h, y)
+        y = _by_expert(experts, h, down)
+        lora.add_runs(LORA_W2, runs, h, y)
+        out.index_add_(0, rows, y.to(torch.float32).mul_(weights[:used]))
+        return out.to(x.dtype)
+    start = 0
+    for e, n in experts:
+        rows = tokens[start : start + n]
+        y = down(e, activation(gate_up(e, x.index_select(0, rows))))
         y = y.to(torch.float32).mul_(weights[start : start + n])
         out.index_add_(0, rows, y)
         start += n
     return out.to(x.dtype)
+
+
+def _by_expert(
+    experts: list[tuple[int, int]],
+    x: torch.Tensor,
+    product: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """product(e, rows) for each expert's run of rows of x (in order, n rows each), into one
+    tensor."""
+    out = None
+    start = 0
+    for e, n in experts:
+        y = product(e, x[start : start + n])
+        if out is None:
+            out = torch.empty(x.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+        out[start : start + n] = y
+        start += n
+    return out
 
 
 def _linear(

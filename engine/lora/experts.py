@@ -245,29 +245,56 @@ def shard_experts(
 
 
 class ExpertsLoRA:
-    """The adapter slots of one FusedMoE layer: per slot, this rank's (A, B) of w13 and of w2
-    (either None) in the slots' dtype, held as loaded (no slot is preallocated: an expert
-    adapter is E times a projection's, and most adapters leave the experts alone)."""
+    """The adapter slots of one FusedMoE layer: per slot, this rank's A [E, r, in] and B
+    transposed [E, r, out] of w13 and of w2 (either None). No slot is preallocated: an expert
+    adapter is E times a projection's, and most adapters leave the experts alone; a slot holds
+    the loaded copy itself where its dtype and device are the slots'.
+
+    add_runs applies one projection's deltas to every routed pair of a step at once: on the
+    CPU one C call per adapter of the step (engine.kernels.cpu.lora, its segments each one
+    expert's rows of that adapter, its "slots" the adapter's experts), else a small matmul
+    pair per expert and adapter (the torch reference; CUDA)."""
 
     def __init__(self, batch: LoRABatch, max_loras: int, dtype: torch.dtype, device) -> None:
         import torch
 
         self.batch = batch
-        self.dtype, self.device = dtype, torch.device(device)
-        # the products' dtype: float32 on the CPU, where a bf16 matmul of a few rows costs
-        # several times a float32 one (engine.lora.layers; AVX2 has no bf16 arithmetic)
-        self.compute_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        self.device = torch.device(device)
+        # the C kernel's slots are the dense layers' dtype (bf16 for a bf16 model); the torch
+        # path's products are float32 on the CPU (a bf16 matmul of a few rows costs several
+        # times a float32 one there), the model's dtype on CUDA
+        self.kernel = batch.kernel == "cpu"
+        self.dtype = dtype if self.kernel or self.device.type != "cpu" else torch.float32
         self.weights: list[list | None] = [None] * max_loras
+        self._kernel_args: list[list] = [[None, None] for _ in range(max_loras)]
 
     def set_slot(self, slot: int, slices: list | None, scales=None) -> None:
-        """Put an adapter's [(A13, B13), (A2, B2)] (either None) into a slot; None clears it."""
+        """Put an adapter's [(A13, B13), (A2, B2)] (either None; B [E, out, r]) into a slot;
+        None clears it."""
+        import torch
+
+        self._kernel_args[slot] = [None, None]
         if slices is None or all(ab is None for ab in slices):
             self.weights[slot] = None
             return
-        self.weights[slot] = [
-            None if ab is None else tuple(t.to(self.device, self.dtype).contiguous() for t in ab)
-            for ab in slices
-        ]
+        weights: list = []
+        for proj, ab in enumerate(slices):
+            if ab is None:
+                weights.append(None)
+                continue
+            a = ab[0].to(self.device, self.dtype).contiguous()
+            bt = ab[1].to(self.device, self.dtype).transpose(1, 2).contiguous()
+            weights.append((a, bt))
+            experts, r = a.shape[0], a.shape[1]
+            if self.kernel:  # the C kernel's per-"slot" (here: per-expert) tables
+                self._kernel_args[slot][proj] = (
+                    torch.full((experts,), r, dtype=torch.int32),  # width
+                    torch.zeros(1, dtype=torch.int32),  # slice_row
+                    torch.tensor([bt.shape[2]], dtype=torch.int32),  # slice_size
+                    torch.zeros(experts, 1, dtype=torch.int32),  # slice_off
+                    torch.full((experts, 1), r, dtype=torch.int32),  # slice_rank
+                )
+        self.weights[slot] = weights
 
     @property
     def active(self) -> bool:
@@ -287,17 +314,39 @@ class ExpertsLoRA:
         slots = torch.where(has[slots], slots, -1)
         return slots.repeat_interleave(top_k)
 
-    def add(self, proj: int, expert: int, counts: list[int], x: torch.Tensor, y: torch.Tensor):
-        """y (one expert's rows, sorted by slot: counts[0] of the base, then counts[s + 1] of
-        slot s) += each slot's (x A^T) B^T for this projection, in place."""
-        start = counts[0]
-        for slot, n in enumerate(counts[1:]):
-            if n:
-                ab = self.weights[slot][proj]
-                if ab is not None:
-                    dtype = self.compute_dtype
-                    a, b = ab[0][expert].to(dtype), ab[1][expert].to(dtype)
-                    s = x[start : start + n].to(dtype) @ a.T
-                    y[start : start + n] += (s @ b.T).to(y.dtype)
-                start += n
-        return y
+    def add_runs(self, proj: int, runs: list[int], x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each row's (x A_e^T) B_e^T for projection proj, in place. x, y: the step's
+        routed pairs sorted by expert and, within one, by group (the base, then each slot);
+        runs: each (expert, group)'s row count, expert-major."""
+        import numpy as np
+        import torch
+
+        from engine.kernels.cpu import lora as cpu_lora
+
+        groups = len(self.weights) + 1
+        counts = np.asarray(runs, dtype=np.int64).reshape(-1, groups)
+        starts = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(counts.shape)
+        for slot, weights in enumerate(self.weights):
+            ab = None if weights is None else weights[proj]
+            if ab is None:
+                continue
+            experts = np.nonzero(counts[:, slot + 1])[0]
+            if experts.size == 0:
+                continue
+            a, bt = ab
+            if self.kernel and cpu_lora.supports(x, y, bt):
+                # the kernel's segments index a list of this slot's rows, packed
+                first, lens = starts[experts, slot + 1], counts[experts, slot + 1]
+                packed = np.cumsum(lens) - lens
+                rows = np.repeat(first - packed, lens) + np.arange(lens.sum())
+                args = np.concatenate([rows, packed, lens, experts]).astype(np.int32)
+                args = torch.from_numpy(args)
+                n, m = experts.size, rows.size
+                cpu_lora.lora_apply(x, y, a, bt, *self._kernel_args[slot][proj], args[:m],
+                                    args[m : m + n], args[m + n : m + 2 * n], args[m + 2 * n :])  # fmt: skip
+                continue
+            for e in experts.tolist():  # the reference: a matmul pair per expert
+                start, n = int(starts[e, slot + 1]), int(counts[e, slot + 1])
+                dtype = torch.float32 if x.device.type == "cpu" else a.dtype
+                s = x[start : start + n].to(dtype) @ a[e].to(dtype).T
+                y[start : start + n] += s @ bt[e].to(dtype)

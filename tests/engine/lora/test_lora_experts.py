@@ -65,7 +65,8 @@ def _expected(model_dir, adapters, prompts, assign):
 
 def _generate(model_dir, adapters, prompts, assign, **kwargs):
     kwargs.setdefault("num_kv_blocks", 128)
-    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, device="cpu", **kwargs)
+    kwargs.setdefault("device", "cpu")
+    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, **kwargs)
     try:
         loras = [
             None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign
@@ -122,6 +123,18 @@ def test_expert_adapters_with_prefix_caching_and_preemption(tiny_qwen3_moe_dir, 
     assert llm.engine.scheduler.stats().num_preemptions > 0
 
 
+@pytest.mark.cuda
+def test_expert_adapters_on_cuda(tiny_qwen3_moe_dir, tiny_gpt_oss_dir, tmp_path):
+    """On CUDA a step with expert adapters leaves the fused Triton kernel for the experts'
+    loop (torch ops on the device); the other steps keep it."""
+    for model_dir in (tiny_qwen3_moe_dir, tiny_gpt_oss_dir):
+        adapters = _adapters(model_dir, tmp_path / model_dir.name)
+        assign = [0, 1, 2, None]
+        want = _expected(model_dir, adapters, PROMPTS, assign)
+        _, got = _generate(model_dir, adapters, PROMPTS, assign, max_loras=2, device="cuda")
+        assert got == want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert-parallel"])
 def test_tp2_expert_adapters(tiny_qwen3_moe_dir, tmp_path, expert_parallel):
@@ -139,10 +152,16 @@ def test_tp2_expert_adapters(tiny_qwen3_moe_dir, tmp_path, expert_parallel):
     assert got == want
 
 
-def test_experts_loop_adds_each_tokens_adapter_delta():
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
+def test_experts_loop_adds_each_tokens_adapter_delta(kernel):
     """experts_cpu with deltas against a per-token reference: 40 tokens routed top-3 over 6
     experts (one expert gets none), rows of three slots (one without expert weights, one with
-    down_proj only) and of the base, interleaved; biases and a gated activation."""
+    down_proj only) and of the base, interleaved; biases and a gated activation. Both
+    kernels: the torch matmuls per expert and adapter, the C kernel per adapter."""
+    from engine.kernels.cpu import lora as cpu_lora
+
+    if kernel == "cpu" and not cpu_lora.available():
+        pytest.skip("the CPU kernels are not built")
     g = torch.Generator().manual_seed(0)
     t, h, inter, e_count, k, slots = 40, 24, 12, 6, 3, 4
     x = torch.randn(t, h, generator=g)
@@ -156,7 +175,7 @@ def test_experts_loop_adds_each_tokens_adapter_delta():
     def ab(r, i, o):
         return torch.randn(e_count, r, i, generator=g), torch.randn(e_count, o, r, generator=g)
 
-    batch = LoRABatch(torch.device("cpu"))
+    batch = LoRABatch(torch.device("cpu"), kernel)
     lora = ExpertsLoRA(batch, slots, torch.float32, torch.device("cpu"))
     lora.set_slot(0, [ab(8, h, 2 * inter), ab(4, inter, h)])
     lora.set_slot(1, [None, ab(6, inter, h)])
@@ -179,12 +198,12 @@ def test_experts_loop_adds_each_tokens_adapter_delta():
         for j in range(k):
             e = int(ids[i, j])
             pre = w13[e] @ x[i] + b13[e]
-            if parts is not None and parts[0] is not None:
-                pre = pre + parts[0][1][e] @ (parts[0][0][e] @ x[i])
+            if parts is not None and parts[0] is not None:  # (A [E, r, in], B^T [E, r, out])
+                pre = pre + parts[0][1][e].T @ (parts[0][0][e] @ x[i])
             hid = act(pre)
             y = w2[e] @ hid + b2[e]
             if parts is not None and parts[1] is not None:
-                y = y + parts[1][1][e] @ (parts[1][0][e] @ hid)
+                y = y + parts[1][1][e].T @ (parts[1][0][e] @ hid)
             want[i] += weights[i, j] * y
     got = experts_cpu(x, w13, w2, weights, ids, biases=(b13, b2), activation=act, lora=lora)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -209,8 +228,9 @@ def _edit(src, dst, *, config=None, tensors=None):
 
 
 def test_expert_adapter_refusals(tiny_qwen3_moe_dir, tiny_qwen2_moe_dir, tmp_path):
-    """Each a ValueError naming the field or tensor: another model's experts, a bias as a target parameter, stacked weights on a dense layer, a missing half, DoRA, an
-    expert past the model's count, and quantized experts on CUDA."""
+    """Each a ValueError naming the field or tensor: another model's experts, a bias as a
+    target parameter, stacked weights on a dense layer, a missing half, DoRA, an expert past
+    the model's count, Qwen2-MoE's shared expert, and quantized experts on CUDA."""
     cfg = load_hf_config(tiny_qwen3_moe_dir)
     good = make_adapter(
         tiny_qwen3_moe_dir, tmp_path / "good", r=4, targets=["q_proj"],
@@ -256,6 +276,8 @@ def test_expert_adapter_refusals(tiny_qwen3_moe_dir, tiny_qwen2_moe_dir, tmp_pat
         return {key.replace("experts.3.", f"experts.{past}."): v for key, v in w.items()}
 
     refused(_edit(per_expert, tmp_path / "past", tensors=past_the_last), f"expert {past}")
+    shared = make_adapter(tiny_qwen2_moe_dir, tmp_path / "shared", r=4, targets=["gate_proj"])
+    refused(shared, "mlp.shared_expert.gate_proj", "not a LoRA weight of a supported target")
     refused(good, "quantization 'gptq'", "CUDA", quantization="gptq", device="cuda")
     read_adapter(good, cfg, 16, check=True, quantization="gptq", device="cpu")  # CPU: served
 

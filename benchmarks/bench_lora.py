@@ -27,7 +27,10 @@ and B). --swap-only runs only this table (one engine, a few seconds).
 --experts E: the model's shape as a mixture of experts instead (Qwen3-MoE: E experts, top
 --top-k, each expert intermediate_size / top-k wide, so a token multiplies as many MLP weights
 as in the dense model; random weights, the model's tokenizer), and adapters on q/k/v/o and on
-every expert's gate_up and down (peft's target_parameters: engine.lora.experts).
+every expert's gate_up and down (peft's target_parameters: engine.lora.experts) whose B is 0
+(peft's initialization): a MoE step's cost depends on how its tokens spread over the experts,
+so the adapters keep the base's tokens and routing, and the ratio is the LoRA work alone (the
+kernels multiply the zeros all the same).
 """
 
 from __future__ import annotations
@@ -64,10 +67,12 @@ def make_adapters(
     targets: list[str] | None = None,
     tag: str = "adapter",
     target_parameters: list[str] | None = None,
+    zero_b: bool = False,
 ) -> list[Path]:
     """One PEFT LoRA folder per rank in `ranks`, random A and B of a modest scale (a delta
-    that changes the tokens without blowing up the logits). The base weights do not matter
-    to an adapter's file: the model is built from its config alone."""
+    that changes the tokens without blowing up the logits; zero_b: B = 0, peft's own
+    initialization, so the tokens stay the base's). The base weights do not matter to an
+    adapter's file: the model is built from its config alone."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,6 +96,8 @@ def make_adapters(
                 if "lora_A" in name or "lora_B" in name:
                     fan_in = p.shape[1] / (experts if ".experts." in name else 1)
                     p.copy_(torch.randn(p.shape, generator=g) * 0.5 / fan_in**0.5)
+                    if zero_b and "lora_B" in name:
+                        p.zero_()
         path = out_dir / f"{tag}-{i}-r{r}"
         model.save_pretrained(str(path), selected_adapters=[f"a{i}"])
         # peft nests a named adapter's files one folder down; engines read the folder itself.
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         folders = make_adapters(
             engines["lora"].engine.model_dir, Path(tmp), adapter_ranks, targets=targets,
-            target_parameters=parameters,
+            target_parameters=parameters, zero_b=bool(args.experts),
         )  # fmt: skip
         requests = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(folders)]
         # Each cell: which engine, and how many distinct adapters (None: the base engine).

@@ -70,27 +70,33 @@ SLICES: dict[str, tuple[str, ...]] = {
     "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
+    # a MoE layer's shared expert (Qwen2-MoE), a dense MLP beside the experts
+    "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),
+    "shared_expert.down_proj": ("shared_expert.down_proj",),
 }
+SHARED = "shared_expert."
 # PEFT target module -> (Tessera layer, slice index)
 TARGETS: dict[str, tuple[str, int]] = {
     module: (layer, i) for layer, modules in SLICES.items() for i, module in enumerate(modules)
 }
 # Tessera layer -> whether it is row-parallel (input split across ranks) or column-parallel
-ROW_PARALLEL = {"o_proj", "down_proj"}
+ROW_PARALLEL = {"o_proj", "down_proj", "shared_expert.down_proj"}
 # model-level targets, split by vocabulary across TP ranks (engine.layers.embedding)
 VOCAB_TARGETS = ("embed_tokens", "lm_head")
 MODEL_LAYER = -1  # their "layer index" in LoRAAdapter.weights
-SUPPORTED = (*TARGETS, *VOCAB_TARGETS)
+SUPPORTED = (*(t for t in TARGETS if not t.startswith(SHARED)), *VOCAB_TARGETS)
 # target modules that exist only as a MoE's experts (Mixtral's per-expert names)
 EXPERT_ONLY = tuple(m for m in PER_EXPERT if m not in TARGETS)
 _KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)\.lora_([AB])"
+    r"(?:\.\w+)?\.weight$"
 )
 _EMBED_KEY = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_([AB])(?:\.\w+)?$")
 _HEAD_KEY = re.compile(r"(?:^|\.)lm_head\.lora_([AB])(?:\.\w+)?\.weight$")
 _BASE_COPY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.base_layer\.weight$")
 _MAGNITUDE_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_magnitude_vector(?:\.\w+)?$"
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)"
+    r"\.lora_magnitude_vector(?:\.\w+)?$"
 )
 _PEFT_PREFIX = "base_model.model."  # save_pretrained's prefix over the base model's names
 
@@ -119,7 +125,11 @@ def _vocab_rows(t: torch.Tensor, dim: int, vocab: int, tp_rank: int, tp_size: in
 def projection_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each target module in the base model (unsharded)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shared = cfg.shared_expert_intermediate_size
     return {
+        "shared_expert.gate_proj": (shared, h),
+        "shared_expert.up_proj": (shared, h),
+        "shared_expert.down_proj": (h, shared),
         "q_proj": (cfg.num_attention_heads * d, h),
         "k_proj": (cfg.num_key_value_heads * d, h),
         "v_proj": (cfg.num_key_value_heads * d, h),
@@ -453,7 +463,8 @@ def read_adapter(
                 if m is None:
                     raise _bad(path, key, "not a LoRA weight of a supported target module")
                 layer_idx, module = int(m.group(1)), m.group(2)
-                if module not in TARGETS or (targets is not None and module not in targets):
+                short = module.removeprefix(SHARED)  # as target_modules names it
+                if module not in TARGETS or (targets is not None and short not in targets):
                     raise _bad(path, key, f"target module {module!r} is not supported here")
                 if layer_idx >= cfg.num_hidden_layers:
                     raise _bad(
@@ -461,10 +472,16 @@ def read_adapter(
                         key,
                         f"layer {layer_idx} does not exist (the model has {cfg.num_hidden_layers})",
                     )
-                if TARGETS[module][0] in ("gate_up_proj", "down_proj") and cfg.is_moe_layer(
-                    layer_idx
-                ):
-                    raise _bad(path, key, "LoRA on a mixture-of-experts MLP is not supported")
+                moe = cfg.is_moe_layer(layer_idx)
+                if TARGETS[module][0] in ("gate_up_proj", "down_proj") and moe:
+                    raise _bad(
+                        path,
+                        key,
+                        f"layer {layer_idx}'s MLP is a mixture of experts: no dense {module} "
+                        "(its experts take adapters as mlp.experts)",
+                    )
+                if module.startswith(SHARED) and not (moe and cfg.shared_expert_intermediate_size):
+                    raise _bad(path, key, f"layer {layer_idx} has no shared expert")
                 out_f, in_f = shapes[module]
                 if mag is not None:
                     if not config.use_dora:
@@ -512,7 +529,8 @@ def read_adapter(
         raise _bad(path, f"layers.{layer_idx}.{module}.lora_magnitude_vector", "has no lora_A/B")
     if not check:
         magnitudes = {key: m.float() for key, m in magnitudes.items()}  # type: ignore[union-attr]
-    found = {module for _, module in weights if module != EXPERTS} | experts.modules
+    found = {module.removeprefix(SHARED) for _, module in weights if module != EXPERTS}
+    found |= experts.modules
     if not weights:
         raise _bad(path, WEIGHTS_FILE, "holds no LoRA weights")
     parameters = tuple(p.rpartition(".")[2] for p in config.target_parameters)

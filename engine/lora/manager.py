@@ -43,6 +43,7 @@ from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 from engine.lora.adapter import (
     MODEL_LAYER,
     ROW_PARALLEL,
+    SHARED,
     SLICES,
     AdapterShard,
     read_adapter,
@@ -75,9 +76,20 @@ def lora_kernel(device: torch.device) -> str:
     return "triton"
 
 
+def _linear(decoder: nn.Module, name: str) -> nn.Module | None:
+    """A decoder layer's linear layer of that name (engine.lora.adapter.SLICES), or None."""
+    if name.startswith(SHARED):  # a MoE layer's shared expert (Qwen2-MoE)
+        owner = getattr(decoder.mlp, "shared_expert", None)
+        name = name.removeprefix(SHARED)
+    else:
+        owner = decoder.self_attn if name in ("qkv_proj", "o_proj") else decoder.mlp
+    return getattr(owner, name, None)
+
+
 def _slices(layer: nn.Module, name: str) -> list[tuple[int, int]]:
     """(first row, rows) of each slice of a layer's output on this rank."""
     tp = get_tp_size()
+    name = name.removeprefix(SHARED)
     if name == "qkv_proj":
         q = layer.num_heads * layer.head_dim
         kv = layer.num_kv_heads * layer.head_dim
@@ -122,14 +134,12 @@ class LoRAManager:
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         self._linears: dict[tuple[int, str], nn.Module] = {}  # the base layers (DoRA's W)
         for i, decoder in enumerate(model.model.layers):
-            owners = {"qkv_proj": decoder.self_attn, "o_proj": decoder.self_attn}
-            owners["gate_up_proj"] = owners["down_proj"] = decoder.mlp
             experts = getattr(decoder.mlp, "experts", None)
             if isinstance(experts, FusedMoE):
                 experts.lora = ExpertsLoRA(self.batch, config.max_loras, self.dtype, device)
                 self.layers[(i, EXPERTS)] = experts.lora  # type: ignore[assignment]
             for name in SLICES:
-                layer = getattr(owners[name], name, None)
+                layer = _linear(decoder, name)
                 if layer is None or not hasattr(layer, "lora_active"):
                     continue  # a mixture of experts: no dense gate_up / down
                 state = LoRALayer(

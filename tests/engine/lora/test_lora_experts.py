@@ -27,12 +27,14 @@ STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROMPTS = [list(range(10, 31)), list(range(50, 61)), [5, 9, 13, 17, 21], list(range(100, 133))]
 
 
-def _adapters(model_dir, root, per_expert: tuple[str, ...] | None = None):
-    """Three adapters: experts and attention (stacked, or per expert with these module names),
-    the experts' down_proj alone at another rank, attention alone."""
+def _adapters(model_dir, root, per_expert: tuple[str, ...] | None = None, shared=False):
+    """Three adapters: experts and attention (stacked, or per expert with these module names;
+    shared: Qwen2-MoE's shared expert's gate/up/down too, which peft's usual target names
+    match), the experts' down_proj alone at another rank, attention alone."""
     if per_expert is None:
+        mlp = ["gate_proj", "up_proj", "down_proj"] if shared else []
         first = make_adapter(
-            model_dir, root / "experts-qv", r=8, alpha=16, targets=["q_proj", "v_proj"],
+            model_dir, root / "experts-qv", r=8, alpha=16, targets=["q_proj", "v_proj", *mlp],
             target_parameters=STACKED, seed=31,
         )  # fmt: skip
     else:
@@ -78,12 +80,12 @@ def _generate(model_dir, adapters, prompts, assign, **kwargs):
         llm.shutdown()
 
 
-CASES = {
+CASES = {  # fixture, per-expert module names (None: stacked), the shared expert targeted
     "qwen3_moe-stacked": ("tiny_qwen3_moe_dir", None),
     "qwen3_moe-per-expert": ("tiny_qwen3_moe_dir", ("gate_proj", "up_proj", "down_proj")),
     "mixtral-stacked": ("tiny_mixtral_dir", None),
     "mixtral-per-expert": ("tiny_mixtral_dir", ("w1", "w3", "w2")),
-    "qwen2_moe-stacked": ("tiny_qwen2_moe_dir", None),
+    "qwen2_moe-stacked-shared": ("tiny_qwen2_moe_dir", None, True),
     "gpt_oss-stacked": ("tiny_gpt_oss_dir", None),
 }
 
@@ -92,9 +94,15 @@ CASES = {
 def test_expert_adapters_serve_peft_tokens_in_a_mixed_batch(case, request, tmp_path):
     """Three adapters and the base in one batch on two slots (swapping), prompts chunked in
     16-token steps; the adapters change the tokens (the experts' deltas matter)."""
-    fixture, per_expert = CASES[case]
+    fixture, per_expert, *shared = CASES[case]
     model_dir = request.getfixturevalue(fixture)
-    adapters = _adapters(model_dir, tmp_path, per_expert)
+    adapters = _adapters(model_dir, tmp_path, per_expert, shared=bool(shared))
+    read = read_adapter(adapters[0], load_hf_config(model_dir), 16)
+    assert {m for _, m in read.weights} >= {"experts"} | (
+        {"shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"}
+        if shared
+        else set()
+    )
     prompts = PROMPTS + PROMPTS[:2]
     assign = [0, 1, 2, None, 1, 0]
     want = _expected(model_dir, adapters, prompts, assign)
@@ -230,7 +238,8 @@ def _edit(src, dst, *, config=None, tensors=None):
 def test_expert_adapter_refusals(tiny_qwen3_moe_dir, tiny_qwen2_moe_dir, tmp_path):
     """Each a ValueError naming the field or tensor: another model's experts, a bias as a
     target parameter, stacked weights on a dense layer, a missing half, DoRA, an expert past
-    the model's count, Qwen2-MoE's shared expert, and quantized experts on CUDA."""
+    the model's count, a shared expert's adapter on a model without one, and quantized
+    experts on CUDA."""
     cfg = load_hf_config(tiny_qwen3_moe_dir)
     good = make_adapter(
         tiny_qwen3_moe_dir, tmp_path / "good", r=4, targets=["q_proj"],
@@ -277,7 +286,7 @@ def test_expert_adapter_refusals(tiny_qwen3_moe_dir, tiny_qwen2_moe_dir, tmp_pat
 
     refused(_edit(per_expert, tmp_path / "past", tensors=past_the_last), f"expert {past}")
     shared = make_adapter(tiny_qwen2_moe_dir, tmp_path / "shared", r=4, targets=["gate_proj"])
-    refused(shared, "mlp.shared_expert.gate_proj", "not a LoRA weight of a supported target")
+    refused(shared, "mlp.shared_expert.gate_proj", "layer 0 has no shared expert")
     refused(good, "quantization 'gptq'", "CUDA", quantization="gptq", device="cuda")
     read_adapter(good, cfg, 16, check=True, quantization="gptq", device="cpu")  # CPU: served
 

@@ -279,7 +279,8 @@ class FusedMoE(nn.Module):
         # (engine.layers.quantization.experts: the fused Triton kernel on the quantized weights)
         self.fused_quantized: Callable[..., torch.Tensor] | None = None
         # LoRA adapters' slots on these experts (engine.lora.manager attaches them): a step
-        # with one runs experts_cpu, whose loop adds the deltas, on any device
+        # with one adds their deltas in experts_cpu's loop, or on CUDA in the fused kernel's
+        # (ExpertsLoRA.fused_hooks)
         self.lora: ExpertsLoRA | None = None
         for param, shards in (
             (self.w13_weight, {(e, s) for e in range(num_experts) for s in (GATE, UP)}),
@@ -324,7 +325,12 @@ class FusedMoE(nn.Module):
             weights, ids = self.local_pairs(weights, ids)
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         lora = self.lora if self.lora is not None and self.lora.active else None
-        fused = _triton_moe() if x.is_cuda and self.expert_linear is None and lora is None else None
+        # the fused kernel takes LoRA deltas through the LoRA Triton kernels (lora.triton)
+        fused = (
+            _triton_moe()
+            if x.is_cuda and self.expert_linear is None and (lora is None or lora.triton)
+            else None
+        )
         quantized = self.fused_quantized if lora is None else None
         if self.ep_size > 1 and (fused is not None or quantized is not None):
             # the kernels take no other id: another rank's pairs run on the last local expert,
@@ -333,9 +339,10 @@ class FusedMoE(nn.Module):
         if quantized is not None:
             out = quantized(x, weights, ids)
         elif fused is not None:
+            hooks = None if lora is None else lora.fused_hooks(x, ids, self._act)
             out = fused.fused_experts(
                 x, self.w13_weight, self.w2_weight, weights, ids, biases, self.activation,
-                self.swiglu,
+                self.swiglu, hooks,
             )  # fmt: skip
         else:
             out = experts_cpu(

@@ -253,17 +253,24 @@ class ExpertsLoRA:
     add_runs applies one projection's deltas to every routed pair of a step at once: on the
     CPU one C call per adapter of the step (engine.kernels.cpu.lora, its segments each one
     expert's rows of that adapter, its "slots" the adapter's experts), else a small matmul
-    pair per expert and adapter (the torch reference; CUDA)."""
+    pair per expert and adapter (the torch reference). On CUDA (the batch's Triton kernels)
+    fused_hooks gives the fused MoE kernel (engine.kernels.triton.fused_moe) the deltas of
+    its pairs instead: the LoRA Triton shrink / expand once per adapter and projection, over
+    the adapter's pairs grouped by expert (engine.kernels.triton.lora)."""
 
-    def __init__(self, batch: LoRABatch, max_loras: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, batch: LoRABatch, max_loras: int, dtype: torch.dtype, device, num_experts: int
+    ) -> None:
         import torch
 
         self.batch = batch
+        self.num_experts = num_experts  # this rank's
         self.device = torch.device(device)
         # the C kernel's slots are the dense layers' dtype (bf16 for a bf16 model); the torch
         # path's products are float32 on the CPU (a bf16 matmul of a few rows costs several
         # times a float32 one there), the model's dtype on CUDA
         self.kernel = batch.kernel == "cpu"
+        self.triton = batch.kernel == "triton"
         self.dtype = dtype if self.kernel or self.device.type != "cpu" else torch.float32
         self.weights: list[list | None] = [None] * max_loras
         self._kernel_args: list[list] = [[None, None] for _ in range(max_loras)]
@@ -283,16 +290,24 @@ class ExpertsLoRA:
                 weights.append(None)
                 continue
             a = ab[0].to(self.device, self.dtype).contiguous()
-            bt = ab[1].to(self.device, self.dtype).transpose(1, 2).contiguous()
-            weights.append((a, bt))
+            b = ab[1].to(self.device, self.dtype)
+            # the C kernel reads B transposed [E, r, out], the Triton kernels as it is
+            b = b.transpose(1, 2).contiguous() if self.kernel else b.contiguous()
+            weights.append((a, b))
             experts, r = a.shape[0], a.shape[1]
             if self.kernel:  # the C kernel's per-"slot" (here: per-expert) tables
                 self._kernel_args[slot][proj] = (
                     torch.full((experts,), r, dtype=torch.int32),  # width
                     torch.zeros(1, dtype=torch.int32),  # slice_row
-                    torch.tensor([bt.shape[2]], dtype=torch.int32),  # slice_size
+                    torch.tensor([b.shape[2]], dtype=torch.int32),  # slice_size
                     torch.zeros(experts, 1, dtype=torch.int32),  # slice_off
                     torch.full((experts, 1), r, dtype=torch.int32),  # slice_rank
+                )
+            elif self.triton:  # the Triton kernels': width, slice_off, slice_rank
+                self._kernel_args[slot][proj] = (
+                    torch.full((experts,), r, dtype=torch.int32, device=self.device),
+                    torch.zeros(experts, 1, dtype=torch.int32, device=self.device),
+                    torch.full((experts, 1), r, dtype=torch.int32, device=self.device),
                 )
         self.weights[slot] = weights
 
@@ -348,5 +363,51 @@ class ExpertsLoRA:
             for e in experts.tolist():  # the reference: a matmul pair per expert
                 start, n = int(starts[e, slot + 1]), int(counts[e, slot + 1])
                 dtype = torch.float32 if x.device.type == "cpu" else a.dtype
+                b = bt[e] if self.kernel else bt[e].T  # bt: B transposed for the C kernel
                 s = x[start : start + n].to(dtype) @ a[e].to(dtype).T
-                y[start : start + n] += s @ bt[e].to(dtype)
+                y[start : start + n] += s @ b.to(dtype)
+
+    def fused_hooks(self, x: torch.Tensor, topk_ids: torch.Tensor, activate) -> tuple:
+        """(add13, activate, add2) for fused_experts: the step's pairs (flat t * top_k + k)
+        each get their adapter's delta for their expert, grouped on the host once (one sync:
+        LoRA steps run eagerly)."""
+        import numpy as np
+        import torch
+
+        t, k = topk_ids.shape
+        experts = self.num_experts
+        slots = self.pair_slots(t, k)
+        key = torch.where(slots >= 0, slots * experts + topk_ids.reshape(-1), -1).cpu().numpy()
+        order = np.argsort(key, kind="stable")
+        order = order[key[order] >= 0]
+        plan = []  # (slot, rows, segment starts, lengths, experts) per adapter of the step
+        for slot in np.unique(key[order] // experts).tolist():
+            rows = order[key[order] // experts == slot]
+            ids, lens = np.unique(key[rows] - slot * experts, return_counts=True)
+            starts = np.cumsum(lens) - lens
+            host = np.concatenate([rows, starts, lens, ids]).astype(np.int32)
+            plan.append((slot, torch.from_numpy(host).to(self.device), rows.size, ids.size,
+                         int(lens.max())))  # fmt: skip
+
+        def deltas(proj: int, xs: torch.Tensor, y: torch.Tensor) -> None:
+            from engine.kernels.triton.lora import lora_shrink_expand
+
+            for slot, host, m, n, longest in plan:
+                ab = self.weights[slot][proj]
+                if ab is None:
+                    continue
+                a, b = ab
+                width, off, rank = self._kernel_args[slot][proj]
+                lora_shrink_expand(xs, y, a, b, width, off, rank, [(0, b.shape[1])], host[:m],
+                                   host[m : m + n], host[m + n : m + 2 * n], host[m + 2 * n :],
+                                   longest)  # fmt: skip
+
+        def add13(pre: torch.Tensor) -> None:
+            deltas(GATE_UP, x.repeat_interleave(k, dim=0), pre)
+
+        def add2(h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> None:
+            delta = torch.zeros(h.shape[0], out.shape[1], dtype=h.dtype, device=h.device)
+            deltas(DOWN, h, delta)
+            out.add_(delta.float() * weights.unsqueeze(1))
+
+        return add13, activate, add2

@@ -136,7 +136,9 @@ class LoRAManager:
         for i, decoder in enumerate(model.model.layers):
             experts = getattr(decoder.mlp, "experts", None)
             if isinstance(experts, FusedMoE):
-                experts.lora = ExpertsLoRA(self.batch, config.max_loras, self.dtype, device)
+                experts.lora = ExpertsLoRA(
+                    self.batch, config.max_loras, self.dtype, device, experts.num_local_experts
+                )
                 self.layers[(i, EXPERTS)] = experts.lora  # type: ignore[assignment]
             for name in SLICES:
                 layer = _linear(decoder, name)

@@ -36,6 +36,7 @@ each dot: the interpreter's bf16 arithmetic is broken (see the package docstring
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -223,12 +224,18 @@ def fused_experts(
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     activation: str = "silu",
     swiglu: tuple[float, float] = (1.702, 7.0),
+    lora: tuple[Callable, Callable, Callable] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], topk_weights / topk_ids [T, top_k]
     -> sum_k topk_weights[t, k] * w2[e] (silu(w13[e, :I] x) * w13[e, I:] x), e = topk_ids[t, k];
     [T, H] in x's dtype. biases: (b13 [E, 2I], b2 [E, H]) added to the two products;
     activation "swigluoai": gpt-oss's clamped SwiGLU (engine.layers.activation) with swiglu's
-    (alpha, limit)."""
+    (alpha, limit).
+
+    lora: (add13, act, add2), a step's LoRA adapters on the experts (engine.lora.experts):
+    the first GEMM then stores the gate_up products [T * top_k, 2I] (no activation in its
+    epilogue), add13(pre) adds their deltas in place, act(pre) is the activation, and after
+    the second GEMM add2(h, out, weights) adds each pair's weighted down delta to out."""
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -242,13 +249,25 @@ def fused_experts(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     b13, b2 = (None, None) if biases is None else biases
     oai = swiglu if activation == "swigluoai" else None
-    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _launch(
-        x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, top_k, True, False, bm,
-        b13, oai,
-    )  # fmt: skip
+    if lora is None:
+        act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+        _launch(
+            x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, top_k, True, False,
+            bm, b13, oai,
+        )  # fmt: skip
+    else:
+        add13, activate, add2 = lora
+        pre = torch.empty(n, 2 * inter, dtype=x.dtype, device=x.device)
+        _launch(
+            x, w13, pre, weights, sorted_ids, expert_ids, num_post, 2 * inter, top_k, False,
+            False, bm, b13,
+        )  # fmt: skip
+        add13(pre)
+        act = activate(pre).contiguous()
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     _launch(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm, b2)
+    if lora is not None:
+        add2(act, out, weights)
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
 
 

@@ -184,10 +184,14 @@ def test_experts_loop_adds_each_tokens_adapter_delta(kernel):
         return torch.randn(e_count, r, i, generator=g), torch.randn(e_count, o, r, generator=g)
 
     batch = LoRABatch(torch.device("cpu"), kernel)
-    lora = ExpertsLoRA(batch, slots, torch.float32, torch.device("cpu"))
-    lora.set_slot(0, [ab(8, h, 2 * inter), ab(4, inter, h)])
-    lora.set_slot(1, [None, ab(6, inter, h)])
-    lora.set_slot(3, [ab(2, h, 2 * inter), ab(2, inter, h)])
+    lora = ExpertsLoRA(batch, slots, torch.float32, torch.device("cpu"), e_count)
+    adapters = {  # (A [E, r, in], B [E, out, r]) per projection, or None
+        0: [ab(8, h, 2 * inter), ab(4, inter, h)],
+        1: [None, ab(6, inter, h)],
+        3: [ab(2, h, 2 * inter), ab(2, inter, h)],
+    }
+    for slot, slices in adapters.items():
+        lora.set_slot(slot, slices)
     # slot 2 holds an adapter without expert weights: its rows run the base experts
     ranges = [(0, 0, 7), (2, 7, 5), (1, 12, 9), (3, 25, 6), (0, 31, 4)]  # rows 21-24, 35-39: base
     batch.set(ranges)
@@ -202,16 +206,16 @@ def test_experts_loop_adds_each_tokens_adapter_delta(kernel):
     want = torch.zeros(t, h)
     for i in range(t):
         s = row_slot[i]
-        parts = lora.weights[s] if s >= 0 else None
+        parts = adapters.get(s)
         for j in range(k):
             e = int(ids[i, j])
             pre = w13[e] @ x[i] + b13[e]
-            if parts is not None and parts[0] is not None:  # (A [E, r, in], B^T [E, r, out])
-                pre = pre + parts[0][1][e].T @ (parts[0][0][e] @ x[i])
+            if parts is not None and parts[0] is not None:
+                pre = pre + parts[0][1][e] @ (parts[0][0][e] @ x[i])
             hid = act(pre)
             y = w2[e] @ hid + b2[e]
             if parts is not None and parts[1] is not None:
-                y = y + parts[1][1][e].T @ (parts[1][0][e] @ hid)
+                y = y + parts[1][1][e] @ (parts[1][0][e] @ hid)
             want[i] += weights[i, j] * y
     got = experts_cpu(x, w13, w2, weights, ids, biases=(b13, b2), activation=act, lora=lora)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -219,6 +223,53 @@ def test_experts_loop_adds_each_tokens_adapter_delta(kernel):
     assert not torch.allclose(got[:7], plain[:7], atol=1e-3)  # slot 0's rows moved
     torch.testing.assert_close(got[7:12], plain[7:12])  # slot 2: no expert weights
     torch.testing.assert_close(got[21:25], plain[21:25])  # the base's rows
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_fused_kernel_adds_the_deltas(activation):
+    """The fused Triton MoE with ExpertsLoRA's hooks (the LoRA Triton shrink / expand per
+    adapter over its pairs grouped by expert; the first GEMM without its activation) against
+    experts_cpu with the same adapters on the torch path: 24 tokens top-2 over 8 experts, three
+    adapters (one without expert weights, one with down_proj only) and base rows, biases.
+    Without a GPU under Triton's interpreter (tests/engine/conftest.py)."""
+    pytest.importorskip("triton")
+    from engine.kernels.triton import fused_moe
+    from engine.layers.activation import SiluAndMul, SwigluOAIAndMul
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(1)
+    t, h, inter, e_count, k = 24, 32, 16, 8, 2
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e_count, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e_count, h, inter, generator=g) / inter**0.5
+    b13, b2 = torch.randn(e_count, 2 * inter, generator=g), torch.randn(e_count, h, generator=g)
+    weights, ids = torch.topk(torch.softmax(torch.randn(t, e_count, generator=g), -1), k)
+
+    def ab(r, i, o):
+        return torch.randn(e_count, r, i, generator=g), torch.randn(e_count, o, r, generator=g)
+
+    adapters = {0: [ab(8, h, 2 * inter), ab(4, inter, h)], 1: [None, ab(6, inter, h)]}
+    ranges = [(0, 0, 7), (2, 7, 5), (1, 12, 6)]  # rows 18-23: the base; slot 2: no experts
+    act = SiluAndMul() if activation == "silu" else SwigluOAIAndMul(1.702, 7.0)
+    results = []
+    for kernel, dev in (("torch", torch.device("cpu")), ("triton", device)):
+        batch = LoRABatch(dev, kernel)
+        lora = ExpertsLoRA(batch, 3, torch.float32, dev, e_count)
+        for slot, slices in adapters.items():
+            lora.set_slot(slot, slices)
+        batch.set(ranges)
+        args = [v.to(dev) for v in (x, w13, w2, weights, ids)]
+        biases = (b13.to(dev), b2.to(dev))
+        if kernel == "torch":
+            out = experts_cpu(*args, biases=biases, activation=act, lora=lora)
+        else:
+            hooks = lora.fused_hooks(args[0], args[4], act)
+            out = fused_moe.fused_experts(*args, biases, activation, (1.702, 7.0), hooks)
+        results.append(out.cpu())
+    plain = experts_cpu(x, w13, w2, weights, ids, biases=(b13, b2), activation=act)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(results[0][:7], plain[:7], atol=1e-3)  # slot 0's rows moved
+    torch.testing.assert_close(results[1][18:], plain[18:], rtol=1e-4, atol=1e-4)
 
 
 def _edit(src, dst, *, config=None, tensors=None):

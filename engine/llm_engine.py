@@ -18,7 +18,6 @@ import logging
 import time
 from pathlib import Path
 
-from engine.args import resolve_device_type
 from engine.async_scheduling import needs_sync, resolve_async_scheduling
 from engine.batch_limits import apply_to_config
 from engine.config import EngineConfig
@@ -328,7 +327,6 @@ class LLMEngine:
             self.config.lora.max_lora_rank,
             check=True,
             quantization=self.base_quantization,
-            device=resolve_device_type(self.config.model.device),
         )
         self._adapters[lora.lora_int_id] = lora
 

@@ -77,7 +77,6 @@ class Adapter:
 def check_folder(engine: Any, name: str, path: str) -> None:
     """ValueError unless the engine serves LoRA and the PEFT folder fits its model (config and
     tensor shapes: engine/lora/adapter.py, each error naming its field)."""
-    from engine.args import resolve_device_type
     from engine.lora.adapter import read_adapter
 
     inner = getattr(engine, "engine", engine)  # AsyncEngine wraps the LLMEngine
@@ -87,13 +86,8 @@ def check_folder(engine: Any, name: str, path: str) -> None:
         raise ValueError(
             f"LoRA adapter {name!r}: LoRA is not enabled: start the server with --enable-lora"
         )
-    # DoRA needs float base weights; experts' adapters on CUDA too
-    quantization = getattr(inner, "base_quantization", None)
-    device = resolve_device_type(config.model.device)
-    read_adapter(
-        path, inner.hf_config, lora.max_lora_rank, check=True, quantization=quantization,
-        device=device,
-    )  # fmt: skip
+    quantization = getattr(inner, "base_quantization", None)  # DoRA needs float base weights
+    read_adapter(path, inner.hf_config, lora.max_lora_rank, check=True, quantization=quantization)
 
 
 class AdapterRegistry:

@@ -325,21 +325,25 @@ class FusedMoE(nn.Module):
             weights, ids = self.local_pairs(weights, ids)
         biases = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         lora = self.lora if self.lora is not None and self.lora.active else None
-        # the fused kernel takes LoRA deltas through the LoRA Triton kernels (lora.triton)
-        fused = (
-            _triton_moe()
-            if x.is_cuda and self.expert_linear is None and (lora is None or lora.triton)
-            else None
-        )
-        quantized = self.fused_quantized if lora is None else None
+        # the fused kernels take LoRA deltas through the LoRA Triton kernels (lora.triton)
+        fusable = lora is None or lora.triton
+        fused = _triton_moe() if x.is_cuda and self.expert_linear is None and fusable else None
+        quantized = self.fused_quantized if fusable else None
+        if self.fused_quantized is not None and quantized is None and self.expert_linear is None:
+            raise RuntimeError(
+                "LoRA on quantized experts on CUDA runs in their fused kernel, with the LoRA "
+                "Triton kernels (TESSERA_LORA_KERNEL=torch does not take them)"
+            )
         if self.ep_size > 1 and (fused is not None or quantized is not None):
             # the kernels take no other id: another rank's pairs run on the last local expert,
             # weighing 0
             ids = ids.clamp(max=self.num_local_experts - 1)
+        hooks = None
+        if lora is not None and (fused is not None or quantized is not None):
+            hooks = lora.fused_hooks(x, ids, self._act)
         if quantized is not None:
-            out = quantized(x, weights, ids)
+            out = quantized(x, weights, ids, lora=hooks)
         elif fused is not None:
-            hooks = None if lora is None else lora.fused_hooks(x, ids, self._act)
             out = fused.fused_experts(
                 x, self.w13_weight, self.w2_weight, weights, ids, biases, self.activation,
                 self.swiglu, hooks,

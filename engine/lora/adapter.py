@@ -414,13 +414,10 @@ def read_adapter(
     *,
     check: bool = False,
     quantization: str | None = None,
-    device: str = "cpu",
 ) -> LoRAAdapter:
     """Read and check a PEFT LoRA folder against the base model's config; ValueError names
     the field or tensor at fault. check=True reads the tensors' shapes, not their values.
-    quantization: the base model's method (None: float weights), refused with DoRA, and with
-    experts' adapters on device "cuda" (the fused kernel of quantized experts takes no
-    delta)."""
+    quantization: the base model's method (None: float weights), refused with DoRA."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -455,8 +452,7 @@ def read_adapter(
                     halves.setdefault(where, {})[half] = None if check else f.get_tensor(key)
                     continue
                 if is_expert_key(key):
-                    _expert_tensor(path, key, shape, f, experts, config, max_lora_rank, device,
-                                   quantization)  # fmt: skip
+                    _expert_tensor(path, key, shape, f, experts, config, max_lora_rank)
                     continue
                 mag = _MAGNITUDE_KEY.search(key)
                 m = mag or _KEY.search(key)
@@ -557,19 +553,10 @@ def _expert_tensor(
     experts: ExpertsReader,
     config: AdapterConfig,
     max_lora_rank: int,
-    device: str,
-    quantization: str | None,
 ) -> None:
     """One tensor of a MoE layer's experts, checked and handed to the experts' reader."""
     if config.use_dora:
         raise _bad(path, key, "DoRA on experts is not supported")
-    if device == "cuda" and quantization is not None:
-        raise _bad(
-            path,
-            key,
-            f"LoRA on the experts of a quantized model (quantization {quantization!r}) is not "
-            "supported on CUDA: the quantized experts' fused kernel takes no delta",
-        )
     module = key.split(".lora_")[0].rpartition(".")[2]
     targets = config.targets
     if module in PER_EXPERT and targets is not None and module not in targets:

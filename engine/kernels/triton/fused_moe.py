@@ -249,26 +249,37 @@ def fused_experts(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     b13, b2 = (None, None) if biases is None else biases
     oai = swiglu if activation == "swigluoai" else None
+
+    def gate_up(c: torch.Tensor, silu: bool) -> None:
+        _launch(x, w13, c, weights, sorted_ids, expert_ids, num_post, c.shape[1], top_k, silu,
+                False, bm, b13, oai if silu else None)  # fmt: skip
+
+    def down(a: torch.Tensor, out: torch.Tensor) -> None:
+        _launch(a, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm,
+                b2)  # fmt: skip
+
+    return _two_gemms(x, top_k, inter, hidden, weights, gate_up, down, lora)
+
+
+def _two_gemms(x, top_k, inter, hidden, weights, gate_up, down, lora) -> torch.Tensor:
+    """The experts' output from the two grouped GEMMs: gate_up(c, silu) writes [pairs, I]
+    activated (silu) or [pairs, 2I] as products; down(a, out) writes the weighted [pairs, H];
+    lora: fused_experts' (add13, act, add2) between them."""
+    n = x.shape[0] * top_k
     if lora is None:
         act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-        _launch(
-            x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, top_k, True, False,
-            bm, b13, oai,
-        )  # fmt: skip
+        gate_up(act, True)
     else:
         add13, activate, add2 = lora
         pre = torch.empty(n, 2 * inter, dtype=x.dtype, device=x.device)
-        _launch(
-            x, w13, pre, weights, sorted_ids, expert_ids, num_post, 2 * inter, top_k, False,
-            False, bm, b13,
-        )  # fmt: skip
+        gate_up(pre, False)
         add13(pre)
         act = activate(pre).contiguous()
     out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    _launch(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, 1, False, True, bm, b2)
+    down(act, out)
     if lora is not None:
         add2(act, out, weights)
-    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
+    return out.view(x.shape[0], top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 # -- quantized experts: the same two grouped GEMMs, the weights widened in the inner loop -----
@@ -465,9 +476,11 @@ def fused_experts_quantized(
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
     activation: str = "silu",
     swiglu: tuple[float, float] = (1.702, 7.0),
+    lora: tuple[Callable, Callable, Callable] | None = None,
 ) -> torch.Tensor:
     """fused_experts on quantized experts (ExpertWeights: w13 of 2I rows, gate | up; w2 of H
-    rows over I inputs); [T, H] in x's dtype. biases, activation and swiglu as fused_experts'."""
+    rows over I inputs); [T, H] in x's dtype. biases, activation, swiglu and lora as
+    fused_experts'."""
     t, hidden = x.shape
     num_experts, two_i = w13.data.shape[0], w13.n
     inter = two_i // 2
@@ -481,10 +494,13 @@ def fused_experts_quantized(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     b13, b2 = (None, None) if biases is None else biases
     oai = swiglu if activation == "swigluoai" else None
-    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _launch_quant(x, w13, act, weights, sorted_ids, expert_ids, num_post, inter, hidden, top_k,
-                  True, False, bm, b13, oai)  # fmt: skip
-    out = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    _launch_quant(act, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, inter, 1,
-                  False, True, bm, b2)  # fmt: skip
-    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
+
+    def gate_up(c: torch.Tensor, silu: bool) -> None:
+        _launch_quant(x, w13, c, weights, sorted_ids, expert_ids, num_post, c.shape[1], hidden,
+                      top_k, silu, False, bm, b13, oai if silu else None)  # fmt: skip
+
+    def down(a: torch.Tensor, out: torch.Tensor) -> None:
+        _launch_quant(a, w2, out, weights, sorted_ids, expert_ids, num_post, hidden, inter, 1,
+                      False, True, bm, b2)  # fmt: skip
+
+    return _two_gemms(x, top_k, inter, hidden, weights, gate_up, down, lora)

@@ -174,12 +174,12 @@ class FusedFp8Experts:
         self.q13, self.q2, self.block_k = q13, q2, block_k
         self.s13, self.s2 = s13.float().contiguous(), s2.float().contiguous()
 
-    def __call__(self, x, topk_weights, topk_ids) -> torch.Tensor:
+    def __call__(self, x, topk_weights, topk_ids, lora=None) -> torch.Tensor:
         from engine.kernels.triton.fused_moe import ExpertWeights, fused_experts_quantized
 
         w13 = ExpertWeights(self.q13, self.s13, group=self.block_k)
         w2 = ExpertWeights(self.q2, self.s2, group=self.block_k)
-        return fused_experts_quantized(x, w13, w2, topk_weights, topk_ids)
+        return fused_experts_quantized(x, w13, w2, topk_weights, topk_ids, lora=lora)
 
 
 class Fp8BlockExpertsMethod(ExpertsMethod):
@@ -479,7 +479,7 @@ class FusedIntExperts:
                 )  # fmt: skip
             )
 
-    def __call__(self, x, topk_weights, topk_ids) -> torch.Tensor:
+    def __call__(self, x, topk_weights, topk_ids, lora=None) -> torch.Tensor:
         from engine.kernels.triton.fused_moe import fused_experts_quantized
 
-        return fused_experts_quantized(x, *self.weights, topk_weights, topk_ids)
+        return fused_experts_quantized(x, *self.weights, topk_weights, topk_ids, lora=lora)

@@ -135,7 +135,7 @@ class FusedMxfp4Experts:
                 )
             dst.data.copy_(src)
 
-    def __call__(self, x, topk_weights, topk_ids) -> torch.Tensor:
+    def __call__(self, x, topk_weights, topk_ids, lora=None) -> torch.Tensor:
         from engine.kernels.triton.fused_moe import ExpertWeights, fused_experts_quantized
 
         moe = self.moe
@@ -144,7 +144,7 @@ class FusedMxfp4Experts:
                            group_offset=self.group_offset)  # fmt: skip
         biases = None if moe.w13_bias is None else (moe.w13_bias, moe.w2_bias)
         return fused_experts_quantized(x, w13, w2, topk_weights, topk_ids, biases,
-                                       moe.activation, moe.swiglu)  # fmt: skip
+                                       moe.activation, moe.swiglu, lora)  # fmt: skip
 
 
 class Mxfp4Experts:

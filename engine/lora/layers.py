@@ -39,6 +39,8 @@ in torch on every device (one gather and one small GEMM per adapter of the step)
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -66,6 +68,9 @@ class LoRABatch:
         self.seg_slot: torch.Tensor | None = None
         self.max_rows = 0
         self.step_slots: list[int] = []  # the slots this step's rows use
+        self._by_slot: dict[int, list[tuple[int, int]]] = {}  # this step's rows per slot
+        self._static: torch.Tensor | None = None  # CUDA graphs' buffers (make_static)
+        self._static_shape = (0, 0)
         self._ranges: list[tuple[int, int, int]] = []
         self._row_slots: torch.Tensor | None = None
 
@@ -126,7 +131,9 @@ class LoRABatch:
                 groups.append((slot, rows))
         self.groups = groups
 
-    def _set_segments(self, by_slot: dict[int, list[tuple[int, int]]]) -> None:
+    @staticmethod
+    def _segment_arrays(by_slot: dict[int, list[tuple[int, int]]]) -> tuple[np.ndarray, list]:
+        """The rows sorted by slot, and each segment's start, length and slot."""
         starts, lens, slots = [], [], []
         n = 0
         for slot, spans in by_slot.items():
@@ -136,10 +143,19 @@ class LoRABatch:
             n += lens[-1]
         spans = [span for group in by_slot.values() for span in group]
         rows = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b in spans])
-        host = torch.from_numpy(np.concatenate([rows, np.array(starts + lens + slots, np.int32)]))
+        return rows, [starts, lens, slots]
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(host)
         if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _set_segments(self, by_slot: dict[int, list[tuple[int, int]]]) -> None:
+        self._by_slot = by_slot
+        rows, (starts, lens, slots) = self._segment_arrays(by_slot)
+        n = rows.size
+        dev = self._to_device(np.concatenate([rows, np.array(starts + lens + slots, np.int32)]))
         s = len(slots)
         self.token_rows = dev[:n]
         self.seg_start, self.seg_len, self.seg_slot = (
@@ -148,6 +164,53 @@ class LoRABatch:
             dev[n + 2 * s :],
         )
         self.max_rows = max(lens)
+
+    # -- CUDA graphs: a captured step's kernels read fixed buffers --------------------------
+
+    def make_static(self, capacity: int, max_loras: int) -> None:
+        """Buffers of `capacity` rows and max_loras segments for captured steps
+        (engine.worker.cuda_graph): the Triton kernels' launch grid is then fixed (segments
+        and row tiles past a step's own return at once)."""
+        self._static = torch.zeros(capacity + 3 * max_loras, dtype=torch.int32, device=self.device)
+        self._static_shape = (capacity, max_loras)
+
+    @contextlib.contextmanager
+    def use_static(self, shift: int | None):
+        """Inside: the layers read the static buffers, which hold this step's segments with
+        its rows moved by `shift` (a replay: the graph's padding rows come first), or no
+        segment at all (shift None: the capture; or a step without adapters, whose replay
+        then adds nothing)."""
+        capacity, slots = self._static_shape
+        host = np.zeros(capacity + 3 * slots, dtype=np.int32)
+        if shift is not None and self.active:
+            rows, (starts, lens, seg_slots) = self._segment_arrays(self._by_slot)
+            host[: rows.size] = rows + shift
+            n = len(lens)
+            for i, values in enumerate((starts, lens, seg_slots)):
+                host[capacity + i * slots : capacity + i * slots + n] = values
+        self._static.copy_(self._to_device(host))
+        saved = (self.active, self.token_rows, self.seg_start, self.seg_len, self.seg_slot,
+                 self.max_rows, self.groups)  # fmt: skip
+        static = self._static
+        self.active, self.groups, self.max_rows = True, [], capacity
+        self.token_rows = static[:capacity]
+        self.seg_start, self.seg_len, self.seg_slot = (
+            static[capacity + i * slots : capacity + (i + 1) * slots] for i in range(3)
+        )
+        try:
+            yield
+        finally:
+            (self.active, self.token_rows, self.seg_start, self.seg_len, self.seg_slot,
+             self.max_rows, self.groups) = saved  # fmt: skip
+
+
+def find_batch(model: torch.nn.Module) -> tuple[LoRABatch, int] | None:
+    """The LoRA batch a model's linear layers share and their slots (max_loras), or None."""
+    for module in model.modules():
+        slots = getattr(module, "lora", None)
+        if isinstance(slots, LoRALayer):
+            return slots.batch, slots.a.shape[0]
+    return None
 
 
 class LoRALayer:

@@ -23,7 +23,10 @@ A DoRA adapter's scales g = m / ||W + s B A|| (engine.lora.adapter) are made onc
 here, from the base weights as served (float weights only): a column-parallel layer's rows
 are whole on this rank; a row-parallel layer's norm sums the ranks' partial squares (an
 all-reduce: every rank loads the same adapters in the same order, as it runs the same steps).
-`dora_step` says whether the step has a DoRA adapter (the CPU decode plan then steps aside).
+`graph_blockers` names what of the step's adapters a step graph may not hold: "dora" (the
+rescaling is the modules'), "embedding" and "experts" (their deltas group rows on the host);
+each graph says which it cannot take (the CPU decode plan: DoRA; CUDA graphs: all three), and
+such a step runs eagerly.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ class LoRAManager:
         )
         self._cpu: OrderedDict[int, AdapterShard] = OrderedDict()  # lora_int_id -> its shard
         self._slot_dora = [False] * config.max_loras  # whether a slot holds a DoRA adapter
+        self.graph_blockers: set[str] = set()  # what of this step a step graph may not hold
         self.num_loads = 0  # adapters read from their folders (tests, logs)
         self.num_swaps = 0  # adapters copied into a slot
 
@@ -301,15 +305,19 @@ class LoRAManager:
             ranges.append((slot, start, n))
             self._row_slot[start : start + n] = [slot] * n
         self.batch.set(ranges)
-        self.batch.dora = any(self._slot_dora[slot] for slot in slot_of.values())
+        slots = list(slot_of.values())
+        self.batch.dora = any(self._slot_dora[slot] for slot in slots)
         if self.embedding is not None:
             self.embedding.armed = True
+        self.graph_blockers = {"dora"} if self.batch.dora else set()
+        if self.embedding is not None and any(self.embedding.rank[s] for s in slots):
+            self.graph_blockers.add("embedding")
+        if any(
+            isinstance(layer, ExpertsLoRA) and any(layer.weights[s] is not None for s in slots)
+            for layer in self.layers.values()
+        ):
+            self.graph_blockers.add("experts")
         return True
-
-    @property
-    def dora_step(self) -> bool:
-        """Whether this step's rows include a DoRA adapter's (rescaled after each product)."""
-        return self.batch.dora
 
     def end_forward(self) -> None:
         """The step's forward is done: later embedding calls (a proposer's) get no delta."""

@@ -113,6 +113,7 @@ class DecodePlan:
     eager_inputs = True
     graph_bytes = 0
     takes_lora = False  # set per plan: steps with LoRA adapters run here too
+    lora_blockers = frozenset({"dora"})  # but not DoRA's (the modules rescale)
 
     def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool,
                  lut4: bool = False):  # fmt: skip

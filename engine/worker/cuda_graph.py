@@ -17,6 +17,13 @@ they write lands nowhere anyone reads, with every backend and without a special 
 kernel. They come first (the shortest contexts: the decodes stay sorted by context length);
 their outputs are dropped. Graphs are captured on padding rows at the longest context.
 
+With LoRA on the Triton kernels (engine.lora) every graph holds the shrink / expand launches,
+captured over the LoRA batch's fixed segment buffers (a grid of max_loras segments and the
+graph's rows: segments and row tiles past a step's own return at once); each replay writes its
+step's segments there, its rows moved past the padding, or no segment for a step without
+adapters. A step whose adapters need DoRA's rescaling or embedding / experts' deltas runs
+eagerly (LoRAManager.graph_blockers).
+
 Steps a graph does not take run eagerly: any step with a prefill chunk, a batch above the
 ladder, a backend whose launches depend on the step's contents (`cuda_graph_capturable`), more
 than one tensor-parallel rank (capturing collectives is not wired up yet), `--enforce-eager`.
@@ -31,6 +38,7 @@ logic on any device, which the CPU tests use).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +49,7 @@ import torch
 
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.metadata import CommonAttentionMetadata
+from engine.lora.layers import find_batch
 from engine.worker import kv_budget
 from engine.worker.step_graph import StepGraphConfig, StepInputs
 
@@ -245,7 +254,10 @@ class CudaGraphRunner:
 
     eager_inputs = False
     graph_bytes = 0  # measured by capture_all
-    takes_lora = False  # a step with adapters runs eagerly
+    takes_lora = False  # set where the model's LoRA layers run the Triton kernels
+    # a step with these runs eagerly: DoRA's rescaling, and the embedding's and experts'
+    # deltas (their rows are grouped on the host)
+    lora_blockers = frozenset({"dora", "embedding", "experts"})
 
     def __init__(
         self,
@@ -269,6 +281,13 @@ class CudaGraphRunner:
         self.runs: dict[int, int] = {}  # replays per batch size (tests, stats)
         self.capture_seconds = 0.0
         self.graph_bytes = 0
+        # LoRA (engine.lora): the Triton shrink / expand are captured over the batch's fixed
+        # segment buffers, which each replay fills with its step's (none: nothing added)
+        found = find_batch(model)
+        self.lora = found[0] if found is not None and found[0].kernel == "triton" else None
+        if self.lora is not None:
+            self.lora.make_static(self.max_rows, found[1])
+        self.takes_lora = self.lora is not None
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> CudaGraphRunner | None:
@@ -334,7 +353,8 @@ class CudaGraphRunner:
             common = capture_metadata(rows, self.backend.block_size, self.max_blocks)
             self.inputs.fill([], [], rows)
             meta = self.backend.fill_static_metadata(self.static_meta, common)
-            self._replays[rows] = self.strategy.capture(self._step_fn(rows), meta)
+            with self._lora_buffers(None):
+                self._replays[rows] = self.strategy.capture(self._step_fn(rows), meta)
         if cuda:
             torch.cuda.synchronize(self.device)
             free_after, _ = torch.cuda.mem_get_info(self.device)
@@ -372,9 +392,15 @@ class CudaGraphRunner:
         attn_meta = self.backend.fill_static_metadata(
             self.static_meta, pad_decode_metadata(meta, rows)
         )
-        hidden = self._replays[rows](attn_meta)
+        with self._lora_buffers(rows - n):
+            hidden = self._replays[rows](attn_meta)
         self.runs[rows] = self.runs.get(rows, 0) + 1
         return hidden[rows - n :]  # the padding rows came first
+
+    def _lora_buffers(self, shift: int | None):
+        """The LoRA batch's fixed buffers for a capture (shift None) or a replay whose step
+        rows start at `shift` (engine.lora.layers.LoRABatch.use_static); nothing without LoRA."""
+        return contextlib.nullcontext() if self.lora is None else self.lora.use_static(shift)
 
     def close(self) -> None:
         self.strategy.close()

@@ -11,9 +11,10 @@ to the input batch (rank 0; the other ranks get them with the next step, see mul
 
 With LoRA enabled (engine.lora) the runner's LoRAManager puts each step's adapters into
 resident slots and maps the step's rows to them before the forward; a step with adapters runs
-in the CPU decode plan (its GEMMs followed by the C LoRA kernel, engine.kernels.cpu.lora) and
-eagerly elsewhere (CUDA's captured graphs hold no LoRA); a step with a DoRA adapter always
-runs eagerly (its rescaling is the layers').
+in the CPU decode plan (its GEMMs followed by the C LoRA kernel, engine.kernels.cpu.lora) or
+a CUDA graph (captured with the LoRA Triton kernels over fixed segment buffers), unless its
+adapters need what the graph does not hold (LoRAManager.graph_blockers: DoRA's rescaling; on
+CUDA also embedding and experts' deltas): then eagerly.
 
 Pipeline parallelism (engine.models.pipeline): this rank holds one stage's layers and their
 KV cache only. A stage after the first receives the hidden states and residual from the one
@@ -993,8 +994,8 @@ class ModelRunner:
         if self.pp_size > 1:
             return self._run_stage(step)
         graph = self._step_graph
-        if eager and graph is not None and (not graph.takes_lora or self.lora_manager.dora_step):
-            graph = None  # (DoRA's rescaling is the modules': no graph takes it)
+        if eager and graph is not None and not self._graph_takes_lora(graph):
+            graph = None
         if graph is not None:  # a graph without eager_inputs fills static buffers of its own
             if graph.eager_inputs:
                 self._eager_inputs(step)
@@ -1004,6 +1005,10 @@ class ModelRunner:
         if step.input_ids is None:
             self._eager_inputs(step)
         return self.model(step.input_ids, step.position_ids, step.attn_metadata)
+
+    def _graph_takes_lora(self, graph) -> bool:
+        """Whether the step graph holds what this step's adapters need."""
+        return graph.takes_lora and not graph.lora_blockers & self.lora_manager.graph_blockers
 
     def _run_stage(self, step: StepInputs) -> torch.Tensor | None:
         """This pipeline stage's share of the step: the previous stage's tensors in, this

@@ -72,6 +72,8 @@ class StepGraph(Protocol):
     eager_inputs: bool
     graph_bytes: int  # device memory the graph holds, measured (0: none)
     takes_lora: bool  # whether steps with LoRA adapters may run here (else they run eagerly)
+    # what of a LoRA step it cannot hold (engine.lora.manager.LoRAManager.graph_blockers)
+    lora_blockers: frozenset[str]
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> StepGraph | None:

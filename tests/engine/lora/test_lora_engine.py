@@ -223,6 +223,63 @@ def test_the_triton_kernels_serve_a_mixed_batch(tiny_llama_dir, llama_adapters, 
     assert got == want
 
 
+def test_lora_decode_steps_replay_in_cuda_graphs(tiny_llama_dir, llama_adapters, monkeypatch):
+    """CUDA graphs with adapters, their logic on the CPU: the graph runner (EagerReplay) holds
+    the LoRA Triton kernels (the interpreter without a GPU) over the batch's fixed segment
+    buffers. Five requests on three adapters and the base decode as padded batches of eight
+    (the step's rows after three padding rows) and give HF + peft's tokens; then a batch of
+    the base alone replays with no delta, and an adapter with an embedding delta runs its
+    steps eagerly (the graph holds no host-grouped embedding rows)."""
+    import os
+
+    from engine.worker.cuda_graph import CudaGraphRunner, EagerReplay, batch_ladder
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    monkeypatch.setenv("TESSERA_LORA_KERNEL", "triton")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, 5, seed=23)
+    assign = [0, 1, None, 2, 0]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    base = _expected(tiny_llama_dir, llama_adapters, prompts, [None] * 5)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=3,
+              device="cpu", attention_backend="torch", num_kv_blocks=128, max_num_seqs=8)  # fmt: skip
+    try:
+        runner = llm.engine.executor.runner
+        assert runner._step_graph is None  # float32 on the CPU: no decode plan
+        graphs = CudaGraphRunner(
+            runner.model, runner.attn_backend, batch_ladder(8),
+            -(-runner.max_model_len // runner.block_size), EagerReplay(), "cpu",
+        )  # fmt: skip
+        assert graphs.takes_lora
+        graphs.capture_all()
+        runner._step_graph = graphs
+        loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(llama_adapters[a]))
+                 for a in assign]  # fmt: skip
+        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert graphs.runs == {8: NUM_NEW - 1}  # every decode step through the graph
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == base  # the buffers hold no segment
+        assert graphs.runs == {8: 2 * (NUM_NEW - 1)}
+        vocab_adapter = make_adapter(
+            tiny_llama_dir, llama_adapters[0].parent / "embed", r=4,
+            targets=["q_proj", "embed_tokens"], seed=24,
+        )  # fmt: skip
+        embed = LoRARequest("embed", 9, str(vocab_adapter))
+        outs = llm.generate(prompts[:2], params, lora_request=[embed, None], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [
+            merged_greedy(tiny_llama_dir, vocab_adapter, prompts[:1], NUM_NEW)[0],
+            base[1],
+        ]
+        assert graphs.runs == {8: 2 * (NUM_NEW - 1)}  # its steps ran eagerly
+    finally:
+        llm.shutdown()
+
+
 def test_a_bf16_model_on_bf16_slots_gives_the_float32_slots_tokens(
     tiny_llama_dir, llama_adapters, monkeypatch
 ):

@@ -131,6 +131,27 @@ def test_expert_adapters_with_prefix_caching_and_preemption(tiny_qwen3_moe_dir, 
     assert llm.engine.scheduler.stats().num_preemptions > 0
 
 
+def test_a_step_with_expert_adapters_stays_out_of_cuda_graphs(tiny_qwen3_moe_dir, tmp_path):
+    """The manager names the experts among a step's graph blockers (their rows are grouped on
+    the host), which CUDA graphs decline and the CPU decode plan never meets (no MoE plan)."""
+    from engine.worker.cpu_graph import DecodePlan
+    from engine.worker.cuda_graph import CudaGraphRunner
+
+    adapters = _adapters(tiny_qwen3_moe_dir, tmp_path)
+    llm = LLM(str(tiny_qwen3_moe_dir), dtype="float32", device="cpu", enable_lora=True,
+              max_loras=2, num_kv_blocks=64)  # fmt: skip
+    try:
+        manager = llm.engine.executor.runner.lora_manager
+        experts, attention = (LoRARequest(f"a{i}", i + 1, str(adapters[i])) for i in (0, 2))
+        assert manager.prepare([(attention, 0, 3), (None, 3, 2)])
+        assert manager.graph_blockers == set()
+        assert manager.prepare([(attention, 0, 3), (experts, 3, 2)])
+        assert manager.graph_blockers == {"experts"}
+        assert "experts" in CudaGraphRunner.lora_blockers - DecodePlan.lora_blockers
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.cuda
 def test_expert_adapters_on_cuda(tiny_qwen3_moe_dir, tiny_gpt_oss_dir, tmp_path):
     """On CUDA a step with expert adapters leaves the fused Triton kernel for the experts'

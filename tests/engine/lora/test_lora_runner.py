@@ -22,6 +22,7 @@ class _RecordingGraph:
 
     eager_inputs = False
     graph_bytes = 0
+    lora_blockers = frozenset({"dora"})
 
     def __init__(self, takes_lora: bool = False) -> None:
         self.asked = 0

@@ -29,7 +29,8 @@ def _members() -> set[str]:
 @pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)
 def test_both_implementations_have_the_protocols_members(cls) -> None:
     assert _members() == {
-        "build", "reserve_bytes", "run", "close", "eager_inputs", "graph_bytes", "takes_lora"
+        "build", "reserve_bytes", "run", "close", "eager_inputs", "graph_bytes", "takes_lora",
+        "lora_blockers",
     }  # fmt: skip
     for name in _members():
         assert hasattr(cls, name), name
@@ -38,6 +39,7 @@ def test_both_implementations_have_the_protocols_members(cls) -> None:
     assert list(inspect.signature(cls.reserve_bytes).parameters) == ["config"]
     assert isinstance(cls.eager_inputs, bool) and isinstance(cls.graph_bytes, int)
     assert isinstance(cls.takes_lora, bool)
+    assert cls.lora_blockers <= {"dora", "embedding", "experts"}  # LoRAManager.graph_blockers
     assert isinstance(inspect.getattr_static(cls, "build"), classmethod)
     assert isinstance(inspect.getattr_static(cls, "reserve_bytes"), classmethod)
 
@@ -97,6 +99,7 @@ class _Recording:
 
     graph_bytes = 0
     takes_lora = False
+    lora_blockers = frozenset()
 
     def __init__(self, eager_inputs: bool, answer: torch.Tensor | None):
         self.eager_inputs = eager_inputs

@@ -39,6 +39,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/worker/test_kv_budget.py
     tests/engine/worker/test_no_host_sync.py
     tests/engine/lora/test_lora_engine.py::test_the_triton_kernels_serve_a_mixed_batch
+    tests/engine/lora/test_lora_engine.py::test_lora_decode_steps_replay_in_cuda_graphs
     tests/engine/lora/test_lora_experts.py::test_expert_adapters_on_cuda
     tests/engine/spec_decode/test_spec_engine.py  # LLM's default device: the GPU here
     tests/engine/worker/test_cuda_graph.py

@@ -229,12 +229,14 @@ def test_lora_decode_steps_replay_in_cuda_graphs(tiny_llama_dir, llama_adapters,
     buffers. Five requests on three adapters and the base decode as padded batches of eight
     (the step's rows after three padding rows) and give HF + peft's tokens; then a batch of
     the base alone replays with no delta, and an adapter with an embedding delta runs its
-    steps eagerly (the graph holds no host-grouped embedding rows)."""
+    steps eagerly (the graph holds no host-grouped embedding rows). On a GPU: the engine's
+    own captured graphs."""
     import os
 
     from engine.worker.cuda_graph import CudaGraphRunner, EagerReplay, batch_ladder
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and not under the Triton interpreter")
     monkeypatch.setenv("TESSERA_LORA_KERNEL", "triton")
     from transformers import AutoConfig
@@ -245,17 +247,23 @@ def test_lora_decode_steps_replay_in_cuda_graphs(tiny_llama_dir, llama_adapters,
     want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
     base = _expected(tiny_llama_dir, llama_adapters, prompts, [None] * 5)
     llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=3,
-              device="cpu", attention_backend="torch", num_kv_blocks=128, max_num_seqs=8)  # fmt: skip
+              device="cuda" if cuda else "cpu", attention_backend="auto" if cuda else "torch",
+              num_kv_blocks=128, max_num_seqs=8)  # fmt: skip
     try:
         runner = llm.engine.executor.runner
-        assert runner._step_graph is None  # float32 on the CPU: no decode plan
-        graphs = CudaGraphRunner(
-            runner.model, runner.attn_backend, batch_ladder(8),
-            -(-runner.max_model_len // runner.block_size), EagerReplay(), "cpu",
-        )  # fmt: skip
+        if cuda:
+            graphs = runner._step_graph
+            assert isinstance(graphs, CudaGraphRunner)
+        else:
+            assert runner._step_graph is None  # float32 on the CPU: no decode plan
+            graphs = CudaGraphRunner(
+                runner.model, runner.attn_backend, batch_ladder(8),
+                -(-runner.max_model_len // runner.block_size), EagerReplay(), "cpu",
+            )  # fmt: skip
+            graphs.capture_all()
+            runner._step_graph = graphs
         assert graphs.takes_lora
-        graphs.capture_all()
-        runner._step_graph = graphs
+        graphs.runs.clear()
         loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(llama_adapters[a]))
                  for a in assign]  # fmt: skip
         params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)

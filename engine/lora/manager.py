@@ -288,6 +288,7 @@ class LoRAManager:
         the step has an adapter (then it runs eagerly)."""
         needed = {req.lora_int_id for req, _, _ in rows if req is not None}
         self._row_slot = []
+        self.graph_blockers = set()
         if self.head is not None:
             self.head_batch.clear()
         if not needed:
@@ -309,7 +310,8 @@ class LoRAManager:
         self.batch.dora = any(self._slot_dora[slot] for slot in slots)
         if self.embedding is not None:
             self.embedding.armed = True
-        self.graph_blockers = {"dora"} if self.batch.dora else set()
+        if self.batch.dora:
+            self.graph_blockers.add("dora")
         if self.embedding is not None and any(self.embedding.rank[s] for s in slots):
             self.graph_blockers.add("embedding")
         if any(

@@ -10,6 +10,40 @@ from pathlib import Path
 import torch
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NUM_NEW = 8  # the tokens each request decodes in the engine tests
+
+
+def expected_tokens(model_dir, adapters, prompts, assign, *, merge=True, num_new=NUM_NEW):
+    """Each prompt's reference tokens for its adapter adapters[assign[i]] (None: the base
+    model): HF + peft's merged model (merge=False: its unmerged LoRA layers), one model per
+    adapter."""
+    out: list[list[int] | None] = [None] * len(prompts)
+    for which in set(assign):
+        idx = [i for i, a in enumerate(assign) if a == which]
+        adapter = None if which is None else adapters[which]
+        ref = merged_greedy(model_dir, adapter, [prompts[i] for i in idx], num_new, merge=merge)
+        for i, tokens in zip(idx, ref, strict=True):
+            out[i] = tokens
+    return out
+
+
+def generate_tokens(model_dir, adapters, prompts, assign, *, num_new=NUM_NEW, **kwargs):
+    """Greedy tokens of LLM(model_dir, enable_lora=True) in float32 on the CPU (128 KV blocks;
+    kwargs override or add) for each prompt under adapters[assign[i]] (None: the base), all in
+    one generate call: (the LLM, shut down after the call, and the tokens)."""
+    from engine import LLM, LoRARequest, SamplingParams
+
+    kwargs = {"num_kv_blocks": 128, "device": "cpu", **kwargs}
+    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, **kwargs)
+    try:
+        loras = [
+            None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign
+        ]
+        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
 
 
 def make_adapter(

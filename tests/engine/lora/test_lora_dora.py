@@ -15,9 +15,8 @@ import torch
 from engine import LLM, LoRARequest, SamplingParams
 from engine.lora.adapter import pattern_key, read_adapter
 from engine.models.hf_config import load_hf_config
-from tests.engine.lora.lora_testing import make_adapter, merged_greedy
+from tests.engine.lora.lora_testing import NUM_NEW, expected_tokens, make_adapter, merged_greedy
 
-NUM_NEW = 8
 KINDS = ("plain", "pattern", "dora")
 # ranks 2..16 and alphas by module, regexes anchored and not (peft's get_pattern_key)
 RANKS = {"v_proj": 2, "^model.layers.1.mlp.*": 16, r"layers\.2\.self_attn\.q_proj": 12}
@@ -59,14 +58,7 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 def _expected(model_dir, adapters, prompts, assign):
     """peft's tokens for each prompt's adapter (None: the base model)."""
-    out: list[list[int] | None] = [None] * len(prompts)
-    for which in set(assign):
-        idx = [i for i, a in enumerate(assign) if a == which]
-        adapter = None if which is None else adapters[which]
-        ref = merged_greedy(model_dir, adapter, [prompts[i] for i in idx], NUM_NEW, merge=False)
-        for i, toks in zip(idx, ref, strict=True):
-            out[i] = toks
-    return out
+    return expected_tokens(model_dir, adapters, prompts, assign, merge=False)
 
 
 def _requests(adapters, assign):
@@ -156,11 +148,11 @@ def test_mixed_batch_matches_peft(biased_llama_dir, biased_adapters, kernel, mon
         assert manager._slot_dora[slots[dora_id]] and sum(manager._slot_dora) == 1
         req = _requests(biased_adapters, ["plain", "pattern", "dora"])
         manager.prepare([(req[0], 0, 3), (None, 3, 2), (req[1], 5, 1)])
-        assert manager.batch.active and not manager.dora_step
+        assert manager.batch.active and not manager.batch.dora and not manager.graph_blockers
         manager.prepare([(req[0], 0, 3), (req[2], 3, 2)])
-        assert manager.dora_step
+        assert manager.batch.dora and manager.graph_blockers == {"dora"}
         manager.prepare([(None, 0, 2)])
-        assert not manager.dora_step and not manager.batch.active
+        assert not manager.graph_blockers and not manager.batch.active
     finally:
         llm.shutdown()
     assert got == want

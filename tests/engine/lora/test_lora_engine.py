@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.engine.lora.lora_testing import make_adapter, merged_greedy
-
-NUM_NEW = 8
+from tests.engine.lora.lora_testing import NUM_NEW, expected_tokens, make_adapter, merged_greedy
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +35,7 @@ def _prompts(vocab: int, n: int, seed: int = 7, shared: int = 0) -> list[list[in
 
 def _expected(model_dir, adapters, prompts, assign):
     """The reference tokens of each prompt for its adapter index (None: the base)."""
-    out: list[list[int] | None] = [None] * len(prompts)
-    for which in set(assign):
-        idx = [i for i, a in enumerate(assign) if a == which]
-        ref = merged_greedy(
-            model_dir,
-            None if which is None else adapters[which],
-            [prompts[i] for i in idx],
-            NUM_NEW,
-        )
-        for i, toks in zip(idx, ref, strict=True):
-            out[i] = toks
-    return out
+    return expected_tokens(model_dir, adapters, prompts, assign)
 
 
 def _run(model_dir, adapters, prompts, assign, n: int = 1, **kwargs):

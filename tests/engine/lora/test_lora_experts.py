@@ -20,9 +20,13 @@ from engine.lora.adapter import read_adapter
 from engine.lora.experts import ExpertsLoRA
 from engine.lora.layers import LoRABatch
 from engine.models.hf_config import load_hf_config
-from tests.engine.lora.lora_testing import make_adapter, make_per_expert_adapter, merged_greedy
+from tests.engine.lora.lora_testing import (
+    expected_tokens,
+    generate_tokens,
+    make_adapter,
+    make_per_expert_adapter,
+)
 
-NUM_NEW = 8
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROMPTS = [list(range(10, 31)), list(range(50, 61)), [5, 9, 13, 17, 21], list(range(100, 133))]
 
@@ -55,29 +59,10 @@ def _adapters(model_dir, root, per_expert: tuple[str, ...] | None = None, shared
 
 def _expected(model_dir, adapters, prompts, assign):
     """Each prompt's tokens from HF + peft's (unmerged) model for its adapter."""
-    out: list = [None] * len(prompts)
-    for which in set(assign):
-        idx = [i for i, a in enumerate(assign) if a == which]
-        adapter = None if which is None else adapters[which]
-        ref = merged_greedy(model_dir, adapter, [prompts[i] for i in idx], NUM_NEW, merge=False)
-        for i, tokens in zip(idx, ref, strict=True):
-            out[i] = tokens
-    return out
+    return expected_tokens(model_dir, adapters, prompts, assign, merge=False)
 
 
-def _generate(model_dir, adapters, prompts, assign, **kwargs):
-    kwargs.setdefault("num_kv_blocks", 128)
-    kwargs.setdefault("device", "cpu")
-    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, **kwargs)
-    try:
-        loras = [
-            None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign
-        ]
-        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        return llm, [o.outputs[0].token_ids for o in outs]
-    finally:
-        llm.shutdown()
+_generate = generate_tokens
 
 
 CASES = {  # fixture, per-expert module names (None: stacked), the shared expert targeted

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.engine.lora.lora_testing import make_adapter, merged_greedy
+from tests.engine.lora.lora_testing import NUM_NEW, generate_tokens, make_adapter, merged_greedy
 
-NUM_NEW = 8
 QV = ["q_proj", "v_proj"]
 
 
@@ -56,22 +55,10 @@ def _want(model_dir, adapters, prompts, assign, merge):
 
 
 def _generate(model_dir, adapters, prompts, assign, **kwargs):
-    kwargs.setdefault("num_kv_blocks", 128)
-    llm = LLM(str(model_dir), dtype="float32", seed=0, enable_lora=True, **kwargs)
-    try:
-        loras = [
-            None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in assign
-        ]
-        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        manager = (
-            llm.engine.executor.runner.lora_manager
-            if kwargs.get("tensor_parallel_size", 1) == 1
-            else None
-        )
-        return [o.outputs[0].token_ids for o in outs], manager
-    finally:
-        llm.shutdown()
+    """(tokens, the runner's LoRA manager: None under TP) of generate_tokens."""
+    llm, tokens = generate_tokens(model_dir, adapters, prompts, assign, **kwargs)
+    tp1 = kwargs.get("tensor_parallel_size", 1) == 1
+    return tokens, llm.engine.executor.runner.lora_manager if tp1 else None
 
 
 def _vocab(model_dir) -> int:

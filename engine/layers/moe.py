@@ -114,8 +114,9 @@ def experts_cpu(
     biases: (b13 [E, 2I], b2 [E, H]) added to each expert's two products; activation: the
     gated activation over [gate | up] (SiLU-and-mul).
     lora: the step's LoRA adapters on these experts (engine.lora.experts): the pairs are then
-    sorted by expert and, within one, by adapter slot, and each run of one slot's rows adds its
-    deltas to the gate_up product (before the activation) and to the down product."""
+    sorted by expert and, within one, by adapter slot; every expert's gate_up product goes
+    into one tensor first, then each adapter's deltas are added to its rows at once
+    (ExpertsLoRA.add_runs) before the activation, and likewise for the down product."""
     g13, g2 = gemms if gemms is not None else (None, None)
     t, k = topk_ids.shape
     num_experts = num_experts or w13.shape[0]

@@ -246,7 +246,8 @@ def shard_experts(
 
 class ExpertsLoRA:
     """The adapter slots of one FusedMoE layer: per slot, this rank's A [E, r, in] and B
-    transposed [E, r, out] of w13 and of w2 (either None). No slot is preallocated: an expert
+    [E, out, r] (for the C kernel transposed, [E, r, out]) of w13 and of w2 (either None),
+    in the slots' dtype. No slot is preallocated: an expert
     adapter is E times a projection's, and most adapters leave the experts alone; a slot holds
     the loaded copy itself where its dtype and device are the slots'.
 
@@ -380,7 +381,9 @@ class ExpertsLoRA:
         key = torch.where(slots >= 0, slots * experts + topk_ids.reshape(-1), -1).cpu().numpy()
         order = np.argsort(key, kind="stable")
         order = order[key[order] >= 0]
-        plan = []  # (slot, rows, segment starts, lengths, experts) per adapter of the step
+        # per adapter of the step: (slot, [rows | segment starts | lengths | experts] on the
+        # device, rows, segments, the longest segment)
+        plan = []
         for slot in np.unique(key[order] // experts).tolist():
             rows = order[key[order] // experts == slot]
             ids, lens = np.unique(key[rows] - slot * experts, return_counts=True)

@@ -297,6 +297,15 @@ class EngineConfig:
             "speculative_config is not supported with pipeline_parallel_size > 1 yet "
             "(the last stage would verify drafts the driver proposed); drop one of them",
         )
+        spec = self.scheduler.speculative_config
+        draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+        tp = self.parallel.tensor_parallel_size
+        _check(
+            draft_tp in (None, 1) or (draft_tp == tp and spec.method == "draft_model"),
+            f"speculative_config: draft_tensor_parallel_size {draft_tp} must be 1 (the draft "
+            f"whole on the driver) or, for a draft model, tensor_parallel_size ({tp}: split "
+            "over the ranks like the target); EAGLE heads run whole",
+        )
         if self.cache.kv_cache_dtype == "fp8":
             backend, device = self.model.attention_backend, self.model.device
             _check(

@@ -191,6 +191,19 @@ def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def tp_broadcast_object(obj):
+    """obj from the tensor-parallel group's first rank to each of its ranks (the others pass
+    anything, None say, and get the first rank's); obj itself at tp_size 1. Picklable
+    objects only: host-side plans, not tensors on a hot path."""
+    if get_tp_size() == 1:
+        return obj
+    group = _STATE.tp_group
+    box = [obj]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def tp_all_gather(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's t along dim (t itself at tp_size 1)."""
     size = get_tp_size()

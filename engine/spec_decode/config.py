@@ -4,8 +4,9 @@ Methods: "ngram" (prompt lookup in the scheduler, no model), "draft_model" (a sm
 sharing the target's tokenizer, run by the model runner; {"model": PATH} alone means it, as
 in vLLM), "eagle" (an EAGLE-1 head over the target's hidden states, on the runner) and
 "eagle3" (an EAGLE-3 head over three of the target's layers). A model-based proposer runs
-whole on the driver under tensor parallelism: vLLM's "draft_tensor_parallel_size" is taken,
-and must be 1.
+whole on the driver under tensor parallelism (vLLM's "draft_tensor_parallel_size" 1, the
+default), or a draft model with draft_tensor_parallel_size the target's tensor_parallel_size
+is split over the ranks like the target (engine.worker.model_runner).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
     model: str | None = None  # the draft model's or head's folder
-    # ranks the draft is split over: 1, the draft whole on the driver (the only choice yet)
+    # ranks the draft is split over: 1 (None), the draft whole on the driver; a draft model's
+    # may be the target's tensor_parallel_size (engine.config checks), split like the target
     draft_tensor_parallel_size: int | None = None
     # a request whose drafts keep being rejected stops drafting a while (spec_decode.backoff)
     draft_backoff: bool = True
@@ -72,10 +74,10 @@ class SpeculativeConfig:
                 f"{cutoff!r}"
             )
         tp = self.draft_tensor_parallel_size
-        if tp is not None and (isinstance(tp, bool) or tp != 1):
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(
-                f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs "
-                f"whole on the driver; a sharded draft is not supported yet), got {tp!r}"
+                f"speculative_config: draft_tensor_parallel_size must be a positive integer "
+                f"(1, or the target's tensor_parallel_size), got {tp!r}"
             )
         for name in ("draft_backoff", "adaptive"):
             if not isinstance(getattr(self, name), bool):

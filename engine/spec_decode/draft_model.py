@@ -20,12 +20,14 @@ max_model_len leave room for.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.backends import select_backend
 from engine.attention.metadata import common_metadata_from_seqs
+from engine.distributed import get_tp_size, tp_broadcast_object
 from engine.models.loader import load_hf_config, load_model, resolve_model
 
 if TYPE_CHECKING:
@@ -37,6 +39,18 @@ if TYPE_CHECKING:
     from engine.worker.input_batch import CachedRequestState
 
 logger = logging.getLogger("tessera.engine")
+
+
+@dataclass
+class _Plan:
+    """A step's work for the draft, the same on every rank of a sharded draft: the feed's
+    token ids and (start, count, request id) per request in the metadata's order, the drafts
+    each proposing request gets, and its bonus token's position."""
+
+    proposing: dict[str, int]
+    ids: list[int] = field(default_factory=list)
+    feeds: list[tuple[int, int, str]] = field(default_factory=list)
+    bonus: dict[str, int] = field(default_factory=dict)
 
 
 def check_draft_config(target: HFModelConfig, draft: HFModelConfig, path: str) -> None:
@@ -71,6 +85,10 @@ class DraftModel:
     ) -> None:
         self.k = num_speculative_tokens
         self.device = device
+        # split over the tensor-parallel ranks like the target (draft_tensor_parallel_size):
+        # every rank holds its shard and runs the step's forwards (follow), else whole on the
+        # driver
+        self.sharded = False
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_dtype = kv_cache_dtype
@@ -79,19 +97,20 @@ class DraftModel:
             self.hf_config = load_hf_config(self.model_dir)
         except (ValueError, OSError) as e:
             raise ValueError(f"speculative_config: the {self.what.lower()} {path!r}: {e}") from e
-        self.model = self._load(target_config, path, dtype, seed)
         cfg = self.hf_config
+        tp = get_tp_size()  # 1 for a draft whole on the driver (built under single_rank)
+        if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+            raise ValueError(
+                f"speculative_config: the {self.what.lower()} {path!r} has "
+                f"{cfg.num_attention_heads} attention and {cfg.num_key_value_heads} KV heads, "
+                f"which do not split over {tp} ranks: use draft_tensor_parallel_size 1"
+            )
+        self.model = self._load(target_config, path, dtype, seed)
+        heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         choice = select_backend(
-            attention_backend, device, dtype, kv_cache_dtype, cfg.num_key_value_heads, cfg.head_dim
+            attention_backend, device, dtype, kv_cache_dtype, kv_heads, cfg.head_dim
         )
-        self.backend = choice.backend(
-            block_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype,
-            device,
-        )
+        self.backend = choice.backend(block_size, heads, kv_heads, cfg.head_dim, dtype, device)
         for attn in self.model.attention_layers():
             attn.backend = self.backend
         self.num_layers = len(self.model.attention_layers())
@@ -169,7 +188,30 @@ class DraftModel:
         """Feed the step's kept tokens to the draft and propose up to k drafts for each
         request that sampled (and wants_drafts). `requests` already holds the tokens the
         step emitted (the input batch after append_sampled). hidden, last_row: the target's
-        step (an EAGLE head reads them; a draft model does not)."""
+        step (an EAGLE head reads them; a draft model does not). A sharded draft's other
+        ranks run the same forwards in follow(), from the plan this rank sends them."""
+        plan = self._plan(scheduled, requests, sampled, wants_drafts)
+        if self.sharded:
+            tp_broadcast_object(plan)
+        return self._run(plan, requests) if plan is not None else {}
+
+    @torch.inference_mode()
+    def follow(self, requests: dict[str, CachedRequestState]) -> None:
+        """A sharded draft's rank after the first: the driver's plan for this step (its
+        ranks know the step's emitted tokens only from the next step's payload), then the
+        same forwards, whose collectives pair with the driver's."""
+        plan = tp_broadcast_object(None)
+        if plan is not None:
+            self._run(plan, requests)
+
+    def _plan(
+        self,
+        scheduled: list[ScheduledRequest],
+        requests: dict[str, CachedRequestState],
+        sampled: dict[str, list[int]],
+        wants_drafts: Callable[[CachedRequestState], bool],
+    ) -> _Plan | None:
+        """What the step feeds the draft and how many drafts each request gets, or None."""
         feeds: list[tuple[int, int, CachedRequestState, str]] = []  # (start, count, state, rid)
         proposing: dict[str, int] = {}  # rid -> number of drafts to propose
         for r in scheduled:
@@ -190,25 +232,34 @@ class DraftModel:
             if end > r.start_pos:
                 feeds.append((r.start_pos, end - r.start_pos, state, r.request_id))
         if not feeds:
-            return {}
+            return None
         # the attention metadata's order: one-token rows first by position, then the rest
         feeds.sort(key=lambda f: (f[1] != 1, f[0] if f[1] == 1 else 0))
-        ids: list[int] = []
+        plan = _Plan(proposing=proposing)
+        for start, count, state, rid in feeds:
+            plan.ids.extend(state.token_ids[start : start + count])
+            plan.feeds.append((start, count, rid))
+        plan.bonus = {rid: len(requests[rid].token_ids) - 1 for rid in proposing}
+        return plan
+
+    def _run(self, plan: _Plan, requests: dict[str, CachedRequestState]) -> dict[str, list[int]]:
+        """The plan's forwards: its feed, whose last row of each proposing request gives
+        draft 1, then one-token steps for drafts 2..k."""
         positions: list[int] = []
         last_row: dict[str, int] = {}
-        for start, count, state, rid in feeds:
-            ids.extend(state.token_ids[start : start + count])
+        for start, count, rid in plan.feeds:
             positions.extend(range(start, start + count))
-            last_row[rid] = len(ids) - 1
-        seqs = [(start, count, state.block_table) for start, count, state, _ in feeds]
-        hidden = self._forward(ids, positions, seqs)
+            last_row[rid] = len(positions) - 1
+        seqs = [(start, count, requests[rid].block_table) for start, count, rid in plan.feeds]
+        hidden = self._forward(plan.ids, positions, seqs)
+        proposing = plan.proposing
         if not proposing:
             return {}
         order = list(proposing)
         rows = torch.tensor([last_row[rid] for rid in order], device=self.device)
         drafts = {rid: [] for rid in order}
         tokens = self._argmax(hidden.index_select(0, rows))
-        pos = {rid: len(requests[rid].token_ids) - 1 for rid in order}  # the bonus token's
+        pos = plan.bonus  # each request's bonus token's position
         for step in range(1, max(proposing.values()) + 1):
             for rid, t in zip(order, tokens, strict=True):
                 drafts[rid].append(t)

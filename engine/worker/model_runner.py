@@ -396,8 +396,11 @@ class ModelRunner:
     def _load_drafter(self) -> None:
         """A draft model or EAGLE head beside the target (same device and dtype). Under
         tensor parallelism it lives on the driver alone, whole (draft TP 1: its drafts reach
-        every rank in the next step's payload); the other ranks only help gather the
-        target's vocabulary tables an EAGLE head reads."""
+        every rank in the next step's payload; the other ranks only help gather the target's
+        vocabulary tables an EAGLE head reads), or, a draft model with
+        draft_tensor_parallel_size the target's, split over the ranks as the target is:
+        every rank holds its shard and its KV cache's, and runs the step's draft forwards
+        (DraftModel.follow)."""
         spec = self.config.scheduler.speculative_config
         if spec is None or not spec.uses_model:
             return
@@ -409,11 +412,12 @@ class ModelRunner:
         extra: tuple = ()
         if spec.method in ("eagle", "eagle3"):  # (every rank: an all-gather under TP)
             extra = (self.model, target_vocab(self.model, lm_head=spec.method == "eagle"))
-        if self.rank != 0:
+        sharded = (spec.draft_tensor_parallel_size or 1) > 1
+        if self.rank != 0 and not sharded:
             return
         cls = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}.get(spec.method, DraftModel)
         m = self.config.model
-        with single_rank():
+        with contextlib.nullcontext() if sharded else single_rank():
             self.drafter = cls(
                 *extra,
                 spec.model,
@@ -427,6 +431,7 @@ class ModelRunner:
                 self.config.cache.kv_cache_dtype,
                 m.seed,
             )
+        self.drafter.sharded = sharded
 
     @property
     def _reads_aux_hidden(self) -> bool:
@@ -676,7 +681,9 @@ class ModelRunner:
             out = self._execute_async(scheduler_output)
         else:
             out = self._execute(scheduler_output)
-            if self.drafter is not None and scheduler_output.scheduled:
+            if self.drafter is not None and scheduler_output.scheduled and self.rank != 0:
+                self.drafter.follow(self.input_batch.requests)  # a sharded draft's other rank
+            elif self.drafter is not None and scheduler_output.scheduled:
                 hidden, last_row = self._step_hidden or (None, None)
                 out.draft_token_ids = self.drafter.propose(
                     scheduler_output.scheduled,

@@ -226,6 +226,15 @@ def test_refusals(tiny_llama_dir, make_tiny_model):
         speculative_config=_spec(tiny_llama_dir),
     ).create_engine_config()
     assert config.scheduler.speculative_config.method == "draft_model"
+    # or split like the target: draft_tensor_parallel_size 1 or the target's, a draft model's
+    for spec, tp in (
+        ({"model": str(tiny_llama_dir), "draft_tensor_parallel_size": 2}, 4),
+        ({"method": "eagle", "model": str(tiny_llama_dir), "draft_tensor_parallel_size": 2}, 2),
+    ):
+        with pytest.raises(ValueError, match="draft_tensor_parallel_size 2 must be 1"):
+            EngineArgs(
+                model=str(tiny_llama_dir), tensor_parallel_size=tp, speculative_config=spec
+            ).create_engine_config()
 
 
 def test_kv_budget_prices_a_block_at_both_models(tiny_llama_dir, draft_dir):

@@ -69,7 +69,7 @@ def test_parse_config():
     [
         ('{"method": "mtp", "model": "x"}', "method 'mtp' is not supported yet"),
         ('{"method": "eagle3"}', 'needs "model"'),
-        ('{"model": "x", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size must be 1"),
+        ('{"model": "x", "draft_tensor_parallel_size": 0}', "must be a positive integer"),
         ('{"method": "medusa", "model": "x"}', "Medusa heads are not implemented"),
         ('{"method": "eagle"}', 'needs "model"'),
         ('{"model": "x", "prompt_lookup_max": 2}', "unknown or unsupported"),

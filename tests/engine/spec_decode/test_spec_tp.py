@@ -74,6 +74,18 @@ def test_draft_model_and_eagle3_at_tp2(mirror_target, tmp_path):
     assert stats.accepted_per_pos[0] > 0.5 * stats.num_drafts, stats
 
 
+def test_a_draft_model_split_over_the_ranks(mirror_target):
+    """draft_tensor_parallel_size 2: every rank holds half the draft (and of its KV cache)
+    and runs the step's draft forwards from the driver's plan; the same tokens as without
+    drafts, and the drafts of the target as its own draft kept as when it runs whole."""
+    ref, _, _ = _run(mirror_target, None, first=24)
+    spec = {"model": str(mirror_target), "num_speculative_tokens": 3, "draft_backoff": False,
+            "draft_tensor_parallel_size": 2}  # fmt: skip
+    got, stats, _ = _run(mirror_target, spec, first=24)
+    assert got == ref
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
+
+
 def test_eagle1_at_tp2(eagle1_target, tmp_path):  # noqa: F811
     ref, _, _ = _run(eagle1_target, None)
     head = eagle1_head(eagle1_target, tmp_path / "eagle1", mirror=True)

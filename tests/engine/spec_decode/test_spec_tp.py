@@ -59,6 +59,7 @@ def mirror_target(tiny_llama_dir, tmp_path_factory):
 
 
 def test_draft_model_and_eagle3_at_tp2(mirror_target, tmp_path):
+    """The draft model whole on the driver and split over the ranks, and an EAGLE-3 head."""
     ref, _, preempted = _run(mirror_target, None, first=24)
     assert preempted > 0
     spec = {"model": str(mirror_target), "num_speculative_tokens": 3, "draft_backoff": False}
@@ -66,24 +67,17 @@ def test_draft_model_and_eagle3_at_tp2(mirror_target, tmp_path):
     assert got == ref
     # the target as its own draft (whole, on the driver): only rounding tells them apart
     assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
+    # draft_tensor_parallel_size 2: every rank holds half the draft (and of its KV cache) and
+    # runs the step's draft forwards from the driver's plan; its drafts kept as when whole
+    got, stats, _ = _run(mirror_target, {**spec, "draft_tensor_parallel_size": 2}, first=24)
+    assert got == ref
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
     head = eagle3_head(mirror_target, tmp_path / "eagle3", mirror=True)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     got, stats, _ = _run(mirror_target, {**spec, "draft_backoff": False}, first=24)
     assert got == ref
     # (test_eagle3's mirror bound: the target's layer on the context less its first token)
     assert stats.accepted_per_pos[0] > 0.5 * stats.num_drafts, stats
-
-
-def test_a_draft_model_split_over_the_ranks(mirror_target):
-    """draft_tensor_parallel_size 2: every rank holds half the draft (and of its KV cache)
-    and runs the step's draft forwards from the driver's plan; the same tokens as without
-    drafts, and the drafts of the target as its own draft kept as when it runs whole."""
-    ref, _, _ = _run(mirror_target, None, first=24)
-    spec = {"model": str(mirror_target), "num_speculative_tokens": 3, "draft_backoff": False,
-            "draft_tensor_parallel_size": 2}  # fmt: skip
-    got, stats, _ = _run(mirror_target, spec, first=24)
-    assert got == ref
-    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
 
 
 def test_eagle1_at_tp2(eagle1_target, tmp_path):  # noqa: F811

@@ -275,6 +275,7 @@ class ExpertsLoRA:
         self.dtype = dtype if self.kernel or self.device.type != "cpu" else torch.float32
         self.weights: list[list | None] = [None] * max_loras
         self._kernel_args: list[list] = [[None, None] for _ in range(max_loras)]
+        self._has: torch.Tensor | None = None
 
     def set_slot(self, slot: int, slices: list | None, scales=None) -> None:
         """Put an adapter's [(A13, B13), (A2, B2)] (either None; B [E, out, r]) into a slot;
@@ -282,6 +283,7 @@ class ExpertsLoRA:
         import torch
 
         self._kernel_args[slot] = [None, None]
+        self._has = None  # which slots hold expert weights (pair_slots), made again
         if slices is None or all(ab is None for ab in slices):
             self.weights[slot] = None
             return
@@ -323,9 +325,11 @@ class ExpertsLoRA:
         token's adapter where that adapter has expert weights here, else -1 (the base)."""
         import torch
 
-        has = torch.tensor(
-            [w is not None for w in self.weights] + [False], device=self.batch.device
-        )  # index -1 (the base) reads the last: False
+        if self._has is None:  # made once per change of the slots, not per step
+            self._has = torch.tensor(
+                [w is not None for w in self.weights] + [False], device=self.batch.device
+            )  # index -1 (the base) reads the last: False
+        has = self._has
         slots = self.batch.row_slots(num_tokens)
         slots = torch.where(has[slots], slots, -1)
         return slots.repeat_interleave(top_k)

@@ -136,6 +136,7 @@ class LoRAManager:
             self.dtype = torch.float32
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         self._linears: dict[tuple[int, str], nn.Module] = {}  # the base layers (DoRA's W)
+        self._experts: list[ExpertsLoRA] = []  # the MoE layers' slots
         for i, decoder in enumerate(model.model.layers):
             experts = getattr(decoder.mlp, "experts", None)
             if isinstance(experts, FusedMoE):
@@ -143,6 +144,7 @@ class LoRAManager:
                     self.batch, config.max_loras, self.dtype, device, experts.num_local_experts
                 )
                 self.layers[(i, EXPERTS)] = experts.lora  # type: ignore[assignment]
+                self._experts.append(experts.lora)
             for name in SLICES:
                 layer = _linear(decoder, name)
                 if layer is None or not hasattr(layer, "lora_active"):
@@ -314,10 +316,7 @@ class LoRAManager:
             self.graph_blockers.add("dora")
         if self.embedding is not None and any(self.embedding.rank[s] for s in slots):
             self.graph_blockers.add("embedding")
-        if any(
-            isinstance(layer, ExpertsLoRA) and any(layer.weights[s] is not None for s in slots)
-            for layer in self.layers.values()
-        ):
+        if any(e.weights[s] is not None for e in self._experts for s in slots):
             self.graph_blockers.add("experts")
         return True
 

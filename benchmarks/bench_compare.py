@@ -387,6 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def tessera_configs(tessera_args: list[str] | None, baseline_tree: str | None) -> list[dict]:
+    """One entry per --tessera-args (its defaults: ""), each from the baseline tree first
+    where one is given, then from this tree (tree None); levels: filled by the run."""
+    trees = ([baseline_tree] if baseline_tree else []) + [None]
+    return [
+        {"tessera_args": extra, "tree": tree, "levels": {}}
+        for extra in (tessera_args or [""])
+        for tree in trees
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -428,11 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
         # One entry per --tessera-args (and per tree, baseline first): its levels,
         # concurrency -> bench_serve's summary (or {"error": ...}); "tessera" and "table" are
         # the current tree's first configuration's.
-        "tessera_configs": [
-            {"tessera_args": extra, "tree": tree, "levels": {}}
-            for extra in (args.tessera_args or [""])
-            for tree in ([args.baseline_tree] if args.baseline_tree else []) + [None]
-        ],
+        "tessera_configs": tessera_configs(args.tessera_args, args.baseline_tree),
         "llamacpp": {},
         "server_errors": {},
     }

@@ -62,6 +62,20 @@ def test_baseline_tree_must_be_a_checkout(tmp_path, capsys):
     assert "--baseline-tree must be a Tessera checkout" in capsys.readouterr().err
 
 
+def test_each_configuration_runs_from_the_baseline_tree_first():
+    configs = bench_compare.tessera_configs(["", "--kv-cache-dtype int8"], "/base")
+    assert [(c["tessera_args"], c["tree"]) for c in configs] == [
+        ("", "/base"),
+        ("", None),
+        ("--kv-cache-dtype int8", "/base"),
+        ("--kv-cache-dtype int8", None),
+    ]
+    assert [(c["tessera_args"], c["tree"]) for c in bench_compare.tessera_configs(None, None)] == [
+        ("", None)
+    ]
+    assert configs[0]["levels"] is not configs[1]["levels"]  # each run fills its own
+
+
 @pytest.mark.slow
 def test_tiny_side_by_side_run(tmp_path):
     pytest.importorskip("xllamacpp", reason="benchmark-only dependency")
@@ -75,18 +89,17 @@ def test_tiny_side_by_side_run(tmp_path):
     result = bench_compare.main(
         ["--concurrency", "1", "2", "--num-prompts", "4", "--random-input-len", "16",
          "--random-output-len", "16", "--json", str(out),
-         "--tessera-args", "", "--tessera-args", "--kv-cache-dtype int8",
-         "--baseline-tree", str(bench_compare.ROOT)]
+         "--tessera-args", "--kv-cache-dtype int8", "--baseline-tree", str(bench_compare.ROOT)]
     )  # fmt: skip
+    # three servers (each loads the default model; the order of several configurations is
+    # test_each_configuration_runs_from_the_baseline_tree_first's)
     assert out.is_file()
     configs = result["tessera_configs"]
     baseline = str(bench_compare.ROOT.resolve())
     assert [(c["tessera_args"], c["tree"]) for c in configs] == [
-        ("", baseline),
-        ("", None),
         ("--kv-cache-dtype int8", baseline),
         ("--kv-cache-dtype int8", None),
-    ]  # each configuration from the baseline tree first, then from this one
+    ]  # from the baseline tree first, then from this one
     assert result["tessera"] is configs[1]["levels"] and result["table"] is configs[1]["table"]
     for levels in (*(c["levels"] for c in configs), result["llamacpp"]):
         for c in (1, 2):

@@ -175,16 +175,16 @@ class LoRABatch:
         self._static_shape = (capacity, max_loras)
 
     @contextlib.contextmanager
-    def use_static(self, shift: int | None):
+    def use_static(self, rows_at: np.ndarray | None):
         """Inside: the layers read the static buffers, which hold this step's segments with
-        its rows moved by `shift` (a replay: the graph's padding rows come first), or no
-        segment at all (shift None: the capture; or a step without adapters, whose replay
-        then adds nothing)."""
+        its row i moved to rows_at[i] (a replay: the graph's padding rows come first, or
+        follow each request's tokens in a verification graph), or no segment at all (rows_at
+        None: the capture; or a step without adapters, whose replay then adds nothing)."""
         capacity, slots = self._static_shape
         host = np.zeros(capacity + 3 * slots, dtype=np.int32)
-        if shift is not None and self.active:
+        if rows_at is not None and self.active:
             rows, (starts, lens, seg_slots) = self._segment_arrays(self._by_slot)
-            host[: rows.size] = rows + shift
+            host[: rows.size] = rows_at[rows]
             n = len(lens)
             for i, values in enumerate((starts, lens, seg_slots)):
                 host[capacity + i * slots : capacity + i * slots + n] = values

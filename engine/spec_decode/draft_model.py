@@ -15,10 +15,18 @@ position. Drafts are argmax (a point mass q), which engine.spec_decode.rejection
 exactly at any temperature. A request gets no more drafts than its block table's slots
 (the scheduler reserves `num_speculative_tokens` slots ahead where blocks allow) or
 max_model_len leave room for.
+
+The draft's forwards go through a step graph of its own where the device has one (CUDA graphs,
+engine.worker.cuda_graph, over the draft's weights and cache; built once the cache is bound):
+its one-token steps replay the decode graphs, and the feed after a verification step (at most
+k + 2 tokens a request: the last verified token, the accepted drafts, the bonus token) a
+verification family of k + 2 tokens. An EAGLE head (graphs False) reads the target's
+features and runs eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,6 +37,7 @@ from engine.attention.backends import select_backend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.distributed import get_tp_size, tp_broadcast_object
 from engine.models.loader import load_hf_config, load_model, resolve_model
+from engine.worker.step_graph import StepInputs, run_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,6 +46,7 @@ if TYPE_CHECKING:
     from engine.models.hf_config import HFModelConfig
     from engine.outputs import ScheduledRequest
     from engine.worker.input_batch import CachedRequestState
+    from engine.worker.step_graph import StepGraph, StepGraphConfig
 
 logger = logging.getLogger("tessera.engine")
 
@@ -116,6 +126,7 @@ class DraftModel:
         self.num_layers = len(self.model.attention_layers())
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] = []
+        self.graph: StepGraph | None = None  # build_graph, once the cache is bound
         logger.info(
             "%s %s loaded (%d layers, %s): %d tokens proposed per step",
             self.what,
@@ -126,6 +137,7 @@ class DraftModel:
         )
 
     what = "Draft model"
+    graphs = True  # whether its forwards may run in a step graph (build_graph)
 
     def _load(
         self, target_config: HFModelConfig, path: str, dtype: torch.dtype, seed: int
@@ -162,6 +174,27 @@ class DraftModel:
     def cache_tensors(self) -> list[torch.Tensor]:
         """What a block copy (copy-on-write of a forked sample) must copy too."""
         return [*self.kv_caches, *self.kv_scales]
+
+    # -- the step graph -------------------------------------------------------------------
+
+    def step_graph_config(self, target: StepGraphConfig) -> StepGraphConfig:
+        """The target's step graph configuration for the draft: its backend, sizes and
+        ranks, and feeds of up to k + 2 tokens a request (see the module doc)."""
+        return dataclasses.replace(
+            target,
+            backend=self.backend,
+            hf_config=self.hf_config,
+            num_kv_heads=self.backend.num_kv_heads,
+            tp_size=get_tp_size() if self.sharded else 1,
+            verify_len=self.k + 2,
+            what=self.what.lower(),
+        )
+
+    def build_graph(self, graph_type: type[StepGraph], target: StepGraphConfig) -> None:
+        """The draft's step graph over its bound cache (None where the device has none)."""
+        if self.graph is not None:  # a re-bound cache: the old graph reads the old one
+            self.graph.close()
+        self.graph = graph_type.build(self.model, self.step_graph_config(target))
 
     # -- proposing ------------------------------------------------------------------------
 
@@ -276,11 +309,14 @@ class DraftModel:
         return drafts
 
     def _forward(self, ids: list[int], positions: list[int], seqs: list) -> torch.Tensor:
-        common = common_metadata_from_seqs(seqs, self.block_size)
-        meta = self.backend.build_metadata(common)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        return self.model(input_ids, pos, meta)
+        step = StepInputs(ids, positions, common_metadata_from_seqs(seqs, self.block_size))
+        return run_step(self.graph, self.model, step, self._eager_inputs)
+
+    def _eager_inputs(self, step: StepInputs) -> None:
+        step.attn_metadata = self.backend.build_metadata(step.common)
+        to = {"device": self.device, "non_blocking": True}
+        step.input_ids = torch.tensor(step.ids, dtype=torch.long).to(**to)
+        step.position_ids = torch.tensor(step.positions, dtype=torch.long).to(**to)
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
         greedy = self.model.greedy_tokens(hidden)

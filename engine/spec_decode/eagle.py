@@ -228,6 +228,7 @@ def load_eagle_head(
 
 class EagleProposer(DraftModel):
     what = "EAGLE head"
+    graphs = False  # its forwards read the target's features: eager
 
     def __init__(self, target: nn.Module, vocab: TargetVocab, *args, **kwargs) -> None:
         self.target = target

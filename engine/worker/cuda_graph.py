@@ -24,7 +24,17 @@ step's segments there, its rows moved past the padding, or no segment for a step
 adapters. A step whose adapters need DoRA's rescaling or embedding / experts' deltas runs
 eagerly (LoRAManager.graph_blockers).
 
-Steps a graph does not take run eagerly: any step with a prefill chunk, a batch above the
+Speculative decoding's verification steps (each request its last token and up to k drafts)
+have graphs of their own (verify_len = 1 + k): one per batch size of a second ladder (up to
+MAX_CAPTURE_SIZE tokens), every request padded to verify_len query tokens. A request with
+fewer tokens (fewer drafts, none, or a short prefill chunk) gets padding tokens after its own:
+the attention kernels are causal, so its real tokens never see them; they write PAD_SLOT and
+read keys of block 0 past the request's blocks; their outputs are dropped (the replay gathers
+the step's own rows, in its order). A draft model's forwards use the same runner over its own
+weights and cache: its one-token steps the decode graphs, the feed after a verification step
+(at most k + 2 tokens a request) a verify_len k + 2 family.
+
+Steps a graph does not take run eagerly: any step with a longer prefill chunk, a batch above the
 ladder, a backend whose launches depend on the step's contents (`cuda_graph_capturable`), more
 than one tensor-parallel rank (capturing collectives is not wired up yet), `--enforce-eager`.
 A layer's sliding window is a constant argument of its attention launch (the triton
@@ -96,14 +106,26 @@ def bucket_for(num_rows: int, ladder: Sequence[int]) -> int | None:
 
 
 def graph_takes(common: CommonAttentionMetadata, max_rows: int, max_blocks: int) -> bool:
-    """Whether a step is a graph's: decodes only (one query token per request), at most
-    max_rows of them, block tables of at most max_blocks."""
+    """Whether a step is a decode graph's: decodes only (one query token per request), at
+    most max_rows of them, block tables of at most max_blocks."""
     return (
         0 < common.num_reqs <= max_rows
         and common.num_decodes == common.num_reqs
         and common.num_actual_tokens == common.num_reqs
         and common.block_table.shape[1] <= max_blocks
     )
+
+
+def verify_graph_takes(
+    common: CommonAttentionMetadata, verify_len: int, max_rows: int, max_blocks: int
+) -> bool:
+    """Whether a step is a verify graph's: at most max_rows requests of at most verify_len
+    query tokens each, one of them more than one (else a decode graph's), and every request
+    padded to verify_len still inside max_blocks blocks."""
+    if not 0 < common.num_reqs <= max_rows or not 1 < common.max_query_len <= verify_len:
+        return False
+    last_start = int(common.start_positions_np.max())
+    return last_start + verify_len <= max_blocks * common.block_size
 
 
 def pad_decode_metadata(common: CommonAttentionMetadata, rows: int) -> CommonAttentionMetadata:
@@ -122,22 +144,53 @@ def pad_decode_metadata(common: CommonAttentionMetadata, rows: int) -> CommonAtt
     slots = torch.cat(
         [torch.full((pad,), PAD_SLOT, dtype=common.slot_mapping.dtype), common.slot_mapping]
     )
-    return _decode_metadata(qsl, seq_lens, table, slots, common.block_size, common.max_seq_len)
+    return _uniform_metadata(qsl, seq_lens, table, slots, common.block_size, common.max_seq_len)
 
 
-def capture_metadata(rows: int, block_size: int, max_blocks: int) -> CommonAttentionMetadata:
-    """What a graph is captured on: `rows` padding requests at the longest context (every
-    block of their tables block 0), so whatever a backend sizes by the step's maximum is as
-    large as any later step needs. Their K/V go to PAD_SLOT."""
-    qsl = np.arange(rows + 1, dtype=np.int64)
+def pad_verify_metadata(
+    common: CommonAttentionMetadata, rows: int, verify_len: int
+) -> tuple[CommonAttentionMetadata, np.ndarray]:
+    """A step of requests of at most verify_len query tokens as `rows` requests of exactly
+    verify_len: padding requests in front (verify_len tokens at the start of block 0), then
+    each request's own tokens followed by padding tokens (slot PAD_SLOT; its context grows by
+    as many, past its blocks into block 0). Returns the padded metadata and each of the
+    step's tokens' row in it (int64 [num_tokens], in the step's order)."""
+    q, n, bs = verify_len, common.num_reqs, common.block_size
+    pad = rows - n
+    assert pad >= 0 and int(common.max_query_len) <= q
+    lens = common.query_lens_np
+    seq_lens = np.concatenate([np.full(pad, q, dtype=np.int64), common.start_positions_np + q])
+    own = common.block_table_np
+    table = np.zeros((rows, max(-(-int(seq_lens.max()) // bs), own.shape[1])), dtype=np.int32)
+    table[pad:, : own.shape[1]] = own
+    req_of_token = np.repeat(np.arange(n), lens)
+    token_rows = (pad + req_of_token) * q + (
+        np.arange(common.num_actual_tokens) - common.query_start_loc_np[:-1][req_of_token]
+    )
+    slots = torch.full((rows * q,), PAD_SLOT, dtype=common.slot_mapping.dtype)
+    slots[torch.from_numpy(token_rows)] = common.slot_mapping
+    qsl = np.arange(rows + 1, dtype=np.int64) * q
+    return _uniform_metadata(qsl, seq_lens, table, slots, bs, int(seq_lens.max())), token_rows
+
+
+def capture_metadata(
+    rows: int, block_size: int, max_blocks: int, query_len: int = 1
+) -> CommonAttentionMetadata:
+    """What a graph is captured on: `rows` padding requests of query_len tokens at the
+    longest context (every block of their tables block 0), so whatever a backend sizes by the
+    step's maximum is as large as any later step needs. Their K/V go to PAD_SLOT."""
+    qsl = np.arange(rows + 1, dtype=np.int64) * query_len
     seq_lens = np.full(rows, max_blocks * block_size, dtype=np.int64)
     table = np.zeros((rows, max_blocks), dtype=np.int32)
-    slots = torch.full((rows,), PAD_SLOT, dtype=torch.int64)
-    return _decode_metadata(qsl, seq_lens, table, slots, block_size, max_blocks * block_size)
+    slots = torch.full((rows * query_len,), PAD_SLOT, dtype=torch.int64)
+    return _uniform_metadata(qsl, seq_lens, table, slots, block_size, max_blocks * block_size)
 
 
-def _decode_metadata(qsl, seq_lens, table, slots, block_size, max_seq_len):
+def _uniform_metadata(qsl, seq_lens, table, slots, block_size, max_seq_len):
+    """Metadata of requests of one query length each (qsl's step): decodes where it is 1."""
     rows = len(seq_lens)
+    q = int(qsl[1] - qsl[0]) if rows else 1
+    decodes = rows if q == 1 else 0
     return CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
@@ -145,10 +198,10 @@ def _decode_metadata(qsl, seq_lens, table, slots, block_size, max_seq_len):
         slot_mapping=slots,
         block_size=block_size,
         num_reqs=rows,
-        num_actual_tokens=rows,
-        num_decodes=rows,
-        num_decode_tokens=rows,
-        max_query_len=1,
+        num_actual_tokens=rows * q,
+        num_decodes=decodes,
+        num_decode_tokens=decodes,
+        max_query_len=q,
         max_seq_len=max(max_seq_len, 1),
         query_start_loc_np=qsl,
         seq_lens_np=seq_lens,
@@ -157,36 +210,58 @@ def _decode_metadata(qsl, seq_lens, table, slots, block_size, max_seq_len):
 
 
 class StaticStepInputs:
-    """The graphs' input ids and positions: one int64 device buffer, written from one pinned
-    host buffer by one non_blocking copy per step. The graph of size b reads ids from [0, b)
-    and positions from [b, 2b), so a step copies just 2b values."""
+    """The graphs' input ids and positions, and where a verify graph's output rows are the
+    step's: one int64 device buffer, written from one pinned host buffer by one non_blocking
+    copy per step. The graph of t tokens reads ids from [0, t) and positions from [t, 2t); a
+    verify step's token rows follow at [2t, 2t + its tokens)."""
 
-    def __init__(self, max_rows: int, device: torch.device):
+    def __init__(self, max_tokens: int, device: torch.device):
         self.device = device
         pin = device.type == "cuda"
-        self.host = torch.zeros(2 * max_rows, dtype=torch.int64, pin_memory=pin)
+        self.host = torch.zeros(3 * max_tokens, dtype=torch.int64, pin_memory=pin)
         self._host_np = self.host.numpy()
-        self.buffer = torch.zeros(2 * max_rows, dtype=torch.int64, device=device)
+        self.buffer = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
         # The last copy out of the pinned buffer: it must finish before the host rewrites it.
         self._copied = torch.cuda.Event() if pin else None
 
-    def ids(self, rows: int) -> torch.Tensor:
-        return self.buffer[:rows]
+    def ids(self, tokens: int) -> torch.Tensor:
+        return self.buffer[:tokens]
 
-    def positions(self, rows: int) -> torch.Tensor:
-        return self.buffer[rows : 2 * rows]
+    def positions(self, tokens: int) -> torch.Tensor:
+        return self.buffer[tokens : 2 * tokens]
 
-    def fill(self, ids: Sequence[int], positions: Sequence[int], rows: int) -> None:
-        """This step's ids and positions after rows - len(ids) padding rows (token 0 at 0)."""
-        pad = rows - len(ids)
+    def token_rows(self, tokens: int, n: int) -> torch.Tensor:
+        """The rows of a verify step's n tokens in its graph of `tokens` (fill's `at`)."""
+        return self.buffer[2 * tokens : 2 * tokens + n]
+
+    def fill(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        tokens: int,
+        at: np.ndarray | None = None,
+    ) -> None:
+        """This step's ids and positions in a graph of `tokens`: after tokens - len(ids)
+        padding tokens (token 0 at 0), or at rows `at` (a verify step) with padding (0 at
+        0) around them."""
         if self._copied is not None:
             self._copied.synchronize()  # normally long done: the last step read its tokens
         h = self._host_np
-        h[:pad] = 0
-        h[pad:rows] = ids
-        h[rows : rows + pad] = 0
-        h[rows + pad : 2 * rows] = positions
-        self.buffer[: 2 * rows].copy_(self.host[: 2 * rows], non_blocking=True)
+        t = tokens
+        if at is None:
+            pad = t - len(ids)
+            h[:pad] = 0
+            h[pad:t] = ids
+            h[t : t + pad] = 0
+            h[t + pad : 2 * t] = positions
+            end = 2 * t
+        else:
+            h[: 2 * t] = 0
+            h[at] = ids
+            h[t + at] = positions
+            end = 2 * t + len(at)
+            h[2 * t : end] = at
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
@@ -246,11 +321,19 @@ class EagerReplay:
         pass
 
 
+def verify_ladder(max_num_seqs: int, verify_len: int) -> tuple[int, ...]:
+    """The batch sizes of the verify graphs: the decode ladder up to MAX_CAPTURE_SIZE tokens
+    (vLLM's sizes count tokens too), none without speculative decoding."""
+    if verify_len <= 1:
+        return ()
+    return batch_ladder(max_num_seqs, cap=max(1, MAX_CAPTURE_SIZE // verify_len))
+
+
 class CudaGraphRunner:
-    """The step graph of CUDA decode steps: run(inputs) reads the step's host-side inputs
-    (lists of ids and positions, the flat CommonAttentionMetadata, the fed ids), since it
-    fills its own static buffers -> hidden [rows, H], or None for the steps it leaves to the
-    eager forward."""
+    """The step graph of CUDA decode (and verification) steps: run(inputs) reads the step's
+    host-side inputs (lists of ids and positions, the flat CommonAttentionMetadata, the fed
+    ids), since it fills its own static buffers -> hidden [tokens, H], or None for the steps
+    it leaves to the eager forward."""
 
     eager_inputs = False
     graph_bytes = 0  # measured by capture_all
@@ -267,18 +350,25 @@ class CudaGraphRunner:
         max_blocks_per_req: int,
         strategy: CaptureStrategy,
         device: torch.device | str,
+        verify_len: int = 0,
+        verify_sizes: Sequence[int] = (),
     ):
         self.model = model
         self.backend = backend
         self.ladder = tuple(sorted(ladder))
         self.max_rows = self.ladder[-1]
+        # verification steps: verify_sizes requests of verify_len tokens (none: no such graphs)
+        self.verify_len = verify_len if verify_sizes else 0
+        self.verify_ladder = tuple(sorted(verify_sizes)) if self.verify_len > 1 else ()
+        max_tokens = max(self.max_rows, max(self.verify_ladder, default=0) * self.verify_len)
         self.max_blocks = max_blocks_per_req
         self.strategy = strategy
         self.device = torch.device(device)
-        self.inputs = StaticStepInputs(self.max_rows, self.device)
-        self.static_meta = backend.allocate_static_metadata(self.max_rows, max_blocks_per_req)
-        self._replays: dict[int, StepFn] = {}
-        self.runs: dict[int, int] = {}  # replays per batch size (tests, stats)
+        self.inputs = StaticStepInputs(max_tokens, self.device)
+        self.static_meta = backend.allocate_static_metadata(max_tokens, max_blocks_per_req)
+        self._replays: dict[tuple[int, int], StepFn] = {}  # (requests, query length) ->
+        self.runs: dict[int, int] = {}  # decode replays per batch size (tests, stats)
+        self.verify_runs: dict[int, int] = {}  # verification replays per batch size
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         # LoRA (engine.lora): the Triton shrink / expand are captured over the batch's fixed
@@ -286,7 +376,7 @@ class CudaGraphRunner:
         found = find_batch(model)
         self.lora = found[0] if found is not None and found[0].kernel == "triton" else None
         if self.lora is not None:
-            self.lora.make_static(self.max_rows, found[1])
+            self.lora.make_static(max_tokens, found[1])
         self.takes_lora = self.lora is not None
 
     @classmethod
@@ -299,24 +389,44 @@ class CudaGraphRunner:
             if c.log and c.device.type == "cuda":
                 logger.info("CUDA graphs: off (%s); every step runs eagerly", why_not)
             return None
+        runner = cls.from_config(model, c, CudaGraphCapture())
+        if c.log:
+            verify = (
+                f" and {len(runner.verify_ladder)} of {runner.verify_len}-token verification "
+                f"steps ({runner.verify_ladder[0]}-{runner.verify_ladder[-1]} requests)"
+                if runner.verify_ladder
+                else ""
+            )
+            logger.info(
+                "CUDA graphs%s: %d decode batch sizes (%d-%d)%s captured in %.1f s, %.0f MiB",
+                f" ({c.what})" if c.what else "",
+                len(runner.ladder),
+                runner.ladder[0],
+                runner.max_rows,
+                verify,
+                runner.capture_seconds,
+                runner.graph_bytes / 2**20,
+            )
+        return runner
+
+    @classmethod
+    def from_config(
+        cls, model: torch.nn.Module, config: StepGraphConfig, strategy: CaptureStrategy
+    ) -> CudaGraphRunner:
+        """The ladders the configuration asks for, captured with `strategy` (build's on
+        CUDA; the tests' EagerReplay anywhere)."""
+        c = config
         runner = cls(
             model,
             c.backend,
             batch_ladder(c.max_num_seqs),
             -(-c.max_model_len // c.block_size),
-            CudaGraphCapture(),
+            strategy,
             c.device,
+            verify_len=c.verify_len,
+            verify_sizes=verify_ladder(c.max_num_seqs, c.verify_len),
         )
         runner.capture_all()
-        if c.log:
-            logger.info(
-                "CUDA graphs: %d decode batch sizes (%d-%d) captured in %.1f s, %.0f MiB",
-                len(runner.ladder),
-                runner.ladder[0],
-                runner.max_rows,
-                runner.capture_seconds,
-                runner.graph_bytes / 2**20,
-            )
         return runner
 
     @classmethod
@@ -331,8 +441,10 @@ class CudaGraphRunner:
         moe = getattr(hf, "moe_intermediate_size", None)  # routed experts' rows, if any
         if moe:
             inter = max(inter, moe * getattr(hf, "num_experts_per_tok", 1))
+        verify = verify_ladder(c.max_num_seqs, c.verify_len)
         return kv_budget.graph_reserve_bytes(
-            batch_ladder(c.max_num_seqs),
+            # each graph's tokens
+            (*batch_ladder(c.max_num_seqs), *(n * c.verify_len for n in verify)),
             hidden_size=hf.hidden_size,
             num_heads=hf.num_attention_heads // c.tp_size,
             num_kv_heads=c.num_kv_heads,
@@ -341,28 +453,35 @@ class CudaGraphRunner:
             act_bytes=torch.empty((), dtype=c.dtype).element_size(),
         )
 
+    def _shapes(self) -> list[tuple[int, int]]:
+        """Every graph's (requests, query length), the most tokens first (one memory pool:
+        the smaller graphs reuse the largest one's memory)."""
+        shapes = [(rows, 1) for rows in self.ladder]
+        shapes += [(rows, self.verify_len) for rows in self.verify_ladder]
+        return sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)
+
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size of the ladder, the largest first, on padding-only steps."""
+        """Capture every shape, the largest first, on padding-only steps."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
             free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
-        for rows in reversed(self.ladder):
-            common = capture_metadata(rows, self.backend.block_size, self.max_blocks)
-            self.inputs.fill([], [], rows)
+        for rows, q in self._shapes():
+            common = capture_metadata(rows, self.backend.block_size, self.max_blocks, q)
+            self.inputs.fill([], [], rows * q)
             meta = self.backend.fill_static_metadata(self.static_meta, common)
             with self._lora_buffers(None):
-                self._replays[rows] = self.strategy.capture(self._step_fn(rows), meta)
+                self._replays[rows, q] = self.strategy.capture(self._step_fn(rows * q), meta)
         if cuda:
             torch.cuda.synchronize(self.device)
             free_after, _ = torch.cuda.mem_get_info(self.device)
             self.graph_bytes = max(0, free_before - free_after)
         self.capture_seconds = time.perf_counter() - t0
 
-    def _step_fn(self, rows: int) -> StepFn:
-        ids, positions = self.inputs.ids(rows), self.inputs.positions(rows)
+    def _step_fn(self, tokens: int) -> StepFn:
+        ids, positions = self.inputs.ids(tokens), self.inputs.positions(tokens)
         model = self.model
 
         def step(meta: AttentionMetadata) -> torch.Tensor:
@@ -370,37 +489,51 @@ class CudaGraphRunner:
 
         return step
 
-    def bucket(self, common: CommonAttentionMetadata) -> int | None:
-        """The captured size this step runs as, or None (eager)."""
-        if not graph_takes(common, self.max_rows, self.max_blocks):
-            return None
-        return bucket_for(common.num_reqs, self.ladder)
+    def bucket(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
+        """The captured (requests, query length) this step runs as, or None (eager)."""
+        if graph_takes(common, self.max_rows, self.max_blocks):
+            return bucket_for(common.num_reqs, self.ladder), 1
+        if self.verify_ladder and verify_graph_takes(
+            common, self.verify_len, self.verify_ladder[-1], self.max_blocks
+        ):
+            return bucket_for(common.num_reqs, self.verify_ladder), self.verify_len
+        return None
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's host-side inputs into the static buffers, then the replay of its size.
+        """The step's host-side inputs into the static buffers, then the replay of its shape.
         inputs.fed: (rows, values on the device) replacing those rows' input ids after the host
         copy: async scheduling's placeholders, the last step's sampled ids."""
         meta = inputs.common
-        rows = self.bucket(meta)
-        if rows is None:
+        shape = self.bucket(meta)
+        if shape is None:
             return None
-        n = meta.num_reqs
-        self.inputs.fill(inputs.ids, inputs.positions, rows)
-        fed = inputs.fed
-        if fed is not None:  # the step's rows come after rows - n padding rows
-            self.inputs.ids(rows).index_copy_(0, fed[0] + (rows - n), fed[1])
-        attn_meta = self.backend.fill_static_metadata(
-            self.static_meta, pad_decode_metadata(meta, rows)
-        )
-        with self._lora_buffers(rows - n):
-            hidden = self._replays[rows](attn_meta)
-        self.runs[rows] = self.runs.get(rows, 0) + 1
-        return hidden[rows - n :]  # the padding rows came first
+        rows, q = shape
+        n, tokens = meta.num_reqs, rows * q
+        if q == 1:  # the step's rows come after rows - n padding rows
+            padded, at = pad_decode_metadata(meta, rows), None
+            self.inputs.fill(inputs.ids, inputs.positions, tokens)
+        else:
+            padded, at = pad_verify_metadata(meta, rows, q)
+            self.inputs.fill(inputs.ids, inputs.positions, tokens, at)
+            step_rows = self.inputs.token_rows(tokens, len(at))
+        if inputs.fed is not None:
+            fed_rows, values = inputs.fed
+            fed_rows = fed_rows + (rows - n) if q == 1 else step_rows[fed_rows]
+            self.inputs.ids(tokens).index_copy_(0, fed_rows, values)
+        attn_meta = self.backend.fill_static_metadata(self.static_meta, padded)
+        with self._lora_buffers(np.arange(rows - n, rows) if at is None else at):
+            hidden = self._replays[rows, q](attn_meta)
+        runs = self.runs if q == 1 else self.verify_runs
+        runs[rows] = runs.get(rows, 0) + 1
+        if q == 1:
+            return hidden[rows - n :]  # the padding rows came first
+        return hidden.index_select(0, step_rows)
 
-    def _lora_buffers(self, shift: int | None):
-        """The LoRA batch's fixed buffers for a capture (shift None) or a replay whose step
-        rows start at `shift` (engine.lora.layers.LoRABatch.use_static); nothing without LoRA."""
-        return contextlib.nullcontext() if self.lora is None else self.lora.use_static(shift)
+    def _lora_buffers(self, rows_at: np.ndarray | None):
+        """The LoRA batch's fixed buffers for a capture (None) or a replay whose step rows
+        sit at rows_at in the graph (engine.lora.layers.LoRABatch.use_static); nothing
+        without LoRA."""
+        return contextlib.nullcontext() if self.lora is None else self.lora.use_static(rows_at)
 
     def close(self) -> None:
         self.strategy.close()

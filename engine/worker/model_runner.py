@@ -24,8 +24,9 @@ learns its own tokens, like every rank but the driver, from the next step's payl
 under pipeline parallelism run eager: no CPU decode plan, no CUDA graphs.
 
 Speculative decoding (engine.spec_decode): a request scheduled with drafts is a chunk of its
-last known token and the drafts (CUDA graphs decline such steps: eager; the CPU's decode
-plan takes them, the attention kernel having their rows), its logits are
+last known token and the drafts (on CUDA a verification graph takes the step, every
+request padded to 1 + k tokens, cuda_graph.py; the CPU's decode plan takes it too, the
+attention kernel having their rows), its logits are
 computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
 the target agrees with and adds one token of its own; on the host sampler, whatever the
 device.
@@ -103,7 +104,7 @@ from engine.worker.cuda_graph import CudaGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.pooler import pool_step
 from engine.worker.prompt_logprobs import compute_prompt_logprobs
-from engine.worker.step_graph import StepGraph, StepGraphConfig, StepInputs
+from engine.worker.step_graph import StepGraph, StepGraphConfig, StepInputs, run_step
 from engine.worker.step_threads import StepThreads
 
 if TYPE_CHECKING:
@@ -512,6 +513,7 @@ class ModelRunner:
         """What the step graph is built and reserved for (load_model first)."""
         assert self.attn_backend is not None and self.dtype is not None
         cfg = self.config
+        spec = cfg.scheduler.speculative_config
         return StepGraphConfig(
             backend=self.attn_backend,
             device=self.device,
@@ -524,14 +526,19 @@ class ModelRunner:
             enforce_eager=cfg.model.enforce_eager,
             tp_size=get_tp_size(),
             log=self.rank == 0,
+            verify_len=1 + spec.num_speculative_tokens if spec is not None else 0,
         )
 
     def graph_reserve_bytes(self) -> int:
         """The step graph's device memory, reserved before the cache is sized (it is built
         after): the CUDA graphs' pool where they will be captured, else 0."""
+        config = self.step_graph_config()
+        draft = 0
+        if self.drafter is not None and self.drafter.graphs:  # its own graphs (build_graph)
+            draft = self._graph_type.reserve_bytes(self.drafter.step_graph_config(config))
         if self.pp_size > 1 or self._reads_aux_hidden:  # eager steps (_build_step_graph)
-            return 0
-        return self._graph_type.reserve_bytes(self.step_graph_config())
+            return draft
+        return self._graph_type.reserve_bytes(config) + draft
 
     @torch.inference_mode()
     def _profile_step(self) -> torch.Tensor:
@@ -609,6 +616,8 @@ class ModelRunner:
             self.drafter.init_kv_cache(num_blocks, self._zeros)
         self.num_blocks = num_blocks
         self._step_graph = self._build_step_graph()
+        if self.drafter is not None and self.drafter.graphs:
+            self.drafter.build_graph(self._graph_type, self.step_graph_config())
         self._log_graph_pool()
         tokens = (num_blocks - 1) * self.block_size
         if self.rank == 0:
@@ -629,10 +638,12 @@ class ModelRunner:
 
     def _log_graph_pool(self) -> None:
         """The captured graphs' measured pool against what the KV budget reserved for it."""
-        graph, reserve = self._step_graph, self._graph_reserve
-        if graph is None or reserve is None or self.rank != 0:  # reserved on CUDA only
+        graphs = [self._step_graph, self.drafter.graph if self.drafter is not None else None]
+        graphs = [g for g in graphs if g is not None]
+        reserve = self._graph_reserve
+        if not graphs or reserve is None or self.rank != 0:  # reserved on CUDA only
             return
-        measured = graph.graph_bytes
+        measured = sum(g.graph_bytes for g in graphs)
         if measured > reserve:
             logger.warning(
                 "CUDA graphs took %.0f MiB, over the %.0f MiB the KV budget reserved: the "
@@ -1003,15 +1014,7 @@ class ModelRunner:
         graph = self._step_graph
         if eager and graph is not None and not self._graph_takes_lora(graph):
             graph = None
-        if graph is not None:  # a graph without eager_inputs fills static buffers of its own
-            if graph.eager_inputs:
-                self._eager_inputs(step)
-            hidden = graph.run(step)
-            if hidden is not None:
-                return hidden
-        if step.input_ids is None:
-            self._eager_inputs(step)
-        return self.model(step.input_ids, step.position_ids, step.attn_metadata)
+        return run_step(graph, self.model, step, self._eager_inputs)
 
     def _graph_takes_lora(self, graph) -> bool:
         """Whether the step graph holds what this step's adapters need."""

@@ -17,6 +17,7 @@ device memory before the cache is sized (it is built after), graph_bytes what it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -61,6 +62,10 @@ class StepGraphConfig:
     enforce_eager: bool
     tp_size: int
     log: bool = True  # log what was built or why not (rank 0)
+    # speculative decoding: the most query tokens of a verification step (1 + k; for a
+    # draft model's own forwards k + 2), whose steps get graphs of their own; 0: none
+    verify_len: int = 0
+    what: str = ""  # which model's, in the log (a draft's); "" for the target
 
 
 @runtime_checkable
@@ -94,3 +99,22 @@ class StepGraph(Protocol):
     def close(self) -> None:
         """Release what build() took; the graph runs no step after."""
         ...
+
+
+def run_step(
+    graph: StepGraph | None,
+    model: torch.nn.Module,
+    step: StepInputs,
+    eager_inputs: Callable[[StepInputs], None],
+) -> torch.Tensor:
+    """The step through the graph where it takes it, else the eager forward. eager_inputs
+    fills the step's device tensors (input_ids, position_ids, attn_metadata)."""
+    if graph is not None:  # a graph without eager_inputs fills static buffers of its own
+        if graph.eager_inputs:
+            eager_inputs(step)
+        hidden = graph.run(step)
+        if hidden is not None:
+            return hidden
+    if step.input_ids is None:
+        eager_inputs(step)
+    return model(step.input_ids, step.position_ids, step.attn_metadata)

@@ -275,6 +275,43 @@ def test_lora_decode_steps_replay_in_cuda_graphs(tiny_llama_dir, llama_adapters,
         llm.shutdown()
 
 
+def test_adapters_in_speculative_verification_graphs(tiny_llama_dir, llama_adapters, monkeypatch):
+    """N-gram speculative decoding with adapters, verification steps in the verify graphs
+    (CUDA graphs' logic on the CPU, graphs_testing.py; the LoRA Triton kernels, interpreted
+    without a GPU): each request's rows sit before its padding tokens in the graph, and the
+    segment buffers follow them; HF + peft's tokens for each adapter and the base."""
+    import os
+
+    from tests.engine.spec_decode.graphs_testing import replay_graphs_on_cpu
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    monkeypatch.setenv("TESSERA_LORA_KERNEL", "triton")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    units = _prompts(vocab, 4, seed=31)
+    prompts = [u[:6] * 3 for u in units]  # repeats: the n-gram lookups find drafts
+    assign = [0, 1, None, 2]
+    want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=3,
+              device="cpu", attention_backend="torch", num_kv_blocks=64, max_num_seqs=4,
+              speculative_config=spec, async_scheduling=False)  # fmt: skip
+    try:
+        graphs, _ = replay_graphs_on_cpu(llm)
+        assert graphs.takes_lora
+        loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(llama_adapters[a]))
+                 for a in assign]  # fmt: skip
+        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.scheduler.stats().spec_decoding.num_draft_tokens > 0
+        assert sum(graphs.verify_runs.values()) > 0
+    finally:
+        llm.shutdown()
+
+
 def test_a_bf16_model_on_bf16_slots_gives_the_float32_slots_tokens(
     tiny_llama_dir, llama_adapters, monkeypatch
 ):

@@ -148,6 +148,40 @@ def test_target_as_its_own_draft_accepts_everything(tiny_llama_dir, vocab, case)
         assert preempted > 0, "the tight case preempted nobody"
 
 
+def test_target_and_draft_steps_replay_in_cuda_graphs(tiny_llama_dir, draft_dir, vocab):
+    """CUDA graphs' logic on the CPU (graphs_testing.py): the target's verification steps in
+    its verify graphs (1 + k tokens a request), the draft's one-token steps in its decode
+    graphs and its feeds after a verification (up to k + 2 tokens) in its own verify graphs;
+    plain decoding's tokens, across chunked prefill and preemption."""
+    from graphs_testing import replay_graphs_on_cpu
+
+    prompts = _prompts(vocab)
+    params = [
+        SamplingParams(max_tokens=16 + i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    kwargs = {"dtype": "float32", "async_scheduling": False, "attention_backend": "torch",
+              "num_kv_blocks": 9, "max_model_len": 128, "max_num_batched_tokens": 32,
+              "max_num_seqs": 4}  # fmt: skip
+    llm = LLM(str(tiny_llama_dir), **kwargs)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    spec = {**_spec(draft_dir, 3), "draft_backoff": False}
+    llm = LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs)
+    target, draft = replay_graphs_on_cpu(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.engine.scheduler.stats().spec_decoding
+    preempted = llm.engine.scheduler.num_preemptions
+    llm.shutdown()
+    assert got == ref
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert preempted > 0, "the tight cache preempted nobody"
+    assert (target.verify_len, draft.verify_len) == (4, 5)
+    assert sum(target.verify_runs.values()) >= 10
+    assert sum(draft.runs.values()) >= 10  # drafts 2..k
+    assert sum(draft.verify_runs.values()) >= 10  # the feeds after verification steps
+
+
 def test_greedy_stops_and_limits(tiny_llama_dir, draft_dir, vocab):
     """Stop strings, stop token ids, min_tokens, logprobs and penalties give what plain
     decoding gives; requests with and without drafts share steps (n > 1, a seed)."""

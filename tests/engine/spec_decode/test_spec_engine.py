@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graphs_testing import replay_graphs_on_cpu
 
 from engine import LLM, SamplingParams
 
@@ -25,7 +26,9 @@ def _copy_prompts(vocab_size: int, count: int = 6) -> list[list[int]]:
     return prompts
 
 
-def _run(model_dir, prompts, params, spec: bool, **kwargs):
+def _run(model_dir, prompts, params, spec: bool, probe: dict | None = None, **kwargs):
+    """probe, if given: the steps go through the CUDA graph runner (EagerReplay on the CPU:
+    graphs_testing.py), left in probe["graphs"], and the preemptions in probe["preempted"]."""
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -33,11 +36,15 @@ def _run(model_dir, prompts, params, spec: bool, **kwargs):
         async_scheduling=False,
         **kwargs,
     )
+    if probe is not None:
+        probe["graphs"] = replay_graphs_on_cpu(llm)[0]
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
     stats = engine.scheduler.stats().spec_decoding
     free = engine.scheduler.kv_cache_manager.num_free_blocks
     total = engine.num_blocks - 1
+    if probe is not None:
+        probe["preempted"] = engine.scheduler.num_preemptions
     llm.shutdown()
     result = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
     return result, stats, free, total
@@ -78,6 +85,28 @@ def test_greedy_identical(tiny_llama_dir, vocab, kwargs):
     for outs in got:
         for token_ids, _, _ in outs:
             assert len(token_ids) <= 24 + len(prompts)
+
+
+def test_verification_steps_replay_in_cuda_graphs(tiny_llama_dir, vocab):
+    """CUDA graphs' logic on the CPU: verification steps through the verify graphs (every
+    request padded to 1 + k tokens, requests without drafts too) and decode steps through
+    the decode graphs give plain decoding's tokens, across preemption."""
+    prompts = _copy_prompts(vocab)
+    params = [
+        SamplingParams(max_tokens=20 + i, temperature=0.0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    kwargs = {"num_kv_blocks": 10, "max_model_len": 128, "max_num_seqs": 4,
+              "attention_backend": "torch"}  # fmt: skip
+    ref, _, _, _ = _run(tiny_llama_dir, prompts, params, spec=False, **kwargs)
+    probe: dict = {}
+    got, stats, free, total = _run(tiny_llama_dir, prompts, params, True, probe, **kwargs)
+    assert got == ref
+    assert stats.num_accepted_tokens > 0 and free == total
+    assert probe["preempted"] > 0, "the tight cache preempted nobody"
+    g = probe["graphs"]
+    assert g.verify_len == 4 and g.verify_ladder == (1, 2, 4)
+    assert sum(g.verify_runs.values()) >= 10 and sum(g.runs.values()) >= 10
 
 
 @pytest.mark.parametrize(

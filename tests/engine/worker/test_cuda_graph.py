@@ -1,7 +1,9 @@
 """The CUDA-graph runner (engine.worker.cuda_graph): the batch ladder, which steps a graph
 takes, padding, and its logic end to end on the CPU (EagerReplay: each "replay" runs the step
-again over the same static buffers), padded steps against unpadded eager ones; on a GPU
-(`cuda` marker) real graph replays against eager steps."""
+again over the same static buffers), padded steps against unpadded eager ones, decode steps
+and speculative decoding's verification steps (every request padded to 1 + k tokens; on the
+torch backend and the Triton kernels); on a GPU (`cuda` marker) real graph replays against
+eager steps."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from engine.worker.cuda_graph import (
     graph_takes,
     graphs_off_reason,
     pad_decode_metadata,
+    pad_verify_metadata,
+    verify_graph_takes,
+    verify_ladder,
 )
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_graph import StepInputs
@@ -77,6 +82,42 @@ def test_padding_rows_attend_to_the_reserved_slot_only() -> None:
     assert captured.seq_lens.tolist() == [128] * 3 and captured.max_seq_len == 128
     assert captured.block_table.shape == (3, 16) and not captured.block_table.any()
     assert captured.slot_mapping.tolist() == [PAD_SLOT] * 3
+
+
+def test_verify_steps_take_graphs_of_their_own() -> None:
+    """A step of requests of at most verify_len tokens (one of them more than one) is a
+    verify graph's while every request padded to verify_len stays inside the tables' width."""
+    seqs = [(9, 1, [2, 3]), (5, 3, [1]), (20, 4, [4, 5, 6])]  # decodes first
+    common = common_metadata_from_seqs(seqs, BLOCK)
+    assert verify_graph_takes(common, 4, 8, 16)
+    assert not verify_graph_takes(common, 3, 8, 16)  # a request of 4 tokens
+    assert not verify_graph_takes(common, 4, 2, 16)  # three requests
+    assert verify_graph_takes(common, 4, 8, 3)  # 20 + 4 tokens: three blocks of 8
+    assert not verify_graph_takes(common, 5, 8, 3)  # 20 + 5: a fourth block
+    decodes = common_metadata_from_seqs([(9, 1, [2, 3]), (20, 1, [4, 5, 6])], BLOCK)
+    assert not verify_graph_takes(decodes, 4, 8, 16)  # the decode graphs'
+    assert verify_ladder(16, 0) == () and verify_ladder(16, 1) == ()
+    assert verify_ladder(16, 4) == batch_ladder(16)
+    assert verify_ladder(512, 5)[-1] == 102  # at most 512 tokens a graph
+
+
+def test_verify_padding_follows_each_requests_own_tokens() -> None:
+    seqs = [(9, 1, [2, 3]), (5, 3, [1]), (20, 4, [4, 5, 6])]
+    common = common_metadata_from_seqs(seqs, BLOCK)
+    padded, rows = pad_verify_metadata(common, 4, 4)  # one padding request in front
+    assert rows.tolist() == [4, 8, 9, 10, 12, 13, 14, 15]
+    assert (padded.num_reqs, padded.num_actual_tokens, padded.max_query_len) == (4, 16, 4)
+    assert padded.num_decodes == 0 and padded.query_start_loc.tolist() == [0, 4, 8, 12, 16]
+    # each request's context grows by its padding tokens: its own tokens keep their positions
+    assert padded.seq_lens.tolist() == [4, 13, 9, 24]
+    assert (padded.seq_lens_np - padded.query_lens_np)[1:].tolist() == [9, 5, 20]
+    slots = padded.slot_mapping.tolist()
+    assert [slots[r] for r in rows] == common.slot_mapping.tolist()
+    assert all(slots[r] == PAD_SLOT for r in set(range(16)) - set(rows.tolist()))
+    assert padded.block_table.tolist() == [[0, 0, 0], [2, 3, 0], [1, 0, 0], [4, 5, 6]]
+    captured = capture_metadata(2, BLOCK, 16, query_len=4)
+    assert captured.query_start_loc.tolist() == [0, 4, 8] and captured.num_actual_tokens == 8
+    assert captured.slot_mapping.tolist() == [PAD_SLOT] * 8 and captured.num_decodes == 0
 
 
 def _runner(model_dir, max_num_seqs=16, **model_kw) -> ModelRunner:
@@ -149,6 +190,85 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
     assert graphs.run(StepInputs([*ids[:2], 1, 2, 3], [*positions[:2], 0, 1, 2], mixed)) is None
 
 
+def _verify_step(rng: random.Random, n: int, num_blocks: int, verify_len: int):
+    """n requests of 1..verify_len tokens at contexts of 1-60 tokens (one-token ones first,
+    by context; each request's last block may have room to spare), scattered blocks."""
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    reqs = [(rng.randint(0, 59), rng.randint(1, verify_len)) for _ in range(n)]
+    reqs.sort(key=lambda r: (r[1] != 1, r[0] if r[1] == 1 else 0))
+    seqs = [(s, c, [free.pop() for _ in range(-(-(s + c) // BLOCK))]) for s, c in reqs]
+    ids = [rng.randrange(1, 300) for _, c in reqs for _ in range(c)]
+    positions = [p for s, c in reqs for p in range(s, s + c)]
+    return ids, positions, seqs
+
+
+def _triton_backend(runner: ModelRunner):
+    """The Triton kernels (the interpreter on the CPU) in place of the runner's backend."""
+    pytest.importorskip("triton")
+    from engine.attention.backends.triton import TritonAttentionBackend
+
+    b = runner.attn_backend
+    backend = TritonAttentionBackend(
+        BLOCK, b.num_heads, b.num_kv_heads, b.head_dim, torch.float32, "cpu"
+    )
+    for attn in runner.model.attention_layers():
+        attn.backend = backend
+    runner.attn_backend = backend
+    return backend
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_padded_verify_steps_equal_unpadded_eager_steps(tiny_llama_dir, kernels) -> None:
+    """Verification steps (requests of 1-4 tokens) through verify graphs of 4 tokens a request
+    (ladder 1, 2, 4): the eager unpadded step's hidden states and K/V writes, every request's
+    padding after its own tokens; the padding writes only into block 0. On the torch backend
+    and on the Triton kernels (the GPU's, here interpreted)."""
+    torch.set_num_threads(1)
+    runner = _runner(tiny_llama_dir, attention_backend="torch")
+    backend = _triton_backend(runner) if kernels == "triton" else runner.attn_backend
+    g = torch.Generator().manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    graphs = CudaGraphRunner(
+        runner.model, backend, (1, 2, 4), MAX_LEN // BLOCK, EagerReplay(), "cpu",
+        verify_len=4, verify_sizes=(1, 2, 4),
+    )  # fmt: skip
+    graphs.capture_all()
+    rng = random.Random(3)
+    sizes = (1, 3, 4) if kernels == "triton" else (1, 2, 3, 4, 4)
+    for n in sizes:
+        ids, positions, seqs = _verify_step(rng, n, runner.num_blocks, 4)
+        if all(c == 1 for _, c, _ in seqs):  # make it a verification step
+            seqs[-1] = (seqs[-1][0], 2, seqs[-1][2])
+            ids.insert(len(ids), 7)
+            positions.append(positions[-1] + 1)
+        common = common_metadata_from_seqs(seqs, BLOCK)
+        before = [c[:, 1:].clone() for c in runner.kv_caches]
+        with torch.inference_mode():
+            meta = backend.build_metadata(common)
+            eager = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
+            written = [c[:, 1:].clone() for c in runner.kv_caches]
+            for cache, old in zip(runner.kv_caches, before, strict=True):
+                cache[:, 1:] = old  # undo: the graph step must write the same values itself
+            hidden = graphs.run(StepInputs(ids, positions, common))
+            assert hidden is not None and hidden.shape == eager.shape
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+        for cache, w in zip(runner.kv_caches, written, strict=True):
+            torch.testing.assert_close(cache[:, 1:], w, rtol=1e-5, atol=1e-5)
+    expected: dict[int, int] = {}
+    for n in sizes:  # 3 requests pad to 4
+        expected[bucket_for(n, (1, 2, 4))] = expected.get(bucket_for(n, (1, 2, 4)), 0) + 1
+    assert graphs.verify_runs == expected and not graphs.runs
+    # more requests than the verify ladder, or a request of more tokens: eager
+    ids, positions, seqs = _verify_step(rng, 5, runner.num_blocks, 4)
+    assert graphs.run(StepInputs(ids, positions, common_metadata_from_seqs(seqs, BLOCK))) is None
+    long = [*seqs[:1], (0, 5, [60])]
+    ids = [*ids[: seqs[0][1]], 1, 2, 3, 4, 5]
+    positions = [*positions[: seqs[0][1]], 0, 1, 2, 3, 4]
+    assert graphs.run(StepInputs(ids, positions, common_metadata_from_seqs(long, BLOCK))) is None
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_mistral_sw_dir"])
 def test_engine_greedy_output_through_the_graph_runner(request, fixture) -> None:
     """The whole engine's greedy tokens, with the runner's step graph swapped for the graph
@@ -195,6 +315,21 @@ def test_the_kv_budget_reserves_for_graphs_only_where_they_are_captured(tiny_lla
     assert "attention backend" in graphs_off_reason(gpu, b, False, 1)  # the CPU's C kernels
 
 
+def test_the_kv_budget_reserves_for_the_verify_graphs_too(tiny_llama_dir) -> None:
+    """With speculative decoding the verify graphs' pool is kept out of the KV cache too:
+    their outputs and per-graph overhead on top of the decode graphs'."""
+    from engine.worker.kv_budget import GRAPH_OVERHEAD_BYTES
+
+    runner = _runner(tiny_llama_dir, attention_backend="torch")
+    config = dataclasses.replace(
+        runner.step_graph_config(), device=torch.device("cuda"), backend=_triton_backend(runner)
+    )  # what build() would capture on a GPU (nothing is allocated here)
+    plain = CudaGraphRunner.reserve_bytes(config)
+    spec = CudaGraphRunner.reserve_bytes(dataclasses.replace(config, verify_len=4))
+    assert plain > 0
+    assert spec - plain >= len(verify_ladder(16, 4)) * GRAPH_OVERHEAD_BYTES
+
+
 def test_enforce_eager_reaches_the_engine_config() -> None:
     assert not EngineArgs(model="m").create_engine_config().model.enforce_eager
     assert EngineArgs(model="m", enforce_eager=True).create_engine_config().model.enforce_eager
@@ -235,6 +370,40 @@ def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
                 runner.model.compute_logits(hidden).argmax(-1),
                 runner.model.compute_logits(eager).argmax(-1),
             )
+    graphs.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_verify_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
+    """Real CUDA graphs of verification steps (4 tokens a request): each step's hidden states
+    equal the eager unpadded step's."""
+    runner = _runner(tiny_llama_dir, device="cuda", enforce_eager=True)
+    if not runner.attn_backend.cuda_graph_capturable:
+        pytest.skip(f"the {runner.attn_backend.name} backend is not capturable")
+    graphs = CudaGraphRunner(
+        runner.model, runner.attn_backend, (1, 2), MAX_LEN // BLOCK, CudaGraphCapture(),
+        "cuda", verify_len=4, verify_sizes=(1, 2, 4, 8),
+    )  # fmt: skip
+    graphs.capture_all()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g, device="cuda"))
+    rng = random.Random(4)
+    dev = torch.device("cuda")
+    for n in (1, 2, 3, 5, 8):
+        ids, positions, seqs = _verify_step(rng, n, runner.num_blocks, 4)
+        if all(c == 1 for _, c, _ in seqs):
+            continue  # a decode step: not this test's
+        common = common_metadata_from_seqs(seqs, BLOCK)
+        with torch.inference_mode():
+            meta = runner.attn_backend.build_metadata(common)
+            ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
+            eager = runner.model(ids_t, pos_t, meta)
+            hidden = graphs.run(StepInputs(ids, positions, common))
+            assert hidden is not None
+            torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
+    assert sum(graphs.verify_runs.values()) >= 3
     graphs.close()
 
 

@@ -63,3 +63,4 @@ class StageStats:
     step_s: float = 0.0  # seconds inside execute_model
     input_wait_s: float = 0.0  # of those, waiting for the previous stage's activations
     send_s: float = 0.0  # of those, handing activations to the next stage (blocking)
+    graph_steps: int = 0  # of the steps, those its step graph took (CUDA graphs' replays)

@@ -13,8 +13,9 @@ d2t[draft id]; `t2d` is not needed). The embedding is the target's, or the check
 
 Feeding is EAGLE-1's (engine.spec_decode.eagle): after each step the head reads the step's
 kept rows, then k - 1 one-token steps from its own features. The target captures the aux
-states in its modules' forward (LlamaModel.aux_hidden_layers), so with an EAGLE-3 head every
-step runs eager (no CPU decode plan, no CUDA graphs).
+states in its modules' forward (LlamaModel.aux_hidden_layers); CUDA graphs keep them as
+outputs of their own (engine.worker.cuda_graph.aux_module), the CPU's decode plan does not,
+so on the CPU every step with an EAGLE-3 head runs the modules.
 """
 
 from __future__ import annotations

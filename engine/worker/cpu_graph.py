@@ -114,6 +114,8 @@ class DecodePlan:
     graph_bytes = 0
     takes_lora = False  # set per plan: steps with LoRA adapters run here too
     lora_blockers = frozenset({"dora"})  # but not DoRA's (the modules rescale)
+    keeps_aux_hidden = False  # the plan's C call keeps no layer's input (EAGLE-3: eager)
+    runs_stages = False  # it runs a whole model, ids to hidden (pipeline stages: eager)
 
     def __init__(self, model: torch.nn.Module, run_fn, w4: bool, w8a8: bool, w4_amx: bool,
                  lut4: bool = False):  # fmt: skip

@@ -1,6 +1,6 @@
-"""CUDA graphs for decode steps: the GPU's step graph (engine.worker.step_graph: the model
-runner runs it where it takes the step, the eager forward otherwise, as it does the CPU's
-one-call plan, cpu_graph.py). It reads the step's host-side inputs only (eager_inputs False).
+"""CUDA graphs for decode and verification steps: the GPU's step graph (engine.worker.
+step_graph: the model runner runs it where it takes the step, the eager forward otherwise, as
+it does the CPU's one-call plan, cpu_graph.py). It reads the step's host-side inputs only (eager_inputs False).
 
 A decode step of a 32-layer model is ~1,200-1,500 small kernel launches: at small batches the
 GPU waits on Python and the launch queue. Captured once at start, a step is one graph replay.
@@ -34,6 +34,15 @@ the step's own rows, in its order). A draft model's forwards use the same runner
 weights and cache: its one-token steps the decode graphs, the feed after a verification step
 (at most k + 2 tokens a request) a verify_len k + 2 family.
 
+Under pipeline parallelism a stage's graphs hold its own layers (StageShape): after the first
+stage they read the received hidden states and residual from static buffers, which run()
+fills at the step's rows; before the last they return the stage's own, which the runner sends
+on (the sends and receives stay outside the graphs).
+
+Where an EAGLE-3 head reads the target's layer inputs (engine.spec_decode.eagle3), each graph
+keeps them as outputs too and hands the step's rows back to the model after a replay, as the
+eager forward leaves them.
+
 Steps a graph does not take run eagerly: any step with a longer prefill chunk, a batch above the
 ladder, a backend whose launches depend on the step's contents (`cuda_graph_capturable`), more
 than one tensor-parallel rank (capturing collectives is not wired up yet), `--enforce-eager`.
@@ -52,6 +61,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -60,6 +70,7 @@ import torch
 from engine.attention.backends.base import AttentionBackend, AttentionMetadata
 from engine.attention.metadata import CommonAttentionMetadata
 from engine.lora.layers import find_batch
+from engine.models.pipeline import IntermediateTensors
 from engine.worker import kv_budget
 from engine.worker.step_graph import StepGraphConfig, StepInputs
 
@@ -70,7 +81,9 @@ LADDER_STEP = 16
 MAX_CAPTURE_SIZE = 512  # vLLM's cap: larger batches gain little from a graph
 PAD_SLOT = 0  # slot 0 of the reserved block 0: padding rows write nowhere anyone reads
 
-StepFn = Callable[[AttentionMetadata], torch.Tensor]
+# a step: the final norm's output, then whatever else the model leaves for later (an EAGLE-3
+# head's layer inputs), each [tokens, ...]
+StepFn = Callable[[AttentionMetadata], tuple[torch.Tensor, ...]]
 
 
 def batch_ladder(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> tuple[int, ...]:
@@ -296,7 +309,7 @@ class CudaGraphCapture:
             out = step(meta)
         self.graphs.append(graph)
 
-        def replay(_meta: AttentionMetadata) -> torch.Tensor:
+        def replay(_meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
             graph.replay()  # reads the static buffers the fill just wrote
             return out
 
@@ -321,12 +334,32 @@ class EagerReplay:
         pass
 
 
+def aux_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose forward leaves some layers' inputs in aux_hidden_states for an
+    EAGLE-3 head (engine.models.llama), where it keeps any; else None. A graph keeps them
+    as outputs of its own and hands the step's rows back there after each replay."""
+    inner = getattr(model, "model", None)
+    return inner if getattr(inner, "aux_hidden_layers", None) else None
+
+
 def verify_ladder(max_num_seqs: int, verify_len: int) -> tuple[int, ...]:
     """The batch sizes of the verify graphs: the decode ladder up to MAX_CAPTURE_SIZE tokens
     (vLLM's sizes count tokens too), none without speculative decoding."""
     if verify_len <= 1:
         return ()
     return batch_ladder(max_num_seqs, cap=max(1, MAX_CAPTURE_SIZE // verify_len))
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """Where a pipeline stage's graphs sit: after the first stage they read the previous
+    stage's hidden states and residual ([tokens, hidden_size] of dtype), before the last
+    they return their own. The defaults: the whole model."""
+
+    first: bool = True
+    last: bool = True
+    hidden_size: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 class CudaGraphRunner:
@@ -341,6 +374,8 @@ class CudaGraphRunner:
     # a step with these runs eagerly: DoRA's rescaling, and the embedding's and experts'
     # deltas (their rows are grouped on the host)
     lora_blockers = frozenset({"dora", "embedding", "experts"})
+    keeps_aux_hidden = True  # run() leaves the step's rows of them (aux_module)
+    runs_stages = True  # a stage's graphs read and return IntermediateTensors (StageShape)
 
     def __init__(
         self,
@@ -352,6 +387,7 @@ class CudaGraphRunner:
         device: torch.device | str,
         verify_len: int = 0,
         verify_sizes: Sequence[int] = (),
+        stage: StageShape | None = None,
     ):
         self.model = model
         self.backend = backend
@@ -378,6 +414,16 @@ class CudaGraphRunner:
         if self.lora is not None:
             self.lora.make_static(max_tokens, found[1])
         self.takes_lora = self.lora is not None
+        self._aux = aux_module(model)  # EAGLE-3: the target's layer inputs, kept per graph
+        # pipeline parallelism: a stage after the first reads the previous stage's hidden
+        # states and residual from static buffers; one before the last returns its own
+        self.stage = stage or StageShape()
+        self._stage_in: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not self.stage.first:
+            shape = (max_tokens, self.stage.hidden_size)
+            self._stage_in = tuple(
+                torch.zeros(shape, dtype=self.stage.dtype, device=self.device) for _ in range(2)
+            )
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> CudaGraphRunner | None:
@@ -425,6 +471,7 @@ class CudaGraphRunner:
             c.device,
             verify_len=c.verify_len,
             verify_sizes=verify_ladder(c.max_num_seqs, c.verify_len),
+            stage=StageShape(c.first_stage, c.last_stage, c.hf_config.hidden_size, c.dtype),
         )
         runner.capture_all()
         return runner
@@ -445,6 +492,7 @@ class CudaGraphRunner:
         return kv_budget.graph_reserve_bytes(
             # each graph's tokens
             (*batch_ladder(c.max_num_seqs), *(n * c.verify_len for n in verify)),
+            outputs_per_row=1 + c.aux_outputs,
             hidden_size=hf.hidden_size,
             num_heads=hf.num_attention_heads // c.tp_size,
             num_kv_heads=c.num_kv_heads,
@@ -482,10 +530,18 @@ class CudaGraphRunner:
 
     def _step_fn(self, tokens: int) -> StepFn:
         ids, positions = self.inputs.ids(tokens), self.inputs.positions(tokens)
-        model = self.model
+        model, aux = self.model, self._aux
+        given = None
+        if self._stage_in is not None:
+            given = IntermediateTensors(*(t[:tokens] for t in self._stage_in))
 
-        def step(meta: AttentionMetadata) -> torch.Tensor:
-            return model(ids, positions, meta)
+        def step(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+            out = (
+                model(ids, positions, meta) if given is None else model(ids, positions, meta, given)
+            )
+            if isinstance(out, IntermediateTensors):  # a stage before the last
+                return out.hidden, out.residual
+            return (out,) if aux is None else (out, *aux.aux_hidden_states)
 
         return step
 
@@ -520,14 +576,27 @@ class CudaGraphRunner:
             fed_rows, values = inputs.fed
             fed_rows = fed_rows + (rows - n) if q == 1 else step_rows[fed_rows]
             self.inputs.ids(tokens).index_copy_(0, fed_rows, values)
+        if self._stage_in is not None:  # the previous stage's rows where the step's sit
+            given = (inputs.intermediate.hidden, inputs.intermediate.residual)
+            for buf, t in zip(self._stage_in, given, strict=True):
+                if q == 1:
+                    buf[rows - n : rows].copy_(t)
+                else:
+                    buf.index_copy_(0, step_rows, t)
         attn_meta = self.backend.fill_static_metadata(self.static_meta, padded)
         with self._lora_buffers(np.arange(rows - n, rows) if at is None else at):
-            hidden = self._replays[rows, q](attn_meta)
+            outs = self._replays[rows, q](attn_meta)
         runs = self.runs if q == 1 else self.verify_runs
         runs[rows] = runs.get(rows, 0) + 1
         if q == 1:
-            return hidden[rows - n :]  # the padding rows came first
-        return hidden.index_select(0, step_rows)
+            own = [t[rows - n :] for t in outs]  # the padding rows came first
+        else:
+            own = [t.index_select(0, step_rows) for t in outs]
+        if not self.stage.last:  # a stage's outputs for the next (pp_send reads them)
+            return IntermediateTensors(*own)
+        if self._aux is not None:  # as the eager forward leaves them: the step's rows
+            self._aux.aux_hidden_states = own[1:]
+        return own[0]
 
     def _lora_buffers(self, rows_at: np.ndarray | None):
         """The LoRA batch's fixed buffers for a capture (None) or a replay whose step rows
@@ -538,3 +607,21 @@ class CudaGraphRunner:
     def close(self) -> None:
         self.strategy.close()
         self._replays.clear()
+
+
+class ReplayGraphRunner(CudaGraphRunner):
+    """The graph runner over EagerReplay on any device and backend: every choice the CUDA
+    graphs make (which steps, padding, static buffers, stages, LoRA rows, a draft's graphs)
+    without a GPU; it saves no launch and reserves nothing. The model runner builds it in
+    place of its step graph where TESSERA_STEP_GRAPH=replay (the tests: in-process engines
+    and pipeline workers alike)."""
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> ReplayGraphRunner | None:
+        if config.enforce_eager or config.tp_size > 1:  # as CUDA: no graphs there
+            return None
+        return cls.from_config(model, config, EagerReplay())
+
+    @classmethod
+    def reserve_bytes(cls, config: StepGraphConfig) -> int:
+        return 0

@@ -65,6 +65,7 @@ def graph_reserve_bytes(
     head_dim: int,
     intermediate_size: int,
     act_bytes: int,
+    outputs_per_row: int = 1,
 ) -> int:
     """A conservative estimate of the decode graphs' shared pool, from the shapes alone.
 
@@ -78,8 +79,11 @@ def graph_reserve_bytes(
         per row = (3 H + (heads + 2 kv_heads) head_dim + heads head_dim + 3 I) x act_bytes
                   (residual, normed input, layer output; qkv; attention output; gate_up 2I and
                   the activation I: a whole layer's tensors live at once, an upper bound)
-        reserve = rows x per row + sum(ladder) x H x act_bytes + len(ladder) x 4 MiB
-                  + 64 MiB (the capture stream's cuBLAS workspaces)
+        reserve = rows x per row + sum(ladder) x H x act_bytes x outputs_per_row
+                  + len(ladder) x 4 MiB + 64 MiB (the capture stream's cuBLAS workspaces)
+
+    (ladder: each graph's tokens; outputs_per_row: the hidden-sized outputs a graph keeps,
+    1 + an EAGLE-3 head's layers.)
 
     The logits are not in the graphs (computed eagerly after the replay): the profiled
     step's peak already counts them.
@@ -93,7 +97,7 @@ def graph_reserve_bytes(
         + num_heads * head_dim
         + 3 * intermediate_size
     ) * act_bytes
-    outputs = sum(ladder) * hidden_size * act_bytes
+    outputs = sum(ladder) * hidden_size * act_bytes * outputs_per_row
     overhead = len(ladder) * GRAPH_OVERHEAD_BYTES + CAPTURE_WORKSPACE_BYTES
     return rows * per_row + outputs + overhead
 

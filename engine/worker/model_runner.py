@@ -21,7 +21,9 @@ KV cache only. A stage after the first receives the hidden states and residual f
 before (engine.distributed.pp_recv), a stage before the last sends its own on; the first TP
 rank of the last stage samples, and its output goes back to the driver in its reply (it
 learns its own tokens, like every rank but the driver, from the next step's payload). Steps
-under pipeline parallelism run eager: no CPU decode plan, no CUDA graphs.
+under pipeline parallelism run eager on the CPU (its decode plan runs whole models); on CUDA
+each stage replays graphs of its own layers, the previous stage's tensors copied into their
+static buffers after the receive (the sends and receives stay outside the graphs).
 
 Speculative decoding (engine.spec_decode): a request scheduled with drafts is a chunk of its
 last known token and the drafts (on CUDA a verification graph takes the step, every
@@ -35,7 +37,8 @@ KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); 
 step the draft reads the step's kept tokens and proposes the next drafts
 (ModelRunnerOutput.draft_token_ids); an EAGLE head (engine.spec_decode.eagle) reads the
 step's hidden states too (EAGLE-3, engine.spec_decode.eagle3: the inputs of three layers,
-kept by the eager forward). Under tensor parallelism only the driver holds the drafter.
+kept by the eager forward and by CUDA graphs; the CPU's decode plan keeps none, so there
+EAGLE-3's steps run eager). Under tensor parallelism only the driver holds the drafter.
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the
@@ -100,7 +103,7 @@ from engine.worker.async_output import (
     TokenCopies,
 )
 from engine.worker.cpu_graph import DecodePlan
-from engine.worker.cuda_graph import CudaGraphRunner
+from engine.worker.cuda_graph import CudaGraphRunner, ReplayGraphRunner, aux_module
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.pooler import pool_step
 from engine.worker.prompt_logprobs import compute_prompt_logprobs
@@ -272,6 +275,8 @@ class ModelRunner:
         self._graph_type: type[StepGraph] = (
             DecodePlan if self.device.type == "cpu" else CudaGraphRunner
         )
+        if os.environ.get("TESSERA_STEP_GRAPH") == "replay":  # CUDA graphs' logic anywhere
+            self._graph_type = ReplayGraphRunner
         self._step_graph: StepGraph | None = None
         self._graph_reserve: int | None = None  # bytes the profiled budget kept for graphs
         self.lora_manager = None  # engine.lora.manager.LoRAManager, when LoRA is enabled
@@ -435,11 +440,13 @@ class ModelRunner:
         self.drafter.sharded = sharded
 
     @property
-    def _reads_aux_hidden(self) -> bool:
-        """An EAGLE-3 head reads layers' inputs, which only the modules' forward keeps: every
-        step eager on every rank (the ranks' steps stay alike)."""
+    def _aux_hidden_eager(self) -> bool:
+        """An EAGLE-3 head reads layers' inputs, which the modules' forward keeps and CUDA
+        graphs keep as outputs of their own (keeps_aux_hidden), the CPU's decode plan not:
+        there every step eager on every rank (the ranks' steps stay alike)."""
         spec = self.config.scheduler.speculative_config
-        return spec is not None and spec.method == "eagle3"
+        reads = spec is not None and spec.method == "eagle3"
+        return reads and not self._graph_type.keeps_aux_hidden
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The KV cache's layout for --kv-cache-dtype, as the attention backend lays it out."""
@@ -514,6 +521,7 @@ class ModelRunner:
         assert self.attn_backend is not None and self.dtype is not None
         cfg = self.config
         spec = cfg.scheduler.speculative_config
+        aux = aux_module(self.model)  # an EAGLE-3 head's layers, kept by the graphs too
         return StepGraphConfig(
             backend=self.attn_backend,
             device=self.device,
@@ -527,6 +535,9 @@ class ModelRunner:
             tp_size=get_tp_size(),
             log=self.rank == 0,
             verify_len=1 + spec.num_speculative_tokens if spec is not None else 0,
+            aux_outputs=len(aux.aux_hidden_layers) if aux is not None else 0,
+            first_stage=is_first_stage(),
+            last_stage=is_last_stage(),
         )
 
     def graph_reserve_bytes(self) -> int:
@@ -536,8 +547,8 @@ class ModelRunner:
         draft = 0
         if self.drafter is not None and self.drafter.graphs:  # its own graphs (build_graph)
             draft = self._graph_type.reserve_bytes(self.drafter.step_graph_config(config))
-        if self.pp_size > 1 or self._reads_aux_hidden:  # eager steps (_build_step_graph)
-            return draft
+        if (self.pp_size > 1 and not self._graph_type.runs_stages) or self._aux_hidden_eager:
+            return draft  # eager steps (_build_step_graph)
         return self._graph_type.reserve_bytes(config) + draft
 
     @torch.inference_mode()
@@ -661,13 +672,13 @@ class ModelRunner:
     def _build_step_graph(self) -> StepGraph | None:
         if self._step_graph is not None:  # a re-bound cache: the old graph reads the old one
             self._step_graph.close()
-        if self.pp_size > 1:
-            # The decode plan and the CUDA graphs run a whole model from ids to hidden; a
-            # stage starts from (or ends with) intermediate tensors: eager.
+        if self.pp_size > 1 and not self._graph_type.runs_stages:
+            # The CPU's decode plan runs a whole model from ids to hidden; a stage starts
+            # from (or ends with) intermediate tensors: eager. CUDA graphs run stages.
             if self.rank == 0:
                 logger.info("Pipeline parallel: every step eager (no step graph)")
             return None
-        if self._reads_aux_hidden:
+        if self._aux_hidden_eager:
             if self.rank == 0:
                 logger.info("EAGLE-3: every step eager (the head reads the layers' inputs)")
             return None
@@ -720,6 +731,14 @@ class ModelRunner:
             step_s=self._step_s,
             input_wait_s=self._recv_s,
             send_s=self._send_s,
+            graph_steps=self._graph_steps(),
+        )
+
+    def _graph_steps(self) -> int:
+        """The steps this rank's step graph has taken (0 without one)."""
+        graph = self._step_graph
+        return sum(getattr(graph, "runs", {}).values()) + sum(
+            getattr(graph, "verify_runs", {}).values()
         )
 
     def _begin_step(self, so: SchedulerOutput) -> bool:
@@ -1009,28 +1028,31 @@ class ModelRunner:
         fed: (rows, device values) of input ids that are placeholders (async scheduling);
         eager: a step with LoRA adapters, which only a graph that takes_lora runs."""
         step = StepInputs(ids, positions, common, fed)
-        if self.pp_size > 1:
-            return self._run_stage(step)
         graph = self._step_graph
         if eager and graph is not None and not self._graph_takes_lora(graph):
             graph = None
+        if self.pp_size > 1:
+            return self._run_stage(step, graph)
         return run_step(graph, self.model, step, self._eager_inputs)
 
     def _graph_takes_lora(self, graph) -> bool:
         """Whether the step graph holds what this step's adapters need."""
         return graph.takes_lora and not graph.lora_blockers & self.lora_manager.graph_blockers
 
-    def _run_stage(self, step: StepInputs) -> torch.Tensor | None:
+    def _run_stage(self, step: StepInputs, graph: StepGraph | None) -> torch.Tensor | None:
         """This pipeline stage's share of the step: the previous stage's tensors in, this
-        stage's layers, its tensors out to the next stage (None) or the last's hidden."""
-        self._eager_inputs(step)
-        intermediate = None
+        stage's layers (its graph where it takes the step), its tensors out to the next stage
+        (None) or the last's hidden."""
+        if graph is None:  # the eager inputs while the previous stage computes
+            self._eager_inputs(step)
         if not is_first_stage():
             shape = (len(step.ids), self.hf_config.hidden_size)
             start = time.perf_counter()
-            intermediate = IntermediateTensors(*pp_recv([shape, shape], self.dtype, self.device))
+            step.intermediate = IntermediateTensors(
+                *pp_recv([shape, shape], self.dtype, self.device)
+            )
             self._recv_s += time.perf_counter() - start
-        out = self.model(step.input_ids, step.position_ids, step.attn_metadata, intermediate)
+        out = run_step(graph, self.model, step, self._eager_inputs)
         if is_last_stage():
             return out
         start = time.perf_counter()

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from engine.attention.backends.base import AttentionBackend, AttentionMetadata
     from engine.attention.metadata import CommonAttentionMetadata
+    from engine.models.pipeline import IntermediateTensors
 
 
 @dataclass(slots=True)
@@ -45,6 +46,8 @@ class StepInputs:
     input_ids: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     attn_metadata: AttentionMetadata | None = None
+    # pipeline parallelism: a stage after the first gets the previous stage's tensors
+    intermediate: IntermediateTensors | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +69,10 @@ class StepGraphConfig:
     # draft model's own forwards k + 2), whose steps get graphs of their own; 0: none
     verify_len: int = 0
     what: str = ""  # which model's, in the log (a draft's); "" for the target
+    aux_outputs: int = 0  # hidden-sized outputs a row besides the last (EAGLE-3's layers)
+    # pipeline parallelism: this rank's stage starts from the embedding / ends with the norm
+    first_stage: bool = True
+    last_stage: bool = True
 
 
 @runtime_checkable
@@ -79,6 +86,12 @@ class StepGraph(Protocol):
     takes_lora: bool  # whether steps with LoRA adapters may run here (else they run eagerly)
     # what of a LoRA step it cannot hold (engine.lora.manager.LoRAManager.graph_blockers)
     lora_blockers: frozenset[str]
+    # whether the model's aux_hidden_states (an EAGLE-3 head's features) are the step's after
+    # run(), as after the eager forward
+    keeps_aux_hidden: bool
+    # whether it runs a pipeline stage (StepInputs.intermediate in, IntermediateTensors out
+    # before the last stage); else build() is not called under pipeline parallelism
+    runs_stages: bool
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: StepGraphConfig) -> StepGraph | None:
@@ -106,9 +119,10 @@ def run_step(
     model: torch.nn.Module,
     step: StepInputs,
     eager_inputs: Callable[[StepInputs], None],
-) -> torch.Tensor:
-    """The step through the graph where it takes it, else the eager forward. eager_inputs
-    fills the step's device tensors (input_ids, position_ids, attn_metadata)."""
+) -> torch.Tensor | IntermediateTensors:
+    """The step through the graph where it takes it, else the eager forward: the final norm's
+    output, or a stage's IntermediateTensors before the last. eager_inputs fills the step's
+    device tensors (input_ids, position_ids, attn_metadata)."""
     if graph is not None:  # a graph without eager_inputs fills static buffers of its own
         if graph.eager_inputs:
             eager_inputs(step)
@@ -117,4 +131,6 @@ def run_step(
             return hidden
     if step.input_ids is None:
         eager_inputs(step)
+    if step.intermediate is not None:
+        return model(step.input_ids, step.position_ids, step.attn_metadata, step.intermediate)
     return model(step.input_ids, step.position_ids, step.attn_metadata)

@@ -277,12 +277,12 @@ def test_lora_decode_steps_replay_in_cuda_graphs(tiny_llama_dir, llama_adapters,
 
 def test_adapters_in_speculative_verification_graphs(tiny_llama_dir, llama_adapters, monkeypatch):
     """N-gram speculative decoding with adapters, verification steps in the verify graphs
-    (CUDA graphs' logic on the CPU, graphs_testing.py; the LoRA Triton kernels, interpreted
+    (CUDA graphs' logic on the CPU, TESSERA_STEP_GRAPH=replay; the LoRA Triton kernels, interpreted
     without a GPU): each request's rows sit before its padding tokens in the graph, and the
     segment buffers follow them; HF + peft's tokens for each adapter and the base."""
     import os
 
-    from tests.engine.spec_decode.graphs_testing import replay_graphs_on_cpu
+    from tests.engine.spec_decode.graphs_testing import REPLAY, step_graphs
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and not under the Triton interpreter")
@@ -295,11 +295,12 @@ def test_adapters_in_speculative_verification_graphs(tiny_llama_dir, llama_adapt
     assign = [0, 1, None, 2]
     want = _expected(tiny_llama_dir, llama_adapters, prompts, assign)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    monkeypatch.setenv(*REPLAY)
     llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=3,
               device="cpu", attention_backend="torch", num_kv_blocks=64, max_num_seqs=4,
               speculative_config=spec, async_scheduling=False)  # fmt: skip
     try:
-        graphs, _ = replay_graphs_on_cpu(llm)
+        graphs, _ = step_graphs(llm)
         assert graphs.takes_lora
         loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(llama_adapters[a]))
                  for a in assign]  # fmt: skip

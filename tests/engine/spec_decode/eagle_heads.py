@@ -18,9 +18,11 @@ def eagle_prompts(vocab: int, first: int = 6) -> list[list[int]]:
     return [*prompts, prompts[3] + [5, 6]]
 
 
-def generate_greedy(target_dir, spec, waves, **kwargs):
+def generate_greedy(target_dir, spec, waves, graphs: dict | None = None, **kwargs):
     """Greedy outputs of each wave of prompts on target_dir with spec (None: plain decoding),
-    and the run's spec counters, prefix-cache hits, leaked blocks and preemptions."""
+    and the run's spec counters, prefix-cache hits, leaked blocks and preemptions. graphs, if
+    given: receives the graph runners the steps went through (graphs_testing.py: set
+    TESSERA_STEP_GRAPH=replay first)."""
     from engine import LLM, SamplingParams
 
     # drafts at every step: the drafting itself is under test (the controller: test_controller.py)
@@ -28,6 +30,10 @@ def generate_greedy(target_dir, spec, waves, **kwargs):
     llm = LLM(
         str(target_dir), dtype="float32", speculative_config=spec, async_scheduling=False, **kwargs
     )
+    if graphs is not None:
+        from graphs_testing import step_graphs
+
+        graphs["target"], graphs["draft"] = step_graphs(llm)
     outs = []
     for prompts in waves:
         params = [

@@ -1,28 +1,19 @@
-"""CUDA graphs' logic for speculative decoding on the CPU: an engine's step graph and its
-draft model's swapped for the CUDA graph runner over EagerReplay (each "replay" runs the step
-again over the graph's static buffers, padded as a captured graph's would be)."""
+"""CUDA graphs' logic on the CPU: with TESSERA_STEP_GRAPH=replay (set it before the engine
+starts) the model runner builds engine.worker.cuda_graph.ReplayGraphRunner, the CUDA graph
+runner over EagerReplay, as its step graph and its draft model's; step_graphs reads them."""
 
 from __future__ import annotations
 
-import dataclasses
+from engine.worker.cuda_graph import ReplayGraphRunner
 
-import torch
-
-from engine.worker.cuda_graph import CudaGraphRunner, EagerReplay
+REPLAY = ("TESSERA_STEP_GRAPH", "replay")  # monkeypatch.setenv(*REPLAY)
 
 
-def replay_graphs_on_cpu(llm) -> tuple[CudaGraphRunner, CudaGraphRunner | None]:
-    """The target's graph runner and the draft model's (None without one), built from the
-    configurations the engine would capture on CUDA. The engine needs an attention backend
-    with static metadata (attention_backend="torch")."""
+def step_graphs(llm) -> tuple[ReplayGraphRunner, ReplayGraphRunner | None]:
+    """The target's graph runner and the draft model's (None without one, or an EAGLE
+    head's: its forwards run eager)."""
     runner = llm.engine.executor.runner
-    config = dataclasses.replace(runner.step_graph_config(), device=torch.device("cpu"))
-    target = CudaGraphRunner.from_config(runner.model, config, EagerReplay())
-    runner._step_graph = target
-    draft = None
+    target = runner._step_graph
+    assert isinstance(target, ReplayGraphRunner), "TESSERA_STEP_GRAPH=replay was not set"
     drafter = runner.drafter
-    if drafter is not None and drafter.graphs:
-        draft_config = drafter.step_graph_config(config)
-        draft = CudaGraphRunner.from_config(drafter.model, draft_config, EagerReplay())
-        drafter.graph = draft
-    return target, draft
+    return target, (drafter.graph if drafter is not None else None)

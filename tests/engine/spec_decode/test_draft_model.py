@@ -148,12 +148,14 @@ def test_target_as_its_own_draft_accepts_everything(tiny_llama_dir, vocab, case)
         assert preempted > 0, "the tight case preempted nobody"
 
 
-def test_target_and_draft_steps_replay_in_cuda_graphs(tiny_llama_dir, draft_dir, vocab):
+def test_target_and_draft_steps_replay_in_cuda_graphs(
+    tiny_llama_dir, draft_dir, vocab, monkeypatch
+):
     """CUDA graphs' logic on the CPU (graphs_testing.py): the target's verification steps in
     its verify graphs (1 + k tokens a request), the draft's one-token steps in its decode
     graphs and its feeds after a verification (up to k + 2 tokens) in its own verify graphs;
     plain decoding's tokens, across chunked prefill and preemption."""
-    from graphs_testing import replay_graphs_on_cpu
+    from graphs_testing import REPLAY, step_graphs
 
     prompts = _prompts(vocab)
     params = [
@@ -167,8 +169,9 @@ def test_target_and_draft_steps_replay_in_cuda_graphs(tiny_llama_dir, draft_dir,
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
     spec = {**_spec(draft_dir, 3), "draft_backoff": False}
+    monkeypatch.setenv(*REPLAY)
     llm = LLM(str(tiny_llama_dir), speculative_config=spec, **kwargs)
-    target, draft = replay_graphs_on_cpu(llm)
+    target, draft = step_graphs(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     stats = llm.engine.scheduler.stats().spec_decoding
     preempted = llm.engine.scheduler.num_preemptions

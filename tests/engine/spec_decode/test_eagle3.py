@@ -68,6 +68,29 @@ def test_mirror_head_greedy_identical_and_mostly_accepted(mirror_target, mirror_
     assert stats.num_accepted_tokens > 0.35 * stats.num_draft_tokens, stats
 
 
+def test_target_steps_replay_in_cuda_graphs_with_the_heads_layers(
+    mirror_target, mirror_head, monkeypatch
+):
+    """CUDA graphs' logic on the CPU (graphs_testing.py): the target's decode and verification
+    steps replay graphs that keep the head's layer inputs as outputs of their own, handed back
+    as the step's rows (checked row by row in test_cuda_graph.py); plain decoding's tokens
+    across preemption and chunked prefill, the mirror head accepted as often as eagerly."""
+    waves = _waves(mirror_target, first=12)
+    kwargs = {**CASES[1], "attention_backend": "torch", "max_num_seqs": 4}
+    ref, _, _, _, _ = generate_greedy(mirror_target, None, waves, **kwargs)
+    spec = {"method": "eagle3", "model": str(mirror_head), "num_speculative_tokens": 3}
+    spec["draft_backoff"] = False
+    monkeypatch.setenv("TESSERA_STEP_GRAPH", "replay")
+    graphs: dict = {}
+    got, stats, _, leaked, preempted = generate_greedy(mirror_target, spec, waves, graphs, **kwargs)
+    assert got == ref and leaked == 0 and preempted > 0
+    assert stats.accepted_per_pos[0] > 0.5 * stats.num_drafts, stats
+    target = graphs["target"]
+    assert graphs["draft"] is None  # the head's own forwards stay eager
+    assert target._aux is not None and target.verify_len == 4
+    assert sum(target.verify_runs.values()) >= 10 and sum(target.runs.values()) > 0
+
+
 @pytest.mark.parametrize("kwargs", CASES, ids=["plain", "preempt-chunked"])
 def test_random_head_greedy_identical(tiny_llama_dir, random_head, kwargs):
     waves = _waves(tiny_llama_dir)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphs_testing import replay_graphs_on_cpu
+from graphs_testing import REPLAY, step_graphs
 
 from engine import LLM, SamplingParams
 
@@ -27,8 +27,9 @@ def _copy_prompts(vocab_size: int, count: int = 6) -> list[list[int]]:
 
 
 def _run(model_dir, prompts, params, spec: bool, probe: dict | None = None, **kwargs):
-    """probe, if given: the steps go through the CUDA graph runner (EagerReplay on the CPU:
-    graphs_testing.py), left in probe["graphs"], and the preemptions in probe["preempted"]."""
+    """probe, if given: the CUDA graph runner the steps went through (graphs_testing.py:
+    TESSERA_STEP_GRAPH=replay) is left in probe["graphs"], the preemptions in
+    probe["preempted"]."""
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -37,7 +38,7 @@ def _run(model_dir, prompts, params, spec: bool, probe: dict | None = None, **kw
         **kwargs,
     )
     if probe is not None:
-        probe["graphs"] = replay_graphs_on_cpu(llm)[0]
+        probe["graphs"] = step_graphs(llm)[0]
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
     stats = engine.scheduler.stats().spec_decoding
@@ -87,7 +88,7 @@ def test_greedy_identical(tiny_llama_dir, vocab, kwargs):
             assert len(token_ids) <= 24 + len(prompts)
 
 
-def test_verification_steps_replay_in_cuda_graphs(tiny_llama_dir, vocab):
+def test_verification_steps_replay_in_cuda_graphs(tiny_llama_dir, vocab, monkeypatch):
     """CUDA graphs' logic on the CPU: verification steps through the verify graphs (every
     request padded to 1 + k tokens, requests without drafts too) and decode steps through
     the decode graphs give plain decoding's tokens, across preemption."""
@@ -99,6 +100,7 @@ def test_verification_steps_replay_in_cuda_graphs(tiny_llama_dir, vocab):
     kwargs = {"num_kv_blocks": 10, "max_model_len": 128, "max_num_seqs": 4,
               "attention_backend": "torch"}  # fmt: skip
     ref, _, _, _ = _run(tiny_llama_dir, prompts, params, spec=False, **kwargs)
+    monkeypatch.setenv(*REPLAY)
     probe: dict = {}
     got, stats, free, total = _run(tiny_llama_dir, prompts, params, True, probe, **kwargs)
     assert got == ref

@@ -269,6 +269,40 @@ def test_padded_verify_steps_equal_unpadded_eager_steps(tiny_llama_dir, kernels)
     assert graphs.run(StepInputs(ids, positions, common_metadata_from_seqs(long, BLOCK))) is None
 
 
+def test_graphs_hand_back_the_steps_layer_inputs(tiny_llama_dir) -> None:
+    """With an EAGLE-3 head's layers kept (aux_hidden_layers), a decode or verification step
+    through the graphs leaves the eager step's aux_hidden_states: the step's own rows, in its
+    order, padding dropped."""
+    torch.set_num_threads(1)
+    runner = _runner(tiny_llama_dir, attention_backend="torch")
+    inner = runner.model.model
+    inner.aux_hidden_layers = frozenset({0, 2})
+    g = torch.Generator().manual_seed(5)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    graphs = CudaGraphRunner(
+        runner.model, runner.attn_backend, (1, 2, 4), MAX_LEN // BLOCK, EagerReplay(), "cpu",
+        verify_len=4, verify_sizes=(1, 2, 4),
+    )  # fmt: skip
+    graphs.capture_all()
+    rng = random.Random(6)
+    steps = [_decode_step(rng, 3, runner.num_blocks), _verify_step(rng, 3, runner.num_blocks, 4)]
+    for ids, positions, seqs in steps:
+        common = common_metadata_from_seqs(seqs, BLOCK)
+        with torch.inference_mode():
+            meta = runner.attn_backend.build_metadata(common)
+            runner.model(torch.tensor(ids), torch.tensor(positions), meta)
+            eager = inner.aux_hidden_states
+            inner.aux_hidden_states = []
+            graphs.run(StepInputs(ids, positions, common))
+        got = inner.aux_hidden_states
+        assert len(got) == 2 and got[0].shape == (len(ids), eager[0].shape[1])
+        for a, b in zip(got, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got[0], got[1], atol=1e-3)  # two layers told apart
+    assert graphs.runs == {4: 1} and graphs.verify_runs == {4: 1}
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_mistral_sw_dir"])
 def test_engine_greedy_output_through_the_graph_runner(request, fixture) -> None:
     """The whole engine's greedy tokens, with the runner's step graph swapped for the graph

@@ -156,6 +156,30 @@ def test_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
 
 
 @pytest.mark.slow
+def test_pp2_stages_replay_in_cuda_graphs(tiny_llama_dir, monkeypatch):
+    """CUDA graphs' logic for pipeline stages on the CPU (TESSERA_STEP_GRAPH=replay, in the
+    driver and in the worker process): the first stage's graphs return its hidden states and
+    residual, the last stage's read them from static buffers at the padded rows; greedy
+    tokens of one eager process through chunked prefill, preemption and a prefix hit, and
+    both stages' graphs took the decode steps."""
+    torch.set_num_threads(1)
+    kw = {"attention_backend": "torch", "max_num_seqs": 8}
+    want, _, _ = _generate(tiny_llama_dir, **kw)
+    monkeypatch.setenv("TESSERA_STEP_GRAPH", "replay")
+    stats: list = []
+
+    def check(llm) -> None:
+        stats.extend(llm.engine.executor.workers.stage_stats())
+
+    got, run_stats, _ = _generate(tiny_llama_dir, pp=2, check=check, **kw)
+    assert got == want
+    assert run_stats.num_preemptions > 0
+    assert [s.pp_rank for s in stats] == [0, 1]
+    assert all(s.graph_steps >= 20 for s in stats), stats
+    assert all(s.graph_steps < s.steps for s in stats)  # prefill chunks ran eagerly
+
+
+@pytest.mark.slow
 def test_tp2_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
     """Four ranks: two stages of two TP ranks (a TP group per stage), each TP rank sending
     to its counterpart in the next stage."""

@@ -30,7 +30,7 @@ def _members() -> set[str]:
 def test_both_implementations_have_the_protocols_members(cls) -> None:
     assert _members() == {
         "build", "reserve_bytes", "run", "close", "eager_inputs", "graph_bytes", "takes_lora",
-        "lora_blockers",
+        "lora_blockers", "keeps_aux_hidden", "runs_stages",
     }  # fmt: skip
     for name in _members():
         assert hasattr(cls, name), name
@@ -38,7 +38,8 @@ def test_both_implementations_have_the_protocols_members(cls) -> None:
     assert len(inspect.signature(cls.build).parameters) == 2  # (the model, a StepGraphConfig)
     assert list(inspect.signature(cls.reserve_bytes).parameters) == ["config"]
     assert isinstance(cls.eager_inputs, bool) and isinstance(cls.graph_bytes, int)
-    assert isinstance(cls.takes_lora, bool)
+    assert isinstance(cls.takes_lora, bool) and isinstance(cls.keeps_aux_hidden, bool)
+    assert isinstance(cls.runs_stages, bool)
     assert cls.lora_blockers <= {"dora", "embedding", "experts"}  # LoRAManager.graph_blockers
     assert isinstance(inspect.getattr_static(cls, "build"), classmethod)
     assert isinstance(inspect.getattr_static(cls, "reserve_bytes"), classmethod)
@@ -100,6 +101,8 @@ class _Recording:
     graph_bytes = 0
     takes_lora = False
     lora_blockers = frozenset()
+    keeps_aux_hidden = False
+    runs_stages = False
 
     def __init__(self, eager_inputs: bool, answer: torch.Tensor | None):
         self.eager_inputs = eager_inputs

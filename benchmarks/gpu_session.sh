@@ -42,6 +42,8 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/lora/test_lora_engine.py::test_lora_decode_steps_replay_in_cuda_graphs
     tests/engine/lora/test_lora_experts.py::test_expert_adapters_on_cuda
     tests/engine/spec_decode/test_spec_engine.py  # LLM's default device: the GPU here
+    tests/engine/spec_decode/test_draft_model.py::test_target_as_its_own_draft_accepts_everything  # draft graphs
+    tests/engine/spec_decode/test_eagle3.py::test_mirror_head_greedy_identical_and_mostly_accepted  # aux in graphs
     tests/engine/worker/test_cuda_graph.py
     tests/engine/worker/test_tp_cuda.py
     tests/engine/layers/quantization/test_quant_moe.py  # quantized experts' fused kernel

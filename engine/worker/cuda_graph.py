@@ -1,6 +1,7 @@
 """CUDA graphs for decode and verification steps: the GPU's step graph (engine.worker.
 step_graph: the model runner runs it where it takes the step, the eager forward otherwise, as
-it does the CPU's one-call plan, cpu_graph.py). It reads the step's host-side inputs only (eager_inputs False).
+it does the CPU's one-call plan, cpu_graph.py). It reads the step's host-side inputs only
+(eager_inputs False).
 
 A decode step of a 32-layer model is ~1,200-1,500 small kernel launches: at small batches the
 GPU waits on Python and the launch queue. Captured once at start, a step is one graph replay.

@@ -163,25 +163,12 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
     rng = random.Random(1)
     for n in (1, 3, 5, 6, 8):
         ids, positions, seqs = _decode_step(rng, n, runner.num_blocks)
-        common = common_metadata_from_seqs(seqs, BLOCK)
-        before = [c[:, 1:].clone() for c in runner.kv_caches]
+        hidden, eager = _graph_step_equals_eager(runner, graphs, ids, positions, seqs)
         with torch.inference_mode():
-            meta = runner.attn_backend.build_metadata(common)
-            eager = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
-            written = [c[:, 1:].clone() for c in runner.kv_caches]
-            for cache, old in zip(runner.kv_caches, before, strict=True):
-                cache[:, 1:] = old  # undo: the graph step must write the same values itself
-            hidden = graphs.run(StepInputs(ids, positions, common))
-            assert hidden is not None and hidden.shape == eager.shape
-            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
             assert torch.equal(
                 runner.model.compute_logits(hidden).argmax(-1),
                 runner.model.compute_logits(eager).argmax(-1),
             )
-        for cache, w in zip(runner.kv_caches, written, strict=True):
-            # As close as the hidden states: a padded batch changes the GEMM's blocking (and
-            # float32 rounding) on some CPUs; outside block 0 nothing else may differ.
-            torch.testing.assert_close(cache[:, 1:], w, rtol=1e-5, atol=1e-5)
     assert graphs.runs == {1: 1, 4: 1, 8: 3}
     # A step with a prefill chunk and one above the ladder are left to the eager forward.
     ids, positions, seqs = _decode_step(rng, 9, runner.num_blocks)
@@ -190,12 +177,34 @@ def test_padded_decode_steps_equal_unpadded_eager_steps(tiny_llama_dir) -> None:
     assert graphs.run(StepInputs([*ids[:2], 1, 2, 3], [*positions[:2], 0, 1, 2], mixed)) is None
 
 
+def _graph_step_equals_eager(runner: ModelRunner, graphs: CudaGraphRunner, ids, positions, seqs):
+    """The step through graphs.run against the eager unpadded forward on the same backend:
+    the same hidden states, and the same K/V written outside block 0 (the eager step's
+    writes are undone first: the graph step must write them itself). -> (graph's, eager's)"""
+    common = common_metadata_from_seqs(seqs, BLOCK)
+    before = [c[:, 1:].clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        meta = graphs.backend.build_metadata(common)
+        eager = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
+        written = [c[:, 1:].clone() for c in runner.kv_caches]
+        for cache, old in zip(runner.kv_caches, before, strict=True):
+            cache[:, 1:] = old
+        hidden = graphs.run(StepInputs(ids, positions, common))
+    assert hidden is not None and hidden.shape == eager.shape
+    torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+    for cache, w in zip(runner.kv_caches, written, strict=True):
+        # As close as the hidden states: a padded batch changes the GEMM's blocking (and
+        # float32 rounding) on some CPUs; outside block 0 nothing else may differ.
+        torch.testing.assert_close(cache[:, 1:], w, rtol=1e-5, atol=1e-5)
+    return hidden, eager
+
+
 def _verify_step(rng: random.Random, n: int, num_blocks: int, verify_len: int):
-    """n requests of 1..verify_len tokens at contexts of 1-60 tokens (one-token ones first,
-    by context; each request's last block may have room to spare), scattered blocks."""
+    """n requests of 1..verify_len tokens (the last at least 2: a verification step) at
+    contexts of 1-60 tokens (one-token ones first, by context), scattered blocks."""
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    reqs = [(rng.randint(0, 59), rng.randint(1, verify_len)) for _ in range(n)]
+    reqs = [(rng.randint(0, 59), rng.randint(1 if i else 2, verify_len)) for i in range(n)]
     reqs.sort(key=lambda r: (r[1] != 1, r[0] if r[1] == 1 else 0))
     seqs = [(s, c, [free.pop() for _ in range(-(-(s + c) // BLOCK))]) for s, c in reqs]
     ids = [rng.randrange(1, 300) for _, c in reqs for _ in range(c)]
@@ -239,23 +248,7 @@ def test_padded_verify_steps_equal_unpadded_eager_steps(tiny_llama_dir, kernels)
     sizes = (1, 3, 4) if kernels == "triton" else (1, 2, 3, 4, 4)
     for n in sizes:
         ids, positions, seqs = _verify_step(rng, n, runner.num_blocks, 4)
-        if all(c == 1 for _, c, _ in seqs):  # make it a verification step
-            seqs[-1] = (seqs[-1][0], 2, seqs[-1][2])
-            ids.insert(len(ids), 7)
-            positions.append(positions[-1] + 1)
-        common = common_metadata_from_seqs(seqs, BLOCK)
-        before = [c[:, 1:].clone() for c in runner.kv_caches]
-        with torch.inference_mode():
-            meta = backend.build_metadata(common)
-            eager = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
-            written = [c[:, 1:].clone() for c in runner.kv_caches]
-            for cache, old in zip(runner.kv_caches, before, strict=True):
-                cache[:, 1:] = old  # undo: the graph step must write the same values itself
-            hidden = graphs.run(StepInputs(ids, positions, common))
-            assert hidden is not None and hidden.shape == eager.shape
-            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
-        for cache, w in zip(runner.kv_caches, written, strict=True):
-            torch.testing.assert_close(cache[:, 1:], w, rtol=1e-5, atol=1e-5)
+        _graph_step_equals_eager(runner, graphs, ids, positions, seqs)
     expected: dict[int, int] = {}
     for n in sizes:  # 3 requests pad to 4
         expected[bucket_for(n, (1, 2, 4))] = expected.get(bucket_for(n, (1, 2, 4)), 0) + 1
@@ -374,27 +367,33 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.mark.cuda
 @cuda
-def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
-    """Real CUDA graphs over the runner's backend: every decode step's greedy tokens equal
-    the eager step's, padded or not."""
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir, kind) -> None:
+    """Real CUDA graphs over the runner's backend: every decode step's (padded or not) and
+    every verification step's (4 tokens a request) hidden states and greedy tokens equal the
+    eager step's."""
     runner = _runner(tiny_llama_dir, device="cuda", enforce_eager=True)
     if not runner.attn_backend.cuda_graph_capturable:
         pytest.skip(f"the {runner.attn_backend.name} backend is not capturable")
+    verify = kind == "verify"
     graphs = CudaGraphRunner(
         runner.model, runner.attn_backend, (1, 2, 4, 8), MAX_LEN // BLOCK, CudaGraphCapture(),
-        "cuda",
+        "cuda", verify_len=4 if verify else 0, verify_sizes=(1, 2, 4, 8) if verify else (),
     )  # fmt: skip
     graphs.capture_all()
     g = torch.Generator(device="cuda").manual_seed(0)
     for cache in runner.kv_caches:
         cache.copy_(torch.randn(cache.shape, generator=g, device="cuda"))
     rng = random.Random(2)
+    dev = torch.device("cuda")
     for n in (1, 2, 3, 5, 8):
-        ids, positions, seqs = _decode_step(rng, n, runner.num_blocks)
+        if verify:
+            ids, positions, seqs = _verify_step(rng, n, runner.num_blocks, 4)
+        else:
+            ids, positions, seqs = _decode_step(rng, n, runner.num_blocks)
         common = common_metadata_from_seqs(seqs, BLOCK)
         with torch.inference_mode():
             meta = runner.attn_backend.build_metadata(common)
-            dev = torch.device("cuda")
             ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
             eager = runner.model(ids_t, pos_t, meta)
             hidden = graphs.run(StepInputs(ids, positions, common))
@@ -404,40 +403,7 @@ def test_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
                 runner.model.compute_logits(hidden).argmax(-1),
                 runner.model.compute_logits(eager).argmax(-1),
             )
-    graphs.close()
-
-
-@pytest.mark.cuda
-@cuda
-def test_verify_graph_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
-    """Real CUDA graphs of verification steps (4 tokens a request): each step's hidden states
-    equal the eager unpadded step's."""
-    runner = _runner(tiny_llama_dir, device="cuda", enforce_eager=True)
-    if not runner.attn_backend.cuda_graph_capturable:
-        pytest.skip(f"the {runner.attn_backend.name} backend is not capturable")
-    graphs = CudaGraphRunner(
-        runner.model, runner.attn_backend, (1, 2), MAX_LEN // BLOCK, CudaGraphCapture(),
-        "cuda", verify_len=4, verify_sizes=(1, 2, 4, 8),
-    )  # fmt: skip
-    graphs.capture_all()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for cache in runner.kv_caches:
-        cache.copy_(torch.randn(cache.shape, generator=g, device="cuda"))
-    rng = random.Random(4)
-    dev = torch.device("cuda")
-    for n in (1, 2, 3, 5, 8):
-        ids, positions, seqs = _verify_step(rng, n, runner.num_blocks, 4)
-        if all(c == 1 for _, c, _ in seqs):
-            continue  # a decode step: not this test's
-        common = common_metadata_from_seqs(seqs, BLOCK)
-        with torch.inference_mode():
-            meta = runner.attn_backend.build_metadata(common)
-            ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
-            eager = runner.model(ids_t, pos_t, meta)
-            hidden = graphs.run(StepInputs(ids, positions, common))
-            assert hidden is not None
-            torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
-    assert sum(graphs.verify_runs.values()) >= 3
+    assert sum((graphs.verify_runs if verify else graphs.runs).values()) == 5
     graphs.close()
 
 

@@ -57,9 +57,14 @@ class PPMissingLayer(nn.Identity):
 
 
 class IntermediateTensors:
-    """What one stage hands the next: the hidden states and the residual, [T, H] each."""
+    """What one stage hands the next: the hidden states and the residual, [T, H] each
+    (residual None: a stage that reads the hidden states alone, as an EAGLE head reads its
+    target's, engine.spec_decode.eagle.HeadStage). Unpacks as (hidden, residual)."""
 
     __slots__ = ("hidden", "residual")
 
-    def __init__(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         self.hidden, self.residual = hidden, residual
+
+    def __iter__(self):
+        return iter((self.hidden, self.residual))

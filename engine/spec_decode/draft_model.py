@@ -20,8 +20,8 @@ The draft's forwards go through a step graph of its own where the device has one
 engine.worker.cuda_graph, over the draft's weights and cache; built once the cache is bound):
 its one-token steps replay the decode graphs, and the feed after a verification step (at most
 k + 2 tokens a request: the last verified token, the accepted drafts, the bonus token) a
-verification family of k + 2 tokens. An EAGLE head (graphs False) reads the target's
-features and runs eagerly.
+verification family of k + 2 tokens. An EAGLE head's forwards do too, as a pipeline stage
+after its target (engine.spec_decode.eagle.HeadStage).
 """
 
 from __future__ import annotations
@@ -194,7 +194,12 @@ class DraftModel:
         """The draft's step graph over its bound cache (None where the device has none)."""
         if self.graph is not None:  # a re-bound cache: the old graph reads the old one
             self.graph.close()
-        self.graph = graph_type.build(self.model, self.step_graph_config(target))
+        self.graph = graph_type.build(self.step_module, self.step_graph_config(target))
+
+    @property
+    def step_module(self) -> torch.nn.Module:
+        """What a step runs (eagerly or in the graph): the draft model."""
+        return self.model
 
     # -- proposing ------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ every rank, and TargetVocab holds whole copies of its vocabulary-sharded embeddi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.metadata import common_metadata_from_seqs
 from engine.distributed import get_tp_size, tp_all_gather
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.ops import bind_custom_ops
@@ -36,7 +38,9 @@ from engine.layers.quantization.unquantized import UnquantizedLMHeadMethod
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.loader import _default_dtype, _weight_files
+from engine.models.pipeline import IntermediateTensors
 from engine.spec_decode.draft_model import DraftModel
+from engine.worker.step_graph import StepInputs, run_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from engine.models.hf_config import HFModelConfig
     from engine.outputs import ScheduledRequest
     from engine.worker.input_batch import CachedRequestState
+    from engine.worker.step_graph import StepGraphConfig
 
 _SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "norm.")  # the target's (or unused)
 
@@ -226,14 +231,50 @@ def load_eagle_head(
     return head.eval()
 
 
+class HeadStage(nn.Module):
+    """The head's step in a pipeline stage's form, so that the step graph runs it as one
+    (engine.worker.cuda_graph.StageShape): given the target's features as a later stage is
+    given the hidden states (no residual), it returns the rows the LM head reads and the
+    features the next draft step reads, as a stage returns its hidden states and residual."""
+
+    def __init__(self, proposer: EagleProposer) -> None:
+        super().__init__()
+        self.proposer = proposer  # not a submodule: the head's weights stay the proposer's
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        given: IntermediateTensors,
+    ) -> IntermediateTensors:
+        out, g = self.proposer._run_head(input_ids, given.hidden, positions, meta)
+        return IntermediateTensors(out, g)
+
+
 class EagleProposer(DraftModel):
     what = "EAGLE head"
-    graphs = False  # its forwards read the target's features: eager
 
     def __init__(self, target: nn.Module, vocab: TargetVocab, *args, **kwargs) -> None:
         self.target = target
         self.vocab = vocab  # the target's embedding and LM head, as this rank reads them
         super().__init__(*args, **kwargs)
+        self._stage = HeadStage(self)
+
+    @property
+    def step_module(self) -> nn.Module:
+        return self._stage
+
+    def step_graph_config(self, target: StepGraphConfig) -> StepGraphConfig:
+        """The draft's, as a stage after the target: given the features (no residual),
+        returning both outputs; a feed has at most k + 1 rows a request."""
+        return dataclasses.replace(
+            super().step_graph_config(target),
+            verify_len=self.k + 1,
+            first_stage=False,
+            last_stage=False,
+            stage_residual=False,
+        )
 
     def step_features(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """What the head reads of the target's step: its last hidden states."""
@@ -333,13 +374,12 @@ class EagleProposer(DraftModel):
     def _forward_head(
         self, ids: list[int], features: torch.Tensor, positions: list[int], seqs: list
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the rows the LM head reads, the features the next draft step reads)."""
-        from engine.attention.metadata import common_metadata_from_seqs
-
-        meta = self.backend.build_metadata(common_metadata_from_seqs(seqs, self.block_size))
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        return self._run_head(input_ids, features, pos, meta)
+        """(the rows the LM head reads, the features the next draft step reads): the step
+        graph's where it takes the step, else the eager forward's."""
+        common = common_metadata_from_seqs(seqs, self.block_size)
+        step = StepInputs(ids, positions, common, intermediate=IntermediateTensors(features, None))
+        out, g = run_step(self.graph, self._stage, step, self._eager_inputs)
+        return out, g
 
     def _run_head(
         self,

@@ -33,7 +33,8 @@ the attention kernels are causal, so its real tokens never see them; they write 
 read keys of block 0 past the request's blocks; their outputs are dropped (the replay gathers
 the step's own rows, in its order). A draft model's forwards use the same runner over its own
 weights and cache: its one-token steps the decode graphs, the feed after a verification step
-(at most k + 2 tokens a request) a verify_len k + 2 family.
+(at most k + 2 tokens a request) a verify_len k + 2 family; an EAGLE head's as a stage after
+its target (given the target's features, returning its two outputs; k + 1 tokens a feed).
 
 Under pipeline parallelism a stage's graphs hold its own layers (StageShape): after the first
 stage they read the received hidden states and residual from static buffers, which run()
@@ -354,13 +355,15 @@ def verify_ladder(max_num_seqs: int, verify_len: int) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class StageShape:
     """Where a pipeline stage's graphs sit: after the first stage they read the previous
-    stage's hidden states and residual ([tokens, hidden_size] of dtype), before the last
-    they return their own. The defaults: the whole model."""
+    stage's hidden states and residual ([tokens, hidden_size] of dtype; the hidden states
+    alone where residual is False: an EAGLE head after its target), before the last they
+    return their own. The defaults: the whole model."""
 
     first: bool = True
     last: bool = True
     hidden_size: int = 0
     dtype: torch.dtype = torch.float32
+    residual: bool = True
 
 
 class CudaGraphRunner:
@@ -423,7 +426,8 @@ class CudaGraphRunner:
         if not self.stage.first:
             shape = (max_tokens, self.stage.hidden_size)
             self._stage_in = tuple(
-                torch.zeros(shape, dtype=self.stage.dtype, device=self.device) for _ in range(2)
+                torch.zeros(shape, dtype=self.stage.dtype, device=self.device)
+                for _ in range(2 if self.stage.residual else 1)
             )
 
     @classmethod
@@ -472,7 +476,9 @@ class CudaGraphRunner:
             c.device,
             verify_len=c.verify_len,
             verify_sizes=verify_ladder(c.max_num_seqs, c.verify_len),
-            stage=StageShape(c.first_stage, c.last_stage, c.hf_config.hidden_size, c.dtype),
+            stage=StageShape(
+                c.first_stage, c.last_stage, c.hf_config.hidden_size, c.dtype, c.stage_residual
+            ),
         )
         runner.capture_all()
         return runner
@@ -534,7 +540,8 @@ class CudaGraphRunner:
         model, aux = self.model, self._aux
         given = None
         if self._stage_in is not None:
-            given = IntermediateTensors(*(t[:tokens] for t in self._stage_in))
+            views = [t[:tokens] for t in self._stage_in]
+            given = IntermediateTensors(views[0], views[1] if len(views) > 1 else None)
 
         def step(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
             out = (
@@ -578,7 +585,7 @@ class CudaGraphRunner:
             fed_rows = fed_rows + (rows - n) if q == 1 else step_rows[fed_rows]
             self.inputs.ids(tokens).index_copy_(0, fed_rows, values)
         if self._stage_in is not None:  # the previous stage's rows where the step's sit
-            given = (inputs.intermediate.hidden, inputs.intermediate.residual)
+            given = tuple(inputs.intermediate)[: len(self._stage_in)]
             for buf, t in zip(self._stage_in, given, strict=True):
                 if q == 1:
                     buf[rows - n : rows].copy_(t)

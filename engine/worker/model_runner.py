@@ -38,7 +38,9 @@ step the draft reads the step's kept tokens and proposes the next drafts
 (ModelRunnerOutput.draft_token_ids); an EAGLE head (engine.spec_decode.eagle) reads the
 step's hidden states too (EAGLE-3, engine.spec_decode.eagle3: the inputs of three layers,
 kept by the eager forward and by CUDA graphs; the CPU's decode plan keeps none, so there
-EAGLE-3's steps run eager). Under tensor parallelism only the driver holds the drafter.
+EAGLE-3's steps run eager). The drafter's forwards run in a step graph of its own where the
+device has one (DraftModel.build_graph). Under tensor parallelism only the driver holds the
+drafter.
 
 With async scheduling (engine.async_scheduling, one rank) execute_model returns a
 PendingOutput instead: the sampled ids stay on the device, placeholders stand for them in the

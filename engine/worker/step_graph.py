@@ -73,6 +73,7 @@ class StepGraphConfig:
     # pipeline parallelism: this rank's stage starts from the embedding / ends with the norm
     first_stage: bool = True
     last_stage: bool = True
+    stage_residual: bool = True  # a later stage is given the residual too (not an EAGLE head)
 
 
 @runtime_checkable

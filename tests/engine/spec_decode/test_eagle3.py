@@ -21,6 +21,8 @@ from eagle_heads import (
 )
 
 from engine import LLM, SamplingParams
+from engine.attention.metadata import common_metadata_from_seqs
+from engine.models.pipeline import IntermediateTensors
 from engine.spec_decode.eagle3 import aux_layer_ids
 
 
@@ -85,10 +87,58 @@ def test_target_steps_replay_in_cuda_graphs_with_the_heads_layers(
     got, stats, _, leaked, preempted = generate_greedy(mirror_target, spec, waves, graphs, **kwargs)
     assert got == ref and leaked == 0 and preempted > 0
     assert stats.accepted_per_pos[0] > 0.5 * stats.num_drafts, stats
-    target = graphs["target"]
-    assert graphs["draft"] is None  # the head's own forwards stay eager
+    target, head = graphs["target"], graphs["draft"]
     assert target._aux is not None and target.verify_len == 4
     assert sum(target.verify_runs.values()) >= 10 and sum(target.runs.values()) > 0
+    # the head's forwards too: its feeds (up to k + 1 rows a request), its one-token steps
+    assert head.verify_len == 4 and sum(head.verify_runs.values()) >= 10
+    assert sum(head.runs.values()) >= 10
+
+
+def test_the_heads_forwards_replay_in_cuda_graphs(tiny_llama_dir, random_head, monkeypatch):
+    """The head's forwards through its own graphs (a stage after the target: the features
+    in a static buffer at the step's rows, both outputs gathered back): a feed of 1-4 rows a
+    request and a one-token step give the eager forward's outputs. A random head: the
+    features change them (a mirror head's ignore them)."""
+    import random
+
+    from graphs_testing import REPLAY
+
+    from engine.worker.step_graph import StepInputs, run_step
+
+    monkeypatch.setenv(*REPLAY)
+    spec = {"method": "eagle3", "model": str(random_head), "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="torch", max_num_seqs=4,
+              num_kv_blocks=64, speculative_config=spec, async_scheduling=False)  # fmt: skip
+    try:
+        drafter = llm.engine.executor.runner.drafter
+        graph = drafter.graph
+        assert graph is not None and graph.verify_len == 4
+        h = drafter.hf_config.hidden_size
+        rng, g = random.Random(0), torch.Generator().manual_seed(0)
+        free = list(range(1, 64))
+        for counts in ([1, 3, 4], [1, 1]):  # a feed after verification; a one-token step
+            starts = [rng.randint(0, 40) for _ in counts]
+            seqs = [(s, c, [free.pop() for _ in range(-(-(s + c) // drafter.block_size))])
+                    for s, c in zip(starts, counts, strict=True)]  # fmt: skip
+            ids = [rng.randrange(3, 300) for _ in range(sum(counts))]
+            positions = [p for s, c, _ in seqs for p in range(s, s + c)]
+            features = torch.randn(len(ids), h, generator=g)
+            with torch.inference_mode():
+                got = drafter._forward_head(ids, features, positions, seqs)
+                common = common_metadata_from_seqs(seqs, drafter.block_size)
+                step = StepInputs(ids, positions, common)
+                step.intermediate = IntermediateTensors(features, None)
+                want = run_step(None, drafter.step_module, step, drafter._eager_inputs)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            other = torch.randn(len(ids), h, generator=g)  # the features matter
+            with torch.inference_mode():
+                moved = drafter._forward_head(ids, other, positions, seqs)
+            assert not torch.allclose(moved[0], got[0], atol=1e-3)
+        assert graph.verify_runs == {4: 2} and graph.runs == {2: 2}
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("kwargs", CASES, ids=["plain", "preempt-chunked"])

@@ -46,7 +46,12 @@ if _ROOT not in sys.path:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `cuda` need a CUDA device: skipped (not failed) where there is none."""
+    """Files with `slow` tests first (each file's own order kept): under `make test` the
+    workers take whole files (xdist's loadfile) in this order, so the long ones start early
+    and the run does not end on one worker alone with a slow file. Tests marked `cuda` need
+    a CUDA device: skipped (not failed) where there is none."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable
     marked = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not marked:
         return

@@ -419,10 +419,11 @@ class CudaGraphRunner:
             self.lora.make_static(max_tokens, found[1])
         self.takes_lora = self.lora is not None
         self._aux = aux_module(model)  # EAGLE-3: the target's layer inputs, kept per graph
-        # pipeline parallelism: a stage after the first reads the previous stage's hidden
-        # states and residual from static buffers; one before the last returns its own
+        # pipeline parallelism (and an EAGLE head, a stage after its target): a stage after
+        # the first reads the previous stage's hidden states (and residual, where it is given
+        # one) from static buffers; one before the last returns its own
         self.stage = stage or StageShape()
-        self._stage_in: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stage_in: tuple[torch.Tensor, ...] | None = None
         if not self.stage.first:
             shape = (max_tokens, self.stage.hidden_size)
             self._stage_in = tuple(

@@ -292,12 +292,13 @@ class EngineConfig:
             self.max_num_queued_requests is None or self.max_num_queued_requests >= 0,
             f"max_num_queued_requests must be >= 0, got {self.max_num_queued_requests}",
         )
-        _check(
-            self.scheduler.speculative_config is None or self.parallel.pipeline_parallel_size == 1,
-            "speculative_config is not supported with pipeline_parallel_size > 1 yet "
-            "(the last stage would verify drafts the driver proposed); drop one of them",
-        )
         spec = self.scheduler.speculative_config
+        _check(
+            spec is None or self.parallel.pipeline_parallel_size == 1 or spec.method == "ngram",
+            "speculative_config with pipeline_parallel_size > 1 takes the ngram method only (a "
+            "draft model or EAGLE head runs beside the first stage, which does not learn a "
+            "step's tokens before the next step); use ngram or drop one of them",
+        )
         draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
         tp = self.parallel.tensor_parallel_size
         _check(

@@ -816,15 +816,15 @@ class ModelRunner:
     ) -> bool:
         """Logits at each drafted request's last len(drafts) + 1 rows, then the rejection
         sampler (engine.spec_decode.rejection): the kept drafts and one more token into out.
-        Every rank computes the logits (the LM head's collectives); only the driver verifies
-        (returns True)."""
+        Every rank computes the logits (the LM head's collectives); only the rank that
+        samples verifies (returns True): the driver, or under PP the last stage's first."""
         rows: list[int] = []
         for r in spec:
             last, k = last_row[r.request_id], len(r.spec_token_ids)
             rows.extend(range(last - k, last + 1))
         index = torch.tensor(self._head_rows(rows), dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        if self.rank != 0:
+        if not self.samples:
             return False
         states = [self.input_batch[r.request_id] for r in spec]
         if self._spec_generator is None:

@@ -180,6 +180,30 @@ def test_pp2_stages_replay_in_cuda_graphs(tiny_llama_dir, monkeypatch):
 
 
 @pytest.mark.slow
+def test_pp2_ngram_speculation_equals_one_process(tiny_llama_dir):
+    """N-gram drafts under PP = 2: the last stage verifies them (the rank that samples) and
+    its kept tokens come back in its reply; greedy tokens of one process without drafts,
+    through chunked prefill, preemption and a prefix hit, with drafts accepted. A draft
+    model stays refused under PP (the first stage's driver never holds a step's tokens)."""
+    torch.set_num_threads(1)
+    from engine.args import EngineArgs
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "adaptive": False}  # fmt: skip
+    want, _, _ = _generate(tiny_llama_dir)
+    got, stats, _ = _generate(tiny_llama_dir, pp=2, speculative_config=spec)
+    assert got == want
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert 0 < stats.spec_decoding.num_accepted_tokens <= stats.spec_decoding.num_draft_tokens
+    with pytest.raises(ValueError, match="takes the ngram method only"):
+        EngineArgs(
+            model=str(tiny_llama_dir),
+            pipeline_parallel_size=2,
+            speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2},
+        ).create_engine_config()
+
+
+@pytest.mark.slow
 def test_tp2_pp2_engine_greedy_equals_one_process(tiny_llama_dir):
     """Four ranks: two stages of two TP ranks (a TP group per stage), each TP rank sending
     to its counterpart in the next stage."""

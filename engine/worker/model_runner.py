@@ -31,7 +31,7 @@ request padded to 1 + k tokens, cuda_graph.py; the CPU's decode plan takes it to
 attention kernel having their rows), its logits are
 computed at every one of those positions, and engine.spec_decode.rejection keeps the drafts
 the target agrees with and adds one token of its own; on the host sampler, whatever the
-device.
+device, of the rank that samples (under PP the last stage's first: n-gram drafts only).
 With a draft model (engine.spec_decode.draft_model) the runner also holds the draft and its
 KV cache (same block ids; kv_block_bytes counts both, copy_blocks copies both); after each
 step the draft reads the step's kept tokens and proposes the next drafts

@@ -37,7 +37,7 @@ from engine.attention.backends import select_backend
 from engine.attention.metadata import common_metadata_from_seqs
 from engine.distributed import get_tp_size, tp_broadcast_object
 from engine.models.loader import load_hf_config, load_model, resolve_model
-from engine.worker.step_graph import StepInputs, run_step
+from engine.worker.step_graph import StepInputs, build_eager_inputs, run_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -318,10 +318,7 @@ class DraftModel:
         return run_step(self.graph, self.model, step, self._eager_inputs)
 
     def _eager_inputs(self, step: StepInputs) -> None:
-        step.attn_metadata = self.backend.build_metadata(step.common)
-        to = {"device": self.device, "non_blocking": True}
-        step.input_ids = torch.tensor(step.ids, dtype=torch.long).to(**to)
-        step.position_ids = torch.tensor(step.positions, dtype=torch.long).to(**to)
+        build_eager_inputs(step, self.backend, self.device)
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
         greedy = self.model.greedy_tokens(hidden)

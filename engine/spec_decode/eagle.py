@@ -379,7 +379,7 @@ class EagleProposer(DraftModel):
         common = common_metadata_from_seqs(seqs, self.block_size)
         step = StepInputs(ids, positions, common, intermediate=IntermediateTensors(features, None))
         out, g = run_step(self.graph, self._stage, step, self._eager_inputs)
-        return out, g
+        return out, g  # (a stage's IntermediateTensors, unpacked)
 
     def _run_head(
         self,

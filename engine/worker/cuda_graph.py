@@ -593,7 +593,9 @@ class CudaGraphRunner:
                 else:
                     buf.index_copy_(0, step_rows, t)
         attn_meta = self.backend.fill_static_metadata(self.static_meta, padded)
-        with self._lora_buffers(np.arange(rows - n, rows) if at is None else at):
+        if at is None and self.lora is not None:  # the decode rows after the padding
+            at = np.arange(rows - n, rows)
+        with self._lora_buffers(at):
             outs = self._replays[rows, q](attn_meta)
         runs = self.runs if q == 1 else self.verify_runs
         runs[rows] = runs.get(rows, 0) + 1

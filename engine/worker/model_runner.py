@@ -109,7 +109,13 @@ from engine.worker.cuda_graph import CudaGraphRunner, ReplayGraphRunner, aux_mod
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.pooler import pool_step
 from engine.worker.prompt_logprobs import compute_prompt_logprobs
-from engine.worker.step_graph import StepGraph, StepGraphConfig, StepInputs, run_step
+from engine.worker.step_graph import (
+    StepGraph,
+    StepGraphConfig,
+    StepInputs,
+    build_eager_inputs,
+    run_step,
+)
 from engine.worker.step_threads import StepThreads
 
 if TYPE_CHECKING:
@@ -1063,15 +1069,5 @@ class ModelRunner:
         return None
 
     def _eager_inputs(self, step: StepInputs) -> None:
-        """The eager forward's tensors for the step: ids and positions on the device, the
-        backend's metadata."""
-        step.attn_metadata = self.attn_backend.build_metadata(step.common)
-        if self.device.type == "cpu":
-            input_ids = torch.tensor(step.ids, dtype=torch.long)
-            pos = torch.tensor(step.positions, dtype=torch.long)
-        else:  # a blocking host-to-device copy would wait for the device's queue
-            input_ids = torch.tensor(step.ids, dtype=torch.long).to(self.device, non_blocking=True)
-            pos = torch.tensor(step.positions, dtype=torch.long).to(self.device, non_blocking=True)
-        if step.fed is not None:  # the last step's ids, without a trip through the host
-            input_ids.index_copy_(0, *step.fed)
-        step.input_ids, step.position_ids = input_ids, pos
+        """The eager forward's tensors for the step (step_graph.build_eager_inputs)."""
+        build_eager_inputs(step, self.attn_backend, self.device)

@@ -115,6 +115,22 @@ class StepGraph(Protocol):
         ...
 
 
+def build_eager_inputs(step: StepInputs, backend: AttentionBackend, device: torch.device) -> None:
+    """The eager forward's tensors for the step: ids and positions on the device (fed
+    applied), the backend's metadata."""
+    import torch
+
+    step.attn_metadata = backend.build_metadata(step.common)
+    input_ids = torch.tensor(step.ids, dtype=torch.long)
+    pos = torch.tensor(step.positions, dtype=torch.long)
+    if device.type != "cpu":  # a blocking host-to-device copy would wait for the device's queue
+        input_ids = input_ids.to(device, non_blocking=True)
+        pos = pos.to(device, non_blocking=True)
+    if step.fed is not None:  # the last step's ids, without a trip through the host
+        input_ids.index_copy_(0, *step.fed)
+    step.input_ids, step.position_ids = input_ids, pos
+
+
 def run_step(
     graph: StepGraph | None,
     model: torch.nn.Module,

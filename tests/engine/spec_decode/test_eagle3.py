@@ -19,6 +19,7 @@ from eagle_heads import (
     generate_greedy,
     one_layer_in_effect,
 )
+from graphs_testing import REPLAY
 
 from engine import LLM, SamplingParams
 from engine.attention.metadata import common_metadata_from_seqs
@@ -82,7 +83,7 @@ def test_target_steps_replay_in_cuda_graphs_with_the_heads_layers(
     ref, _, _, _, _ = generate_greedy(mirror_target, None, waves, **kwargs)
     spec = {"method": "eagle3", "model": str(mirror_head), "num_speculative_tokens": 3}
     spec["draft_backoff"] = False
-    monkeypatch.setenv("TESSERA_STEP_GRAPH", "replay")
+    monkeypatch.setenv(*REPLAY)
     graphs: dict = {}
     got, stats, _, leaked, preempted = generate_greedy(mirror_target, spec, waves, graphs, **kwargs)
     assert got == ref and leaked == 0 and preempted > 0
@@ -101,8 +102,6 @@ def test_the_heads_forwards_replay_in_cuda_graphs(tiny_llama_dir, random_head, m
     request and a one-token step give the eager forward's outputs. A random head: the
     features change them (a mirror head's ignore them)."""
     import random
-
-    from graphs_testing import REPLAY
 
     from engine.worker.step_graph import StepInputs, run_step
 

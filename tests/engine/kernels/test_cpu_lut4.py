@@ -180,7 +180,9 @@ def test_the_dot_kernel_and_the_dense_path_split_at_dot_max_rows(monkeypatch):
 def test_the_decoded_tiles_write_what_the_dense_path_writes():
     """bf16 x of DOT_MAX_ROWS + 1 to tiles_max_rows() rows: each 32 weight rows decoded to bf16
     in cache and the AVX512-BF16 dot kernel on them give the bytes of the whole weight
-    dequantized for the dense GEMM (the same rounding, the same kernel); 1 and 2 threads."""
+    dequantized and that kernel on it (the same rounding, the same kernel: cpu_gemm.linear,
+    not dense_linear, which on AMX machines hands these rows to oneDNN's tiles, whose sums
+    come in another order); 1 and 2 threads."""
     table = TABLES["nf4"]
     for n, k in [(7, 64), (33, 1024), (130, 192)]:
         _, _, (packed, scales) = _weight(n, k, seed=n)
@@ -188,7 +190,7 @@ def test_the_decoded_tiles_write_what_the_dense_path_writes():
         for bias in (None, torch.randn(n).bfloat16()):
             for m in (lut4.DOT_MAX_ROWS + 1, 17, lut4.tiles_max_rows()):
                 x = torch.randn(m, k).bfloat16()
-                want = cpu_gemm.dense_linear(x, w, bias)
+                want = cpu_gemm.linear(x, w, bias)
                 threads = torch.get_num_threads()
                 try:
                     for t in (1, 2):

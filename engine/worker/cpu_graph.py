@@ -160,6 +160,7 @@ class DecodePlan:
                     ptr(slots.slice_size), ptr(slots.slice_off), ptr(slots.slice_rank),
                     slots.a.shape[1], slots.bt.shape[2], slots.bt.shape[1], n,
                     int(slots.bt.dtype == torch.bfloat16),
+                    int(cpu_lora.amx_takes(slots.bt.dtype, slots.a.shape[2])),
                 )
             )  # fmt: skip
             return ctypes.addressof(self._loras[-1])

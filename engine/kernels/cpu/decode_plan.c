@@ -20,6 +20,13 @@ static int lora(const Layer* L, int which, const Step* st, const bf16* x, int64_
     int64_t K, bf16* y, int64_t N) {
   const LoraLayer* A = L->lora[which];
   if (!st->lora_nseg || !A) return 0;
+  if (A->amx) {
+    const int rc = lora_apply_bf16w_amx(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start,
+        st->lora_seg_len, st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->bt,
+        A->out, A->rank, A->nslices, A->slice_row, A->slice_size, A->slice_off, A->slice_rank,
+        st->threads);
+    if (rc != 1) return rc;
+  }
   if (A->bf16_slots)
     return lora_apply_bf16w(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start,
         st->lora_seg_len, st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->bt,
@@ -28,6 +35,29 @@ static int lora(const Layer* L, int which, const Step* st, const bf16* x, int64_
   return lora_apply_bf16(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start, st->lora_seg_len,
       st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->bt, A->out, A->rank,
       A->nslices, A->slice_row, A->slice_size, A->slice_off, A->slice_rank, st->threads);
+}
+
+/* The bytes the step's LoRA call on this layer will read, for the GEMM before it to bring
+   into cache while its tiles compute: each segment's slot, A's rows then B^T's, in segment
+   order (lora_amx.c's threads split the segments in the same order). Measured (machine F, 32
+   rows over 8 rank-16 adapters): the LoRA calls 5.3 -> 3.2 ms a step, the GEMMs 1.1 ms
+   slower; one adapter's slots are few bytes, left to the kernel's own prefetching. */
+static const prefetch_ranges* lora_prefetch(const Layer* L, int which, const Step* st,
+    int64_t K, prefetch_ranges* pf) {
+  const LoraLayer* A = L->lora[which];
+  if (st->lora_nseg < 2 || !A || !A->bf16_slots) return NULL;
+  pf->n = 0;
+  for (int64_t g = 0; g < st->lora_nseg && pf->n + 2 <= PREFETCH_MAX_RANGES; ++g) {
+    const int64_t slot = st->lora_seg_slot[g];
+    int64_t rank = 0;
+    for (int64_t c = 0; c < A->nslices; ++c)
+      if (A->slice_rank[slot * A->nslices + c] > rank) rank = A->slice_rank[slot * A->nslices + c];
+    pf->ptr[pf->n] = (const bf16*)A->a + slot * A->a_rows * K;
+    pf->bytes[pf->n++] = (int64_t)A->width[slot] * K * 2;
+    pf->ptr[pf->n] = (const bf16*)A->bt + slot * A->rank * A->out;
+    pf->bytes[pf->n++] = rank * A->out * 2;
+  }
+  return pf;
 }
 
 /* y [M][N] (bf16, N apart) = x [M][K] (ldx apart) . W^T + bias, as the layer's module would. */
@@ -42,8 +72,11 @@ static int gemm(const Layer* L, int which, const Step* st, const bf16* x, int64_
         L->lut4_levels[which], N, L->bias[which], y, N, T);
   }
   if (!st->w8a8) {  /* above w4.c's rows, AMX-bf16 on the tiles or the batch kernel */
-    if (st->amx)
-      return amx_bf16_linear_w4(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, 0, T);
+    if (st->amx) {
+      prefetch_ranges pf;
+      return amx_bf16_linear_w4_prefetch(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N,
+          0, lora_prefetch(L, which, st, K, &pf), T);
+    }
     if (M > w4_max_rows() && linear_q4_bf16_batch)
       return linear_q4_bf16_batch(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);
     return linear_q4_bf16(x, ldx, M, K, L->w4[which], N, L->bias[which], y, N, T);

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.cpu import amx_bf16 as cpu_amx
 from engine.kernels.cpu import build, ops
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -46,6 +47,17 @@ def slot_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
 
 
+def amx_takes(slot_dtype: torch.dtype, in_features: int) -> bool:
+    """Whether a layer of these slots runs on AMX-bf16 tiles (lora_amx.c): bf16 slots, K a
+    multiple of 32, the tiles here and not turned off (TESSERA_AMX=0)."""
+    return (
+        slot_dtype == torch.bfloat16
+        and in_features % 32 == 0
+        and cpu_amx.available()
+        and ops.function("lora_apply_bf16w_amx") is not None
+    )
+
+
 def lora_apply(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -60,20 +72,18 @@ def lora_apply(
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
     seg_slot: torch.Tensor,
-    portable: bool = False,
-) -> None:
-    """y[rows] += each row's slot's B (A x) in place. x [T, K], y [T, out] (row strides
-    free); a [slots, n*R, K] and bt [slots, R, out] (B transposed) contiguous, float32 or
-    (x bfloat16) bfloat16; portable: bf16 slots on the plain C kernel (the tests' check of the
-    fallback CPUs without AVX512-BF16 run); width [slots];
+    variant: str = "auto",
+) -> bool:
+    """y[rows] += each row's slot's B (A x) in place; False where the variant asked for could
+    not take the call (y untouched). x [T, K], y [T, out] (row strides free); a [slots, n*R, K] and bt [slots, R, out] (B transposed) contiguous, float32 or
+    (x bfloat16) bfloat16; variant, for bf16 slots: "auto" (AMX-bf16 tiles where amx_takes,
+    else the vector kernel), "vector" (AVX512-BF16 where built, else plain C), "portable"
+    (plain C: what CPUs without AVX512-BF16 run), "amx" (the tiles; False where they cannot
+    take the call: the tests' way to force each); width [slots];
     slice_row / slice_size [n]; slice_off / slice_rank [slots, n]; rows, seg_start, seg_len,
     seg_slot as engine.lora.layers.LoRABatch sets them (int32, contiguous)."""
     assert a.is_contiguous() and bt.is_contiguous()
-    name = f"lora_apply_{_SUFFIX[x.dtype]}"
-    if bt.dtype == torch.bfloat16:
-        name = "lora_apply_bf16w_portable" if portable else "lora_apply_bf16w"
-    fn = ops.function(name)
-    rc = fn(
+    args = (
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1],
         rows.data_ptr(), seg_start.data_ptr(), seg_len.data_ptr(), seg_slot.data_ptr(),
         seg_slot.numel(), a.data_ptr(), a.shape[1], width.data_ptr(), bt.data_ptr(),
@@ -81,5 +91,19 @@ def lora_apply(
         slice_size.data_ptr(), slice_off.data_ptr(), slice_rank.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("lora_apply: could not allocate its scratch")
+    if bt.dtype != torch.bfloat16:
+        names = [f"lora_apply_{_SUFFIX[x.dtype]}"]
+    elif variant == "auto":
+        amx = amx_takes(bt.dtype, x.shape[1])
+        names = ["lora_apply_bf16w_amx", "lora_apply_bf16w"] if amx else ["lora_apply_bf16w"]
+    else:
+        names = [{"vector": "lora_apply_bf16w", "portable": "lora_apply_bf16w_portable",
+                  "amx": "lora_apply_bf16w_amx"}[variant]]  # fmt: skip
+    for name in names:
+        rc = ops.function(name)(*args)
+        if rc == 1:  # the tiles could not take it: the next
+            continue
+        if rc != 0:
+            raise MemoryError("lora_apply: could not allocate its scratch")
+        return True
+    return False

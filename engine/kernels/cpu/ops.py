@@ -133,6 +133,10 @@ SIGNATURES: dict[str, Signature] = {
     "amx_bf16_linear_argmax": ([_P, _I64, _I64, _I64, _P, _I64, _P, _INT], _INT),
     # x, ldx, M, K, w4 tiles, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear_w4": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    "amx_bf16_linear_w4_prefetch": (
+        [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT, _P, _INT],
+        _INT,
+    ),
     "amx_bf16_gated_w4": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT], _INT),
     # x, ldx, M, K, rows, row_bytes, type, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear_gguf": (
@@ -152,6 +156,7 @@ SIGNATURES: dict[str, Signature] = {
     "lora_apply_bf16": (_LORA, _INT),
     "lora_apply_bf16w": (_LORA, _INT),  # bf16 slots
     "lora_apply_bf16w_portable": (_LORA, _INT),
+    "lora_apply_bf16w_amx": (_LORA, _INT),  # 1: not taken (no AMX-bf16, K % 32)
     # paged_attention.c
     "paged_decode_f32": (_DECODE, None),
     "paged_decode_bf16": (_DECODE, None),
@@ -177,7 +182,15 @@ class Shape(ctypes.Structure):
 class LoraLayer(ctypes.Structure):
     _fields_ = [
         (n, _P) for n in ("a", "bt", "width", "slice_row", "slice_size", "slice_off", "slice_rank")
-    ] + [(n, _I64) for n in ("a_rows", "out", "rank", "nslices", "bf16_slots")]
+    ] + [(n, _I64) for n in ("a_rows", "out", "rank", "nslices", "bf16_slots", "amx")]
+
+
+class PrefetchRanges(ctypes.Structure):
+    _fields_ = [
+        ("ptr", _P * CONSTANTS["PREFETCH_MAX_RANGES"]),
+        ("bytes", _I64 * CONSTANTS["PREFETCH_MAX_RANGES"]),
+        ("n", _I64),
+    ]
 
 
 class Layer(ctypes.Structure):
@@ -213,6 +226,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "LoraLayer": LoraLayer,
     "Layer": Layer,
     "Step": Step,
+    "prefetch_ranges": PrefetchRanges,
 }
 
 # Compiled only where the CPU has the instructions they need (see the header): absent from

@@ -11,6 +11,8 @@ rounded to bf16 once more than the float reference: 2^-8 of sum |x| |w|.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -103,6 +105,34 @@ def test_w4_tiles_over_several_blocks_of_rows():
         for m0 in range(0, m, 64):  # each block alone gives the same rows
             part = cpu_amx.linear_w4(x[m0 : m0 + 64], q4.data, n, k, b)
             assert torch.equal(y[m0 : m0 + 64], part)
+
+
+def test_w4_tiles_prefetching_other_bytes_give_the_same_outputs():
+    """The GEMM that brings a LoRA step's slots into cache while it computes (decode_plan.c):
+    the same outputs as without, whatever the ranges (an empty one, one of odd bytes, more
+    lines than the GEMM has steps); it only reads them."""
+    from engine.kernels.cpu import ops
+
+    torch.manual_seed(7)
+    n, k = 96, 576
+    q4 = cpu_w4.quantize_groups(torch.randn(n, k))
+    slots = [torch.randn(3 << 20).bfloat16(), torch.empty(0), torch.randn(1001).bfloat16()]
+    before = [t.clone() for t in slots]
+    pf = ops.PrefetchRanges()
+    for i, t in enumerate(slots):
+        pf.ptr[i], pf.bytes[i] = t.data_ptr() or None, t.numel() * t.element_size()
+    pf.n = len(slots)
+    torch.set_num_threads(2)
+    for m in (13, 32, 80):
+        x = torch.randn(m, k).bfloat16()
+        want = cpu_amx.linear_w4(x, q4.data, n, k)
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = ops.function("amx_bf16_linear_w4_prefetch")(
+            x.data_ptr(), k, m, k, q4.data.data_ptr(), n, None, y.data_ptr(), n, 0,
+            ctypes.byref(pf), 2,
+        )  # fmt: skip
+        assert rc == 0 and torch.equal(y, want)
+    assert all(torch.equal(a, b) for a, b in zip(slots, before, strict=True))
 
 
 @pytest.mark.parametrize("i, k", [(16, 64), (48, 128), (32, 1536)])  # K = 1,536: 160-row blocks

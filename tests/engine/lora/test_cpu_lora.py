@@ -166,7 +166,7 @@ def test_bf16_slots_match_float32_sums_of_the_same_values(portable, ranks, slice
     cpu_lora.lora_apply(
         x, got, layer.a, layer.bt, layer.width_t, layer.slice_row, layer.slice_size,
         layer.slice_off, layer.slice_rank, batch.token_rows, batch.seg_start, batch.seg_len,
-        batch.seg_slot, portable=portable,
+        batch.seg_slot, variant="portable" if portable else "vector",
     )  # fmt: skip
     torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-7)
     assert (got.float() != want).float().mean() < 0.05, "more than a few sums rounded apart"
@@ -193,7 +193,7 @@ def test_bf16_slots_split_over_threads_match_the_portable_kernel():
         cpu_lora.lora_apply(
             x, y, layer.a, layer.bt, layer.width_t, layer.slice_row, layer.slice_size,
             layer.slice_off, layer.slice_rank, batch.token_rows, batch.seg_start, batch.seg_len,
-            batch.seg_slot, portable=portable,
+            batch.seg_slot, variant="portable" if portable else "vector",
         )  # fmt: skip
         outs.append(y.float())
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=2**-7)
@@ -204,3 +204,95 @@ def test_a_bf16_model_gets_bf16_slots_and_a_float32_model_float32():
     assert cpu_lora.slot_dtype(torch.bfloat16) == torch.bfloat16
     assert cpu_lora.slot_dtype(torch.float32) == torch.float32
     assert cpu_lora.slot_dtype(torch.float16) == torch.float32
+
+
+AMX_CASES = [
+    # (ranks per slot, slices, in_features, max rank), each K a multiple of 32
+    ([8, 16, 64], [(0, 48), (48, 16), (64, 16)], 64, 64),  # rank 64: two rank chunks
+    ([16] * 8, [(0, 576), (576, 192), (768, 192)], 576, 16),  # SmolLM2's qkv, 8 adapters
+    ([7, 0, 5], [(0, 50), (50, 33)], 96, 7),  # odd ranks: A's rows end mid-tile, odd columns
+    ([16, 8, 16], [(0, 1536), (1536, 1536)], 576, 16),  # gate_up: 48 blocks of 64 columns
+]
+AMX_RANGES = RANGES + [(0, 45, 20), (1, 65, 16)]  # a segment of 28 rows: two row tiles
+# (every case has three slots: RANGES's)
+
+
+@pytest.mark.skipif(
+    not cpu_lora.amx_takes(torch.bfloat16, 64), reason="no AMX-bf16 tiles on this CPU"
+)
+@pytest.mark.parametrize(("ranks", "slices", "in_features", "max_rank"), AMX_CASES)
+def test_amx_tiles_match_the_reference_with_the_shrink_in_bf16(
+    ranks, slices, in_features, max_rank
+):
+    """lora_amx.c against torch in float32 with s = A x rounded to bf16 (as peft computes
+    lora_A(x) in a bf16 model, and as the tiles' B operand takes it), y rounded once: equal
+    but for a few values a bf16 step apart, base rows untouched; x strided, on two threads."""
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(5)
+    out, num_rows = sum(s for _, s in slices), 81
+    batch = LoRABatch(torch.device("cpu"), "cpu")
+    batch.set(AMX_RANGES)
+    layer = LoRALayer(
+        batch, slices, in_features, len(ranks), max_rank, torch.bfloat16, torch.device("cpu")
+    )
+    parts = {}
+    for slot, r in enumerate(ranks):
+        if r == 0:
+            layer.set_slot(slot, None)
+            continue
+        pairs = [
+            (torch.randn(r, in_features, generator=g) / in_features**0.5, torch.randn(n, r, generator=g))
+            for _, n in slices
+        ]  # fmt: skip
+        layer.set_slot(slot, pairs)
+        parts[slot] = pairs
+    x = torch.randn(num_rows, 2 * in_features).bfloat16()[:, :in_features]
+    y0 = torch.randn(num_rows, out).bfloat16()
+    want = y0.float()
+    for slot, first, n in AMX_RANGES:
+        if slot not in parts:
+            continue
+        for c, (row0, size) in enumerate(slices):
+            r = parts[slot][c][0].shape[0]
+            a = layer.a[slot, layer.slice_off[slot, c] : layer.slice_off[slot, c] + r].float()
+            s = (x[first : first + n].float() @ a.T).bfloat16().float()
+            want[first : first + n, row0 : row0 + size] += (
+                s @ layer.bt[slot, :r, row0 : row0 + size].float()
+            )
+    want = want.bfloat16()
+    torch.set_num_threads(2)
+    got = y0.clone()
+    taken = cpu_lora.lora_apply(
+        x, got, layer.a, layer.bt, layer.width_t, layer.slice_row, layer.slice_size,
+        layer.slice_off, layer.slice_rank, batch.token_rows, batch.seg_start, batch.seg_len,
+        batch.seg_slot, variant="amx",
+    )  # fmt: skip
+    assert taken
+    # s's float32 sums come in another order than torch's: a sum by a rounding boundary may
+    # round the other way, and y then one bf16 step off (a handful of values, never more)
+    torch.testing.assert_close(got.float(), want.float(), atol=2**-6, rtol=2**-7)
+    assert (got != want).float().mean() < 1e-3, "more than a few sums rounded apart"
+    base_rows = [21, 22, 23, *range(32, 40), *range(81 - 0, num_rows)]
+    assert torch.equal(got[base_rows], y0[base_rows]), "rows of the base model changed"
+
+
+@pytest.mark.skipif(
+    not cpu_lora.amx_takes(torch.bfloat16, 64), reason="no AMX-bf16 tiles on this CPU"
+)
+def test_amx_tiles_decline_k_not_a_multiple_of_32_and_auto_runs_the_vector_kernel():
+    batch = LoRABatch(torch.device("cpu"), "cpu")
+    batch.set(RANGES)
+    layer = _bf16_layer(batch, [8, 16, 8], [(0, 40)], 72, torch.bfloat16)
+    x, y0 = torch.randn(45, 72).bfloat16(), torch.randn(45, 40).bfloat16()
+    args = (
+        layer.a, layer.bt, layer.width_t, layer.slice_row, layer.slice_size, layer.slice_off,
+        layer.slice_rank, batch.token_rows, batch.seg_start, batch.seg_len, batch.seg_slot,
+    )  # fmt: skip
+    y = y0.clone()
+    assert cpu_lora.lora_apply(x, y, *args, variant="amx") is False
+    assert torch.equal(y, y0), "a declined call wrote"
+    assert not cpu_lora.amx_takes(torch.bfloat16, 72)
+    vector = y0.clone()
+    cpu_lora.lora_apply(x, vector, *args, variant="vector")
+    assert cpu_lora.lora_apply(x, y, *args) is True
+    assert torch.equal(y, vector) and not torch.equal(y, y0)

@@ -113,6 +113,16 @@ int amx_bf16_enabled(void);
 int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 int amx_bf16_linear_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, int64_t* argmax, int nthreads);
 int amx_bf16_linear_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
+/* Bytes a GEMM brings into cache while its tiles compute: what the kernel after it will read
+   (a LoRA step's slots, decode_plan.c), which would otherwise stream from memory then. The
+   threads split the ranges' lines in order, the ranges one after the other. */
+#define PREFETCH_MAX_RANGES 64
+typedef struct {  /* PREFETCH_MAX_RANGES of each */
+  const void* ptr[64];
+  int64_t bytes[64];
+  int64_t n;
+} prefetch_ranges;
+int amx_bf16_linear_w4_prefetch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, const prefetch_ranges* pf, int nthreads);
 int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t I, uint16_t* y, int64_t ldy, int nthreads);
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows, int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 
@@ -132,6 +142,9 @@ int lora_apply_bf16(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, in
 /* bf16 slots (a, bt) over bf16 rows: AVX512-BF16 where built, else the portable kernel */
 int lora_apply_bf16w(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows, const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
 int lora_apply_bf16w_portable(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows, const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
+/* lora_amx.c: lora_apply_bf16w on AMX-bf16 tiles; 1 (y untouched) where it cannot take the call
+   (no AMX-bf16 here, K % 32): the caller runs lora_apply_bf16w. */
+int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K, const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len, const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows, const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices, const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off, const int32_t* slice_rank, int nthreads);
 
 /* ---- paged_attention.c: decode attention on the paged cache, the int8 KV writer (engine.attention.cpu_kernel) ---- */
 void paged_decode_f32(float* out, int64_t out_stride, const float* q, int64_t q_stride, const float* kc, const float* vc, const float* ks, const float* vs, const int64_t* bt, int64_t max_nb, const int64_t* ctx, int64_t n, int H, int Hkv, int D, int bs, int window, float scale, const float* sinks, float* scratch, int64_t scratch_size, int nthreads);
@@ -152,6 +165,7 @@ typedef struct {  /* a linear layer's LoRA slots (engine.lora.layers.LoRALayer):
   const void *a, *bt;         /* float32, or bf16 where bf16_slots (lora_apply_bf16w) */
   const int32_t *width, *slice_row, *slice_size, *slice_off, *slice_rank;
   int64_t a_rows, out, rank, nslices, bf16_slots;
+  int64_t amx;                /* bf16 slots: lora_apply_bf16w_amx first (lora_amx.c) */
 } LoraLayer;
 typedef struct {
   const uint16_t *in_norm, *post_norm;

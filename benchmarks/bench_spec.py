@@ -7,9 +7,11 @@ EAGLE-1 head for the target, with --eagle3 PATH an EAGLE-3 head.
                        [--prompt-lookup-min 1] [--draft PATH | --eagle PATH | --eagle3 PATH] [--rounds 2]
                        [--adaptive on|off|both] [--json PATH]
 
-Two workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
-goes on copying, so the n-gram lookups hit) and open-ended ones (instructions to write
-something new: few hits). Each runs at every stream count (that many requests at once) on
+Three workloads: copy-heavy prompts (a passage given twice, then its opening again: the model
+goes on copying, so the n-gram lookups hit), open-ended ones (instructions to write something
+new: few hits), and (--workloads json) a record to return as JSON under a schema of its keys
+(structured output: the drafts cut to what the grammar allows; each request ends with its
+grammar, not at --output-len). Each runs at every stream count (that many requests at once) on
 one engine without speculation and one with it, both loaded at once and their runs
 interleaved (--rounds of each, the order alternating; the best counts), greedy with
 ignore_eos so both produce the same tokens (up to the roundings of their different kernel
@@ -59,6 +61,25 @@ OPEN_ENDED = (
 )
 
 
+# The json workload: a record to return as JSON under a schema of its keys (structured output
+# with speculation: the drafts cut to what the grammar allows, each position under its mask).
+RECORDS = (
+    {"order": 48213, "customer": "Ada Lovelace", "items": ["blue notebook", "pencil set"],
+     "express": False, "city": "London"},
+    {"name": "merge", "language": "python", "arguments": ["left", "right"], "lines": 11,
+     "pure": True},
+    {"title": "Budget review", "day": "Tuesday", "topics": ["library", "parks", "roads"],
+     "approved": True, "members": 9},
+)  # fmt: skip
+
+
+def record_schema(record: dict) -> dict:
+    kinds = {bool: "boolean", int: "integer", str: "string", list: "array"}
+    props = {k: {"type": kinds[type(v)]} for k, v in record.items()}
+    return {"type": "object", "properties": props, "required": list(record),
+            "additionalProperties": False}  # fmt: skip
+
+
 def copy_prompt(passage: str) -> str:
     head = passage[: len(passage) // 4]
     return f"Text:\n{passage}\n\nThe same text, copied exactly:\n{passage}\n\nOnce more:\n{head}"
@@ -70,6 +91,13 @@ def prompts_for(llm: LLM, workload: str, count: int, output_len: int) -> list[li
     if workload == "copy":
         texts = [copy_prompt(PASSAGES[i % len(PASSAGES)]) for i in range(count)]
         prompts = [tok.encode(t) for t in texts]
+    elif workload == "json":
+        chat = [
+            [{"role": "user", "content": "Here is a record:\n"
+              f"{json.dumps(RECORDS[i % len(RECORDS)])}\nReturn it as JSON, unchanged."}]
+            for i in range(count)
+        ]  # fmt: skip
+        prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m in chat]
     else:
         chat = [
             [{"role": "user", "content": OPEN_ENDED[i % len(OPEN_ENDED)]}] for i in range(count)
@@ -79,13 +107,21 @@ def prompts_for(llm: LLM, workload: str, count: int, output_len: int) -> list[li
     return [p[-room:] for p in prompts]
 
 
-def run_streams(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[list, list]:
+def run_streams(
+    llm: LLM, prompts: list[list[int]], output_len: int, workload: str = "copy"
+) -> tuple[list, list]:
     """All prompts at once through the engine's step loop: (TPOT of each request in
-    seconds, its tokens)."""
+    seconds, its tokens). The json workload's requests end with their grammar."""
+    from engine.sampling_params import StructuredOutputsParams
+
     engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
+        if workload == "json":
+            schema = record_schema(RECORDS[i % len(RECORDS)])
+            so = StructuredOutputsParams(json=schema)
+            params = SamplingParams(max_tokens=output_len, temperature=0.0, structured_outputs=so)
         engine.add_request(f"b{i}-{start}", p, params)
     first: dict[str, float] = {}
     tpot: dict[str, float] = {}
@@ -153,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="the draft controller (speculative_config's adaptive): on, off (every step "
         "drafts), or both (a third engine with it off, interleaved)",
     )
-    parser.add_argument("--workloads", default="copy,open", help="copy and/or open")
+    parser.add_argument("--workloads", default="copy,open", help="copy, open and/or json")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this file")
@@ -169,8 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output_len < 2:
         parser.error("--output-len must be at least 2 (TPOT needs a second token)")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if not workloads or set(workloads) - {"copy", "open"}:
-        parser.error(f"--workloads must name copy and/or open, got {args.workloads!r}")
+    if not workloads or set(workloads) - {"copy", "open", "json"}:
+        parser.error(f"--workloads must name copy, open and/or json, got {args.workloads!r}")
     spec: dict = {
         "method": "ngram",
         "num_speculative_tokens": args.num_speculative_tokens,
@@ -208,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = list(engines)
     for llm in engines.values():
         for workload in workloads:  # warm-up: first-step costs out of the timings
-            run_streams(llm, prompts_for(llm, workload, 1, 4), 4)
+            run_streams(llm, prompts_for(llm, workload, 1, 4), 4, workload)
     runs: dict[str, dict] = {}
     for workload in workloads:
         for n in streams:
@@ -216,9 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     llm = engines[name]
                     before = spec_counts(llm)
-                    tpot, tokens = run_streams(
-                        llm, prompts_for(llm, workload, n, args.output_len), args.output_len
-                    )
+                    prompts = prompts_for(llm, workload, n, args.output_len)
+                    tpot, tokens = run_streams(llm, prompts, args.output_len, workload)
                     after = spec_counts(llm)
                     key = f"{name}/{workload}/{n}"
                     run = {

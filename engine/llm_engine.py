@@ -565,7 +565,7 @@ class LLMEngine:
                 request = requests.get(sr.request_id)
                 grammar = None if request is None else request.grammar
                 if grammar is not None and grammar.active:  # not while the model reasons
-                    rows.append((sr.request_id, grammar))
+                    rows.append((sr.request_id, grammar, sr.spec_token_ids))
         return self.structured.start_bitmask(rows)
 
     def _admit_compiled(self) -> list[RequestOutput]:

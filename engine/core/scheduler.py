@@ -38,9 +38,10 @@ asks it once per step and reads the clock, update_from_output() times the step a
 pure decode step, reports its requests, draft rows and kept drafts; in a step it declined,
 each request's proposal is kept unverified (engine.spec_decode.shadow) and the tokens the
 request then emits give the controller the acceptance it would have had. No drafts for
-n > 1 samples, seeded requests
-(their per-step generator) or grammar-constrained ones; the engine runs spec decoding with
-async scheduling off.
+n > 1 samples or seeded requests (their per-step generator); a grammar-constrained request's
+drafts are cut to what its grammar allows (RequestGrammar.valid_drafts), and the step's
+bitmask holds a row per verified position. The engine runs spec decoding with async
+scheduling off.
 
 Pooling requests (Request.pooling_params, a pooling engine's only kind) are prefilled like
 any prompt, chunked or not, never sampled: the chunk that ends the prompt comes back with the
@@ -537,8 +538,9 @@ class Scheduler:
         sp = request.sampling_params
         if sp.n > 1 or request.parent_id is not None or sp.seed is not None:
             return []
-        if request.grammar is not None:
-            return []
+        grammar = request.grammar
+        if grammar is not None and not (grammar.active and grammar.ready()):
+            return []  # (while a reasoning model thinks, or the grammar compiles: none)
         k = min(limit, self.max_model_len - request.num_tokens - 1)
         if sp.max_tokens is not None:
             k = min(k, sp.max_tokens - request.num_output_tokens - 1)
@@ -554,6 +556,8 @@ class Scheduler:
             drafts = self.runner_drafts.propose(rid, k)
         else:
             drafts = self.proposer.propose(request.all_token_ids, k)
+        if grammar is not None:  # only drafts the grammar allows are worth verifying
+            drafts = grammar.valid_drafts(drafts)
         if draft_step:
             return drafts
         self.shadow_drafts.start(rid, drafts)

@@ -30,6 +30,7 @@ import torch
 from engine.layers.sampler import _apply_changes, _argmax, _is_greedy, _needs_changes
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output.bitmask import RowMask, apply_token_bitmask
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -99,18 +100,27 @@ def verify(
     drafts: list[list[int]],
     sampler: Sampler,
     generator: torch.Generator,
+    grammar_mask: RowMask | None = None,
 ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
     """logits [sum(len(d) + 1), V]: each request's rows in order. Returns each request's
     emitted tokens (the kept drafts, then the target's own token: 1..k+1 of them) and their
-    logprobs (None unless the request asked)."""
+    logprobs (None unless the request asked). grammar_mask: the structured-output rows'
+    bitmasks (rows: indices into logits; each position's mask is its grammar state after the
+    drafts before it), applied after the other changes as the sampler applies them; the
+    logprobs are the raw logits', as the sampler's."""
     if logits.dtype != torch.float32 or not logits.is_contiguous():
         logits = logits.float().contiguous()
     rows = [p for r, d in zip(requests, drafts, strict=True) for p in positions(r, d)]
     assert logits.shape[0] == len(rows)
     x = logits
-    if _needs_changes(rows):
+    changes = _needs_changes(rows)
+    if changes or grammar_mask is not None:
         x = logits.clone()
-        _apply_changes(x, rows)
+        if changes:
+            _apply_changes(x, rows)
+        if grammar_mask is not None:
+            index = torch.tensor(grammar_mask.rows, dtype=torch.long, device=x.device)
+            apply_token_bitmask(x, index, grammar_mask.bitmask)
     argmax = _argmax(x).tolist() if any(_is_greedy(r) for r in requests) else None
     emitted: list[list[int]] = []
     base = 0

@@ -115,6 +115,8 @@ class LLGuidanceBackend:
         return m
 
     def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor):
+        if not rows:  # (llguidance's executor refuses an empty list)
+            return
         if len(rows) == 1:
             rows[0][0].fill_bitmask(bitmask, rows[0][1])
             return

@@ -114,6 +114,20 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self.waiting is None and self.matcher.is_terminated()
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of speculative drafts the grammar allows from here (cut at the
+        first token outside its mask, and after the one that completes it): what speculative
+        decoding may propose for verification. The request's own matcher is not moved."""
+        if not drafts or self.waiting is not None or self.matcher.is_terminated():
+            return []
+        m = self.matcher.fork()
+        for j, token in enumerate(drafts):
+            if not m.accept_token(token):
+                return drafts[:j]
+            if m.is_terminated():
+                return drafts[: j + 1]
+        return drafts
+
     def failed(self) -> bool:
         return self.waiting is None and self.matcher.failed()
 
@@ -125,7 +139,8 @@ class RequestGrammar:
 
 @dataclass(slots=True)
 class GrammarBitmask:
-    """A step's bitmask being filled: row i of the tensor belongs to request_ids[i]."""
+    """A step's bitmask being filled: row i of the tensor belongs to request_ids[i] (a request
+    with speculative drafts has 1 + len(drafts) rows in a row, in order of position)."""
 
     request_ids: list[str]
     future: concurrent.futures.Future  # -> int32 [len(request_ids), ceil(vocab / 32)]
@@ -201,18 +216,41 @@ class StructuredOutputManager:
 
     # -- bitmasks ---------------------------------------------------------------------------
 
-    def start_bitmask(self, rows: list[tuple[str, RequestGrammar]]) -> GrammarBitmask | None:
-        """Begin filling the bitmask of the step's constrained rows on the fill thread."""
+    def start_bitmask(
+        self, rows: list[tuple[str, RequestGrammar, list[int]]]
+    ) -> GrammarBitmask | None:
+        """Begin filling the bitmask of the step's constrained rows on the fill thread: per
+        (request, grammar, drafts), one row for the request's next token and, with speculative
+        drafts, one more for each draft: row j the mask after the first j drafts (the target's
+        token at each verified position is drawn under it; the drafts are the grammar's own,
+        RequestGrammar.valid_drafts). The matchers must not move until the fill is done."""
         if not rows:
             return None
-        ids = [rid for rid, _ in rows]
-        matchers = [(g.matcher, i) for i, (_, g) in enumerate(rows)]
+        ids = [rid for rid, _, drafts in rows for _ in range(1 + len(drafts))]
+        walks, row = [], 0  # (matcher, its first row, drafts)
+        for _, g, drafts in rows:
+            walks.append((g.matcher, row, drafts))
+            row += 1 + len(drafts)
         words = -(-self.vocab_size // 32)
         backend = self.backend
 
         def fill() -> torch.Tensor:
-            bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
-            backend.fill_bitmasks(matchers, bitmask)
+            bitmask = torch.zeros(len(ids), words, dtype=torch.int32)
+            pairs = []
+            repeats = []  # (rows, the row whose mask they keep)
+            for matcher, first, drafts in walks:  # a matcher per position, from the last one's
+                m = matcher
+                pairs.append((m, first))
+                for j, token in enumerate(drafts, 1):
+                    m = m.fork()
+                    if not m.accept_token(token):  # (not a valid_drafts prefix): the rows past
+                        # it keep the mask that rejects this draft, so none is kept
+                        repeats.append((slice(first + j, first + 1 + len(drafts)), first + j - 1))
+                        break
+                    pairs.append((m, first + j))
+            backend.fill_bitmasks(pairs, bitmask)  # all rows at once, on the backend's threads
+            for rows_, src in repeats:
+                bitmask[rows_] = bitmask[src]
             return bitmask
 
         return GrammarBitmask(ids, self._fill.submit(fill))

@@ -188,6 +188,29 @@ def release_freed_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
+def _spec_mask(
+    grammar_bitmask: GrammarBitmask | None, spec: list[ScheduledRequest]
+) -> RowMask | None:
+    """The verification's grammar masks: each constrained drafted request's bitmask rows
+    (1 + len(drafts), in order) at its rows of the verified logits."""
+    if grammar_bitmask is None:
+        return None
+    base, at = {}, 0
+    for r in spec:
+        base[r.request_id] = at
+        at += 1 + len(r.spec_token_ids)
+    rows, keep, seen = [], [], {}
+    for j, rid in enumerate(grammar_bitmask.request_ids):
+        if rid in base:
+            rows.append(base[rid] + seen.get(rid, 0))
+            seen[rid] = seen.get(rid, 0) + 1
+            keep.append(j)
+    if not rows:
+        return None
+    bitmask = grammar_bitmask.result()
+    return RowMask(rows, bitmask[keep] if len(keep) < bitmask.shape[0] else bitmask)
+
+
 def _row_mask(grammar_bitmask: GrammarBitmask | None, to_sample: list[str]) -> RowMask | None:
     """The step's grammar bitmask (filled by the engine while the forward ran; this waits for
     it) as rows of the sampling list. Only the driver samples, so only it reads the mask."""
@@ -780,7 +803,11 @@ class ModelRunner:
                 out.pooled = pool_step(hidden, so.scheduled, last_row, batch.requests)
             return out
         spec = [r for r in so.scheduled if r.spec_token_ids]
-        if spec and self._verify_drafts(hidden, last_row, spec, out) and self.rank == 0:
+        if (
+            spec
+            and self._verify_drafts(hidden, last_row, spec, out, so.grammar_bitmask)
+            and self.rank == 0
+        ):
             batch.append_sampled({r.request_id: sampled[r.request_id] for r in spec})
         to_sample = [r.request_id for r in so.scheduled if r.sample and not r.spec_token_ids]
         if not to_sample:
@@ -819,11 +846,14 @@ class ModelRunner:
         last_row: dict[str, int],
         spec: list[ScheduledRequest],
         out: ModelRunnerOutput,
+        grammar_bitmask: GrammarBitmask | None = None,
     ) -> bool:
         """Logits at each drafted request's last len(drafts) + 1 rows, then the rejection
-        sampler (engine.spec_decode.rejection): the kept drafts and one more token into out.
-        Every rank computes the logits (the LM head's collectives); only the rank that
-        samples verifies (returns True): the driver, or under PP the last stage's first."""
+        sampler (engine.spec_decode.rejection): the kept drafts and one more token into out,
+        a constrained request's positions under its grammar's masks (the bitmask's rows for
+        it, one per position). Every rank computes the logits (the LM head's collectives);
+        only the rank that samples verifies (returns True): the driver, or under PP the last
+        stage's first."""
         rows: list[int] = []
         for r in spec:
             last, k = last_row[r.request_id], len(r.spec_token_ids)
@@ -841,6 +871,7 @@ class ModelRunner:
             [r.spec_token_ids for r in spec],
             self.sampler,
             self._spec_generator,
+            _spec_mask(grammar_bitmask, spec),
         )
         for r, toks, lps in zip(spec, tokens, logprobs, strict=True):
             out.sampled_token_ids[r.request_id] = toks

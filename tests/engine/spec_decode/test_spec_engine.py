@@ -162,6 +162,42 @@ def test_greedy_stops_and_limits(tiny_llama_dir, vocab):
     assert free == total
 
 
+def test_greedy_identical_under_grammars(tiny_llama_dir, vocab):
+    """Structured output with n-gram drafts: the drafts cut to what each request's grammar
+    allows, every verified position sampled under its own mask (the state after the drafts
+    before it): the same tokens, texts and logprobs as without speculation, beside plain
+    requests in the same steps; the constrained requests' drafts kept (alone); no block
+    leaked."""
+    from engine.sampling_params import StructuredOutputsParams as S
+
+    answer = '{"name": "tessera", "items": [12, 7, 3], "ok": true}'
+    llm_tok = LLM(str(tiny_llama_dir), dtype="float32", async_scheduling=False)
+    ids = llm_tok.tokenizer.encode(f"{answer}\n{answer}\n", add_special_tokens=False)
+    llm_tok.shutdown()
+    regex = r'\{"name": "[a-z]{1,12}", "items": \[[0-9]{1,2}, [0-9]{1,2}, [0-9]{1,2}\], "ok": (true|false)\}'
+    prompts = [ids, ids[3:], *_copy_prompts(vocab, 2), ids]
+    params = [
+        SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=S(choice=[answer])),
+        SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=S(regex=regex)),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=80, temperature=0.0, logprobs=2, structured_outputs=S(choice=[answer])
+        ),
+    ]
+    ref, _, _, _ = _run(tiny_llama_dir, prompts, params, spec=False)
+    got, stats, free, total = _run(tiny_llama_dir, prompts, params, spec=True)
+    assert got == ref
+    assert ref[0][0][1] == answer and ref[4][0][1] == answer
+    assert free == total
+    constrained = [0, 1, 4]
+    got, stats, _, _ = _run(
+        tiny_llama_dir, [prompts[i] for i in constrained], [params[i] for i in constrained], True
+    )
+    assert got == [ref[i] for i in constrained]
+    assert stats.num_accepted_tokens > 0
+
+
 def test_logprobs_match(tiny_llama_dir, vocab):
     prompts = _copy_prompts(vocab, 2)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)

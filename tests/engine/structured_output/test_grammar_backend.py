@@ -208,3 +208,48 @@ def test_check_stop_stop_for_a_completed_grammar_error_for_a_failed_one(manager,
     bad = request(S(regex="[0-9]+"))
     bad.append_output_token(tokenizer.encode("x", add_special_tokens=False)[0])
     assert check_stop(bad, 256) and bad.status == RequestStatus.FINISHED_ERROR
+
+
+def test_speculative_drafts_are_cut_to_what_the_grammar_allows(manager, tokenizer):
+    """RequestGrammar.valid_drafts: the longest prefix the grammar accepts from the request's
+    state (cut at the first token outside the mask, and after the one that completes it),
+    the request's own matcher unmoved."""
+    g = manager.request_grammar(S(choice=["123-ab"]))
+    g.future.result(timeout=30)
+    ids = tokenizer.encode("123-ab", add_special_tokens=False)
+    assert g.valid_drafts(ids) == ids  # the whole answer: it completes the grammar
+    assert g.valid_drafts(ids + ids) == ids  # nothing after completion
+    wrong = tokenizer.encode("x", add_special_tokens=False)
+    assert g.valid_drafts(ids[:1] + wrong + ids[1:]) == ids[:1]
+    assert g.valid_drafts(wrong) == []
+    assert g.valid_drafts(ids[:1]) == ids[:1]
+    assert _allowed(manager, g.matcher) == _allowed(
+        manager, manager.request_grammar(S(choice=["123-ab"])).matcher
+    )
+
+
+def test_a_drafted_request_gets_one_bitmask_row_per_position(manager, tokenizer):
+    """start_bitmask with drafts: row j is the mask after the first j drafts (a fresh matcher
+    walked there gives the same), beside a plain request's one row; a draft the grammar
+    rejects leaves the rows after it at the mask that rejects it."""
+    so = S(regex=r"[0-9]{3}-[a-z]{2}")
+    ids = tokenizer.encode("123-ab", add_special_tokens=False)
+    spec, plain, bad = (manager.request_grammar(so) for _ in range(3))
+    for g in (spec, plain, bad):
+        g.future.result(timeout=30)
+    wrong = tokenizer.encode("x", add_special_tokens=False)
+    drafts = ids[:3]
+    rows = [("a", spec, drafts), ("b", plain, []), ("c", bad, ids[:1] + wrong)]
+    result = manager.start_bitmask(rows)
+    assert result.request_ids == ["a"] * 4 + ["b"] + ["c"] * 3
+    bitmask = result.result()
+    allowed = unpack_bitmask(bitmask, manager.vocab_size)
+    for j in range(len(drafts) + 1):
+        walker = manager.compile(so).result().matcher()
+        for t in drafts[:j]:
+            assert walker.accept_token(t)
+        assert set(allowed[j].nonzero().view(-1).tolist()) == _allowed(manager, walker)
+    assert torch.equal(bitmask[4], bitmask[0])  # the plain request: its state now
+    assert torch.equal(bitmask[5], bitmask[0]) and torch.equal(bitmask[6], bitmask[1])
+    assert not allowed[6, wrong[0]] and torch.equal(bitmask[7], bitmask[6])
+    assert _allowed(manager, spec.matcher) == set(allowed[0].nonzero().view(-1).tolist())

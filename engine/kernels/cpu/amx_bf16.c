@@ -71,15 +71,10 @@ static void fill_w4(const uint8_t* tile, int64_t G, uint16_t* dst) {
   }
 }
 
-/* The next unit's w4 groups decoded a few at a time inside the tile loop of the current one:
-   the vector units decode while the tile unit multiplies, instead of one after the other
-   (decoding alone took about as long as the tiles' products at 128 rows). The groups come
-   from src (`first` of them), then from src2: a unit's two tiles, apart in memory for a
-   gated pair. */
 /* A thread's share of a prefetch_ranges (lines [line, line + left) of them one after the
    other, from range idx), a few lines at each step of the tile loop: issued in one burst they
    filled the line buffers and stalled the tiles (measured: the GEMMs of a decode step 30%
-   slower, against 11% spread out). */
+   slower, against 11-18% spread out). */
 typedef struct { const prefetch_ranges* r; int64_t idx, line, left, per; } prefetcher;
 static inline int64_t lines_of(int64_t bytes) { return (bytes + 63) / 64; }
 static void prefetcher_start(prefetcher* p, const prefetch_ranges* r, int64_t t, int64_t nt,
@@ -100,7 +95,11 @@ static inline void prefetch_some(prefetcher* p) {
   }
 }
 
-/* pf: the thread's prefetcher (NULL: none), stepped with the decoding */
+/* The next unit's w4 groups decoded a few at a time inside the tile loop of the current one:
+   the vector units decode while the tile unit multiplies, instead of one after the other
+   (decoding alone took about as long as the tiles' products at 128 rows). The groups come
+   from src (`first` of them), then from src2: a unit's two tiles, apart in memory for a
+   gated pair. pf: the thread's prefetcher (NULL: none), stepped with the decoding. */
 typedef struct { const uint8_t* src; const uint8_t* src2; uint16_t* dst; int64_t left, first, per; prefetcher* pf; } w4_decoder;
 static inline void decode_some(w4_decoder* d) {
   if (!d) return;

@@ -40,8 +40,9 @@ static int lora(const Layer* L, int which, const Step* st, const bf16* x, int64_
 /* The bytes the step's LoRA call on this layer will read, for the GEMM before it to bring
    into cache while its tiles compute: each segment's slot, A's rows then B^T's, in segment
    order (lora_amx.c's threads split the segments in the same order). Measured (machine F, 32
-   rows over 8 rank-16 adapters): the LoRA calls 5.3 -> 3.2 ms a step, the GEMMs 1.1 ms
-   slower; one adapter's slots are few bytes, left to the kernel's own prefetching. */
+   rows over 8 rank-16 adapters): the LoRA calls 5.3 -> 3.0-3.2 ms a step, the GEMMs 1.1-1.7
+   ms slower (the bytes are the memory's either way); one adapter's slots are few bytes,
+   left to the kernel's own prefetching. */
 static const prefetch_ranges* lora_prefetch(const Layer* L, int which, const Step* st,
     int64_t K, prefetch_ranges* pf) {
   const LoraLayer* A = L->lora[which];

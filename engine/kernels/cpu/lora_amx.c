@@ -5,16 +5,20 @@
    decode step of 16.6 ms on a 2-core Sapphire Rapids slice (SmolLM2-135M, one rank-16 adapter
    on all seven projections); one tile product is 8,192 multiply-adds.
 
-   Three passes in one parallel region, each over the segments (rows grouped by slot) in row
-   tiles of 16 (a segment's last tile padded with zero rows):
-   1. pack: each row tile of x as a tile's B operand, chunk kc (32 k) row kk holding the 16
+   The segments (rows grouped by slot) are cut into row tiles of 16 (a segment's last tile
+   padded with zero rows), a tile a task for the threads, each task three steps:
+   1. pack: the tile's rows of x as a tile's B operand, chunk kc (32 k) row kk holding the 16
       rows' pairs (k = 32 kc + 2 kk, + 1): a transpose of 32-bit pairs;
    2. shrink, S^T = A X^T: 16 of the slot's A rows as they lie in memory are the A operand,
-      a packed row tile the B operand; the sums go to s in bf16, as a bf16 model's peft
-      rounds lora_A(x) (the float32 and vector kernels keep them float32);
-   3. expand, Y += S B: 16 of s's rows (32 ranks a chunk) are the A operand, B^T's rows
-      paired into the B operand 32 output columns at a time (ranks past the slice's zero),
-      the sums added to y's rows, each rounded to bf16 once.
+      the packed tile the B operand, four blocks of 16 at once; the sums go to the tile's s
+      rows in bf16, as a bf16 model's peft rounds lora_A(x) (the float32 and vector kernels
+      keep them float32);
+   3. expand, Y += S B: the tile's s rows (32 ranks a chunk) are the A operand, B^T's rows
+      paired into the B operand 64 output columns at a time (ranks past the slice's zero),
+      the sums added to the tile's y rows, each rounded to bf16 once.
+   No task reads another's s rows or writes its y rows: no barrier but the region's end (two
+   passes with a barrier between them: 0.6-0.8 ms more a step over its 120 calls, measured
+   on the kernel alone).
    1 (not taken) where the CPU or the OS gives no AMX-bf16 or K % 32: the caller runs the
    vector kernel. The torch path is the reference (tests). */
 #include "tessera_kernels.h"
@@ -139,43 +143,43 @@ int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ld
     work += (int64_t)seg_len[g] * width[seg_slot[g]] * (K + out);
   }
   if (total == 0 || work == 0) return 0;
-  /* s: bf16, row i for rows[i] (its segment's order), ld wide: a_rows and a rank chunk past
-     it (an expand chunk reads up to 32 ranks on from a slice's offset; B's zero rows meet
-     whatever is there), and a row tile past the last row (a segment's last tile reads on).
-     Zeroed: every value a tile reads is a finite number. */
+  /* each thread's scratch: a packed row tile; its s rows (bf16, ld wide: a_rows and a rank
+     chunk past it, as an expand chunk reads up to 32 ranks on from a slice's offset, where B's
+     zero rows meet them; zeroed per tile, so all it holds is finite); 16 of A's rows past a
+     slot's end (a_rows % 16 rows left at its end, zero rows after them); a block of B^T
+     paired (every rank chunk) */
   const int64_t ld = (a_rows + KCH + 31) / 32 * 32;
-  uint16_t* s = (uint16_t*)calloc((size_t)((total + RT) * ld), sizeof(uint16_t));
+  const int64_t xt_n = KC * CHUNK, st_n = RT * ld, arows_n = RT * K;
+  const int64_t bp_n = (R + KCH - 1) / KCH * 4 * CHUNK;
+  const int64_t per_thread = xt_n + st_n + arows_n + bp_n;
   int32_t* tile = (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * ntiles));  /* (segment, row) */
-  /* each thread's scratch: a packed row tile, 16 of A's rows past a slot's end (a_rows % 16
-     rows left at its end, zero rows after them), a block of B^T paired (every rank chunk) */
-  const int64_t xt_n = KC * CHUNK, arows_n = RT * K, bp_n = (R + KCH - 1) / KCH * 4 * CHUNK;
-  const int64_t per_thread = xt_n + arows_n + bp_n;
   uint16_t* scratch = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * (size_t)(nthreads * per_thread));
-  if (!s || !tile || !scratch) { free(s); free(tile); free(scratch); return -1; }
+  if (!tile || !scratch) { free(tile); free(scratch); return -1; }
   for (int64_t g = 0, p = 0; g < nseg; ++g)
     for (int32_t i = 0; i < seg_len[g]; i += RT, ++p) { tile[2 * p] = (int32_t)g; tile[2 * p + 1] = i; }
   const int par = work >= PAR_WORK && nthreads > 1;
-  int64_t nblocks = 0;  /* 64-column blocks over every slice (none straddles two) */
-  for (int64_t c = 0; c < nslices; ++c) nblocks += (slice_size[c] + COLS - 1) / COLS;
-  const int64_t parts = par && nseg < nthreads ? (nthreads + nseg - 1) / nseg : 1;
 #pragma omp parallel num_threads(nthreads) if(par)
   {
     tiles_begin();
     uint16_t* xt = scratch + omp_get_thread_num() * per_thread;
-    uint16_t* arows = xt + xt_n;
+    uint16_t* st = xt + xt_n;
+    uint16_t* arows = st + st_n;
     uint16_t* bp = arows + arows_n;
     float sums[RT * COLS] __attribute__((aligned(64)));
     int zero_from[LORA_MAX_RANK / KCH];  /* pack_bt's, per rank chunk: nothing known zero yet */
     for (int i = 0; i < LORA_MAX_RANK / KCH; ++i) zero_from[i] = RT;
-    /* the shrink, a row tile a task: its rows packed, then its slot's A rows four blocks of
-       16 at a time; the next task's A rows prefetched meanwhile (the tile loads' strided
-       streams alone left the slots' bytes well below the memory's speed) */
+    /* a row tile a task, its shrink then its expand (no other task reads its s rows, nor
+       writes its y rows: no barrier between the two). The shrink: the tile's rows packed,
+       then its slot's A rows four blocks of 16 at a time, the next task's A rows prefetched
+       meanwhile (the tile loads' strided streams alone left the slots' bytes well below the
+       memory's speed). */
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < ntiles; ++p) {
       const int32_t g = tile[2 * p], slot = seg_slot[g], w = width[slot];
       const int32_t i0 = seg_start[g] + tile[2 * p + 1];
       const int n = seg_start[g] + seg_len[g] - i0 < RT ? seg_start[g] + seg_len[g] - i0 : RT;
       pack_rows(x, ldx, rows + i0, n, KC, xt);
+      memset(st, 0, sizeof(uint16_t) * (size_t)st_n);
       const char* next = NULL;
       int64_t next_lines = 0;
       if (p + 1 < ntiles && seg_slot[tile[2 * (p + 1)]] != slot) {
@@ -205,57 +209,41 @@ int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ld
         const int nj = w - j0 < 4 * RT ? w - j0 : 4 * RT;
         for (int j = 0; j < nj; ++j)
           for (int t = 0; t < n; ++t)
-            s[(int64_t)(i0 + t) * ld + j0 + j] = f2bf(sums[(j / RT) * RT * RT + (j % RT) * RT + t]);
+            st[(int64_t)t * ld + j0 + j] = f2bf(sums[(j / RT) * RT * RT + (j % RT) * RT + t]);
       }
-    }
-    /* the expand, (segment, a part of its 64-column blocks over every slice) a task: the
-       slot's B^T rows read on in order (with fewer segments than threads a segment's blocks
-       split among them, else whole segments: measured 5% faster a step with 8 adapters than
-       every thread a part of every segment's columns, the split of the GEMM before it), each
-       block paired once for all of the segment's row tiles */
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < nseg * parts; ++task) {
-      const int64_t g = task / parts, part = task % parts;
-      const int32_t slot = seg_slot[g];
-      const int64_t blk0 = nblocks * part / parts, blk1 = nblocks * (part + 1) / parts;
-      for (int64_t c = 0, cb = 0; c < nslices; cb += (slice_size[c] + COLS - 1) / COLS, ++c) {
-        const int64_t row0 = slice_row[c], size = slice_size[c], nb = (size + COLS - 1) / COLS;
+      /* the expand: every slice's B^T paired 64 columns at a time (its rows read on in
+         order, prefetched a block ahead), against the tile's s rows */
+      for (int64_t c = 0; c < nslices; ++c) {
         const int32_t r = slice_rank[slot * nslices + c];
-        if (!r || cb + nb <= blk0 || cb >= blk1) continue;
+        if (!r) continue;
+        const int64_t row0 = slice_row[c], size = slice_size[c];
         const int64_t off = slice_off[slot * nslices + c], nq = (r + KCH - 1) / KCH;
-        const int64_t first_blk = blk0 > cb ? blk0 - cb : 0, last_blk = blk1 - cb < nb ? blk1 - cb : nb;
-        for (int64_t blk = first_blk; blk < last_blk; ++blk) {
-          const int64_t o0 = row0 + blk * COLS;
-          const int64_t n = o0 + COLS < row0 + size ? COLS : row0 + size - o0;
-          const int np = (int)((n + RT - 1) / RT);
+        for (int64_t o0 = row0; o0 < row0 + size; o0 += COLS) {
+          const int64_t cols = o0 + COLS < row0 + size ? COLS : row0 + size - o0;
+          const int np = (int)((cols + RT - 1) / RT);
           const uint16_t* B = bt + (int64_t)slot * R * out + o0;
-          if (o0 + PF_COLS + COLS <= out)  /* B^T's rows a block on (the next slice's too) */
+          if (o0 + PF_COLS + COLS <= out)  /* (the next slice's rows too) */
             for (int32_t q = 0; q < r; ++q) {
               _mm_prefetch((const char*)(B + (int64_t)q * out + PF_COLS), _MM_HINT_T0);
               _mm_prefetch((const char*)(B + (int64_t)q * out + PF_COLS + 32), _MM_HINT_T0);
             }
           for (int64_t cq = 0; cq < nq; ++cq)
-            pack_bt(B, out, (int32_t)(cq * KCH), r, n, np, bp + cq * 4 * CHUNK, zero_from + cq);
-          for (int32_t i = 0; i < seg_len[g]; i += RT) {
-            const int32_t i0 = seg_start[g] + i;
-            const int nr = seg_len[g] - i < RT ? seg_len[g] - i : RT;
-            const uint16_t* si = s + (int64_t)i0 * ld + off;
-            switch (np) {
-              case 4: expand_panels(si, ld, bp, nq, sums, 4); break;
-              case 3: expand_panels(si, ld, bp, nq, sums, 3); break;
-              case 2: expand_panels(si, ld, bp, nq, sums, 2); break;
-              default: expand_panels(si, ld, bp, nq, sums, 1); break;
-            }
-            for (int t = 0; t < nr; ++t) {
-              uint16_t* yr = y + (int64_t)rows[i0 + t] * ldy + o0;
-              for (int h = 0; h < n; h += RT) {
-                const int64_t left = n - h;
-                const __mmask16 m = left >= RT ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-                const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, yr + h)), 16));
-                const __m512 sum = _mm512_add_ps(old, _mm512_load_ps(sums + t * COLS + h));
-                _mm256_mask_storeu_epi16(yr + h, m, (__m256i)_mm512_cvtneps_pbh(sum));
-              }
+            pack_bt(B, out, (int32_t)(cq * KCH), r, cols, np, bp + cq * 4 * CHUNK, zero_from + cq);
+          switch (np) {
+            case 4: expand_panels(st + off, ld, bp, nq, sums, 4); break;
+            case 3: expand_panels(st + off, ld, bp, nq, sums, 3); break;
+            case 2: expand_panels(st + off, ld, bp, nq, sums, 2); break;
+            default: expand_panels(st + off, ld, bp, nq, sums, 1); break;
+          }
+          for (int t = 0; t < n; ++t) {
+            uint16_t* yr = y + (int64_t)rows[i0 + t] * ldy + o0;
+            for (int h = 0; h < cols; h += RT) {
+              const int64_t left = cols - h;
+              const __mmask16 m = left >= RT ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+              const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, yr + h)), 16));
+              const __m512 sum = _mm512_add_ps(old, _mm512_load_ps(sums + t * COLS + h));
+              _mm256_mask_storeu_epi16(yr + h, m, (__m256i)_mm512_cvtneps_pbh(sum));
             }
           }
         }
@@ -263,7 +251,6 @@ int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ld
     }
   }
   free(scratch);
-  free(s);
   free(tile);
   return 0;
 }

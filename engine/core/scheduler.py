@@ -539,8 +539,8 @@ class Scheduler:
         if sp.n > 1 or request.parent_id is not None or sp.seed is not None:
             return []
         grammar = request.grammar
-        if grammar is not None and not (grammar.active and grammar.ready()):
-            return []  # (while a reasoning model thinks, or the grammar compiles: none)
+        if grammar is not None and not grammar.active:
+            return []  # (while a reasoning model thinks: none)
         k = min(limit, self.max_model_len - request.num_tokens - 1)
         if sp.max_tokens is not None:
             k = min(k, sp.max_tokens - request.num_output_tokens - 1)

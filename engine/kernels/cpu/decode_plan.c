@@ -20,18 +20,15 @@ static int lora(const Layer* L, int which, const Step* st, const bf16* x, int64_
     int64_t K, bf16* y, int64_t N) {
   const LoraLayer* A = L->lora[which];
   if (!st->lora_nseg || !A) return 0;
-  if (A->amx) {
-    const int rc = lora_apply_bf16w_amx(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start,
-        st->lora_seg_len, st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->bt,
-        A->out, A->rank, A->nslices, A->slice_row, A->slice_size, A->slice_off, A->slice_rank,
-        st->threads);
-    if (rc != 1) return rc;
+  if (A->bf16_slots) {  /* the tiles where they take the call (1: they cannot), else the vector kernel */
+    int rc = 1;
+    for (int vector = !A->amx; rc == 1 && vector < 2; ++vector)
+      rc = (vector ? lora_apply_bf16w : lora_apply_bf16w_amx)(x, ldx, y, N, K, st->lora_rows,
+          st->lora_seg_start, st->lora_seg_len, st->lora_seg_slot, st->lora_nseg, A->a,
+          A->a_rows, A->width, A->bt, A->out, A->rank, A->nslices, A->slice_row,
+          A->slice_size, A->slice_off, A->slice_rank, st->threads);
+    return rc;
   }
-  if (A->bf16_slots)
-    return lora_apply_bf16w(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start,
-        st->lora_seg_len, st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->bt,
-        A->out, A->rank, A->nslices, A->slice_row, A->slice_size, A->slice_off, A->slice_rank,
-        st->threads);
   return lora_apply_bf16(x, ldx, y, N, K, st->lora_rows, st->lora_seg_start, st->lora_seg_len,
       st->lora_seg_slot, st->lora_nseg, A->a, A->a_rows, A->width, A->bt, A->out, A->rank,
       A->nslices, A->slice_row, A->slice_size, A->slice_off, A->slice_rank, st->threads);

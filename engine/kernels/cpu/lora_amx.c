@@ -30,6 +30,12 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define HAVE_AMX_LORA 1
+#else
+#define HAVE_AMX_LORA 0
+#endif
+
+#if HAVE_AMX_LORA
 #include <omp.h>
 #include "amx_tiles.h"
 
@@ -128,21 +134,23 @@ static inline __attribute__((always_inline)) void expand_panels(const uint16_t* 
   if (NP > 3) _tile_stored(3, sums + 3 * RT, COLS * 4);
 }
 
+#endif
+
 int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K,
     const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len,
     const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows,
     const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices,
     const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off,
     const int32_t* slice_rank, int nthreads) {
+#if HAVE_AMX_LORA
   if (K % KCH || !amx_bf16_enabled()) return 1;
   const int64_t KC = K / KCH;
-  int64_t total = 0, ntiles = 0, work = 0;
+  int64_t ntiles = 0, work = 0;
   for (int64_t g = 0; g < nseg; ++g) {
-    total += seg_len[g];
     ntiles += (seg_len[g] + RT - 1) / RT;
     work += (int64_t)seg_len[g] * width[seg_slot[g]] * (K + out);
   }
-  if (total == 0 || work == 0) return 0;
+  if (work == 0) return 0;  /* (no rows, or only slots without this layer) */
   /* each thread's scratch: a packed row tile; its s rows (bf16, ld wide: a_rows and a rank
      chunk past it, as an expand chunk reads up to 32 ranks on from a slice's offset, where B's
      zero rows meet them; zeroed per tile, so all it holds is finite); 16 of A's rows past a
@@ -253,14 +261,7 @@ int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ld
   free(scratch);
   free(tile);
   return 0;
-}
 #else
-int lora_apply_bf16w_amx(const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t K,
-    const int32_t* rows, const int32_t* seg_start, const int32_t* seg_len,
-    const int32_t* seg_slot, int64_t nseg, const uint16_t* a, int64_t a_rows,
-    const int32_t* width, const uint16_t* bt, int64_t out, int64_t R, int64_t nslices,
-    const int32_t* slice_row, const int32_t* slice_size, const int32_t* slice_off,
-    const int32_t* slice_rank, int nthreads) {
   return 1;  /* no AMX-bf16 in this build: the vector kernel runs */
-}
 #endif
+}

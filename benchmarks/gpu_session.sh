@@ -45,6 +45,7 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/spec_decode/test_draft_model.py::test_target_as_its_own_draft_accepts_everything  # draft graphs
     tests/engine/spec_decode/test_eagle3.py::test_mirror_head_greedy_identical_and_mostly_accepted  # aux in graphs
     tests/engine/worker/test_cuda_graph.py
+    tests/engine/worker/test_piecewise_graphs.py
     tests/engine/worker/test_tp_cuda.py
     tests/engine/layers/quantization/test_quant_moe.py  # quantized experts' fused kernel
     tests/engine/layers/quantization/test_kv_scales.py::test_the_fp8_cache_serves_with_the_checkpoints_scales_cuda

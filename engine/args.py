@@ -21,6 +21,7 @@ from engine.batch_limits import (
     default_batch_limits,
 )
 from engine.config import (
+    CUDAGRAPH_MODES,
     DEFAULT_MODEL,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_CHOICES,
@@ -119,10 +120,19 @@ class EngineArgs:
         choices=ATTENTION_BACKEND_CHOICES,
     )
     enforce_eager: bool = option(
-        "Run every step eagerly: no CUDA graphs for decode steps (CUDA only).",
+        "Run every step eagerly: no CUDA graphs (CUDA only).",
         False,
         parse_bool,
         kind="bool",
+    )
+    cudagraph_mode: str = option(
+        "Which steps replay CUDA graphs (CUDA only): full_and_piecewise = decode and "
+        "verification steps as whole graphs, mixed and prefill steps of up to 512 tokens "
+        "(and --max-num-batched-tokens) as piecewise graphs, attention run eagerly between "
+        "the pieces (vLLM's default); full_decode_only = mixed and prefill steps eager (less "
+        "capture time and graph memory).",
+        "full_and_piecewise",
+        choices=CUDAGRAPH_MODES,
     )
     seed: int = option("Seed for weights (dummy) and for unseeded sampling.", 0, int)
     reasoning_parser: str | None = option(
@@ -321,6 +331,7 @@ class EngineArgs:
                 device=self.device,
                 attention_backend=self.attention_backend,
                 enforce_eager=self.enforce_eager,
+                cudagraph_mode=self.cudagraph_mode,
                 reasoning_parser=self.reasoning_parser,
                 generation_config=self.generation_config,
                 chat_template=self.chat_template,

@@ -16,6 +16,8 @@ from engine.reasoning import REASONING_PARSER_CHOICES
 from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # resolved by engine.gguf.source to the bundled GGUF
+# Which steps replay CUDA graphs (engine.worker.cuda_graph): vLLM's cudagraph_mode values
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 # bitsandbytes: vLLM's name for its bitsandbytes loader, taken as safetensors with
 # quantization bitsandbytes (ModelConfig)
@@ -181,6 +183,9 @@ class ModelConfig:
     attention_backend: str = "auto"
     # No CUDA graphs: every step eager (engine.worker.cuda_graph); vLLM's name.
     enforce_eager: bool = False
+    # full_and_piecewise: decode (and verification) steps as whole graphs, mixed and prefill
+    # steps as piecewise ones; full_decode_only: those eager
+    cudagraph_mode: str = "full_and_piecewise"
     # A reasoning model's think-section format (engine.reasoning): grammars wait for its end.
     reasoning_parser: str | None = None
     # Sampling defaults: auto (the model's generation_config.json) | vllm (none) | a folder.
@@ -226,6 +231,11 @@ class ModelConfig:
             self.attention_backend in ATTENTION_BACKEND_CHOICES,
             f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}; "
             f"got {self.attention_backend!r}",
+        )
+        _check(
+            self.cudagraph_mode in CUDAGRAPH_MODES,
+            f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; "
+            f"got {self.cudagraph_mode!r}",
         )
         _check(
             self.reasoning_parser in (None, *REASONING_PARSER_CHOICES),

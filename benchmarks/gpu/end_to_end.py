@@ -1,5 +1,6 @@
 """§4 end to end on the plan's model with dummy weights (LLM, token-id prompts): decode tok/s
-eager and with step graphs, prefill tok/s of one chunk and of the longest prompt, and the
+eager and with step graphs, a short prompt's one-step prefill in each (piecewise graphs take
+it where they are on), prefill tok/s of one chunk and of the longest prompt, and the
 bandwidth a decode step achieves (weights + KV read per step time)."""
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def section_end_to_end(chk: Check, out: Report, budget: Budget) -> None:
                     bytes_per_s=bw,
                     steps=times,
                 )
+            short_prefill_rows(chk, out, budget, llm, label)
             if last:
                 prefill_rows(chk, out, budget, llm)
             measured = True
@@ -250,6 +252,28 @@ def section_end_to_end(chk: Check, out: Report, budget: Budget) -> None:
                 llm.shutdown()
             llm = None
             free_memory()
+
+
+SHORT_PROMPTS = (32, 256)  # a step each, under piecewise graphs' 512 tokens
+
+
+def short_prefill_rows(chk: Check, out: Report, budget: Budget, llm, label: str) -> None:
+    """A short prompt's time to its token (one step: eager, or the pieces of a piecewise
+    graph with attention between them), median of 5."""
+    for n in SHORT_PROMPTS:
+        try:
+            seconds = measure_prefill(llm, n, 5, budget, seed=5000 + n, device=chk.device)
+        except BudgetSpent:
+            out.row(4, f"prefill {label}, a {n}-token prompt", SKIPPED)
+            continue
+        t = float(np.median(seconds))
+        out.row(
+            4,
+            f"prefill {label}, a {n}-token prompt",
+            f"{t * 1e3:.2f} ms",
+            note=f"median of {len(seconds)}, add to finish (one step)",
+        )
+        out.result(4, mode=label, short_prompt=n, seconds=t)
 
 
 def prefill_rows(chk: Check, out: Report, budget: Budget, llm) -> None:

@@ -57,6 +57,9 @@ class PagedAttention(nn.Module):
         self.checkpoint_kv_scales = False
         self.kv_spec: KVCacheSpec | None = None  # the cache's layout (None: the model's dtype)
         self.backend: AttentionBackend | None = None  # bound by the model runner
+        # a piecewise graph step's seam (engine.worker.piecewise.AttentionSplit), set while
+        # one runs: attention then runs between the captured pieces
+        self.split = None
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """The checkpoint's sinks of every head [H_total]: this tensor-parallel rank's."""
@@ -69,6 +72,14 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (may be strided views) -> [T, H * D]."""
+        if self.split is not None:
+            return self.split(self, q, k, v, meta)
+        return self.attend(q, k, v, meta)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """This step's K/V written, then attention: q's rows are the metadata's tokens."""
         backend = self.backend
         if backend is None:
             raise RuntimeError(

@@ -45,9 +45,16 @@ Where an EAGLE-3 head reads the target's layer inputs (engine.spec_decode.eagle3
 keeps them as outputs too and hands the step's rows back to the model after a replay, as the
 eager forward leaves them.
 
-Steps a graph does not take run eagerly: any step with a longer prefill chunk, a batch above the
-ladder, a backend whose launches depend on the step's contents (`cuda_graph_capturable`), more
-than one tensor-parallel rank (capturing collectives is not wired up yet), `--enforce-eager`.
+Mixed and prefill steps (and any other no whole-step graph takes) of up to piece_tokens tokens
+(the step budget, at most MAX_CAPTURE_SIZE) replay piecewise graphs (engine.worker.piecewise):
+one per size of a token ladder, each the forward cut at every attention layer, whose attention
+runs eagerly between the pieces over the step's own metadata (built as for an eager step); the
+step's tokens come first, padding tokens (token 0 at position 0) after them, which attend to
+nothing and write no K/V. `--cudagraph-mode full_decode_only` leaves them eager.
+
+Steps no graph takes run eagerly: more tokens than piece_tokens, a backend whose launches
+depend on the step's contents (`cuda_graph_capturable`), more than one tensor-parallel rank
+(capturing collectives is not wired up yet), `--enforce-eager`.
 A layer's sliding window is a constant argument of its attention launch (the triton
 backend's), so a sliding-window model's decode steps are captured like any other's.
 
@@ -74,6 +81,7 @@ from engine.attention.metadata import CommonAttentionMetadata
 from engine.lora.layers import find_batch
 from engine.models.pipeline import IntermediateTensors
 from engine.worker import kv_budget
+from engine.worker.piecewise import AttentionSplit, capture_pieces
 from engine.worker.step_graph import StepGraphConfig, StepInputs
 
 logger = logging.getLogger("tessera.engine")
@@ -82,6 +90,7 @@ LADDER_HEAD = (1, 2, 4, 8, 16, 24, 32)
 LADDER_STEP = 16
 MAX_CAPTURE_SIZE = 512  # vLLM's cap: larger batches gain little from a graph
 PAD_SLOT = 0  # slot 0 of the reserved block 0: padding rows write nowhere anyone reads
+PIECEWISE = 0  # a shape's query length where its graph is piecewise (any layout of its tokens)
 
 # a step: the final norm's output, then whatever else the model leaves for later (an EAGLE-3
 # head's layer inputs), each [tokens, ...]
@@ -129,6 +138,17 @@ def graph_takes(common: CommonAttentionMetadata, max_rows: int, max_blocks: int)
         and common.num_actual_tokens == common.num_reqs
         and common.block_table.shape[1] <= max_blocks
     )
+
+
+def piece_capture_metadata(tokens: int, block_size: int) -> CommonAttentionMetadata:
+    """What a piecewise graph is captured on: `tokens` one-token requests, each at position 0
+    in slot PAD_SLOT (its attention runs eagerly between the pieces, so any valid step of
+    that many tokens will do; this one is the cheapest)."""
+    qsl = np.arange(tokens + 1, dtype=np.int64)
+    seq_lens = np.ones(tokens, dtype=np.int64)
+    table = np.zeros((tokens, 1), dtype=np.int32)
+    slots = torch.full((tokens,), PAD_SLOT, dtype=torch.int64)
+    return _uniform_metadata(qsl, seq_lens, table, slots, block_size, 1)
 
 
 def verify_graph_takes(
@@ -282,10 +302,14 @@ class StaticStepInputs:
 
 
 class CaptureStrategy(Protocol):
-    def capture(self, step: StepFn, meta: AttentionMetadata) -> StepFn:
+    def capture(
+        self, step: StepFn, meta: AttentionMetadata, split: AttentionSplit | None = None
+    ) -> StepFn:
         """Capture step (which reads only static buffers) run with meta, whose tensors are
         views of the backend's static metadata; return the replay: called with a later
-        fill's metadata, it returns the step's output for the buffers' new contents."""
+        fill's metadata, it returns the step's output for the buffers' new contents. With
+        split (installed on the model's attention layers): a piecewise step, whose meta is
+        an eager step's and whose attention runs between the captured pieces."""
         ...
 
     def close(self) -> None: ...
@@ -300,12 +324,16 @@ class CudaGraphCapture:
         self.warmup_runs = warmup_runs
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
-    def capture(self, step: StepFn, meta: AttentionMetadata) -> StepFn:
+    def capture(
+        self, step: StepFn, meta: AttentionMetadata, split: AttentionSplit | None = None
+    ) -> StepFn:
         # Eager runs first: lazy initialisation, kernel autotuning and library workspaces
         # must not happen inside the capture.
         for _ in range(self.warmup_runs):
             step(meta)
         torch.cuda.synchronize()
+        if split is not None:  # a graph a piece, appended to self.graphs
+            return capture_pieces(step, meta, split, self.pool, self.graphs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step(meta)
@@ -328,8 +356,10 @@ class EagerReplay:
     buffers, with the fill's metadata. The graph runner's bucketing, padding and buffer
     filling, on any device and any backend (the CPU tests); it saves no launch."""
 
-    def capture(self, step: StepFn, meta: AttentionMetadata) -> StepFn:
-        step(meta)
+    def capture(
+        self, step: StepFn, meta: AttentionMetadata, split: AttentionSplit | None = None
+    ) -> StepFn:
+        step(meta)  # a piecewise step's attention: split's, installed by the runner
         return step
 
     def close(self) -> None:
@@ -350,6 +380,12 @@ def verify_ladder(max_num_seqs: int, verify_len: int) -> tuple[int, ...]:
     if verify_len <= 1:
         return ()
     return batch_ladder(max_num_seqs, cap=max(1, MAX_CAPTURE_SIZE // verify_len))
+
+
+def piece_ladder(piece_tokens: int) -> tuple[int, ...]:
+    """The token counts of the piecewise graphs: the batch ladder up to piece_tokens (the
+    model runner's: the step budget, at most MAX_CAPTURE_SIZE), none for 0."""
+    return batch_ladder(piece_tokens) if piece_tokens > 0 else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +428,7 @@ class CudaGraphRunner:
         verify_len: int = 0,
         verify_sizes: Sequence[int] = (),
         stage: StageShape | None = None,
+        piece_sizes: Sequence[int] = (),
     ):
         self.model = model
         self.backend = backend
@@ -400,7 +437,16 @@ class CudaGraphRunner:
         # verification steps: verify_sizes requests of verify_len tokens (none: no such graphs)
         self.verify_len = verify_len if verify_sizes else 0
         self.verify_ladder = tuple(sorted(verify_sizes)) if self.verify_len > 1 else ()
-        max_tokens = max(self.max_rows, max(self.verify_ladder, default=0) * self.verify_len)
+        # piecewise graphs: steps of any layout of up to piece_ladder[-1] tokens (none: eager)
+        layers = getattr(model, "attention_layers", None)
+        self.piece_ladder = tuple(sorted(piece_sizes)) if layers is not None else ()
+        self._attention_layers = list(layers()) if self.piece_ladder else []
+        max_tokens = max(
+            self.max_rows,
+            max(self.verify_ladder, default=0) * self.verify_len,
+            max(self.piece_ladder, default=0),
+        )
+        self.split = AttentionSplit(max_tokens) if self.piece_ladder else None
         self.max_blocks = max_blocks_per_req
         self.strategy = strategy
         self.device = torch.device(device)
@@ -409,6 +455,7 @@ class CudaGraphRunner:
         self._replays: dict[tuple[int, int], StepFn] = {}  # (requests, query length) ->
         self.runs: dict[int, int] = {}  # decode replays per batch size (tests, stats)
         self.verify_runs: dict[int, int] = {}  # verification replays per batch size
+        self.piece_runs: dict[int, int] = {}  # piecewise replays per token count
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         # LoRA (engine.lora): the Triton shrink / expand are captured over the batch's fixed
@@ -449,13 +496,21 @@ class CudaGraphRunner:
                 if runner.verify_ladder
                 else ""
             )
+            pieces = runner.piece_ladder
+            mixed = (
+                f"; mixed and prefill steps of up to {pieces[-1]} tokens: {len(pieces)} "
+                "piecewise sizes (larger steps eager: compute-bound)"
+                if pieces
+                else "; mixed and prefill steps eager (--cudagraph-mode full_decode_only)"
+            )
             logger.info(
-                "CUDA graphs%s: %d decode batch sizes (%d-%d)%s captured in %.1f s, %.0f MiB",
+                "CUDA graphs%s: %d decode batch sizes (%d-%d)%s%s; captured in %.1f s, %.0f MiB",
                 f" ({c.what})" if c.what else "",
                 len(runner.ladder),
                 runner.ladder[0],
                 runner.max_rows,
                 verify,
+                mixed,
                 runner.capture_seconds,
                 runner.graph_bytes / 2**20,
             )
@@ -480,6 +535,7 @@ class CudaGraphRunner:
             stage=StageShape(
                 c.first_stage, c.last_stage, c.hf_config.hidden_size, c.dtype, c.stage_residual
             ),
+            piece_sizes=piece_ladder(c.piece_tokens),
         )
         runner.capture_all()
         return runner
@@ -497,9 +553,10 @@ class CudaGraphRunner:
         if moe:
             inter = max(inter, moe * getattr(hf, "num_experts_per_tok", 1))
         verify = verify_ladder(c.max_num_seqs, c.verify_len)
+        pieces = piece_ladder(c.piece_tokens)
         return kv_budget.graph_reserve_bytes(
-            # each graph's tokens
-            (*batch_ladder(c.max_num_seqs), *(n * c.verify_len for n in verify)),
+            # each graph's tokens (a piecewise size's pieces together as one graph's)
+            (*batch_ladder(c.max_num_seqs), *(n * c.verify_len for n in verify), *pieces),
             outputs_per_row=1 + c.aux_outputs,
             hidden_size=hf.hidden_size,
             num_heads=hf.num_attention_heads // c.tp_size,
@@ -510,11 +567,12 @@ class CudaGraphRunner:
         )
 
     def _shapes(self) -> list[tuple[int, int]]:
-        """Every graph's (requests, query length), the most tokens first (one memory pool:
-        the smaller graphs reuse the largest one's memory)."""
+        """Every graph's (requests, query length), a piecewise one's (tokens, PIECEWISE), the
+        most tokens first (one memory pool: the smaller graphs reuse the largest's memory)."""
         shapes = [(rows, 1) for rows in self.ladder]
         shapes += [(rows, self.verify_len) for rows in self.verify_ladder]
-        return sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)
+        shapes += [(tokens, PIECEWISE) for tokens in self.piece_ladder]
+        return sorted(shapes, key=lambda s: s[0] * max(s[1], 1), reverse=True)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -524,8 +582,16 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.device)
             free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
+        bs = self.backend.block_size
         for rows, q in self._shapes():
-            common = capture_metadata(rows, self.backend.block_size, self.max_blocks, q)
+            if q == PIECEWISE:  # attention runs eagerly between the pieces: an eager step's
+                meta = self.backend.build_metadata(piece_capture_metadata(rows, bs))
+                self.inputs.fill([], [], rows)
+                with self._lora_buffers(None), self._pieces():
+                    step = self._step_fn(rows)
+                    self._replays[rows, q] = self.strategy.capture(step, meta, self.split)
+                continue
+            common = capture_metadata(rows, bs, self.max_blocks, q)
             self.inputs.fill([], [], rows * q)
             meta = self.backend.fill_static_metadata(self.static_meta, common)
             with self._lora_buffers(None):
@@ -555,13 +621,16 @@ class CudaGraphRunner:
         return step
 
     def bucket(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
-        """The captured (requests, query length) this step runs as, or None (eager)."""
+        """The captured (requests, query length) this step runs as, (tokens, PIECEWISE) for
+        a piecewise graph's, or None (eager)."""
         if graph_takes(common, self.max_rows, self.max_blocks):
             return bucket_for(common.num_reqs, self.ladder), 1
         if self.verify_ladder and verify_graph_takes(
             common, self.verify_len, self.verify_ladder[-1], self.max_blocks
         ):
             return bucket_for(common.num_reqs, self.verify_ladder), self.verify_len
+        if self.piece_ladder and common.num_actual_tokens <= self.piece_ladder[-1]:
+            return bucket_for(common.num_actual_tokens, self.piece_ladder), PIECEWISE
         return None
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -573,41 +642,58 @@ class CudaGraphRunner:
         if shape is None:
             return None
         rows, q = shape
-        n, tokens = meta.num_reqs, rows * q
+        n = meta.num_reqs
+        # where the step's tokens sit in the graph's `tokens` rows (own: a slice or rows)
+        own: slice | torch.Tensor
         if q == 1:  # the step's rows come after rows - n padding rows
-            padded, at = pad_decode_metadata(meta, rows), None
-            self.inputs.fill(inputs.ids, inputs.positions, tokens)
-        else:
+            tokens, at, own = rows, None, slice(rows - n, rows)
+            attn_meta = self.backend.fill_static_metadata(
+                self.static_meta, pad_decode_metadata(meta, rows)
+            )
+        elif q == PIECEWISE:  # the step's tokens first, padding tokens after them
+            tokens, at = rows, np.arange(meta.num_actual_tokens)
+            own = slice(0, meta.num_actual_tokens)
+            attn_meta = self.backend.build_metadata(meta)  # its attention runs eagerly
+        else:  # a verification step: each request's tokens, then its padding tokens
+            tokens = rows * q
             padded, at = pad_verify_metadata(meta, rows, q)
-            self.inputs.fill(inputs.ids, inputs.positions, tokens, at)
-            step_rows = self.inputs.token_rows(tokens, len(at))
+            attn_meta = self.backend.fill_static_metadata(self.static_meta, padded)
+        self.inputs.fill(inputs.ids, inputs.positions, tokens, at)
+        if q not in (1, PIECEWISE):
+            own = self.inputs.token_rows(tokens, len(at))
         if inputs.fed is not None:
             fed_rows, values = inputs.fed
-            fed_rows = fed_rows + (rows - n) if q == 1 else step_rows[fed_rows]
+            fed_rows = fed_rows + own.start if isinstance(own, slice) else own[fed_rows]
             self.inputs.ids(tokens).index_copy_(0, fed_rows, values)
         if self._stage_in is not None:  # the previous stage's rows where the step's sit
             given = tuple(inputs.intermediate)[: len(self._stage_in)]
             for buf, t in zip(self._stage_in, given, strict=True):
-                if q == 1:
-                    buf[rows - n : rows].copy_(t)
+                if isinstance(own, slice):
+                    buf[own].copy_(t)
                 else:
-                    buf.index_copy_(0, step_rows, t)
-        attn_meta = self.backend.fill_static_metadata(self.static_meta, padded)
+                    buf.index_copy_(0, own, t)
         if at is None and self.lora is not None:  # the decode rows after the padding
             at = np.arange(rows - n, rows)
-        with self._lora_buffers(at):
+        with self._lora_buffers(at), self._pieces(q == PIECEWISE):
             outs = self._replays[rows, q](attn_meta)
-        runs = self.runs if q == 1 else self.verify_runs
+        runs = {1: self.runs, PIECEWISE: self.piece_runs}.get(q, self.verify_runs)
         runs[rows] = runs.get(rows, 0) + 1
-        if q == 1:
-            own = [t[rows - n :] for t in outs]  # the padding rows came first
+        if isinstance(own, slice):
+            mine = [t[own] for t in outs]
         else:
-            own = [t.index_select(0, step_rows) for t in outs]
+            mine = [t.index_select(0, own) for t in outs]
         if not self.stage.last:  # a stage's outputs for the next (pp_send reads them)
-            return IntermediateTensors(*own)
+            return IntermediateTensors(*mine)
         if self._aux is not None:  # as the eager forward leaves them: the step's rows
-            self._aux.aux_hidden_states = own[1:]
-        return own[0]
+            self._aux.aux_hidden_states = mine[1:]
+        return mine[0]
+
+    def _pieces(self, piecewise: bool = True):
+        """Inside: the model's attention layers hand their calls to the split (a piecewise
+        step's capture or replay; on CUDA a replay runs no Python of the model's)."""
+        if not piecewise or self.split is None:
+            return contextlib.nullcontext()
+        return self.split.installed(self._attention_layers)
 
     def _lora_buffers(self, rows_at: np.ndarray | None):
         """The LoRA batch's fixed buffers for a capture (None) or a replay whose step rows

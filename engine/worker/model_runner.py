@@ -105,7 +105,12 @@ from engine.worker.async_output import (
     TokenCopies,
 )
 from engine.worker.cpu_graph import DecodePlan
-from engine.worker.cuda_graph import CudaGraphRunner, ReplayGraphRunner, aux_module
+from engine.worker.cuda_graph import (
+    MAX_CAPTURE_SIZE,
+    CudaGraphRunner,
+    ReplayGraphRunner,
+    aux_module,
+)
 from engine.worker.input_batch import CachedRequestState, InputBatch, SamplingTensors
 from engine.worker.pooler import pool_step
 from engine.worker.prompt_logprobs import compute_prompt_logprobs
@@ -566,6 +571,11 @@ class ModelRunner:
             tp_size=get_tp_size(),
             log=self.rank == 0,
             verify_len=1 + spec.num_speculative_tokens if spec is not None else 0,
+            piece_tokens=(
+                min(cfg.scheduler.max_num_batched_tokens, MAX_CAPTURE_SIZE)
+                if cfg.model.cudagraph_mode == "full_and_piecewise"
+                else 0
+            ),
             aux_outputs=len(aux.aux_hidden_layers) if aux is not None else 0,
             first_stage=is_first_stage(),
             last_stage=is_last_stage(),
@@ -768,9 +778,8 @@ class ModelRunner:
     def _graph_steps(self) -> int:
         """The steps this rank's step graph has taken (0 without one)."""
         graph = self._step_graph
-        return sum(getattr(graph, "runs", {}).values()) + sum(
-            getattr(graph, "verify_runs", {}).values()
-        )
+        kinds = ("runs", "verify_runs", "piece_runs")
+        return sum(sum(getattr(graph, kind, {}).values()) for kind in kinds)
 
     def _begin_step(self, so: SchedulerOutput) -> bool:
         """Apply the step's changes to the input batch and the cache; whether it runs."""

@@ -68,6 +68,8 @@ class StepGraphConfig:
     # speculative decoding: the most query tokens of a verification step (1 + k; for a
     # draft model's own forwards k + 2), whose steps get graphs of their own; 0: none
     verify_len: int = 0
+    # mixed and prefill steps: piecewise graphs for steps of up to this many tokens (0: none)
+    piece_tokens: int = 0
     what: str = ""  # which model's, in the log (a draft's); "" for the target
     aux_outputs: int = 0  # hidden-sized outputs a row besides the last (EAGLE-3's layers)
     # pipeline parallelism: this rank's stage starts from the embedding / ends with the norm

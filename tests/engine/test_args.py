@@ -23,6 +23,7 @@ OTHER_VALUES = {
     "runner": "pooling",
     "attention_backend": "torch",
     "enforce_eager": True,
+    "cudagraph_mode": "full_decode_only",
     "seed": 7,
     "reasoning_parser": "qwen3",
     "generation_config": "vllm",

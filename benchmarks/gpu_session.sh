@@ -6,6 +6,8 @@
 # do not apply there):
 #
 #     benchmarks/gpu_session.sh [TEST_SECONDS=170] [CHECK_SECONDS=360] [SECTIONS...]
+#     benchmarks/gpu_session.sh 0 420 serving   # §10 alone (TEST_SECONDS 0: no tests), with
+#                                               # benchmarks/gpu_wheels.sh's .whl carried
 #
 # Logs and the check's JSON go to $OUT (default /tmp/tessera-gpu); a summary to stdout, with
 # each failing test's name even when the time limit stops the tests, and the check's summary
@@ -23,6 +25,10 @@ check_s=${2:-360}
 shift $(($# < 2 ? $# : 2))
 sections=("$@")
 
+if compgen -G ".whl/*.whl" > /dev/null; then  # the web stack, for §10 (benchmarks/gpu_wheels.sh)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 nvidia-smi -L 2>/dev/null
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
@@ -56,11 +62,13 @@ tests=(  # cheap kernel tests first; engines, graphs and the attention shapes' c
     tests/engine/models/test_gpt_oss.py  # sinks, expert biases: LLM's default device here
     tests/engine/kernels/test_triton_attention.py  # sliding window, fp8, split-K; each shape compiles
 )
-timeout -k 5 "$test_s" python3 -m pytest -v -p no:cacheprovider -rfE --timeout 60 \
-    "${tests[@]}" > "$out/pytest.log" 2>&1
-echo "tests: exit $? (124: stopped at ${test_s} s)"
-grep -cE " PASSED" "$out/pytest.log" | sed 's/^/passed: /'
-grep -E " (FAILED|ERROR)|^(FAILED|ERROR) | (passed|failed)" "$out/pytest.log" | cut -c1-300
+if [ "$test_s" -gt 0 ]; then  # 0: the check alone (§10's call)
+    timeout -k 5 "$test_s" python3 -m pytest -v -p no:cacheprovider -rfE --timeout 60 \
+        "${tests[@]}" > "$out/pytest.log" 2>&1
+    echo "tests: exit $? (124: stopped at ${test_s} s)"
+    grep -cE " PASSED" "$out/pytest.log" | sed 's/^/passed: /'
+    grep -E " (FAILED|ERROR)|^(FAILED|ERROR) | (passed|failed)" "$out/pytest.log" | cut -c1-300
+fi
 
 # shellcheck disable=SC2086  # GPU_CHECK_FLAGS: words to split
 timeout -k 5 $((check_s + 30)) python3 -m benchmarks.gpu --time-limit "$check_s" \

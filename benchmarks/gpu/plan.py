@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 DECODE_BANDWIDTH_GOAL = 0.70  # of the measured copy bandwidth, decode at B=256
 OFFLINE_GOAL_TOK_S = 16_215  # SGLang's one-H100 figure on the Llama-3-8B shape
+SERVE_SHARE_GOAL = 0.90  # the server's output tok/s over offline's, at the top concurrency
 ATTENTION_BACKENDS = ("torch", "triton")  # looked up by name in engine.attention.backends
 KV_DTYPES = ("auto", "fp8")  # "auto": the model's dtype (bf16 here)
 # Worst max|out - ref| / max|ref| allowed: bf16 output and P rounding. The reference attends
@@ -111,6 +112,12 @@ class Plan:
     spec_tokens: int
     spec_batches: tuple[int, ...]
     spec_context: int
+    # §10 serving: client concurrencies (the top one is the server's max_num_seqs), requests
+    # per stream, prompt words (about a token each with the word-level tokenizer), max_tokens
+    serve_concurrency: tuple[int, ...]
+    serve_rounds: int
+    serve_input_words: int
+    serve_output_len: int
     # seconds: per section, and for the whole run
     budgets: dict[int, float]
     total_s: float
@@ -151,8 +158,13 @@ FULL = Plan(
     spec_tokens=4,
     spec_batches=(1, 16, 64),
     spec_context=512,
-    # every section in one device call: ~360 s with gpu_session.sh's tests in under 10 min
-    budgets={1: 10, 2: 35, 3: 35, 4: 120, 5: 60, 6: 40, 7: 25, 8: 15, 9: 50},
+    serve_concurrency=(64, 256),
+    serve_rounds=4,
+    serve_input_words=256,
+    serve_output_len=128,
+    # every section but §10 in one device call: ~360 s with gpu_session.sh's tests in under
+    # 10 min; §10 (two engine starts) in a call of its own
+    budgets={1: 10, 2: 35, 3: 35, 4: 120, 5: 60, 6: 40, 7: 25, 8: 15, 9: 50, 10: 330},
     total_s=360,
 )
 QUICK = Plan(
@@ -190,6 +202,10 @@ QUICK = Plan(
     spec_tokens=3,
     spec_batches=(1, 4),
     spec_context=32,
-    budgets={1: 30, 2: 60, 3: 60, 4: 120, 5: 60, 6: 240, 7: 60, 8: 60, 9: 120},
+    serve_concurrency=(4, 16),
+    serve_rounds=2,
+    serve_input_words=24,
+    serve_output_len=16,
+    budgets={1: 30, 2: 60, 3: 60, 4: 120, 5: 60, 6: 240, 7: 60, 8: 60, 9: 120, 10: 240},
     total_s=600,
 )

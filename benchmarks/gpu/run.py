@@ -67,9 +67,10 @@ SECTIONS: dict[int, tuple[str, Callable[[], Section]]] = {
     7: ("fused MoE", _load("moe", "section_moe")),
     8: ("batched LoRA", _load("lora", "section_lora")),
     9: ("speculative verification", _load("spec", "section_spec")),
+    10: ("serving", _load("serving", "section_serving")),
 }
 # The kernels' short sections first, the engines' long ones last (§5 reuses §4's engine).
-RUN_ORDER = (1, 2, 7, 8, 6, 3, 9, 4, 5)
+RUN_ORDER = (1, 2, 7, 8, 6, 3, 9, 4, 5, 10)
 ALIASES = {
     "ceilings": 1,
     "correctness": 2,
@@ -80,6 +81,7 @@ ALIASES = {
     "moe": 7,
     "lora": 8,
     "spec": 9,
+    "serving": 10,
 }
 
 

@@ -1,5 +1,5 @@
-"""benchmarks/gpu/, the device check's runner and §1-§5: it imports without CUDA and without
-the web stack, its workload is reproducible, and its CPU smoke run (`--quick --device cpu`)
+"""benchmarks/gpu/, the device check's runner, §1-§5 and §10: it imports without CUDA and
+without the web stack, its workload is reproducible, and its CPU smoke run (`--quick --device cpu`)
 prints the summary table first, then the details, and the JSON with every section run
 (triton and fp8 reported as not available where this branch or the CPU lacks them)."""
 
@@ -134,6 +134,46 @@ def test_quick_cpu_smoke_run(tmp_path):
     (offline,) = sections["5"]["results"]
     assert offline["complete"] and offline["finished"] == offline["requests"] == 16
     assert offline["output_tok_s"] > 0
+
+
+def test_the_serving_section_on_the_cpu(tmp_path):
+    """§10's quick run: a real `tessera serve` (a subprocess on loopback, the tiny dummy model)
+    against the bench-serve client at 4 and 16 streams, then the same requests offline:
+    every request served with exactly max_tokens, the share the ratio of the two figures."""
+    path = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--quick", "--device", "cpu",
+         "--sections", "serving", "--json", str(path)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    section = json.loads(path.read_text())["sections"]["10"]
+    assert section["status"] == "ok", section
+    served = [r for r in section["results"] if "concurrency" in r]
+    assert [r["concurrency"] for r in served] == [4, 16]
+    for r in served:
+        assert r["completed"] == 2 * r["concurrency"] and r["failed"] == 0
+        assert r["total_output_tokens"] == 16 * r["completed"]  # ignore_eos: all max_tokens
+        assert r["output_throughput"] > 0 and r["median_ttft_ms"] > 0
+    (share,) = [r for r in section["results"] if "share" in r]
+    assert share["served_tok_s"] == served[-1]["output_throughput"]
+    assert share["share"] == pytest.approx(share["served_tok_s"] / share["offline_tok_s"])
+    assert "of offline at 16 streams" in section["goal"]
+
+
+def test_the_serving_section_says_so_without_the_web_stack(tmp_path):
+    code = BLOCK_WEB_STACK + (
+        "import runpy\n"
+        "sys.argv = ['gpu', '--quick', '--device', 'cpu', '--sections', 'serving']\n"
+        "runpy.run_module('benchmarks.gpu', run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not measured: no web stack" in proc.stdout
+    assert "no web stack here: litestar, msgspec, sqlalchemy (carry" in proc.stdout
 
 
 def test_sections_are_chosen_by_number_or_name_and_run_in_the_run_order():

@@ -1,0 +1,206 @@
+"""§10 serving: `tessera serve` on §4's model (dummy weights) against the bench-serve client
+(`tessera bench serve`: streaming completions of random prompts, ignore_eos), at each
+concurrency of the plan: output tok/s, TTFT and ITL p50 / p99; then the top concurrency's
+requests through LLM's own loop in this process, and the server's share of that offline
+figure (issue 46's goal: >= 90% at 256 streams). Where the one event loop (and the engine
+thread beside it, one GIL) is the limit, the share says so.
+
+The device machine has no web stack: gpu_session.sh installs it from the wheels that
+benchmarks/gpu_wheels.sh downloads here (carried as .whl); without them the section says what
+is missing and measures nothing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.gpu.check import Check
+from benchmarks.gpu.measure import free_memory
+from benchmarks.gpu.plan import SERVE_SHARE_GOAL
+from benchmarks.gpu.report import SKIPPED, Budget, BudgetSpent, Report, goal_mark, progress
+
+# what `tessera serve` imports beyond the engine's own stack
+WEB_STACK = ("litestar", "msgspec", "uvicorn", "httptools", "sqlalchemy", "aiosqlite", "alembic")
+
+
+def missing_web_stack() -> list[str]:
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ValueError:  # in sys.modules as None: blocked
+            return True
+
+    return [m for m in WEB_STACK if absent(m)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(chk: Check, folder: Path, port: int) -> list[str]:
+    """`tessera serve` with §4's engine options (dummy weights), no auth, on loopback."""
+    p = chk.plan
+    cmd = [
+        sys.executable, "-m", "api.cli.main", "serve", str(folder),
+        "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
+        "--device", chk.device.type, "--auth", "none", "--host", "127.0.0.1",
+        "--port", str(port), "--max-num-seqs", str(max(p.serve_concurrency)),
+        "--max-num-batched-tokens", str(p.chunk),
+    ]  # fmt: skip
+    if chk.device.type == "cpu":  # as §4: the C kernels are another benchmark's business
+        cmd += ["--attention-backend", "torch"]
+    if p.kv_cache_memory is not None:
+        cmd += ["--kv-cache-memory", str(p.kv_cache_memory)]
+    return cmd
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, budget: Budget, log: Path) -> float:
+    t = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-1500:]
+            raise RuntimeError(
+                f"the server exited ({proc.returncode}) before it was ready:\n{tail}"
+            )
+        if budget.spent:
+            raise BudgetSpent("the server did not start within the section's budget")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.perf_counter() - t
+        except OSError:
+            pass
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # a graceful shutdown: the engine's memory goes back
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def client_args(url: str, concurrency: int, chk: Check) -> argparse.Namespace:
+    from benchmarks.bench_serve import build_parser
+
+    p = chk.plan
+    return build_parser().parse_args(
+        [
+            "--base-url", url, "--num-prompts", str(concurrency * p.serve_rounds),
+            "--max-concurrency", str(concurrency), "--random-input-len", str(p.serve_input_words),
+            "--random-output-len", str(p.serve_output_len), "--ignore-eos", "--seed", "0",
+        ]
+    )  # fmt: skip
+
+
+def offline_tok_s(chk: Check, folder: Path, prompts: list[str], budget: Budget) -> float:
+    """The same prompts and lengths through LLM's own loop (the server's engine options)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    p = chk.plan
+    options = dict(
+        load_format="dummy", dtype="bfloat16", device=chk.device.type, seed=0,
+        max_num_seqs=max(p.serve_concurrency), max_num_batched_tokens=p.chunk,
+    )  # fmt: skip
+    if chk.device.type == "cpu":
+        options["attention_backend"] = "torch"
+    if p.kv_cache_memory is not None:
+        options["kv_cache_memory"] = p.kv_cache_memory
+    llm = LLM(str(folder), **options)
+    try:
+        if budget.spent:
+            raise BudgetSpent("offline")
+        params = SamplingParams(max_tokens=p.serve_output_len, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    finally:
+        llm.shutdown()
+        free_memory()
+
+
+def section_serving(chk: Check, out: Report, budget: Budget) -> None:
+    missing = missing_web_stack()
+    if missing:
+        out.row(10, "serving", "not measured", note=f"no web stack here: {', '.join(missing)} "
+                "(carry benchmarks/gpu_wheels.sh's .whl)")  # fmt: skip
+        out.summary(10, "not measured: no web stack")
+        return
+    from benchmarks.bench_serve import _run_loop, make_prompts, run
+
+    p = chk.plan
+    folder = chk.folder(f"model-{p.name}", p.model)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = chk.workdir / "serve.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            serve_command(chk, folder, port), stdout=sink, stderr=subprocess.STDOUT, env=env,
+            cwd=chk.workdir,
+        )  # fmt: skip
+    served: dict[int, float] = {}
+    try:
+        start_s = _wait_ready(proc, url, budget, log)
+        out.row(
+            10, "server start", f"{start_s:.1f} s", note=f"max_num_seqs {max(p.serve_concurrency)}"
+        )
+        for c in p.serve_concurrency:
+            if budget.spent:
+                out.row(10, f"serve, {c} streams", SKIPPED)
+                continue
+            s = _run_loop(run(client_args(url, c, chk)))
+            if s["failed"]:
+                raise RuntimeError(f"{s['failed']} requests failed at {c} streams: {s['errors']}")
+            served[c] = s["output_throughput"]
+            out.row(
+                10,
+                f"serve, {c} streams",
+                f"{s['output_throughput']:,.0f} output tok/s",
+                f"TTFT p50 / p99 {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} ms; "
+                f"ITL p50 / p99 {s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} ms",
+                f"{s['completed']} requests, {p.serve_input_words} words in, "
+                f"{p.serve_output_len} tokens out",
+            )
+            out.result(10, concurrency=c, **{k: v for k, v in s.items() if k != "errors"})
+    finally:
+        _stop(proc)
+        progress(f"§10 server log: {log}")
+    top = max(p.serve_concurrency)
+    if top not in served:
+        out.summary(10, "no figure at the top concurrency")
+        return
+    if budget.left() < 10:
+        out.row(10, "offline, the same requests", SKIPPED)
+        return
+    prompts = make_prompts(top * p.serve_rounds, p.serve_input_words, seed=0)
+    offline = offline_tok_s(chk, folder, prompts, budget)
+    ratio = served[top] / offline
+    goal = f">= {SERVE_SHARE_GOAL:.0%} of offline at {top} streams: {goal_mark(ratio >= SERVE_SHARE_GOAL)}"
+    out.row(
+        10,
+        f"offline, the same {len(prompts)} requests",
+        f"{offline:,.0f} output tok/s",
+        f"the server at {top} streams: {ratio:.0%} of it",
+        "LLM.generate in this process, the server's engine options",
+    )
+    out.result(10, offline_tok_s=offline, served_tok_s=served[top], share=ratio)
+    out.summary(
+        10, f"{served[top]:,.0f} tok/s served at {top} streams = {ratio:.0%} of offline", goal
+    )

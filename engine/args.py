@@ -174,6 +174,14 @@ class EngineArgs:
         None,
         optional_int,
     )
+    stream_interval: int = option(
+        "A streamed request gets its output with its first token, then once every N new "
+        "tokens, and when it finishes (vLLM's --stream-interval): fewer, larger chunks cost "
+        "the server's event loop and the engine's output processing less per token, at the "
+        "price of chunkier streaming. 1: every token.",
+        1,
+        int,
+    )
     max_num_queued_requests: int | None = option(
         "Longest waiting queue; beyond it requests are refused (the server answers 503 with "
         "Retry-After). none: unbounded.",
@@ -356,6 +364,7 @@ class EngineArgs:
                 policy=self.scheduling_policy or "fcfs",
                 async_scheduling=self.async_scheduling,
                 speculative_config=parse_speculative_config(self.speculative_config),
+                stream_interval=self.stream_interval,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

@@ -95,9 +95,16 @@ class SchedulerConfig:
     # The batch limits left unset on a GPU: the engine sizes them from the device's memory and
     # the model once its config is read (engine.batch_limits).
     sized_by_engine: tuple[str, ...] = ()
+    # A request's output goes out once every stream_interval new tokens (and with its first
+    # token and when it finishes): fewer, larger stream chunks (vLLM's --stream-interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _check(
+            self.stream_interval >= 1,
+            f"stream_interval must be at least 1, got {self.stream_interval}",
+        )
         _check(
             self.max_model_len >= 1, f"max_model_len must be at least 1, got {self.max_model_len}"
         )

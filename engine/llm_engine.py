@@ -125,7 +125,7 @@ class LLMEngine:
                 "global layers read them)",
                 hf_config.sliding_window,
             )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         # Structured output: grammars compile on the manager's threads; a request whose grammar
         # is not ready yet waits here, outside the scheduler, so nothing else waits for it.
         self.structured = StructuredOutputManager(

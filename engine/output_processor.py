@@ -1,7 +1,10 @@
 """OutputProcessor: turns the scheduler's per-step RequestUpdates into users' RequestOutputs.
 
 It owns detokenization and stop strings (they need text, the scheduler only knows tokens),
-and groups the n samples of one request under the user's request id.
+and groups the n samples of one request under the user's request id. With a stream interval
+above 1 a request's output goes out with its first token, then once every `interval` new
+tokens a sample, and when it finishes: the steps between only add to its state (outputs are
+cumulative, so nothing is lost), and a server streams fewer, larger chunks.
 """
 
 from __future__ import annotations
@@ -53,10 +56,21 @@ class _RequestState:
     queue_time: float | None = None
     prompt_logprobs: list | None = None
     pooled: Any = None  # a pooling request's vector, once its prompt is computed
+    sent_tokens: int = -1  # tokens (all samples) its last output carried; -1: none yet
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    def due(self, interval: int) -> bool:
+        """Whether this step's change goes out: the first output, a finished request, or
+        `interval` new tokens a sample since the last one."""
+        tokens = sum(len(s.token_ids) for s in self.samples)
+        waiting = 0 <= tokens - self.sent_tokens < interval * len(self.samples)
+        if self.sent_tokens >= 0 and waiting and not self.finished:
+            return False
+        self.sent_tokens = tokens
+        return True
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -78,8 +92,9 @@ def sample_request_id(request_id: str, index: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.states: dict[str, _RequestState] = {}
 
     def add_request(
@@ -167,7 +182,8 @@ class OutputProcessor:
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
-            outputs.append(state.to_output())
+            if self.stream_interval == 1 or state.due(self.stream_interval):
+                outputs.append(state.to_output())
             if state.finished:
                 del self.states[state.request_id]
         return outputs, stopped

@@ -57,6 +57,7 @@ BENCHMARKS = (
     "lora",
     "window",
     "pp",
+    "frontend",
 )
 
 

@@ -47,20 +47,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(chk: Check, folder: Path, port: int) -> list[str]:
-    """`tessera serve` with §4's engine options (dummy weights), no auth, on loopback."""
+def engine_options(chk: Check, attention_backend: str | None) -> dict:
+    """The server's and the offline engine's options: §4's (dummy weights, bf16), the top
+    concurrency as max_num_seqs."""
     p = chk.plan
-    cmd = [
-        sys.executable, "-m", "api.cli.main", "serve", str(folder),
-        "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
-        "--device", chk.device.type, "--auth", "none", "--host", "127.0.0.1",
-        "--port", str(port), "--max-num-seqs", str(max(p.serve_concurrency)),
-        "--max-num-batched-tokens", str(p.chunk),
-    ]  # fmt: skip
-    if chk.device.type == "cpu":  # as §4: the C kernels are another benchmark's business
-        cmd += ["--attention-backend", "torch"]
+    options = dict(
+        load_format="dummy", dtype="bfloat16", seed=0, device=chk.device.type,
+        max_num_seqs=max(p.serve_concurrency), max_num_batched_tokens=p.chunk,
+    )  # fmt: skip
+    if attention_backend is not None:
+        options["attention_backend"] = attention_backend
     if p.kv_cache_memory is not None:
-        cmd += ["--kv-cache-memory", str(p.kv_cache_memory)]
+        options["kv_cache_memory"] = p.kv_cache_memory
+    return options
+
+
+def serve_command(folder: Path, port: int, options: dict) -> list[str]:
+    """`tessera serve` with the engine's options, no auth, on loopback."""
+    cmd = [sys.executable, "-m", "api.cli.main", "serve", str(folder), "--auth", "none"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    for name, value in options.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
     return cmd
 
 
@@ -106,20 +113,14 @@ def client_args(url: str, concurrency: int, chk: Check) -> argparse.Namespace:
     )  # fmt: skip
 
 
-def offline_tok_s(chk: Check, folder: Path, prompts: list[str], budget: Budget) -> float:
-    """The same prompts and lengths through LLM's own loop (the server's engine options)."""
+def offline_tok_s(
+    chk: Check, folder: Path, prompts: list[str], options: dict, budget: Budget
+) -> float:
+    """The same prompts and lengths through LLM's own loop, with the server's options."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     p = chk.plan
-    options = dict(
-        load_format="dummy", dtype="bfloat16", device=chk.device.type, seed=0,
-        max_num_seqs=max(p.serve_concurrency), max_num_batched_tokens=p.chunk,
-    )  # fmt: skip
-    if chk.device.type == "cpu":
-        options["attention_backend"] = "torch"
-    if p.kv_cache_memory is not None:
-        options["kv_cache_memory"] = p.kv_cache_memory
     llm = LLM(str(folder), **options)
     try:
         if budget.spent:
@@ -136,6 +137,19 @@ def offline_tok_s(chk: Check, folder: Path, prompts: list[str], budget: Budget) 
 
 
 def section_serving(chk: Check, out: Report, budget: Budget) -> None:
+    # as §4: on the CPU the C kernels are another benchmark's business
+    measure_serving(chk, out, budget, "torch" if chk.device.type == "cpu" else None)
+
+
+def measure_serving(
+    chk: Check,
+    out: Report,
+    budget: Budget,
+    attention_backend: str | None = None,
+    extra: dict | None = None,
+) -> None:
+    """§10's figures for chk's plan and device (attention_backend None: the engine's own;
+    extra: more engine options, the server's and the offline engine's)."""
     missing = missing_web_stack()
     if missing:
         out.row(10, "serving", "not measured", note=f"no web stack here: {', '.join(missing)} "
@@ -149,10 +163,11 @@ def section_serving(chk: Check, out: Report, budget: Budget) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = chk.workdir / "serve.log"
+    options = {**engine_options(chk, attention_backend), **(extra or {})}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            serve_command(chk, folder, port), stdout=sink, stderr=subprocess.STDOUT, env=env,
+            serve_command(folder, port, options), stdout=sink, stderr=subprocess.STDOUT, env=env,
             cwd=chk.workdir,
         )  # fmt: skip
     served: dict[int, float] = {}
@@ -190,7 +205,7 @@ def section_serving(chk: Check, out: Report, budget: Budget) -> None:
         out.row(10, "offline, the same requests", SKIPPED)
         return
     prompts = make_prompts(top * p.serve_rounds, p.serve_input_words, seed=0)
-    offline = offline_tok_s(chk, folder, prompts, budget)
+    offline = offline_tok_s(chk, folder, prompts, options, budget)
     ratio = served[top] / offline
     goal = f">= {SERVE_SHARE_GOAL:.0%} of offline at {top} streams: {goal_mark(ratio >= SERVE_SHARE_GOAL)}"
     out.row(

@@ -31,6 +31,7 @@ OTHER_VALUES = {
     "max_model_len": 512,
     "max_num_seqs": 3,
     "max_num_batched_tokens": 640,
+    "stream_interval": 4,
     "max_num_queued_requests": 9,
     "scheduling_policy": "priority",
     "enable_chunked_prefill": False,

@@ -1,0 +1,84 @@
+"""The serving path's own ceiling: the share of the engine's offline throughput that
+`tessera serve` streams on this host, with a model so small that its forward costs little (a
+tiny Llama of dummy weights: hidden 64, 2 layers), so that what is measured is the HTTP front
+end, the engine's Python and the one GIL they share.
+
+    tessera bench frontend [--concurrency 64 256] [--rounds 4] [--input-words 32]
+        [--output-len 128] [--stream-interval 1] [--device cpu|cuda]
+
+The device check's §10 (benchmarks/gpu/serving.py) on this model: `tessera serve` (a
+subprocess on loopback, the engine's own attention backend) against the bench-serve client at
+each concurrency (streaming completions, ignore_eos), then the top concurrency's requests
+offline (LLM.generate in this process, the same engine options); the share is served /
+offline output tok/s there. Prints the check's detail table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu.check import Check
+from benchmarks.gpu.plan import QUICK, TINY_LLAMA
+from benchmarks.gpu.report import Budget, Report, SectionRecord, print_details
+from benchmarks.gpu.serving import measure_serving
+
+FRONTEND_MODEL = {
+    **TINY_LLAMA,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 2048,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tessera bench frontend", description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--rounds", type=int, default=4, help="requests per stream")
+    p.add_argument("--input-words", type=int, default=32, help="prompt words (a token each)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens (ignore_eos)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's (tokens)")
+    p.add_argument("--time-limit", type=float, default=900.0, help="seconds in all")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if min(args.concurrency) < 1 or args.rounds < 1 or args.output_len < 1:
+        raise SystemExit("--concurrency, --rounds and --output-len must be at least 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    plan = dataclasses.replace(
+        QUICK,
+        name="frontend",
+        model=FRONTEND_MODEL,
+        chunk=2048,
+        kv_cache_memory=1 << 30,
+        serve_concurrency=tuple(sorted(args.concurrency)),
+        serve_rounds=args.rounds,
+        serve_input_words=args.input_words,
+        serve_output_len=args.output_len,
+    )
+    report = Report()
+    record = report.sections[10] = SectionRecord("serving")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-frontend-") as tmp:
+        chk = Check(plan, device, Path(tmp), report)
+        extra = {"stream_interval": args.stream_interval}
+        measure_serving(chk, report, Budget(args.time_limit), extra=extra)
+    record.status = "ok"
+    print_details(report, {"total_s": time.monotonic() - started})
+    print(f"{record.key}" + (f" ({record.goal})" if record.goal else ""))
+    return {"rows": [dataclasses.asdict(r) for r in report.rows], "results": record.results}
+
+
+if __name__ == "__main__":
+    main()

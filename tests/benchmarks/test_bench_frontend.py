@@ -1,0 +1,37 @@
+"""`tessera bench frontend`: a real `tessera serve` (a subprocess on loopback) on a tiny
+dummy-weight model against the bench-serve client, then the same requests offline; every
+request streams exactly its tokens (in chunks of the stream interval), and the share is the
+ratio of the two figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.cli.main import BENCHMARKS
+from benchmarks import bench_frontend
+
+
+def test_registered_as_a_bench():
+    assert "frontend" in BENCHMARKS
+
+
+def test_bad_arguments_are_rejected(capsys):
+    for argv in (["--concurrency", "0"], ["--rounds", "0"], ["--output-len", "0"]):
+        with pytest.raises(SystemExit):
+            bench_frontend.main(argv)
+    capsys.readouterr()
+
+
+def test_a_run_on_a_tiny_model(capsys):
+    result = bench_frontend.main(
+        ["--concurrency", "2", "4", "--rounds", "2", "--input-words", "8", "--output-len", "9",
+         "--stream-interval", "4", "--time-limit", "200"]
+    )  # fmt: skip
+    served = [r for r in result["results"] if "concurrency" in r]
+    assert [r["concurrency"] for r in served] == [2, 4]
+    for r in served:
+        assert r["completed"] == 2 * r["concurrency"] and r["failed"] == 0
+        assert r["total_output_tokens"] == 9 * r["completed"]
+    (share,) = [r for r in result["results"] if "share" in r]
+    assert share["share"] == pytest.approx(share["served_tok_s"] / share["offline_tok_s"])
+    assert "of offline at 4 streams" in capsys.readouterr().out

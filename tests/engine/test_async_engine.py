@@ -66,36 +66,6 @@ async def test_streams_cumulative_outputs(tiny_llama_dir):
         await engine.shutdown()
 
 
-async def test_a_stream_interval_sends_fewer_outputs_with_the_same_tokens(tiny_llama_dir):
-    """stream_interval 4: a 10-token request's outputs carry its first token, then every 4
-    more, then the finish (1, 5, 9, 10 tokens; the stream may skip one the loop had not read
-    yet, never the last); the last is the every-token stream's, text and tokens."""
-    finals = {}
-    for interval in (1, 4):
-        config = EngineConfig(
-            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256),
-            cache=CacheConfig(num_blocks=64),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, stream_interval=interval),
-        )
-        engine = await AsyncEngine.create(config)
-        try:
-            ids = engine.tokenizer.encode("Hello world")
-            params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-            seen = []
-            async for out in engine.generate(EngineRequest("r", ids, params)):
-                seen.append(len(out.outputs[0].token_ids))
-            finals[interval] = (out.outputs[0].token_ids, out.outputs[0].text)
-        finally:
-            await engine.shutdown()
-        if interval == 4:
-            assert seen[0] == 1 and seen[-1] == 10 and set(seen) <= {1, 5, 9, 10}, seen
-        else:
-            assert seen == list(range(1, 11))
-    assert finals[4] == finals[1]
-    with pytest.raises(ValueError, match="stream_interval must be at least 1"):
-        SchedulerConfig(stream_interval=0)
-
-
 def engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "tessera-engine"]
 

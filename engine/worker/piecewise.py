@@ -50,17 +50,10 @@ class AttentionSplit:
         self._outputs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self.seam: Seam | None = None  # capture_pieces's, while it captures
 
-    def __call__(
-        self,
-        layer: PagedAttention,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        if self.seam is not None:
-            return self.seam(layer, q, k, v, meta)
-        return self.attend(layer, q, k, v, meta)
+    def __call__(self, layer: PagedAttention, *qkv_meta) -> torch.Tensor:
+        """What PagedAttention.forward hands over (q, k, v, meta): the seam's while a capture
+        runs, else attend's."""
+        return (self.seam or self.attend)(layer, *qkv_meta)
 
     def attend(
         self,

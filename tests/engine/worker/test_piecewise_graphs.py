@@ -35,6 +35,7 @@ from tests.engine.worker.test_cuda_graph import (
     _graph_step_equals_eager,
     _runner,
     _triton_backend,
+    cuda_step_equals_eager,
 )
 
 PIECES = (8, 16, 32, 64)
@@ -209,20 +210,8 @@ def test_piecewise_replay_equals_eager_on_cuda(tiny_llama_dir) -> None:
     for cache in runner.kv_caches:
         cache.copy_(torch.randn(cache.shape, generator=g, device="cuda"))
     rng = random.Random(2)
-    dev = torch.device("cuda")
     for decodes, chunks in ((0, 1), (2, 1), (3, 2), (1, 3), (4, 2)):
         ids, positions, seqs = _mixed_step(rng, decodes, chunks, runner.num_blocks)
-        common = common_metadata_from_seqs(seqs, BLOCK)
-        with torch.inference_mode():
-            meta = runner.attn_backend.build_metadata(common)
-            ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
-            eager = runner.model(ids_t, pos_t, meta)
-            hidden = graphs.run(StepInputs(ids, positions, common))
-            assert hidden is not None
-            torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
-            assert torch.equal(
-                runner.model.compute_logits(hidden).argmax(-1),
-                runner.model.compute_logits(eager).argmax(-1),
-            )
+        cuda_step_equals_eager(runner, graphs, ids, positions, seqs)
     assert sum(graphs.piece_runs.values()) == 5
     graphs.close()

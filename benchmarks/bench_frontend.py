@@ -4,13 +4,14 @@ tiny Llama of dummy weights: hidden 64, 2 layers), so that what is measured is t
 end, the engine's Python and the one GIL they share.
 
     tessera bench frontend [--concurrency 64 256] [--rounds 4] [--input-words 32]
-        [--output-len 128] [--stream-interval 1] [--device cpu|cuda]
+        [--output-len 128] [--stream-interval 1] [--modes thread process] [--device cpu|cuda]
 
 The device check's §10 (benchmarks/gpu/serving.py) on this model: `tessera serve` (a
-subprocess on loopback, the engine's own attention backend) against the bench-serve client at
-each concurrency (streaming completions, ignore_eos), then the top concurrency's requests
-offline (LLM.generate in this process, the same engine options); the share is served /
-offline output tok/s there. Prints the check's detail table.
+subprocess on loopback, the engine's own attention backend; one server with the engine on a
+thread, one with it in a process of its own, `--engine-process`) against the bench-serve
+client at each concurrency (streaming completions, ignore_eos), then the top concurrency's
+requests offline (LLM.generate in this process, the same engine options); the share is served
+/ offline output tok/s there. Prints the check's detail table.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (ignore_eos)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--stream-interval", type=int, default=1, help="the server's (tokens)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("thread", "process"),
+        default=["thread", "process"],
+        help="a server each: the engine on a thread, or in a process (--engine-process)",
+    )
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds in all")
     return p
 
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         serve_rounds=args.rounds,
         serve_input_words=args.input_words,
         serve_output_len=args.output_len,
+        serve_modes=tuple(args.modes),
     )
     report = Report()
     record = report.sections[10] = SectionRecord("serving")

@@ -118,7 +118,7 @@ class AsyncEngine:
         deadline ends with finish_reason "timeout"."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
-        if self._thread is None:
+        if not self._running():
             raise EngineDeadError("The engine is not running.")
         request_id = request.request_id
         self.engine.validate(request)  # params (or pooling params) resolved
@@ -201,8 +201,12 @@ class AsyncEngine:
         """Why the engine died (set on the engine thread, before the listeners hear of it)."""
         return self._dead
 
+    def _running(self) -> bool:
+        """Whether the step loop runs: its thread (engine.core_process: its process)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def is_healthy(self) -> bool:
-        if self._dead is not None or self._thread is None or not self._thread.is_alive():
+        if self._dead is not None or not self._running():
             return False
         busy = self._stats.num_running or self._stats.num_waiting
         return not busy or time.monotonic() - self._stats.last_step_time < self.stuck_after_s
@@ -293,60 +297,13 @@ class AsyncEngine:
             if not future.done():
                 manager = self.engine.scheduler.kv_cache_manager
                 future.set_result(
-                    self._request_infos() if kind == "snapshot" else bytes(manager.block_states())
+                    request_infos(self.engine)
+                    if kind == "snapshot"
+                    else bytes(manager.block_states())
                 )
-
-    def _request_infos(self) -> list[RequestInfo]:
-        scheduler = self.engine.scheduler
-        manager = scheduler.kv_cache_manager
-        infos = []
-        for status, requests in (
-            ("running", scheduler.running),
-            ("waiting", scheduler.waiting),
-            ("waiting", self.engine.awaiting_grammar),  # their grammar still compiling
-        ):
-            for r in list(requests):
-                infos.append(
-                    RequestInfo(
-                        request_id=r.request_id,
-                        status=status,
-                        num_prompt_tokens=r.num_prompt_tokens,
-                        num_output_tokens=r.num_output_tokens,
-                        num_blocks=manager.num_held_blocks(r.request_id)
-                        if status == "running"
-                        else 0,
-                        arrival_time=r.arrival_time,
-                        tenant=r.tenant,
-                    )
-                )
-        return infos
 
     def _publish_stats(self, alive: bool = True) -> None:
-        engine = self.engine
-        s = engine.scheduler.stats()
-        spec = s.spec_decoding
-        self._stats = EngineStats(
-            num_running=s.num_running,
-            num_waiting=engine.num_waiting,
-            kv_cache_usage=s.kv_usage,
-            num_blocks=engine.num_blocks,
-            block_size=engine.config.cache.block_size,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            tenants=s.tenants,
-            prompt_tokens_total=engine.prompt_tokens_total,
-            generation_tokens_total=engine.generation_tokens_total,
-            num_steps=engine.num_steps,
-            spec_decode_num_drafts=spec.num_drafts if spec else 0,
-            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-            spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
-            spec_decode_controller_draft_steps=spec.controller_draft_steps if spec else 0,
-            spec_decode_controller_plain_steps=spec.controller_plain_steps if spec else 0,
-            last_step_time=time.monotonic(),
-            loop_alive=alive,
-        )
+        self._stats = engine_stats(self.engine, alive)
 
     # -- back on the event loop -----------------------------------------------------------------
 
@@ -373,3 +330,56 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(exc)
+
+
+def request_infos(engine: LLMEngine) -> list[RequestInfo]:
+    """The running and waiting requests (read between steps, on the stepping thread)."""
+    scheduler = engine.scheduler
+    manager = scheduler.kv_cache_manager
+    infos = []
+    for status, requests in (
+        ("running", scheduler.running),
+        ("waiting", scheduler.waiting),
+        ("waiting", engine.awaiting_grammar),  # their grammar still compiling
+    ):
+        for r in list(requests):
+            infos.append(
+                RequestInfo(
+                    request_id=r.request_id,
+                    status=status,
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    num_output_tokens=r.num_output_tokens,
+                    num_blocks=manager.num_held_blocks(r.request_id) if status == "running" else 0,
+                    arrival_time=r.arrival_time,
+                    tenant=r.tenant,
+                )
+            )
+    return infos
+
+
+def engine_stats(engine: LLMEngine, alive: bool = True) -> EngineStats:
+    """The engine's counters and gauges now (read between steps, on the stepping thread)."""
+    s = engine.scheduler.stats()
+    spec = s.spec_decoding
+    return EngineStats(
+        num_running=s.num_running,
+        num_waiting=engine.num_waiting,
+        kv_cache_usage=s.kv_usage,
+        num_blocks=engine.num_blocks,
+        block_size=engine.config.cache.block_size,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_preemptions=s.num_preemptions,
+        tenants=s.tenants,
+        prompt_tokens_total=engine.prompt_tokens_total,
+        generation_tokens_total=engine.generation_tokens_total,
+        num_steps=engine.num_steps,
+        spec_decode_num_drafts=spec.num_drafts if spec else 0,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+        spec_decode_controller_draft_steps=spec.controller_draft_steps if spec else 0,
+        spec_decode_controller_plain_steps=spec.controller_plain_steps if spec else 0,
+        last_step_time=time.monotonic(),
+        loop_alive=alive,
+    )

@@ -34,6 +34,7 @@ from engine.pooling_params import PoolingParams
 from engine.protocol import EngineRequest, Tenancy
 from engine.reasoning import PROMPT_TAIL_TOKENS, REASONING_FORMATS, StartState
 from engine.request import FinishReason, Request, RequestStatus
+from engine.request_checks import RequestChecks
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarError, StructuredOutputManager
 from engine.structured_output.manager import TextWatch
@@ -44,11 +45,22 @@ from engine.worker.model_runner import resolve_device
 
 logger = logging.getLogger("tessera.engine")
 
-# What the scheduler reads of a pooling request's SamplingParams: one sample, never run.
-_POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
+def engine_tokenizer(config: EngineConfig, model_dir, hf_config):
+    """The model's tokenizer (its folder's, --tokenizer's or the GGUF's), with --chat-template."""
+    tokenizer = load_tokenizer(
+        config.model.tokenizer,
+        Path(model_dir),
+        config.model.load_format,
+        hf_config.vocab_size,
+        next(iter(hf_config.eos_token_ids), None),
+    )
+    if config.model.chat_template is not None:
+        tokenizer.hf.chat_template = read_chat_template(config.model.chat_template)
+    return tokenizer
 
 
-class LLMEngine:
+class LLMEngine(RequestChecks):
     def __init__(self, config: EngineConfig) -> None:
         started = time.monotonic()
         model_dir = resolve_model(config.model.model, load_format=config.model.load_format)
@@ -81,19 +93,11 @@ class LLMEngine:
         self.hf_config = hf_config
         # LoRA adapters whose folders were checked, by lora_int_id (engine.lora.adapter)
         self._adapters: dict[int, LoRARequest] = {}
-        self.tokenizer = load_tokenizer(
-            config.model.tokenizer,
-            Path(model_dir),
-            config.model.load_format,
-            hf_config.vocab_size,
-            next(iter(hf_config.eos_token_ids), None),
-        )
+        self.tokenizer = engine_tokenizer(config, model_dir, hf_config)
         self.eos_token_id = self.tokenizer.eos_token_id
         # Models with several end tokens (Llama 3) stop on all of them.
         self.extra_eos_ids = [t for t in hf_config.eos_token_ids if t != self.eos_token_id]
         self.reasoning = REASONING_FORMATS.get(config.model.reasoning_parser or "")
-        if config.model.chat_template is not None:
-            self.tokenizer.hf.chat_template = read_chat_template(config.model.chat_template)
         self.sampling_defaults = sampling_defaults(model_dir, config.model.generation_config)
         if self.sampling_defaults:
             SamplingParams(**self.sampling_defaults)  # a bad file is a start-up error
@@ -174,83 +178,6 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("The prompt is empty: it must contain at least one token.")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"Token id {bad} in the prompt is out of range: the vocabulary has "
-                f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})."
-            )
-
-    def validate(self, request: EngineRequest) -> None:
-        """validate_request or validate_pooling, as the request is; its params resolved in
-        place. The runner must match: a pooling engine only pools, a generating one only
-        generates. Pure, as validate_request."""
-        if (request.pooling is not None) != (self.runner == "pooling"):
-            if self.runner == "pooling":
-                raise ValueError(
-                    "This model is served by the pooling runner (embeddings): it cannot "
-                    "generate text; start the engine with --runner generate for that."
-                )
-            raise ValueError(
-                "This model is served by the generate runner: embeddings need an engine "
-                "started with --runner pooling (runner='pooling')."
-            )
-        if request.pooling is not None:
-            request.pooling = self.validate_pooling(request.prompt_token_ids, request.pooling)
-            request.params = _POOLING_SAMPLING
-        else:
-            request.params = self.validate_request(request.prompt_token_ids, request.params)
-
-    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> PoolingParams:
-        """Raise ValueError with a user-facing message; return params with the model's
-        pooling filled in (engine.pooling_params.PoolerConfig.resolve)."""
-        self._check_prompt(prompt_token_ids)
-        limit, n_prompt = self.max_model_len, len(prompt_token_ids)
-        if n_prompt > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens; your input has "
-                f"{n_prompt} tokens. Shorten the input."
-            )
-        pooler = self.config.model.pooler
-        assert pooler is not None
-        return pooler.resolve(params)
-
-    def validate_request(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> SamplingParams:
-        """Raise ValueError with a user-facing message; return params with max_tokens resolved.
-
-        Pure: touches no engine state, so AsyncEngine calls it on the caller's thread."""
-        self._check_prompt(prompt_token_ids)
-        n_prompt = len(prompt_token_ids)
-        for name, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(
-                    f"{name} names token id {bad}, outside the vocabulary (0..{self.vocab_size - 1})."
-                )
-        limit = self.max_model_len
-        if params.max_tokens is None:
-            if n_prompt >= limit:
-                raise ValueError(
-                    f"This model's maximum context length is {limit} tokens; your prompt has "
-                    f"{n_prompt} tokens, which leaves no room for a completion. Shorten the prompt."
-                )
-            return dataclasses.replace(params, max_tokens=limit - n_prompt)
-        if n_prompt + params.max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens; your prompt has "
-                f"{n_prompt} tokens and max_tokens asks for {params.max_tokens} more "
-                f"({n_prompt + params.max_tokens} in total). Shorten the prompt or lower max_tokens."
-            )
-        return params
-
     def add_request(
         self,
         request_id: str,
@@ -301,34 +228,6 @@ class LLMEngine:
         if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
         return request
-
-    def check_adapter(self, lora: LoRARequest) -> None:
-        """ValueError unless LoRA is enabled and the adapter's folder fits the base model
-        (engine.lora.adapter: its config and tensor shapes, read once per lora_int_id), and
-        its lora_int_id names no other adapter."""
-        if not self.config.lora.enabled:
-            raise ValueError(
-                f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled: start the "
-                "engine with enable_lora=True (--enable-lora)"
-            )
-        known = self._adapters.get(lora.lora_int_id)
-        if known is not None:
-            if known != lora:
-                raise ValueError(
-                    f"lora_int_id {lora.lora_int_id} is already adapter {known.lora_name!r} "
-                    f"({known.lora_path}): give {lora.lora_name!r} another id"
-                )
-            return
-        from engine.lora.adapter import read_adapter
-
-        read_adapter(
-            lora.lora_path,
-            self.hf_config,
-            self.config.lora.max_lora_rank,
-            check=True,
-            quantization=self.base_quantization,
-        )
-        self._adapters[lora.lora_int_id] = lora
 
     @property
     def base_quantization(self) -> str | None:

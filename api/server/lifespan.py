@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import gc
 import logging
 import secrets
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from api.server.errors import unavailable
+from api.server.logs import configure_logging
 from api.server.settings import Settings
 from engine.protocol import EngineClient
 
@@ -126,9 +128,18 @@ class ServerState:
     async def _load(self) -> None:
         t0 = time.monotonic()
         try:
-            from engine.async_engine import AsyncEngine  # heavy (torch): only when serving
+            config = self.settings.create_engine_config()
+            if getattr(self.settings, "engine_process", False):
+                from engine.core_process import ProcessEngine  # heavy (torch): when serving
 
-            engine = await AsyncEngine.create(self.settings.create_engine_config())
+                init = functools.partial(
+                    configure_logging, self.settings.log_level, self.settings.log_format
+                )
+                engine = await ProcessEngine.create(config, child_init=init)
+            else:
+                from engine.async_engine import AsyncEngine  # heavy (torch): when serving
+
+                engine = await AsyncEngine.create(config)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the server
             logger.exception("The engine failed to load")
             self._fail(exc)

@@ -43,6 +43,15 @@ class Settings(EngineArgs):
         "127.0.0.1",
     )
     port: int = option("Port to listen on.", 8000, int)
+    engine_process: bool = option(
+        "Run the engine core (scheduler, model, workers) in a process of its own, as vLLM "
+        "does, so the HTTP event loop and the engine's step loop stop sharing one GIL: more "
+        "streamed tokens a second at high concurrency, where the server's Python is the "
+        "limit (tessera bench frontend), at the cost of a pipe hop per step. Off: a thread.",
+        False,
+        parse_bool,
+        kind="bool",
+    )
     max_body_size: int = option(
         "Largest accepted request body (e.g. 4MiB); larger bodies get 413.",
         4 * 1024**2,

@@ -1,7 +1,7 @@
-"""`tessera bench frontend`: a real `tessera serve` (a subprocess on loopback) on a tiny
-dummy-weight model against the bench-serve client, then the same requests offline; every
-request streams exactly its tokens (in chunks of the stream interval), and the share is the
-ratio of the two figures."""
+"""`tessera bench frontend`: real `tessera serve`s (subprocesses on loopback, the engine on a
+thread and in a process of its own) on a tiny dummy-weight model against the bench-serve
+client, then the same requests offline; every request streams exactly its tokens (in chunks
+of the stream interval), and each share is the ratio of its two figures."""
 
 from __future__ import annotations
 
@@ -28,10 +28,17 @@ def test_a_run_on_a_tiny_model(capsys):
          "--stream-interval", "4", "--time-limit", "200"]
     )  # fmt: skip
     served = [r for r in result["results"] if "concurrency" in r]
-    assert [r["concurrency"] for r in served] == [2, 4]
+    assert [(r["server"], r["concurrency"]) for r in served] == [
+        ("engine thread", 2),
+        ("engine thread", 4),
+        ("engine process", 2),
+        ("engine process", 4),
+    ]
     for r in served:
         assert r["completed"] == 2 * r["concurrency"] and r["failed"] == 0
         assert r["total_output_tokens"] == 9 * r["completed"]
-    (share,) = [r for r in result["results"] if "share" in r]
-    assert share["share"] == pytest.approx(share["served_tok_s"] / share["offline_tok_s"])
+    shares = [r for r in result["results"] if "share" in r]
+    assert [r["mode"] for r in shares] == ["thread", "process"]
+    for r in shares:
+        assert r["share"] == pytest.approx(r["served_tok_s"] / r["offline_tok_s"])
     assert "of offline at 4 streams" in capsys.readouterr().out

@@ -6,7 +6,7 @@
 # do not apply there):
 #
 #     benchmarks/gpu_session.sh [TEST_SECONDS=170] [CHECK_SECONDS=360] [SECTIONS...]
-#     benchmarks/gpu_session.sh 0 420 serving   # §10 alone (TEST_SECONDS 0: no tests), with
+#     benchmarks/gpu_session.sh 0 540 serving   # §10 alone (TEST_SECONDS 0: no tests), with
 #                                               # benchmarks/gpu_wheels.sh's .whl carried
 #
 # Logs and the check's JSON go to $OUT (default /tmp/tessera-gpu); a summary to stdout, with

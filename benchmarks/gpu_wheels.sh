@@ -5,7 +5,7 @@
 # in its carry; gpu_session.sh installs them where .whl/ holds any (~20 MB):
 #
 #     benchmarks/gpu_wheels.sh && # device run, carry [".whl"]:
-#     benchmarks/gpu_session.sh 0 420 serving
+#     benchmarks/gpu_session.sh 0 540 serving
 #
 # The packages the machine's image already holds (the device tool's KINDS.md) are dropped:
 # two versions of one package stop the install there.

@@ -33,10 +33,11 @@ as JSON to $OUT/gpu_check.json when $OUT is set (and to --json PATH). run.py is 
    adapters vs none: a decode step's GEMM cost and what the LoRA kernels add to it.
 9. speculative verification (spec.py): a verification step (k drafts a request) against a
    plain decode step of the same engine, B = 1..64.
-10. serving (serving.py): `tessera serve` on §4's model against the bench-serve client at 64
-   and 256 streams (output tok/s, TTFT, ITL), and its share of the same requests offline
+10. serving (serving.py): `tessera serve` on §4's model, the engine on a thread and in a
+   process of its own (--engine-process), against the bench-serve client at 64 and 256
+   streams (output tok/s, TTFT, ITL), and each one's share of the same requests offline
    (goal >= 90% at 256). Needs the web stack: carry benchmarks/gpu_wheels.sh's .whl; a call
-   of its own (two engine starts).
+   of its own (three engine starts).
 
 Goals (issue 18, H200): decode at B=256 reads at >= 70% of the measured copy bandwidth (§4;
 §3 shows the attention kernel's share alone); offline output >= 16,215 tok/s (§5).

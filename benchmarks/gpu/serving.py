@@ -1,9 +1,10 @@
 """§10 serving: `tessera serve` on §4's model (dummy weights) against the bench-serve client
 (`tessera bench serve`: streaming completions of random prompts, ignore_eos), at each
-concurrency of the plan: output tok/s, TTFT and ITL p50 / p99; then the top concurrency's
-requests through LLM's own loop in this process, and the server's share of that offline
-figure (issue 46's goal: >= 90% at 256 streams). Where the one event loop (and the engine
-thread beside it, one GIL) is the limit, the share says so.
+concurrency of the plan, a server for each of the plan's modes (the engine on a thread; in a
+process of its own, --engine-process): output tok/s, TTFT and ITL p50 / p99; then the top
+concurrency's requests through LLM's own loop in this process, and each server's share of
+that offline figure (issue 46's goal: >= 90% at 256 streams). Where the one event loop (and
+the engine thread beside it, one GIL) is the limit, the shares say so.
 
 The device machine has no web stack: gpu_session.sh installs it from the wheels that
 benchmarks/gpu_wheels.sh downloads here (carried as .whl); without them the section says what

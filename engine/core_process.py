@@ -12,12 +12,13 @@ the commands the parent sends (add, abort, a snapshot, the block map, a grammar 
 shutdown), steps, and sends each step's outputs with the engine's stats in one message. The
 parent is AsyncEngine's front half: the per-request streams, the checks a request passes
 before its first await (engine.request_checks, over the facts the child sent once it loaded:
-CoreFacts), a thread that sends the commands (the event loop never blocks on a full pipe) and
-one that receives the messages and hands each to the event loop in one call_soon_threadsafe.
+CoreFacts), a thread that sends the commands (the event loop never blocks on a full pipe),
+and the event loop itself reading the child's messages (a reader on the pipe: no thread taking
+turns with it on the GIL), each step's outputs dispatched to the streams as they arrive.
 
-A child that dies (a crash, a lost tensor-parallel worker, a kill) is heard at once by the
-receiving thread (the pipe's end of file): the engine is dead for good, every stream fails,
-and the server exits non-zero. A parent that dies leaves the child a closed pipe: it stops.
+A child that dies (a crash, a lost tensor-parallel worker, a kill) is heard at once (the
+pipe's end of file): the engine is dead for good, every stream fails, and the server exits
+non-zero. A parent that dies takes the child with it (engine.orphans.die_with_parent).
 """
 
 from __future__ import annotations
@@ -275,8 +276,8 @@ class ProcessEngine(AsyncEngine):
     async def create(
         cls, config: EngineConfig, child_init: Callable | None = None, **kwargs
     ) -> ProcessEngine:
-        """Start the child, wait until it has loaded, then start the pipes' threads.
-        child_init (picklable): run first in the child (the server's logging)."""
+        """Start the child and wait until it has loaded (a load that fails raises here, the
+        child gone); child_init (picklable): run first in the child (the server's logging)."""
         ctx = multiprocessing.get_context("spawn")
         commands_in, commands_out = ctx.Pipe(duplex=False)
         results_in, results_out = ctx.Pipe(duplex=False)
@@ -299,8 +300,8 @@ class ProcessEngine(AsyncEngine):
             facts.tokenizer = await asyncio.to_thread(
                 engine_tokenizer, facts.config, facts.model_dir, facts.hf_config
             )
-        except BaseException:
-            _stop(proc)
+        except BaseException:  # failed (the child is ending) or cancelled (it may be loading)
+            _stop(proc, 2.0)
             raise
         for conn in (commands_out, results_in):  # a step's outputs in the pipe, not waiting
             _widen_pipe(conn)

@@ -501,7 +501,8 @@ class CudaGraphRunner:
                 f"; mixed and prefill steps of up to {pieces[-1]} tokens: {len(pieces)} "
                 "piecewise sizes (larger steps eager: compute-bound)"
                 if pieces
-                else "; mixed and prefill steps eager (--cudagraph-mode full_decode_only)"
+                else "; mixed and prefill steps eager"
+                + (" (their capture failed: above)" if c.piece_tokens else " (full_decode_only)")
             )
             logger.info(
                 "CUDA graphs%s: %d decode batch sizes (%d-%d)%s%s; captured in %.1f s, %.0f MiB",
@@ -584,12 +585,9 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         bs = self.backend.block_size
         for rows, q in self._shapes():
-            if q == PIECEWISE:  # attention runs eagerly between the pieces: an eager step's
-                meta = self.backend.build_metadata(piece_capture_metadata(rows, bs))
-                self.inputs.fill([], [], rows)
-                with self._lora_buffers(None), self._pieces():
-                    step = self._step_fn(rows)
-                    self._replays[rows, q] = self.strategy.capture(step, meta, self.split)
+            if q == PIECEWISE:
+                if self.piece_ladder:  # (emptied by a failed capture)
+                    self._capture_pieces(rows)
                 continue
             common = capture_metadata(rows, bs, self.max_blocks, q)
             self.inputs.fill([], [], rows * q)
@@ -601,6 +599,26 @@ class CudaGraphRunner:
             free_after, _ = torch.cuda.mem_get_info(self.device)
             self.graph_bytes = max(0, free_before - free_after)
         self.capture_seconds = time.perf_counter() - t0
+
+    def _capture_pieces(self, tokens: int) -> None:
+        """The piecewise graph of `tokens` (its attention runs eagerly between the pieces: an
+        eager step's metadata). One that fails to capture leaves mixed and prefill steps to
+        the eager forward, logged: the server still starts, as with full_decode_only."""
+        meta = self.backend.build_metadata(piece_capture_metadata(tokens, self.backend.block_size))
+        self.inputs.fill([], [], tokens)
+        try:
+            with self._lora_buffers(None), self._pieces():
+                step = self._step_fn(tokens)
+                self._replays[tokens, PIECEWISE] = self.strategy.capture(step, meta, self.split)
+        except Exception:
+            logger.exception(
+                "Piecewise CUDA graphs failed to capture at %d tokens: mixed and prefill steps "
+                "run eagerly (as --cudagraph-mode full_decode_only)",
+                tokens,
+            )
+            self.piece_ladder = ()
+            for shape in [s for s in self._replays if s[1] == PIECEWISE]:
+                del self._replays[shape]
 
     def _step_fn(self, tokens: int) -> StepFn:
         ids, positions = self.inputs.ids(tokens), self.inputs.positions(tokens)

@@ -147,6 +147,35 @@ def test_piece_sizes_follow_the_step_budget_and_the_mode(tiny_llama_dir) -> None
     assert pieces - full >= len(piece_ladder(64)) * GRAPH_OVERHEAD_BYTES
 
 
+class _PiecesFailToCapture(EagerReplay):
+    """A capture strategy whose piecewise captures fail (as a CUDA capture error would)."""
+
+    def capture(self, step, meta, split=None):
+        if split is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(step, meta, split)
+
+
+def test_a_failed_piecewise_capture_leaves_mixed_steps_eager(tiny_llama_dir, caplog) -> None:
+    """The server still starts: the decode graphs as before, mixed steps to the eager
+    forward, the failure logged."""
+    runner = _runner(tiny_llama_dir, attention_backend="torch")
+    graphs = CudaGraphRunner(
+        runner.model, runner.attn_backend, (1, 2, 4), MAX_LEN // BLOCK, _PiecesFailToCapture(),
+        "cpu", piece_sizes=PIECES,
+    )  # fmt: skip
+    with caplog.at_level("ERROR", logger="tessera.engine"):
+        graphs.capture_all()
+    assert "Piecewise CUDA graphs failed to capture" in caplog.text
+    assert graphs.piece_ladder == () and all(q == 1 for _, q in graphs._replays)
+    rng = random.Random(5)
+    ids, positions, seqs = _mixed_step(rng, 2, 1, runner.num_blocks)
+    assert graphs.run(StepInputs(ids, positions, common_metadata_from_seqs(seqs, BLOCK))) is None
+    ids, positions, seqs = _mixed_step(rng, 3, 0, runner.num_blocks)
+    _graph_step_equals_eager(runner, graphs, ids, positions, seqs)
+    assert graphs.runs == {4: 1} and not graphs.piece_runs
+
+
 def test_piece_capture_metadata_is_one_token_requests_in_the_reserved_slot() -> None:
     meta = piece_capture_metadata(5, BLOCK)
     assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len) == (5, 5, 1)

@@ -279,7 +279,8 @@ def test_adapters_in_speculative_verification_graphs(tiny_llama_dir, llama_adapt
     """N-gram speculative decoding with adapters, verification steps in the verify graphs
     (CUDA graphs' logic on the CPU, TESSERA_STEP_GRAPH=replay; the LoRA Triton kernels, interpreted
     without a GPU): each request's rows sit before its padding tokens in the graph, and the
-    segment buffers follow them; HF + peft's tokens for each adapter and the base."""
+    segment buffers follow them; the prompts' chunks (32-token steps) in piecewise graphs, the
+    segments at the step's own rows; HF + peft's tokens for each adapter and the base."""
     import os
 
     from tests.engine.spec_decode.graphs_testing import REPLAY, step_graphs
@@ -298,17 +299,18 @@ def test_adapters_in_speculative_verification_graphs(tiny_llama_dir, llama_adapt
     monkeypatch.setenv(*REPLAY)
     llm = LLM(str(tiny_llama_dir), dtype="float32", seed=0, enable_lora=True, max_loras=3,
               device="cpu", attention_backend="torch", num_kv_blocks=64, max_num_seqs=4,
-              speculative_config=spec, async_scheduling=False)  # fmt: skip
+              max_num_batched_tokens=32, speculative_config=spec,
+              async_scheduling=False)  # fmt: skip
     try:
         graphs, _ = step_graphs(llm)
-        assert graphs.takes_lora
+        assert graphs.takes_lora and graphs.piece_ladder[-1] == 32
         loras = [None if a is None else LoRARequest(f"a{a}", a + 1, str(llama_adapters[a]))
                  for a in assign]  # fmt: skip
         params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert llm.engine.scheduler.stats().spec_decoding.num_draft_tokens > 0
-        assert sum(graphs.verify_runs.values()) > 0
+        assert sum(graphs.verify_runs.values()) > 0 and sum(graphs.piece_runs.values()) > 0
     finally:
         llm.shutdown()
 

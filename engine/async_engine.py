@@ -233,13 +233,7 @@ class AsyncEngine:
                     self._publish_stats()  # adds and aborts change the queues too
                 if not engine.has_unfinished_requests():
                     continue
-                try:
-                    outputs = engine.step()
-                except EngineDeadError:
-                    raise  # nothing can step again: end the loop
-                except Exception:
-                    logger.exception("Engine step failed; failing the requests in flight")
-                    outputs = engine.fail_requests(list(engine.output_processor.states))
+                outputs = step_or_fail(engine)
                 self._publish_stats()
                 if outputs:
                     self._deliver(outputs)
@@ -330,6 +324,18 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(exc)
+
+
+def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:
+    """One step's outputs; a step that fails fails the requests in flight (their final
+    outputs), the loop goes on. EngineDeadError (nothing can step again) propagates."""
+    try:
+        return engine.step()
+    except EngineDeadError:
+        raise
+    except Exception:
+        logger.exception("Engine step failed; failing the requests in flight")
+        return engine.fail_requests(list(engine.output_processor.states))
 
 
 def request_infos(engine: LLMEngine) -> list[RequestInfo]:

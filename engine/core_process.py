@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.async_engine import AsyncEngine, engine_stats, request_infos
+from engine.async_engine import AsyncEngine, engine_stats, request_infos, step_or_fail
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.lora.request import LoRARequest
@@ -153,13 +153,7 @@ class CoreLoop:
                     self.send(("stats", engine_stats(engine)))
                 if self._stop or not engine.has_unfinished_requests():
                     continue
-                try:
-                    outputs = engine.step()
-                except EngineDeadError:
-                    raise
-                except Exception:
-                    logger.exception("Engine step failed; failing the requests in flight")
-                    outputs = engine.fail_requests(list(engine.output_processor.states))
+                outputs = step_or_fail(engine)
                 self.send(("outputs", outputs, engine_stats(engine)))
             if self._dead is not None:
                 self.send(("dead", self._dead))

@@ -32,6 +32,10 @@ from benchmarks.gpu.report import SKIPPED, Budget, BudgetSpent, Report, goal_mar
 WEB_STACK = ("litestar", "msgspec", "uvicorn", "httptools", "sqlalchemy", "aiosqlite", "alembic")
 
 
+# how the server holds its engine: on a thread of its own, or in a child process
+SERVE_MODES = {"thread": "engine thread", "process": "engine process"}
+
+
 def missing_web_stack() -> list[str]:
     def absent(name: str) -> bool:
         try:
@@ -193,10 +197,6 @@ def measure_serving(
     goal = f">= {SERVE_SHARE_GOAL:.0%} of offline at {top} streams: {goal_mark(best >= SERVE_SHARE_GOAL)}"
     key = "; ".join(f"{SERVE_MODES[m]} {served[m]:,.0f} tok/s = {r:.0%}" for m, r in shares.items())
     out.summary(10, f"served at {top} streams / offline: {key}", goal)
-
-
-# how the server holds its engine: on a thread of its own, or in a child process
-SERVE_MODES = {"thread": "engine thread", "process": "engine process"}
 
 
 def _serve(

@@ -46,6 +46,25 @@ def missing_web_stack() -> list[str]:
     return [m for m in WEB_STACK if absent(m)]
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) a process and its descendants have used so far, read from
+    /proc (Linux); None where there is no /proc. The server's cost per streamed token, apart
+    from the client's: on a small host they share the cores, so tok/s alone mixes the two."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime: the stat's 14th, 15th
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            if p == pid:
+                return None  # a child that ended meanwhile is only a child less
+    return total / tick
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,8 +139,9 @@ def client_args(url: str, concurrency: int, chk: Check) -> argparse.Namespace:
 
 def offline_tok_s(
     chk: Check, folder: Path, prompts: list[str], options: dict, budget: Budget
-) -> float:
-    """The same prompts and lengths through LLM's own loop, with the server's options."""
+) -> tuple[float, float]:
+    """The same prompts and lengths through LLM's own loop, with the server's options: output
+    tok/s and this process's CPU µs an output token."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -132,10 +152,11 @@ def offline_tok_s(
             raise BudgetSpent("offline")
         params = SamplingParams(max_tokens=p.serve_output_len, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t
-        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+        elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return tokens / elapsed, cpu / tokens * 1e6
     finally:
         llm.shutdown()
         free_memory()
@@ -182,17 +203,19 @@ def measure_serving(
         out.row(10, "offline, the same requests", SKIPPED)
         return
     prompts = make_prompts(top * p.serve_rounds, p.serve_input_words, seed=0)
-    offline = offline_tok_s(chk, folder, prompts, options, budget)
+    offline, offline_cpu = offline_tok_s(chk, folder, prompts, options, budget)
     shares = {mode: tok_s / offline for mode, tok_s in served.items()}
     out.row(
         10,
         f"offline, the same {len(prompts)} requests",
         f"{offline:,.0f} output tok/s",
         "; ".join(f"{SERVE_MODES[m]} at {top} streams: {r:.0%} of it" for m, r in shares.items()),
-        "LLM.generate in this process, the server's engine options",
+        f"LLM.generate in this process, the server's engine options; CPU {offline_cpu:.0f} µs "
+        "an output token",
     )
     for mode, ratio in shares.items():
-        out.result(10, mode=mode, offline_tok_s=offline, served_tok_s=served[mode], share=ratio)
+        out.result(10, mode=mode, offline_tok_s=offline, served_tok_s=served[mode], share=ratio,
+                   offline_cpu_us_per_token=offline_cpu)  # fmt: skip
     best = max(shares.values())
     goal = f">= {SERVE_SHARE_GOAL:.0%} of offline at {top} streams: {goal_mark(best >= SERVE_SHARE_GOAL)}"
     key = "; ".join(f"{SERVE_MODES[m]} {served[m]:,.0f} tok/s = {r:.0%}" for m, r in shares.items())
@@ -231,7 +254,12 @@ def _serve(
             if budget.spent:
                 out.row(10, f"serve ({label}), {c} streams", SKIPPED)
                 continue
+            cpu = tree_cpu_seconds(proc.pid)
             s = _run_loop(run(client_args(url, c, chk)))
+            if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
+                s["server_cpu_us_per_token"] = (
+                    (after - cpu) / max(s["total_output_tokens"], 1) * 1e6
+                )
             if s["failed"]:
                 raise RuntimeError(f"{s['failed']} requests failed at {c} streams: {s['errors']}")
             served[c] = s["output_throughput"]
@@ -242,7 +270,12 @@ def _serve(
                 f"TTFT p50 / p99 {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} ms; "
                 f"ITL p50 / p99 {s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} ms",
                 f"{s['completed']} requests, {p.serve_input_words} words in, "
-                f"{p.serve_output_len} tokens out",
+                f"{p.serve_output_len} tokens out"
+                + (
+                    f"; server CPU {cpu_us:.0f} µs a token"
+                    if (cpu_us := s.get("server_cpu_us_per_token"))
+                    else ""
+                ),
             )
             result = {k: v for k, v in s.items() if k != "errors"}
             out.result(10, server=label, concurrency=c, **result)

@@ -5,10 +5,18 @@ of the stream interval), and each share is the ratio of its two figures."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from api.cli.main import BENCHMARKS
 from benchmarks import bench_frontend
+from benchmarks.gpu.serving import tree_cpu_seconds
 
 
 def test_registered_as_a_bench():
@@ -37,8 +45,37 @@ def test_a_run_on_a_tiny_model(capsys):
     for r in served:
         assert r["completed"] == 2 * r["concurrency"] and r["failed"] == 0
         assert r["total_output_tokens"] == 9 * r["completed"]
+        assert r["server_cpu_us_per_token"] > 0  # the engine process's CPU counted too
     shares = [r for r in result["results"] if "share" in r]
     assert [r["mode"] for r in shares] == ["thread", "process"]
     for r in shares:
         assert r["share"] == pytest.approx(r["served_tok_s"] / r["offline_tok_s"])
+        assert r["offline_cpu_us_per_token"] > 0
     assert "of offline at 4 streams" in capsys.readouterr().out
+
+
+def test_the_servers_cpu_counts_its_descendants():
+    """A child that starts a grandchild burning 0.5 s of CPU, then sleeps: the tree's CPU
+    reaches what the grandchild burned (the child alone uses far less)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(60)"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {burn!r}]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while (cpu := tree_cpu_seconds(proc.pid)) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cpu >= 0.5
+        assert tree_cpu_seconds(2**22 + 7) is None  # no such process
+    finally:
+        for child in _children(proc.pid):
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]

@@ -5,13 +5,16 @@ end, the engine's Python and the one GIL they share.
 
     tessera bench frontend [--concurrency 64 256] [--rounds 4] [--input-words 32]
         [--output-len 128] [--stream-interval 1] [--modes thread process] [--device cpu|cuda]
+        [--no-pin]
 
 The device check's §10 (benchmarks/gpu/serving.py) on this model: `tessera serve` (a
 subprocess on loopback, the engine's own attention backend; one server with the engine on a
 thread, one with it in a process of its own, `--engine-process`) against the bench-serve
 client at each concurrency (streaming completions, ignore_eos), then the top concurrency's
 requests offline (LLM.generate in this process, the same engine options); the share is served
-/ offline output tok/s there. Prints the check's detail table.
+/ offline output tok/s there. With two CPUs or more, the server and the offline engine run
+on the first half of them and the client on the rest (--no-pin: all on all). Prints the
+check's detail table.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=["thread", "process"],
         help="a server each: the engine on a thread, or in a process (--engine-process)",
     )
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server and the offline engine on half the CPUs, the client on the rest "
+        "(their torch threads as many): both figures on the same cores, the client's apart",
+    )
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds in all")
     return p
 
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-frontend-") as tmp:
         chk = Check(plan, device, Path(tmp), report)
         extra = {"stream_interval": args.stream_interval}
-        measure_serving(chk, report, Budget(args.time_limit), extra=extra)
+        measure_serving(chk, report, Budget(args.time_limit), extra=extra, pin=args.pin)
     record.status = "ok"
     print_details(report, {"total_s": time.monotonic() - started})
     print(f"{record.key}" + (f" ({record.goal})" if record.goal else ""))

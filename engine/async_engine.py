@@ -35,6 +35,36 @@ logger = logging.getLogger("tessera.engine")
 _IDLE_POLL_S = 0.2  # how often an idle loop checks for shutdown
 
 
+class _Stream:
+    """One request's mailbox on the event loop: outputs are cumulative, so only the newest
+    waits (an error, once put, stays); a waiting reader is woken by a bare future, not a
+    queue's machinery: this runs once per streamed token."""
+
+    __slots__ = ("item", "waiter")
+
+    def __init__(self) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self.item, BaseException):
+            return
+        self.item = item
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.item is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item, self.item = self.item, None
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stuck_after_s: float = 60.0) -> None:
         self.engine = engine
@@ -47,7 +77,7 @@ class AsyncEngine:
         self.model_name = engine.config.served_model_name or engine.config.model.model
         self.stuck_after_s = stuck_after_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # touched on the event loop thread only
+        self._streams: dict[str, _Stream] = {}  # touched on the event loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -129,16 +159,12 @@ class AsyncEngine:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry shortly.")
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = self._streams[request_id] = _Stream()
         self._inbox.put(("add", request))
         finished = False
         try:
             while True:
-                item = await stream.get()
-                # Outputs are cumulative: when several queued up, only the newest matters.
-                while not isinstance(item, BaseException) and not stream.empty():
-                    item = stream.get_nowait()
+                item = await stream.get()  # the newest, when several arrived meanwhile
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -314,16 +340,16 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _fail_one(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_nowait(exc)
+            stream.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(exc)
+            stream.put(exc)
 
 
 def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:

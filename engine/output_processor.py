@@ -57,10 +57,19 @@ class _RequestState:
     prompt_logprobs: list | None = None
     pooled: Any = None  # a pooling request's vector, once its prompt is computed
     sent_tokens: int = -1  # tokens (all samples) its last output carried; -1: none yet
+    unfinished: int = 0  # samples without a finish reason (a count: read a few times a token)
+
+    def __post_init__(self) -> None:
+        self.unfinished = len(self.samples)
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return self.unfinished == 0
+
+    def finish(self, sample: _Sample, reason: str, stop_reason: int | str | None = None) -> None:
+        sample.finish_reason = reason
+        sample.stop_reason = stop_reason
+        self.unfinished -= 1
 
     def due(self, interval: int) -> bool:
         """Whether this step's change goes out: the first output, a finished request, or
@@ -77,8 +86,10 @@ class _RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.to_output(i) for i, s in enumerate(self.samples)],
-            finished=self.finished,
+            outputs=[s.to_output(i) for i, s in enumerate(self.samples)]
+            if len(self.samples) > 1
+            else [self.samples[0].to_output(0)],
+            finished=self.unfinished == 0,
             num_cached_tokens=max(self.num_cached_tokens, 0),
             queue_time=self.queue_time,
             prompt_logprobs=self.prompt_logprobs,
@@ -171,14 +182,12 @@ class OutputProcessor:
                 sample.logprobs.extend(new_lps)
                 sample.cumulative_logprob += sum(lp.logprob for lp in new_lps)
             if detok.stopped:
-                sample.finish_reason = FinishReason.STOP.value
-                sample.stop_reason = detok.stop_reason
+                state.finish(sample, FinishReason.STOP.value, detok.stop_reason)
                 if update.finish_reason is None:
                     stopped.append(update.request_id)
             elif update.finish_reason is not None:
                 detok.finish()
-                sample.finish_reason = update.finish_reason
-                sample.stop_reason = update.stop_reason
+                state.finish(sample, update.finish_reason, update.stop_reason)
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
@@ -198,7 +207,7 @@ class OutputProcessor:
         for sample in state.samples:
             if sample.finish_reason is None:
                 sample.detokenizer.finish()
-                sample.finish_reason = reason.value
+                state.finish(sample, reason.value)
         return state.to_output()
 
     def has_unfinished(self) -> bool:

@@ -3,7 +3,10 @@
 IncrementalDetokenizer follows vLLM's prefix/read offset scheme: each step decodes only a
 small window of recent tokens, so a step costs O(1) whatever the output length, and text
 that ends in an incomplete UTF-8 character (U+FFFD) is held back until a later token
-completes it. Stop strings are matched on the detokenized text and never reach the output.
+completes it. The `tokenizers` library's DecodeStream runs that same scheme in Rust (a
+quarter of the Python's cost a token: the server detokenizes every token it streams); the
+Python path stays for a stream that refuses a step. Stop strings are matched on the
+detokenized text and never reach the output.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.stop_matcher import StopMatcher, StopText
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the Python path alone
+    DecodeStream = None
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -29,7 +37,7 @@ class Tokenizer:
         if not getattr(hf_tokenizer, "is_fast", False):
             raise ValueError("only fast (Rust 'tokenizers') tokenizers are supported")
         self.hf = hf_tokenizer
-        self._backend = hf_tokenizer.backend_tokenizer
+        self.backend = hf_tokenizer.backend_tokenizer  # the Rust tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
@@ -60,7 +68,7 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # The backend directly: no clean_up_tokenization_spaces, so that the text equals what
         # IncrementalDetokenizer streams.
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
@@ -137,6 +145,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         stop_matcher: StopMatcher | None = None,
+        stream: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -144,7 +153,19 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_WINDOW:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(0, self._read_offset)
+        # The Python path's text of ids[prefix_offset:read_offset]; the stream keeps its own,
+        # so this one is decoded only when needed (finish, or a fall back to Python).
+        self._prefix_text: str | None = None
+        self._stream = None
+        if stream and DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            # The same leading context; a prompt whose tail is still an incomplete character
+            # would leave it for the first output token to print: the Python path then.
+            primed = not self._ids or self._stream.step(tokenizer.backend, self._ids) is not None
+            if not primed and self._decode(0, self._read_offset):
+                self._stream = None
+        if self._stream is None:
+            self._prefix_text = self._decode(0, self._read_offset)
         matcher = stop_matcher if stop_matcher is not None else StopMatcher(stop)
         self._out = StopText(matcher, include_stop_str_in_output)
         self.finished = False
@@ -170,7 +191,10 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str:
         if self.finished or self.stopped:
             return ""
-        self._out.append("".join([self._step(t) for t in new_token_ids]))
+        if len(new_token_ids) == 1:
+            self._out.append(self._step(new_token_ids[0]))
+        else:
+            self._out.append("".join([self._step(t) for t in new_token_ids]))
         return self._out.take(hold_back=not self.stopped)
 
     def finish(self) -> str:
@@ -180,8 +204,13 @@ class IncrementalDetokenizer:
             return self._out.take(hold_back=False)
         self.finished = True
         full = self._decode(self._prefix_offset, len(self._ids))
-        self._out.append(full[len(self._prefix_text) :])
+        self._out.append(full[len(self._python_prefix()) :])
         return self._out.take(hold_back=False)
+
+    def _python_prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return self._prefix_text
 
     def _decode(self, start: int, end: int) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
@@ -190,12 +219,24 @@ class IncrementalDetokenizer:
         """vLLM's detokenize_incrementally: decode the window from prefix_offset twice (with
         and without the unread tokens) and return the difference once it is complete."""
         self._ids.append(token_id)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
-            return ""  # nothing new yet, or a character still incomplete: wait
-        delta = new_text[len(self._prefix_text) :]
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._tok.backend, token_id)
+            except Exception:  # noqa: BLE001 - its prefix changed, say: Python from here on
+                self._stream = None
+                self._ids.pop()
+                return self._step(token_id)
+            if delta is None:
+                return ""
+            self._prefix_text = None  # the stream's window moved as the offsets below do
+        else:
+            new_text = self._decode(self._prefix_offset, len(self._ids))
+            prefix = self._python_prefix()
+            if len(new_text) <= len(prefix) or new_text.endswith(_REPLACEMENT):
+                return ""  # nothing new yet, or a character still incomplete: wait
+            delta = new_text[len(prefix) :]
+            self._prefix_text = None
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         # Keep the window small: nothing before prefix_offset is ever decoded again.
         if self._prefix_offset > 64:
             del self._ids[: self._prefix_offset]

@@ -300,6 +300,10 @@ class Metrics:
             "vllm:inter_token_latency_seconds", "Time between generated tokens.", ITL_BUCKETS
         )
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        # The series fed once a streamed token, looked up once (labels() costs a lock and a
+        # dict lookup a call).
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
         self.queue_time = hist(
             "vllm:request_queue_time_seconds", "Time waiting to be scheduled.", LATENCY_BUCKETS
         )
@@ -382,7 +386,7 @@ class Metrics:
         if live is None or live.last_token is not None:
             return
         live.last_token = live.first_token_at = time.monotonic()
-        self.ttft.labels(self.model_name).observe(live.last_token - live.started)
+        self._ttft.observe(live.last_token - live.started)
 
     def tokens(self, request_id: str, n: int) -> None:
         """n more tokens arrived together (after the first): n inter-token observations of
@@ -397,9 +401,8 @@ class Metrics:
             if n <= 0:
                 return
         gap = (now - live.last_token) / n
-        itl = self.itl.labels(self.model_name)
         for _ in range(n):
-            itl.observe(gap)
+            self._itl.observe(gap)
         live.last_token = now
 
     def request_finished(

@@ -13,6 +13,7 @@ is missing and measures nothing."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
@@ -63,6 +64,40 @@ def tree_cpu_seconds(pid: int) -> float | None:
             if p == pid:
                 return None  # a child that ended meanwhile is only a child less
     return total / tick
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """This process's CPUs in two: the server's (the first half) and the client's (the rest);
+    None with fewer than two. Pinned apart, the server's figure and its offline baseline are
+    both on the same cores, whatever the client costs (on a two-core host it takes about a
+    core of its own, which unpinned it takes from the server)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
+@contextlib.contextmanager
+def _on_cpus(cpus: set[int] | None, threads: bool = False):
+    """This process (and what it starts meanwhile) on `cpus`; `threads`: torch's intra-op
+    threads as many. Both restored after."""
+    if cpus is None:
+        yield
+        return
+    import torch
+
+    before, before_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    if threads:
+        torch.set_num_threads(len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(before_threads)
 
 
 def _free_port() -> int:
@@ -174,10 +209,12 @@ def measure_serving(
     attention_backend: str | None = None,
     extra: dict | None = None,
     server_args: tuple[str, ...] = (),
+    pin: bool = False,
 ) -> None:
     """§10's figures for chk's plan and device (attention_backend None: the engine's own;
     extra: more engine options, the server's and the offline engine's; server_args: the
-    server's own flags)."""
+    server's own flags; pin: the server and the offline engine on half the CPUs, the client
+    on the other half, where there are two or more)."""
     missing = missing_web_stack()
     if missing:
         out.row(10, "serving", "not measured", note=f"no web stack here: {', '.join(missing)} "
@@ -190,10 +227,16 @@ def measure_serving(
     folder = chk.folder(f"model-{p.name}", p.model)
     options = {**engine_options(chk, attention_backend), **(extra or {})}
     top = max(p.serve_concurrency)
+    cpus = split_cpus() if pin else None
+    if cpus is not None:
+        server_args = (*server_args, "--num-threads", str(len(cpus[0])))
+        progress(
+            f"§10 pinned: the server and offline on CPUs {sorted(cpus[0])}, the client on {sorted(cpus[1])}"
+        )
     served: dict[str, float] = {}  # mode -> output tok/s at the top concurrency
     for mode in p.serve_modes:
         flags = (*server_args, *(("--engine-process",) if mode == "process" else ()))
-        figures = _serve(chk, out, budget, folder, options, flags, SERVE_MODES[mode])
+        figures = _serve(chk, out, budget, folder, options, flags, SERVE_MODES[mode], cpus)
         if top in figures:
             served[mode] = figures[top]
     if not served:
@@ -203,7 +246,8 @@ def measure_serving(
         out.row(10, "offline, the same requests", SKIPPED)
         return
     prompts = make_prompts(top * p.serve_rounds, p.serve_input_words, seed=0)
-    offline, offline_cpu = offline_tok_s(chk, folder, prompts, options, budget)
+    with _on_cpus(cpus[0] if cpus else None, threads=True):
+        offline, offline_cpu = offline_tok_s(chk, folder, prompts, options, budget)
     shares = {mode: tok_s / offline for mode, tok_s in served.items()}
     out.row(
         10,
@@ -230,9 +274,10 @@ def _serve(
     options: dict,
     flags: tuple[str, ...],
     label: str,
+    cpus: tuple[set[int], set[int]] | None = None,
 ) -> dict[int, float]:
-    """One server's run: started, each concurrency's client, stopped; -> output tok/s by
-    concurrency."""
+    """One server's run: started (on cpus[0]), each concurrency's client (on cpus[1]),
+    stopped; -> output tok/s by concurrency."""
     from benchmarks.bench_serve import _run_loop, run
 
     p = chk.plan
@@ -240,45 +285,48 @@ def _serve(
     url = f"http://127.0.0.1:{port}"
     log = chk.workdir / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
-    with log.open("wb") as sink:
+    with log.open("wb") as sink, _on_cpus(cpus[0] if cpus else None):
         proc = subprocess.Popen(
             [*serve_command(folder, port, options), *flags], stdout=sink,
             stderr=subprocess.STDOUT, env=env, cwd=chk.workdir,
         )  # fmt: skip
     served: dict[int, float] = {}
     try:
-        start_s = _wait_ready(proc, url, budget, log)
-        note = f"max_num_seqs {max(p.serve_concurrency)}"
-        out.row(10, f"server start ({label})", f"{start_s:.1f} s", note=note)
-        for c in p.serve_concurrency:
-            if budget.spent:
-                out.row(10, f"serve ({label}), {c} streams", SKIPPED)
-                continue
-            cpu = tree_cpu_seconds(proc.pid)
-            s = _run_loop(run(client_args(url, c, chk)))
-            if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
-                s["server_cpu_us_per_token"] = (
-                    (after - cpu) / max(s["total_output_tokens"], 1) * 1e6
+        with _on_cpus(cpus[1] if cpus else None):
+            start_s = _wait_ready(proc, url, budget, log)
+            note = f"max_num_seqs {max(p.serve_concurrency)}"
+            out.row(10, f"server start ({label})", f"{start_s:.1f} s", note=note)
+            for c in p.serve_concurrency:
+                if budget.spent:
+                    out.row(10, f"serve ({label}), {c} streams", SKIPPED)
+                    continue
+                cpu = tree_cpu_seconds(proc.pid)
+                s = _run_loop(run(client_args(url, c, chk)))
+                if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
+                    s["server_cpu_us_per_token"] = (
+                        (after - cpu) / max(s["total_output_tokens"], 1) * 1e6
+                    )
+                if s["failed"]:
+                    raise RuntimeError(
+                        f"{s['failed']} requests failed at {c} streams: {s['errors']}"
+                    )
+                served[c] = s["output_throughput"]
+                out.row(
+                    10,
+                    f"serve ({label}), {c} streams",
+                    f"{s['output_throughput']:,.0f} output tok/s",
+                    f"TTFT p50 / p99 {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} ms; "
+                    f"ITL p50 / p99 {s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} ms",
+                    f"{s['completed']} requests, {p.serve_input_words} words in, "
+                    f"{p.serve_output_len} tokens out"
+                    + (
+                        f"; server CPU {cpu_us:.0f} µs a token"
+                        if (cpu_us := s.get("server_cpu_us_per_token"))
+                        else ""
+                    ),
                 )
-            if s["failed"]:
-                raise RuntimeError(f"{s['failed']} requests failed at {c} streams: {s['errors']}")
-            served[c] = s["output_throughput"]
-            out.row(
-                10,
-                f"serve ({label}), {c} streams",
-                f"{s['output_throughput']:,.0f} output tok/s",
-                f"TTFT p50 / p99 {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} ms; "
-                f"ITL p50 / p99 {s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} ms",
-                f"{s['completed']} requests, {p.serve_input_words} words in, "
-                f"{p.serve_output_len} tokens out"
-                + (
-                    f"; server CPU {cpu_us:.0f} µs a token"
-                    if (cpu_us := s.get("server_cpu_us_per_token"))
-                    else ""
-                ),
-            )
-            result = {k: v for k, v in s.items() if k != "errors"}
-            out.result(10, server=label, concurrency=c, **result)
+                result = {k: v for k, v in s.items() if k != "errors"}
+                out.result(10, server=label, concurrency=c, **result)
     finally:
         _stop(proc)
         progress(f"§10 server log: {log}")

@@ -16,7 +16,7 @@ import pytest
 
 from api.cli.main import BENCHMARKS
 from benchmarks import bench_frontend
-from benchmarks.gpu.serving import tree_cpu_seconds
+from benchmarks.gpu.serving import split_cpus, tree_cpu_seconds
 
 
 def test_registered_as_a_bench():
@@ -31,6 +31,7 @@ def test_bad_arguments_are_rejected(capsys):
 
 
 def test_a_run_on_a_tiny_model(capsys):
+    cpus = os.sched_getaffinity(0)
     result = bench_frontend.main(
         ["--concurrency", "2", "4", "--rounds", "2", "--input-words", "8", "--output-len", "9",
          "--stream-interval", "4", "--time-limit", "200"]
@@ -51,7 +52,23 @@ def test_a_run_on_a_tiny_model(capsys):
     for r in shares:
         assert r["share"] == pytest.approx(r["served_tok_s"] / r["offline_tok_s"])
         assert r["offline_cpu_us_per_token"] > 0
-    assert "of offline at 4 streams" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "of offline at 4 streams" in printed.out
+    if len(cpus) >= 2:  # pinned: the server and offline on one half, the client on the other
+        server, client = split_cpus()
+        assert f"on CPUs {sorted(server)}, the client on {sorted(client)}" in printed.err
+    assert os.sched_getaffinity(0) == cpus  # given back after each pinned part
+
+
+def test_the_cpus_split_in_two_halves():
+    halves = split_cpus()
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        assert halves is None
+        return
+    server, client = halves
+    assert server and client and not server & client and server | client == cpus
+    assert len(server) == len(cpus) // 2
 
 
 def test_the_servers_cpu_counts_its_descendants():

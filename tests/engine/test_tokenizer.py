@@ -53,20 +53,22 @@ def test_from_pretrained_missing_folder(tmp_path) -> None:
         Tokenizer.from_pretrained(tmp_path / "nope")
 
 
-def test_valid_text_streams_exactly_and_never_splits_a_character(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["rust-stream", "python"])
+def test_valid_text_streams_exactly_and_never_splits_a_character(tok: Tokenizer, stream) -> None:
     # The test must exercise splits: some tokens of this text are partial characters.
     text = " ".join(SENTENCES)
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids)
     prompt = tok.encode("Prompt: 日本")
     for chunk in (1, 2, 3):
-        detok = IncrementalDetokenizer(tok, prompt)
+        detok = IncrementalDetokenizer(tok, prompt, stream=stream)
         deltas = _stream(detok, ids, chunk)
         assert all("\ufffd" not in d for d in deltas)
         assert "".join(deltas) == text == detok.text
 
 
-def test_random_ids_concatenate_to_full_decode(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["rust-stream", "python"])
+def test_random_ids_concatenate_to_full_decode(tok: Tokenizer, stream) -> None:
     rng = random.Random(0)
     special = set(tok.all_special_ids) | {tok.hf.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
     ordinary = [i for i in range(tok.vocab_size) if i not in special]
@@ -76,12 +78,41 @@ def test_random_ids_concatenate_to_full_decode(tok: Tokenizer) -> None:
         ids = [rng.choice(ordinary) if rng.random() > 0.05 else rng.choice(sorted(special))]
         ids += [rng.choice(ordinary) for _ in range(n - 1)]
         skip = trial % 2 == 0
-        detok = IncrementalDetokenizer(tok, prompts[trial % 3], skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(
+            tok, prompts[trial % 3], skip_special_tokens=skip, stream=stream
+        )
         deltas = _stream(detok, ids, chunk=1 + trial % 3)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip) == detok.text
 
 
-def test_decode_window_stays_small(tok: Tokenizer) -> None:
+def test_the_rust_stream_gives_the_python_paths_deltas(tok: Tokenizer) -> None:
+    """Token for token the same deltas (not only the same whole text), whatever the prompt,
+    skip_special_tokens and the split characters; and a stream that fails mid-output hands
+    over to the Python path with nothing lost or repeated."""
+    rng = random.Random(1)
+    special = sorted(set(tok.all_special_ids))
+    ordinary = [i for i in range(tok.vocab_size) if i not in special]
+    text_ids = tok.encode(" ".join(SENTENCES))
+    prompts = [[], tok.encode("Prompt: 日本"), tok.encode("<|im_start|>user\n日本<|im_end|>")]
+    for trial in range(200):
+        ids = text_ids if trial % 4 == 0 else [rng.choice(ordinary) for _ in range(30)]
+        if trial % 5 == 1:
+            ids = [*ids[:10], rng.choice(special), *ids[10:]]
+        prompt, skip = prompts[trial % 3], trial % 2 == 0
+        runs = [
+            _stream(IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, stream=s), ids)
+            for s in (True, False)
+        ]
+        assert runs[0] == runs[1]
+        broken = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        deltas = [broken.update([i]) for i in ids[:12]]
+        broken._stream = object()  # its next step raises: the Python path takes over
+        deltas += [broken.update([i]) for i in ids[12:]] + [broken.finish()]
+        assert deltas == runs[1]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["rust-stream", "python"])
+def test_decode_window_stays_small(tok: Tokenizer, stream) -> None:
     class Recording(Tokenizer):
         longest = 0
 
@@ -92,7 +123,7 @@ def test_decode_window_stays_small(tok: Tokenizer) -> None:
     rec = Recording(tok.hf)
     ids = tok.encode(" ".join(SENTENCES) * 20)
     assert len(ids) > 1000
-    detok = IncrementalDetokenizer(rec, tok.encode("a prompt of several words here"))
+    detok = IncrementalDetokenizer(rec, tok.encode("a prompt of several words here"), stream=stream)
     assert "".join(_stream(detok, ids)) == tok.decode(ids)
     assert Recording.longest <= 8  # a few tokens per step, never the whole output
 
@@ -188,3 +219,43 @@ def test_missing_chat_template(tmp_path) -> None:
     assert not plain.has_chat_template
     with pytest.raises(ValueError, match="no chat template"):
         plain.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _sentencepiece_style() -> Tokenizer:
+    """A Llama-2-style tokenizer built offline: "▁" for spaces, byte fallback, and a decoder
+    that strips the text's first space (so a token's leading space depends on what precedes it)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    rust.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    rust.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=[f"<0x{i:02X}>" for i in range(256)],
+    )  # fmt: skip
+    rust.train_from_iterator(SENTENCES, trainer)
+    return Tokenizer(
+        PreTrainedTokenizerFast(
+            tokenizer_object=rust, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        )
+    )
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["rust-stream", "python"])
+def test_the_first_output_token_keeps_its_leading_space(stream) -> None:
+    # Decoded alone, "▁Hello" loses its space; after the prompt's last tokens it keeps it.
+    tok = _sentencepiece_style()
+    prompt = tok.encode("Say hello", add_special_tokens=False)
+    out = tok.encode("Hello world 日本", add_special_tokens=False)
+    assert not tok.decode(out).startswith(" ")
+    detok = IncrementalDetokenizer(tok, prompt, stream=stream)
+    deltas = _stream(detok, out)
+    assert deltas[0].startswith(" Hello")
+    assert "".join(deltas) == " Hello world 日本"

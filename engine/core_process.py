@@ -9,7 +9,8 @@ hundreds of streams the server streamed a third of what the same engine makes of
 (BENCHMARKS.md, `tessera bench frontend`). Here the child process builds the LLMEngine (the
 model, the executor and its workers) and runs the step loop (CoreLoop): between steps it reads
 the commands the parent sends (add, abort, a snapshot, the block map, a grammar to compile,
-shutdown), steps, and sends each step's outputs with the engine's stats in one message. The
+shutdown), steps, and sends each step's outputs with the engine's stats in one message (as
+what they add: engine.output_delta, the prompt once and then each step's new tokens). The
 parent is AsyncEngine's front half: the per-request streams, the checks a request passes
 before its first await (engine.request_checks, over the facts the child sent once it loaded:
 CoreFacts), a thread that sends the commands (the event loop never blocks on a full pipe),
@@ -44,6 +45,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.lora.request import LoRARequest
 from engine.orphans import die_with_parent, name_process
+from engine.output_delta import DeltaDecoder, DeltaEncoder
 from engine.request_checks import RequestChecks
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import GrammarError
@@ -134,6 +136,7 @@ class CoreLoop:
         self._send_lock = threading.Lock()  # grammar compiles answer from their own thread
         self._stop = False
         self._dead: str | None = None
+        self._deltas = DeltaEncoder()  # outputs are sent from this loop's thread only, in order
         engine.executor.on_dead(self._worker_died)
 
     def send(self, message: tuple) -> None:
@@ -154,7 +157,7 @@ class CoreLoop:
                 if self._stop or not engine.has_unfinished_requests():
                     continue
                 outputs = step_or_fail(engine)
-                self.send(("outputs", outputs, engine_stats(engine)))
+                self.send(("outputs", self._deltas.encode(outputs), engine_stats(engine)))
             if self._dead is not None:
                 self.send(("dead", self._dead))
         except EngineDeadError as exc:
@@ -193,7 +196,7 @@ class CoreLoop:
         elif kind == "abort":
             out = engine.abort_request(item[1])
             if out is not None:
-                self.send(("outputs", [out], engine_stats(engine)))
+                self.send(("outputs", self._deltas.encode([out]), engine_stats(engine)))
         elif kind == "snapshot":
             self.send(("reply", item[1], request_infos(engine)))
         elif kind == "blocks":
@@ -304,6 +307,7 @@ class ProcessEngine(AsyncEngine):
         engine._results = results_in
         engine._child_dead = None  # why the child said it dies, if it could
         engine._inbox = engine._outbox = _Outbox(commands_out)
+        engine._deltas = DeltaDecoder()
         engine._loop = loop = asyncio.get_running_loop()
         # The event loop reads the child's messages itself (no thread taking turns with it
         # on the GIL): each step's outputs reach the streams in the loop turn they arrive.
@@ -345,7 +349,7 @@ class ProcessEngine(AsyncEngine):
                 kind = message[0]
                 if kind == "outputs":
                     self._stats = message[2]
-                    self._dispatch(message[1])
+                    self._dispatch(self._deltas.decode(message[1]))
                 elif kind == "stats":
                     self._stats = message[1]
                 elif kind == "reply":

@@ -40,7 +40,7 @@ from api.openai.schemas import (
     TopLogprob,
     Usage,
 )
-from api.openai.streaming import SSE_DONE, Generation, sse_event
+from api.openai.streaming import SETTLE, SSE_DONE, Generation, sse_event
 from api.openai.tools import ToolStreamer
 from api.openai.tools.base import Delta
 from api.openai.tools.plan import ToolPlan
@@ -510,8 +510,9 @@ def error_body(exc: BaseException) -> dict:
     return stream_error(exc).to_body()
 
 
-async def sse_stream(gen: Generation, fmt: Any, include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body of a streaming request. `gen` was admitted already (`start` succeeded)."""
+async def sse_stream(gen: Generation, fmt: Any, include_usage: bool) -> AsyncIterator[Any]:
+    """The SSE body of a streaming request (bytes, and SETTLE before the final `[DONE]`).
+    `gen` was admitted already (`start` succeeded)."""
     usage = None if include_usage else UNSET
     try:
         events = fmt.start_events(usage)
@@ -527,4 +528,5 @@ async def sse_stream(gen: Generation, fmt: Any, include_usage: bool) -> AsyncIte
             yield sse_event(fmt.usage_event(usage_of(gen.latest, gen.prompts)))
     except Exception as exc:  # noqa: BLE001 - after the first byte, errors travel in-band
         yield sse_event(error_body(exc))
+    yield SETTLE
     yield SSE_DONE

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
 
 from litestar import Request, get, post
 from litestar.di import NamedDependency
@@ -52,7 +50,6 @@ from api.openai.schemas import (
     TokenizeResponse,
 )
 from api.openai.serving import (
-    SETTLE,
     admit,
     cpu_pool,
     open_ticket,
@@ -63,7 +60,6 @@ from api.openai.serving import (
     run_to_end,
     sse_response,
 )
-from api.openai.streaming import SSE_DONE, Generation
 from api.openai.structured import supported_structured_outputs, with_structured_outputs
 from api.openai.tools.plan import active_parser
 from api.server.deps import ClientController
@@ -102,7 +98,7 @@ class OpenAIController(ClientController):
         )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            return sse_response(request, gen, ticket, _openai_sse(gen, fmt, include_usage))  # type: ignore[return-value]
+            return sse_response(request, gen, ticket, sse_stream(gen, fmt, include_usage))  # type: ignore[return-value]
         return await run_to_end(gen, request, ticket, fmt)
 
     @post("/v1/completions", status_code=200)
@@ -184,7 +180,7 @@ class OpenAIController(ClientController):
         )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            return sse_response(request, gen, ticket, _openai_sse(gen, fmt, include_usage))  # type: ignore[return-value]
+            return sse_response(request, gen, ticket, sse_stream(gen, fmt, include_usage))  # type: ignore[return-value]
         return await run_to_end(gen, request, ticket, fmt)
 
     @get("/v1/models")
@@ -269,15 +265,3 @@ class OpenAIController(ClientController):
                 "tokens",
             )
         return DetokenizeResponse(prompt=engine.tokenizer.decode(data.tokens))
-
-
-def _openai_sse(gen: Generation, fmt: Any, include_usage: bool) -> AsyncIterator[Any]:
-    """sse_stream's chunks, with SETTLE before the final `[DONE]`."""
-
-    async def chunks() -> AsyncIterator[Any]:
-        async for chunk in sse_stream(gen, fmt, include_usage):
-            if chunk is SSE_DONE:
-                yield SETTLE
-            yield chunk
-
-    return chunks()

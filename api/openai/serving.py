@@ -49,6 +49,7 @@ from api.openai.inputs import (
 )
 from api.openai.schemas import ChatCompletionRequest
 from api.openai.streaming import (
+    SETTLE,
     SSE_CONTENT_TYPE,
     SSE_HEADERS,
     ClientDisconnected,
@@ -76,10 +77,6 @@ from engine.pooling_params import PoolingParams
 from engine.protocol import EngineClient, EngineRequest
 from engine.reasoning import REASONING_FORMATS
 from engine.sampling_params import SamplingParams
-
-# What an SSE body yields just before its last chunk: the request is settled (usage row,
-# quota reconciled) before the client sees the end of the stream.
-SETTLE = object()
 
 
 @dataclass(slots=True)

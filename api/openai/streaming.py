@@ -24,6 +24,9 @@ T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
+# What an SSE body yields just before its last chunk: the request is settled (usage row,
+# quota reconciled) before the client sees the end of the stream.
+SETTLE = object()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 
@@ -151,12 +154,16 @@ class Generation:
             if out is not None:
                 yield i, out
         live = [i for i, out in enumerate(self.latest) if out is not None and not out.finished]
-        if len(live) == 1:  # the common case: no task per token
+        if len(live) == 1:  # the common case: no task per token (and no wrapper: per token)
             i = live[0]
-            while (out := await self._next(i)) is not None:
+            it = self._iters[i]
+            while True:
+                try:
+                    out = await anext(it)
+                except StopAsyncIteration:
+                    return
                 self._record(i, out)
                 yield i, out
-            return
         pending = {asyncio.ensure_future(self._next(i)): i for i in live}
         try:
             while pending:

@@ -5,7 +5,7 @@ end, the engine's Python and the one GIL they share.
 
     tessera bench frontend [--concurrency 64 256] [--rounds 4] [--input-words 32]
         [--output-len 128] [--stream-interval 1] [--modes thread process] [--device cpu|cuda]
-        [--no-pin]
+        [--no-pin] [--baseline-tree PATH [--bursts 6]]
 
 The device check's §10 (benchmarks/gpu/serving.py) on this model: `tessera serve` (a
 subprocess on loopback, the engine's own attention backend; one server with the engine on a
@@ -15,6 +15,13 @@ requests offline (LLM.generate in this process, the same engine options); the sh
 / offline output tok/s there. With two CPUs or more, the server and the offline engine run
 on the first half of them and the client on the rest (--no-pin: all on all). Prints the
 check's detail table.
+
+--baseline-tree PATH measures a change instead: for each mode, this checkout's server and
+PATH's (e.g. `git worktree add /tmp/base HEAD~1`) run at once, on the same CPUs, and the
+client's bursts (the top concurrency, a request a stream, each burst its own prompts)
+alternate between them: the medians of each side's output tok/s and server CPU a token, and
+their ratio. A shared VM's speed drifts by a third over minutes; alternating cancels that,
+two runs one after the other do not.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 from benchmarks.gpu.check import Check
 from benchmarks.gpu.plan import QUICK, TINY_LLAMA
 from benchmarks.gpu.report import Budget, Report, SectionRecord, print_details
-from benchmarks.gpu.serving import measure_serving
+from benchmarks.gpu.serving import measure_against_tree, measure_serving
 
 FRONTEND_MODEL = {
     **TINY_LLAMA,
@@ -65,14 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="the server and the offline engine on half the CPUs, the client on the rest "
         "(their torch threads as many): both figures on the same cores, the client's apart",
     )
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="another checkout (a worktree of the commit before a change, say): its servers "
+        "and this tree's run at once and the client's bursts alternate between them, instead "
+        "of the offline comparison",
+    )
+    p.add_argument("--bursts", type=int, default=6, help="with --baseline-tree: bursts a side")
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds in all")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    if min(args.concurrency) < 1 or args.rounds < 1 or args.output_len < 1:
-        raise SystemExit("--concurrency, --rounds and --output-len must be at least 1")
+    if min(args.concurrency) < 1 or args.rounds < 1 or args.output_len < 1 or args.bursts < 1:
+        raise SystemExit("--concurrency, --rounds, --output-len and --bursts must be at least 1")
+    if args.baseline_tree is not None:
+        args.baseline_tree = args.baseline_tree.resolve()
+        if not (args.baseline_tree / "api" / "cli" / "main.py").is_file():
+            raise SystemExit(f"--baseline-tree must be a Tessera checkout: {args.baseline_tree}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     plan = dataclasses.replace(
         QUICK,
@@ -92,7 +112,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-frontend-") as tmp:
         chk = Check(plan, device, Path(tmp), report)
         extra = {"stream_interval": args.stream_interval}
-        measure_serving(chk, report, Budget(args.time_limit), extra=extra, pin=args.pin)
+        budget = Budget(args.time_limit)
+        if args.baseline_tree is not None:
+            measure_against_tree(
+                chk, report, budget, args.baseline_tree, args.bursts, extra=extra, pin=args.pin
+            )
+        else:
+            measure_serving(chk, report, budget, extra=extra, pin=args.pin)
     record.status = "ok"
     print_details(report, {"total_s": time.monotonic() - started})
     print(f"{record.key}" + (f" ({record.goal})" if record.goal else ""))

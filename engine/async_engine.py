@@ -13,6 +13,7 @@ on_dead listeners (the server, which then exits non-zero) are told once, on the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -33,6 +34,9 @@ from engine.structured_output import GrammarError
 logger = logging.getLogger("tessera.engine")
 
 _IDLE_POLL_S = 0.2  # how often an idle loop checks for shutdown
+# Final outputs kept for abort(wait=True) of requests whose stream ended first: a Generation
+# collects its own at once; the bound is for other callers, who may never ask.
+_FINALS_KEPT = 4096
 
 
 class _Stream:
@@ -78,6 +82,11 @@ class AsyncEngine:
         self.stuck_after_s = stuck_after_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched on the event loop thread only
+        # Also the loop's: requests whose stream ended before them, and the final outputs
+        # they ended with since (what abort(wait=True) returns), and the acks it awaits.
+        self._abandoned: set[str] = set()
+        self._finals: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
+        self._acks: set[concurrent.futures.Future] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -175,7 +184,8 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._abandoned.add(request_id)
+                self._inbox.put(("abort", request_id, None))
 
     async def compile_grammar(self, so: StructuredOutputsParams) -> None:
         """Compile a structured-output spec (or find it in the cache) off the event loop.
@@ -204,8 +214,26 @@ class AsyncEngine:
         beyond_seats = len(self._streams) - self.config.scheduler.max_num_seqs
         return max(self._stats.num_waiting, beyond_seats)
 
-    async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    async def abort(self, request_id: str, wait: bool = False) -> RequestOutput | None:
+        """Abort a request; wait: until the engine has, then the final output it ended with
+        if its stream had ended before it (engine.protocol.EngineClient.abort)."""
+        if not wait:
+            self._inbox.put(("abort", request_id, None))
+            return None
+        # Dead or stopping: the streams were (or are about to be) failed, no ack would come.
+        if self._dead is None and not self._stopping.is_set() and self._running():
+            ack: concurrent.futures.Future = concurrent.futures.Future()
+            self._acks.add(ack)
+            self._inbox.put(("abort", request_id, ack))
+            try:
+                # Resolved after the abort's output was handed to the loop (FIFO): the final
+                # output is in _finals by the time this resumes.
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(ack)
+            finally:
+                self._acks.discard(ack)
+        self._abandoned.discard(request_id)
+        return self._finals.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -312,6 +340,8 @@ class AsyncEngine:
             out = self.engine.abort_request(item[1])
             if out is not None:
                 self._deliver([out])
+            if item[2] is not None:
+                _resolve(item[2])
         elif kind in ("snapshot", "blocks"):
             future = item[1]
             if not future.done():
@@ -341,6 +371,11 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
+            elif out.finished and out.request_id in self._abandoned:
+                self._abandoned.discard(out.request_id)
+                self._finals[out.request_id] = out
+                if len(self._finals) > _FINALS_KEPT:
+                    self._finals.popitem(last=False)
 
     def _fail_one(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -350,6 +385,14 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.put(exc)
+        self._abandoned.clear()  # nothing more comes: an abort(wait=True) waits no longer
+        for ack in list(self._acks):
+            _resolve(ack)
+
+
+def _resolve(ack: concurrent.futures.Future) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # resolved already
+        ack.set_result(None)
 
 
 def step_or_fail(engine: LLMEngine) -> list[RequestOutput]:

@@ -193,10 +193,12 @@ class CoreLoop:
                 engine.add(request)
             except Exception as exc:  # admitted already: a grammar that failed, say
                 self.send(("fail_one", request.request_id, _picklable(exc)))
-        elif kind == "abort":
+        elif kind == "abort":  # ("abort", request id, token of an abort that waits or None)
             out = engine.abort_request(item[1])
             if out is not None:
                 self.send(("outputs", self._deltas.encode([out]), engine_stats(engine)))
+            if item[2] is not None:  # after its output: the parent has it when this resolves
+                self.send(("reply", item[2], None))
         elif kind == "snapshot":
             self.send(("reply", item[1], request_infos(engine)))
         elif kind == "blocks":
@@ -219,7 +221,8 @@ class CoreLoop:
 class _Outbox:
     """AsyncEngine's inbox, for a child: put() queues a command for the sending thread (the
     event loop never waits on a full pipe); a command that waits for an answer (a snapshot,
-    the block map, a compile) carries a token in place of its future, resolved by the reply."""
+    the block map, a compile, an abort that waits) carries a token in place of its future,
+    resolved by the reply."""
 
     def __init__(self, commands) -> None:
         self.commands = commands
@@ -232,6 +235,8 @@ class _Outbox:
     def put(self, item: tuple) -> None:
         if item[0] in ("snapshot", "blocks"):
             item = (item[0], self._register(item[1]))
+        elif item[0] == "abort" and item[2] is not None:  # an abort that waits for its ack
+            item = (item[0], item[1], self._register(item[2]))
         self._queue.put(item)
 
     def ask(self, kind: str, *args) -> concurrent.futures.Future:

@@ -276,11 +276,11 @@ class LLMEngine(RequestChecks):
             scheduled.arrival_time = request.arrival_time
         rid, text, ids = request.request_id, request.prompt_text, request.prompt_token_ids
         if grammar is not None and not grammar.ready():
-            self.output_processor.add_request(rid, text, ids, params)
+            self.output_processor.add_request(rid, text, ids, params, request.streamed)
             self._awaiting_grammar[rid] = scheduled
             return
         self.scheduler.add_request(scheduled)  # its checks first: a refusal leaves no state
-        self.output_processor.add_request(rid, text, ids, params)
+        self.output_processor.add_request(rid, text, ids, params, request.streamed)
 
     def _reasoning_watch(self, prompt_token_ids: list[int]) -> TextWatch | None:
         """For a reasoning model whose prompt leaves it thinking: the watch that holds the

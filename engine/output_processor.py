@@ -4,7 +4,8 @@ It owns detokenization and stop strings (they need text, the scheduler only know
 and groups the n samples of one request under the user's request id. With a stream interval
 above 1 a request's output goes out with its first token, then once every `interval` new
 tokens a sample, and when it finishes: the steps between only add to its state (outputs are
-cumulative, so nothing is lost), and a server streams fewer, larger chunks.
+cumulative, so nothing is lost), and a server streams fewer, larger chunks. A request nobody
+streams (EngineRequest.streamed False: a whole HTTP answer) gets its first output and its last.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _RequestState:
     prompt_logprobs: list | None = None
     pooled: Any = None  # a pooling request's vector, once its prompt is computed
     sent_tokens: int = -1  # tokens (all samples) its last output carried; -1: none yet
+    interval: int = 1  # the stream interval; for a request not streamed, "never": first and last
     unfinished: int = 0  # samples without a finish reason (a count: read a few times a token)
 
     def __post_init__(self) -> None:
@@ -97,6 +99,9 @@ class _RequestState:
         )
 
 
+_NEVER = 1 << 62  # the interval of a request not streamed: only its first and final outputs
+
+
 def sample_request_id(request_id: str, index: int) -> str:
     """The scheduler's id for sample `index` of a request (the parent is sample 0)."""
     return request_id if index == 0 else f"{request_id}#{index}"
@@ -114,6 +119,7 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        streamed: bool = True,
     ) -> None:
         matcher = StopMatcher(params.stop)  # one automaton for the n samples
         samples = [
@@ -134,9 +140,10 @@ class OutputProcessor:
         if not params.include_stop_str_in_output:
             eos = self.tokenizer.eos_token_id
             silent = frozenset([*params.stop_token_ids, *([eos] if eos is not None else [])])
-        self.states[request_id] = _RequestState(
+        self.states[request_id] = state = _RequestState(
             request_id, prompt, prompt_token_ids, samples, silent
         )
+        state.interval = self.stream_interval if streamed else _NEVER
 
     def sample_ids(self, request_id: str) -> list[str]:
         state = self.states.get(request_id)
@@ -191,7 +198,7 @@ class OutputProcessor:
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
-            if self.stream_interval == 1 or state.due(self.stream_interval):
+            if state.interval == 1 or state.due(state.interval):
                 outputs.append(state.to_output())
             if state.finished:
                 del self.states[state.request_id]

@@ -54,7 +54,9 @@ class EngineRequest:
     `prompt_text` (the prompt as given, when it was text) is echoed in outputs; `adapter`
     is the LoRA adapter it runs with (engine.lora.LoRARequest; None: the base model).
     `pooling`: an embedding request (a pooling runner's only kind): its prompt is pooled,
-    never sampled (`params` unused), and its one output carries the vector (`pooled`)."""
+    never sampled (`params` unused), and its one output carries the vector (`pooled`).
+    `streamed` False: nobody reads its output as it grows (a whole HTTP answer): the engine
+    sends its first output (the time to first token) and its final one, none between."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -64,6 +66,7 @@ class EngineRequest:
     adapter: LoRARequest | None = None
     arrival_time: float | None = None
     pooling: PoolingParams | None = None
+    streamed: bool = True
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -90,7 +93,11 @@ class EngineClient(Protocol):
         A pooling request yields once: finished, its vector in `pooled`."""
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, wait: bool = False) -> RequestOutput | None:
+        """Abort a request (a no-op for one the engine no longer has). wait: until the engine
+        has, then its final output where its stream had ended before it (the tokens it made,
+        which a closing Generation bills), else None; without wait, None at once."""
+        ...
 
     async def compile_grammar(self, so: StructuredOutputsParams) -> None:
         """Compile (or find cached) a structured-output spec; GrammarError if invalid."""

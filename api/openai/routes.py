@@ -94,7 +94,7 @@ class OpenAIController(ClientController):
         ticket = await open_ticket(request, principal, rid, data, reserved, arrived, job.adapter)
         gen = await admit(
             server, engine, request, principal, ticket, [rid], [job.prompt], params,
-            data.priority, data.cache_salt, adapter=job.adapter,
+            data.priority, data.cache_salt, adapter=job.adapter, streamed=bool(data.stream),
         )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -176,7 +176,7 @@ class OpenAIController(ClientController):
         ticket = await open_ticket(request, principal, cid, data, reserved, arrived, adapter)
         gen = await admit(
             server, engine, request, principal, ticket, rids, prompts, params, data.priority,
-            data.cache_salt, adapter=adapter,
+            data.cache_salt, adapter=adapter, streamed=bool(data.stream),
         )  # fmt: skip
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)

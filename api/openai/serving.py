@@ -221,12 +221,14 @@ async def admit(
     cache_salt: str | None = None,
     adapter: Adapter | None = None,
     pooling: PoolingParams | None = None,
+    streamed: bool = True,
 ) -> Generation:
     """Start the engine requests; map the engine's refusals to HTTP errors. From here on,
     closing the Generation settles the ticket, whatever happens. The deadline counts from
     the request's arrival (queueing and quota checks included); cache_salt: the body's
     (vLLM's), within the key's or tenant's own prefix-cache scope; pooling: embedding
-    requests (api/openai/embeddings.py), pooled instead of sampled."""
+    requests (api/openai/embeddings.py), pooled instead of sampled; streamed False: a whole
+    answer, whose outputs the engine sends only first and last (EngineRequest.streamed)."""
     accountant = accountant_of(request)
     tenancy = engine_tenancy(
         principal,
@@ -261,7 +263,9 @@ async def admit(
         held[0] = True
     try:
         requests = [
-            EngineRequest(rid, ids, params, tenancy, adapter=lora, pooling=pooling)
+            EngineRequest(
+                rid, ids, params, tenancy, adapter=lora, pooling=pooling, streamed=streamed
+            )
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
         gen = Generation(

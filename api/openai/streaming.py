@@ -207,9 +207,14 @@ class Generation:
                     await it.aclose()  # AsyncEngine aborts an unfinished request on close
                 if out is None or not out.finished:
                     # Also when the generator could not be closed (its step was cancelled
-                    # mid-flight); for a request never added, abort is a no-op.
+                    # mid-flight); for a request never added, abort is a no-op. Waits for
+                    # the engine: the final output holds every token it made, which is what
+                    # the request is billed for (a whole answer's outputs stop at the first).
+                    final = None
                     with contextlib.suppress(Exception):
-                        await self.engine.abort(self.request_ids[i])
+                        final = await self.engine.abort(self.request_ids[i], wait=True)
+                    if final is not None and out is not None:
+                        self.latest[i] = final
                     if self._observed:
                         self._observer.request_aborted(self.request_ids[i])
         finally:

@@ -266,6 +266,106 @@ def measure_serving(
     out.summary(10, f"served at {top} streams / offline: {key}", goal)
 
 
+def start_server(
+    chk: Check,
+    folder: Path,
+    options: dict,
+    flags: tuple[str, ...],
+    cpus: tuple[set[int], set[int]] | None = None,
+    tree: Path | None = None,
+) -> tuple[subprocess.Popen, str, Path]:
+    """`tessera serve` on a free loopback port (on cpus[0]), from this checkout or `tree`
+    (another one, first on its path): (the process, its URL, its log)."""
+    port = _free_port()
+    log = chk.workdir / f"serve-{port}.log"
+    path = [str(tree)] if tree is not None else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(Path.cwd()), *sys.path])}
+    with log.open("wb") as sink, _on_cpus(cpus[0] if cpus else None):
+        proc = subprocess.Popen(
+            [*serve_command(folder, port, options), *flags], stdout=sink,
+            stderr=subprocess.STDOUT, env=env, cwd=tree or chk.workdir,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def measure_against_tree(
+    chk: Check,
+    out: Report,
+    budget: Budget,
+    tree: Path,
+    bursts: int,
+    extra: dict | None = None,
+    server_args: tuple[str, ...] = (),
+    pin: bool = False,
+) -> dict[str, dict[str, list[float]]]:
+    """A change's effect on the serving path, cancelling the host's drift: for each of the
+    plan's modes, this checkout's server and `tree`'s (another checkout) both started, then the
+    client's bursts (the top concurrency, one request a stream) alternating between them, each
+    burst's output tok/s and server CPU a token; rows of their medians and the ratio.
+    -> {mode: {"baseline" | "this": {"tok_s": [...], "cpu_us": [...]}}}."""
+    import statistics
+
+    from benchmarks.bench_serve import _run_loop, run
+
+    p = chk.plan
+    folder = chk.folder(f"model-{p.name}", p.model)
+    options = {**engine_options(chk, None), **(extra or {})}
+    top = max(p.serve_concurrency)
+    cpus = split_cpus() if pin else None
+    if cpus is not None:
+        server_args = (*server_args, "--num-threads", str(len(cpus[0])))
+    by_mode: dict[str, dict[str, dict[str, list[float]]]] = {}
+    ratios: dict[str, float] = {}
+    for mode in p.serve_modes:
+        flags = (*server_args, *(("--engine-process",) if mode == "process" else ()))
+        servers = {
+            "baseline": start_server(chk, folder, options, flags, cpus, tree),
+            "this": start_server(chk, folder, options, flags, cpus),
+        }
+        figures = by_mode[mode] = {side: {"tok_s": [], "cpu_us": []} for side in servers}
+        try:
+            with _on_cpus(cpus[1] if cpus else None):
+                for proc, url, log in servers.values():
+                    _wait_ready(proc, url, budget, log)
+                for burst in range(bursts):
+                    for side, (proc, url, _) in servers.items():
+                        if budget.spent:
+                            break
+                        args = client_args(url, top, chk)
+                        args.num_prompts, args.seed = top, burst  # each burst its own prompts
+                        cpu = tree_cpu_seconds(proc.pid)
+                        s = _run_loop(run(args))
+                        if s["failed"]:
+                            raise RuntimeError(
+                                f"{side}: {s['failed']} requests failed: {s['errors']}"
+                            )
+                        figures[side]["tok_s"].append(s["output_throughput"])
+                        if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
+                            tokens = max(s["total_output_tokens"], 1)
+                            figures[side]["cpu_us"].append((after - cpu) / tokens * 1e6)
+        finally:
+            for proc, _, log in servers.values():
+                _stop(proc)
+                progress(f"§10 server log: {log}")
+        med = {
+            side: {k: statistics.median(v) if v else float("nan") for k, v in f.items()}
+            for side, f in figures.items()
+        }
+        label = SERVE_MODES[mode]
+        for side in ("baseline", "this"):
+            name = f"baseline tree {tree}" if side == "baseline" else "this tree"
+            out.row(
+                10, f"{label}, {name}", f"{med[side]['tok_s']:,.0f} output tok/s",
+                f"server CPU {med[side]['cpu_us']:.0f} µs a token",
+                f"medians of {len(figures[side]['tok_s'])} bursts of {top} streams, alternating",
+            )  # fmt: skip
+        ratio = ratios[mode] = med["this"]["tok_s"] / med["baseline"]["tok_s"]
+        out.result(10, mode=mode, baseline=figures["baseline"], this=figures["this"], ratio=ratio)
+    key = "; ".join(f"{SERVE_MODES[m]} {r:.2f}x" for m, r in ratios.items())
+    out.summary(10, f"this tree / the baseline tree, output tok/s: {key}")
+    return by_mode
+
+
 def _serve(
     chk: Check,
     out: Report,
@@ -281,15 +381,7 @@ def _serve(
     from benchmarks.bench_serve import _run_loop, run
 
     p = chk.plan
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = chk.workdir / f"serve-{port}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
-    with log.open("wb") as sink, _on_cpus(cpus[0] if cpus else None):
-        proc = subprocess.Popen(
-            [*serve_command(folder, port, options), *flags], stdout=sink,
-            stderr=subprocess.STDOUT, env=env, cwd=chk.workdir,
-        )  # fmt: skip
+    proc, url, log = start_server(chk, folder, options, flags, cpus)
     served: dict[int, float] = {}
     try:
         with _on_cpus(cpus[1] if cpus else None):

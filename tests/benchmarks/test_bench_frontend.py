@@ -96,3 +96,23 @@ def _children(pid: int) -> list[int]:
         for t in Path(f"/proc/{pid}/task").iterdir()
         for c in (t / "children").read_text().split()
     ]
+
+
+def test_a_change_against_a_baseline_tree(tmp_path, capsys):
+    """--baseline-tree: both servers up at once, the bursts alternating; here the baseline is
+    this checkout itself (the same code on both sides), each side every burst's figures."""
+    root = Path(__file__).resolve().parents[2]
+    with pytest.raises(SystemExit):
+        bench_frontend.main(["--baseline-tree", str(tmp_path)])  # not a checkout
+    result = bench_frontend.main(
+        ["--baseline-tree", str(root), "--bursts", "2", "--concurrency", "2",
+         "--output-len", "5", "--input-words", "6", "--modes", "thread", "--time-limit", "200"]
+    )  # fmt: skip
+    (r,) = result["results"]
+    for side in ("baseline", "this"):
+        assert len(r[side]["tok_s"]) == 2 and min(r[side]["tok_s"]) > 0
+        assert len(r[side]["cpu_us"]) == 2 and min(r[side]["cpu_us"]) > 0
+    medians = [sorted(r[s]["tok_s"])[0] + sorted(r[s]["tok_s"])[1] for s in ("this", "baseline")]
+    assert r["ratio"] == pytest.approx(medians[0] / medians[1])
+    assert any(f"baseline tree {root}" in row["check"] for row in result["rows"])
+    assert "this tree / the baseline tree" in capsys.readouterr().out

@@ -111,7 +111,7 @@ class ResponsesController(ClientController):
         ticket = await open_ticket(request, principal, rid, chat, reserved, arrived, job.adapter)
         gen = await admit(
             server, engine, request, principal, ticket, [rid], [job.prompt], params,
-            adapter=job.adapter,
+            adapter=job.adapter, streamed=bool(data.stream),
         )  # fmt: skip
         if data.stream:
             return sse_response(request, gen, ticket, fmt.events(gen, save))  # type: ignore[return-value]

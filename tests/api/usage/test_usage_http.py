@@ -132,3 +132,35 @@ def test_every_request_has_a_row_and_none_is_lost_on_shutdown(
     row = rows[aborted_id]
     assert (row.status_code, row.finish_reason) == (503, "abort")
     assert 1 <= row.completion_tokens < 480
+
+
+def test_a_whole_answer_left_early_is_billed_every_token_made(
+    start_server, tiny_llama_dir, tmp_path
+):
+    """A non-streamed request gets the engine's first and last outputs only; its client leaves
+    mid-way: the row bills what the engine made until the abort (its final output, which the
+    closing request waits for), not the one token of the first output."""
+    with fresh_database("sqlite", tmp_path) as url:
+        server = start_keys_server(start_server, tiny_llama_dir, tmp_path, url)
+        key_id, key = Admin(server).create_key("early", rpm_limit=1000, token_budget=10**9)
+        before = server.stats()["generation_tokens_total"]
+
+        async def leave() -> None:
+            body = {"model": MODEL, "prompt": "Bye", "max_tokens": 480, "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as c:
+                answer = asyncio.ensure_future(
+                    c.post("/v1/completions", json=body, headers=bearer(key))
+                )
+                while (await asyncio.to_thread(server.stats))["generation_tokens_total"] < (
+                    before + 20
+                ):
+                    assert not answer.done(), answer.result().text
+                    await asyncio.sleep(0.02)
+                answer.cancel()  # the connection closes mid-answer
+
+        asyncio.run(leave())
+        made = server.wait_idle()["generation_tokens_total"] - before
+        assert server.stop() == 0
+        (row,) = [r for r in ledger(url).values() if r.key_id == key_id]
+    assert (row.status_code, row.finish_reason) == (499, "abort")
+    assert 20 <= row.completion_tokens <= made < 480

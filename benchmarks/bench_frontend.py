@@ -5,7 +5,7 @@ end, the engine's Python and the one GIL they share.
 
     tessera bench frontend [--concurrency 64 256] [--rounds 4] [--input-words 32]
         [--output-len 128] [--stream-interval 1] [--modes thread process] [--device cpu|cuda]
-        [--no-pin] [--baseline-tree PATH [--bursts 6]]
+        [--no-pin] [--no-stream] [--baseline-tree PATH [--bursts 6]]
 
 The device check's §10 (benchmarks/gpu/serving.py) on this model: `tessera serve` (a
 subprocess on loopback, the engine's own attention backend; one server with the engine on a
@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "of the offline comparison",
     )
     p.add_argument("--bursts", type=int, default=6, help="with --baseline-tree: bursts a side")
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-stream: the client asks for whole answers",
+    )
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds in all")
     return p
 
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         serve_input_words=args.input_words,
         serve_output_len=args.output_len,
         serve_modes=tuple(args.modes),
+        serve_stream=args.stream,
     )
     report = Report()
     record = report.sections[10] = SectionRecord("serving")

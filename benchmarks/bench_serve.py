@@ -12,6 +12,8 @@ output tokens/s and TTFT, TPOT, ITL and end-to-end latency (mean, median, p99).
 Datasets: `random` (distinct random prompts) and `prefix` (a shared prefix of
 --prefix-len words before each random prompt: exercises prefix caching).
 
+--no-stream sends whole-answer requests instead (TTFT is then each request's latency).
+
 --json-schema FILE|JSON puts a JSON schema on every request (structured output: chat gets
 OpenAI's response_format, completions vLLM's structured_outputs); `tessera bench structured`
 runs with and without it, interleaved.
@@ -84,9 +86,9 @@ def _payload(args: argparse.Namespace, prompt: str, chat: bool) -> dict:
         "model": args.model,
         "max_tokens": args.random_output_len,
         "temperature": args.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if getattr(args, "stream", True):
+        body.update(stream=True, stream_options={"include_usage": True})
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -129,6 +131,8 @@ async def send_request(
                 text = (await resp.read()).decode(errors="replace")
                 result.error = f"HTTP {resp.status}: {text[:300]}"
                 return result
+            if not body.get("stream"):  # a whole answer: its TTFT is its latency
+                return _whole_answer(result, _decode(await resp.read()), start, chat)
             async for line in resp.content:  # one SSE line at a time
                 if not line.startswith(b"data:"):
                     continue
@@ -168,6 +172,19 @@ async def send_request(
     return result
 
 
+def _whole_answer(result: RequestResult, obj: dict, start: float, chat: bool) -> RequestResult:
+    result.latency = result.ttft = time.perf_counter() - start
+    usage = obj.get("usage") or {}
+    result.prompt_tokens = usage.get("prompt_tokens", 0)
+    result.output_tokens = usage.get("completion_tokens", 0)
+    texts = [(c.get("message") or {}).get("content") if chat else c.get("text")
+             for c in obj.get("choices") or []]  # fmt: skip
+    result.ok = any(texts) and result.output_tokens > 0
+    if not result.ok:
+        result.error = "the answer carried no content"
+    return result
+
+
 _decode = msgspec.json.Decoder().decode
 
 
@@ -195,7 +212,12 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     ttft = [r.ttft * 1000 for r in ok]
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000 for r in ok if r.output_tokens > 1]
+    # (a whole answer, --no-stream, has no time per output token: its latency is its TTFT)
+    tpot = [
+        (r.latency - r.ttft) / (r.output_tokens - 1) * 1000
+        for r in ok
+        if r.output_tokens > 1 and r.latency > r.ttft
+    ]
     itl = [g * 1000 for r in ok for g in r.itl]
     e2e = [r.latency * 1000 for r in ok]
     summary: dict = {
@@ -347,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-schema",
         default=None,
         help="a JSON schema (inline JSON or a file) every response must follow",
+    )
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-stream: whole answers (TTFT is then each request's latency; no ITL)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

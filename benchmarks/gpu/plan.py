@@ -122,6 +122,7 @@ class Plan:
     # seconds: per section, and for the whole run
     budgets: dict[int, float]
     total_s: float
+    serve_stream: bool = True  # §10: False asks for whole answers (bench serve --no-stream)
 
 
 FULL = Plan(

@@ -168,6 +168,7 @@ def client_args(url: str, concurrency: int, chk: Check) -> argparse.Namespace:
             "--base-url", url, "--num-prompts", str(concurrency * p.serve_rounds),
             "--max-concurrency", str(concurrency), "--random-input-len", str(p.serve_input_words),
             "--random-output-len", str(p.serve_output_len), "--ignore-eos", "--seed", "0",
+            *(() if p.serve_stream else ("--no-stream",)),
         ]
     )  # fmt: skip
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import openai
@@ -379,6 +380,20 @@ def test_bench_serve_runs_against_this_server(server):
     )
     assert s["model"] == MODEL  # found through /v1/models
     assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 24
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_serve_asks_for_whole_answers(server, endpoint):
+    from benchmarks import bench_serve
+
+    s = bench_serve.main(
+        ["--base-url", server.base_url, "--api-key", KEY, "--num-prompts", "3",
+         "--max-concurrency", "3", "--random-input-len", "8", "--random-output-len", "6",
+         "--ignore-eos", "--endpoint", endpoint, "--no-stream"]
+    )  # fmt: skip
+    assert s["completed"] == 3 and s["failed"] == 0 and s["total_output_tokens"] == 18
+    assert s["median_ttft_ms"] == pytest.approx(s["median_e2el_ms"])  # no stream: the latency
+    assert math.isnan(s["median_tpot_ms"]) and math.isnan(s["median_itl_ms"])
 
 
 # --- the error table ------------------------------------------------------------------------

@@ -100,13 +100,15 @@ def _children(pid: int) -> list[int]:
 
 def test_a_change_against_a_baseline_tree(tmp_path, capsys):
     """--baseline-tree: both servers up at once, the bursts alternating; here the baseline is
-    this checkout itself (the same code on both sides), each side every burst's figures."""
+    this checkout itself (the same code on both sides), each side every burst's figures; the
+    client asks for whole answers (--no-stream)."""
     root = Path(__file__).resolve().parents[2]
     with pytest.raises(SystemExit):
         bench_frontend.main(["--baseline-tree", str(tmp_path)])  # not a checkout
     result = bench_frontend.main(
         ["--baseline-tree", str(root), "--bursts", "2", "--concurrency", "2",
-         "--output-len", "5", "--input-words", "6", "--modes", "thread", "--time-limit", "200"]
+         "--output-len", "5", "--input-words", "6", "--modes", "thread", "--no-stream",
+         "--time-limit", "200"]
     )  # fmt: skip
     (r,) = result["results"]
     for side in ("baseline", "this"):

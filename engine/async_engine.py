@@ -36,7 +36,7 @@ logger = logging.getLogger("tessera.engine")
 _IDLE_POLL_S = 0.2  # how often an idle loop checks for shutdown
 # Final outputs kept for abort(wait=True) of requests whose stream ended first: a Generation
 # collects its own at once; the bound is for other callers, who may never ask.
-_FINALS_KEPT = 4096
+_FINALS_KEPT = 256
 
 
 class _Stream:
@@ -218,6 +218,7 @@ class AsyncEngine:
         """Abort a request; wait: until the engine has, then the final output it ended with
         if its stream had ended before it (engine.protocol.EngineClient.abort)."""
         if not wait:
+            self._abandoned.discard(request_id)  # nobody will ask for its final output
             self._inbox.put(("abort", request_id, None))
             return None
         # Dead or stopping: the streams were (or are about to be) failed, no ack would come.

@@ -207,13 +207,14 @@ class Generation:
                     await it.aclose()  # AsyncEngine aborts an unfinished request on close
                 if out is None or not out.finished:
                     # Also when the generator could not be closed (its step was cancelled
-                    # mid-flight); for a request never added, abort is a no-op. Waits for
-                    # the engine: the final output holds every token it made, which is what
-                    # the request is billed for (a whole answer's outputs stop at the first).
+                    # mid-flight); for a request never added, abort is a no-op. One that
+                    # has output waits for the engine: the final output holds every token it
+                    # made, which is what it is billed for (a whole answer's outputs stop at
+                    # the first). One without (refused, or still queued) bills nothing.
                     final = None
                     with contextlib.suppress(Exception):
-                        final = await self.engine.abort(self.request_ids[i], wait=True)
-                    if final is not None and out is not None:
+                        final = await self.engine.abort(self.request_ids[i], wait=out is not None)
+                    if final is not None:
                         self.latest[i] = final
                     if self._observed:
                         self._observer.request_aborted(self.request_ids[i])

@@ -80,6 +80,35 @@ def split_cpus() -> tuple[set[int], set[int]] | None:
     return set(cpus[:half]), set(cpus[half:])
 
 
+def _pinning(
+    pin: bool, server_args: tuple[str, ...]
+) -> tuple[tuple[set[int], set[int]] | None, tuple[str, ...]]:
+    """(split_cpus() where pinned, else None; the server's flags with as many torch threads
+    as its CPUs)."""
+    cpus = split_cpus() if pin else None
+    if cpus is None:
+        return None, server_args
+    server, client = cpus
+    progress(
+        f"§10 pinned: the server and offline on CPUs {sorted(server)}, the client on {sorted(client)}"
+    )
+    return cpus, (*server_args, "--num-threads", str(len(server)))
+
+
+def _client_run(proc: subprocess.Popen, args: argparse.Namespace, what: str) -> dict:
+    """One bench-serve client run against `proc`'s server: its summary, with the server's CPU
+    a token (`server_cpu_us_per_token`, where /proc tells); raises if a request failed."""
+    from benchmarks.bench_serve import _run_loop, run
+
+    cpu = tree_cpu_seconds(proc.pid)
+    s = _run_loop(run(args))
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} requests failed {what}: {s['errors']}")
+    if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
+        s["server_cpu_us_per_token"] = (after - cpu) / max(s["total_output_tokens"], 1) * 1e6
+    return s
+
+
 @contextlib.contextmanager
 def _on_cpus(cpus: set[int] | None, threads: bool = False):
     """This process (and what it starts meanwhile) on `cpus`; `threads`: torch's intra-op
@@ -228,12 +257,7 @@ def measure_serving(
     folder = chk.folder(f"model-{p.name}", p.model)
     options = {**engine_options(chk, attention_backend), **(extra or {})}
     top = max(p.serve_concurrency)
-    cpus = split_cpus() if pin else None
-    if cpus is not None:
-        server_args = (*server_args, "--num-threads", str(len(cpus[0])))
-        progress(
-            f"§10 pinned: the server and offline on CPUs {sorted(cpus[0])}, the client on {sorted(cpus[1])}"
-        )
+    cpus, server_args = _pinning(pin, server_args)
     served: dict[str, float] = {}  # mode -> output tok/s at the top concurrency
     for mode in p.serve_modes:
         flags = (*server_args, *(("--engine-process",) if mode == "process" else ()))
@@ -306,15 +330,11 @@ def measure_against_tree(
     -> {mode: {"baseline" | "this": {"tok_s": [...], "cpu_us": [...]}}}."""
     import statistics
 
-    from benchmarks.bench_serve import _run_loop, run
-
     p = chk.plan
     folder = chk.folder(f"model-{p.name}", p.model)
     options = {**engine_options(chk, None), **(extra or {})}
     top = max(p.serve_concurrency)
-    cpus = split_cpus() if pin else None
-    if cpus is not None:
-        server_args = (*server_args, "--num-threads", str(len(cpus[0])))
+    cpus, server_args = _pinning(pin, server_args)
     by_mode: dict[str, dict[str, dict[str, list[float]]]] = {}
     ratios: dict[str, float] = {}
     for mode in p.serve_modes:
@@ -334,16 +354,10 @@ def measure_against_tree(
                             break
                         args = client_args(url, top, chk)
                         args.num_prompts, args.seed = top, burst  # each burst its own prompts
-                        cpu = tree_cpu_seconds(proc.pid)
-                        s = _run_loop(run(args))
-                        if s["failed"]:
-                            raise RuntimeError(
-                                f"{side}: {s['failed']} requests failed: {s['errors']}"
-                            )
+                        s = _client_run(proc, args, f"on the {side} server")
                         figures[side]["tok_s"].append(s["output_throughput"])
-                        if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
-                            tokens = max(s["total_output_tokens"], 1)
-                            figures[side]["cpu_us"].append((after - cpu) / tokens * 1e6)
+                        if "server_cpu_us_per_token" in s:
+                            figures[side]["cpu_us"].append(s["server_cpu_us_per_token"])
         finally:
             for proc, _, log in servers.values():
                 _stop(proc)
@@ -379,7 +393,6 @@ def _serve(
 ) -> dict[int, float]:
     """One server's run: started (on cpus[0]), each concurrency's client (on cpus[1]),
     stopped; -> output tok/s by concurrency."""
-    from benchmarks.bench_serve import _run_loop, run
 
     p = chk.plan
     proc, url, log = start_server(chk, folder, options, flags, cpus)
@@ -393,16 +406,7 @@ def _serve(
                 if budget.spent:
                     out.row(10, f"serve ({label}), {c} streams", SKIPPED)
                     continue
-                cpu = tree_cpu_seconds(proc.pid)
-                s = _run_loop(run(client_args(url, c, chk)))
-                if cpu is not None and (after := tree_cpu_seconds(proc.pid)) is not None:
-                    s["server_cpu_us_per_token"] = (
-                        (after - cpu) / max(s["total_output_tokens"], 1) * 1e6
-                    )
-                if s["failed"]:
-                    raise RuntimeError(
-                        f"{s['failed']} requests failed at {c} streams: {s['errors']}"
-                    )
+                s = _client_run(proc, client_args(url, c, chk), f"at {c} streams")
                 served[c] = s["output_throughput"]
                 out.row(
                     10,

@@ -68,6 +68,15 @@ async def test_an_abort_that_waits_returns_every_token_made(tiny_llama_dir, kind
         assert await engine.abort("never", wait=True) is None
         assert await engine.abort("never") is None
         assert not engine._finals and not engine._abandoned
+        # an abort that does not wait: nothing is kept for it (nobody will ask)
+        stream = engine.generate(EngineRequest("left", list(PROMPT), params))
+        await anext(stream)
+        await stream.aclose()
+        await engine.abort("left")
+        while engine.stats().num_running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # its final output reached the loop meanwhile
+        assert not engine._finals and not engine._abandoned
     finally:
         await engine.shutdown()
     # after shutdown nothing would answer: it does not wait

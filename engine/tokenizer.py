@@ -161,7 +161,13 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             # The same leading context; a prompt whose tail is still an incomplete character
             # would leave it for the first output token to print: the Python path then.
-            primed = not self._ids or self._stream.step(tokenizer.backend, self._ids) is not None
+            try:
+                primed = (
+                    not self._ids or self._stream.step(tokenizer.backend, self._ids) is not None
+                )
+            except Exception:  # noqa: BLE001 - a tokenizers without list steps, say: Python
+                primed = False
+                self._stream = None
             if not primed and self._decode(0, self._read_offset):
                 self._stream = None
         if self._stream is None:

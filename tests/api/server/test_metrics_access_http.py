@@ -107,8 +107,8 @@ def test_metrics_token_and_opt_in_labels(guarded_server):
     assert sample(text, "tessera:generation_tokens_by_tenant_total", labels) > 0
     # The metrics token is a lesser secret: it does not reset the count of wrong ones, so
     # this is the third, and the client is locked out of /metrics and the admin API alike.
-    locked_at = time.monotonic()
     assert metrics(server, "wrong-again").status_code == 401
+    locked_at = time.monotonic()  # the lockout began before this answer came back
     r = metrics(server, METRICS_TOKEN)
     assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_failed_attempts"
     assert "retry-after" in r.headers
@@ -161,10 +161,12 @@ def test_the_admin_token_as_an_api_key_has_a_lockout_of_its_own(guarded_server):
     models = server.base_url + "/v1/models"
     before = metrics(server, METRICS_TOKEN).text
     assert httpx.get(models, headers=bearer(SHORT_ADMIN), timeout=30).status_code == 200
-    locked_at = time.monotonic()
     for _ in range(MAX_FAILURES):  # not shaped like a database key: guesses
         r = httpx.get(models, headers=bearer("not-a-key"), timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # The lockout began at the last guess, before its answer came back: a wait measured from
+    # before the guesses was short by however long they took (on a loaded host, enough).
+    locked_at = time.monotonic()
     for _ in range(MAX_FAILURES):  # shaped like a key: 256 random bits, not counted
         assert httpx.get(models, headers=bearer("tsr-" + "x" * 43), timeout=30).status_code == 401
     r = httpx.get(models, headers=bearer(SHORT_ADMIN), timeout=30)

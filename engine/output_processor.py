@@ -88,9 +88,7 @@ class _RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.to_output(i) for i, s in enumerate(self.samples)]
-            if len(self.samples) > 1
-            else [self.samples[0].to_output(0)],
+            outputs=[s.to_output(i) for i, s in enumerate(self.samples)],
             finished=self.unfinished == 0,
             num_cached_tokens=max(self.num_cached_tokens, 0),
             queue_time=self.queue_time,

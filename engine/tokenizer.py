@@ -197,10 +197,7 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str:
         if self.finished or self.stopped:
             return ""
-        if len(new_token_ids) == 1:
-            self._out.append(self._step(new_token_ids[0]))
-        else:
-            self._out.append("".join([self._step(t) for t in new_token_ids]))
+        self._out.append("".join([self._step(t) for t in new_token_ids]))
         return self._out.take(hold_back=not self.stopped)
 
     def finish(self) -> str:

@@ -1,9 +1,9 @@
-"""4-bit GPTQ and AWQ checkpoints (and 3-bit GPTQ, bitsandbytes NF4) against the same weights
-served from the Q4 GGUF (issue 40).
+"""4-bit GPTQ and AWQ checkpoints (and 3-bit GPTQ, bitsandbytes NF4, FP8) against the same
+weights served from the Q4 GGUF, or from a float checkpoint (issue 40).
 
     tessera bench quant [--model smollm2-135m-instruct] [--batch-sizes 1 32 128]
-        [--context 64 320] [--steps 20] [--formats gptq awq gptq3 bnb-nf4] [--cache-dir DIR]
-        [--json PATH]
+        [--context 64 320] [--steps 20] [--formats gptq awq gptq3 bnb-nf4 fp8 fp8-block]
+        [--random-llama HIDDEN INTERMEDIATE LAYERS] [--cache-dir DIR] [--json PATH]
 
 The checkpoints are built once and cached (--cache-dir, default $TESSERA_CACHE_DIR/bench-quant
 or ~/.cache/tessera/bench-quant): the model's weights as floats (the default model's
@@ -14,12 +14,20 @@ groups of 32 along K, asymmetric (a scale and an integer zero point per group, a
 scale and a minimum; --sym for symmetric GPTQ),
 written in each format's published layout by tests/engine/layers/quantization/quant_writers.py
 (GPTQ v1: qweight / qzeros (zero - 1) / scales / g_idx; AWQ GEMM: qweight / qzeros packed
-along N in AWQ's order / scales); bnb-nf4 is quantized by transformers with bitsandbytes (the
+along N in AWQ's order / scales; fp8: `quant_method: "fp8"` e4m3 with one scale a tensor, as
+AutoFP8 writes it; fp8-block: e4m3 with a scale per block of [128, 128], as Qwen3-*-FP8 ships);
+bnb-nf4 is quantized by transformers with bitsandbytes (the
 test extra's) as `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
 bnb_4bit_use_double_quant=True)` does, its own blocks of 64, and saved as transformers saves
 it; the embedding, the norms (and an untied LM head) stay float,
 in float16, as quantizers publish them. The weights are the GGUF's re-quantized, so the
 greedy tokens need not match the GGUF path's everywhere (the table says how many do).
+
+--random-llama HIDDEN INTERMEDIATE LAYERS makes the reference a random float16 Llama of that
+shape instead (heads of 64, a quarter as many KV heads, the default model's tokenizer and
+vocabulary; built once and cached): a model whose weights do not fit in the CPU's caches, as a
+served model's do not (the default model's 270 MB of bf16 fit in a large server L3), so the
+decode steps read them from memory. Its rows compare each format with the float weights.
 
 Then, in one run:
 - decode steps (benchmarks/bench_decode.py's workload and Tessera worker, one process per
@@ -50,10 +58,11 @@ from pathlib import Path
 import torch
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-FORMATS = ("gptq", "awq", "gptq3", "bnb-nf4")
-BITS = {"gptq": 4, "awq": 4, "gptq3": 3, "bnb-nf4": 4}
+FORMATS = ("gptq", "awq", "gptq3", "bnb-nf4", "fp8", "fp8-block")
+BITS = {"gptq": 4, "awq": 4, "gptq3": 3, "bnb-nf4": 4, "fp8": 8, "fp8-block": 8}
 DEFAULT_FORMATS = ("gptq", "awq")
 GROUP = 32
+FP8_BLOCK = (128, 128)
 BUILD_VERSION = 2  # bump when what the checkpoints hold changes: cached ones are rebuilt
 _QUANT_SUFFIXES = (
     ".qweight",
@@ -64,8 +73,11 @@ _QUANT_SUFFIXES = (
     ".quant_map",
     ".nested_absmax",
     ".nested_quant_map",
-    ".bitsandbytes__nf4",
-)  # bitsandbytes (its codes: a uint8 `.weight`)
+    ".bitsandbytes__nf4",  # bitsandbytes (its codes: a uint8 `.weight`)
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".input_scale",  # FP8 (its codes: a float8 `.weight`)
+)
 _TARGET_TIME, _TARGET_MEMORY = 1.10, 1.15
 
 
@@ -141,6 +153,10 @@ def _cache_key(model: str, model_dir: Path, sym: bool) -> str:
 def _folder_name(fmt: str, sym: bool) -> str:
     if fmt.startswith("bnb"):  # bitsandbytes' own blocks: absmax per 64, symmetric levels
         return f"{fmt}-b64-dq"
+    if fmt == "fp8":  # one scale a tensor: no group
+        return "fp8-e4m3-tensor"
+    if fmt == "fp8-block":
+        return f"fp8-e4m3-block{FP8_BLOCK[0]}x{FP8_BLOCK[1]}"
     return f"{fmt}-w{BITS[fmt]}g{GROUP}-{'sym' if sym else 'asym'}"
 
 
@@ -166,6 +182,10 @@ def build_checkpoints(
                 qw.write_gptq(src, dst, bits=BITS[fmt], group=GROUP, sym=sym)
             elif fmt == "bnb-nf4":  # transformers + bitsandbytes: NF4, double-quantized absmax
                 qw.write_bnb(src, dst, "bnb-nf4-dq")
+            elif fmt == "fp8":
+                qw.write_fp8(src, dst)
+            elif fmt == "fp8-block":
+                qw.write_fp8_block(src, dst, block=FP8_BLOCK)
             else:  # AWQ is asymmetric by definition (zero_point: true)
                 qw.write_awq(src, dst, group=GROUP)
             try:
@@ -186,7 +206,8 @@ def checkpoint_bytes(folder: Path) -> tuple[int, int]:
         with safe_open(str(f), "pt") as st:
             for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                 t = st.get_slice(k)
-                if k.endswith(_QUANT_SUFFIXES) or (k.endswith(".weight") and t.get_dtype() == "U8"):
+                codes = k.endswith(".weight") and t.get_dtype() in ("U8", "F8_E4M3")
+                if k.endswith(_QUANT_SUFFIXES) or codes:
                     n = 1
                     for d in t.get_shape():
                         n *= d
@@ -194,7 +215,62 @@ def checkpoint_bytes(folder: Path) -> tuple[int, int]:
     return total, quantized
 
 
-_DTYPE_BYTES = {"I32": 4, "F16": 2, "BF16": 2, "F32": 4, "I8": 1, "U8": 1, "I64": 8}
+_DTYPE_BYTES = {"I32": 4, "F16": 2, "BF16": 2, "F32": 4, "I8": 1, "U8": 1, "I64": 8, "F8_E4M3": 1}
+
+
+def write_random_llama(dst: Path, hidden: int, intermediate: int, layers: int) -> Path:
+    """A random float16 Llama of that shape in dst (once: an existing one is reused), with the
+    default model's tokenizer, chat template and vocabulary; heads of 64, a quarter as many KV
+    heads (at least one), tied embeddings."""
+    from safetensors.torch import save_file
+
+    from engine.config import DEFAULT_MODEL
+    from engine.models.loader import resolve_model
+
+    if (dst / "config.json").is_file():
+        return dst
+    if hidden % 64 or intermediate % 32 or layers < 1:
+        raise ValueError("--random-llama: HIDDEN a multiple of 64, INTERMEDIATE of 32, LAYERS >= 1")
+    base = resolve_model(DEFAULT_MODEL)
+    cfg = json.loads((base / "config.json").read_text())
+    heads = hidden // 64
+    kv = max(1, heads // 4)
+    while heads % kv:
+        kv -= 1
+    cfg.update(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv, head_dim=64,
+               tie_word_embeddings=True, torch_dtype="float16", dtype="float16")  # fmt: skip
+    print(f"bench quant: writing a random Llama ({hidden} x {intermediate}, {layers} layers) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).half()
+
+    state = {"model.embed_tokens.weight": rand(cfg["vocab_size"], hidden),
+             "model.norm.weight": torch.ones(hidden, dtype=torch.float16)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[p + norm + ".weight"] = torch.ones(hidden, dtype=torch.float16)
+        for name, rows, cols in (("self_attn.q_proj", hidden, hidden),
+                                 ("self_attn.k_proj", kv * 64, hidden),
+                                 ("self_attn.v_proj", kv * 64, hidden),
+                                 ("self_attn.o_proj", hidden, hidden),
+                                 ("mlp.gate_proj", intermediate, hidden),
+                                 ("mlp.up_proj", intermediate, hidden),
+                                 ("mlp.down_proj", hidden, intermediate)):  # fmt: skip
+            state[f"{p}{name}.weight"] = rand(rows, cols)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=dst.parent) as tmp:
+        out = Path(tmp) / "model"
+        out.mkdir()
+        for f in base.iterdir():
+            if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+                shutil.copy(f, out / f.name)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(state, str(out / "model.safetensors"))
+        os.rename(out, dst)
+    return dst
 
 
 # -- the measurements ------------------------------------------------------------------------
@@ -248,6 +324,10 @@ def _title(result: dict, path: str) -> str:
         return f"{result['model']} ({q or 'unquantized'})"
     if path.startswith("bnb"):
         return "bitsandbytes NF4 (absmax per 64, double-quantized)"
+    if path == "fp8":
+        return "FP8 e4m3, a scale a tensor"
+    if path == "fp8-block":
+        return f"FP8 e4m3, a scale per block of {list(FP8_BLOCK)}"
     sym = result["sym"] and path.startswith("gptq")
     return f"{path.rstrip('3').upper()} {BITS[path]}-bit g{GROUP} {'sym' if sym else 'asym'}"
 
@@ -339,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reference: the default model, a .gguf or a model folder")  # fmt: skip
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(DEFAULT_FORMATS))
     p.add_argument("--sym", action="store_true", help="symmetric GPTQ groups (AWQ stays asym)")
+    p.add_argument("--random-llama", type=int, nargs=3, default=None,
+                   metavar=("HIDDEN", "INTERMEDIATE", "LAYERS"),
+                   help="the reference: a random float16 Llama of this shape (built once)")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--context", type=int, nargs=2, default=[64, 320], metavar=("LO", "HI"))
@@ -369,8 +452,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--batch-sizes must all be at least 1")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
-    model_dir = resolve_model(args.model)
     cache_dir = args.cache_dir or default_cache_dir() / "bench-quant"
+    if args.random_llama:
+        h, i, n = args.random_llama
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        args.model = str(write_random_llama(cache_dir / f"random-llama-{h}x{i}x{n}", h, i, n))
+    model_dir = resolve_model(args.model)
     folders = build_checkpoints(args.model, model_dir, cache_dir, args.formats, args.sym)
     models = {"reference": args.model, **{f: str(p) for f, p in folders.items()}}
     result: dict = {

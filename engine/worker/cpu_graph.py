@@ -89,8 +89,8 @@ def _in_features(m) -> int:  # a GGUF w4 layer's weight is its tiles' bytes
         return m.w4.in_features
     if _has_lut4(m):  # its weight is the codes, two a byte
         return m.in_features
-    if m.weight is None:  # a quantized checkpoint's fallback layer: no weight of that shape
-        return m.in_features
+    if m.weight is None:  # a quantized layer with no weight of that shape (fallback, FP8 codes)
+        return m.input_size
     return m.weight.shape[1]
 
 

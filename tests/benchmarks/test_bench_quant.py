@@ -88,6 +88,49 @@ def test_the_bnb_checkpoint_is_bitsandbytes_own_nf4(tiny_w4_dir, tmp_path):
     assert quantized < total
 
 
+def test_fp8_checkpoints_hold_e4m3_codes_and_their_scales(tiny_w4_dir, tmp_path):
+    """fp8: AutoFP8's layout (a scale a tensor); fp8-block: Qwen3-FP8's (a scale per block of
+    128 x 128, weight_scale_inv); a byte a weight counted as the quantized bytes."""
+    folders = bench_quant.build_checkpoints("tiny", tiny_w4_dir, tmp_path, ["fp8", "fp8-block"])
+    floats = load_file(str(tiny_w4_dir / "model.safetensors"))
+    linear_weights = sum(t.numel() for k, t in floats.items() if k.endswith("_proj.weight"))
+    name = "model.layers.0.mlp.down_proj"  # [128, 256]: blocks of 128 x 128 -> 1 x 2 scales
+    for fmt, scale, shape in (
+        ("fp8", "weight_scale", ()),
+        ("fp8-block", "weight_scale_inv", (1, 2)),
+    ):
+        qcfg = json.loads((folders[fmt] / "config.json").read_text())["quantization_config"]
+        assert qcfg["quant_method"] == "fp8"
+        assert qcfg.get("weight_block_size") == (None if fmt == "fp8" else [128, 128])
+        state = load_file(str(folders[fmt] / "model.safetensors"))
+        assert state[f"{name}.weight"].dtype == torch.float8_e4m3fn
+        assert tuple(state[f"{name}.{scale}"].shape) == shape
+        if fmt == "fp8":  # the codes stand for the float weight (e4m3 keeps 3 bits of mantissa)
+            w = floats[f"{name}.weight"].float()
+            deq = state[f"{name}.weight"].float() * state[f"{name}.{scale}"].float()
+            assert ((deq - w).abs() <= w.abs() / 16 + 1e-3).all()
+        total, quantized = bench_quant.checkpoint_bytes(folders[fmt])
+        assert linear_weights <= quantized < linear_weights * 1.01 < total
+
+
+def test_the_random_llama_has_the_shape_asked_and_is_built_once(tmp_path):
+    folder = bench_quant.write_random_llama(tmp_path / "r", 128, 96, 2)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (128, 96, 2)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (2, 1, 64)
+    assert (folder / "tokenizer.json").is_file()
+    state = load_file(str(folder / "model.safetensors"))
+    assert state["model.layers.1.self_attn.k_proj.weight"].shape == (64, 128)
+    assert state["model.layers.1.mlp.down_proj.weight"].shape == (128, 96)
+    assert state["model.embed_tokens.weight"].shape == (cfg["vocab_size"], 128)
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert bench_quant.write_random_llama(folder, 128, 96, 2) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == ["r"]  # no leftovers
+    with pytest.raises(ValueError, match="HIDDEN a multiple of 64"):
+        bench_quant.write_random_llama(tmp_path / "bad", 100, 96, 2)
+
+
 def test_float_state_reads_a_converted_gguf_folders_linked_blocks(tiny_llama_dir, tmp_path):
     from gguf import GGUFReader
 

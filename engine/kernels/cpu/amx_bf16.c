@@ -1,6 +1,6 @@
 /* y = x W^T (+ b) on AMX-bf16 tiles (tdpbf16ps), bf16 x, float32 sums, bf16 or float32 y; W
-   from one of three sources: bf16 rows as they are, 4-bit w4 tiles, or GGUF rows through
-   gguf_dequant_row. engine/kernels/cpu/amx_bf16.py says why and when. */
+   from one of four sources: bf16 rows as they are, 4-bit w4 tiles, GGUF rows through
+   gguf_dequant_row, or FP8 e4m3 rows through fp8_dequant_row_bf16. engine/kernels/cpu/amx_bf16.py says why and when. */
 #include "tessera_kernels.h"
 #include "bf16_convert.h"
 #include "avx512_math.h"
@@ -37,8 +37,10 @@ typedef struct {
   const void* w;
   int64_t N, K, Kp, row_bytes;  /* row_bytes: GGUF rows' stride */
   int type;                     /* GGUF: ggml's type id */
+  const float* scales;          /* FP8: scales [N, ceil(K / group)] */
+  int64_t group;
 } source;
-enum { SRC_W4, SRC_GGUF, SRC_ROWS_BF16 };
+enum { SRC_W4, SRC_GGUF, SRC_ROWS_BF16, SRC_FP8 };
 
 /* The tiles (amx_tiles.h): sums C00 C01 C10 C11 in 0-3 (row tile, column panel), x's two row
    tiles in 4-5, the two panels' B tiles in 6-7. */
@@ -311,7 +313,7 @@ static int amx_run_w4(const source* s, const uint16_t* x, int64_t ldx, int64_t M
 }
 
 
-/* ---- W as the A operand: row-major weights (bf16 as they are, or GGUF rows decoded) ----
+/* ---- W as the A operand: row-major weights (bf16 as they are, GGUF or FP8 rows decoded) ----
    tdpbf16ps's A tiles are 16 rows of 32 k as they lie in memory, so 16 weight rows load
    straight from W; x (small at these batches) is the one rearranged, once per call, into B
    tiles (16 pairs of k x 16 rows of x). The sums come out transposed (16 outputs x 16 rows of
@@ -384,7 +386,7 @@ static void epilogue_t(const float* out, int mr, int nc, int64_t m0, int64_t n0,
 }
 
 /* Weight rows n0.. (up to 16; the rest zero) into buf [16][Kp] bf16: copied (bf16 weights) or
-   decoded (GGUF rows, through row: Kp floats). */
+   decoded (FP8 rows straight to bf16; GGUF rows through row: Kp floats). */
 static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
   for (int r = 0; r < AMX_PANEL; ++r) {
     const int64_t n = n0 + r;
@@ -393,6 +395,12 @@ static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
     if (s->kind == SRC_ROWS_BF16) {
       memcpy(d, (const uint16_t*)s->w + n * s->K, (size_t)s->K * 2);
       memset(d + s->K, 0, (size_t)(s->Kp - s->K) * 2);
+      continue;
+    }
+    if (s->kind == SRC_FP8) {  /* K % 32 == 0: no padding */
+      const int64_t ng = (s->K + s->group - 1) / s->group;
+      if (fp8_dequant_row_bf16((const uint8_t*)s->w + n * s->K, s->scales + n * ng, s->group,
+                               s->K, d)) return -1;
       continue;
     }
     if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
@@ -518,13 +526,13 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
 
 int amx_bf16_linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w,
     int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads) {
-  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0};
+  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0, NULL, 0};
   return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads, NULL);
 }
 
 int amx_bf16_linear_argmax(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
     const uint16_t* w, int64_t N, int64_t* argmax, int nthreads) {
-  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0};
+  const source s = {SRC_ROWS_BF16, w, N, K, (K + 31) / 32 * 32, 0, 0, NULL, 0};
   return amx_run_t(&s, x, ldx, M, NULL, NULL, 0, 1, nthreads, argmax);
 }
 
@@ -537,21 +545,29 @@ int amx_bf16_linear_w4_prefetch(const uint16_t* x, int64_t ldx, int64_t M, int64
     const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32,
     const prefetch_ranges* pf, int nthreads) {
   if (K % 32) return -1;
-  const source s = {SRC_W4, tiles, N, K, K, 0, 0};
+  const source s = {SRC_W4, tiles, N, K, K, 0, 0, NULL, 0};
   return amx_run_w4(&s, x, ldx, M, bias, y, ldy, out_f32, 0, pf, nthreads);
 }
 
 int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
     int64_t I, uint16_t* y, int64_t ldy, int nthreads) {
   if (K % 32 || I % 16 || I < 16) return -1;
-  const source s = {SRC_W4, tiles, 2 * I, K, K, 0, 0};
+  const source s = {SRC_W4, tiles, 2 * I, K, K, 0, 0, NULL, 0};
   return amx_run_w4(&s, x, ldx, M, NULL, y, ldy, 0, 1, NULL, nthreads);
 }
 
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows,
     int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy,
     int out_f32, int nthreads) {
-  const source s = {SRC_GGUF, rows, N, K, (K + 31) / 32 * 32, row_bytes, type};
+  const source s = {SRC_GGUF, rows, N, K, (K + 31) / 32 * 32, row_bytes, type, NULL, 0};
+  return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads, NULL);
+}
+
+int amx_bf16_linear_fp8(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint8_t* codes, const float* scales, int64_t G, int64_t N, const uint16_t* bias,
+    void* y, int64_t ldy, int out_f32, int nthreads) {
+  if (K <= 0 || K % 32 || G <= 0 || (G % 32 && G < K)) return -1;
+  const source s = {SRC_FP8, codes, N, K, K, 0, 0, scales, G};
   return amx_run_t(&s, x, ldx, M, bias, y, ldy, out_f32, nthreads, NULL);
 }
 #else
@@ -571,4 +587,7 @@ int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, c
     int out_f32, int nthreads) { return -1; }
 int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles,
     int64_t I, uint16_t* y, int64_t ldy, int nthreads) { return -1; }
+int amx_bf16_linear_fp8(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+    const uint8_t* codes, const float* scales, int64_t G, int64_t N, const uint16_t* bias,
+    void* y, int64_t ldy, int out_f32, int nthreads) { return -1; }
 #endif

@@ -105,6 +105,15 @@ SIGNATURES: dict[str, Signature] = {
     "lut4_linear_bf16_tiles": ([_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _INT], _INT),
     "lut4_tiles_max_rows": ([], _INT),
     "lut4_isa_max": ([], _INT),
+    # fp8.c: x, ldx, M, K, codes, scales, G, N, bias, y, ldy, bf16, threads
+    "fp8_linear": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT], _INT),
+    # codes, scales, G, N, K, out, bf16, threads
+    "fp8_dequantize": ([_P, _P, _I64, _I64, _I64, _P, _INT, _INT], _INT),
+    # codes, scales, G, K, out
+    "fp8_dequant_row_bf16": ([_P, _P, _I64, _I64, _P], _INT),
+    "fp8_tiles_max_rows": ([], _INT),
+    "fp8_linear_bf16_tiles": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT], _INT),
+    "fp8_isa_max": ([], _INT),
     # w8a8.c
     "quantize_rows_f32": (_QUANT, None),
     "quantize_rows_bf16": (_QUANT, None),
@@ -141,6 +150,11 @@ SIGNATURES: dict[str, Signature] = {
     # x, ldx, M, K, rows, row_bytes, type, N, bias, y, ldy, out_f32, threads
     "amx_bf16_linear_gguf": (
         [_P, _I64, _I64, _I64, _P, _I64, _INT, _I64, _P, _P, _I64, _INT, _INT],
+        _INT,
+    ),
+    # x, ldx, M, K, codes, scales, G, N, bias, y, ldy, out_f32, threads
+    "amx_bf16_linear_fp8": (
+        [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT, _INT],
         _INT,
     ),
     # fused_ops.c
@@ -242,6 +256,7 @@ VARIABLES: dict[str, Any] = {
     "use_amx": ctypes.c_int,
     "gguf_isa": ctypes.c_int,
     "lut4_isa": ctypes.c_int,
+    "fp8_isa": ctypes.c_int,
 }
 
 _lock = threading.Lock()

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.kernels.cpu import fp8 as cpu_fp8
 from engine.layers.moe import DOWN, GATE, UP, GemmChoice
+from engine.layers.quantization.fp8_block import cpu_fp8_path, cpu_fp8_weight
 from engine.layers.quantization.packed import ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
 
@@ -143,6 +145,9 @@ class Fp8ExpertsMethod(ExpertsMethod):
         if q13.device.type == "cuda":
             moe.fused_quantized = FusedFp8Experts(q13, q2, s13, s2)
             return "float8 e4m3 experts on the fused Triton MoE kernel (row scales in its epilogue)"
+        cpu = CpuFp8Experts.prepare(q13, q2, s13, s2, None, dtype)
+        if cpu is not None:
+            return cpu.install(moe, "float8 e4m3 experts")
         moe.w13_weight = nn.Parameter(q13.to(dtype), requires_grad=False)  # exact values
         moe.w2_weight = nn.Parameter(q2.to(dtype), requires_grad=False)
         moe.expert_linear = ScaledExperts(moe.w13_weight.data, moe.w2_weight.data, s13, s2)
@@ -166,6 +171,36 @@ class ScaledExperts:
         return (y.float() * self.scales[i][expert]).to(x.dtype)
 
 
+class CpuFp8Experts:
+    """FusedMoE.expert_linear of FP8 experts on the CPU's FP8 kernels (engine.kernels.cpu.fp8):
+    each expert's e4m3 codes and scales as they loaded (views of the stacked tensors), one byte
+    a weight; weights[0] gate_up's, weights[1] down's, one per local expert."""
+
+    def __init__(self, weights: tuple[list, list]):
+        self.weights = weights
+
+    @classmethod
+    def prepare(cls, q13, q2, s13, s2, group: int | None, dtype) -> CpuFp8Experts | None:
+        """None where the kernels do not take every expert (fp8_block.cpu_fp8_weight)."""
+        sides = []
+        for q, s in ((q13, s13), (q2, s2)):
+            side = [cpu_fp8_weight(q[e], s[e], group, dtype) for e in range(q.shape[0])]
+            if any(w is None for w in side):
+                return None
+            sides.append(side)
+        return cls((sides[0], sides[1]))
+
+    def install(self, moe: nn.Module, what: str) -> str:
+        """Hand the experts to moe (no float stacks kept); the start-up log's line."""
+        for side in ("w13", "w2"):
+            moe.register_parameter(f"{side}_weight", None)
+        moe.expert_linear = self
+        return f"{what}: {cpu_fp8_path()}, per expert over the tokens routed to it"
+
+    def __call__(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        return cpu_fp8.linear(x, self.weights[1 if which == DOWN else 0][expert])
+
+
 class FusedFp8Experts:
     """FusedMoE.fused_quantized of FP8 experts on CUDA: row scales [E, N] (block_k 0), or one
     row of block scales per output row [E, N, ceil(K / block_k)]."""
@@ -186,8 +221,10 @@ class Fp8BlockExpertsMethod(ExpertsMethod):
     """Block-FP8 experts (Qwen3-30B-A3B-FP8's form; engine.layers.quantization.fp8_block):
     float8_e4m3fn `weight` [N, K] with scales [ceil(N / bn), ceil(K / bk)] (`scale_name`),
     expanded to one row of scales per output row as they load (a gate / up shard of I may then
-    end anywhere; down's K shard must start on a block). CPU: dequantized at load into the model
-    dtype, one expert at a time, and run as float experts (the float weights' bytes). CUDA: the
+    end anywhere; down's K shard must start on a block). CPU: each expert's bytes and row
+    scales on the CPU's FP8 kernels (CpuFp8Experts); where those do not take them, dequantized
+    at load into the model dtype, one expert at a time, and run as float experts (the float
+    weights' bytes). CUDA: the
     bytes and row scales go to the fused Triton MoE kernel, which scales each weight by its
     block's scale in its inner loop (no float copy)."""
 
@@ -234,6 +271,9 @@ class Fp8BlockExpertsMethod(ExpertsMethod):
                 f"float8 e4m3 experts in blocks of [{bn}, {bk}] on the fused Triton MoE kernel "
                 "(block scales in its inner loop)"
             )
+        cpu = CpuFp8Experts.prepare(q13, q2, s13, s2, bk, dtype)
+        if cpu is not None:
+            return cpu.install(moe, f"FP8 experts in blocks of [{bn}, {bk}]")
         for side, q, s in (("w13", q13, s13), ("w2", q2, s2)):
             w = torch.empty(q.shape, dtype=dtype, device=q.device)
             for x in range(q.shape[0]):  # one expert's float32 intermediates at a time

@@ -4,12 +4,14 @@ float-quantized, which shares this method), or `--quantization fp8` on a float c
 A checkpoint layer holds `weight` float8_e4m3fn [N, K], `weight_scale` float32 (one per
 tensor, [] or [1], or one per output row, [N, 1]) and, with static activation scales,
 `input_scale`: W = weight * weight_scale. With `weight_block_size` (block-wise scales,
-`weight_scale_inv`) a layer takes engine.layers.quantization.fp8_block's method instead. On the CPU there is no fp8 arithmetic: every e4m3
-value is exact in bfloat16 (and float16, float32), so the weight is kept as those exact values
-in the model dtype and the scale applied per output row after the GEMM — the unquantized
-path's kernels (the C GEMM, AMX-bf16 tiles, oneDNN), no rounding of the weight. Activations
-stay in the model dtype (input_scale is read and unused: more accurate than the checkpoint's
-fp8 activations). `--quantization fp8` on a float checkpoint computes one scale per output row
+`weight_scale_inv`) a layer takes engine.layers.quantization.fp8_block's method instead. On the
+CPU the e4m3 bytes stay as they are, one byte a weight, on the CPU's FP8 kernels
+(engine.kernels.cpu.fp8: the codes widened inside the kernel, the row scale on each sum; larger
+batches on rows decoded to bf16 in cache). Where those do not take a layer (K not a multiple of
+32, a float16 model, TESSERA_CPU_KERNELS=0) every e4m3 value is exact in the model dtype, so the
+weight is kept as those exact values and the scale applied per output row after the GEMM (the
+unquantized path's kernels: twice the bytes). Activations stay in the model dtype (input_scale
+is read and unused: more accurate than the checkpoint's fp8 activations). `--quantization fp8` on a float checkpoint computes one scale per output row
 at load (max |w| / 448) and rounds the weight to e4m3: that rounding is its accuracy cost.
 """
 
@@ -23,7 +25,12 @@ from torch import nn
 from engine.kernels.fp8 import Fp8Linear, supports_fp8_matmul
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, kept_float, unsupported
-from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
+from engine.layers.quantization.fp8_block import (
+    Fp8BlockLinearMethod,
+    cpu_fp8_linear,
+    cpu_fp8_path,
+    cpu_fp8_weight,
+)
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.packed import ShardLoader, ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
@@ -142,6 +149,12 @@ class Fp8LinearMethod(LinearMethodBase):
                 )
                 return
             del layer.fp8  # a shape _scaled_mm refuses: the model dtype's GEMM below
+        cpu = cpu_fp8_weight(q, scale.float(), None, dtype)
+        if cpu is not None:
+            layer.register_parameter("weight", None)
+            layer.fp8_cpu = cpu
+            layer.quant_path = f"{cpu_fp8_path()} ({why})"
+            return
         layer.weight = nn.Parameter(q.to(dtype).contiguous(), requires_grad=False)
         layer.weight_scale = scale.float().contiguous()
         layer.quant_path = (
@@ -152,6 +165,8 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if layer.weight is None and hasattr(layer, "fp8_cpu"):
+            return cpu_fp8_linear(x, layer.fp8_cpu, bias)
         if layer.weight is None:  # float8 on the GPU (process_weights_after_loading)
             y = layer.fp8(x)
             return y if bias is None else y + bias.to(y.dtype)

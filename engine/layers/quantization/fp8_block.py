@@ -15,11 +15,12 @@ with tensor parallelism bk has to divide the shard's inputs, else a start-up err
 weight_block_size and the size.
 
 After loading:
-- CPU: dequantized once into the model dtype (each value times its block's scale in fp32,
-  rounded once) and served by the unquantized layers' GEMMs (the C GEMM, AMX-bf16 tiles,
-  oneDNN). The cost is memory: the float weight's bytes (bf16: twice the checkpoint's). There is
-  no fp8 arithmetic on these CPUs, and keeping the e4m3 values exact with the scales applied
-  after the GEMM (the per-channel FP8 path) would take one GEMM per block of K.
+- CPU: the e4m3 bytes and the row scales stay as they are, 1 byte a weight, on the CPU's FP8
+  kernels (engine.kernels.cpu.fp8: the codes widened in the kernel, each block's sum times its
+  scale; larger batches on rows decoded to bf16 in cache). Where those do not take the layer
+  (a block of K not a multiple of 32, a float16 model, TESSERA_CPU_KERNELS=0) the weight is
+  dequantized once into the model dtype (each value times its block's scale in fp32, rounded
+  once) for the unquantized layers' GEMMs, at the float weight's bytes.
 - CUDA (and the tests' Triton interpreter): the e4m3 bytes and the row scales stay as they
   are, 1 byte a weight, on the block-FP8 Triton GEMM (engine/kernels/triton/fp8_block_gemm.py),
   which dequantizes in its inner loop.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels.cpu.fp8 import linear as cpu_fp8_linear
 from engine.kernels.fp8 import dequantize_fp8_blocks, expand_block_scales
 from engine.layers.quantization.base import (
     LinearMethodBase,
@@ -40,6 +42,28 @@ from engine.layers.quantization.base import (
 from engine.layers.quantization.int_weight import register, register_bias
 from engine.layers.quantization.packed import ShardLoader, _out_slice, ignored_loader
 from engine.layers.quantization.unquantized import linear_by_rows
+
+
+def cpu_fp8_weight(q: torch.Tensor, scales: torch.Tensor, group: int | None, dtype: torch.dtype):
+    """The CPU's FP8 kernels' form of float8_e4m3fn codes q [N, K] with float32 scales (one a
+    row, group None; or [N, ceil(K / group)]), one byte a weight (engine.kernels.cpu.fp8), or
+    None where they do not take it: not on the CPU, no kernels (TESSERA_CPU_KERNELS=0), a
+    float16 model, K not a multiple of 32 or a block of K not one of 32 (the caller's float
+    path then)."""
+    from engine.kernels.cpu import fp8 as cpu_fp8
+
+    n, k = q.shape
+    if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not cpu_fp8.available() or not cpu_fp8.fits(n, k, k if group is None else group):
+        return None
+    return cpu_fp8.Fp8Weight.prepare(q, scales, group)
+
+
+def cpu_fp8_path() -> str:
+    from engine.kernels.cpu import fp8 as cpu_fp8
+
+    return f"float8 e4m3 codes kept, one byte a weight: {cpu_fp8.describe()}"
 
 
 def check_row_shard(name: str, field: str, block: tuple[int, int], k: int, tp: int) -> None:
@@ -115,6 +139,12 @@ class Fp8BlockLinearMethod(LinearMethodBase):
                     "inner loop (engine/kernels/triton/fp8_block_gemm.py)"
                 )
                 return
+        cpu = cpu_fp8_weight(q, scales, bk, dtype)
+        if cpu is not None:
+            layer.register_parameter("weight", None)
+            layer.fp8_cpu = cpu
+            layer.quant_path = f"FP8 blocks of [{bn}, {bk}]: {cpu_fp8_path()}"
+            return
         layer.weight = nn.Parameter(dequantize_fp8_blocks(q, scales, bk, dtype),
                                     requires_grad=False)  # fmt: skip
         layer.quant_path = (
@@ -126,6 +156,9 @@ class Fp8BlockLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if layer.weight is None:  # float8 for the Triton GEMM (process_weights_after_loading)
-            return triton_linear("fp8_block_gemm", "fp8_block_gemm", x, layer.fp8_block, bias)
-        return linear_by_rows(layer, x, layer.weight, bias)
+        if layer.weight is not None:
+            return linear_by_rows(layer, x, layer.weight, bias)
+        if hasattr(layer, "fp8_cpu"):
+            return cpu_fp8_linear(x, layer.fp8_cpu, bias)
+        # float8 for the Triton GEMM (process_weights_after_loading)
+        return triton_linear("fp8_block_gemm", "fp8_block_gemm", x, layer.fp8_block, bias)

@@ -42,6 +42,10 @@
 #define LUT4_ISA_SCALAR 0     /* lut4: the kernel variants, lut4_isa's values */
 #define LUT4_ISA_AVX2 1
 #define LUT4_ISA_AVX512 2
+#define FP8_TILES_MAX_ROWS 32  /* fp8: rows of bf16 x the decoded tiles take, above the dot kernel's */
+#define FP8_ISA_SCALAR 0      /* fp8: the kernel variants, fp8_isa's values */
+#define FP8_ISA_AVX2 1
+#define FP8_ISA_AVX512 2
 
 /* ---- gemm.c: y = x W^T (+ b), bf16 / float32 / int8 weights (engine.kernels.cpu.gemm) ---- */
 int linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const float* wscale, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
@@ -91,6 +95,17 @@ int lut4_linear_bf16_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
 int lut4_isa_max(void);
 extern int lut4_isa;  /* the variant lut4_linear and lut4_dequantize run, capped at lut4_isa_max() (set from Python) */
 
+/* ---- fp8.c: float8 e4m3 codes [N, K] as the checkpoint holds them, a float32 scale per
+   group of G inputs of a row ([N, ceil(K / G)]; G = K: one a row); K % 32 == 0 and G % 32 ==
+   0 or G >= K, else -1 (engine.kernels.cpu.fp8) ---- */
+int fp8_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, int64_t G, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
+int fp8_dequantize(const uint8_t* codes, const float* scales, int64_t G, int64_t N, int64_t K, void* out, int bf16, int nthreads);
+int fp8_dequant_row_bf16(const uint8_t* codes, const float* scales, int64_t G, int64_t K, uint16_t* out);
+int fp8_tiles_max_rows(void);  /* rows fp8_linear_bf16_tiles takes: FP8_TILES_MAX_ROWS, or 0 without AVX512-BF16 */
+int fp8_linear_bf16_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, int64_t G, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
+int fp8_isa_max(void);
+extern int fp8_isa;  /* the variant fp8_linear and fp8_dequantize run, capped at fp8_isa_max() (set from Python) */
+
 /* ---- w8a8.c: int8 activations (engine.kernels.cpu.w8a8) ---- */
 void quantize_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);
 void quantize_rows_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* s, int nthreads);
@@ -125,6 +140,7 @@ typedef struct {  /* PREFETCH_MAX_RANGES of each */
 int amx_bf16_linear_w4_prefetch(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, const prefetch_ranges* pf, int nthreads);
 int amx_bf16_gated_w4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* tiles, int64_t I, uint16_t* y, int64_t ldy, int nthreads);
 int amx_bf16_linear_gguf(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* rows, int64_t row_bytes, int type, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
+int amx_bf16_linear_fp8(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, int64_t G, int64_t N, const uint16_t* bias, void* y, int64_t ldy, int out_f32, int nthreads);
 
 /* ---- fused_ops.c: RMSNorm (+ residual), SiLU-and-mul, rotary (engine.kernels.cpu.fused_ops) ---- */
 void rmsnorm_f32(const float* x, int64_t ldx, float* residual, int64_t ldr, const float* w, float* out, int64_t ldo, int64_t rows, int64_t H, float eps, int nthreads);

@@ -24,13 +24,18 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu import fp8 as cpu_fp8
 from engine.layers.moe import DOWN, GATE, UP, FusedMoE
 from engine.layers.quantization.checkpoint import (
     apply_checkpoint_methods,
     build_config,
     finish_checkpoint_methods,
 )
-from engine.layers.quantization.experts import Fp8BlockExpertsMethod, FusedFp8Experts
+from engine.layers.quantization.experts import (
+    CpuFp8Experts,
+    Fp8BlockExpertsMethod,
+    FusedFp8Experts,
+)
 from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.models.loader import load_model
 from tests.conftest import MOE_MODELS
@@ -118,12 +123,20 @@ def _follows_reference(src, folder, deq, dtype: str, tp: int = 1, device: str = 
 # -- dense layers -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["fp8-kernels", "dequantized"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "fmt"), [("llama", "fp8-128"), ("llama", "fp8-48x32"),
                                            ("qwen3", "ct-48x32")])  # fmt: skip
-def test_each_layer_holds_the_dequantized_checkpoint(written, arch, fmt, dtype):
-    """The CPU's form: each value times its block's scale in fp32, rounded once to the model
-    dtype, merged parts each with their own blocks."""
+def test_each_layer_holds_the_dequantized_checkpoint(written, arch, fmt, dtype, kernels,
+                                                      monkeypatch):  # fmt: skip
+    """The CPU's forms: the checkpoint's codes and one row of block scales per output row for
+    the CPU's FP8 kernels, or, without them, the weight dequantized at load; either way each
+    value times its block's scale in fp32, rounded once to the model dtype, merged parts each
+    with their own blocks."""
+    if not kernels:
+        monkeypatch.setattr(cpu_fp8, "available", lambda: False)
+    elif not cpu_fp8.available():
+        pytest.skip("no CPU kernels here")
     _, folder, deq = written(arch, fmt)
     model, paths = _load(folder, dtype)
     checked = 0
@@ -134,10 +147,16 @@ def test_each_layer_holds_the_dequantized_checkpoint(written, arch, fmt, dtype):
         assert isinstance(module.quant_method, Fp8BlockLinearMethod), name
         parts = [name[: -len(kind)] + p for p in MERGED.get(kind, (kind,))]
         want = torch.cat([deq[p] for p in parts]).to(getattr(torch, dtype))
-        assert torch.equal(module.weight.data, want), name
+        if kernels:
+            assert module.weight is None and module.fp8_cpu.codes.dtype == torch.uint8, name
+            got = module.fp8_cpu.dequantize(getattr(torch, dtype))
+        else:
+            got = module.weight.data
+        assert torch.equal(got, want), name
         checked += 1
     assert checked == 4 * model.config.num_hidden_layers
-    assert all("dequantized at load into " + dtype in why for why in paths["qkv_proj"]), paths
+    want_path = "one byte a weight" if kernels else "dequantized at load into " + dtype
+    assert all(want_path in why for why in paths["qkv_proj"]), paths
 
 
 @pytest.mark.parametrize(
@@ -178,9 +197,8 @@ def test_the_triton_gemm_serves_the_loaded_layers(written, arch, fmt):
         other = gpu_layers[name]
         assert other.weight is None and "Triton" in other.quant_path  # no float copy
         for rows in (1, 9):
-            x = torch.randn(
-                rows, layer.weight.shape[1], generator=torch.Generator().manual_seed(rows)
-            )
+            k = layer.fp8_cpu.in_features if layer.weight is None else layer.weight.shape[1]
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             want = layer.quant_method.apply(layer, x)
             got = other.quant_method.apply(other, x.to(DEVICE)).cpu()
             torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
@@ -253,7 +271,11 @@ def test_experts_on_the_cpu_and_the_fused_kernel_match_dequantize_then_matmul(bl
     x, ids, weights = _routing(37, 8, seed=block[0])
     want = naive_moe(x.double(), w13.double(), w2.double(), weights.double(), ids)
     path = method.process_weights_after_loading(moe)
-    assert "dequantized at load" in path
+    if cpu_fp8.available():  # the experts' codes on the CPU's FP8 kernels, no float stacks
+        assert "one byte a weight" in path and moe.w13_weight is None
+        assert isinstance(moe.expert_linear, CpuFp8Experts)
+    else:
+        assert "dequantized at load" in path
     logits = torch.full((37, 8), -30.0).scatter_(1, ids, torch.log(weights))
     torch.testing.assert_close(moe(x, logits).double(), want, atol=1e-4, rtol=1e-4)
     pytest.importorskip("triton")  # the CUDA path's kernel, under the interpreter here

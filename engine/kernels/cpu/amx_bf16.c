@@ -361,22 +361,24 @@ static inline __attribute__((always_inline)) void block_t(const int TN, const in
   if (TN > 1) { _tile_stored(2, out + 16 * 32, 128); if (TM > 1) _tile_stored(3, out + 16 * 32 + 16, 128); }
 }
 
-/* out [32 outputs][32 rows of x] -> y rows m0.. (mr), columns n0.. (nc) (+ bias). */
+/* out [32 outputs][32 rows of x] -> y rows m0.. (mr), columns n0.. (nc) (times wscale, a
+   float32 per output, where not NULL; + bias). */
 static void epilogue_t(const float* out, int mr, int nc, int64_t m0, int64_t n0,
-    const uint16_t* bias, void* y, int64_t ldy, int out_f32) {
+    const float* wscale, const uint16_t* bias, void* y, int64_t ldy, int out_f32) {
   for (int hn = 0; hn < nc; hn += 16) {
     const int cnt = nc - hn < 16 ? nc - hn : 16;
     const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias)
       b = bf16x16_to_f32(_mm256_maskz_loadu_epi16(keep, bias + n0 + hn));
+    const __m512 ws = wscale ? _mm512_maskz_loadu_ps(keep, wscale + n0 + hn) : _mm512_set1_ps(1.f);
     for (int hm = 0; hm < mr; hm += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(out + (hn + i) * 32 + hm);
       transpose16(r);
       const int rows = mr - hm < 16 ? mr - hm : 16;
       for (int i = 0; i < rows; ++i) {
-        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), b);
+        const __m512 v = _mm512_fmadd_ps(_mm512_castsi512_ps(r[i]), ws, b);
         const int64_t at = (m0 + hm + i) * ldy + n0 + hn;
         if (out_f32) _mm512_mask_storeu_ps((float*)y + at, keep, v);
         else _mm256_mask_storeu_epi16((uint16_t*)y + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
@@ -399,8 +401,10 @@ static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
     }
     if (s->kind == SRC_FP8) {  /* K % 32 == 0: no padding */
       const int64_t ng = (s->K + s->group - 1) / s->group;
-      if (fp8_dequant_row_bf16((const uint8_t*)s->w + n * s->K, s->scales + n * ng, s->group,
-                               s->K, d)) return -1;
+      /* one scale a row: the exact values (the epilogue scales the sums) */
+      const float* scales = s->group >= s->K ? NULL : s->scales + n * ng;
+      if (fp8_dequant_row_bf16((const uint8_t*)s->w + n * s->K, scales, s->group, s->K, d))
+        return -1;
       continue;
     }
     if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
@@ -464,6 +468,8 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
   const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
   /* bf16 rows are read in place where whole tiles of 16 rows and 32 k exist */
   const int direct = s->kind == SRC_ROWS_BF16 && K == Kp;
+  /* FP8 with one scale a row: its rows decode to the exact values, the scale on each sum */
+  const float* wscale = s->kind == SRC_FP8 && s->group >= K ? s->scales : NULL;
   int failed = 0;
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
   {
@@ -503,7 +509,7 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
             argmax_fold_t(out, mr, nc, m0, n0, best + omp_get_thread_num() * M,
                           at + omp_get_thread_num() * M);
           else
-            epilogue_t(out, mr, nc, m0, n0, bias, y, ldy, out_f32);
+            epilogue_t(out, mr, nc, m0, n0, wscale, bias, y, ldy, out_f32);
         }
       }
     }

@@ -14,9 +14,11 @@
    The dot kernel (fp8_linear, a few rows of x): per group of G weights the widened values
    FMA'd with x in float32, the group's sum times its scale. Three variants of the same
    arithmetic: scalar (a 256-entry table), AVX2 + F16C and AVX-512; fp8_isa picks one at run
-   time, capped at what this build has, so the tests can force the slower ones. Larger batches
-   decode rows to bf16 (fp8_dequant_row: each value times its scale in float32, rounded once)
-   for a bf16 GEMM: 32 rows at a time in cache for the AVX512-BF16 dot kernel
+   time, capped at what this build has, so the tests can force the slower ones. bf16 x on a
+   CPU with AVX512-BF16 takes the codes as bf16 instead (bf16_bits32: exact, in integer ops)
+   for vdpbf16ps. Larger batches decode rows to bf16 (fp8_dequant_row_bf16: each value times
+   its scale in float32, rounded once; with one scale a row, the exact values, the scale on
+   each sum) for a bf16 GEMM: 32 rows at a time in cache for the AVX512-BF16 dot kernel
    (fp8_linear_bf16_tiles), 16 at a time for AMX (amx_bf16.c's SRC_FP8), or whole slices for
    oneDNN (fp8_dequantize). */
 #include "tessera_kernels.h"
@@ -207,13 +209,31 @@ static void row_avx512(const uint8_t* codes, const float* scales, int64_t G, int
 
 #if ISA_MAX >= FP8_ISA_AVX512 && defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
-/* bf16 x of 2 or more rows: each chunk's 32 values (times 2^-8, exact in bf16: 3 bits of
-   mantissa) rounded to bf16 once and multiplied with every row of x by vdpbf16ps (32 products
-   an instruction, float32 sums), instead of two float32 FMAs a row on x widened first. The
-   products are exact; the sums' order is vdpbf16ps's. x: bf16 rows as they are. */
+/* 32 codes -> their exact values as bf16, in integer ops: a normal e4m3 (exponent field e > 0)
+   is bf16 with the exponent rebased by 120, (b & 0x7F) << 4 plus 120 << 7; the 7 subnormals
+   (m * 2^-9, m = 1..7) and zero come from a table; the sign moves from bit 7 to bit 15. No
+   float conversions (the float16 route's three cost as much as the rest). */
+static inline __m512i bf16_bits32(const uint8_t* q, __m512i subnormals) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)q));
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+  const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i v = _mm512_mask_permutexvar_epi16(normal, sub, mag, subnormals);
+  /* v | (w << 8 & 0x8000): the sign bit */
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+/* the table bf16_bits32 reads: the bf16 of m * 2^-9 at lane m (m = 0..7; a constant, since
+   it is loaded for every weight row) */
+static const uint16_t SUBNORMALS[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+static inline __m512i subnormal_table(void) { return _mm512_loadu_si512(SUBNORMALS); }
+/* bf16 x: each chunk's 32 values as bf16 (exact: 3 bits of mantissa; bf16_bits32) multiplied
+   with every row of x by vdpbf16ps (32 products an instruction, float32 sums), instead of two
+   float32 FMAs a row on x widened first. The products are exact; the sums' order is
+   vdpbf16ps's. x: bf16 rows as they are. */
 static inline __attribute__((always_inline)) void dot_bf16x_rows(const uint16_t* x,
     int64_t ldx, int R, const uint8_t* codes, const float* scales, int64_t G, int64_t K,
     float* out) {
+  const __m512i sub = subnormal_table();
   __m512 tot[MAX_R];
   for (int m = 0; m < R; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
@@ -223,11 +243,8 @@ static inline __attribute__((always_inline)) void dot_bf16x_rows(const uint16_t*
     int64_t k = g0;
     for (; k + 64 <= g1; k += 64) {  /* two chunks: two independent chains a row */
       _mm_prefetch((const char*)(codes + k) + PF_BYTES, _MM_HINT_T0);
-      const __m512i h0 = f16_bits32(codes + k), h1 = f16_bits32(codes + k + 32);
-      const __m512bh w0 = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)),
-                                              _mm512_cvtph_ps(_mm512_castsi512_si256(h0)));
-      const __m512bh w1 = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1)),
-                                              _mm512_cvtph_ps(_mm512_castsi512_si256(h1)));
+      const __m512bh w0 = (__m512bh)bf16_bits32(codes + k, sub);
+      const __m512bh w1 = (__m512bh)bf16_bits32(codes + k + 32, sub);
       for (int m = 0; m < R; ++m) {
         const uint16_t* xr = x + m * ldx + k;
         a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_loadu_si512(xr), w0);
@@ -235,13 +252,11 @@ static inline __attribute__((always_inline)) void dot_bf16x_rows(const uint16_t*
       }
     }
     if (k < g1) {  /* a last chunk of 32 */
-      const __m512i h = f16_bits32(codes + k);
-      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)),
-                                             _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+      const __m512bh w = (__m512bh)bf16_bits32(codes + k, sub);
       for (int m = 0; m < R; ++m)
         a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w);
     }
-    const __m512 s = _mm512_set1_ps(scales[g] * F16_SHIFT);
+    const __m512 s = _mm512_set1_ps(scales[g]);
     for (int m = 0; m < R; ++m) tot[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), s, tot[m]);
   }
   for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(tot[m]);
@@ -328,7 +343,7 @@ int fp8_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* 
     int nthreads) {
   if (!shape_ok(K, G, N) || M < 1) return -1;
 #if HAVE_BF16_DOT
-  if (bf16 && M > 1 && isa_now() >= FP8_ISA_AVX512) return linear_bf16x(x, ldx, M, K, codes,
+  if (bf16 && isa_now() >= FP8_ISA_AVX512) return linear_bf16x(x, ldx, M, K, codes,
       scales, G, N, bias, y, ldy, nthreads);
 #endif
   /* bf16 x widened to float32 once (M is small: the dot kernel's rows), float32 x read as is */
@@ -390,6 +405,20 @@ static void row_any(const uint8_t* codes, const float* scales, int64_t G, int64_
 int fp8_dequant_row_bf16(const uint8_t* codes, const float* scales, int64_t G, int64_t K,
     uint16_t* out) {
   if (!shape_ok(K, G, 0)) return -1;
+  if (!scales) {  /* the exact values, unscaled: the caller scales each row's sums */
+#if HAVE_BF16_DOT
+    if (isa_now() >= FP8_ISA_AVX512) {
+      const __m512i sub = subnormal_table();
+      for (int64_t k = 0; k < K; k += 32) {
+        if (!(k & 63)) _mm_prefetch((const char*)(codes + k) + PF_BYTES, _MM_HINT_T0);
+        _mm512_storeu_si512(out + k, bf16_bits32(codes + k, sub));
+      }
+      return 0;
+    }
+#endif
+    for (int64_t k = 0; k < K; ++k) out[k] = f2bf(e4m3_value(codes[k]));
+    return 0;
+  }
 #if ISA_MAX >= FP8_ISA_AVX512
   if (isa_now() >= FP8_ISA_AVX512) { row_avx512(codes, scales, G, K, out, 1); return 0; }
 #endif
@@ -452,6 +481,12 @@ int fp8_linear_bf16_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
     for (int64_t t = 0; t < tiles; ++t) {
       if (!buf) continue;
       const int64_t n0 = t * TILE_N, nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+      if (G >= K) {  /* one scale a row: the exact values, the scale on each sum */
+        for (int64_t j = 0; j < nt; ++j)
+          fp8_dequant_row_bf16(codes + (n0 + j) * K, NULL, G, K, buf + j * K);
+        linear_bf16_dp(x, ldx, M, K, buf, scales + n0, nt, bias ? bias + n0 : NULL, y + n0, ldy, 1);
+        continue;
+      }
       for (int64_t j = 0; j < nt; ++j)
         row_avx512(codes + (n0 + j) * K, scales + (n0 + j) * ng, G, K, buf + j * K, 1);
       linear_bf16_dp(x, ldx, M, K, buf, NULL, nt, bias ? bias + n0 : NULL, y + n0, ldy, 1);

@@ -6,21 +6,23 @@ scale one per group of `group` inputs of a row (group = K: one a row).
 Why: these CPUs have no fp8 arithmetic, so the layers used to hold the e4m3 values in bf16
 (two bytes a weight); decode reads every weight once a step and is bound by memory, so half the
 bytes is up to half the step. `tessera bench quant --random-llama 2048 5632 16 --formats fp8
-fp8-block` (BENCHMARKS.md; a 0.8 B model, two Xeon cores): a one-stream decode step 0.66x
-bf16's, 0.90x at 4 streams, level from 16; half the memory.
+fp8-block` (BENCHMARKS.md; a 0.8 B model, two Xeon cores): a one-stream decode step 0.65x
+bf16's, 0.91x at 4 streams, about level from 16; half the memory.
 
 Which kernel takes a call, by its rows of x:
-  - up to dot_max_rows(): the dot kernel (the codes widened through float16 bits; FMA'd with x
-    in float32, or on 2+ rows of bf16 x with AVX512-BF16 rounded to bf16, exactly, for
-    vdpbf16ps; scalar, AVX2 + F16C or AVX-512: `isa_names`);
+  - up to dot_max_rows(): the dot kernel (the codes widened through float16 bits and FMA'd
+    with x in float32: scalar, AVX2 + F16C or AVX-512, `isa_names`; bf16 x with AVX512-BF16:
+    the codes as exact bf16 values, built with integer ops, on vdpbf16ps);
   - above, bf16 x, on a CPU with AMX: AMX-bf16 tiles on 16 rows at a time decoded to bf16 in
     cache (cpu_amx's plan: up to its rows);
   - above, bf16 x, AVX512-BF16 without AMX: up to tiles_max_rows(), 32 rows at a time decoded
     to bf16 in cache for gemm.c's AVX512-BF16 dot kernel;
   - larger batches (prefill): the weight dequantized to x's dtype in bounded slices for
     cpu_gemm.dense_linear.
-The decoded paths round each weight (e4m3 times its scale) once to bf16, as a bf16 checkpoint
-holds it; the dot kernel applies the scale to each group's float32 sum.
+With one scale a row the dot kernel and the decoded rows multiply the exact e4m3 values and
+apply the scale to each float32 sum; with blocks the dot kernel does so per block, and the
+decoded rows (and every format's dequantized slices) round each weight, e4m3 times its scale,
+once to bf16, as a bf16 checkpoint holds it.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def dot_max_rows() -> int:
     """Rows of x up to which the dot kernel runs. Its cost grows with the rows (every row adds
     its products to the widening each chunk costs once), the decoded paths' hardly at all
     until the GEMM itself counts. Measured on one Xeon core with AMX (40 layers of 2048 x 5632,
-    past L3; 2026-12-07): the dot kernel 35 / 46 / 53 / 62 ms at 1 / 2 / 3 / 4 rows, AMX on
-    decoded rows 51-52 ms at 1-8; with TESSERA_AMX=0 the decoded tiles 67 / 70 / 118 ms at 1 /
-    2 / 8 rows against the dot kernel's 35 / 44 / 121. So 2 with AMX, else 8 (lut4's choice
+    past L3; 2026-12-07): the dot kernel 34 / 37 / 46 / 54 ms at 1 / 2 / 3 / 4 rows, AMX on
+    decoded rows 42-45 ms at 1-8; with TESSERA_AMX=0 the decoded tiles 63 / 64 / 114 ms at 1 /
+    2 / 8 rows against the dot kernel's 35 / 38 / 106. So 2 with AMX, else 8 (lut4's choice
     for the dense slices too)."""
     return 2 if cpu_amx.available() else 8
 
@@ -173,7 +175,8 @@ def describe() -> str:
     """The kernel each batch size takes here, for the start-up log."""
     dot = f"the FP8 dot kernel up to {dot_max_rows()} rows"
     if cpu_amx.available():
-        return f"{dot}, AMX-bf16 on rows decoded in cache above, dequantized slices for prefill"
+        return (f"{dot}, AMX-bf16 on rows decoded in cache up to {cpu_isa.plan().amx_max_rows}, "
+                "dequantized slices above")  # fmt: skip
     if tiles_max_rows():
         return (f"{dot}, rows decoded in cache for the AVX512-BF16 dot kernel up to "
                 f"{tiles_max_rows()}, dequantized slices above")  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import amx_bf16 as cpu_amx
-from engine.kernels.cpu import fp8
+from engine.kernels.cpu import fp8, ops
 
 pytestmark = pytest.mark.skipif(not fp8.available(), reason="needs the CPU kernels")
 
@@ -43,11 +43,15 @@ def test_every_code_widens_to_torchs_value():
     row[0, : codes.numel()] = codes
     q = row.view(torch.float8_e4m3fn)
     w = fp8.Fp8Weight.prepare(q, torch.ones(1))
+    exact_row = ops.function("fp8_dequant_row_bf16")  # scales NULL: the values, unscaled
     for isa in fp8.isa_names():
         with fp8.forced_isa(isa):
             got = w.dequantize(torch.float32)
+            bf16 = torch.empty(1, k, dtype=torch.bfloat16)
+            assert exact_row(w.codes.data_ptr(), None, k, k, bf16.data_ptr()) == 0
         assert torch.equal(got, q.float()), isa
         assert torch.equal(got.signbit(), q.float().signbit()), isa  # -0 stays -0
+        assert torch.equal(bf16.view(torch.int16), q.to(torch.bfloat16).view(torch.int16)), isa
 
 
 @pytest.mark.parametrize(("n", "k", "group"), SHAPES)
@@ -96,22 +100,21 @@ def test_decoded_rows_and_slices_match_dequantize_then_matmul(n, k, group, monke
     g = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     amx_states = [True, False] if cpu_amx.available() else [False]
-    for amx in amx_states:
+    for amx, isa in ((a, i) for a in amx_states for i in fp8.isa_names()):
         monkeypatch.setattr(cpu_amx, "available", lambda amx=amx: amx)
         for rows in (fp8.dot_max_rows() + 1, 16, 33, 70):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
             want = F.linear(x.float(), w_f32.to(torch.bfloat16).float(), bias.float())
-            _check(fp8.linear(x, w, bias), want, torch.bfloat16, (amx, rows))
             x32 = x.float()
-            _check(fp8.linear(x32, w, bias.float()), F.linear(x32, w_f32, bias.float()),
-                   torch.float32, (amx, rows, "float32"))  # fmt: skip
+            with fp8.forced_isa(isa):
+                _check(fp8.linear(x, w, bias), want, torch.bfloat16, (amx, isa, rows))
+                _check(fp8.linear(x32, w, bias.float()), F.linear(x32, w_f32, bias.float()),
+                       torch.float32, (amx, isa, rows, "float32"))  # fmt: skip
 
 
 def test_the_decoded_paths_take_the_rows_they_claim(monkeypatch):
     """The dispatch: a kernel that declines (-1) would fall back to the slices silently, so
     count which C function each row count reaches."""
-    from engine.kernels.cpu import ops
-
     q, scales, _ = _weight(64, 128, None, seed=3)
     w = fp8.Fp8Weight.prepare(q, scales)
     seen: list[str] = []

@@ -100,7 +100,7 @@ extern int lut4_isa;  /* the variant lut4_linear and lut4_dequantize run, capped
    0 or G >= K, else -1 (engine.kernels.cpu.fp8) ---- */
 int fp8_linear(const void* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, int64_t G, int64_t N, const void* bias, void* y, int64_t ldy, int bf16, int nthreads);
 int fp8_dequantize(const uint8_t* codes, const float* scales, int64_t G, int64_t N, int64_t K, void* out, int bf16, int nthreads);
-int fp8_dequant_row_bf16(const uint8_t* codes, const float* scales, int64_t G, int64_t K, uint16_t* out);
+int fp8_dequant_row_bf16(const uint8_t* codes, const float* scales, int64_t G, int64_t K, uint16_t* out);  /* scales NULL: the exact e4m3 values */
 int fp8_tiles_max_rows(void);  /* rows fp8_linear_bf16_tiles takes: FP8_TILES_MAX_ROWS, or 0 without AVX512-BF16 */
 int fp8_linear_bf16_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales, int64_t G, int64_t N, const uint16_t* bias, uint16_t* y, int64_t ldy, int nthreads);
 int fp8_isa_max(void);

@@ -337,14 +337,81 @@ static void x_to_b(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t
   }
 }
 
-/* C tiles as A0/A1 (weight rows n0.., n0 + 16..) x B0/B1 (x rows m0.., m0 + 16..). */
+/* Weight row n (zero past N) into d [Kp] bf16: copied (bf16 weights) or decoded (FP8 rows
+   straight to bf16; GGUF rows through row: Kp floats). */
+static int row_to_buf(const source* s, int64_t n, float* row, uint16_t* d) {
+  if (n >= s->N) { memset(d, 0, (size_t)s->Kp * 2); return 0; }
+  if (s->kind == SRC_ROWS_BF16) {
+    memcpy(d, (const uint16_t*)s->w + n * s->K, (size_t)s->K * 2);
+    memset(d + s->K, 0, (size_t)(s->Kp - s->K) * 2);
+    return 0;
+  }
+  if (s->kind == SRC_FP8) {  /* K % 32 == 0: no padding */
+    const int64_t ng = (s->K + s->group - 1) / s->group;
+    /* one scale a row: the exact values (the epilogue scales the sums) */
+    const float* scales = s->group >= s->K ? NULL : s->scales + n * ng;
+    return fp8_dequant_row_bf16((const uint8_t*)s->w + n * s->K, scales, s->group, s->K, d);
+  }
+  if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
+  int64_t k = 0;
+  for (; k + 32 <= s->K; k += 32)
+    _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
+  for (; k < s->K; ++k) d[k] = f2bf(row[k]);
+  for (; k < s->Kp; ++k) d[k] = 0;
+  return 0;
+}
+
+/* Weight rows n0.. (up to 16; the rest zero) into buf [16][Kp] bf16 (row_to_buf). */
+static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
+  for (int r = 0; r < AMX_PANEL; ++r)
+    if (row_to_buf(s, n0 + r, row, buf + r * s->Kp)) return -1;
+  return 0;
+}
+
+/* FP8 with one scale a row: the next pair's weight rows decoded a piece at a time inside the
+   tile loop of the current pair, as w4_decoder does for w4 tiles: the vector units decode
+   while the tile unit multiplies, instead of one after the other (one Xeon core, 40 layers of
+   2048 x 5632 past L3: 4-32-row calls 45-57 ms against 49-62). Pieces of FP8_PIECE inputs: a
+   whole row a k chunk (thousands of values between two tile products) left the tile unit
+   idle, 60-71 ms. per: pieces a call, so that the pair's rows are done within its loop. Other
+   sources, block scales (their scaled decoding interleaved: 63-75 ms against 53-64) and K not
+   a multiple of FP8_PIECE decode each pair whole before its loop. */
+#define FP8_PIECE 256
+typedef struct {
+  const source* s; float* row; uint16_t* dst;
+  int64_t n, left, k, per;  /* left: rows; k: the next piece's first input */
+  int failed;
+} rows_decoder;
+static inline int decodes_in_pieces(const source* s) {
+  return s->kind == SRC_FP8 && s->group >= s->K && s->K % FP8_PIECE == 0;
+}
+static inline void rows_decode_some(rows_decoder* d) {
+  if (!d) return;
+  for (int64_t i = 0; i < d->per && d->left > 0; ++i) {
+    const source* s = d->s;
+    if (d->n >= s->N) {  /* past the weight: a row of zeros */
+      if (row_to_buf(s, d->n, d->row, d->dst)) d->failed = 1;
+      d->k = s->Kp;
+    } else {  /* the exact values (the epilogue scales the sums) */
+      if (fp8_dequant_row_bf16((const uint8_t*)s->w + d->n * s->K + d->k, NULL, FP8_PIECE,
+                               FP8_PIECE, d->dst + d->k))
+        d->failed = 1;
+      d->k += FP8_PIECE;
+    }
+    if (d->k >= s->Kp) { d->k = 0; ++d->n; d->dst += s->Kp; --d->left; }
+  }
+}
+
+/* C tiles as A0/A1 (weight rows n0.., n0 + 16..) x B0/B1 (x rows m0.., m0 + 16..); a row of
+   dec's decoded at each k chunk. */
 static inline __attribute__((always_inline)) void block_t(const int TN, const int TM,
     const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0,
-    const uint16_t* b1, int64_t KC, float* out) {
+    const uint16_t* b1, int64_t KC, float* out, rows_decoder* dec) {
   _tile_zero(0);
   if (TM > 1) _tile_zero(1);
   if (TN > 1) { _tile_zero(2); if (TM > 1) _tile_zero(3); }
   for (int64_t kc = 0; kc < KC; ++kc) {
+    rows_decode_some(dec);
     _tile_loadd(6, b0 + kc * BTILE, 64);
     if (TM > 1) _tile_loadd(7, b1 + kc * BTILE, 64);
     _tile_loadd(4, a0 + kc * AMX_KCHUNK, lda * 2);
@@ -385,36 +452,6 @@ static void epilogue_t(const float* out, int mr, int nc, int64_t m0, int64_t n0,
       }
     }
   }
-}
-
-/* Weight rows n0.. (up to 16; the rest zero) into buf [16][Kp] bf16: copied (bf16 weights) or
-   decoded (FP8 rows straight to bf16; GGUF rows through row: Kp floats). */
-static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
-  for (int r = 0; r < AMX_PANEL; ++r) {
-    const int64_t n = n0 + r;
-    uint16_t* d = buf + r * s->Kp;
-    if (n >= s->N) { memset(d, 0, (size_t)s->Kp * 2); continue; }
-    if (s->kind == SRC_ROWS_BF16) {
-      memcpy(d, (const uint16_t*)s->w + n * s->K, (size_t)s->K * 2);
-      memset(d + s->K, 0, (size_t)(s->Kp - s->K) * 2);
-      continue;
-    }
-    if (s->kind == SRC_FP8) {  /* K % 32 == 0: no padding */
-      const int64_t ng = (s->K + s->group - 1) / s->group;
-      /* one scale a row: the exact values (the epilogue scales the sums) */
-      const float* scales = s->group >= s->K ? NULL : s->scales + n * ng;
-      if (fp8_dequant_row_bf16((const uint8_t*)s->w + n * s->K, scales, s->group, s->K, d))
-        return -1;
-      continue;
-    }
-    if (gguf_dequant_row(s->type, (const uint8_t*)s->w + n * s->row_bytes, s->K, row)) return -1;
-    int64_t k = 0;
-    for (; k + 32 <= s->K; k += 32)
-      _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
-    for (; k < s->K; ++k) d[k] = f2bf(row[k]);
-    for (; k < s->Kp; ++k) d[k] = 0;
-  }
-  return 0;
 }
 
 /* out [32 outputs][32 rows of x] folded into each row's running argmax over columns n0..
@@ -470,19 +507,25 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
   const int direct = s->kind == SRC_ROWS_BF16 && K == Kp;
   /* FP8 with one scale a row: its rows decode to the exact values, the scale on each sum */
   const float* wscale = s->kind == SRC_FP8 && s->group >= K ? s->scales : NULL;
+  const int pieces = decodes_in_pieces(s);
   int failed = 0;
   _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1 && pairs > 1) reduction(|:failed)")
   {
     float out[32 * 32] __attribute__((aligned(64)));
-    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * 16 * Kp * 2);
+    /* two pairs' rows: the current pair's, and the next one's being decoded */
+    uint16_t* buf = (uint16_t*)aligned_alloc(64, (size_t)2 * 32 * Kp * 2);
     float* row = s->kind == SRC_GGUF ? (float*)aligned_alloc(64, (size_t)(Kp * 4 + 63) / 64 * 64) : NULL;
     if (!buf || (s->kind == SRC_GGUF && !row)) failed = 1;
+    /* each thread a run of pairs, in increasing order (the argmax's merge relies on it) */
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p_begin = pairs * t / nt, p_end = failed ? p_begin : pairs * (t + 1) / nt;
     tiles_begin();
-    for (int64_t mb = 0; mb < M; mb += AMX_M_BLOCK) {
+    for (int64_t mb = 0; mb < M && !failed; mb += AMX_M_BLOCK) {
       const int64_t mb_end = M - mb < AMX_M_BLOCK ? M : mb + AMX_M_BLOCK;
-      _Pragma("omp for schedule(static)")
-      for (int64_t p = 0; p < pairs; ++p) {
-        if (failed) continue;
+      uint16_t* cur = buf;
+      uint16_t* nxt = buf + 32 * Kp;
+      int ready = 0;  /* cur holds this pair's rows, decoded during the pair before */
+      for (int64_t p = p_begin; p < p_end && !failed; ++p) {
         const int64_t n0 = p * 32;
         const int nc = N - n0 < 32 ? (int)(N - n0) : 32;
         const uint16_t* a[2];
@@ -490,27 +533,38 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
         if (direct && nc == 32) {
           a[0] = (const uint16_t*)s->w + n0 * K; a[1] = a[0] + 16 * K; lda = K;
         } else {
-          for (int h = 0; h < 2 && 16 * h < nc; ++h)
-            if (rows_to_buf(s, n0 + 16 * h, row, buf + h * 16 * Kp)) failed = 1;
-          a[0] = buf; a[1] = buf + 16 * Kp;
+          if (!ready)
+            for (int h = 0; h < 2 && 16 * h < nc; ++h)
+              if (rows_to_buf(s, n0 + 16 * h, row, cur + h * 16 * Kp)) failed = 1;
+          a[0] = cur; a[1] = cur + 16 * Kp;
         }
-        if (failed) continue;
+        if (failed) break;
+        rows_decoder dec = {0};
+        ready = pieces && p + 1 < p_end;
+        if (ready) {  /* the next pair's 16 or 32 rows (past N: zeros) */
+          const int64_t next = n0 + 32, rows = N - next > 16 ? 32 : 16;
+          const int64_t count = rows * (K / FP8_PIECE), calls = KC * ((mb_end - mb + 31) / 32);
+          dec = (rows_decoder){s, row, nxt, next, rows, 0, (count + calls - 1) / calls, 0};
+        }
+        rows_decoder* dp = ready ? &dec : NULL;
         for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
           const int mr = mb_end - m0 < 32 ? (int)(mb_end - m0) : 32;
           const uint16_t* b0 = xb + (m0 / 16) * KC * BTILE, *b1 = b0 + KC * BTILE;
           if (nc > 16) {
-            if (mr > 16) block_t(2, 2, a[0], a[1], lda, b0, b1, KC, out);
-            else block_t(2, 1, a[0], a[1], lda, b0, b0, KC, out);
+            if (mr > 16) block_t(2, 2, a[0], a[1], lda, b0, b1, KC, out, dp);
+            else block_t(2, 1, a[0], a[1], lda, b0, b0, KC, out, dp);
           } else {
-            if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out);
-            else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out);
+            if (mr > 16) block_t(1, 2, a[0], a[0], lda, b0, b1, KC, out, dp);
+            else block_t(1, 1, a[0], a[0], lda, b0, b0, KC, out, dp);
           }
           if (argmax)
-            argmax_fold_t(out, mr, nc, m0, n0, best + omp_get_thread_num() * M,
-                          at + omp_get_thread_num() * M);
+            argmax_fold_t(out, mr, nc, m0, n0, best + t * M, at + t * M);
           else
             epilogue_t(out, mr, nc, m0, n0, wscale, bias, y, ldy, out_f32);
         }
+        while (dp && dec.left > 0) rows_decode_some(dp);
+        if (dec.failed) failed = 1;
+        if (ready) { uint16_t* tmp = cur; cur = nxt; nxt = tmp; }
       }
     }
     _tile_release();

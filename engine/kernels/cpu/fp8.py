@@ -6,15 +6,16 @@ scale one per group of `group` inputs of a row (group = K: one a row).
 Why: these CPUs have no fp8 arithmetic, so the layers used to hold the e4m3 values in bf16
 (two bytes a weight); decode reads every weight once a step and is bound by memory, so half the
 bytes is up to half the step. `tessera bench quant --random-llama 2048 5632 16 --formats fp8
-fp8-block` (BENCHMARKS.md; a 0.8 B model, two Xeon cores): a one-stream decode step 0.65x
-bf16's, 0.91x at 4 streams, about level from 16; half the memory.
+fp8-block` (BENCHMARKS.md; a 0.8 B model, two Xeon cores): a one-stream decode step 0.66x
+bf16's; 0.88x at 4-64 streams with one scale a row, 1.01-1.09x with blocks; half the memory.
 
 Which kernel takes a call, by its rows of x:
   - up to dot_max_rows(): the dot kernel (the codes widened through float16 bits and FMA'd
     with x in float32: scalar, AVX2 + F16C or AVX-512, `isa_names`; bf16 x with AVX512-BF16:
     the codes as exact bf16 values, built with integer ops, on vdpbf16ps);
   - above, bf16 x, on a CPU with AMX: AMX-bf16 tiles on 16 rows at a time decoded to bf16 in
-    cache (cpu_amx's plan: up to its rows);
+    cache (cpu_amx's plan: up to its rows; one scale a row: the next rows decoded inside the
+    current ones' tile loop);
   - above, bf16 x, AVX512-BF16 without AMX: up to tiles_max_rows(), 32 rows at a time decoded
     to bf16 in cache for gemm.c's AVX512-BF16 dot kernel;
   - larger batches (prefill): the weight dequantized to x's dtype in bounded slices for

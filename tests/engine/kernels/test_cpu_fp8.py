@@ -17,8 +17,9 @@ from engine.kernels.cpu import fp8, ops
 pytestmark = pytest.mark.skipif(not fp8.available(), reason="needs the CPU kernels")
 
 # (N, K, group): one scale a row; blocks of 128 with a last partial block (K = 320); blocks of
-# 32; N not a multiple of the kernels' 16 / 32 row tiles
-SHAPES = [(48, 96, None), (33, 320, 128), (100, 512, 64), (17, 64, 32)]
+# 32; N not a multiple of the kernels' 16 / 32 row tiles; K a multiple of 256, which AMX's
+# rows decode in pieces (several pairs of 32 rows a thread)
+SHAPES = [(48, 96, None), (33, 320, 128), (100, 512, 64), (17, 64, 32), (150, 256, None)]
 
 
 def _weight(n: int, k: int, group: int | None, seed: int):

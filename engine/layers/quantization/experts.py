@@ -5,12 +5,14 @@ load into stacked parameters named after the float ones (`w13_weight_packed` [E,
 `w2_weight_scale` [E, H, ...]), this rank's slice of I as FusedMoE's weight_loader takes it.
 Two formats:
 - FP8 e4m3 weights with per-tensor or per-channel scales (compressed-tensors' float-quantized,
-  the `fp8` checkpoint format): on the CPU, as the dense FP8 method does it, the e4m3 values
-  exact in the model dtype with the row scales applied after each expert's GEMM (the C GEMM /
-  AMX / oneDNN); on CUDA the float8 bytes and float32 row scales go to the fused Triton MoE
+  the `fp8` checkpoint format): on the CPU, as the dense FP8 method does it, each expert's
+  e4m3 bytes and row scales on the CPU's FP8 kernels (CpuFp8Experts; where those do not take
+  them, the e4m3 values exact in the model dtype with the row scales applied after each
+  expert's GEMM); on CUDA the float8 bytes and float32 row scales go to the fused Triton MoE
   kernel, which widens the weights in its inner loop and scales in its epilogue. Block-wise
-  scales (`weight_block_size`, compressed-tensors' block strategy: Fp8BlockExpertsMethod):
-  dequantized at load on the CPU; on CUDA the same kernel, the block scales in its inner loop.
+  scales (`weight_block_size`, compressed-tensors' block strategy: Fp8BlockExpertsMethod): on
+  the CPU's FP8 kernels too (else dequantized at load); on CUDA the same kernel, the block
+  scales in its inner loop.
 - integer weights, 4 or 8 bits, group or channel scales, symmetric or not (compressed-tensors'
   pack-quantized: W4A16 / W8A16; GPTQ; AWQ), act-order included (GPTQ desc_act, compressed-
   tensors' actorder "group": each expert's own g_idx), and int8 weights with int8 activations
@@ -23,8 +25,8 @@ Two formats:
   kernel, which dequantizes them in its inner loop (act-order: rows sorted by group at load,
   x's / the activation's columns read through each expert's permutation; W8A8: weight-only
   there, the activations stay in the model dtype).
-No float copy of a quantized expert is kept (but FP8 on the CPU, whose kernels take no float8:
-exact e4m3 values for per-channel scales, the dequantized weights for block scales).
+No float copy of a quantized expert is kept (but FP8 on the CPU where its kernels do not take
+the experts: exact e4m3 values for per-channel scales, the dequantized weights for blocks).
 The router stays float: FusedMoE's router is a ReplicatedGate, never quantized.
 """
 

@@ -11,8 +11,9 @@ batches on rows decoded to bf16 in cache). Where those do not take a layer (K no
 32, a float16 model, TESSERA_CPU_KERNELS=0) every e4m3 value is exact in the model dtype, so the
 weight is kept as those exact values and the scale applied per output row after the GEMM (the
 unquantized path's kernels: twice the bytes). Activations stay in the model dtype (input_scale
-is read and unused: more accurate than the checkpoint's fp8 activations). `--quantization fp8` on a float checkpoint computes one scale per output row
-at load (max |w| / 448) and rounds the weight to e4m3: that rounding is its accuracy cost.
+is read and unused: more accurate than the checkpoint's fp8 activations). `--quantization fp8`
+on a float checkpoint computes one scale per output row at load (max |w| / 448) and rounds the
+weight to e4m3: that rounding is its accuracy cost.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kernels.cpu import fp8 as cpu_fp8
 from engine.kernels.fp8 import Fp8Linear, supports_fp8_matmul
 from engine.layers.quantization.base import LinearMethodBase
 from engine.layers.quantization.checkpoint import QuantizationConfig, kept_float, unsupported
 from engine.layers.quantization.fp8_block import (
     Fp8BlockLinearMethod,
-    cpu_fp8_linear,
     cpu_fp8_path,
     cpu_fp8_weight,
 )
@@ -166,7 +167,7 @@ class Fp8LinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.weight is None and hasattr(layer, "fp8_cpu"):
-            return cpu_fp8_linear(x, layer.fp8_cpu, bias)
+            return cpu_fp8.linear(x, layer.fp8_cpu, bias)
         if layer.weight is None:  # float8 on the GPU (process_weights_after_loading)
             y = layer.fp8(x)
             return y if bias is None else y + bias.to(y.dtype)

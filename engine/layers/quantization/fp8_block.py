@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.cpu.fp8 import linear as cpu_fp8_linear
+from engine.kernels.cpu import fp8 as cpu_fp8
 from engine.kernels.fp8 import dequantize_fp8_blocks, expand_block_scales
 from engine.layers.quantization.base import (
     LinearMethodBase,
@@ -50,8 +50,6 @@ def cpu_fp8_weight(q: torch.Tensor, scales: torch.Tensor, group: int | None, dty
     None where they do not take it: not on the CPU, no kernels (TESSERA_CPU_KERNELS=0), a
     float16 model, K not a multiple of 32 or a block of K not one of 32 (the caller's float
     path then)."""
-    from engine.kernels.cpu import fp8 as cpu_fp8
-
     n, k = q.shape
     if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -61,8 +59,7 @@ def cpu_fp8_weight(q: torch.Tensor, scales: torch.Tensor, group: int | None, dty
 
 
 def cpu_fp8_path() -> str:
-    from engine.kernels.cpu import fp8 as cpu_fp8
-
+    """What the CPU's FP8 kernels run here, for a layer's start-up log line."""
     return f"float8 e4m3 codes kept, one byte a weight: {cpu_fp8.describe()}"
 
 
@@ -159,6 +156,6 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         if layer.weight is not None:
             return linear_by_rows(layer, x, layer.weight, bias)
         if hasattr(layer, "fp8_cpu"):
-            return cpu_fp8_linear(x, layer.fp8_cpu, bias)
+            return cpu_fp8.linear(x, layer.fp8_cpu, bias)
         # float8 for the Triton GEMM (process_weights_after_loading)
         return triton_linear("fp8_block_gemm", "fp8_block_gemm", x, layer.fp8_block, bias)

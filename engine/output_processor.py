@@ -138,10 +138,10 @@ class OutputProcessor:
         if not params.include_stop_str_in_output:
             eos = self.tokenizer.eos_token_id
             silent = frozenset([*params.stop_token_ids, *([eos] if eos is not None else [])])
-        self.states[request_id] = state = _RequestState(
-            request_id, prompt, prompt_token_ids, samples, silent
-        )
-        state.interval = self.stream_interval if streamed else _NEVER
+        self.states[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, samples, silent,
+            interval=self.stream_interval if streamed else _NEVER,
+        )  # fmt: skip
 
     def sample_ids(self, request_id: str) -> list[str]:
         state = self.states.get(request_id)

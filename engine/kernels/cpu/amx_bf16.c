@@ -378,7 +378,7 @@ static int rows_to_buf(const source* s, int64_t n0, float* row, uint16_t* buf) {
    a multiple of FP8_PIECE decode each pair whole before its loop. */
 #define FP8_PIECE 256
 typedef struct {
-  const source* s; float* row; uint16_t* dst;
+  const source* s; uint16_t* dst;
   int64_t n, left, k, per;  /* left: rows; k: the next piece's first input */
   int failed;
 } rows_decoder;
@@ -390,7 +390,7 @@ static inline void rows_decode_some(rows_decoder* d) {
   for (int64_t i = 0; i < d->per && d->left > 0; ++i) {
     const source* s = d->s;
     if (d->n >= s->N) {  /* past the weight: a row of zeros */
-      if (row_to_buf(s, d->n, d->row, d->dst)) d->failed = 1;
+      if (row_to_buf(s, d->n, NULL, d->dst)) d->failed = 1;
       d->k = s->Kp;
     } else {  /* the exact values (the epilogue scales the sums) */
       if (fp8_dequant_row_bf16((const uint8_t*)s->w + d->n * s->K + d->k, NULL, FP8_PIECE,
@@ -544,7 +544,7 @@ static int amx_run_t(const source* s, const uint16_t* x, int64_t ldx, int64_t M,
         if (ready) {  /* the next pair's 16 or 32 rows (past N: zeros) */
           const int64_t next = n0 + 32, rows = N - next > 16 ? 32 : 16;
           const int64_t count = rows * (K / FP8_PIECE), calls = KC * ((mb_end - mb + 31) / 32);
-          dec = (rows_decoder){s, row, nxt, next, rows, 0, (count + calls - 1) / calls, 0};
+          dec = (rows_decoder){s, nxt, next, rows, 0, (count + calls - 1) / calls, 0};
         }
         rows_decoder* dp = ready ? &dec : NULL;
         for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {

@@ -60,7 +60,9 @@ static float e4m3_value(uint8_t b) {
   const float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf(m / 8.f, -6);
   return (b & 0x80) ? -v : v;
 }
+/* the table, built only where the scalar variant runs (the vector ones convert in lanes) */
 static void e4m3_table(float* t) {
+  if (isa_now() > FP8_ISA_SCALAR) return;
   for (int b = 0; b < 256; ++b) t[b] = e4m3_value((uint8_t)b);
 }
 

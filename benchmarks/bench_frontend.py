@@ -4,12 +4,14 @@ tiny Llama of dummy weights: hidden 64, 2 layers), so that what is measured is t
 end, the engine's Python and the one GIL they share.
 
     tessera bench frontend [--concurrency 64 256] [--rounds 4] [--input-words 32]
-        [--output-len 128] [--stream-interval 1] [--modes thread process] [--device cpu|cuda]
+        [--output-len 128] [--stream-interval 1] [--modes thread process api2 api4]
+        [--device cpu|cuda]
         [--no-pin] [--no-stream] [--baseline-tree PATH [--bursts 6]]
 
 The device check's §10 (benchmarks/gpu/serving.py) on this model: `tessera serve` (a
 subprocess on loopback, the engine's own attention backend; one server with the engine on a
-thread, one with it in a process of its own, `--engine-process`) against the bench-serve
+thread, one with it in a process of its own, `--engine-process`, and with `--modes api2` /
+`api4` one with 2 / 4 API server processes in front of it, `--api-server-count`) against the bench-serve
 client at each concurrency (streaming completions, ignore_eos), then the top concurrency's
 requests offline (LLM.generate in this process, the same engine options); the share is served
 / offline output tok/s there. With two CPUs or more, the server and the offline engine run
@@ -37,7 +39,7 @@ import torch
 from benchmarks.gpu.check import Check
 from benchmarks.gpu.plan import QUICK, TINY_LLAMA
 from benchmarks.gpu.report import Budget, Report, SectionRecord, print_details
-from benchmarks.gpu.serving import measure_against_tree, measure_serving
+from benchmarks.gpu.serving import SERVE_MODES, measure_against_tree, measure_serving
 
 FRONTEND_MODEL = {
     **TINY_LLAMA,
@@ -61,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=("thread", "process"),
+        choices=tuple(SERVE_MODES),
         default=["thread", "process"],
-        help="a server each: the engine on a thread, or in a process (--engine-process)",
+        help="a server each: the engine on a thread, in a process (--engine-process), or 2 / 4 "
+        "API server processes in front of it (api2, api4: --api-server-count)",
     )
     p.add_argument(
         "--pin",

@@ -20,6 +20,13 @@ turns with it on the GIL), each step's outputs dispatched to the streams as they
 A child that dies (a crash, a lost tensor-parallel worker, a kill) is heard at once (the
 pipe's end of file): the engine is dead for good, every stream fails, and the server exits
 non-zero. A parent that dies takes the child with it (engine.orphans.die_with_parent).
+
+Several clients (`--api-server-count`, api/server/api_servers.py): the parent hands the child
+the core's ends of other API server processes' channels (`create(peers=...)`, made with
+`core_channel()`), and each of those processes `attach`es through its own ends. The child
+sends each client its own requests' outputs and every client the engine's stats; a client
+other than the parent that goes (or shuts down: a detach) has its requests aborted, and the
+parent's going stops the core.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +109,12 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def core_main(
-    config: EngineConfig, commands, results, child_init: Callable | None, parent_pid: int
+    config: EngineConfig, channels: list[tuple], child_init: Callable | None, parent_pid: int
 ) -> None:
-    """The child process: load the engine, tell the parent, then run the step loop. It dies
+    """The child process: load the engine, tell every client, then run the step loop. It dies
     with the parent, and leaves SIGINT / SIGTERM to it (a Ctrl-C reaches the whole process
-    group: the parent drains, then tells the child to stop)."""
+    group: the parent drains, then tells the child to stop). `channels`: (commands, results)
+    a client, the parent's first (further ones: other API server processes, --api-server-count)."""
     die_with_parent(parent_pid)
     name_process("tessera-core")
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,31 +126,62 @@ def core_main(
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - handed to create()'s caller
-        results.send(("failed", _picklable(exc)))
+        failed = ("failed", _picklable(exc))
+        for _, results in channels:
+            with contextlib.suppress(OSError):
+                results.send(failed)
         return
-    results.send(("ready", CoreFacts.of(engine)))
+    facts = CoreFacts.of(engine)
+    for _, results in channels:
+        with contextlib.suppress(OSError):  # a client that died meanwhile: the loop drops it
+            results.send(("ready", facts))
     # The model and the imports are long-lived: full collections would walk them every time.
     gc.collect()
     gc.freeze()
-    CoreLoop(engine, commands, results).run()
+    CoreLoop(engine, channels).run()
+
+
+@dataclass(eq=False)
+class _Client:
+    """One API server's pipes to the core, what its requests were sent so far, and which of
+    its requests are in the engine."""
+
+    commands: Any
+    results: Any
+    deltas: DeltaEncoder = field(default_factory=DeltaEncoder)
+    requests: set[str] = field(default_factory=set)
 
 
 class CoreLoop:
-    """The child's step loop: AsyncEngine's, with a pipe on each side."""
+    """The child's step loop: AsyncEngine's, with a pipe on each side, for one or more clients
+    (API server processes). Each request's outputs go to the client that added it; the
+    engine's stats to every client. The first client is the parent, which owns the core: when
+    it goes, the core stops; another client that goes (or detaches) has its requests aborted."""
 
-    def __init__(self, engine, commands, results) -> None:
+    def __init__(self, engine, channels: list[tuple]) -> None:
         self.engine = engine
-        self.commands = commands
-        self.results = results
+        self.clients = [_Client(commands, results) for commands, results in channels]
+        self._owner_of: dict[str, _Client] = {}  # request id -> the client that added it
+        self._broken: set[_Client] = set()  # clients whose pipe broke, to drop
         self._send_lock = threading.Lock()  # grammar compiles answer from their own thread
         self._stop = False
         self._dead: str | None = None
-        self._deltas = DeltaEncoder()  # outputs are sent from this loop's thread only, in order
         engine.executor.on_dead(self._worker_died)
 
-    def send(self, message: tuple) -> None:
-        with self._send_lock:
-            self.results.send(message)
+    def send(self, client: _Client, message: tuple) -> None:
+        """To one client; a client other than the parent whose pipe broke is dropped by the
+        loop (this may run on a grammar compile's thread)."""
+        try:
+            with self._send_lock:
+                client.results.send(message)
+        except (BrokenPipeError, OSError):
+            if client is self.clients[0]:
+                raise  # the parent is gone: run() ends
+            self._broken.add(client)
+
+    def broadcast(self, message: tuple) -> None:
+        for client in list(self.clients):
+            self.send(client, message)
 
     def _worker_died(self, exc: EngineDeadError) -> None:
         self._dead = str(exc)
@@ -149,73 +189,128 @@ class CoreLoop:
     def run(self) -> None:
         engine = self.engine
         try:
-            self.send(("stats", engine_stats(engine)))
+            self.broadcast(("stats", engine_stats(engine)))
             while not self._stop and self._dead is None:
+                for client in list(self._broken):
+                    self._drop(client)
                 busy = engine.has_unfinished_requests()
                 if self._drain(block=not busy):
-                    self.send(("stats", engine_stats(engine)))
+                    self.broadcast(("stats", engine_stats(engine)))
                 if self._stop or not engine.has_unfinished_requests():
                     continue
-                outputs = step_or_fail(engine)
-                self.send(("outputs", self._deltas.encode(outputs), engine_stats(engine)))
+                self._send_outputs(step_or_fail(engine))
             if self._dead is not None:
-                self.send(("dead", self._dead))
+                self.broadcast(("dead", self._dead))
         except EngineDeadError as exc:
-            self.send(("dead", str(exc)))
+            self.broadcast(("dead", str(exc)))
         except (BrokenPipeError, EOFError, OSError):
             pass  # the parent is gone
         except BaseException as exc:
             logger.exception("Engine loop died")
             with contextlib.suppress(Exception):
-                self.send(("dead", f"The engine loop died: {type(exc).__name__}: {exc}"))
+                self.broadcast(("dead", f"The engine loop died: {type(exc).__name__}: {exc}"))
         finally:
             engine.shutdown()
 
+    def _send_outputs(self, outputs: list) -> None:
+        """Each client its requests' outputs (as deltas) with the stats; the others the stats."""
+        stats = engine_stats(self.engine)
+        mine: dict[_Client, list] = {}
+        for out in outputs:
+            client = self._owner_of.get(out.request_id)
+            if client is None:
+                continue  # a dropped client's request, ended meanwhile
+            mine.setdefault(client, []).append(out)
+            if out.finished:
+                del self._owner_of[out.request_id]
+                client.requests.discard(out.request_id)
+        for client in list(self.clients):
+            outs = mine.get(client)
+            message = ("outputs", client.deltas.encode(outs), stats) if outs else ("stats", stats)
+            self.send(client, message)
+
     def _drain(self, block: bool) -> bool:
         """Handle every command waiting (one wait first where idle); True if there was any."""
-        if not self.commands.poll(_IDLE_POLL_S if block else 0):
-            return False
-        while True:
-            try:
-                item = self.commands.recv()
-            except EOFError:  # the parent is gone
-                self._stop = True
-                return True
-            self._handle(item)
-            if self._stop or not self.commands.poll(0):
-                return True
+        by_pipe = {client.commands: client for client in self.clients}
+        ready = multiprocessing.connection.wait(list(by_pipe), _IDLE_POLL_S if block else 0)
+        for pipe in ready:
+            client = by_pipe[pipe]
+            while client in self.clients and not self._stop:
+                try:
+                    item = pipe.recv()
+                except (EOFError, OSError):  # the client is gone
+                    self._gone(client)
+                    break
+                self._handle(client, item)
+                if client not in self.clients or not pipe.poll(0):  # dropped: its pipes closed
+                    break
+        return bool(ready)
 
-    def _handle(self, item: tuple) -> None:
+    def _gone(self, client: _Client) -> None:
+        if client is self.clients[0]:
+            self._stop = True  # the parent owns the core
+        else:
+            self._drop(client)
+
+    def _drop(self, client: _Client) -> None:
+        """A client other than the parent left: abort what it still runs, forget it."""
+        self._broken.discard(client)
+        if client not in self.clients:
+            return
+        logger.info(
+            "An API server left the engine: %d request(s) of it aborted", len(client.requests)
+        )
+        self.clients.remove(client)
+        for request_id in list(client.requests):
+            self._owner_of.pop(request_id, None)
+            self.engine.abort_request(request_id)
+        client.requests.clear()
+        for pipe in (client.commands, client.results):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+    def _handle(self, client: _Client, item: tuple) -> None:
         kind, engine = item[0], self.engine
         if kind == "add":
             request = item[1]
+            rid = request.request_id
+            if rid in self._owner_of:  # ids are random: only a broken client repeats one
+                self.send(client, ("fail_one", rid, ValueError(f"request id {rid!r} in use")))
+                return
+            self._owner_of[rid] = client
+            client.requests.add(rid)
             try:
                 engine.add(request)
             except Exception as exc:  # admitted already: a grammar that failed, say
-                self.send(("fail_one", request.request_id, _picklable(exc)))
+                del self._owner_of[rid]
+                client.requests.discard(rid)
+                self.send(client, ("fail_one", rid, _picklable(exc)))
         elif kind == "abort":  # ("abort", request id, token of an abort that waits or None)
-            out = engine.abort_request(item[1])
-            if out is not None:
-                self.send(("outputs", self._deltas.encode([out]), engine_stats(engine)))
+            if self._owner_of.get(item[1]) in (client, None):  # never another client's
+                out = engine.abort_request(item[1])
+                if out is not None:
+                    self._send_outputs([out])
             if item[2] is not None:  # after its output: the parent has it when this resolves
-                self.send(("reply", item[2], None))
+                self.send(client, ("reply", item[2], None))
         elif kind == "snapshot":
-            self.send(("reply", item[1], request_infos(engine)))
+            self.send(client, ("reply", item[1], request_infos(engine)))
         elif kind == "blocks":
             manager = engine.scheduler.kv_cache_manager
-            self.send(("reply", item[1], bytes(manager.block_states())))
+            self.send(client, ("reply", item[1], bytes(manager.block_states())))
         elif kind == "compile":
             token = item[1]
             try:
                 future = engine.structured.compile(item[2])
             except Exception as exc:  # a size limit: at once
-                self.send(("reply", token, str(exc)))
+                self.send(client, ("reply", token, str(exc)))
                 return
             future.add_done_callback(
-                lambda f: self.send(("reply", token, str(f.exception()) if f.exception() else None))
+                lambda f: self.send(
+                    client, ("reply", token, str(f.exception()) if f.exception() else None)
+                )
             )
         elif kind == "shutdown":
-            self._stop = True
+            self._gone(client)  # the parent's stops the core; another's is a detach
 
 
 class _Outbox:
@@ -276,41 +371,66 @@ class ProcessEngine(AsyncEngine):
 
     @classmethod
     async def create(
-        cls, config: EngineConfig, child_init: Callable | None = None, **kwargs
+        cls,
+        config: EngineConfig,
+        child_init: Callable | None = None,
+        peers: Sequence[tuple] = (),
+        **kwargs,
     ) -> ProcessEngine:
         """Start the child and wait until it has loaded (a load that fails raises here, the
-        child gone); child_init (picklable): run first in the child (the server's logging)."""
+        child gone); child_init (picklable): run first in the child (the server's logging).
+        `peers`: the core's ends of other API servers' channels (core_channel()), handed to
+        the child and closed here; those servers `attach` through their ends."""
         ctx = multiprocessing.get_context("spawn")
-        commands_in, commands_out = ctx.Pipe(duplex=False)
-        results_in, results_out = ctx.Pipe(duplex=False)
-        # Not a daemon: the child starts tensor-parallel workers of its own.
-        proc = ctx.Process(
-            target=core_main,
-            args=(config, commands_in, results_out, child_init, os.getpid()),
-            name="tessera-engine-core",
-        )
-        proc.start()
-        commands_in.close()
-        results_out.close()
+        core_ends, (commands_out, results_in) = core_channel()
         try:
-            kind, value = await asyncio.to_thread(_first_message, results_in, proc)
-            if kind == "failed":
-                raise value
-            facts: CoreFacts = value
-            from engine.llm_engine import engine_tokenizer
-
-            facts.tokenizer = await asyncio.to_thread(
-                engine_tokenizer, facts.config, facts.model_dir, facts.hf_config
+            # Not a daemon: the child starts tensor-parallel workers of its own.
+            proc = ctx.Process(
+                target=core_main,
+                args=(config, [core_ends, *peers], child_init, os.getpid()),
+                name="tessera-engine-core",
             )
+            proc.start()
+        finally:  # the child has its copies (or there is no child: the peers see an end)
+            for conn in (*core_ends, *(end for peer in peers for end in peer)):
+                conn.close()
+        try:
+            return await cls._connect(proc, commands_out, results_in, kwargs)
         except BaseException:  # failed (the child is ending) or cancelled (it may be loading)
             _stop(proc, 2.0)
             raise
+
+    @classmethod
+    async def attach(cls, channel: tuple, **kwargs) -> ProcessEngine:
+        """A client of a core another process started (an API server of several): `channel`
+        is this side's ends of a core_channel() the core was given. Waits until the core has
+        loaded; raises what its load failed with."""
+        commands_out, results_in = channel
+        try:
+            return await cls._connect(None, commands_out, results_in, kwargs)
+        except BaseException:
+            commands_out.close()
+            results_in.close()
+            raise
+
+    @classmethod
+    async def _connect(cls, proc, commands_out, results_in, kwargs: dict) -> ProcessEngine:
+        kind, value = await asyncio.to_thread(_first_message, results_in, proc)
+        if kind == "failed":
+            raise value
+        facts: CoreFacts = value
+        from engine.llm_engine import engine_tokenizer
+
+        facts.tokenizer = await asyncio.to_thread(
+            engine_tokenizer, facts.config, facts.model_dir, facts.hf_config
+        )
         for conn in (commands_out, results_in):  # a step's outputs in the pipe, not waiting
             _widen_pipe(conn)
         engine = cls(facts, **kwargs)
-        engine._proc = proc
+        engine._proc = proc  # None: another process's core (attach)
         engine._results = results_in
         engine._child_dead = None  # why the child said it dies, if it could
+        engine._gone = asyncio.Event()  # the child's pipe closed
         engine._inbox = engine._outbox = _Outbox(commands_out)
         engine._deltas = DeltaDecoder()
         engine._loop = loop = asyncio.get_running_loop()
@@ -322,6 +442,8 @@ class ProcessEngine(AsyncEngine):
         return engine
 
     def _running(self) -> bool:
+        if self._proc is None:
+            return not self._gone.is_set()
         return self._proc.is_alive()
 
     async def compile_grammar(self, so: StructuredOutputsParams) -> None:
@@ -338,11 +460,19 @@ class ProcessEngine(AsyncEngine):
             raise GrammarError(error)
 
     async def shutdown(self) -> None:
+        """The parent's stops the child; an attached client's detaches (the core goes on
+        for the others and closes this client's pipes)."""
         self._stopping.set()
         self._outbox.put(("shutdown",))
         self._outbox.close()
-        await asyncio.to_thread(_stop, self._proc, 30.0)
+        if self._proc is not None:
+            await asyncio.to_thread(_stop, self._proc, 30.0)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gone.wait(), 10.0)
         self._on_readable()  # the rest, then the end of the pipe: the streams end
+        if not self._gone.is_set():  # a core that did not answer the detach
+            self._child_gone()
 
     def _on_readable(self) -> None:
         """On the event loop: every message the child has sent, until its pipe closes."""
@@ -370,10 +500,14 @@ class ProcessEngine(AsyncEngine):
         """The child's end of the pipe closed: it stopped (a shutdown) or died."""
         self._loop.remove_reader(self._results.fileno())
         self._results.close()
-        self._proc.join(0.5)
+        self._gone.set()
         dead = self._child_dead
-        if dead is None and not self._stopping.is_set():
-            dead = f"the engine process exited (exit code {self._proc.exitcode})"
+        if self._proc is not None:
+            self._proc.join(0.5)
+            if dead is None and not self._stopping.is_set():
+                dead = f"the engine process exited (exit code {self._proc.exitcode})"
+        elif dead is None and not self._stopping.is_set():
+            dead = "the engine process closed its pipe (it stopped or died)"
         error = EngineDeadError(dead or "The engine stopped.")
         self._outbox.fail_pending(error)
         self._stats = dataclasses.replace(self._stats, loop_alive=False)
@@ -392,16 +526,28 @@ def _widen_pipe(conn) -> None:
         fcntl.fcntl(conn.fileno(), 1031, 1 << 20)  # F_SETPIPE_SZ
 
 
+def core_channel() -> tuple[tuple, tuple]:
+    """Two one-way pipes between the core and one client: (the core's ends: commands to read,
+    results to write; the client's ends: commands to write, results to read)."""
+    ctx = multiprocessing.get_context("spawn")
+    commands_in, commands_out = ctx.Pipe(duplex=False)
+    results_in, results_out = ctx.Pipe(duplex=False)
+    return (commands_in, results_out), (commands_out, results_in)
+
+
 def _first_message(results, proc) -> tuple[str, Any]:
-    """("ready", CoreFacts) or ("failed", exception); a child that exits first fails."""
+    """("ready", CoreFacts) or ("failed", exception); a child that exits first fails (proc
+    None: another process's core, whose end of the pipe closes if it does)."""
     while not results.poll(0.5):
-        if not proc.is_alive():
+        if proc is not None and not proc.is_alive():
             return "failed", EngineDeadError(
                 f"the engine process exited while loading (exit code {proc.exitcode})"
             )
     try:
         return results.recv()
     except EOFError:
+        if proc is None:
+            return "failed", EngineDeadError("the engine process exited while loading")
         proc.join(5)
         return "failed", EngineDeadError(
             f"the engine process exited while loading (exit code {proc.exitcode})"

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ import uvicorn
 import engine
 
 if TYPE_CHECKING:
+    from api.server.api_servers import ApiServers
     from api.server.lifespan import ServerState
     from api.server.settings import Settings
 
@@ -139,20 +142,60 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def serve(settings: Settings) -> int:
     """Run the server until a signal drains and stops it. 0 on a clean stop, 1 if the
-    database is not usable, the app failed to start, the engine failed to load or died."""
+    database is not usable, the app failed to start, the engine failed to load or died (or,
+    with --api-server-count, an API server process died)."""
+    from api.server.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    if not _database_ready(settings):
+        return 1
+    if settings.api_server_count == 1:
+        return run_server(settings)
+    import secrets
+
+    from api.server.api_servers import ApiServers, MetricsDir, bind_socket
+
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as e:
+        print(
+            f"tessera serve: cannot listen on {settings.host}:{settings.port}: {e}", file=sys.stderr
+        )
+        return 1
+    metrics_dir = MetricsDir()  # before any metric exists: the children inherit it
+    servers = ApiServers(settings, sock, salt := secrets.token_bytes(32), run_server)
+    try:
+        return run_server(settings, server_name="api-0", sock=sock, salt=salt, servers=servers)
+    finally:
+        servers.join()
+        sock.close()
+        metrics_dir.remove()
+
+
+def run_server(
+    settings: Settings,
+    *,
+    server_name: str | None = None,
+    sock: socket.socket | None = None,
+    channel: tuple | None = None,
+    salt: bytes | None = None,
+    servers: ApiServers | None = None,
+) -> int:
+    """One API server process: the app under uvicorn until it stops; its exit code. With
+    --api-server-count: on the shared `sock`, named `server_name` in the logs; the parent's
+    with the other `servers`, another's with its `channel` to the parent's engine core and the
+    parent's prefix-cache `salt`."""
     from api.server.app import create_app
     from api.server.http_protocol import guarded_protocol
     from api.server.logs import configure_logging
     from api.server.plugins import installed_routers
     from api.server.tracing import TracingUnavailable, tracing_from_settings
 
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, server=server_name)
     try:
         tracing = tracing_from_settings(settings)
     except TracingUnavailable as e:
         print(f"tessera serve: {e}", file=sys.stderr)
-        return 1
-    if not _database_ready(settings):
         return 1
     if settings.num_threads:
         import torch
@@ -161,6 +204,9 @@ def serve(settings: Settings) -> int:
 
     app = create_app(settings, tracing=tracing, extra_route_handlers=installed_routers())
     state = app.state.server
+    if salt is not None:
+        state.cache_salt_secret = salt
+    state.core_channel = channel
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -175,10 +221,16 @@ def serve(settings: Settings) -> int:
     )
     config.header_read_timeout = settings.header_read_timeout
     config.max_connections = settings.limit_concurrency or None
-    server = DrainingServer(config, state)
+    server = DrainingServer(config, state, forwarded_signals=channel is not None)
     state.on_fatal = server.request_exit
-    server.run()
-    return 1 if state.load_error or state.engine_error or not server.started else 0
+    if servers is not None:
+        state.core_peers = servers.core_ends
+        state.before_engine_stop.append(servers.stopped)
+        servers.on_death(server.request_exit)
+        server.on_signal = servers.forward
+    server.run(sockets=None if sock is None else [sock])
+    failed = state.load_error or state.engine_error or not server.started
+    return 1 if failed or (servers is not None and servers.failed) else 0
 
 
 def _database_ready(settings: Settings) -> bool:
@@ -212,11 +264,29 @@ class DrainingServer(uvicorn.Server):
     uvicorn on its own stops listening, so new clients would get 'connection refused'
     rather than a 503 they can retry elsewhere, and it does not abort engine work."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, forwarded_signals: bool = False
+    ) -> None:
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signals = 0
+        # An API server other than the parent: SIGINT ignored (a Ctrl-C reaches the whole
+        # process group), SIGTERM from the parent, which forwards each signal it gets.
+        self.forwarded_signals = forwarded_signals
+        self.on_signal: Callable[[int], None] | None = None  # the parent's: forward it
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if not self.forwarded_signals:
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(signal.SIGTERM, self.handle_exit)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -227,6 +297,8 @@ class DrainingServer(uvicorn.Server):
         # recording the signal (as uvicorn does) keeps uvicorn from re-raising it on exit,
         # so a drained shutdown exits 0.
         self._signals += 1
+        if self.on_signal is not None:
+            self.on_signal(sig)
         if self._loop is None:
             self.should_exit = True
             return

@@ -18,7 +18,7 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from api.server.errors import unavailable
@@ -58,8 +58,16 @@ class ServerState:
         self.load_error: str | None = None
         self.engine_error: str | None = None  # why a running engine died; the server exits 1
         self.started_at = time.time()
-        # Keys the per-tenant prefix-cache salts (api/tenants/tenancy.py); never leaves the process.
+        # Keys the per-tenant prefix-cache salts (api/tenants/tenancy.py); never leaves the
+        # process (or, with --api-server-count, the server's processes: the parent's is handed down).
         self.cache_salt_secret = secrets.token_bytes(32)
+        # --api-server-count (api/server/api_servers.py): the parent's engine hands the core
+        # the other servers' channels (core_peers); another server's engine attaches to the
+        # core through its own (core_channel). Hooks run before our engine stops (the parent
+        # waits for the other servers there).
+        self.core_peers: list[tuple] = []
+        self.core_channel: tuple | None = None
+        self.before_engine_stop: list[Callable[[float], Awaitable[None]]] = []
         # Called when the server should exit on its own (the engine failed to load or died);
         # the CLI points it at uvicorn's should_exit.
         self.on_fatal: Callable[[], None] | None = None
@@ -129,19 +137,29 @@ class ServerState:
         t0 = time.monotonic()
         try:
             config = self.settings.create_engine_config()
-            if getattr(self.settings, "engine_process", False):
+            if self.core_channel is not None:
                 from engine.core_process import ProcessEngine  # heavy (torch): when serving
 
+                engine = await ProcessEngine.attach(self.core_channel)
+            elif getattr(self.settings, "engine_process", False) or self.core_peers:
+                from engine.core_process import ProcessEngine
+
                 init = functools.partial(
-                    configure_logging, self.settings.log_level, self.settings.log_format
+                    configure_logging,
+                    self.settings.log_level,
+                    self.settings.log_format,
+                    server="core" if self.core_peers else None,
                 )
-                engine = await ProcessEngine.create(config, child_init=init)
+                peers, self.core_peers = self.core_peers, []
+                engine = await ProcessEngine.create(config, child_init=init, peers=peers)
             else:
                 from engine.async_engine import AsyncEngine  # heavy (torch): when serving
 
                 engine = await AsyncEngine.create(config)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the server
             logger.exception("The engine failed to load")
+            for end in (end for peer in self.core_peers for end in peer):
+                end.close()  # no core for the other servers: they see the pipes end
             self._fail(exc)
             return
         try:
@@ -245,6 +263,8 @@ class ServerState:
                 await self._load_task
         await self.drain(self.settings.shutdown_timeout)
         self.phase = Phase.STOPPED
+        for hook in self.before_engine_stop:
+            await hook(self.settings.shutdown_timeout)
         if self.engine is not None and self.owns_engine:
             await self.engine.shutdown()
         if self._frozen:  # what the engine held may now be collected (cycles included)

@@ -28,7 +28,13 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "reque
 
 
 class RequestContextFilter(logging.Filter):
+    def __init__(self, server: str | None = None) -> None:
+        super().__init__()
+        self.server = server  # which process of several (--api-server-count): api-0, core, ...
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.server is not None:
+            record.server = self.server
         if not hasattr(record, "request_id"):
             record.request_id = current_request_id()
         if not hasattr(record, "tenant"):
@@ -56,13 +62,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(body, ensure_ascii=False)
 
 
-def configure_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None) -> None:
-    """One handler on the root logger (replacing any), uvicorn's loggers propagating to it."""
+def configure_logging(
+    level: str = "info", fmt: str = "text", stream: TextIO | None = None, server: str | None = None
+) -> None:
+    """One handler on the root logger (replacing any), uvicorn's loggers propagating to it.
+    `server`: the process's name among the server's (--api-server-count), on every line."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.addFilter(RequestContextFilter())
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(RequestContextFilter(server))
+    text = (
+        TEXT_FORMAT
+        if server is None
+        else TEXT_FORMAT.replace(" %(name)s", " [%(server)s] %(name)s")
+    )
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(text))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client import values as prometheus_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from api.server.request_context import RequestRef, snapshot
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from engine.stats import EngineStats
 
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The classic text format (0.0.4): what generate_latest writes and every Prometheus reads.
 # Litestar appends "; charset=utf-8" to text/* media types.
 CONTENT_TYPE = "text/plain; version=0.0.4"
@@ -278,11 +282,19 @@ class Metrics:
             None  # api.server.tracing.Tracing: an llm_request span per finished request
         )
         by_tenant = tenant_label == "id"
-        registry.register(_EngineCollector(model_name, lambda: self._stats(), by_tenant))
+        # Computed at scrape time from what every API server process has alike (the core's
+        # stats, the served adapters): with several processes, a scrape adds these to the
+        # request series summed over the processes' files (render()).
+        self._shared_collectors: list[Collector] = [
+            _EngineCollector(model_name, lambda: self._stats(), by_tenant),
+            _LoRACollector(self),
+        ]
         # The served LoRA adapters (api/lora/registry.py), set by the app with --enable-lora.
         self.adapters: Any = None
         self.max_loras = 0
-        registry.register(_LoRACollector(self))
+        for collector in self._shared_collectors:
+            registry.register(collector)
+        self._multiprocess_registry: CollectorRegistry | None = None
         m = ["model_name"]
 
         def hist(name: str, doc: str, buckets: Any) -> Histogram:
@@ -511,7 +523,35 @@ class Metrics:
         return len(self._live)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The /metrics body. With several API server processes (multiprocess_dir()): their
+        request series summed, and the shared collectors' series; what only this process
+        knows (process_*, its request pool's CPU, its trace export) is left out, as a scrape
+        reaches one process of several."""
+        directory = multiprocess_dir()
+        if directory is None:
+            return generate_latest(self.registry)
+        if self._multiprocess_registry is None:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=directory)
+            for collector in self._shared_collectors:
+                registry.register(collector)
+            self._multiprocess_registry = registry
+        return generate_latest(self._multiprocess_registry)
+
+
+def enable_multiprocess_metrics(directory: str) -> None:
+    """Counters and histograms made from now on, here and in processes started from here,
+    keep their values in files in `directory` (prometheus_client's multiprocess mode), which
+    render() sums: the API server processes of one server (--api-server-count) share it."""
+    os.environ[_MULTIPROC_ENV] = directory
+    prometheus_values.ValueClass = prometheus_values.MultiProcessValue()
+
+
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory, where this process's metric values live in files."""
+    if prometheus_values.ValueClass is prometheus_values.MutexValue:
+        return None
+    return os.environ.get(_MULTIPROC_ENV)
 
 
 def _overall_reason(reasons: list[str]) -> str:

@@ -52,6 +52,14 @@ class Settings(EngineArgs):
         parse_bool,
         kind="bool",
     )
+    api_server_count: int = option(
+        "API server processes accepting on the one port, each with its own event loop, in "
+        "front of one engine core process (vLLM's API-server scale-out; more than 1 implies "
+        "--engine-process): for a GPU host whose one HTTP event loop cannot stream as fast as "
+        "the engine makes tokens. Each costs a core and the tokenizer loaded again.",
+        1,
+        int,
+    )
     max_body_size: int = option(
         "Largest accepted request body (e.g. 4MiB); larger bodies get 413.",
         4 * 1024**2,
@@ -264,6 +272,13 @@ class Settings(EngineArgs):
             raise ValueError(f"cpu_workers must be at least 1, got {self.cpu_workers}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.enable_lora:
+            raise ValueError(
+                "--enable-lora serves one API server: adapters loaded at run time live in the "
+                "server that loaded them; use --api-server-count 1 (or replicas)"
+            )
         if self.lora_modules:
             from api.lora.modules import parse_lora_modules
 

@@ -34,7 +34,22 @@ WEB_STACK = ("litestar", "msgspec", "uvicorn", "httptools", "sqlalchemy", "aiosq
 
 
 # how the server holds its engine: on a thread of its own, or in a child process
-SERVE_MODES = {"thread": "engine thread", "process": "engine process"}
+SERVE_MODES = {
+    "thread": "engine thread",
+    "process": "engine process",
+    "api2": "2 API servers",
+    "api4": "4 API servers",
+}
+
+
+def mode_flags(mode: str) -> tuple[str, ...]:
+    """A serve mode's `tessera serve` flags: the engine on a thread, in a process of its own,
+    or N API server processes in front of one (apiN: --api-server-count N)."""
+    if mode == "process":
+        return ("--engine-process",)
+    if mode.startswith("api"):
+        return ("--api-server-count", mode[3:])
+    return ()
 
 
 def missing_web_stack() -> list[str]:
@@ -260,7 +275,7 @@ def measure_serving(
     cpus, server_args = _pinning(pin, server_args)
     served: dict[str, float] = {}  # mode -> output tok/s at the top concurrency
     for mode in p.serve_modes:
-        flags = (*server_args, *(("--engine-process",) if mode == "process" else ()))
+        flags = (*server_args, *mode_flags(mode))
         figures = _serve(chk, out, budget, folder, options, flags, SERVE_MODES[mode], cpus)
         if top in figures:
             served[mode] = figures[top]
@@ -338,7 +353,7 @@ def measure_against_tree(
     by_mode: dict[str, dict[str, dict[str, list[float]]]] = {}
     ratios: dict[str, float] = {}
     for mode in p.serve_modes:
-        flags = (*server_args, *(("--engine-process",) if mode == "process" else ()))
+        flags = (*server_args, *mode_flags(mode))
         servers = {
             "baseline": start_server(chk, folder, options, flags, cpus, tree),
             "this": start_server(chk, folder, options, flags, cpus),

@@ -151,3 +151,50 @@ async def test_a_failed_load_raises_and_leaves_no_child(tmp_path):
         await ProcessEngine.create(config)
     assert "no-such-model" in str(info.value) or "exited" in str(info.value)
     assert not [p for p in multiprocessing.active_children() if p.name == "tessera-engine-core"]
+
+
+async def test_two_clients_share_one_core(tiny_llama_dir, thread_tokens):
+    """--api-server-count's core: a second client attached through its own channel. Each gets
+    its own requests' outputs (the same greedy tokens as in a thread), requests from both run
+    in one batch, a client that detaches has its requests aborted while the other's go on, and
+    the owner's shutdown stops the core."""
+    from engine.core_process import core_channel
+
+    core_ends, client_ends = core_channel()
+    owner = await ProcessEngine.create(make_config(tiny_llama_dir), peers=[core_ends])
+    assert core_ends[0].closed and core_ends[1].closed  # handed to the child
+    other = await ProcessEngine.attach(client_ends)
+    try:
+        assert other._proc is None and other.is_healthy()
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        done = await asyncio.gather(
+            *(collect(owner if i % 2 else other, f"c{i}", params, PROMPT[i:]) for i in range(4))
+        )
+        assert [last.outputs[0].token_ids for _, last in done] == thread_tokens
+        assert [last.request_id for _, last in done] == ["c0", "c1", "c2", "c3"]
+        # both clients hear the engine's stats
+        assert owner.stats().generation_tokens_total == other.stats().generation_tokens_total == 32
+
+        # the other client leaves mid-stream: its request is aborted, the owner's goes on
+        long = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+        longest = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+        theirs = other.generate(EngineRequest("theirs", list(PROMPT), longest))
+        await anext(theirs)
+        mine = asyncio.ensure_future(collect(owner, "mine", long))
+        await other.shutdown()  # returns once the core dropped it (after the abort)
+        assert "theirs" not in [info.request_id for info in await owner.request_infos()]
+        with pytest.raises(EngineDeadError):  # its stream ends when it detaches
+            async for _ in theirs:
+                pass
+        _, last = await mine
+        assert last.finished and len(last.outputs[0].token_ids) == 120
+        for _ in range(100):
+            if owner.stats().kv_cache_usage == 0.0:
+                break
+            await asyncio.sleep(0.05)
+        assert owner.stats().num_running == 0 and owner.stats().kv_cache_usage == 0.0
+        assert owner.is_healthy() and owner._proc.is_alive()
+    finally:
+        await other.shutdown()
+        await owner.shutdown()
+    assert owner._proc.exitcode == 0

@@ -250,3 +250,16 @@ def test_metrics_privacy_and_login_lockout_settings():
         settings(["--login-failure-window", "0"])
     with pytest.raises(ValueError, match="login_max_failures"):
         settings(["--login-max-failures", "-1"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--api-server-count", "0"], "api_server_count must be at least 1"),
+        (["--api-server-count", "2", "--enable-lora"], "--enable-lora serves one API server"),
+    ],
+)
+def test_api_server_count_is_checked(argv, message):
+    with pytest.raises(ValueError, match=message):
+        settings(argv).validate()
+    assert settings(["--api-server-count", "3"]).api_server_count == 3

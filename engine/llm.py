@@ -131,10 +131,14 @@ class LLM:
         try:
             for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 request_id = str(next(self._ids))
+                # Only each request's final output is kept: the engine makes no output a
+                # step for it (a cumulative copy of every request's tokens, each step).
                 if isinstance(params, PoolingParams):
-                    engine.add_request(request_id, prompt, pooling_params=params)
+                    engine.add_request(request_id, prompt, pooling_params=params, streamed=False)
                 else:
-                    engine.add_request(request_id, prompt, params, lora_request=lora)
+                    engine.add_request(
+                        request_id, prompt, params, lora_request=lora, streamed=False
+                    )
                 order[request_id] = len(order)
         except Exception:
             for request_id in order:

@@ -192,13 +192,15 @@ class LLMEngine(RequestChecks):
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        streamed: bool = True,
     ) -> None:
         """Queue a request given as separate fields (the offline API's form): the
         EngineRequest built from them, then admit + add. tenant/tenant_weight: whose share it
         draws on under the "fair" policy (the tenant's latest weight wins); deadline: a
         time.monotonic() value past which the engine ends it with finish_reason "timeout";
         lora_request: the LoRA adapter to run it with (enable_lora); pooling_params: an
-        embedding request (a pooling engine's kind; params unused)."""
+        embedding request (a pooling engine's kind; params unused); streamed False: step()
+        returns its first output and its final one only (vLLM's FINAL_ONLY), not one a step."""
         if isinstance(prompt, str):
             prompt_text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -212,6 +214,7 @@ class LLMEngine(RequestChecks):
             adapter=lora_request,
             arrival_time=arrival_time,
             pooling=pooling_params,
+            streamed=streamed,
         )
         self.add(self.admit(request))
 

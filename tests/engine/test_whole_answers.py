@@ -45,6 +45,28 @@ def test_a_whole_answer_gets_its_first_and_last_outputs(llm):
     assert [[len(c.token_ids) for c in o.outputs] for o in whole] == [[1, 1], [6, 6]]
 
 
+def test_generate_asks_for_whole_answers(llm):
+    """LLM.generate keeps only final outputs: the engine makes no output a step for its
+    requests (a cumulative copy of each one's tokens, every step), the same tokens."""
+    engine, seen = llm.engine, []
+    step = engine.step
+
+    def counted_step():
+        outs = step()
+        seen.extend(outs)
+        return outs
+
+    engine.step = counted_step
+    try:
+        (out,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    finally:
+        del engine.step  # the instance attribute: the class's method again
+    assert [len(o.outputs[0].token_ids) for o in seen] == [1, 10]
+    assert (
+        out.outputs[0] == _outputs(llm, EngineRequest("ref", list(PROMPT), GREEDY))[-1].outputs[0]
+    )
+
+
 @pytest.mark.parametrize("kind", [AsyncEngine, ProcessEngine], ids=["thread", "process"])
 async def test_an_abort_that_waits_returns_every_token_made(tiny_llama_dir, kind):
     engine = await kind.create(make_config(tiny_llama_dir))

@@ -5,25 +5,35 @@
     adapter = registry.resolve(model, principal)    # None: the base model; 404 if not visible
     await registry.load(name, path, tenant_id)      # ValueError names the field: nothing kept
     await registry.unload(name)                     # AdapterInUse while requests run it (409)
+    await registry.refresh()                        # the table's rows now (every 2 s on its own)
+    await registry.stop()                           # the sync loop ends
 
 An adapter is public (every key may call it: the --lora-modules ones, and those loaded without
 `tenant_id`) or owned by one tenant: only that tenant's keys see it, in /v1/models and as a
 `model`; to the others it answers as an unknown model does (404 model_not_found). Adapters
 loaded through the admin API are rows of `lora_adapters` (api/db/models.py), loaded again at
 start; a row whose folder no longer fits is logged and not served (unloading it deletes it).
+Every SYNC_INTERVAL_S the registry reads the table again, so an adapter loaded or unloaded
+through another process sharing the database (another API server of this server,
+--api-server-count; a replica) is served or dropped here too.
 
-Each adapter gets a lora_int_id never used before in this process: the engine keys its slots,
-its CPU cache and its prefix-cache hashes by it, so an adapter unloaded and loaded again
-(another folder under the same name) never meets the old one's cached blocks or weights.
+The engine keys its slots, its CPU cache and its prefix-cache hashes by lora_int_id, so an id
+must name one adapter everywhere and never another: the --lora-modules adapters take 1, 2, ...
+in flag order (the same in every process), a row of the table a number derived from its name,
+folder and creation time (the same in every process that reads it, and new for an adapter
+unloaded and loaded again: it never meets the old one's cached blocks or weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, select
@@ -37,6 +47,16 @@ if TYPE_CHECKING:
     from api.keys.auth import Principal
 
 log = logging.getLogger("tessera.api")
+
+SYNC_INTERVAL_S = 2.0  # how often the table is read again (the key cache's bound, too)
+
+
+def row_lora_id(name: str, path: str, created: datetime) -> int:
+    """A table row's lora_int_id: from what the row holds, so every process reading it agrees;
+    above any --lora-modules index."""
+    stamp = created.astimezone(UTC).isoformat(timespec="microseconds")
+    digest = hashlib.blake2b(f"{name}\0{path}\0{stamp}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 2) | (1 << 32)
 
 
 class AdapterNotFound(LookupError):
@@ -100,6 +120,8 @@ class AdapterRegistry:
         self._next_id = 1
         self._running: Counter[str] = Counter()
         self._lock = asyncio.Lock()
+        self._refused: set[int] = set()  # rows whose folder did not fit (logged once)
+        self._sync: asyncio.Task | None = None
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -121,24 +143,71 @@ class AdapterRegistry:
             self._add(m.name, m.path, None, m.base_model_name, "flag")
         if self.db is None:
             return
-        async with self.db.session() as s:
-            rows = (await s.scalars(select(LoRAAdapterRow))).all()
-        for row in rows:
-            if row.name in self.adapters:
-                log.error(
-                    "LoRA adapter %r of the database is also a --lora-modules name: the flag's "
-                    "is served",
-                    row.name,
-                )
-                continue
-            try:
-                await asyncio.to_thread(check_folder, engine, row.name, row.path)
-            except ValueError as e:
-                log.error("LoRA adapter %r of the database is not served: %s", row.name, e)
-                continue
-            self._add(row.name, row.path, row.tenant_id, None, "admin", row.created_at.timestamp())
+        await self.refresh()
         if self.adapters:
             log.info("LoRA adapters: %s", ", ".join(self.adapters))
+        self._sync = asyncio.create_task(self._sync_loop(), name="tessera-lora-sync")
+
+    async def stop(self) -> None:
+        if self._sync is not None:
+            self._sync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync
+
+    async def refresh(self) -> None:
+        """Serve the table's rows as they are now (what the sync loop does every
+        SYNC_INTERVAL_S)."""
+        async with self._lock:
+            await self._sync_rows()
+
+    async def _sync_loop(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            try:
+                await self.refresh()
+                failing = False
+            except Exception as e:  # noqa: BLE001 - the database is away: try again later
+                if not failing:
+                    log.warning("LoRA adapters: cannot read the table (%s); retrying", e)
+                failing = True
+
+    async def _sync_rows(self) -> None:
+        """Under the lock: new rows checked and added, rows gone (or loaded again: another id)
+        dropped. A row whose folder does not fit is logged once and not served."""
+        async with self.db.session() as s:
+            rows = (await s.scalars(select(LoRAAdapterRow))).all()
+        ids = {row.name: row_lora_id(row.name, row.path, row.created_at) for row in rows}
+        for name, adapter in list(self.adapters.items()):
+            if adapter.source == "admin" and ids.get(name) != adapter.lora_int_id:
+                del self.adapters[name]
+                log.info("LoRA adapter %r unloaded (through another process)", name)
+        for row in rows:
+            lora_id = ids[row.name]
+            if lora_id in self._refused:
+                continue
+            served = self.adapters.get(row.name)
+            if served is not None:
+                if served.source == "flag":
+                    self._refused.add(lora_id)
+                    log.error(
+                        "LoRA adapter %r of the database is also a --lora-modules name: the "
+                        "flag's is served",
+                        row.name,
+                    )
+                continue
+            try:
+                await asyncio.to_thread(check_folder, self._engine, row.name, row.path)
+            except ValueError as e:
+                self._refused.add(lora_id)
+                log.error("LoRA adapter %r of the database is not served: %s", row.name, e)
+                continue
+            self._add(
+                row.name, row.path, row.tenant_id, None, "admin", row.created_at.timestamp(),
+                lora_id,
+            )  # fmt: skip
+            if self._sync is not None:
+                log.info("LoRA adapter %r loaded (through another process)", row.name)
 
     def _add(
         self,
@@ -148,11 +217,13 @@ class AdapterRegistry:
         base: str | None,
         source: str,
         created: float | None = None,
+        lora_id: int | None = None,
     ) -> Adapter:
-        adapter = Adapter(
-            name, path, self._next_id, tenant_id, base, source, created or time.time()
-        )
-        self._next_id += 1
+        """`lora_id`: a row's (row_lora_id); a --lora-modules adapter takes the next index."""
+        if lora_id is None:
+            lora_id = self._next_id
+            self._next_id += 1
+        adapter = Adapter(name, path, lora_id, tenant_id, base, source, created or time.time())
         self.adapters[name] = adapter
         return adapter
 
@@ -205,19 +276,21 @@ class AdapterRegistry:
                     f"lora_name: the adapter {name!r} is already loaded; unload it first"
                 )
             await asyncio.to_thread(check_folder, self._engine, name, path)
+            created = utcnow()
             if self.db is not None:
                 async with self.db.session(write=True) as s:
                     if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
                         raise ValueError(f"tenant_id: no tenant with id `{tenant_id}`")
                     s.add(
                         LoRAAdapterRow(
-                            name=name, path=path, tenant_id=tenant_id, created_at=utcnow()
+                            name=name, path=path, tenant_id=tenant_id, created_at=created
                         )
                     )
                     await s.commit()
             elif tenant_id is not None:
                 raise ValueError("tenant_id: owned adapters need the database (keys mode)")
-            adapter = self._add(name, path, tenant_id, None, "admin")
+            lora_id = row_lora_id(name, path, created)
+            adapter = self._add(name, path, tenant_id, None, "admin", created.timestamp(), lora_id)
         log.info("LoRA adapter %r loaded from %s (owner: %s)", name, path, tenant_id or "public")
         return adapter
 

@@ -16,7 +16,8 @@ The parent (`tessera serve`) binds the listening socket, spawns the other server
 the same app from the same settings and accepts on the same socket: the kernel gives each new
 connection to one of them) and serves itself as server 0; its engine starts the core with a
 channel (two pipes) for each server, and the others attach to the core through theirs. What
-the servers share lives in the database (keys, quotas, budgets, the usage ledger) or is handed
+the servers share lives in the database (keys, quotas, budgets, the usage ledger, LoRA
+adapters loaded at run time: api/lora/registry.py reads the table every 2 s) or is handed
 down (the prefix-cache salt secret, so a tenant's prefix hits do not depend on the server its
 requests reach); /metrics sums every server's series (prometheus_client's multiprocess mode),
 so a scrape may reach any of them.

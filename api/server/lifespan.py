@@ -263,6 +263,8 @@ class ServerState:
                 await self._load_task
         await self.drain(self.settings.shutdown_timeout)
         self.phase = Phase.STOPPED
+        if self.adapters is not None:
+            await self.adapters.stop()
         for hook in self.before_engine_stop:
             await hook(self.settings.shutdown_timeout)
         if self.engine is not None and self.owns_engine:

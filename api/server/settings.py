@@ -274,11 +274,6 @@ class Settings(EngineArgs):
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
-        if self.api_server_count > 1 and self.enable_lora:
-            raise ValueError(
-                "--enable-lora serves one API server: adapters loaded at run time live in the "
-                "server that loaded them; use --api-server-count 1 (or replicas)"
-            )
         if self.lora_modules:
             from api.lora.modules import parse_lora_modules
 

@@ -4,7 +4,9 @@ ledger. Both servers serve completions (whole and streamed) with the same greedy
 tenant's prefix-cache hits do not depend on the server a request reaches (one salt secret);
 every scrape of /metrics, whichever server answers it, counts every request; the ledger has
 a row for each; SIGTERM drains a stream in flight and stops every process with exit 0; an
-API server that dies stops the whole server with exit 1, leaving no process behind."""
+API server that dies stops the whole server with exit 1, leaving no process behind. LoRA
+adapters: a tenant's adapter loaded or unloaded through one server's admin API is served (the
+offline LLM's greedy text with it) or refused by every server within the sync bound."""
 
 from __future__ import annotations
 
@@ -19,20 +21,24 @@ import httpx
 import psutil
 import pytest
 
+from api.lora.registry import SYNC_INTERVAL_S
 from tests.api.conftest import stream_in_thread
 from tests.api.keys_http import ADMIN_TOKEN, MODEL, Admin, bearer
+from tests.api.lora.test_lora_http import _complete as complete_with
+from tests.api.lora.test_lora_http import _post as admin_post
+from tests.api.lora.test_lora_http import adapters, offline  # noqa: F401 - the fixtures
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several full KV blocks
 
 
-def _start(start_server, tiny_llama_dir, tmp_path_factory):
+def _start(start_server, tiny_llama_dir, tmp_path_factory, *extra: str):
     tmp = tmp_path_factory.mktemp("api-servers")
     return start_server(
         tiny_llama_dir,
         "--served-model-name", MODEL, "--data-dir", str(tmp), "--admin-token", ADMIN_TOKEN,
-        "--api-server-count", "2", "--log-format", "json", "--max-num-seqs", "16",
+        "--api-server-count", "2", "--log-format", "json", "--max-num-seqs", "16", *extra,
     )  # fmt: skip
 
 
@@ -137,3 +143,56 @@ def test_a_dead_api_server_stops_the_server(start_server, tiny_llama_dir, tmp_pa
     assert "API server tessera-api-1 exited" in server.log()
     psutil.wait_procs(everyone, timeout=30)
     assert not [p for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_adapters_across_api_servers(
+    start_server,
+    tiny_llama_dir,
+    tmp_path_factory,
+    adapters,  # noqa: F811 - the fixture
+    offline,  # noqa: F811 - the fixture
+):
+    lora = ("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a={adapters['a']}")
+    server = _start(start_server, tiny_llama_dir, tmp_path_factory, *lora)
+    admin = Admin(server)
+    tenant = admin.request("POST", "/tenants", content=json.dumps({"name": "owner"})).json()["id"]
+    _, owner = admin.create_key("owner", tenant_id=tenant)
+    _, other = admin.create_key("other")
+
+    def ask(key: str, model: str) -> tuple[int, str, str]:
+        """(status, text, the server that answered) on a new connection."""
+        r = complete_with(server, key, model)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else ""
+        return r.status_code, text, _served_by(server)[r.headers["x-request-id"]]
+
+    body = {"lora_name": "b", "lora_path": str(adapters["b"]), "tenant_id": tenant}
+    r = admin_post(server, "/v1/load_lora_adapter", body)  # vLLM's route, on either server
+    assert r.status_code == 200, r.text
+    loaded = time.monotonic()
+    # every server serves it within the sync bound: the owner's key gets the adapter's text
+    answered: dict[str, set[int]] = {"api-0": set(), "api-1": set()}
+    while not all(200 in codes for codes in answered.values()):
+        assert time.monotonic() - loaded < 60, answered
+        status, text, by = ask(owner, "b")
+        if status == 200:
+            assert text == offline["b"]
+        else:  # not synced yet: an unknown model there, and only for the sync's bound
+            assert status == 404 and time.monotonic() - loaded < 3 * SYNC_INTERVAL_S
+        answered[by].add(status)
+        # the flag's adapter and the base on either server; another tenant never sees "b"
+        assert ask(other, "a")[:2] == (200, offline["a"])
+        assert ask(other, "b")[0] == 404
+    assert ask(owner, MODEL)[:2] == (200, offline[None])
+
+    r = admin_post(server, "/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert r.status_code == 200, r.text
+    unloaded = time.monotonic()
+    refused: set[str] = set()
+    while refused != {"api-0", "api-1"}:
+        assert time.monotonic() - unloaded < 60, refused
+        status, _, by = ask(owner, "b")
+        if status == 200:  # a server that has not read the table since: only for the bound
+            assert time.monotonic() - unloaded < 3 * SYNC_INTERVAL_S
+        else:
+            assert status == 404
+            refused.add(by)

@@ -131,8 +131,11 @@ class ApiServers:
         await asyncio.to_thread(self.join, timeout + 10.0)
 
     def join(self, timeout: float = 10.0) -> None:
-        """Every server gone within `timeout` s, or killed: none is left behind."""
+        """Every server gone within `timeout` s, or killed: none is left behind. The core's
+        ends close here too (if no core took them, a server still loading sees them end)."""
         self._stopping = True
+        for end in (end for ends in self.core_ends for end in ends):
+            end.close()
         self._watcher.join(timeout)
         for proc in list(self._alive):
             logger.warning("API server %s did not stop: killing it", proc.name)

@@ -164,7 +164,7 @@ FULL = Plan(
     serve_rounds=4,
     serve_input_words=256,
     serve_output_len=128,
-    serve_modes=("thread", "process", "api4"),
+    serve_modes=("thread", "api4", "process"),  # the default, the scale-out, the split
     # every section but §10 in one device call: ~360 s with gpu_session.sh's tests in under
     # 10 min; §10 (three engine starts) in a call of its own
     budgets={1: 10, 2: 35, 3: 35, 4: 120, 5: 60, 6: 40, 7: 25, 8: 15, 9: 50, 10: 560},

@@ -118,3 +118,15 @@ def test_a_change_against_a_baseline_tree(tmp_path, capsys):
     assert r["ratio"] == pytest.approx(medians[0] / medians[1])
     assert any(f"baseline tree {root}" in row["check"] for row in result["rows"])
     assert "this tree / the baseline tree" in capsys.readouterr().out
+
+
+def test_each_mode_starts_its_server():
+    from benchmarks.gpu.serving import SERVE_MODES, mode_flags
+
+    assert {mode: mode_flags(mode) for mode in SERVE_MODES} == {
+        "thread": (),
+        "process": ("--engine-process",),
+        "api2": ("--api-server-count", "2"),
+        "api4": ("--api-server-count", "4"),
+    }
+    assert bench_frontend.build_parser().parse_args(["--modes", "api2"]).modes == ["api2"]

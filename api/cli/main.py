@@ -229,6 +229,10 @@ def run_server(
         servers.on_death(server.request_exit)
         server.on_signal = servers.forward
     server.run(sockets=None if sock is None else [sock])
+    if channel is not None and (state.load_error or state.engine_error):
+        from api.server.api_servers import ENGINE_FAILED_EXIT
+
+        return ENGINE_FAILED_EXIT  # the parent's engine reports it (one core for all)
     failed = state.load_error or state.engine_error or not server.started
     return 1 if failed or (servers is not None and servers.failed) else 0
 

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tessera.api")
 
+# The exit code of a server whose engine (the shared core) failed to load or died: the parent's
+# own engine says the same, so the parent does not count it as that server's failure.
+ENGINE_FAILED_EXIT = 3
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket every API server accepts on (IPv6 where the host is one)."""
@@ -107,7 +111,11 @@ class ApiServers:
                 proc = waiting.pop(sentinel)
                 proc.join()
                 self._alive.discard(proc)
-                if self._stopping and proc.exitcode == 0:
+                # Stopping: a clean exit, or our SIGTERM before its handler was there (a
+                # server still starting), is no failure; nor the core's, which is ours too.
+                if self._stopping and proc.exitcode in (0, -signal.SIGTERM):
+                    continue
+                if proc.exitcode == ENGINE_FAILED_EXIT:
                     continue
                 if self.failed is None:
                     self.failed = f"API server {proc.name} exited (exit code {proc.exitcode})"

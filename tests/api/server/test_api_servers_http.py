@@ -4,12 +4,14 @@ ledger. Both servers serve completions (whole and streamed) with the same greedy
 tenant's prefix-cache hits do not depend on the server a request reaches (one salt secret);
 every scrape of /metrics, whichever server answers it, counts every request; the ledger has
 a row for each; SIGTERM drains a stream in flight and stops every process with exit 0; an
-API server that dies stops the whole server with exit 1, leaving no process behind. LoRA
+API server that dies, or an engine that fails to load, stops the whole server with exit 1,
+leaving no process behind. LoRA
 adapters: a tenant's adapter loaded or unloaded through one server's admin API is served (the
 offline LLM's greedy text with it) or refused by every server within the sync bound."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -22,7 +24,7 @@ import psutil
 import pytest
 
 from api.lora.registry import SYNC_INTERVAL_S
-from tests.api.conftest import stream_in_thread
+from tests.api.conftest import ServerProcess, stream_in_thread
 from tests.api.keys_http import ADMIN_TOKEN, MODEL, Admin, bearer
 from tests.api.lora.test_lora_http import _complete as complete_with
 from tests.api.lora.test_lora_http import _post as admin_post
@@ -196,3 +198,24 @@ def test_adapters_across_api_servers(
         else:
             assert status == 404
             refused.add(by)
+
+
+def test_an_engine_that_fails_to_load_stops_every_server(tmp_path):
+    server = ServerProcess(
+        [str(tmp_path / "no-such-model"), "--auth", "none", "--api-server-count", "2"],
+        tmp_path / "server.log",
+    )
+    try:
+        everyone = [psutil.Process(server.proc.pid)]
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):  # the children, as they appear
+                everyone += [p for p in everyone[0].children(True) if p not in everyone]
+            time.sleep(0.2)
+        assert server.proc.wait(timeout=30) == 1, server.log()
+        assert "no-such-model' not found" in server.log()
+        assert "exited (exit code" not in server.log()  # the servers stopped, none failed
+        psutil.wait_procs(everyone, timeout=30)
+        assert not [p for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        server.stop()

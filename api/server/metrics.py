@@ -282,9 +282,10 @@ class Metrics:
             None  # api.server.tracing.Tracing: an llm_request span per finished request
         )
         by_tenant = tenant_label == "id"
-        # Computed at scrape time from what every API server process has alike (the core's
-        # stats, the served adapters): with several processes, a scrape adds these to the
-        # request series summed over the processes' files (render()).
+        # Computed at scrape time (the core's stats, the adapters of the requests in flight):
+        # with several API server processes, a scrape adds these to the request series summed
+        # over the processes' files (render()); the stats are every process's alike, the
+        # adapters in flight the answering process's.
         self._shared_collectors: list[Collector] = [
             _EngineCollector(model_name, lambda: self._stats(), by_tenant),
             _LoRACollector(self),

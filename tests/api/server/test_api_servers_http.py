@@ -23,7 +23,6 @@ import httpx
 import psutil
 import pytest
 
-from api.lora.registry import SYNC_INTERVAL_S
 from tests.api.conftest import ServerProcess, stream_in_thread
 from tests.api.keys_http import ADMIN_TOKEN, MODEL, Admin, bearer
 from tests.api.lora.test_lora_http import _complete as complete_with
@@ -31,6 +30,10 @@ from tests.api.lora.test_lora_http import _post as admin_post
 from tests.api.lora.test_lora_http import adapters, offline  # noqa: F401 - the fixtures
 
 pytestmark = pytest.mark.slow
+
+# How long a server may serve the table's old state after a change (the sync every 2 s; a
+# loaded CI host delays a loop by seconds): a bound for correctness, not a speed.
+SYNC_BOUND_S = 30.0
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several full KV blocks
 
@@ -174,12 +177,12 @@ def test_adapters_across_api_servers(
     # every server serves it within the sync bound: the owner's key gets the adapter's text
     answered: dict[str, set[int]] = {"api-0": set(), "api-1": set()}
     while not all(200 in codes for codes in answered.values()):
-        assert time.monotonic() - loaded < 60, answered
+        assert time.monotonic() - loaded < 2 * SYNC_BOUND_S, answered
         status, text, by = ask(owner, "b")
         if status == 200:
             assert text == offline["b"]
         else:  # not synced yet: an unknown model there, and only for the sync's bound
-            assert status == 404 and time.monotonic() - loaded < 3 * SYNC_INTERVAL_S
+            assert status == 404 and time.monotonic() - loaded < SYNC_BOUND_S
         answered[by].add(status)
         # the flag's adapter and the base on either server; another tenant never sees "b"
         assert ask(other, "a")[:2] == (200, offline["a"])
@@ -191,10 +194,10 @@ def test_adapters_across_api_servers(
     unloaded = time.monotonic()
     refused: set[str] = set()
     while refused != {"api-0", "api-1"}:
-        assert time.monotonic() - unloaded < 60, refused
+        assert time.monotonic() - unloaded < 2 * SYNC_BOUND_S, refused
         status, _, by = ask(owner, "b")
         if status == 200:  # a server that has not read the table since: only for the bound
-            assert time.monotonic() - unloaded < 3 * SYNC_INTERVAL_S
+            assert time.monotonic() - unloaded < SYNC_BOUND_S
         else:
             assert status == 404
             refused.add(by)

@@ -93,8 +93,15 @@ def _success_total(metrics: str) -> float:
     return sum(float(v) for v in re.findall(pattern, metrics, re.M))
 
 
-def test_two_api_servers_share_one_engine(start_server, tiny_llama_dir, tmp_path_factory):
-    server = _start(start_server, tiny_llama_dir, tmp_path_factory)
+def test_two_api_servers_share_one_engine(
+    start_server,
+    tiny_llama_dir,
+    tmp_path_factory,
+    adapters,  # noqa: F811 - the fixture
+    offline,  # noqa: F811 - the fixture
+):
+    lora = ("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a={adapters['a']}")
+    server = _start(start_server, tiny_llama_dir, tmp_path_factory, *lora)
     procs = _processes(server)
     assert {"tessera-api-1", "tessera-core"} <= set(procs), procs
     everyone = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
@@ -123,6 +130,8 @@ def test_two_api_servers_share_one_engine(start_server, tiny_llama_dir, tmp_path
     # the ledger has every request, written by both servers into the one SQLite file
     assert Admin(server).usage(key_id)["requests"] == total
 
+    _adapters_reach_every_server(server, adapters, offline)
+
     # SIGTERM drains: a stream in flight finishes, then every process exits
     events: list[str] = []
     started = threading.Event()
@@ -150,15 +159,10 @@ def test_a_dead_api_server_stops_the_server(start_server, tiny_llama_dir, tmp_pa
     assert not [p for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_adapters_across_api_servers(
-    start_server,
-    tiny_llama_dir,
-    tmp_path_factory,
-    adapters,  # noqa: F811 - the fixture
-    offline,  # noqa: F811 - the fixture
-):
-    lora = ("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a={adapters['a']}")
-    server = _start(start_server, tiny_llama_dir, tmp_path_factory, *lora)
+def _adapters_reach_every_server(server, folders: dict, texts: dict) -> None:
+    """A tenant's adapter loaded through one server is served with the offline LLM's greedy
+    text by both within the sync bound (another tenant: 404; the flag's adapter and the base
+    on either), and refused by both once unloaded."""
     admin = Admin(server)
     tenant = admin.request("POST", "/tenants", content=json.dumps({"name": "owner"})).json()["id"]
     _, owner = admin.create_key("owner", tenant_id=tenant)
@@ -170,7 +174,7 @@ def test_adapters_across_api_servers(
         text = r.json()["choices"][0]["text"] if r.status_code == 200 else ""
         return r.status_code, text, _served_by(server)[r.headers["x-request-id"]]
 
-    body = {"lora_name": "b", "lora_path": str(adapters["b"]), "tenant_id": tenant}
+    body = {"lora_name": "b", "lora_path": str(folders["b"]), "tenant_id": tenant}
     r = admin_post(server, "/v1/load_lora_adapter", body)  # vLLM's route, on either server
     assert r.status_code == 200, r.text
     loaded = time.monotonic()
@@ -180,14 +184,14 @@ def test_adapters_across_api_servers(
         assert time.monotonic() - loaded < 2 * SYNC_BOUND_S, answered
         status, text, by = ask(owner, "b")
         if status == 200:
-            assert text == offline["b"]
+            assert text == texts["b"]
         else:  # not synced yet: an unknown model there, and only for the sync's bound
             assert status == 404 and time.monotonic() - loaded < SYNC_BOUND_S
         answered[by].add(status)
         # the flag's adapter and the base on either server; another tenant never sees "b"
-        assert ask(other, "a")[:2] == (200, offline["a"])
+        assert ask(other, "a")[:2] == (200, texts["a"])
         assert ask(other, "b")[0] == 404
-    assert ask(owner, MODEL)[:2] == (200, offline[None])
+    assert ask(owner, MODEL)[:2] == (200, texts[None])
 
     r = admin_post(server, "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert r.status_code == 200, r.text

@@ -187,4 +187,4 @@ class MetricsDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-__all__ = ["ApiServers", "MetricsDir", "bind_socket"]
+__all__ = ["ENGINE_FAILED_EXIT", "ApiServers", "MetricsDir", "bind_socket"]

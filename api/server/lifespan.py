@@ -2,8 +2,9 @@
 
 ServerState is the one object routes ask "may I start work?" (`require_engine`) and the
 signal handler asks to drain. The engine loads in the background so /health can answer 503
-while it loads; generation requests get 503 with Retry-After until it is ready and again
-once draining starts. An engine that dies while serving (a tensor-parallel worker died) is
+while it loads (an API server other than the parent, with --api-server-count, attaches to the
+parent's core before it listens: the parent answers meanwhile); generation requests get 503
+with Retry-After until it is ready and again once draining starts. An engine that dies while serving (a tensor-parallel worker died) is
 fatal: /health answers 503, requests fail with 503, and the server stops and exits non-zero
 so a supervisor restarts it.
 """
@@ -126,7 +127,13 @@ class ServerState:
     async def start(self) -> None:
         self._idle = asyncio.Event()
         self._idle.set()
-        if self.engine is None:
+        if self.engine is None and self.core_channel is not None:
+            # Another API server of several: attach before uvicorn starts accepting on the
+            # shared socket. The kernel hands each connection to whichever server accepts it,
+            # so one still attaching would answer 503 while the parent already serves.
+            self._load_task = asyncio.create_task(self._load(), name="tessera-attach-engine")
+            await self._load_task
+        elif self.engine is None:
             self._load_task = asyncio.create_task(self._load(), name="tessera-load-engine")
         else:
             if self.adapters is not None:

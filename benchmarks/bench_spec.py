@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     for llm in engines.values():
         for workload in workloads:  # warm-up: first-step costs out of the timings
             run_streams(llm, prompts_for(llm, workload, 1, 4), 4, workload)
-    runs: dict[str, dict] = {}
+    runs: dict[str, dict] = {}  # the best round of each
+    decisions: dict[str, list[int]] = {}  # the controller's [decisions, drafting] over all rounds
     for workload in workloads:
         for n in streams:
             for r in range(args.rounds):
@@ -267,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
                     }
                     if key not in runs or run["tpot_s"] < runs[key]["tpot_s"]:
                         runs[key] = run
+                    decided = decisions.setdefault(key, [0, 0])  # over every round
+                    decided[0] += run["decisions"]
+                    decided[1] += run["drafting"]
                     print(f"{name} {workload} x{n}: TPOT {run['tpot_s'] * 1e3:.2f} ms", flush=True)
     for llm in engines.values():
         llm.shutdown()
@@ -297,10 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
                     else 1.0,
                 }
             if spec["adaptive"]:  # the share of the controller's decisions that drafted
-                ngram = runs[f"{side}/{workload}/{n}"]
-                row["drafted_share"] = (
-                    round(ngram["drafting"] / ngram["decisions"], 3) if ngram["decisions"] else 0.0
-                )
+                decided, drafting = decisions[f"{side}/{workload}/{n}"]
+                row["drafted_share"] = round(drafting / decided, 3) if decided else 0.0
             row["same_tokens"] = all(
                 runs[f"{name}/{workload}/{n}"]["tokens"] == plain["tokens"] for name in names
             )

@@ -78,5 +78,7 @@ def test_the_controller_on_and_off_interleaved(tiny_llama_dir):
     assert row["same_tokens"]
     assert row["tpot_ngram_ms"] > 0 and row["tpot_ngram_fixed_ms"] > 0
     assert row["tpot_ratio"] > 0 and row["tpot_ratio_fixed"] > 0
-    assert 0.0 < row["drafted_share"] <= 1.0  # the warm-up drafts at least
+    # over every round (~30 decisions): the controller's probes draft (every 16th decision)
+    # even where it measured drafting not to pay (a loaded machine)
+    assert 0.0 < row["drafted_share"] <= 1.0
     assert 0.0 <= row["acceptance_rate_fixed"] <= 1.0

@@ -32,6 +32,12 @@ if not _os.path.exists("/dev/nvidiactl"):
 if _os.environ.get("PYTEST_XDIST_WORKER"):
     _os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Every engine the tests build (in process, in servers, in workers) sizes its KV cache from
+# this, not from a share of RAM: on the CPU a cache is committed at start-up (host_memory), and
+# the default share (gigabytes an engine, for a tiny model) spent most of some files' time
+# zeroing pages. Tests that size caches themselves pass num_kv_blocks / kv_cache_memory.
+_os.environ.setdefault("TESSERA_KV_CACHE_MEMORY", "512MiB")
+
 import sys
 from collections.abc import Callable
 from pathlib import Path

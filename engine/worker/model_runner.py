@@ -91,6 +91,7 @@ from engine.layers.quantization.quantize import quantize_model, resolve_method
 from engine.layers.sampler import Sampler
 from engine.models.loader import load_hf_config, load_model, max_model_len_for, resolve_model
 from engine.models.pipeline import IntermediateTensors, layer_range
+from engine.options import parse_bytes
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.pooler_config import resolve_runner
 from engine.spec_decode.rejection import verify as verify_drafts
@@ -130,6 +131,7 @@ logger = logging.getLogger("tessera.engine")
 
 _CPU_KV_SHARE = 0.2  # of MemAvailable, when neither num_blocks nor kv_cache_memory is given
 _CPU_KV_CAP = 8 << 30
+_KV_MEMORY_ENV = "TESSERA_KV_CACHE_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
@@ -236,6 +238,23 @@ def _wants_drafts(state: CachedRequestState) -> bool:
     none for n > 1 samples, seeded or grammar-constrained ones."""
     sp = state.sampling_params
     return sp.n == 1 and sp.seed is None and sp.structured_outputs is None
+
+
+def kv_cache_memory_from_env() -> int | None:
+    """TESSERA_KV_CACHE_MEMORY, the server's --kv-cache-memory variable: an engine built
+    without the flag (LLM(...), a benchmark) reads it too, so one variable sizes every engine
+    of a process tree (the test suite's: a share of RAM each, committed, would be gigabytes
+    an engine)."""
+    text = os.environ.get(_KV_MEMORY_ENV)
+    if not text:
+        return None
+    try:
+        budget = parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"{_KV_MEMORY_ENV}: {e}") from None
+    if budget <= 0:
+        raise ValueError(f"{_KV_MEMORY_ENV} must be a positive size, got {text!r}")
+    return budget
 
 
 def mem_available_bytes() -> int:
@@ -500,11 +519,10 @@ class ModelRunner:
         if cache.num_blocks is not None:
             num = cache.num_blocks
         else:
-            if cache.kv_cache_memory is not None:
-                budget = cache.kv_cache_memory
-            elif self.device.type == "cuda":
+            budget = cache.kv_cache_memory or kv_cache_memory_from_env()
+            if budget is None and self.device.type == "cuda":
                 budget = self._profile_cuda_budget()
-            else:
+            elif budget is None:
                 budget = min(int(mem_available_bytes() * _CPU_KV_SHARE), _CPU_KV_CAP)
             num = budget // self.kv_block_bytes()
         self._check_fits(num)

@@ -182,6 +182,23 @@ def test_kv_sizing_from_memory_and_log_line(tiny_llama_dir, caplog):
     )
 
 
+def test_kv_sizing_from_the_variable_when_the_config_gives_none(tiny_llama_dir, monkeypatch):
+    """TESSERA_KV_CACHE_MEMORY (the server's --kv-cache-memory variable) sizes an engine built
+    without the option; the option wins over it; a bad value names the variable."""
+    r = ModelRunner(make_config(tiny_llama_dir, num_blocks=None), model_dir=tiny_llama_dir)
+    r.load_model()
+    monkeypatch.setenv("TESSERA_KV_CACHE_MEMORY", "2MiB")
+    assert r.determine_num_blocks() == (2 << 20) // 6144
+    given = make_config(tiny_llama_dir, num_blocks=None, kv_cache_memory=1 << 20)
+    r.config = given
+    assert r.determine_num_blocks() == (1 << 20) // 6144
+    r.config = make_config(tiny_llama_dir, num_blocks=None)
+    for bad in ("lots", "0"):
+        monkeypatch.setenv("TESSERA_KV_CACHE_MEMORY", bad)
+        with pytest.raises(ValueError, match="TESSERA_KV_CACHE_MEMORY"):
+            r.determine_num_blocks()
+
+
 def test_kv_sizing_error_when_one_request_does_not_fit(tiny_llama_dir):
     cfg = make_config(tiny_llama_dir, num_blocks=None, kv_cache_memory=6144 * 10, max_model_len=256)
     r = ModelRunner(cfg, model_dir=tiny_llama_dir)

@@ -198,6 +198,24 @@ def build_tiny_model(
     return out_dir
 
 
+def private_cache_dir(path: Path, monkeypatch=None) -> Path:
+    """`path` as a TESSERA_CACHE_DIR for models (set with `monkeypatch` where given), with this
+    machine's compiled CPU kernels linked in: they are keyed by their sources, so the library
+    is the one a process using `path` would build, and the processes started from here (TP
+    ranks, servers) do not each compile it again (~20 s of CPU)."""
+    from engine.kernels.cpu import ops
+    from engine.paths import default_cache_dir
+
+    ops.library()  # built (or found) in the usual cache first
+    kernels = default_cache_dir() / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    if kernels.is_dir() and not (path / "kernels").exists():
+        (path / "kernels").symlink_to(kernels, target_is_directory=True)
+    if monkeypatch is not None:
+        monkeypatch.setenv("TESSERA_CACHE_DIR", str(path))
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """Tests that run several ranks in this process give torch one thread; the next test gets

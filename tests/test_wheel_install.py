@@ -29,6 +29,7 @@ import pytest
 
 from api.db.migrate import head_revisions
 from tests.api.conftest import ServerProcess
+from tests.conftest import private_cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -164,10 +165,27 @@ def test_db_upgrade_finds_the_installed_migrations(installed, database_url):
     assert "up to date" in check.stdout
 
 
+def test_the_installed_kernel_sources_key_the_checkouts_library(installed):
+    """The C sources travel as package data: the installed package finds every one and keys
+    its CPU kernel library as the checkout does, so the library the server below finds in
+    the cache is the one it would compile."""
+    from engine.kernels.cpu import build
+
+    probe = (
+        "import json; from engine.kernels.cpu import build as b; "
+        "s = b.sources(); print(json.dumps([sorted(s), b._key(s, 'cc')]))"
+    )
+    names, key = json.loads(installed.run(installed.python, "-c", probe).stdout)
+    ours = build.sources()
+    assert names == sorted(ours) and any(n.endswith(".c") for n in names)
+    assert key == build._key(ours, "cc")
+
+
 @pytest.fixture(scope="module")
 def server(installed, database_url, default_model_dir) -> Iterator[ServerProcess]:
-    # The default model's cache, converted once per session by tests/conftest.py.
-    cache_dir = default_model_dir.parent.parent
+    # The default model's cache, converted once per session by tests/conftest.py, with the
+    # compiled kernels linked in (the test above: the same library).
+    cache_dir = private_cache_dir(default_model_dir.parent.parent)
     args = ["--admin-token", ADMIN, "--database-url", database_url]
     args += ["--max-model-len", "512", "--num-kv-blocks", "256"]
     proc = ServerProcess(
@@ -235,8 +253,9 @@ def test_health_and_a_chat_completion_with_a_key_from_the_installed_cli(
     assert "Paris" in answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] >= 1
     if shutil.which("cc") or shutil.which("gcc"):
-        # the CPU kernels were compiled from the installed package, not skipped for torch's
-        assert list(server.cache_dir.rglob("*.so"))
+        # the CPU kernels ran (the cache's library: the installed sources' key, test above),
+        # not skipped for torch's paths
+        assert list((server.cache_dir / "kernels").glob("*.so"))
         assert "torch path" not in server.log(tail=None)
     unauthorised = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
     assert unauthorised.status_code == 401

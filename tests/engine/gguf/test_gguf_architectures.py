@@ -17,7 +17,7 @@ from engine.gguf.convert import _read_config
 from engine.kernels.cpu import gguf as cpu_gguf
 from engine.models.hf_config import load_hf_config
 from engine.models.loader import resolve_model
-from tests.conftest import MOE_MODELS
+from tests.conftest import MOE_MODELS, private_cache_dir
 from tests.engine.gguf.gguf_files import save_as_hf, write_llama_cpp_gguf
 from tests.engine.test_llm_exactness import (
     assert_agrees_but_near_ties,
@@ -132,14 +132,12 @@ CASES = [
 def test_a_llama_cpp_file_serves_hf_greedy_tokens(
     request, fixture, type_name, tmp_path, monkeypatch
 ):
-    from engine.kernels.cpu import ops
 
     hf_dir = request.getfixturevalue(fixture)
     type_name, _, quantization = type_name.partition("-")
     gguf = tmp_path / f"{fixture}-{type_name}.gguf"
     held = write_llama_cpp_gguf(hf_dir, gguf, type_name)
-    ops.library()  # built (or found) in the usual cache first: only the model goes to tmp_path
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache_dir(tmp_path / "cache", monkeypatch)  # models to tmp_path; kernels shared
     folder = resolve_model(gguf)
     _same_config(hf_dir, folder)
 

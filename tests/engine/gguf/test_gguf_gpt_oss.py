@@ -26,7 +26,7 @@ from engine.layers.quantization.mxfp4_blocks import (
 )
 from engine.models.hf_config import load_hf_config
 from engine.models.loader import resolve_model
-from tests.conftest import GPT_OSS
+from tests.conftest import GPT_OSS, private_cache_dir
 from tests.engine.gguf.gguf_files import save_as_hf, write_gpt_oss_gguf
 from tests.engine.models.test_gpt_oss import quantize_mxfp4
 from tests.engine.test_llm_exactness import (
@@ -117,12 +117,10 @@ def test_a_gpt_oss_file_serves_hf_greedy_tokens(
     tiny_gpt_oss_dir, tmp_path, monkeypatch, experts, type_name, kwargs
 ):
     from engine import LLM, SamplingParams
-    from engine.kernels.cpu import ops
 
     gguf = tmp_path / "gpt-oss.gguf"
     held = write_gpt_oss_gguf(tiny_gpt_oss_dir, gguf, experts=experts, type_name=type_name)
-    ops.library()  # built (or found) in the usual cache first: only the model goes to tmp_path
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache_dir(tmp_path / "cache", monkeypatch)  # models to tmp_path; kernels shared
     reference = save_as_hf(tiny_gpt_oss_dir, tmp_path / "held", held)
     prompts = sliding_window_prompts(load_hf_config(tiny_gpt_oss_dir).vocab_size)
     # one rank and no --quantization: the MXFP4 experts stay the file's blocks

@@ -16,6 +16,7 @@ from engine.gguf.convert import LINK
 from engine.gguf.source import default_gguf_path
 from engine.gguf.tensors import read_tensors, shard_paths, tensor_table
 from engine.models.loader import resolve_model
+from tests.conftest import private_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +74,8 @@ def test_a_split_model_serves_like_the_whole_file(split_model, tmp_path, monkeyp
     """Converted from its first file (the link names all three), loaded with its blocks in
     their own quantization, the same greedy answer as the bundled file."""
     from engine import LLM, SamplingParams
-    from engine.kernels.cpu import ops
 
-    ops.library()  # built (or found) in the usual cache first: only the models go to tmp_path
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    private_cache_dir(tmp_path, monkeypatch)  # models to tmp_path; kernels shared
     folder = resolve_model(split_model[0], cache_dir=tmp_path)
     link = json.loads((folder / LINK).read_text())
     assert [Path(f["path"]).name for f in link["files"]] == [p.name for p in split_model]

@@ -4,9 +4,9 @@ ServerState is the one object routes ask "may I start work?" (`require_engine`) 
 signal handler asks to drain. The engine loads in the background so /health can answer 503
 while it loads (an API server other than the parent, with --api-server-count, attaches to the
 parent's core before it listens: the parent answers meanwhile); generation requests get 503
-with Retry-After until it is ready and again once draining starts. An engine that dies while serving (a tensor-parallel worker died) is
-fatal: /health answers 503, requests fail with 503, and the server stops and exits non-zero
-so a supervisor restarts it.
+with Retry-After until it is ready and again once draining starts. An engine that dies while
+serving (a tensor-parallel worker died) is fatal: /health answers 503, requests fail with 503,
+and the server stops and exits non-zero so a supervisor restarts it.
 """
 
 from __future__ import annotations

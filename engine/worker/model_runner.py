@@ -242,9 +242,9 @@ def _wants_drafts(state: CachedRequestState) -> bool:
 
 def kv_cache_memory_from_env() -> int | None:
     """TESSERA_KV_CACHE_MEMORY, the server's --kv-cache-memory variable: an engine built
-    without the flag (LLM(...), a benchmark) reads it too, so one variable sizes every engine
-    of a process tree (the test suite's: a share of RAM each, committed, would be gigabytes
-    an engine)."""
+    without the option (LLM(...), a benchmark) reads it too, so one variable sizes every
+    engine of a process tree (the test suite sets it: at a share of RAM, each of its engines
+    would commit gigabytes)."""
     text = os.environ.get(_KV_MEMORY_ENV)
     if not text:
         return None

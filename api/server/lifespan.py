@@ -127,14 +127,13 @@ class ServerState:
     async def start(self) -> None:
         self._idle = asyncio.Event()
         self._idle.set()
-        if self.engine is None and self.core_channel is not None:
-            # Another API server of several: attach before uvicorn starts accepting on the
-            # shared socket. The kernel hands each connection to whichever server accepts it,
-            # so one still attaching would answer 503 while the parent already serves.
-            self._load_task = asyncio.create_task(self._load(), name="tessera-attach-engine")
-            await self._load_task
-        elif self.engine is None:
+        if self.engine is None:
             self._load_task = asyncio.create_task(self._load(), name="tessera-load-engine")
+            if self.core_channel is not None:
+                # Another API server of several: attach before uvicorn starts accepting on the
+                # shared socket. The kernel hands each connection to whichever server accepts
+                # it, so one still attaching would answer 503 while the parent already serves.
+                await self._load_task
         else:
             if self.adapters is not None:
                 await self.adapters.start(self.engine)

@@ -1,7 +1,8 @@
 """`tessera bench frontend`: real `tessera serve`s (subprocesses on loopback, the engine in a
 process of its own; on a thread for the run against a baseline tree) on a tiny dummy-weight
-model against the bench-serve client, then the same requests offline; every request streams exactly its tokens (in chunks
-of the stream interval), and each share is the ratio of its two figures."""
+model against the bench-serve client, then the same requests offline; every request streams
+exactly its tokens (in chunks of the stream interval), and each share is the ratio of its two
+figures."""
 
 from __future__ import annotations
 

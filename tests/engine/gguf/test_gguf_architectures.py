@@ -132,7 +132,6 @@ CASES = [
 def test_a_llama_cpp_file_serves_hf_greedy_tokens(
     request, fixture, type_name, tmp_path, monkeypatch
 ):
-
     hf_dir = request.getfixturevalue(fixture)
     type_name, _, quantization = type_name.partition("-")
     gguf = tmp_path / f"{fixture}-{type_name}.gguf"
